@@ -1,0 +1,22 @@
+# tensorlane: `make demo` and `make test` are the two commands a newcomer needs (run as root).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: bootstrap test test-unit demo lint clean
+
+bootstrap:
+	@scripts/bootstrap $(VENV)
+
+test: bootstrap
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+test-unit: bootstrap
+	$(PY) -m pytest -ra -m "not netns" $(PYTEST_ARGS)
+
+demo: bootstrap
+	$(VENV)/bin/tensorlane demo --json demo.json
+
+clean:
+	-$(VENV)/bin/tensorlane testbed down --all 2>/dev/null
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""tensorlane agent: the per-host privileged daemon. Never imports torch."""

@@ -1,0 +1,100 @@
+"""Client of the agent's Unix-socket API; used by the CLI and the shim. No privileges needed.
+
+Usage::
+
+    with AgentClient("/run/tensorlane/agent.sock") as agent:
+        agent.register("job-a", level=0, flows=[{"src": "198.18.0.1", "sport": 4000, ...}])
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+
+DEFAULT_SOCKET = "/run/tensorlane/agent.sock"
+
+
+class AgentUnavailable(ConnectionError):
+    """No agent answers on the socket (absent, stopped, or too slow)."""
+
+
+class AgentError(RuntimeError):
+    """The agent refused a request; ``code`` is its machine-readable reason."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class AgentClient:
+    """One connection to the agent; requests are synchronous with a timeout (never blocks training long)."""
+
+    def __init__(self, path: str = DEFAULT_SOCKET, timeout: float = 2.0):
+        self.path = path
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._buf = b""
+        self._ids = itertools.count(1)
+
+    def connect(self) -> "AgentClient":
+        if self._sock is None:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(self.timeout)
+            try:
+                s.connect(self.path)
+            except OSError as exc:
+                s.close()
+                raise AgentUnavailable(f"no agent at {self.path}: {exc}") from None
+            self._sock = s
+        return self
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            self._buf = b""
+
+    def __enter__(self) -> "AgentClient":
+        return self.connect()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def request(self, op: str, **fields) -> dict:
+        """Send one request and return its ``result``; raise AgentError or AgentUnavailable."""
+        self.connect()
+        rid = next(self._ids)
+        line = json.dumps({"op": op, "id": rid, **fields}, separators=(",", ":")).encode() + b"\n"
+        try:
+            self._sock.sendall(line)
+            while b"\n" not in self._buf:
+                chunk = self._sock.recv(65536)
+                if not chunk:
+                    raise OSError("agent closed the connection")
+                self._buf += chunk
+        except OSError as exc:
+            self.close()
+            raise AgentUnavailable(f"agent at {self.path}: {exc}") from None
+        reply_line, self._buf = self._buf.split(b"\n", 1)
+        reply = json.loads(reply_line)
+        if not reply.get("ok"):
+            err = reply.get("error") or {}
+            raise AgentError(err.get("code", "error"), err.get("message", "unknown error"))
+        return reply["result"]
+
+    def register(self, job: str, level: int, flows: list[dict], rank: int | None = None) -> dict:
+        """Register ``flows`` (dicts with proto, src, sport, dst, dport) of ``job`` at ``level``."""
+        fields = {"job": job, "level": level, "flows": flows}
+        if rank is not None:
+            fields["rank"] = rank
+        return self.request("register", **fields)
+
+    def unregister(self, job: str, flows: list[dict] | None = None) -> dict:
+        """Remove ``flows`` of ``job``, or all of its flows when ``flows`` is None."""
+        return self.request("unregister", job=job, **({"flows": flows} if flows is not None else {}))
+
+    def list(self, job: str | None = None) -> dict:
+        return self.request("list", **({"job": job} if job is not None else {}))
+
+    def status(self) -> dict:
+        return self.request("status")

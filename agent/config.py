@@ -1,0 +1,169 @@
+"""Agent configuration: one TOML file, validated before the agent touches the kernel.
+
+Every error names the field it is about. Usage: ``cfg = load_config("/etc/tensorlane/agent.toml")``
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass, field
+
+from policies.levels import dscp_table
+
+BACKENDS = ("auto", "htb", "prio")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; ``field`` names it."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"config field '{field_name}': {message}")
+        self.field = field_name
+
+
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)?\s*$", re.IGNORECASE)
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+def parse_rate(value: int | str, field_name: str = "link_rate") -> int:
+    """Parse a tc-style rate ("200mbit", "10gbit", or bits/s as an int) into bits per second.
+
+    Usage: ``parse_rate("200mbit") == 200_000_000``
+    """
+    if isinstance(value, bool):
+        raise ConfigError(field_name, f"expected a rate such as '200mbit', got {value!r}")
+    if isinstance(value, int):
+        bps = value
+    elif isinstance(value, str) and (m := _RATE_RE.match(value)):
+        bps = int(float(m.group(1)) * _RATE_UNITS[(m.group(2) or "bit").lower()])
+    else:
+        raise ConfigError(field_name, f"expected a rate such as '200mbit' or '10gbit', got {value!r}")
+    if not 8_000 <= bps <= 4 * 10**12:
+        raise ConfigError(field_name, f"rate {bps} bit/s outside 8kbit..4tbit")
+    return bps
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated agent configuration (see docs/agent.md for each field)."""
+
+    interface: str
+    socket: str = "/run/tensorlane/agent.sock"
+    socket_mode: int = 0o660
+    metrics_address: str = "127.0.0.1:9477"
+    backend: str = "auto"
+    link_rate_bps: int | None = None
+    levels: int = 4
+    dscp: tuple[int, ...] = field(default_factory=lambda: dscp_table(4))
+    take_over_root: bool = False
+    state_dir: str = "/run/tensorlane"
+    queue_limit_packets: int = 1000
+    reconcile_interval_s: float = 5.0
+
+    def replace(self, **changes) -> "Config":
+        """Return a copy with ``changes`` applied and validated again."""
+        raw = dataclasses.asdict(self) | changes
+        return from_dict(_to_raw(raw))
+
+
+def _to_raw(d: dict) -> dict:
+    raw = dict(d)
+    raw["link_rate"] = raw.pop("link_rate_bps")
+    raw["dscp"] = {str(i): v for i, v in enumerate(raw["dscp"])}
+    if raw["link_rate"] is None:
+        del raw["link_rate"]
+    return raw
+
+
+_FIELDS = {
+    "interface", "socket", "socket_mode", "metrics_address", "backend", "link_rate", "levels", "dscp",
+    "take_over_root", "state_dir", "queue_limit_packets", "reconcile_interval_s",
+}
+
+
+def _want(raw: dict, name: str, kind: type | tuple[type, ...], default):
+    """Return ``raw[name]`` (or ``default``) after checking its type; booleans are not numbers."""
+    value = raw.get(name, default)
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if value is None or (isinstance(value, bool) and bool in kinds):
+        return value
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ConfigError(name, f"expected {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+    return value
+
+
+def from_dict(raw: dict) -> Config:
+    """Validate a parsed config mapping and return a Config. Usage: ``from_dict({"interface": "eth0"})``"""
+    if not isinstance(raw, dict):
+        raise ConfigError("<root>", "expected a table of settings")
+    unknown = sorted(set(raw) - _FIELDS)
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown setting (known: {', '.join(sorted(_FIELDS))})")
+    iface = _want(raw, "interface", str, None)
+    if not iface or len(iface) > 15 or "/" in iface or iface.strip() != iface:
+        raise ConfigError("interface", f"expected a network interface name, got {iface!r}")
+    backend = _want(raw, "backend", str, "auto")
+    if backend not in BACKENDS:
+        raise ConfigError("backend", f"expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    levels = _want(raw, "levels", int, 4)
+    dscp_raw = _want(raw, "dscp", (dict, list), {})
+    if isinstance(dscp_raw, list):
+        dscp_raw = {str(i): v for i, v in enumerate(dscp_raw)}
+    overrides: dict[int, int | str] = {}
+    for key, value in dscp_raw.items():
+        try:
+            overrides[int(key)] = value
+        except ValueError:
+            raise ConfigError("dscp", f"keys are level numbers, got {key!r}") from None
+    try:
+        if not isinstance(levels, int) or not 1 <= levels <= 5:
+            raise ConfigError("levels", f"expected 1..5 priority levels, got {levels!r}")
+        table = dscp_table(levels, overrides)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError("dscp", str(exc)) from None
+    link_rate = raw.get("link_rate")
+    rate = None if link_rate is None else parse_rate(link_rate)
+    mode = _want(raw, "socket_mode", (int, str), 0o660)
+    if isinstance(mode, str):
+        try:
+            mode = int(mode, 8)
+        except ValueError:
+            raise ConfigError("socket_mode", f"expected an octal mode such as '0660', got {mode!r}") from None
+    if not 0 <= mode <= 0o777:
+        raise ConfigError("socket_mode", f"expected a mode 0..0777, got {oct(mode)}")
+    metrics = _want(raw, "metrics_address", str, "127.0.0.1:9477")
+    if metrics and not re.match(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]*):\d{1,5}$", metrics):
+        raise ConfigError("metrics_address", f"expected HOST:PORT (or empty to disable), got {metrics!r}")
+    socket_path = _want(raw, "socket", str, "/run/tensorlane/agent.sock")
+    if not socket_path.startswith("/") or len(socket_path.encode()) > 107:
+        raise ConfigError("socket", f"expected an absolute path of at most 107 bytes, got {socket_path!r}")
+    state_dir = _want(raw, "state_dir", str, "/run/tensorlane")
+    if not state_dir.startswith("/"):
+        raise ConfigError("state_dir", f"expected an absolute path, got {state_dir!r}")
+    qlimit = _want(raw, "queue_limit_packets", int, 1000)
+    if not 10 <= qlimit <= 100_000:
+        raise ConfigError("queue_limit_packets", f"expected 10..100000, got {qlimit}")
+    interval = _want(raw, "reconcile_interval_s", (int, float), 5.0)
+    if not 0.1 <= interval <= 3600:
+        raise ConfigError("reconcile_interval_s", f"expected 0.1..3600 seconds, got {interval}")
+    return Config(
+        interface=iface, socket=socket_path, socket_mode=mode, metrics_address=metrics, backend=backend,
+        link_rate_bps=rate, levels=levels, dscp=table, take_over_root=_want(raw, "take_over_root", bool, False),
+        state_dir=state_dir, queue_limit_packets=qlimit, reconcile_interval_s=float(interval),
+    )
+
+
+def load_config(path: str, overrides: dict | None = None) -> Config:
+    """Read and validate a TOML config file; ``overrides`` (from command-line flags) win over the file."""
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError("<file>", f"no config file at {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("<file>", f"{path} is not valid TOML: {exc}") from None
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return from_dict(raw)

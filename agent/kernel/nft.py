@@ -1,0 +1,192 @@
+"""nftables through libnftables' JSON API (ctypes; the same library the `nft` tool and python3-nftables use).
+
+The agent's table ``inet tensorlane`` holds one verdict map per IP family keyed by the flow 5-tuple. A packet
+leaving the managed interface is looked up once (a hash lookup: cost does not grow with the number of flows)
+and jumps to its level's chain, which sets ``meta priority`` (the tc class) and the DSCP, and counts.
+Usage: ``nft = Nft(); nft.run([{"add": {"table": {...}}}])``
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+
+from agent.protocol import FlowKey
+
+TABLE = "tensorlane"
+FAMILY = "inet"
+_OUTPUT_JSON = 1 << 4
+
+
+class NftError(RuntimeError):
+    """libnftables refused a command batch; the message is nft's own."""
+
+
+def _load():
+    name = ctypes.util.find_library("nftables") or "libnftables.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError as exc:
+        raise NftError(f"libnftables is not installed ({exc}); install the 'nftables' package") from None
+    lib.nft_ctx_new.restype = ctypes.c_void_p
+    lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
+    lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_buffer_output.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_buffer_error.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_get_output_buffer.restype = ctypes.c_char_p
+    lib.nft_ctx_get_output_buffer.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_get_error_buffer.restype = ctypes.c_char_p
+    lib.nft_ctx_get_error_buffer.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+    lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.nft_run_cmd_from_buffer.restype = ctypes.c_int
+    return lib
+
+
+class Nft:
+    """One libnftables context (not thread-safe: use one per thread)."""
+
+    def __init__(self):
+        self._lib = _load()
+        self._ctx = self._lib.nft_ctx_new(0)
+        self._lib.nft_ctx_buffer_output(self._ctx)
+        self._lib.nft_ctx_buffer_error(self._ctx)
+        self._lib.nft_ctx_output_set_flags(self._ctx, _OUTPUT_JSON)
+
+    def close(self) -> None:
+        if self._ctx:
+            self._lib.nft_ctx_free(self._ctx)
+            self._ctx = None
+
+    def run(self, commands: list[dict]) -> dict | None:
+        """Run a list of JSON commands as one atomic transaction; return parsed output, raise NftError."""
+        payload = json.dumps({"nftables": [{"metainfo": {"json_schema_version": 1}}, *commands]}).encode()
+        rc = self._lib.nft_run_cmd_from_buffer(self._ctx, payload)
+        out = self._lib.nft_ctx_get_output_buffer(self._ctx) or b""
+        err = self._lib.nft_ctx_get_error_buffer(self._ctx) or b""
+        if rc != 0:
+            raise NftError(err.decode(errors="replace").strip() or f"nft failed with {rc}")
+        return json.loads(out) if out.strip() else None
+
+
+# ---- the desired table, as JSON commands ------------------------------------------------------------------
+
+def _map_type(family: int) -> list[str]:
+    addr = "ipv4_addr" if family == 4 else "ipv6_addr"
+    return [addr, addr, "inet_proto", "inet_service", "inet_service"]
+
+
+def level_chain(level: int) -> str:
+    return f"level{level}"
+
+
+def _level_rules(level: int, priority: int, dscp: int) -> list[dict]:
+    prio = f"{priority >> 16:x}:{priority & 0xFFFF:x}"
+    rules = []
+    for proto, nfproto in (("ip", "ipv4"), ("ip6", "ipv6")):
+        rules.append({"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": level_chain(level), "expr": [
+            {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": nfproto}},
+            {"mangle": {"key": {"meta": {"key": "priority"}}, "value": prio}},
+            {"mangle": {"key": {"payload": {"protocol": proto, "field": "dscp"}}, "value": dscp}},
+            {"counter": None},
+            {"accept": None},
+        ]}}})
+    return rules
+
+
+def _lookup_rule(ifname: str, family: int) -> dict:
+    proto = "ip" if family == 4 else "ip6"
+    key = {"concat": [
+        {"payload": {"protocol": proto, "field": "saddr"}}, {"payload": {"protocol": proto, "field": "daddr"}},
+        {"meta": {"key": "l4proto"}},
+        {"payload": {"protocol": "th", "field": "sport"}}, {"payload": {"protocol": "th", "field": "dport"}},
+    ]}
+    return {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": "egress", "expr": [
+        {"match": {"op": "==", "left": {"meta": {"key": "oifname"}}, "right": ifname}},
+        {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": "ipv4" if family == 4 else "ipv6"}},
+        {"vmap": {"key": key, "data": f"@flows{family}"}},
+    ]}}}
+
+
+def table_commands(ifname: str, classids: list[int], dscp: list[int]) -> list[dict]:
+    """Commands that create or update the table's chains and maps in place, keeping the maps' elements.
+
+    ``classids[level]`` is the tc class the level's packets enter; ``dscp[level]`` their DSCP.
+    """
+    cmds: list[dict] = [{"add": {"table": {"family": FAMILY, "name": TABLE}}}]
+    for fam in (4, 6):
+        cmds.append({"add": {"map": {"family": FAMILY, "table": TABLE, "name": f"flows{fam}",
+                                     "type": _map_type(fam), "map": "verdict"}}})
+    for level in range(len(classids)):
+        cmds.append({"add": {"chain": {"family": FAMILY, "table": TABLE, "name": level_chain(level)}}})
+        cmds.append({"flush": {"chain": {"family": FAMILY, "table": TABLE, "name": level_chain(level)}}})
+        cmds.extend(_level_rules(level, classids[level], dscp[level]))
+    cmds.append({"add": {"chain": {"family": FAMILY, "table": TABLE, "name": "egress", "type": "filter",
+                                   "hook": "postrouting", "prio": -150, "policy": "accept"}}})
+    cmds.append({"flush": {"chain": {"family": FAMILY, "table": TABLE, "name": "egress"}}})
+    cmds.extend(_lookup_rule(ifname, fam) for fam in (4, 6))
+    return cmds
+
+
+def _elem(key: FlowKey, level: int | None) -> list | dict:
+    concat = {"concat": [key.src, key.dst, key.proto, key.sport, key.dport]}
+    return concat if level is None else [concat, {"goto": {"target": level_chain(level)}}]
+
+
+def element_commands(verb: str, items: list[tuple[FlowKey, int | None]]) -> list[dict]:
+    """``add`` or ``delete`` commands for map elements, grouped per family (one command each)."""
+    cmds = []
+    for fam in (4, 6):
+        elems = [_elem(k, lvl if verb == "add" else None) for k, lvl in items if k.family == fam]
+        if elems:
+            cmds.append({verb: {"element": {"family": FAMILY, "table": TABLE, "name": f"flows{fam}",
+                                            "elem": elems}}})
+    return cmds
+
+
+def parse_map_elements(listing: dict | None) -> dict[FlowKey, int]:
+    """Flows and levels found in a ``list table`` JSON answer."""
+    out: dict[FlowKey, int] = {}
+    for item in (listing or {}).get("nftables", []):
+        m = item.get("map")
+        if not m or not m.get("name", "").startswith("flows"):
+            continue
+        for elem in m.get("elem", []):
+            key, verdict = elem if isinstance(elem, list) else (elem, None)
+            if isinstance(key, dict) and "elem" in key:
+                key = key["elem"]["val"]
+            src, dst, proto, sport, dport = key["concat"]
+            target = (verdict or {}).get("goto", {}).get("target", "")
+            if target.startswith("level"):
+                out[FlowKey(proto, src, int(sport), dst, int(dport))] = int(target[5:])
+    return out
+
+
+def chain_counters(listing: dict | None) -> dict[int, dict[str, int]]:
+    """Per-level packet/byte counters from a ``list table`` JSON answer (both IP families summed)."""
+    out: dict[int, dict[str, int]] = {}
+    for item in (listing or {}).get("nftables", []):
+        rule = item.get("rule")
+        if not rule or not rule.get("chain", "").startswith("level"):
+            continue
+        level = int(rule["chain"][5:])
+        for expr in rule.get("expr", []):
+            if "counter" in expr:
+                c = out.setdefault(level, {"packets": 0, "bytes": 0})
+                c["packets"] += expr["counter"].get("packets", 0)
+                c["bytes"] += expr["counter"].get("bytes", 0)
+    return out
+
+
+def list_table(nft: Nft) -> dict | None:
+    """The agent's table as JSON, or None when it does not exist."""
+    try:
+        return nft.run([{"list": {"table": {"family": FAMILY, "name": TABLE}}}])
+    except NftError as exc:
+        if "No such file" in str(exc) or "does not exist" in str(exc):
+            return None
+        raise
+
+
+def delete_table_commands() -> list[dict]:
+    return [{"delete": {"table": {"family": FAMILY, "name": TABLE}}}]

@@ -1,0 +1,137 @@
+"""Qdisc backends: the egress queue tree that gives each priority level its own strict-priority queue.
+
+Both backends classify by ``skb->priority``: the nftables level chain sets it to the level's class id, and the
+qdisc puts the packet straight into that class (no tc filter). Unregistered traffic goes to the default class,
+below every level.
+
+- ``htb`` (works on every kernel that has HTB): one parent class at the link rate; one child class per level with
+  a tiny guaranteed rate, ceil = link rate and HTB ``prio`` = level, so the most urgent backlogged class borrows
+  first (strict priority) and any class may use the whole link when the others are idle (work-conserving).
+  It shapes at the link rate, so the queue forms here and not in the NIC.
+- ``prio`` (when the kernel has sch_prio): one band per level plus a default band; no shaping, relies on the NIC
+  (with BQL) to keep its own ring short.
+
+Usage: ``backend = make_backend("htb", cfg); backend.apply(ipr, ifindex)``
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAJOR = 0x7A1  # tensorlane's qdisc handle major ("7a1:"), recognisable in `tc qdisc show`
+MTU_BYTES = 1514
+
+
+def handle(major: int, minor: int = 0) -> int:
+    return (major << 16) | minor
+
+
+def fmt_handle(h: int) -> str:
+    """Format a tc handle as tc prints it. Usage: ``fmt_handle(0x7a10010) == "7a1:10"``"""
+    return f"{h >> 16:x}:{h & 0xFFFF:x}" if h & 0xFFFF else f"{h >> 16:x}:"
+
+
+@dataclass(frozen=True)
+class ClassSpec:
+    """One leaf class of the tree: where packets of a level (or the default class) wait."""
+
+    level: int | None  # None for the default class
+    classid: int
+    prio: int
+    leaf_handle: int
+
+
+class HtbBackend:
+    """Strict priority from HTB siblings (see module docstring)."""
+
+    kind = "htb"
+
+    def __init__(self, levels: int, link_rate_bps: int, queue_limit: int = 1000):
+        if link_rate_bps is None:
+            raise ValueError("the htb backend needs link_rate (the interface reports no speed)")
+        self.levels = levels
+        self.rate = link_rate_bps
+        self.queue_limit = queue_limit
+        self.root = handle(MAJOR)
+        self.parent_class = handle(MAJOR, 1)
+        self.classes = [ClassSpec(lvl, handle(MAJOR, 0x10 + lvl), lvl, handle(0x100 + lvl)) for lvl in range(levels)]
+        self.default = ClassSpec(None, handle(MAJOR, 0x10 + levels), min(levels, 7), handle(0x100 + levels))
+
+    def classid(self, level: int) -> int:
+        return self.classes[level].classid
+
+    def leaves(self) -> list[ClassSpec]:
+        return [*self.classes, self.default]
+
+    def _burst(self, rate_bps: int) -> int:
+        return max(rate_bps // 8 // 1000, 4 * MTU_BYTES)  # 1 ms of the rate, at least a few packets
+
+    def _guaranteed(self) -> int:
+        return max(8_000, min(100_000, self.rate // 1000))  # tiny, so that `prio` decides (TensorLights)
+
+    def apply(self, ipr, index: int) -> None:
+        """Create the tree, or bring an existing one of ours to the desired parameters in place."""
+        have = {q["handle"]: q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index=index)}
+        if have.get(self.root) != "htb":
+            ipr.tc("add", "htb", index=index, handle=self.root, default=self.default.classid & 0xFFFF,
+                   r2q=10)
+        burst, floor_burst = self._burst(self.rate), 4 * MTU_BYTES
+        rate, floor = self.rate // 8, self._guaranteed() // 8  # pyroute2 takes integer rates in bytes/s
+        ipr.tc("replace-class", "htb", index=index, handle=self.parent_class, parent=self.root,
+               rate=rate, ceil=rate, burst=burst, cburst=burst, quantum=4 * MTU_BYTES)
+        for spec in self.leaves():
+            ipr.tc("replace-class", "htb", index=index, handle=spec.classid, parent=self.parent_class,
+                   rate=floor, ceil=rate, burst=floor_burst, cburst=burst, prio=spec.prio,
+                   quantum=4 * MTU_BYTES)
+            if have.get(spec.leaf_handle) != "pfifo":
+                ipr.tc("replace", "pfifo", index=index, handle=spec.leaf_handle, parent=spec.classid,
+                       limit=self.queue_limit)
+
+    def owns(self, ipr, index: int) -> bool:
+        """Whether the interface's root qdisc is one of ours."""
+        return any(q["parent"] == 0xFFFFFFFF and q["handle"] == self.root and q.get_attr("TCA_KIND") == "htb"
+                   for q in ipr.get_qdiscs(index=index))
+
+
+class PrioBackend:
+    """One prio band per level plus a default band (see module docstring)."""
+
+    kind = "prio"
+
+    def __init__(self, levels: int, link_rate_bps: int | None = None, queue_limit: int = 1000):
+        self.levels = levels
+        self.queue_limit = queue_limit
+        self.root = handle(MAJOR)
+        # sch_prio maps skb->priority MAJOR:minor straight to band minor-1.
+        self.classes = [ClassSpec(lvl, handle(MAJOR, lvl + 1), lvl, handle(0x100 + lvl)) for lvl in range(levels)]
+        self.default = ClassSpec(None, handle(MAJOR, levels + 1), levels, handle(0x100 + levels))
+
+    def classid(self, level: int) -> int:
+        return self.classes[level].classid
+
+    def leaves(self) -> list[ClassSpec]:
+        return [*self.classes, self.default]
+
+    def apply(self, ipr, index: int) -> None:
+        have = {q["handle"]: q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index=index)}
+        bands = self.levels + 1
+        # Unclassified traffic, whatever its TOS, goes to the default (last) band.
+        opts = {"bands": bands, "priomap": [self.levels] * 16}
+        ipr.tc("replace" if have.get(self.root) == "prio" else "add", "prio", index=index, handle=self.root,
+               **opts)
+        for spec in self.leaves():
+            if have.get(spec.leaf_handle) != "pfifo":
+                ipr.tc("replace", "pfifo", index=index, handle=spec.leaf_handle, parent=spec.classid,
+                       limit=self.queue_limit)
+
+    def owns(self, ipr, index: int) -> bool:
+        return any(q["parent"] == 0xFFFFFFFF and q["handle"] == self.root and q.get_attr("TCA_KIND") == "prio"
+                   for q in ipr.get_qdiscs(index=index))
+
+
+def make_backend(kind: str, levels: int, link_rate_bps: int | None, queue_limit: int = 1000):
+    """Return the backend object for ``kind`` ("htb" or "prio")."""
+    if kind == "htb":
+        return HtbBackend(levels, link_rate_bps, queue_limit)
+    if kind == "prio":
+        return PrioBackend(levels, link_rate_bps, queue_limit)
+    raise ValueError(f"unknown backend {kind!r}")

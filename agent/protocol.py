@@ -1,0 +1,144 @@
+"""The agent's local API: newline-delimited JSON over a Unix stream socket (documented in docs/protocol.md).
+
+Requests are ``{"op": ..., "id": ...optional, ...}``; replies are ``{"id": ..., "ok": true, "result": {...}}`` or
+``{"id": ..., "ok": false, "error": {"code": ..., "message": ...}}``. This module only parses and validates: it
+does no I/O. Usage: ``req = parse_request(line)``
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from dataclasses import dataclass
+
+MAX_MESSAGE_BYTES = 64 * 1024
+MAX_FLOWS_PER_MESSAGE = 1024
+OPS = ("register", "unregister", "list", "status", "hello")
+PROTOCOLS = {"tcp": 6, "udp": 17}
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}$")
+
+
+class ProtocolError(ValueError):
+    """A request is malformed; ``code`` is a stable machine-readable reason."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, order=True)
+class FlowKey:
+    """One direction of a transport flow as it leaves this host: local address/port to remote address/port."""
+
+    proto: str
+    src: str
+    sport: int
+    dst: str
+    dport: int
+
+    @property
+    def family(self) -> int:
+        return ipaddress.ip_address(self.src).version
+
+    def as_dict(self) -> dict:
+        return {"proto": self.proto, "src": self.src, "sport": self.sport, "dst": self.dst, "dport": self.dport}
+
+    def __str__(self) -> str:
+        return f"{self.proto} {self.src}:{self.sport} -> {self.dst}:{self.dport}"
+
+
+@dataclass(frozen=True)
+class Request:
+    op: str
+    id: object = None
+    job: str | None = None
+    level: int | None = None
+    rank: int | None = None
+    flows: tuple[FlowKey, ...] = ()
+
+
+def _port(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ProtocolError("bad_flow", f"{name} must be a port 1..65535, got {value!r}")
+    return value
+
+
+def parse_flow(obj) -> FlowKey:
+    """Validate one flow object ``{"proto","src","sport","dst","dport"}``. Usage: ``parse_flow({...})``"""
+    if not isinstance(obj, dict):
+        raise ProtocolError("bad_flow", f"a flow must be an object, got {type(obj).__name__}")
+    unknown = set(obj) - {"proto", "src", "sport", "dst", "dport"}
+    if unknown:
+        raise ProtocolError("bad_flow", f"unknown flow field {sorted(unknown)[0]!r}")
+    proto = obj.get("proto", "tcp")
+    if proto not in PROTOCOLS:
+        raise ProtocolError("bad_flow", f"proto must be one of {sorted(PROTOCOLS)}, got {proto!r}")
+    try:
+        src = ipaddress.ip_address(obj.get("src"))
+        dst = ipaddress.ip_address(obj.get("dst"))
+    except (ValueError, TypeError):
+        raise ProtocolError("bad_flow", f"src and dst must be IP addresses, got {obj.get('src')!r}, "
+                                        f"{obj.get('dst')!r}") from None
+    if src.version != dst.version:
+        raise ProtocolError("bad_flow", f"src {src} and dst {dst} are of different IP versions")
+    if getattr(src, "ipv4_mapped", None) or getattr(dst, "ipv4_mapped", None):
+        src = getattr(src, "ipv4_mapped", None) or src
+        dst = getattr(dst, "ipv4_mapped", None) or dst
+    return FlowKey(proto, str(src), _port(obj.get("sport"), "sport"), str(dst), _port(obj.get("dport"), "dport"))
+
+
+def parse_request(line: bytes | str) -> Request:
+    """Parse and validate one request line; raise ProtocolError with a precise reason."""
+    if len(line) > MAX_MESSAGE_BYTES:
+        raise ProtocolError("too_large", f"message of {len(line)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        msg = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError("bad_json", f"not valid JSON: {exc}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("bad_request", "a request must be a JSON object")
+    op = msg.get("op")
+    if op not in OPS:
+        raise ProtocolError("unknown_op", f"unknown op {op!r}; known: {', '.join(OPS)}")
+    rid = msg.get("id")
+    if rid is not None and not isinstance(rid, (int, str)) or isinstance(rid, bool):
+        raise ProtocolError("bad_request", "id must be a string or an integer")
+    allowed = {"op", "id"} | {
+        "register": {"job", "level", "rank", "flows"}, "unregister": {"job", "flows"}, "list": {"job"},
+    }.get(op, set())
+    unknown = set(msg) - allowed
+    if unknown:
+        raise ProtocolError("bad_request", f"unknown field {sorted(unknown)[0]!r} for op {op}")
+    job = msg.get("job")
+    if op in ("register", "unregister") or job is not None:
+        if not isinstance(job, str) or not _JOB_RE.match(job):
+            raise ProtocolError("bad_job", "job must be 1-64 characters of letters, digits, '_.:-', "
+                                           f"starting with a letter or digit; got {job!r}")
+    level = msg.get("level")
+    if op == "register" and (isinstance(level, bool) or not isinstance(level, int) or level < 0):
+        raise ProtocolError("bad_level", f"level must be a non-negative integer, got {level!r}")
+    rank = msg.get("rank")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ProtocolError("bad_request", f"rank must be a non-negative integer, got {rank!r}")
+    flows_raw = msg.get("flows", [] if op == "unregister" else None)
+    flows: tuple[FlowKey, ...] = ()
+    if op in ("register", "unregister"):
+        if not isinstance(flows_raw, list):
+            raise ProtocolError("bad_flow", "flows must be a list of flow objects")
+        if op == "register" and not flows_raw:
+            raise ProtocolError("bad_flow", "register needs at least one flow")
+        if len(flows_raw) > MAX_FLOWS_PER_MESSAGE:
+            raise ProtocolError("too_large", f"{len(flows_raw)} flows exceed {MAX_FLOWS_PER_MESSAGE} per message")
+        flows = tuple(dict.fromkeys(parse_flow(f) for f in flows_raw))
+    return Request(op=op, id=rid, job=job, level=level, rank=rank, flows=flows)
+
+
+def ok(rid, result: dict) -> bytes:
+    """Encode a success reply line."""
+    return json.dumps({"id": rid, "ok": True, "result": result}, separators=(",", ":")).encode() + b"\n"
+
+
+def error(rid, code: str, message: str) -> bytes:
+    """Encode an error reply line."""
+    return json.dumps({"id": rid, "ok": False, "error": {"code": code, "message": message}},
+                      separators=(",", ":")).encode() + b"\n"

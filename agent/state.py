@@ -1,0 +1,87 @@
+"""The desired flow state, in one place: which flow belongs to which job, at which level.
+
+Pure data, no I/O: the reconciler (agent/reconcile.py) makes the kernel match it.
+Usage: ``table = FlowTable(levels=4); added, moved = table.register("job-a", 0, flows)``
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from agent.protocol import FlowKey, ProtocolError
+
+
+@dataclass(frozen=True)
+class FlowEntry:
+    """What the agent knows about one registered flow."""
+
+    job: str
+    level: int
+    rank: int | None = None
+    registered_at: float = field(default_factory=time.time)
+
+
+class FlowTable:
+    """Registered flows keyed by 5-tuple; every change is validated before anything is modified."""
+
+    def __init__(self, levels: int, max_flows: int = 100_000):
+        self.levels = levels
+        self.max_flows = max_flows
+        self.flows: dict[FlowKey, FlowEntry] = {}
+
+    def register(self, job: str, level: int, flows: tuple[FlowKey, ...], rank: int | None = None
+                 ) -> tuple[list[FlowKey], list[FlowKey]]:
+        """Add ``flows`` for ``job`` at ``level`` (moving the job's own flows that are at another level).
+
+        Returns (added, moved). Raises ProtocolError, changing nothing, when the level is out of range, a flow
+        belongs to another job, or the table would overflow.
+        """
+        if not 0 <= level < self.levels:
+            raise ProtocolError("bad_level", f"level {level} out of range 0..{self.levels - 1}")
+        added, moved = [], []
+        for key in flows:
+            cur = self.flows.get(key)
+            if cur is None:
+                added.append(key)
+            elif cur.job != job:
+                raise ProtocolError("conflict", f"flow {key} is registered by job {cur.job!r}")
+            elif cur.level != level:
+                moved.append(key)
+        if len(self.flows) + len(added) > self.max_flows:
+            raise ProtocolError("limit", f"registering {len(added)} flows would exceed {self.max_flows}")
+        for key in flows:
+            self.flows[key] = FlowEntry(job, level, rank)
+        return added, moved
+
+    def unregister(self, job: str, flows: tuple[FlowKey, ...] = ()) -> list[FlowKey]:
+        """Remove the given flows of ``job`` (all of its flows when ``flows`` is empty); return those removed.
+
+        Raises ProtocolError, changing nothing, if a named flow belongs to another job.
+        """
+        if not flows:
+            gone = [k for k, e in self.flows.items() if e.job == job]
+        else:
+            gone = []
+            for key in flows:
+                cur = self.flows.get(key)
+                if cur is not None and cur.job != job:
+                    raise ProtocolError("conflict", f"flow {key} is registered by job {cur.job!r}")
+                if cur is not None:
+                    gone.append(key)
+        for key in gone:
+            del self.flows[key]
+        return gone
+
+    def by_level(self) -> dict[int, list[FlowKey]]:
+        """Flows grouped by level (every level present, possibly empty)."""
+        out: dict[int, list[FlowKey]] = {lvl: [] for lvl in range(self.levels)}
+        for key, entry in self.flows.items():
+            out[entry.level].append(key)
+        return out
+
+    def jobs(self) -> dict[str, int]:
+        """Number of flows per job."""
+        out: dict[str, int] = {}
+        for entry in self.flows.values():
+            out[entry.job] = out.get(entry.job, 0) + 1
+        return out

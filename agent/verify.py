@@ -1,0 +1,99 @@
+"""`tensorlane verify`: capture on the wire and check each registered flow's DSCP and queue.
+
+The DSCP is read from captured packets (scapy, on the managed interface, after the qdisc). The queue is checked
+through the class counters: each level's class must have sent at least the bytes the capture saw for that
+level's flows during the window. Usage: ``report = verify("/run/tensorlane/agent.sock", seconds=5)``
+"""
+from __future__ import annotations
+
+import ipaddress
+
+from agent.client import AgentClient
+from agent.protocol import FlowKey
+
+
+def _key(pkt) -> FlowKey | None:
+    from scapy.layers.inet import IP, TCP, UDP
+    from scapy.layers.inet6 import IPv6
+
+    ip = pkt.getlayer(IP) or pkt.getlayer(IPv6)
+    l4 = pkt.getlayer(TCP) or pkt.getlayer(UDP)
+    if ip is None or l4 is None:
+        return None
+    proto = "tcp" if l4.name == "TCP" else "udp"
+    return FlowKey(proto, str(ipaddress.ip_address(ip.src)), l4.sport, str(ipaddress.ip_address(ip.dst)), l4.dport)
+
+
+def _dscp(pkt) -> int:
+    from scapy.layers.inet import IP
+
+    ip = pkt.getlayer(IP)
+    return (ip.tos if ip is not None else pkt.tc) >> 2
+
+
+def verify(socket_path: str, seconds: float, interface: str | None = None) -> dict:
+    """Capture for ``seconds`` and compare what each registered flow carried with what it should."""
+    from scapy.sendrecv import sniff
+
+    with AgentClient(socket_path) as agent:
+        flows = agent.list()["flows"]
+        before = agent.status()
+        iface = interface or before["interface"]
+        want = {FlowKey(f["proto"], f["src"], f["sport"], f["dst"], f["dport"]): f for f in flows}
+        seen: dict[FlowKey, dict] = {}
+
+        def on_packet(pkt) -> None:
+            key = _key(pkt)
+            if key in want:
+                s = seen.setdefault(key, {"packets": 0, "bytes": 0, "dscp": {}})
+                s["packets"] += 1
+                s["bytes"] += len(pkt)
+                d = _dscp(pkt)
+                s["dscp"][d] = s["dscp"].get(d, 0) + 1
+
+        sniff(iface=iface, timeout=seconds, prn=on_packet, store=False,
+              filter="ip or ip6")
+        after = agent.status()
+    dscp_of = {c["level"]: c.get("dscp") for c in before["classes"]}
+    class_of = {c["level"]: c["class"] for c in before["classes"]}
+    sent = {c["class"]: c.get("bytes", 0) for c in after["classes"]}
+    sent0 = {c["class"]: c.get("bytes", 0) for c in before["classes"]}
+    level_bytes: dict[int, int] = {}
+    rows = []
+    for key, f in sorted(want.items()):
+        s = seen.get(key)
+        expected = dscp_of[f["level"]]
+        if s is None:
+            verdict = "no traffic"
+        elif set(s["dscp"]) == {expected}:
+            verdict = "ok"
+            level_bytes[f["level"]] = level_bytes.get(f["level"], 0) + s["bytes"]
+        else:
+            verdict = "wrong dscp"
+        rows.append({**f, "expected_dscp": expected, "seen_dscp": sorted((s or {}).get("dscp", {})),
+                     "packets": (s or {}).get("packets", 0), "queue": class_of[f["level"]], "verdict": verdict})
+    queues = {}
+    for level, nbytes in level_bytes.items():
+        cls = class_of[level]
+        delta = sent[cls] - sent0[cls]
+        # The class counts IP bytes, scapy whole frames: allow for the 14-byte Ethernet header per packet.
+        queues[cls] = {"level": level, "class_bytes": delta, "captured_bytes": nbytes,
+                       "ok": delta >= 0.9 * nbytes}
+    for row in rows:
+        if row["verdict"] == "ok" and not queues[row["queue"]]["ok"]:
+            row["verdict"] = "wrong queue"
+    ok = all(r["verdict"] in ("ok", "no traffic") for r in rows)
+    return {"interface": iface, "seconds": seconds, "flows": rows, "queues": queues, "ok": ok}
+
+
+def format_report(report: dict) -> str:
+    """The table `tensorlane verify` prints."""
+    lines = [f"capture on {report['interface']} for {report['seconds']}s",
+             f"{'flow':<52} {'job':<12} {'lvl':>3} {'queue':>7} {'dscp want':>9} {'seen':>8} {'pkts':>7}  verdict"]
+    for r in report["flows"]:
+        flow = f"{r['proto']} {r['src']}:{r['sport']} -> {r['dst']}:{r['dport']}"
+        seen = ",".join(map(str, r["seen_dscp"])) or "-"
+        lines.append(f"{flow:<52} {r['job']:<12} {r['level']:>3} {r['queue']:>7} {r['expected_dscp']:>9} "
+                     f"{seen:>8} {r['packets']:>7}  {r['verdict']}")
+    lines.append("all registered flows as expected" if report["ok"] else "MISMATCH: see verdicts above")
+    return "\n".join(lines)

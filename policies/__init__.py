@@ -1,0 +1,1 @@
+"""Pure scheduling policies: no I/O, no kernel, no torch. Each function names the paper and rule it implements."""

@@ -1,0 +1,5 @@
+import sys
+
+from tensorlane.cli import main
+
+sys.exit(main())

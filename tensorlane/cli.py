@@ -1,0 +1,125 @@
+"""The `tensorlane` command: agent, status, verify, testbed, demo and bench.
+
+Each sub-command imports only what it needs, so the agent never loads torch.
+Usage: ``tensorlane agent --config /etc/tensorlane/agent.toml``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from agent.client import DEFAULT_SOCKET, AgentClient, AgentError, AgentUnavailable
+
+
+def _agent(args) -> int:
+    from agent.config import ConfigError, from_dict, load_config
+    from agent.daemon import StartupError, run
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pyroute2").setLevel(logging.WARNING)
+    logging.getLogger("asyncio").setLevel(logging.WARNING)
+    flags = {"interface": args.interface, "socket": args.socket, "metrics_address": args.metrics_address}
+    try:
+        cfg = load_config(args.config, flags) if args.config else from_dict({k: v for k, v in flags.items() if v})
+    except ConfigError as exc:
+        print(f"tensorlane agent: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return run(cfg)
+    except (ConfigError, StartupError) as exc:
+        print(f"tensorlane agent: {exc}", file=sys.stderr)
+        return 2
+
+
+def format_status(st: dict) -> str:
+    """Render a status reply as the table `tensorlane status` prints."""
+    lines = [f"interface {st['interface']}  backend {st['backend']}  link {st.get('link_rate_bps') or '-'} bit/s  "
+             f"flows {st['flows']}  jobs {len(st['jobs'])}  uptime {st['uptime_s']:.0f}s",
+             f"{'level':>7} {'class':>8} {'dscp':>4} {'flows':>6} {'sent_bytes':>14} {'marked_bytes':>14} "
+             f"{'drops':>7} {'backlog_B':>10}"]
+    for c in st["classes"]:
+        level = "default" if c["level"] is None else str(c["level"])
+        lines.append(f"{level:>7} {c['class']:>8} {c.get('dscp', '-'):>4} {c.get('flows', '-'):>6} "
+                     f"{c.get('bytes', 0):>14} {c.get('marked_bytes', '-'):>14} {c.get('drops', 0):>7} "
+                     f"{c.get('backlog_bytes', 0):>10}")
+    rec = st["reconcile"]
+    lines.append(f"reconcile: {rec['passes']} passes, {rec['repairs']} repairs, {rec['errors']} errors"
+                 + (f" (last: {rec['last_error']})" if rec["last_error"] else ""))
+    for job, n in sorted(st["jobs"].items()):
+        lines.append(f"job {job}: {n} flows")
+    return "\n".join(lines)
+
+
+def _status(args) -> int:
+    try:
+        with AgentClient(args.socket) as agent:
+            st = agent.status()
+    except (AgentUnavailable, AgentError) as exc:
+        print(f"tensorlane status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(st, indent=2) if args.json else format_status(st))
+    return 0
+
+
+def _verify(args) -> int:
+    from agent.verify import format_report, verify
+
+    try:
+        report = verify(args.socket, args.seconds, args.interface)
+    except (AgentUnavailable, AgentError) as exc:
+        print(f"tensorlane verify: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if report["ok"] else 1
+
+
+def _delegate(module: str, argv: list[str]) -> int:
+    import importlib
+
+    return importlib.import_module(module).main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tensorlane", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("agent", help="run the per-host agent in the foreground")
+    a.add_argument("--config", help="TOML config file (see docs/agent.md)")
+    a.add_argument("--interface", help="override: egress interface to manage")
+    a.add_argument("--socket", help="override: Unix socket path of the API")
+    a.add_argument("--metrics-address", help="override: HOST:PORT for /metrics (empty disables)")
+    a.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    a.set_defaults(func=_agent)
+    s = sub.add_parser("status", help="show a running agent's classes, flows and counters")
+    s.add_argument("--socket", default=DEFAULT_SOCKET)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_status)
+    v = sub.add_parser("verify", help="capture traffic and check each registered flow's DSCP and queue")
+    v.add_argument("--socket", default=DEFAULT_SOCKET)
+    v.add_argument("--seconds", type=float, default=5.0)
+    v.add_argument("--interface", help="capture here instead of the agent's interface")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=_verify)
+    for name, module, helptext in (("testbed", "testbed.topology", "build or remove an emulated cluster"),
+                                   ("demo", "bench.contention", "all-reduce under bulk traffic: FIFO vs agent"),
+                                   ("bench", "bench", "run a benchmark and write its figures")):
+        d = sub.add_parser(name, help=helptext, add_help=False)
+        d.set_defaults(func=lambda args, m=module: _delegate(m, args.rest), rest=[])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if argv and argv[0] in ("testbed", "demo", "bench"):
+        args = parser.parse_args(argv[:1])
+        args.rest = argv[1:]
+    else:
+        args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
