@@ -33,6 +33,9 @@ def _dscp(pkt) -> int:
 
 def verify(socket_path: str, seconds: float, interface: str | None = None) -> dict:
     """Capture for ``seconds`` and compare what each registered flow carried with what it should."""
+    import scapy.layers.inet  # noqa: F401 - the dissectors must be loaded before the capture starts
+    import scapy.layers.inet6  # noqa: F401
+    import scapy.layers.l2  # noqa: F401
     from scapy.sendrecv import sniff
 
     with AgentClient(socket_path) as agent:
@@ -95,5 +98,8 @@ def format_report(report: dict) -> str:
         seen = ",".join(map(str, r["seen_dscp"])) or "-"
         lines.append(f"{flow:<52} {r['job']:<12} {r['level']:>3} {r['queue']:>7} {r['expected_dscp']:>9} "
                      f"{seen:>8} {r['packets']:>7}  {r['verdict']}")
-    lines.append("all registered flows as expected" if report["ok"] else "MISMATCH: see verdicts above")
+    verified = sum(r["verdict"] == "ok" for r in report["flows"])
+    idle = sum(r["verdict"] == "no traffic" for r in report["flows"])
+    lines.append(f"{verified} flows verified, {idle} idle during the capture" if report["ok"]
+                 else "MISMATCH: see verdicts above")
     return "\n".join(lines)

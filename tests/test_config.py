@@ -1,0 +1,58 @@
+"""Configuration is validated before the agent touches the kernel; every error names its field."""
+import pytest
+
+from agent.config import ConfigError, from_dict, load_config, parse_rate
+
+
+def test_minimal_config_has_defaults():
+    cfg = from_dict({"interface": "eth0"})
+    assert cfg.levels == 4 and cfg.dscp == (46, 34, 26, 18)
+    assert cfg.backend == "auto" and cfg.take_over_root is False and cfg.link_rate_bps is None
+
+
+@pytest.mark.parametrize("text,bps", [("200mbit", 200_000_000), ("10gbit", 10**10), ("1.5gbit", 1_500_000_000),
+                                      ("100kbit", 100_000), (64000, 64000)])
+def test_parse_rate(text, bps):
+    assert parse_rate(text) == bps
+
+
+@pytest.mark.parametrize("raw,field", [
+    ({}, "interface"),
+    ({"interface": "this-name-is-too-long"}, "interface"),
+    ({"interface": "eth0", "backend": "cbq"}, "backend"),
+    ({"interface": "eth0", "levels": 0}, "levels"),
+    ({"interface": "eth0", "levels": 9}, "levels"),
+    ({"interface": "eth0", "levels": True}, "levels"),
+    ({"interface": "eth0", "link_rate": "fast"}, "link_rate"),
+    ({"interface": "eth0", "dscp": {"0": 99}}, "dscp"),
+    ({"interface": "eth0", "dscp": {"0": "XX"}}, "dscp"),
+    ({"interface": "eth0", "levels": 2, "dscp": {"0": "AF41", "1": "AF41"}}, "dscp"),  # duplicate level queue
+    ({"interface": "eth0", "dscp": {"0": "CS6"}}, "dscp"),  # reserved queue
+    ({"interface": "eth0", "dscp": {"7": "EF"}}, "dscp"),
+    ({"interface": "eth0", "socket": "relative.sock"}, "socket"),
+    ({"interface": "eth0", "metrics_address": "nonsense"}, "metrics_address"),
+    ({"interface": "eth0", "take_over_root": "yes"}, "take_over_root"),
+    ({"interface": "eth0", "queue_limit_packets": 1}, "queue_limit_packets"),
+    ({"interface": "eth0", "colour": "blue"}, "colour"),
+])
+def test_bad_values_name_their_field(raw, field):
+    with pytest.raises(ConfigError) as err:
+        from_dict(raw)
+    assert err.value.field == field
+    assert f"'{field}'" in str(err.value)
+
+
+def test_load_file_and_overrides(tmp_path):
+    path = tmp_path / "agent.toml"
+    path.write_text('interface = "eth0"\nlink_rate = "1gbit"\nlevels = 2\n[dscp]\n0 = "EF"\n1 = "AF31"\n')
+    cfg = load_config(str(path), {"interface": "eth1", "socket": None})
+    assert cfg.interface == "eth1" and cfg.link_rate_bps == 10**9 and cfg.dscp == (46, 26)
+
+
+def test_load_reports_bad_toml_and_missing_file(tmp_path):
+    path = tmp_path / "agent.toml"
+    path.write_text("interface = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="no config file"):
+        load_config(str(tmp_path / "absent.toml"))

@@ -1,0 +1,29 @@
+"""FlowTable: the single place that holds the desired flow state."""
+import pytest
+
+from agent.protocol import FlowKey, ProtocolError
+from agent.state import FlowTable
+
+A = FlowKey("tcp", "198.18.0.1", 4000, "198.18.0.2", 5000)
+B = FlowKey("tcp", "198.18.0.1", 4001, "198.18.0.2", 5000)
+
+
+def test_register_move_and_unregister():
+    t = FlowTable(levels=3)
+    assert t.register("j", 0, (A, B)) == ([A, B], [])
+    assert t.register("j", 0, (A,)) == ([], [])
+    assert t.register("j", 2, (A,)) == ([], [A])
+    assert t.by_level() == {0: [B], 1: [], 2: [A]}
+    assert t.unregister("j", (A,)) == [A]
+    assert t.unregister("j") == [B] and not t.flows
+
+
+def test_refusals_change_nothing():
+    t = FlowTable(levels=2, max_flows=2)
+    t.register("j", 0, (A,))
+    for call in (lambda: t.register("k", 0, (B, A)), lambda: t.register("j", 5, (B,)),
+                 lambda: t.unregister("k", (A,)),
+                 lambda: t.register("j", 0, (B, FlowKey("udp", "198.18.0.1", 1, "198.18.0.2", 2)))):
+        with pytest.raises(ProtocolError):
+            call()
+        assert list(t.flows) == [A] and t.flows[A].job == "j"
