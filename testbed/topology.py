@@ -1,0 +1,516 @@
+"""Namespace testbed: N emulated hosts on one emulated DSCP-trusting switch, every link shaped to RATE.
+
+::
+
+    tl-h1 [eth0 198.18.0.1/24] ==veth== [p1]-+
+    tl-h2 [eth0 198.18.0.2/24] ==veth== [p2]-+- br0   (namespace tl-sw)
+    tl-hN [eth0 198.18.0.N/24] ==veth== [pN]-+
+
+Switch port pI egress: HTB at RATE, 8 strict-priority queues, queue = DSCP >> 3 (testbed.switch). Host eth0
+egress (``shape_hosts=True``): HTB at RATE, one FIFO class. See docs/testbed.md.
+
+Usage::
+
+    with Testbed(hosts=3, rate="200mbit", name="tl") as tb:
+        tb.host(2).popen(["iperf3", "-s", "-1"])
+        tb.host(1).run(["iperf3", "-c", tb.host(2).ip, "-t", "3"])
+        print(tb.switch_port_stats(2))
+
+CLI: ``python -m testbed up --hosts 3 --rate 200mbit --name tl`` / ``down --name tl`` / ``down --all`` / ``list``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+from pyroute2 import IPRoute
+
+from testbed import records, switch
+
+NETNS_DIR = "/run/netns"
+SUBNET = "198.18.0"
+PREFIXLEN = 24
+IFNAME = "eth0"
+BRIDGE = "br0"
+MAX_HOSTS = 64
+MIN_RATE_BPS = 1_000_000
+MAX_RATE_BPS = 10_000_000_000
+CMD_TIMEOUT_S = 10
+KILL_GRACE_S = 2.0
+# TCP builds 64 KB GSO super-packets by default; HTB would then shape and pfifo would count in 64 KB units.
+# gso_max_segs=1 (set over netlink on every veth) makes every packet on the wire a real <= 1514-byte frame.
+GSO_MAX_SEGS = 1
+
+_NO_IPV6 = ("[ -d /proc/sys/net/ipv6 ] || exit 0; for c in all default; "
+            "do echo 1 > /proc/sys/net/ipv6/conf/$c/disable_ipv6 || exit 1; done")
+_RATE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|)\s*", re.IGNORECASE)
+_RATE_UNITS = {"": 1, "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+class TestbedError(RuntimeError):
+    """A testbed could not be built, inspected or torn down; the message says which namespace and why."""
+
+    __test__ = False  # not a pytest test class
+
+
+class CommandError(TestbedError, subprocess.CalledProcessError):
+    """A command run with ``Host.run(check=True)`` exited non-zero; the message includes its stderr."""
+
+    def __str__(self) -> str:
+        """The command, its exit status and the tail of its stderr."""
+        err = (self.stderr or "").strip()[-500:] if isinstance(self.stderr, str) else ""
+        return f"{subprocess.CalledProcessError.__str__(self)}{': ' + err if err else ''}"
+
+
+def parse_rate(rate: str) -> int:
+    """Bits per second of a tc-style rate such as ``"200mbit"``, ``"1gbit"``, ``"5000kbit"`` (1 mbit..10 gbit).
+
+    Usage: ``parse_rate("200mbit") == 200_000_000``
+    """
+    m = _RATE_RE.fullmatch(rate) if isinstance(rate, str) else None
+    if not m:
+        raise ValueError(f"rate must look like '200mbit', '1gbit' or '5000kbit' (bits per second), not {rate!r}")
+    bps = int(float(m.group(1)) * _RATE_UNITS[m.group(2).lower()])
+    if not MIN_RATE_BPS <= bps <= MAX_RATE_BPS:
+        raise ValueError(f"rate {rate!r} is {bps} bit/s; the testbed supports 1mbit..10gbit")
+    return bps
+
+
+def validate_name(name: str) -> str:
+    """Return ``name`` if it is a valid testbed name (1-8 of a-z, 0-9); raise ValueError otherwise."""
+    if not isinstance(name, str) or not records.NAME_RE.fullmatch(name):
+        raise ValueError(f"testbed name must be 1-8 characters of [a-z0-9], not {name!r}")
+    return name
+
+
+def netns_exists(ns: str) -> bool:
+    """Whether a named network namespace ``ns`` exists (``ip netns list`` reads the same directory)."""
+    return os.path.exists(os.path.join(NETNS_DIR, ns))
+
+
+def _ip(args: list[str], timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run ``ip ARGS`` with a timeout; raise TestbedError with ip's message on failure."""
+    try:
+        proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise TestbedError(f"'ip {' '.join(args)}' timed out after {timeout} s") from e
+    if proc.returncode != 0:
+        raise TestbedError(f"'ip {' '.join(args)}' failed: {proc.stderr.strip() or proc.returncode}")
+    return proc
+
+
+def _netns_pids(ns: str) -> list[int]:
+    """Ids of the processes running inside namespace ``ns`` (never this process)."""
+    try:
+        out = _ip(["netns", "pids", ns]).stdout
+    except TestbedError:
+        return []
+    return [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
+
+
+def _kill_netns_processes(ns: str, grace: float = KILL_GRACE_S) -> None:
+    """SIGTERM the processes left inside ``ns``, then SIGKILL those still there after ``grace`` seconds."""
+    pids = _netns_pids(ns)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+            pids = _netns_pids(ns)
+        if not pids:
+            return
+
+
+def _delete_netns(ns: str) -> bool:
+    """Stop what runs in ``ns`` and delete it; False if it did not exist."""
+    if not netns_exists(ns):
+        return False
+    _kill_netns_processes(ns)
+    _ip(["netns", "del", ns])
+    return True
+
+
+def _exit_if_forked(owner: int) -> None:
+    """End this process at once if it is not ``owner``: a fork that pyroute2 made to open a socket in a namespace.
+
+    pyroute2 forks a copy of this process (the whole Python stack included) for every ``IPRoute(netns=...)``; a
+    signal that turns into an exception in that copy (SIGINT from the terminal, SIGTERM when pyroute2 stops it)
+    must not unwind into our cleanup code, or the copy would tear down the testbed its parent is building.
+    """
+    if os.getpid() != owner:
+        os._exit(1)
+
+
+@contextlib.contextmanager
+def _ipr(ns: str) -> Iterator[IPRoute]:
+    """An rtnetlink socket inside the existing namespace ``ns`` (flags=0: never creates one), closed on exit."""
+    if not netns_exists(ns):
+        raise TestbedError(f"network namespace {ns} does not exist")
+    owner = os.getpid()
+    try:
+        ipr = IPRoute(netns=ns, flags=0)
+    except BaseException:
+        _exit_if_forked(owner)
+        raise
+    try:
+        yield ipr
+    finally:
+        ipr.close()
+
+
+def _link_index(ipr: IPRoute, ifname: str, ns: str) -> int:
+    """Index of link ``ifname`` in the namespace of ``ipr``; TestbedError if absent."""
+    found = ipr.link_lookup(ifname=ifname)
+    if not found:
+        raise TestbedError(f"no link {ifname} in namespace {ns}")
+    return found[0]
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM back for the block (this thread); one that arrives meanwhile is delivered at its end.
+
+    Used where an interruption would lose track of what exists: creating a namespace (an interrupted
+    ``subprocess.run`` may leave ``ip netns add`` running unwaited, creating the namespace after we looked) and
+    tearing down.
+    """
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class Host:
+    """One emulated host: a network namespace with ``eth0`` at ``198.18.0.{index}/24`` on the switch."""
+
+    def __init__(self, testbed: str, index: int):
+        """Describe host ``index`` (1-based) of testbed ``testbed``; creates nothing."""
+        self.index = index
+        self.name = f"{testbed}-h{index}"
+        self.ip = f"{SUBNET}.{index}"
+        self.ifname = IFNAME
+
+    def __repr__(self) -> str:
+        """``Host(tl-h1, 198.18.0.1)``."""
+        return f"Host({self.name}, {self.ip})"
+
+    def argv(self, argv: list[str]) -> list[str]:
+        """``argv`` prefixed so that it runs inside this host's namespace."""
+        return ["ip", "netns", "exec", self.name, *argv]
+
+    def run(self, argv: list[str], check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+        """Run ``argv`` in the namespace and wait (``timeout`` s); output captured as text unless redirected.
+
+        Raises CommandError (a TestbedError and a CalledProcessError) on non-zero exit when ``check``, and
+        subprocess.TimeoutExpired when it runs too long (the child is killed).
+        """
+        if "stdout" not in kw and "stderr" not in kw:
+            kw.setdefault("capture_output", True)
+        kw.setdefault("text", True)
+        proc = subprocess.run(self.argv(argv), timeout=timeout, **kw)
+        if check and proc.returncode != 0:
+            raise CommandError(proc.returncode, proc.args, proc.stdout, proc.stderr)
+        return proc
+
+    def popen(self, argv: list[str], **kw) -> subprocess.Popen:
+        """Start ``argv`` in the namespace; the caller waits for or kills it (``down()`` kills what is left)."""
+        return subprocess.Popen(self.argv(argv), **kw)
+
+
+class Testbed:
+    """N host namespaces on one switch namespace; ``up()`` builds it, ``down()`` removes what ``up()`` made."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, hosts: int = 3, rate: str = "200mbit", name: str = "tl", shape_hosts: bool = True):
+        """Validate the parameters (ValueError when wrong); nothing is created before ``up()``."""
+        if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
+            raise ValueError(f"hosts must be an integer 1..{MAX_HOSTS}, not {hosts!r}")
+        self.name = validate_name(name)
+        self.rate = rate
+        self.rate_bps = parse_rate(rate)
+        self.shape_hosts = bool(shape_hosts)
+        self.switch_ns = f"{name}-sw"
+        self.hosts = [Host(name, i) for i in range(1, hosts + 1)]
+        self._created: list[str] = []
+        self._token: str | None = None
+
+    def __repr__(self) -> str:
+        """``Testbed(tl, 3 hosts, 200mbit)``."""
+        return f"Testbed({self.name}, {len(self.hosts)} hosts, {self.rate})"
+
+    def __enter__(self) -> Testbed:
+        """Build the testbed (``up``)."""
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        """Tear the testbed down (``down``), whatever happened in the block."""
+        self.down()
+
+    def host(self, i: int) -> Host:
+        """Host ``i``, 1-based."""
+        if isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= len(self.hosts):
+            raise TestbedError(f"testbed {self.name} has hosts 1..{len(self.hosts)}, not {i!r}")
+        return self.hosts[i - 1]
+
+    @property
+    def namespaces(self) -> list[str]:
+        """Every namespace this testbed consists of, switch first."""
+        return [self.switch_ns, *(h.name for h in self.hosts)]
+
+    def up(self) -> Testbed:
+        """Build everything; on any error (KeyboardInterrupt included) remove what was made and re-raise."""
+        if self._created:
+            raise TestbedError(f"testbed {self.name} is already up")
+        owner = os.getpid()
+        with records.name_lock(self.name):
+            self._refuse_existing()
+            try:
+                self._build()
+            except BaseException as e:
+                _exit_if_forked(owner)
+                with _signals_held():
+                    try:
+                        self._teardown()
+                    except Exception as cleanup_error:  # noqa: BLE001 - keep the original error
+                        e.add_note(f"cleanup after the failed build also failed: {cleanup_error}")
+                raise
+        return self
+
+    def down(self) -> None:
+        """Remove every namespace this instance created (and processes left in them); safe to call twice."""
+        if not self._created:
+            return
+        with _signals_held(), records.name_lock(self.name):
+            self._teardown()
+
+    def _refuse_existing(self) -> None:
+        """Raise TestbedError if any namespace this testbed would create already exists."""
+        for ns in self.namespaces:
+            if netns_exists(ns):
+                raise TestbedError(
+                    f"network namespace {ns} already exists; not touching it (if it is a leftover of testbed "
+                    f"{self.name}: python -m testbed down --name {self.name})"
+                )
+
+    def _build(self) -> None:
+        """Create the namespaces (recorded first), the bridge, the links and the qdiscs."""
+        self._token = uuid.uuid4().hex
+        record = {"name": self.name, "token": self._token, "pid": os.getpid(), "hosts": len(self.hosts),
+                  "rate": self.rate, "rate_bps": self.rate_bps, "created": time.time(), "netns": []}
+        with _signals_held():
+            records.write_record(self.name, record)
+        for ns in self.namespaces:
+            self._create_netns(record, ns)
+        self._build_switch()
+        for host in self.hosts:
+            self._add_host(host)
+
+    def _create_netns(self, record: dict, ns: str) -> None:
+        """Record ``ns``, create it (dropping it from the record if that fails), quiet its IPv6."""
+        with _signals_held():
+            record["netns"].append(ns)
+            records.write_record(self.name, record)
+            try:
+                _ip(["netns", "add", ns])
+            except TestbedError:  # ip refused (e.g. it exists now): not ours
+                record["netns"].remove(ns)
+                records.write_record(self.name, record)
+                raise
+            self._created.append(ns)
+        # IPv4-only testbed: without IPv6 there is no NDP/MLD chatter in the switch queues.
+        _ip(["netns", "exec", ns, "sh", "-c", _NO_IPV6])
+
+    def _build_switch(self) -> None:
+        """In the switch namespace: ``lo`` up and bridge ``br0`` (no STP, forward delay 0) up."""
+        with _ipr(self.switch_ns) as ipr:
+            ipr.link("set", index=_link_index(ipr, "lo", self.switch_ns), state="up")
+            ipr.link("add", ifname=BRIDGE, kind="bridge", br_stp_state=0, br_forward_delay=0)
+            ipr.link("set", index=_link_index(ipr, BRIDGE, self.switch_ns), state="up")
+
+    def _add_host(self, host: Host) -> None:
+        """Wire ``host``: veth eth0 (host ns) <-> p{i} (switch ns, on br0), address, shaping, links up."""
+        port = f"p{host.index}"
+        with _ipr(host.name) as ipr:
+            ipr.link("set", index=_link_index(ipr, "lo", host.name), state="up")
+            ipr.link("add", ifname=IFNAME, kind="veth", peer={"ifname": port, "net_ns_fd": self.switch_ns})
+            idx = _link_index(ipr, IFNAME, host.name)
+            ipr.link("set", index=idx, gso_max_segs=GSO_MAX_SEGS)
+            ipr.addr("add", index=idx, address=host.ip, prefixlen=PREFIXLEN)
+            if self.shape_hosts:
+                switch.install_fifo(ipr, idx, self.rate_bps)
+            ipr.link("set", index=idx, state="up")
+        with _ipr(self.switch_ns) as ipr:
+            pidx = _link_index(ipr, port, self.switch_ns)
+            ipr.link("set", index=pidx, gso_max_segs=GSO_MAX_SEGS)
+            ipr.link("set", index=pidx, master=_link_index(ipr, BRIDGE, self.switch_ns))
+            switch.install_strict_priority(ipr, pidx, self.rate_bps)
+            ipr.link("set", index=pidx, state="up")
+
+    def _teardown(self) -> None:
+        """Delete the namespaces this instance created, hosts first; then update or remove the record.
+
+        If the record now belongs to another build of the same name (another token), nothing is deleted.
+        """
+        record = records.read_record(self.name)
+        if record is not None and record.get("token") not in (None, self._token):
+            self._created = []
+            return
+        errors = []
+        for ns in reversed(self._created[:]):
+            try:
+                _delete_netns(ns)
+                self._created.remove(ns)
+            except TestbedError as e:
+                errors.append(str(e))
+        if record is not None:
+            record["netns"] = [ns for ns in record.get("netns", []) if ns in self._created]
+            if record["netns"]:
+                records.write_record(self.name, record)
+            else:
+                records.remove_record(self.name)
+        if errors:
+            raise TestbedError(f"testbed {self.name}: could not remove: {'; '.join(errors)}")
+
+    def switch_port_stats(self, i: int) -> dict[int, dict[str, int]]:
+        """Counters of the switch port toward host ``i``: ``{queue 0..7: {bytes, packets, drops, backlog, qlen}}``."""
+        port = f"p{self.host(i).index}"
+        with _ipr(self.switch_ns) as ipr:
+            return switch.queue_stats(ipr, _link_index(ipr, port, self.switch_ns))
+
+
+def down_by_name(name: str) -> list[str]:
+    """Remove the namespaces that the ownership record of testbed ``name`` lists (and carry its prefix).
+
+    Returns the names of the namespaces removed (sorted); a name without a record removes nothing.
+    """
+    validate_name(name)
+    owned = records.owned_netns_re(name)
+    removed, errors, left = [], [], []
+    with _signals_held(), records.name_lock(name):
+        record = records.read_record(name)
+        if record is None:
+            return []
+        listed = {ns for ns in record.get("netns", []) if isinstance(ns, str) and owned.fullmatch(ns)}
+        for ns in sorted(listed, key=lambda n: n.endswith("-sw")):  # hosts first, the switch last
+            try:
+                if _delete_netns(ns):
+                    removed.append(ns)
+            except TestbedError as e:
+                errors.append(str(e))
+                left.append(ns)
+        if left:
+            records.write_record(name, {**record, "netns": left})
+        else:
+            records.remove_record(name)
+    if errors:
+        raise TestbedError(f"testbed {name}: could not remove: {'; '.join(errors)}")
+    return sorted(removed)
+
+
+def _print_hosts(tb: Testbed) -> None:
+    """Print the host table of a testbed that is up."""
+    print(f"testbed {tb.name} is up: {len(tb.hosts)} hosts, {tb.rate} per link, switch namespace {tb.switch_ns}")
+    print(f"{'host':>4}  {'netns':<10} {'if':<5} ip")
+    for h in tb.hosts:
+        print(f"{h.index:>4}  {h.name:<10} {h.ifname:<5} {h.ip}/{PREFIXLEN}")
+    print(f"run in a host: ip netns exec {tb.hosts[0].name} CMD; tear down: python -m testbed down --name {tb.name}")
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    """``up``: build and leave the testbed up (SIGINT/SIGTERM during the build clean up)."""
+    tb = Testbed(hosts=args.hosts, rate=args.rate, name=args.name, shape_hosts=not args.no_shape_hosts)
+
+    owner = os.getpid()
+
+    def _interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
+        """SIGINT/SIGTERM: KeyboardInterrupt, so that the build cleans up (a pyroute2 fork just exits)."""
+        _exit_if_forked(owner)
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        tb.up()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    _print_hosts(tb)
+    return 0
+
+
+def _creator_alive(name: str) -> int | None:
+    """The pid that built testbed ``name`` if that process still runs (and is not this one), else None."""
+    pid = (records.read_record(name) or {}).get("pid")
+    if not isinstance(pid, int) or pid <= 1 or pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return pid
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    """``down``: remove one recorded testbed; ``--all``: every recorded one whose builder process has ended."""
+    names = records.recorded_names() if args.all else [args.name]
+    for name in names:
+        pid = _creator_alive(name) if args.all else None
+        if pid is not None:
+            print(f"testbed {name}: skipped, in use by running process {pid} (remove it with --name {name})")
+            continue
+        removed = down_by_name(name)
+        print(f"testbed {name}: removed {', '.join(removed) if removed else 'nothing'}")
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:  # noqa: ARG001
+    """``list``: recorded testbeds and which of their namespaces exist."""
+    names = records.recorded_names()
+    if not names:
+        print("no testbeds recorded")
+    for name in names:
+        rec = records.read_record(name) or {}
+        listed = rec.get("netns", [])
+        present = [ns for ns in listed if netns_exists(ns)]
+        print(f"{name}: {rec.get('hosts', '?')} hosts, {rec.get('rate', '?')}, pid {rec.get('pid', '?')}, "
+              f"{len(present)}/{len(listed)} namespaces present: {' '.join(present)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: ``up --hosts N --rate RATE [--name tl]``, ``down [--name tl | --all]``, ``list``."""
+    p = argparse.ArgumentParser(prog="testbed", description="tensorlane network-namespace testbed (root)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="build a testbed and leave it up")
+    up.add_argument("--hosts", type=int, default=3)
+    up.add_argument("--rate", default="200mbit")
+    up.add_argument("--name", default="tl")
+    up.add_argument("--no-shape-hosts", action="store_true", help="leave the host NICs unshaped")
+    down = sub.add_parser("down", help="remove a testbed (only what its ownership record lists)")
+    which = down.add_mutually_exclusive_group()
+    which.add_argument("--name", default="tl")
+    which.add_argument("--all", action="store_true",
+                       help="every recorded testbed whose builder has exited (a live test run keeps its testbed)")
+    sub.add_parser("list", help="recorded testbeds")
+    args = p.parse_args(argv)
+    try:
+        return {"up": _cmd_up, "down": _cmd_down, "list": _cmd_list}[args.cmd](args)
+    except KeyboardInterrupt:
+        print("testbed: interrupted; removed what was built", file=sys.stderr)
+        return 130
+    except (TestbedError, ValueError, TimeoutError, OSError) as e:
+        print(f"testbed: error: {e}", file=sys.stderr)
+        return 1
