@@ -1,0 +1,139 @@
+"""Discover a process's own established TCP flows from /proc (no torch, no privileges).
+
+A process's sockets are the ``socket:[INODE]`` links in ``/proc/PID/fd``; the rows of ``/proc/PID/net/tcp`` and
+``/proc/PID/net/tcp6`` (which show the network namespace of PID) give each inode's addresses and state. Only
+established sockets are returned, as agent flow dicts ``{"proto", "src", "sport", "dst", "dport"}`` in the
+direction the flow leaves this host (local address/port to remote address/port). IPv4-mapped IPv6 addresses
+(``::ffff:a.b.c.d``, what a dual-stack socket shows) are returned as IPv4.
+
+Usage::
+
+    before = own_tcp_flows()
+    dist.init_process_group(...)
+    flows = new_flows(before, own_tcp_flows(remote_filter=peer_addresses))
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import struct
+from collections.abc import Callable, Iterable
+
+TCP_ESTABLISHED = 0x01
+
+FlowDict = dict
+RemoteFilter = Callable[[dict], bool] | str | Iterable[str] | ipaddress.IPv4Network | ipaddress.IPv6Network | None
+
+
+def _socket_inodes(pid: int | str) -> set[int]:
+    """Inodes of the sockets that process ``pid`` holds open (fds that vanish while we look are skipped)."""
+    fd_dir = f"/proc/{pid}/fd"
+    inodes: set[int] = set()
+    for name in os.listdir(fd_dir):
+        try:
+            target = os.readlink(f"{fd_dir}/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:[") and target.endswith("]"):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def _addr4(hexaddr: str) -> ipaddress.IPv4Address:
+    # The kernel prints the in-memory (network order) 32-bit word as a host-order integer.
+    return ipaddress.IPv4Address(struct.pack("=I", int(hexaddr, 16)))
+
+
+def _addr6(hexaddr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    words = [int(hexaddr[i:i + 8], 16) for i in range(0, 32, 8)]
+    addr = ipaddress.IPv6Address(struct.pack("=4I", *words))
+    return addr.ipv4_mapped or addr
+
+
+def _endpoint(text: str, v6: bool):
+    hexaddr, hexport = text.split(":")
+    return (_addr6(hexaddr) if v6 else _addr4(hexaddr)), int(hexport, 16)
+
+
+def parse_proc_net_tcp(text: str, v6: bool = False) -> list[tuple[int, int, tuple, tuple]]:
+    """Parse the text of /proc/net/tcp(6) into ``(inode, state, (laddr, lport), (raddr, rport))`` rows."""
+    rows = []
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 10:
+            continue
+        try:
+            local = _endpoint(fields[1], v6)
+            remote = _endpoint(fields[2], v6)
+            state = int(fields[3], 16)
+            inode = int(fields[9])
+        except ValueError:
+            continue
+        rows.append((inode, state, local, remote))
+    return rows
+
+
+def _matcher(remote_filter: RemoteFilter) -> Callable[[dict], bool]:
+    """Turn ``remote_filter`` into a predicate on flow dicts.
+
+    Accepts a callable (given the flow dict), an address or network string ("198.18.0.2", "198.18.0.0/24"),
+    an ip_network, or an iterable of those; None keeps every flow.
+    """
+    if remote_filter is None:
+        return lambda flow: True
+    if callable(remote_filter):
+        return remote_filter
+    items = [remote_filter] if isinstance(remote_filter, (str, ipaddress.IPv4Network, ipaddress.IPv6Network)) \
+        else list(remote_filter)
+    nets = []
+    for item in items:
+        net = ipaddress.ip_network(item, strict=False) if not isinstance(
+            item, (ipaddress.IPv4Network, ipaddress.IPv6Network)) else item
+        if isinstance(net, ipaddress.IPv6Network) and net.prefixlen == 128 and net.network_address.ipv4_mapped:
+            net = ipaddress.ip_network(net.network_address.ipv4_mapped)
+        nets.append(net)
+    return lambda flow: any(ipaddress.ip_address(flow["dst"]) in net for net in nets)
+
+
+def own_tcp_flows(pid: int | None = None, remote_filter: RemoteFilter = None) -> list[FlowDict]:
+    """Established TCP flows of process ``pid`` (default: the caller), as agent flow dicts, sorted.
+
+    ``remote_filter`` keeps only flows whose remote end matches (see ``_matcher``): e.g. the peers' addresses,
+    so that a connection to a rendezvous store or a metrics server is left out.
+    """
+    proc = "self" if pid is None else str(int(pid))
+    inodes = _socket_inodes(proc)
+    keep = _matcher(remote_filter)
+    flows: dict[tuple, FlowDict] = {}
+    for name, v6 in (("tcp", False), ("tcp6", True)):
+        try:
+            with open(f"/proc/{proc}/net/{name}") as fh:
+                text = fh.read()
+        except FileNotFoundError:  # no IPv6 in this kernel
+            continue
+        for inode, state, (laddr, lport), (raddr, rport) in parse_proc_net_tcp(text, v6):
+            if state != TCP_ESTABLISHED or inode not in inodes or inode == 0:
+                continue
+            if laddr.version != raddr.version:
+                continue
+            flow = {"proto": "tcp", "src": str(laddr), "sport": lport, "dst": str(raddr), "dport": rport}
+            if keep(flow):
+                flows[flow_key(flow)] = flow
+    return [flows[k] for k in sorted(flows)]
+
+
+def flow_key(flow: FlowDict) -> tuple:
+    """Hashable identity of a flow dict."""
+    return (flow.get("proto", "tcp"), flow["src"], flow["sport"], flow["dst"], flow["dport"])
+
+
+def new_flows(before: Iterable[FlowDict], after: Iterable[FlowDict]) -> list[FlowDict]:
+    """Flows of ``after`` that are not in ``before`` (order of ``after`` kept)."""
+    seen = {flow_key(f) for f in before}
+    out = []
+    for flow in after:
+        key = flow_key(flow)
+        if key not in seen:
+            seen.add(key)
+            out.append(flow)
+    return out

@@ -1,0 +1,163 @@
+"""shim.flows on loopback with real sockets (no privileges, no torch)."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from shim.flows import flow_key, new_flows, own_tcp_flows, parse_proc_net_tcp
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+class Pair:
+    """A listening socket, a client connected to it and the accepted server end; closed on exit."""
+
+    def __init__(self, family=socket.AF_INET, listen_addr="127.0.0.1", connect_addr=None, v6only=None):
+        self.listener = socket.socket(family, socket.SOCK_STREAM)
+        if v6only is not None:
+            self.listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(v6only))
+        self.listener.bind((listen_addr, 0))
+        self.listener.listen(4)
+        self.port = self.listener.getsockname()[1]
+        self.client = socket.create_connection((connect_addr or listen_addr, self.port), timeout=5)
+        self.server, _ = self.listener.accept()
+        self.cport = self.client.getsockname()[1]
+
+    def close(self):
+        for s in (self.client, self.server, self.listener):
+            if s is not None:
+                s.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def test_ipv4_both_directions_listed():
+    with Pair() as p:
+        flows = own_tcp_flows()
+        assert {"proto": "tcp", "src": "127.0.0.1", "sport": p.cport, "dst": "127.0.0.1", "dport": p.port} in flows
+        assert {"proto": "tcp", "src": "127.0.0.1", "sport": p.port, "dst": "127.0.0.1", "dport": p.cport} in flows
+        # the listener is not established: only the two connected ends use the port
+        assert sum(1 for f in flows if p.port in (f["sport"], f["dport"])) == 2
+
+
+def test_closed_sockets_disappear_and_new_flows():
+    before = own_tcp_flows()
+    with Pair() as p:
+        during = own_tcp_flows()
+        added = new_flows(before, during)
+        assert {flow_key(f) for f in added} >= {
+            ("tcp", "127.0.0.1", p.cport, "127.0.0.1", p.port),
+            ("tcp", "127.0.0.1", p.port, "127.0.0.1", p.cport),
+        }
+        ports = (p.port, p.cport)
+    after = own_tcp_flows()
+    assert not [f for f in after if f["sport"] in ports and f["dport"] in ports]
+
+
+def test_new_flows_keeps_order_and_dedups():
+    a = {"proto": "tcp", "src": "10.0.0.1", "sport": 1, "dst": "10.0.0.2", "dport": 2}
+    b = {"proto": "tcp", "src": "10.0.0.1", "sport": 3, "dst": "10.0.0.2", "dport": 4}
+    c = {"src": "10.0.0.1", "sport": 5, "dst": "10.0.0.3", "dport": 6}
+    assert new_flows([a], [b, a, c, dict(b)]) == [b, c]
+    assert new_flows([], []) == []
+
+
+def test_remote_filter_forms():
+    with Pair() as p, Pair(listen_addr="127.0.0.2") as q:
+        everything = own_tcp_flows()
+        assert any(f["dst"] == "127.0.0.2" for f in everything)
+        only2 = own_tcp_flows(remote_filter="127.0.0.2")
+        assert only2 and all(f["dst"] == "127.0.0.2" for f in only2)
+        assert {f["sport"] for f in only2} == {q.cport}
+        assert own_tcp_flows(remote_filter=["127.0.0.2", "127.0.0.3"]) == only2
+        assert own_tcp_flows(remote_filter="127.0.0.0/30") == [f for f in everything if f["dst"] in
+                                                                ("127.0.0.1", "127.0.0.2", "127.0.0.3")]
+        assert own_tcp_flows(remote_filter=lambda f: f["dport"] == p.port) == [
+            {"proto": "tcp", "src": "127.0.0.1", "sport": p.cport, "dst": "127.0.0.1", "dport": p.port}]
+        assert own_tcp_flows(remote_filter=[]) == []
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback in this kernel")
+def test_ipv6_loopback():
+    with Pair(family=socket.AF_INET6, listen_addr="::1") as p:
+        flows = own_tcp_flows(remote_filter="::1")
+        assert {"proto": "tcp", "src": "::1", "sport": p.cport, "dst": "::1", "dport": p.port} in flows
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback in this kernel")
+def test_ipv4_mapped_dual_stack_is_reported_as_ipv4():
+    # A dual-stack IPv6 listener accepting an IPv4 client: the server end is a tcp6 row with ::ffff:127.0.0.1.
+    with Pair(family=socket.AF_INET6, listen_addr="::", connect_addr="127.0.0.1", v6only=False) as p:
+        flows = own_tcp_flows()
+        server_end = {"proto": "tcp", "src": "127.0.0.1", "sport": p.port, "dst": "127.0.0.1", "dport": p.cport}
+        client_end = {"proto": "tcp", "src": "127.0.0.1", "sport": p.cport, "dst": "127.0.0.1", "dport": p.port}
+        assert server_end in flows and client_end in flows
+        assert not any("ffff" in f["src"] or "ffff" in f["dst"] for f in flows)
+        assert own_tcp_flows(remote_filter="::ffff:127.0.0.1") == own_tcp_flows(remote_filter="127.0.0.1")
+
+
+def test_other_process_by_pid():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import socket, sys
+            s = socket.create_connection(("127.0.0.1", {port}), timeout=5)
+            print(s.getsockname()[1], flush=True)
+            sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            conn, _ = listener.accept()
+            with conn:
+                cport = int(child.stdout.readline())
+                theirs = own_tcp_flows(pid=child.pid)
+                assert theirs == [{"proto": "tcp", "src": "127.0.0.1", "sport": cport,
+                                   "dst": "127.0.0.1", "dport": port}]
+                mine = own_tcp_flows()
+                assert {"proto": "tcp", "src": "127.0.0.1", "sport": port, "dst": "127.0.0.1",
+                        "dport": cport} in mine
+                assert not any(f["sport"] == cport for f in mine)
+        finally:
+            child.stdin.close()
+            child.wait(timeout=10)
+            child.stdout.close()
+
+
+def test_parse_rows_byte_order_and_state():
+    text = textwrap.dedent("""\
+          sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+           0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 111 1 0 100 0 0 10 0
+           1: 010012C6:9C40 020012C6:0FA0 01 00000000:00000000 00:00000000 00000000     0        0 222 1 0 20 4 30 10 -1
+        garbage line
+        """)
+    rows = parse_proc_net_tcp(text)
+    if sys.byteorder == "little":
+        assert [(r[0], r[1], str(r[2][0]), r[2][1], str(r[3][0]), r[3][1]) for r in rows] == [
+            (111, 0x0A, "127.0.0.1", 8080, "0.0.0.0", 0),
+            (222, 0x01, "198.18.0.1", 40000, "198.18.0.2", 4000),
+        ]
+    text6 = textwrap.dedent("""\
+          sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+           0: 0000000000000000FFFF00000100007F:1F90 0000000000000000FFFF00000200007F:A000 01 00000000:00000000 00:00000000 00000000     0        0 333 1 0 20 4 30 10 -1
+           1: 00000000000000000000000001000000:1F90 00000000000000000000000001000000:A001 01 00000000:00000000 00:00000000 00000000     0        0 444 1 0 20 4 30 10 -1
+        """)
+    rows6 = parse_proc_net_tcp(text6, v6=True)
+    if sys.byteorder == "little":
+        assert [(str(r[2][0]), str(r[3][0]), r[3][1]) for r in rows6] == [
+            ("127.0.0.1", "127.0.0.2", 0xA000), ("::1", "::1", 0xA001)]
