@@ -1,0 +1,192 @@
+"""The agent against the real kernel, in a testbed of its own: take-over and exact restore, refusals that
+leave the host untouched, marking and queueing of registered flows, churn, drift repair, status and verify."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agent.client import AgentClient
+from bench.agents import AgentStartError, running_agents, stop_agent
+from testbed import Testbed
+
+pytestmark = pytest.mark.netns
+PY = [sys.executable, "-m"]
+
+
+def tc_dump(host) -> str:
+    """The interface's qdiscs, classes and filters as tc prints them (no statistics)."""
+    return "\n".join(host.run(["tc", what, "show", "dev", "eth0"]).stdout for what in ("qdisc", "class", "filter"))
+
+
+def nft_tables(host) -> str:
+    return host.run(["nft", "list", "tables"]).stdout
+
+
+def flow(src_host, sport, dst_host, dport, proto="udp") -> dict:
+    return {"proto": proto, "src": src_host.ip, "sport": sport, "dst": dst_host.ip, "dport": dport}
+
+
+def udp_exchange(sender, receiver, sport, dport, seconds=1.5, pps=300, during=None) -> dict:
+    """Send UDP from ``sender`` to ``receiver`` and return what the receiver saw (DSCP per datagram)."""
+    recv = receiver.popen(PY + ["testbed.udpprobe", "recv", "--port", str(dport), "--seconds", str(seconds + 5)],
+                          stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    send = sender.popen(PY + ["testbed.udpprobe", "send", "--dst", receiver.ip, "--port", str(dport), "--sport",
+                              str(sport), "--pps", str(pps), "--seconds", str(seconds)],
+                        stdout=subprocess.PIPE, text=True)
+    try:
+        if during:
+            during()
+        sent = json.loads(send.communicate(timeout=seconds + 10)[0])
+        got = json.loads(recv.communicate(timeout=seconds + 10)[0])
+    finally:
+        for p in (send, recv):
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    return {"sent": sent, **got}
+
+
+@pytest.fixture(scope="module")
+def tb():
+    with Testbed(hosts=2, rate="100mbit", name="ta") as bed:
+        yield bed
+
+
+def test_take_over_and_restore_exactly(tb):
+    h1 = tb.host(1)
+    before, tables_before = tc_dump(h1), nft_tables(h1)
+    assert "htb 1:" in before  # the testbed's emulated NIC: a root tensorlane did not create
+    with running_agents(tb, levels=3, hosts=[1], backend="htb") as agents:
+        during = tc_dump(h1)
+        assert "qdisc htb 7a1: root" in during and "prio 2" in during
+        assert "tensorlane" in nft_tables(h1)
+        assert agents[1].status()["backend"] == "htb"
+    assert tc_dump(h1) == before
+    assert nft_tables(h1) == tables_before
+
+
+def test_refuses_foreign_root_without_take_over(tb):
+    h1 = tb.host(1)
+    before = tc_dump(h1)
+    with pytest.raises(AgentStartError, match=r"root qdisc 'htb' \(handle 1:\) that tensorlane did not create"):
+        with running_agents(tb, hosts=[1], config_extra={"take_over_root": False}):
+            pass
+    assert tc_dump(h1) == before and "tensorlane" not in nft_tables(h1)
+
+
+@pytest.mark.parametrize("kwargs,field", [({"config_extra": {"interface": "nosuch0"}}, "interface"),
+                                          ({"levels": 7}, "levels"),
+                                          ({"config_extra": {"dscp": {"0": 99}}}, "dscp")])
+def test_config_errors_stop_before_the_kernel(tb, kwargs, field):
+    h1 = tb.host(1)
+    before = tc_dump(h1)
+    with pytest.raises(AgentStartError, match=f"config field '{field}'"):
+        with running_agents(tb, hosts=[1], **kwargs):
+            pass
+    assert tc_dump(h1) == before and "tensorlane" not in nft_tables(h1)
+
+
+def test_registered_flow_is_marked_and_queued(tb):
+    h1, h2 = tb.host(1), tb.host(2)
+    with running_agents(tb, levels=3, hosts=[1], backend="htb") as agents:
+        with agents[1].client() as agent:
+            reply = agent.register("job-a", 1, [flow(h1, 9101, h2, 9100)], rank=0)
+            assert reply["dscp"] == 34 and reply["class"] == "7a1:11"
+            before = {c["class"]: c["bytes"] for c in agent.status()["classes"]}
+            marked = udp_exchange(h1, h2, 9101, 9100)
+            plain = udp_exchange(h1, h2, 9102, 9100, seconds=0.5)
+            after = {c["class"]: c for c in agent.status()["classes"]}
+    assert marked["packets"] >= 0.95 * marked["sent"]["sent"] and marked["dscp"] == {"34": marked["packets"]}
+    assert plain["dscp"] == {"0": plain["packets"]} and plain["packets"] > 0
+    assert after["7a1:11"]["bytes"] - before["7a1:11"] >= marked["sent"]["bytes"]
+    assert after["7a1:11"]["marked_bytes"] >= marked["sent"]["bytes"]
+    assert after["7a1:13"]["bytes"] - before["7a1:13"] >= plain["sent"]["bytes"]  # default class
+
+
+def test_churn_never_demotes_other_flows_and_leaves_no_state(tb):
+    h1, h2 = tb.host(1), tb.host(2)
+    with running_agents(tb, levels=3, hosts=[1], backend="htb") as agents:
+        with agents[1].client() as agent:
+            agent.register("steady", 0, [flow(h1, 9201, h2, 9200)])
+
+            def churn() -> None:
+                with agents[1].client() as c:
+                    deadline = time.monotonic() + 1.5
+                    for i in range(400):
+                        if time.monotonic() > deadline:
+                            break
+                        flows = [flow(h1, 20000 + i * 4 + k, h2, 9300) for k in range(4)]
+                        c.register(f"churn{i % 7}", i % 3, flows)
+                        if i % 2:
+                            c.register(f"churn{i % 7}", (i + 1) % 3, flows)  # move between levels
+                        c.unregister(f"churn{i % 7}", flows)
+
+            seen = udp_exchange(h1, h2, 9201, 9200, seconds=2.0, pps=400, during=churn)
+            listed = agent.list()["flows"]
+        kernel = h1.run(["nft", "-j", "list", "map", "inet", "tensorlane", "flows4"]).stdout
+    assert seen["dscp"] == {"46": seen["packets"]} and seen["packets"] > 500
+    assert [f["job"] for f in listed] == ["steady"]
+    elems = json.loads(kernel)["nftables"][1]["map"].get("elem", [])
+    assert len(elems) == 1 and elems[0][0]["concat"][3] == 9201
+
+
+def test_reconcile_repairs_drift(tb):
+    h1, h2 = tb.host(1), tb.host(2)
+    with running_agents(tb, hosts=[1], backend="htb", config_extra={"reconcile_interval_s": 0.3}) as agents:
+        with agents[1].client() as agent:
+            agent.register("job-a", 0, [flow(h1, 9401, h2, 9400)])
+            h1.run(["nft", "flush", "map", "inet", "tensorlane", "flows4"])
+            h1.run(["nft", "add", "element", "inet", "tensorlane", "flows4",
+                    "{ 198.18.0.1 . 198.18.0.2 . udp . 1 . 2 : goto level0 }"])
+            h1.run(["tc", "class", "change", "dev", "eth0", "parent", "7a1:1", "classid", "7a1:10", "htb",
+                    "rate", "1mbit", "ceil", "2mbit", "prio", "5"])
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and agent.status()["reconcile"]["repairs"] < 2:
+                time.sleep(0.1)
+            st = agent.status()
+        elems = h1.run(["nft", "list", "map", "inet", "tensorlane", "flows4"]).stdout
+        classes = h1.run(["tc", "class", "show", "dev", "eth0"]).stdout
+    assert st["reconcile"]["repairs"] >= 2 and st["reconcile"]["errors"] == 0
+    assert "9401" in elems and ". 1 . 2" not in elems
+    assert "class htb 7a1:10 parent 7a1:1 leaf 100: prio 0" in classes
+
+
+def test_status_and_verify_commands(tb):
+    h1, h2 = tb.host(1), tb.host(2)
+    with running_agents(tb, levels=2, hosts=[1], backend="htb") as agents:
+        sock = agents[1].socket
+        with agents[1].client() as agent:
+            agent.register("job-v", 0, [flow(h1, 9501, h2, 9500)])
+        status = h1.run(PY + ["tensorlane", "status", "--socket", sock]).stdout
+        verify = {}
+
+        def run_verify() -> None:
+            verify["out"] = h1.run(PY + ["tensorlane", "verify", "--socket", sock, "--seconds", "1.5", "--json"],
+                                   check=False, timeout=30)
+
+        udp_exchange(h1, h2, 9501, 9500, seconds=2.5, during=run_verify)
+    assert "backend htb" in status and "7a1:10" in status and "job job-v: 1 flows" in status
+    out = verify["out"]
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    row = report["flows"][0]
+    assert row["verdict"] == "ok" and row["seen_dscp"] == [46] and row["queue"] == "7a1:10"
+    assert report["queues"]["7a1:10"]["ok"]
+
+
+def test_sigkill_leaves_state_that_a_new_agent_adopts_then_restores(tb):
+    h1 = tb.host(1)
+    before = tc_dump(h1)
+    with pytest.raises(AgentStartError, match="exited with -9"):
+        with running_agents(tb, hosts=[1], backend="htb") as agents:
+            agents[1].proc.kill()
+            agents[1].proc.wait(5)
+    assert "7a1:" in tc_dump(h1)  # the killed agent could not clean up
+    with running_agents(tb, hosts=[1], backend="htb") as agents:
+        assert agents[1].status()["flows"] == 0
+    assert tc_dump(h1) == before and "tensorlane" not in nft_tables(h1)
