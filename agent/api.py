@@ -11,6 +11,7 @@ import selectors
 import socket
 import threading
 import time
+import uuid
 
 from agent import protocol
 from agent.kernel.qdisc import fmt_handle
@@ -29,6 +30,7 @@ class Api:
         self.rec = reconciler
         self.backend = backend
         self.started = time.time()
+        self.instance = uuid.uuid4().hex  # lets clients notice a restarted agent and register again
         self.outcomes: dict[tuple[str, str], int] = {}
         self.latencies: list[float] = []
 
@@ -54,7 +56,8 @@ class Api:
         return reply
 
     def _op_hello(self, req) -> dict:
-        return {"version": VERSION, "interface": self.cfg.interface, "levels": self.cfg.levels}
+        return {"version": VERSION, "interface": self.cfg.interface, "levels": self.cfg.levels,
+                "instance": self.instance}
 
     def _op_register(self, req) -> dict:
         added, moved = self.table.register(req.job, req.level, req.flows, req.rank)
