@@ -1,0 +1,115 @@
+"""The shim's link to the local agent: registers the job's flows, re-registers after an agent restart, and never
+blocks or breaks training when the agent is absent (short timeouts, one warning, a counter).
+
+No torch here, and nothing privileged: it only talks to the agent's Unix socket.
+Usage: ``link = AgentLink("/run/tensorlane/agent.sock", job="resnet", rank=0); link.add(0, flows); link.close()``
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from agent.client import AgentClient, AgentError, AgentUnavailable
+
+log = logging.getLogger("tensorlane.shim")
+MAX_FLOWS_PER_REQUEST = 1024
+
+
+class AgentLink:
+    """Desired registrations of this process, kept in sync with whatever agent instance is running."""
+
+    def __init__(self, socket_path: str, job: str, rank: int | None = None, interval_s: float = 2.0,
+                 timeout_s: float = 0.5):
+        self.socket_path = socket_path
+        self.job = job
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.flows: dict[int, list[dict]] = {}
+        self.counters = {"registrations": 0, "failures": 0, "refusals": 0, "reregistrations": 0}
+        self.last_error = ""
+        self._instance: str | None = None
+        self._warned = False
+        self._ever_registered = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), name="tensorlane-agent-link",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def connected(self) -> bool:
+        return self._instance is not None
+
+    def add(self, level: int, flows: list[dict]) -> None:
+        """Add ``flows`` at ``level`` to what this process wants registered, and register them now if possible."""
+        with self._lock:
+            self.flows.setdefault(level, []).extend(flows)
+            if self._instance is not None:
+                self._talk(lambda agent: self._register(agent, {level: flows}))
+                return
+        self.sync()
+
+    def sync(self) -> bool:
+        """Register everything if the agent is new (or was away). Returns whether the agent is reachable."""
+        with self._lock:
+            return self._talk(self._register_all_if_new)
+
+    def _register(self, agent: AgentClient, flows: dict[int, list[dict]]) -> None:
+        for level, fl in sorted(flows.items()):
+            for i in range(0, len(fl), MAX_FLOWS_PER_REQUEST):
+                agent.register(self.job, level, fl[i:i + MAX_FLOWS_PER_REQUEST], rank=self.rank)
+
+    def _register_all_if_new(self, agent: AgentClient) -> None:
+        instance = agent.request("hello").get("instance")
+        if instance == self._instance:
+            return
+        self._register(agent, self.flows)
+        if self.flows:
+            self.counters["registrations"] += 1
+            self.counters["reregistrations"] += self._ever_registered
+            self._ever_registered = True
+        if self._warned:
+            log.warning("tensorlane: agent at %s is back; flows registered again", self.socket_path)
+            self._warned = False
+        self._instance = instance
+
+    def _talk(self, action) -> bool:
+        """Run ``action(agent)`` on a fresh short-timeout connection; failures are counted and warned once."""
+        try:
+            with AgentClient(self.socket_path, timeout=self.timeout_s) as agent:
+                action(agent)
+            return True
+        except AgentError as exc:  # the agent refused: keep training, say why once
+            self.counters["refusals"] += 1
+            self._fail(f"agent refused the registration: {exc}")
+        except (AgentUnavailable, OSError, ValueError) as exc:
+            self.counters["failures"] += 1
+            self._fail(f"no agent at {self.socket_path} ({exc}); training continues without network priority")
+        return False
+
+    def _fail(self, message: str) -> None:
+        self._instance = None
+        self.last_error = message
+        if not self._warned:
+            log.warning("tensorlane: %s", message)
+            self._warned = True
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.sync()
+
+    def close(self) -> None:
+        """Stop the keep-alive thread and withdraw this process's flows (best effort, bounded)."""
+        self._stop.set()
+        self._thread.join(timeout=self.timeout_s * 4 + 2)
+        with self._lock:
+            flows = [f for fl in self.flows.values() for f in fl]
+            self.flows.clear()
+            if not flows or self._instance is None:
+                return
+            try:
+                with AgentClient(self.socket_path, timeout=self.timeout_s) as agent:
+                    for i in range(0, len(flows), MAX_FLOWS_PER_REQUEST):
+                        agent.unregister(self.job, flows[i:i + MAX_FLOWS_PER_REQUEST])
+            except (AgentUnavailable, AgentError, OSError):
+                pass

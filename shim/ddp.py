@@ -1,0 +1,303 @@
+"""`shim.attach` (this module: DDP integration): prioritized, wait-free all-reduce for a DDP model, with optional overlap of communication and
+the next forward pass.
+
+- One gloo process group per priority level: each level is its own set of TCP connections, which the shim finds
+  in /proc and registers with the local agent (job id, rank, level).
+- A DDP communication hook cuts every gradient bucket into pieces by level (``shim.buckets``) and launches each
+  piece's all-reduce on its level's group as soon as the bucket is ready; several levels are in flight at once
+  and the network (the agent's queues, the switches' DSCP queues) serves the urgent ones first.
+- With ``optimizer``, overlap mode: DDP waits for every hook future before ``backward()`` returns, so the hook
+  returns at once and the all-reduce continues on a copy of the bucket. Each parameter's optimizer step is taken
+  when its own all-reduce has completed, lazily, in a forward pre-hook of the module that owns it: the next
+  forward pass starts while later layers are still synchronizing. ``optimizer.step()`` in the user's loop does
+  nothing (updates are applied per parameter); ``zero_grad()`` is harmless. ``state_dict()`` of the model or the
+  optimizer, ``flush()`` and ``close()`` apply every pending update first.
+
+Usage::
+
+    model = DDP(net)
+    handle = shim.attach(model, optimizer=opt, levels=4)   # collective: every rank calls it
+    for x, y in data:
+        loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+    handle.close()
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from shim.agent_link import AgentLink
+from shim.buckets import parameter_levels, pieces_of
+from shim.flows import new_flows, own_tcp_flows
+
+log = logging.getLogger("tensorlane.shim")
+DEFAULT_SOCKET = "/run/tensorlane/agent.sock"
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _disabled(disable: bool | None) -> bool:
+    if disable is not None:
+        return disable
+    return os.environ.get("TENSORLANE_DISABLE", "").strip().lower() in _TRUE
+
+
+def default_job_id() -> str:
+    """A job id every rank agrees on: TENSORLANE_JOB, else torchrun's run id, else the rendezvous address."""
+    raw = (os.environ.get("TENSORLANE_JOB") or os.environ.get("TORCHELASTIC_RUN_ID")
+           or f"job-{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}")
+    job = re.sub(r"[^A-Za-z0-9_.:\-]", "-", raw)[:64]
+    return job if job[:1].isalnum() else f"j{job}"[:64]
+
+
+@dataclass
+class LevelStats:
+    """Counters of one level (seconds from launch to completion of each all-reduce piece)."""
+
+    allreduces: int = 0
+    bytes: int = 0
+    comm_s: float = 0.0
+
+
+@dataclass
+class _Pending:
+    """A bucket whose all-reduce is in flight (overlap mode)."""
+
+    futures: list
+    buffer: torch.Tensor
+    params: list  # (param, offset, numel)
+    applied: bool = False
+
+
+@dataclass
+class ShimState:
+    """Everything the hooks need, kept plain and explicit (like DDP's default hook states)."""
+
+    groups: list
+    world: int
+    param_level: dict  # id(param) -> level
+    partition_elems: int | None
+    overlap: bool
+    stats: list[LevelStats] = field(default_factory=list)
+    pending: dict = field(default_factory=dict)  # id(param) -> _Pending
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def launch(self, buf: torch.Tensor, params: list) -> list:
+        """Start the all-reduce of ``buf`` (the concatenated grads of ``params``) piece by piece, by level."""
+        numels = [p.numel() for p in params]
+        levels = [self.param_level.get(id(p), len(self.groups) - 1) for p in params]
+        futures = []
+        for offset, length, level in pieces_of(numels, levels, self.partition_elems):
+            piece = buf.narrow(0, offset, length)
+            t0 = time.perf_counter()
+            fut = dist.all_reduce(piece, group=self.groups[level], async_op=True).get_future()
+            fut.add_done_callback(self._recorder(level, piece.numel() * piece.element_size(), t0))
+            futures.append(fut)
+        return futures
+
+    def _recorder(self, level: int, nbytes: int, t0: float):
+        def record(_fut) -> None:
+            with self.lock:
+                s = self.stats[level]
+                s.allreduces += 1
+                s.bytes += nbytes
+                s.comm_s += time.perf_counter() - t0
+        return record
+
+
+def priority_hook(state: ShimState, bucket):
+    """DDP comm hook: average the bucket with one all-reduce per level piece, all launched at once.
+
+    Usage: ``ddp.register_comm_hook(state, priority_hook)``
+    """
+    buf = bucket.buffer()
+    buf.div_(state.world)
+    futures = state.launch(buf, bucket.parameters())
+    return torch.futures.collect_all(futures).then(lambda _: buf)
+
+
+def overlap_hook(state: ShimState, bucket):
+    """DDP comm hook of overlap mode: launch the pieces on a copy of the bucket and return at once.
+
+    Usage: ``ddp.register_comm_hook(state, overlap_hook)``
+    """
+    params = list(bucket.parameters())
+    for p in params:  # an update still pending from the last iteration (a module that did not run forward)
+        _apply(state, p, None)
+    buf = bucket.buffer().div(state.world)  # a copy, which the all-reduce owns until it completes
+    futures = state.launch(buf, params)
+    pend, offset = _Pending(futures, buf, []), 0
+    for p in params:
+        pend.params.append((p, offset, p.numel()))
+        state.pending[id(p)] = pend
+        offset += p.numel()
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def _apply(state: ShimState, param, step) -> None:
+    """Wait for the all-reduce holding ``param`` and take the optimizer step of that bucket's parameters."""
+    pend = state.pending.pop(id(param), None)
+    if pend is None or pend.applied:
+        return
+    for fut in pend.futures:
+        fut.wait()
+    pend.applied = True
+    params = []
+    for p, offset, numel in pend.params:
+        state.pending.pop(id(p), None)
+        p.grad = pend.buffer.narrow(0, offset, numel).view_as(p)
+        params.append(p)
+    if step is not None:
+        step(params)
+    for p in params:
+        p.grad = None
+
+
+class Handle:
+    """What ``attach`` returns: ``close()``, ``flush()``, ``stats()``."""
+
+    def __init__(self, model, optimizer=None, state: ShimState | None = None, link: AgentLink | None = None,
+                 flows: dict | None = None, disabled: bool = False):
+        self.model = model
+        self.optimizer = optimizer
+        self.state = state
+        self.link = link
+        self.flows = flows or {}
+        self.disabled = disabled
+        self._hooks: list = []
+        self._orig_step = None
+        self.deferred_steps = 0
+        self.closed = False
+
+    # -- overlap mode plumbing ------------------------------------------------------------------------------
+    def _install_overlap(self) -> None:
+        opt = self.optimizer
+        self._orig_step = opt.step
+        opt.step = self._deferred_step
+        owners = [m for m in self.model.module.modules() if any(True for _ in m.parameters(recurse=False))]
+        for m in owners:
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+        self._hooks.append(self.model.register_state_dict_pre_hook(lambda *a, **k: self.flush()))
+        self._hooks.append(opt.register_state_dict_pre_hook(lambda *a, **k: self.flush()))
+
+    def _deferred_step(self, closure=None):
+        if closure is not None:
+            raise RuntimeError("tensorlane overlap mode applies each parameter's step when its all-reduce "
+                               "completes; optimizer.step(closure) is not supported")
+        self.deferred_steps += 1
+
+    def _step_subset(self, params: list) -> None:
+        opt = self.optimizer
+        wanted = {id(p) for p in params}
+        saved = [g["params"] for g in opt.param_groups]
+        try:
+            for g in opt.param_groups:
+                g["params"] = [p for p in g["params"] if id(p) in wanted]
+            with torch.no_grad():
+                self._orig_step()
+        finally:
+            for g, ps in zip(opt.param_groups, saved):
+                g["params"] = ps
+
+    def _pre_forward(self, module, _inputs) -> None:
+        for p in module.parameters(recurse=False):
+            _apply(self.state, p, self._step_subset)
+
+    # -- public -------------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Apply every pending update (overlap mode); a no-op otherwise."""
+        if self.state is not None and self.state.overlap:
+            for key in list(self.state.pending):
+                pend = self.state.pending.get(key)
+                if pend is not None:
+                    _apply(self.state, pend.params[0][0], self._step_subset)
+
+    def stats(self) -> dict:
+        """Flows per level, agent link counters, and per-level all-reduce counts, bytes and seconds."""
+        if self.disabled:
+            return {"enabled": False}
+        with self.state.lock:
+            levels = [dict(level=i, **vars(s)) for i, s in enumerate(self.state.stats)]
+        return {"enabled": True, "mode": "overlap" if self.state.overlap else "hook",
+                "flows": {lvl: len(f) for lvl, f in self.flows.items()}, "levels": levels,
+                "deferred_steps": self.deferred_steps,
+                "agent": {"connected": self.link.connected, **self.link.counters, "last_error": self.link.last_error}}
+
+    def close(self) -> None:
+        """Apply pending updates, restore the optimizer, withdraw the flows from the agent. Idempotent."""
+        if self.closed or self.disabled:
+            self.closed = True
+            return
+        self.flush()
+        for h in self._hooks:
+            h.remove()
+        if self._orig_step is not None:
+            del self.optimizer.step  # the instance attribute; the class's step is back
+        self.link.close()
+        self.closed = True
+
+
+def _priority_groups(levels: int, master_port: str | None) -> tuple[list, dict[int, list[dict]]]:
+    """Create one gloo group per level (a collective) and return the groups and each level's new TCP flows."""
+    groups, flows = [], {}
+    for level in range(levels):
+        before = own_tcp_flows()
+        group = dist.new_group(backend="gloo")
+        dist.barrier(group=group)  # every connection of the group is up
+        found = new_flows(before, own_tcp_flows())
+        flows[level] = [f for f in found if not f["dst"].startswith("127.") and f["dst"] != "::1"
+                        and str(f["dport"]) != master_port and str(f["sport"]) != master_port]
+        groups.append(group)
+    return groups, flows
+
+
+def attach(model, optimizer=None, *, levels: int = 4, policy: str = "layer_order", agent_socket: str | None = None,
+           job: str | None = None, partition_bytes: int | None = None, disable: bool | None = None) -> Handle:
+    """Give ``model`` (a DistributedDataParallel) prioritized all-reduce; with ``optimizer``, overlap mode.
+
+    Every rank must call it (it creates process groups). ``disable=True`` or TENSORLANE_DISABLE=1 leaves training
+    exactly as plain DDP. Options: ``levels`` (1..5), ``policy`` ("layer_order" or "flat", see shim.buckets),
+    ``agent_socket`` (default TENSORLANE_AGENT_SOCKET or /run/tensorlane/agent.sock), ``job`` (default
+    ``default_job_id()``), ``partition_bytes`` (largest all-reduce piece; None: a bucket is cut only where its
+    level changes). Usage: ``handle = shim.attach(ddp_model, optimizer, levels=4)``
+    """
+    if _disabled(disable):
+        return Handle(model, optimizer, disabled=True)
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError("shim.attach needs a torch.nn.parallel.DistributedDataParallel model")
+    if not 1 <= levels <= 5:
+        raise ValueError(f"levels must be 1..5 (the DSCP table's distinct switch queues), not {levels}")
+    if optimizer is not None and getattr(model, "gradient_as_bucket_view", False):
+        raise ValueError("overlap mode needs DDP(gradient_as_bucket_view=False)")
+    if dist.get_backend() != "gloo":
+        warnings.warn("tensorlane's shim is tested with gloo; with NCCL sockets the flows are found the same way, "
+                      "over IB/RoCE use NCCL_IB_TC per communicator instead (see docs/shim.md)", stacklevel=2)
+    params = [p for p in model.module.parameters() if p.requires_grad]
+    sizes = [p.numel() * p.element_size() for p in params]
+    param_level = {id(p): lvl for p, lvl in zip(params, parameter_levels(sizes, levels, policy))}
+    groups, flows = _priority_groups(levels, os.environ.get("MASTER_PORT"))
+    link = AgentLink(agent_socket or os.environ.get("TENSORLANE_AGENT_SOCKET", DEFAULT_SOCKET),
+                     job or default_job_id(), rank=dist.get_rank())
+    for level, fl in flows.items():
+        if fl:
+            link.add(level, fl)
+    element = params[0].element_size() if params else 4
+    state = ShimState(groups, dist.get_world_size(), param_level,
+                      None if partition_bytes is None else max(1, partition_bytes // element), optimizer is not None,
+                      stats=[LevelStats() for _ in range(levels)])
+    handle = Handle(model, optimizer, state, link, flows)
+    if optimizer is not None:
+        handle._install_overlap()
+        model.register_comm_hook(state, overlap_hook)
+    else:
+        model.register_comm_hook(state, priority_hook)
+    return handle

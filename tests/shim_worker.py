@@ -1,0 +1,93 @@
+"""A training worker for the shim tests, run under torchrun (env:// rendezvous) or with RANK/WORLD_SIZE/MASTER_*
+set by hand. Trains the same small model with plain DDP, the shim's hook mode and its overlap mode, and saves each
+mode's final parameters (and a checkpoint round trip) to OUT/mode-rank.pt.
+
+    torchrun --standalone --nproc-per-node 2 tests/shim_worker.py --out DIR --steps 20 --optimizer sgd
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import shim  # noqa: E402
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def make_optimizer(kind: str, params):
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-3, weight_decay=1e-4)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)
+
+
+def train(mode: str, args, rank: int) -> tuple[dict, dict]:
+    model = DDP(make_model(), bucket_cap_mb=0.01)  # several buckets, so several levels are in flight
+    opt = make_optimizer(args.optimizer, model.parameters())
+    handle = None
+    if mode != "ddp":
+        handle = shim.attach(model, optimizer=opt if mode == "overlap" else None, levels=args.levels,
+                             agent_socket=args.agent_socket, partition_bytes=args.partition_bytes,
+                             disable=(mode == "disabled"))
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(args.steps):
+        x, y = batch(rank, step)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(args.step_sleep)
+        if step == args.steps // 2 and mode == "overlap":
+            ckpt = {"model": model.state_dict(), "opt": opt.state_dict()}  # flushes pending updates first
+            assert all(torch.equal(ckpt["model"][k], v) for k, v in model.state_dict().items())
+    model.eval()
+    with torch.no_grad():
+        model(batch(rank, 999)[0])  # eval forward applies what is pending
+    stats = handle.stats() if handle else {}
+    if handle:
+        handle.close()
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}, stats
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+    p.add_argument("--levels", type=int, default=3)
+    p.add_argument("--modes", default="ddp,hook,overlap,disabled")
+    p.add_argument("--agent-socket", default="/nonexistent/tensorlane.sock")
+    p.add_argument("--partition-bytes", type=int, default=None)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (longer runs)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for mode in args.modes.split(","):
+        params, stats = train(mode, args, rank)
+        torch.save(params, os.path.join(args.out, f"{mode}-{rank}.pt"))
+        with open(os.path.join(args.out, f"{mode}-{rank}.json"), "w") as fh:
+            json.dump(stats, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The shim on loopback under torchrun: the same training as plain DDP, in hook mode and overlap mode, with
+checkpointing and eval in the loop; and the pure bucket-cutting rules."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shim.buckets import parameter_levels, pieces_of
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_parameter_levels_follow_forward_order():
+    assert parameter_levels([4, 4, 4, 4], levels=2) == [0, 0, 1, 1]
+    assert parameter_levels([10, 10, 10], levels=5) == [0, 1, 2]
+    assert parameter_levels([1, 2, 3], levels=3, policy="flat") == [0, 0, 0]
+    levels = parameter_levels([100, 1, 1, 1, 1, 50, 50], levels=3)
+    assert levels == sorted(levels) and levels[0] == 0 and max(levels) == 2
+    with pytest.raises(ValueError, match="policy"):
+        parameter_levels([1], 2, policy="random")
+
+
+def test_pieces_split_at_levels_and_partition():
+    assert pieces_of([3, 3], [0, 1], None) == [(0, 3, 0), (3, 3, 1)]
+    assert pieces_of([3, 3], [1, 1], None) == [(0, 6, 1)]
+    assert pieces_of([5, 5, 2], [0, 0, 1], 4) == [(0, 4, 0), (4, 4, 0), (8, 2, 0), (10, 2, 1)]
+    pieces = pieces_of([7, 1, 9, 3], [2, 2, 1, 0], 5)
+    assert sum(p[1] for p in pieces) == 20 and all(p[1] <= 5 for p in pieces)
+    assert [p[0] for p in pieces] == sorted(p[0] for p in pieces)
+
+
+def run_torchrun(tmp_path, nproc: int, *args: str) -> None:
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          str(nproc), os.path.join(REPO, "tests", "shim_worker.py"), "--out", str(tmp_path), *args],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)) for k in b)
+
+
+@pytest.mark.parametrize("nproc,optimizer", [(2, "sgd"), (3, "adam")])
+def test_same_parameters_as_ddp(tmp_path, nproc, optimizer):
+    import json
+
+    import torch
+
+    run_torchrun(tmp_path, nproc, "--steps", "20", "--optimizer", optimizer, "--levels", "3",
+                 "--modes", "ddp,hook,overlap,disabled")
+    for rank in range(nproc):
+        ref = torch.load(tmp_path / f"ddp-{rank}.pt")
+        for mode in ("hook", "overlap"):
+            assert max_rel_diff(torch.load(tmp_path / f"{mode}-{rank}.pt"), ref) <= 1e-5, (mode, rank)
+        assert max_rel_diff(torch.load(tmp_path / f"disabled-{rank}.pt"), ref) == 0.0
+        stats = json.loads((tmp_path / f"overlap-{rank}.json").read_text())
+        assert stats["mode"] == "overlap" and stats["deferred_steps"] == 20
+        assert [lvl["allreduces"] > 0 for lvl in stats["levels"]] == [True, True, True]  # every level was used
+        assert json.loads((tmp_path / f"disabled-{rank}.json").read_text()) == {"enabled": False}
+
+
+def test_partitioned_pieces_same_parameters(tmp_path):
+    import torch
+
+    run_torchrun(tmp_path, 2, "--steps", "8", "--modes", "ddp,overlap", "--partition-bytes", "4096")
+    assert max_rel_diff(torch.load(tmp_path / "overlap-0.pt"), torch.load(tmp_path / "ddp-0.pt")) <= 1e-5
