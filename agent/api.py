@@ -33,6 +33,8 @@ class Api:
         self.instance = uuid.uuid4().hex  # lets clients notice a restarted agent and register again
         self.outcomes: dict[tuple[str, str], int] = {}
         self.latencies: list[float] = []
+        # Called as observer(op, outcome, seconds) after every request (metrics subscribe here).
+        self.observers: list = []
 
     def handle(self, line: bytes) -> bytes:
         """Answer one request line with one reply line; never raises."""
@@ -50,9 +52,12 @@ class Api:
             log.exception("internal error in %s", op)
             reply, outcome = protocol.error(rid, "internal", f"{type(exc).__name__}: {exc}"), "internal"
         self.outcomes[(op, outcome)] = self.outcomes.get((op, outcome), 0) + 1
+        elapsed = time.perf_counter() - t0
         if op in ("register", "unregister"):
-            self.latencies.append(time.perf_counter() - t0)
+            self.latencies.append(elapsed)
             del self.latencies[:-10_000]
+        for observe in self.observers:
+            observe(op, outcome, elapsed)
         return reply
 
     def _op_hello(self, req) -> dict:
