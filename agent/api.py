@@ -1,20 +1,19 @@
-"""The agent's request handlers and Unix-socket server (protocol in docs/protocol.md).
+"""The agent's request handlers (protocol in docs/protocol.md; the socket server is agent/server.py).
 
-Handlers validate first, then change the FlowTable, then the kernel: a refused request changes nothing.
-Usage: ``api = Api(cfg, table, reconciler, backend="htb"); reply = api.handle(line)``
+Handlers validate first (format, access rights, ownership of the flows' sockets), then change the FlowTable,
+then the kernel: a refused request changes nothing. Usage: ``api = Api(cfg, table, rec, "htb"); api.handle(line, peer)``
 """
 from __future__ import annotations
 
 import logging
-import os
-import selectors
-import socket
-import threading
 import time
 import uuid
 
 from agent import protocol
 from agent.kernel.qdisc import fmt_handle
+from agent.metrics.jobs import JobReports
+from agent.ownership import not_owned
+from agent.peers import AccessPolicy, Peer
 from agent.protocol import ProtocolError
 
 log = logging.getLogger("tensorlane.api")
@@ -35,19 +34,23 @@ class Api:
         self.latencies: list[float] = []
         # Called as observer(op, outcome, seconds) after every request (metrics subscribe here).
         self.observers: list = []
+        self.reports = JobReports()  # communication time reported by the shims (op "report"), for the metrics
+        self.policy = AccessPolicy(frozenset(cfg.allowed_users), frozenset(cfg.allowed_groups),
+                                   dict(cfg.level_limits), frozenset(cfg.trusted_users), cfg.check_ownership)
 
-    def handle(self, line: bytes) -> bytes:
-        """Answer one request line with one reply line; never raises."""
+    def handle(self, line: bytes, peer: Peer | None = None) -> bytes:
+        """Answer one request line from ``peer`` (None: the agent itself) with one reply line; never raises."""
         t0 = time.perf_counter()
         rid, op = None, "invalid"
         try:
             req = protocol.parse_request(line)
             rid, op = req.id, req.op
-            reply = protocol.ok(rid, getattr(self, f"_op_{req.op}")(req))
+            reply = protocol.ok(rid, getattr(self, f"_op_{req.op}")(req, peer))
             outcome = "ok"
         except ProtocolError as exc:
             reply, outcome = protocol.error(rid, exc.code, str(exc)), exc.code
-            log.info("refused %s: %s: %s", op, exc.code, exc)
+            who = f"pid {peer.pid} uid {peer.uid}" if peer else "agent"
+            log.info("refused %s from %s: %s: %s", op, who, exc.code, exc)
         except Exception as exc:  # noqa: BLE001 - the agent must answer and stay up
             log.exception("internal error in %s", op)
             reply, outcome = protocol.error(rid, "internal", f"{type(exc).__name__}: {exc}"), "internal"
@@ -60,28 +63,51 @@ class Api:
             observe(op, outcome, elapsed)
         return reply
 
-    def _op_hello(self, req) -> dict:
+    def record(self, op: str, outcome: str) -> None:
+        """Count an outcome decided outside ``handle`` (e.g. a connection refused by the server)."""
+        self.outcomes[(op, outcome)] = self.outcomes.get((op, outcome), 0) + 1
+        for observe in self.observers:
+            observe(op, outcome, 0.0)
+
+    def _op_hello(self, req, peer) -> dict:
         return {"version": VERSION, "interface": self.cfg.interface, "levels": self.cfg.levels,
                 "instance": self.instance}
 
-    def _op_register(self, req) -> dict:
-        added, moved = self.table.register(req.job, req.level, req.flows, req.rank)
+    def _op_register(self, req, peer) -> dict:
+        pid = uid = None
+        if peer is not None:
+            self.policy.check_level(peer, req.level)
+            uid = peer.uid
+            if self.policy.must_own(peer):
+                foreign = not_owned(peer.pid, req.flows)
+                if foreign:
+                    raise ProtocolError("not_owner", f"flow {foreign[0]} is not a socket of process {peer.pid}"
+                                        + (f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""))
+                pid = peer.pid
+        added, moved = self.table.register(req.job, req.level, req.flows, req.rank, pid=pid, uid=uid)
         self.rec.apply(self.table, added, moved, [])
         return {"job": req.job, "level": req.level, "added": len(added), "moved": len(moved),
                 "unchanged": len(req.flows) - len(added) - len(moved),
                 "dscp": self.cfg.dscp[req.level], "class": fmt_handle(self.rec.backend.classid(req.level))}
 
-    def _op_unregister(self, req) -> dict:
-        removed = self.table.unregister(req.job, req.flows)
+    def _op_unregister(self, req, peer) -> dict:
+        removed = self.table.unregister(req.job, req.flows, uid=None if peer is None else peer.uid)
         self.rec.apply(self.table, [], [], removed)
         return {"job": req.job, "removed": len(removed)}
 
-    def _op_list(self, req) -> dict:
+    def _op_report(self, req, peer) -> dict:
+        bad = [lvl for lvl, *_ in req.counters if lvl >= self.cfg.levels]
+        if bad:
+            raise ProtocolError("bad_level", f"level {bad[0]} out of range 0..{self.cfg.levels - 1}")
+        counted_as = self.reports.add(req.job, req.session, {lvl: tuple(c) for lvl, *c in req.counters})
+        return {"job": req.job, "levels": len(req.counters), "counted_as": counted_as}
+
+    def _op_list(self, req, peer) -> dict:
         flows = [{**k.as_dict(), "job": e.job, "level": e.level, "rank": e.rank}
                  for k, e in sorted(self.table.flows.items()) if req.job is None or e.job == req.job]
         return {"flows": flows}
 
-    def _op_status(self, req) -> dict:
+    def _op_status(self, req, peer) -> dict:
         from agent.kernel import tcstats  # local: status is rare, keep the hot path lean
 
         classes = tcstats.class_stats(self.rec.ipr, self.rec.ifindex)
@@ -104,110 +130,23 @@ class Api:
                           "errors": self.rec.stats.errors, "last_error": self.rec.stats.last_error},
         }
 
+    def drop_owner(self, pid: int) -> int:
+        """The process ``pid`` exited: remove the flows it owned. Returns how many."""
+        gone = self.table.drop_pid(pid)
+        if gone:
+            self.rec.apply(self.table, [], [], gone)
+            self.record("owner_exit", "removed")
+            log.info("process %d exited: removed its %d flows", pid, len(gone))
+        return len(gone)
 
-class Server:
-    """A single-threaded Unix-socket server (selectors): one request is handled at a time, so the FlowTable and
-    the kernel are only ever changed from this thread. pyroute2's synchronous API cannot run inside an asyncio
-    loop, hence no asyncio here. Slow or hostile clients cannot stall it: sockets are non-blocking and a
-    connection whose unanswered output grows too large is closed.
-    """
-
-    MAX_CLIENTS = 1024
-    MAX_PENDING_OUTPUT = 1 << 20
-
-    def __init__(self, api: Api, path: str, mode: int):
-        self.api = api
-        self.path = path
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        if os.path.exists(path):
-            os.unlink(path)
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(path)
-        os.chmod(path, mode)
-        self.listener.listen(128)
-        self.listener.setblocking(False)
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(self.listener, selectors.EVENT_READ, None)
-        self.conns: dict[socket.socket, list[bytes]] = {}  # socket -> [input buffer, output buffer]
-
-    def serve(self, stop: threading.Event, every_s: float, periodic) -> None:
-        """Serve until ``stop`` is set, calling ``periodic()`` every ``every_s`` seconds."""
-        next_tick = time.monotonic() + every_s
-        while not stop.is_set():
-            timeout = max(0.0, min(0.2, next_tick - time.monotonic()))
-            for key, events in self.sel.select(timeout):
-                if key.data is None:
-                    self._accept()
-                else:
-                    self._service(key.fileobj, events)
-            if time.monotonic() >= next_tick:
-                periodic()
-                next_tick = time.monotonic() + every_s
-
-    def _accept(self) -> None:
-        try:
-            conn, _ = self.listener.accept()
-        except OSError:
-            return
-        if len(self.conns) >= self.MAX_CLIENTS:
-            conn.close()
-            return
-        conn.setblocking(False)
-        self.conns[conn] = [b"", b""]
-        self.sel.register(conn, selectors.EVENT_READ, "client")
-
-    def _close(self, conn: socket.socket) -> None:
-        self.sel.unregister(conn)
-        self.conns.pop(conn, None)
-        conn.close()
-
-    def _service(self, conn: socket.socket, events: int) -> None:
-        bufs = self.conns.get(conn)
-        if bufs is None:
-            return
-        if events & selectors.EVENT_READ:
-            try:
-                data = conn.recv(65536)
-            except (BlockingIOError, InterruptedError):
-                data = None
-            except OSError:
-                return self._close(conn)
-            if data == b"":
-                return self._close(conn)
-            if data:
-                bufs[0] += data
-                while b"\n" in bufs[0]:
-                    line, bufs[0] = bufs[0].split(b"\n", 1)
-                    bufs[1] += self.api.handle(line)
-                if len(bufs[0]) > protocol.MAX_MESSAGE_BYTES:
-                    bufs[1] += protocol.error(None, "too_large",
-                                              f"message exceeds {protocol.MAX_MESSAGE_BYTES} bytes")
-                    bufs[0] = b""
-                    self._flush(conn, bufs)
-                    return self._close(conn)
-        self._flush(conn, bufs)
-
-    def _flush(self, conn: socket.socket, bufs: list[bytes]) -> None:
-        if bufs[1]:
-            try:
-                sent = conn.send(bufs[1])
-                bufs[1] = bufs[1][sent:]
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError:
-                return self._close(conn)
-        if len(bufs[1]) > self.MAX_PENDING_OUTPUT:
-            return self._close(conn)
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if bufs[1] else 0)
-        if self.sel.get_key(conn).events != want:
-            self.sel.modify(conn, want, "client")
-
-    def close(self) -> None:
-        for conn in list(self.conns):
-            self._close(conn)
-        self.sel.close()
-        self.listener.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+    def sweep(self) -> int:
+        """Remove flows whose sockets their owners have closed (processes still alive). Returns how many."""
+        gone = []
+        for pid, keys in list(self.table.by_pid.items()):
+            gone += not_owned(pid, sorted(keys))
+        gone = self.table.drop(gone)
+        if gone:
+            self.rec.apply(self.table, [], [], gone)
+            self.record("socket_closed", "removed")
+            log.info("removed %d flows whose sockets were closed", len(gone))
+        return len(gone)

@@ -4,7 +4,6 @@ Every error names the field it is about. Usage: ``cfg = load_config("/etc/tensor
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -60,26 +59,28 @@ class Config:
     state_dir: str = "/run/tensorlane"
     queue_limit_packets: int = 1000
     reconcile_interval_s: float = 5.0
-
-    def replace(self, **changes) -> "Config":
-        """Return a copy with ``changes`` applied and validated again."""
-        raw = dataclasses.asdict(self) | changes
-        return from_dict(_to_raw(raw))
-
-
-def _to_raw(d: dict) -> dict:
-    raw = dict(d)
-    raw["link_rate"] = raw.pop("link_rate_bps")
-    raw["dscp"] = {str(i): v for i, v in enumerate(raw["dscp"])}
-    if raw["link_rate"] is None:
-        del raw["link_rate"]
-    return raw
+    socket_group: str | None = None
+    allowed_users: tuple[str, ...] = ()
+    allowed_groups: tuple[str, ...] = ()
+    level_limits: dict = field(default_factory=dict)
+    trusted_users: tuple[str, ...] = ()
+    check_ownership: bool = True
+    rate_limit_per_s: float = 1000.0
+    max_flows: int = 100_000
 
 
 _FIELDS = {
     "interface", "socket", "socket_mode", "metrics_address", "backend", "link_rate", "levels", "dscp",
-    "take_over_root", "state_dir", "queue_limit_packets", "reconcile_interval_s",
+    "take_over_root", "state_dir", "queue_limit_packets", "reconcile_interval_s", "socket_group", "allowed_users",
+    "allowed_groups", "level_limits", "trusted_users", "check_ownership", "rate_limit_per_s", "max_flows",
 }
+
+
+def _names(raw: dict, name: str) -> tuple[str, ...]:
+    value = _want(raw, name, list, [])
+    if not all(isinstance(v, str) and v and len(v) <= 64 for v in value):
+        raise ConfigError(name, f"expected a list of user or group names, got {value!r}")
+    return tuple(value)
 
 
 def _want(raw: dict, name: str, kind: type | tuple[type, ...], default):
@@ -149,7 +150,22 @@ def from_dict(raw: dict) -> Config:
     interval = _want(raw, "reconcile_interval_s", (int, float), 5.0)
     if not 0.1 <= interval <= 3600:
         raise ConfigError("reconcile_interval_s", f"expected 0.1..3600 seconds, got {interval}")
+    limits = _want(raw, "level_limits", dict, {})
+    for who, lvl in limits.items():
+        if isinstance(lvl, bool) or not isinstance(lvl, int) or not 0 <= lvl < levels:
+            raise ConfigError("level_limits", f"{who!r}: expected a level 0..{levels - 1}, got {lvl!r}")
+    rate_limit = _want(raw, "rate_limit_per_s", (int, float), 1000.0)
+    if not 1 <= rate_limit <= 1_000_000:
+        raise ConfigError("rate_limit_per_s", f"expected 1..1000000 requests per second, got {rate_limit}")
+    max_flows = _want(raw, "max_flows", int, 100_000)
+    if not 1 <= max_flows <= 1_000_000:
+        raise ConfigError("max_flows", f"expected 1..1000000, got {max_flows}")
+    group = _want(raw, "socket_group", str, None)
     return Config(
+        socket_group=group, allowed_users=_names(raw, "allowed_users"), allowed_groups=_names(raw, "allowed_groups"),
+        level_limits=dict(limits), trusted_users=_names(raw, "trusted_users"),
+        check_ownership=_want(raw, "check_ownership", bool, True), rate_limit_per_s=float(rate_limit),
+        max_flows=max_flows,
         interface=iface, socket=socket_path, socket_mode=mode, metrics_address=metrics, backend=backend,
         link_rate_bps=rate, levels=levels, dscp=table, take_over_root=_want(raw, "take_over_root", bool, False),
         state_dir=state_dir, queue_limit_packets=qlimit, reconcile_interval_s=float(interval),

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from pyroute2 import IPRoute
 
-from agent.api import Api, Server
+from agent.api import Api
+from agent.server import Server
 from agent.config import Config, ConfigError
 from agent.kernel import detect, snapshot
 from agent.kernel.qdisc import fmt_handle, make_backend
@@ -99,7 +100,7 @@ def _serve(cfg: Config, api: Api, rec: Reconciler, table: FlowTable) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server = Server(api, cfg.socket, cfg.socket_mode)
+    server = Server(api, cfg.socket, cfg.socket_mode, cfg.socket_group)
     log.info("listening on %s", cfg.socket)
     try:
         server.serve(stop, cfg.reconcile_interval_s, lambda: rec.reconcile(table))
@@ -113,7 +114,7 @@ def run(cfg: Config) -> int:
         backend, ifindex, snap, kind = prepare(cfg, ipr)
         _save_state(cfg, {"ifindex": ifindex, "interface": cfg.interface, "backend": kind,
                           "snapshot": snap.to_json()})
-        table = FlowTable(cfg.levels)
+        table = FlowTable(cfg.levels, cfg.max_flows)
         rec = Reconciler(backend, cfg.dscp, cfg.interface, ifindex, ipr)
         try:
             if not snap.root_is_default and not backend.owns(ipr, ifindex):

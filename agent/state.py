@@ -18,6 +18,8 @@ class FlowEntry:
     job: str
     level: int
     rank: int | None = None
+    pid: int | None = None  # the owning process, when ownership was checked: its exit removes the flow
+    uid: int | None = None  # the registering user
     registered_at: float = field(default_factory=time.time)
 
 
@@ -28,9 +30,10 @@ class FlowTable:
         self.levels = levels
         self.max_flows = max_flows
         self.flows: dict[FlowKey, FlowEntry] = {}
+        self.by_pid: dict[int, set[FlowKey]] = {}
 
-    def register(self, job: str, level: int, flows: tuple[FlowKey, ...], rank: int | None = None
-                 ) -> tuple[list[FlowKey], list[FlowKey]]:
+    def register(self, job: str, level: int, flows: tuple[FlowKey, ...], rank: int | None = None,
+                 pid: int | None = None, uid: int | None = None) -> tuple[list[FlowKey], list[FlowKey]]:
         """Add ``flows`` for ``job`` at ``level`` (moving the job's own flows that are at another level).
 
         Returns (added, moved). Raises ProtocolError, changing nothing, when the level is out of range, a flow
@@ -50,13 +53,41 @@ class FlowTable:
         if len(self.flows) + len(added) > self.max_flows:
             raise ProtocolError("limit", f"registering {len(added)} flows would exceed {self.max_flows}")
         for key in flows:
-            self.flows[key] = FlowEntry(job, level, rank)
+            self._forget_owner(key)
+            self.flows[key] = FlowEntry(job, level, rank, pid, uid)
+            if pid is not None:
+                self.by_pid.setdefault(pid, set()).add(key)
         return added, moved
 
-    def unregister(self, job: str, flows: tuple[FlowKey, ...] = ()) -> list[FlowKey]:
+    def _forget_owner(self, key: FlowKey) -> None:
+        old = self.flows.get(key)
+        if old is not None and old.pid is not None:
+            keys = self.by_pid.get(old.pid)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self.by_pid[old.pid]
+
+    def drop_pid(self, pid: int) -> list[FlowKey]:
+        """Remove every flow owned by process ``pid`` (it exited); return them."""
+        gone = sorted(self.by_pid.pop(pid, ()))
+        for key in gone:
+            del self.flows[key]
+        return gone
+
+    def drop(self, keys: list[FlowKey]) -> list[FlowKey]:
+        """Remove ``keys`` whatever their job (their sockets are gone); return those that were present."""
+        gone = [k for k in keys if k in self.flows]
+        for key in gone:
+            self._forget_owner(key)
+            del self.flows[key]
+        return gone
+
+    def unregister(self, job: str, flows: tuple[FlowKey, ...] = (), uid: int | None = None) -> list[FlowKey]:
         """Remove the given flows of ``job`` (all of its flows when ``flows`` is empty); return those removed.
 
-        Raises ProtocolError, changing nothing, if a named flow belongs to another job.
+        Raises ProtocolError, changing nothing, if a named flow belongs to another job, or (``uid`` given, not
+        root) was registered by another user.
         """
         if not flows:
             gone = [k for k, e in self.flows.items() if e.job == job]
@@ -68,7 +99,12 @@ class FlowTable:
                     raise ProtocolError("conflict", f"flow {key} is registered by job {cur.job!r}")
                 if cur is not None:
                     gone.append(key)
+        if uid not in (None, 0):
+            for key in gone:
+                if self.flows[key].uid not in (None, uid):
+                    raise ProtocolError("forbidden", f"flow {key} was registered by another user")
         for key in gone:
+            self._forget_owner(key)
             del self.flows[key]
         return gone
 

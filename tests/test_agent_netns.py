@@ -15,6 +15,7 @@ from testbed import Testbed
 
 pytestmark = pytest.mark.netns
 PY = [sys.executable, "-m"]
+TRUST = {"trusted_users": ["root"]}  # the test registers flows of its probe processes on their behalf
 
 
 def tc_dump(host) -> str:
@@ -93,7 +94,7 @@ def test_config_errors_stop_before_the_kernel(tb, kwargs, field):
 
 def test_registered_flow_is_marked_and_queued(tb):
     h1, h2 = tb.host(1), tb.host(2)
-    with running_agents(tb, levels=3, hosts=[1], backend="htb") as agents:
+    with running_agents(tb, levels=3, hosts=[1], backend="htb", config_extra=TRUST) as agents:
         with agents[1].client() as agent:
             reply = agent.register("job-a", 1, [flow(h1, 9101, h2, 9100)], rank=0)
             assert reply["dscp"] == 34 and reply["class"] == "7a1:11"
@@ -110,7 +111,7 @@ def test_registered_flow_is_marked_and_queued(tb):
 
 def test_churn_never_demotes_other_flows_and_leaves_no_state(tb):
     h1, h2 = tb.host(1), tb.host(2)
-    with running_agents(tb, levels=3, hosts=[1], backend="htb") as agents:
+    with running_agents(tb, levels=3, hosts=[1], backend="htb", config_extra=TRUST) as agents:
         with agents[1].client() as agent:
             agent.register("steady", 0, [flow(h1, 9201, h2, 9200)])
 
@@ -137,7 +138,7 @@ def test_churn_never_demotes_other_flows_and_leaves_no_state(tb):
 
 def test_reconcile_repairs_drift(tb):
     h1, h2 = tb.host(1), tb.host(2)
-    with running_agents(tb, hosts=[1], backend="htb", config_extra={"reconcile_interval_s": 0.3}) as agents:
+    with running_agents(tb, hosts=[1], backend="htb", config_extra={"reconcile_interval_s": 0.3, **TRUST}) as agents:
         with agents[1].client() as agent:
             agent.register("job-a", 0, [flow(h1, 9401, h2, 9400)])
             h1.run(["nft", "flush", "map", "inet", "tensorlane", "flows4"])
@@ -158,7 +159,7 @@ def test_reconcile_repairs_drift(tb):
 
 def test_status_and_verify_commands(tb):
     h1, h2 = tb.host(1), tb.host(2)
-    with running_agents(tb, levels=2, hosts=[1], backend="htb") as agents:
+    with running_agents(tb, levels=2, hosts=[1], backend="htb", config_extra=TRUST) as agents:
         sock = agents[1].socket
         with agents[1].client() as agent:
             agent.register("job-v", 0, [flow(h1, 9501, h2, 9500)])

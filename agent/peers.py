@@ -1,0 +1,88 @@
+"""Who is on the other end of the agent's socket, and what they may do.
+
+The kernel tells the peer's pid, uid and gid (SO_PEERCRED). Access is granted to root, to ``allowed_users`` and
+to members of ``allowed_groups``; ``level_limits`` caps the most urgent level a user or group may use ("@group"
+keys name groups, "*" everyone); ``trusted_users`` may register flows of sockets they do not own (an operator's
+tool). Usage: ``peer = credentials(conn); policy.check_access(peer)``
+"""
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import socket
+import struct
+from dataclasses import dataclass, field
+
+from agent.protocol import ProtocolError
+
+
+@dataclass(frozen=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+
+    @property
+    def user(self) -> str:
+        try:
+            return pwd.getpwuid(self.uid).pw_name
+        except KeyError:
+            return str(self.uid)
+
+    def groups(self) -> set[str]:
+        """Names of the peer's groups (primary and supplementary, from /proc when the process is alive)."""
+        gids = {self.gid}
+        try:
+            with open(f"/proc/{self.pid}/status") as fh:
+                for line in fh:
+                    if line.startswith("Groups:"):
+                        gids.update(int(g) for g in line.split()[1:])
+        except OSError:
+            pass
+        names = set()
+        for g in gids:
+            try:
+                names.add(grp.getgrgid(g).gr_name)
+            except KeyError:
+                names.add(str(g))
+        return names
+
+
+def credentials(conn: socket.socket) -> Peer:
+    """The connecting process's pid, uid and gid as the kernel recorded them at connect()."""
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return Peer(*struct.unpack("3i", raw))
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """The access rules of the config (see docs/agent.md, "Security")."""
+
+    allowed_users: frozenset[str] = frozenset()
+    allowed_groups: frozenset[str] = frozenset()
+    level_limits: dict = field(default_factory=dict)  # "user" | "@group" | "*" -> most urgent level allowed
+    trusted_users: frozenset[str] = frozenset()
+    check_ownership: bool = True
+
+    def allowed(self, peer: Peer) -> bool:
+        if peer.uid == 0 or peer.uid == os.geteuid():
+            return True
+        return peer.user in self.allowed_users or bool(peer.groups() & self.allowed_groups)
+
+    def most_urgent_level(self, peer: Peer) -> int:
+        """The smallest level number ``peer`` may register at (0 for root unless limited by name)."""
+        limits = [self.level_limits[k] for k in (peer.user, *(f"@{g}" for g in peer.groups()))
+                  if k in self.level_limits]
+        if limits:
+            return min(limits)
+        return 0 if peer.uid == 0 else self.level_limits.get("*", 0)
+
+    def check_level(self, peer: Peer, level: int) -> None:
+        floor = self.most_urgent_level(peer)
+        if level < floor:
+            raise ProtocolError("forbidden", f"user {peer.user} may register at level {floor} or less urgent, "
+                                             f"not {level}")
+
+    def must_own(self, peer: Peer) -> bool:
+        return self.check_ownership and peer.user not in self.trusted_users

@@ -1,0 +1,249 @@
+"""Hostile and careless clients against a real agent: peer credentials, level limits, ownership of flows checked
+against the kernel's socket tables, flows of exited processes and closed sockets removed within 1 s, rate and
+size limits, and 10,000 generated messages after which the agent is up and its state consistent."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent.client import AgentClient
+from bench.agents import running_agents
+from testbed import Testbed
+
+pytestmark = pytest.mark.netns
+NOBODY = 65534
+
+
+def in_child(fn, uid: int | None = None, stay: float = 0.0):
+    """Run ``fn()`` in a forked child (optionally as ``uid``); return its JSON result and the child's pid.
+
+    The child then lives ``stay`` seconds more (0: exits at once) and is reaped by the caller via os.waitpid.
+    """
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: no pytest machinery from here on
+        try:
+            os.close(r)
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            out = fn()
+            os.write(w, json.dumps(out).encode() + b"\n")
+            time.sleep(stay)
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as fh:
+        line = fh.readline()
+    return json.loads(line), pid
+
+
+def request(path: str, msg: dict, timeout: float = 3.0) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(json.dumps(msg).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    return json.loads(buf)
+
+
+def own_udp_flow(port: int):
+    """A UDP socket of this process and the flow dict that describes it."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", port))
+    s.connect(("127.0.0.1", port + 1000))
+    return s, {"proto": "udp", "src": "127.0.0.1", "sport": port, "dst": "127.0.0.1", "dport": port + 1000}
+
+
+@pytest.fixture(scope="module")
+def agent():
+    extra = {"socket_mode": "0666", "allowed_users": ["nobody"], "level_limits": {"nobody": 2},
+             "rate_limit_per_s": 100000}
+    with Testbed(hosts=1, rate="100mbit", name="tx") as tb, running_agents(tb, levels=3, config_extra=extra) as ags:
+        yield ags[1]
+
+
+def registered(path: str) -> list[dict]:
+    return request(path, {"op": "list"})["result"]["flows"]
+
+
+def test_unknown_users_are_refused_by_peer_credentials(agent):
+    def as_daemon_user():
+        try:
+            return request(agent.socket, {"op": "status"})
+        except OSError as exc:
+            return {"oserror": str(exc)}
+
+    reply, pid = in_child(as_daemon_user, uid=1)  # uid 1 (daemon) is not allowed
+    os.waitpid(pid, 0)
+    assert reply["ok"] is False and reply["error"]["code"] == "forbidden", reply
+    assert "not allowed" in reply["error"]["message"]
+
+
+def test_level_limits_and_ownership(agent):
+    def nobody_registers():
+        s, flow = own_udp_flow(40100)
+        out = {"urgent": request(agent.socket, {"op": "register", "job": "n", "level": 0, "flows": [flow]}),
+               "allowed": request(agent.socket, {"op": "register", "job": "n", "level": 2, "flows": [flow]}),
+               "foreign": request(agent.socket, {"op": "register", "job": "n", "level": 2,
+                                                 "flows": [{**flow, "sport": 40101}]})}
+        s.close()
+        return out
+
+    replies, pid = in_child(nobody_registers, uid=NOBODY)
+    os.waitpid(pid, 0)
+    assert replies["urgent"]["error"]["code"] == "forbidden" and "level 2" in replies["urgent"]["error"]["message"]
+    assert replies["allowed"]["ok"] is True
+    assert replies["foreign"]["error"]["code"] == "not_owner"
+    assert "is not a socket of process" in replies["foreign"]["error"]["message"]
+
+
+def wait_gone(path: str, sport: int, timeout: float = 3.0) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if not any(f["sport"] == sport for f in registered(path)):
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    raise AssertionError(f"flow from port {sport} still registered after {timeout} s")
+
+
+def test_flows_of_an_exiting_process_go_within_one_second(agent):
+    def register_and_linger():
+        s, flow = own_udp_flow(40200)
+        return request(agent.socket, {"op": "register", "job": "exiting", "level": 1, "flows": [flow]})
+
+    reply, pid = in_child(register_and_linger, stay=0.7)
+    assert reply["ok"] and any(f["sport"] == 40200 for f in registered(agent.socket))
+    os.waitpid(pid, 0)  # the child exits 0.7 s after registering
+    assert wait_gone(agent.socket, 40200) <= 1.0
+
+
+def test_flows_of_closed_sockets_go_within_one_second(agent):
+    r, w = os.pipe()
+
+    def register_then_close():
+        s, flow = own_udp_flow(40300)
+        out = request(agent.socket, {"op": "register", "job": "closing", "level": 1, "flows": [flow]})
+        os.write(w, json.dumps(out).encode() + b"\n")
+        time.sleep(0.3)
+        s.close()  # the process stays alive, its socket does not
+        time.sleep(3)
+        return out
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            register_then_close()
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r) as fh:
+            assert json.loads(fh.readline())["ok"]
+        time.sleep(0.3)
+        assert wait_gone(agent.socket, 40300) <= 1.0
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+
+
+def test_rate_limit_and_oversized_messages(tmp_path):
+    with Testbed(hosts=1, rate="100mbit", name="tx2") as tb, \
+            running_agents(tb, config_extra={"rate_limit_per_s": 50}) as agents:
+        path = agents[1].socket
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(path)
+            s.sendall(b'{"op":"hello"}\n' * 300)
+            buf = b""
+            while buf.count(b"\n") < 300:
+                buf += s.recv(1 << 20)
+        codes = [json.loads(line).get("error", {}).get("code", "ok") for line in buf.splitlines()]
+        assert codes.count("ok") >= 50 and codes.count("rate_limited") >= 100
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(path)
+            s.sendall(b"x" * (70 * 1024))
+            reply = s.recv(65536)
+        assert json.loads(reply)["error"]["code"] == "too_large"
+        with AgentClient(path) as c:  # still serving
+            assert c.status()["flows"] == 0
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
+                           | st.text(max_size=20),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                      max_size=4), max_leaves=12)
+flows = st.fixed_dictionaries({"proto": st.sampled_from(["tcp", "udp", "sctp", 6]),
+                               "src": st.sampled_from(["198.18.0.1", "fd00::1", "nope", "::ffff:198.18.0.1"]),
+                               "sport": st.integers(-1, 70000), "dst": st.sampled_from(["198.18.0.2", "fd00::2"]),
+                               "dport": st.integers(0, 65536)})
+requests = st.fixed_dictionaries(
+    {"op": st.sampled_from(["register", "unregister", "list", "status", "hello", "boom"])},
+    optional={"id": json_values, "job": st.sampled_from(["a", "b", "", "x y", "j" * 70]) | json_values,
+              "level": st.integers(-2, 6) | json_values, "rank": st.integers(-1, 3) | json_values,
+              "flows": st.lists(flows, max_size=5) | json_values, "extra": json_values})
+valid_flows = st.lists(st.fixed_dictionaries({"proto": st.sampled_from(["tcp", "udp"]), "src": st.just("198.18.0.1"),
+                                             "sport": st.integers(1, 40), "dst": st.just("198.18.0.2"),
+                                             "dport": st.integers(1, 3)}), min_size=1, max_size=6)
+valid = st.one_of(
+    st.fixed_dictionaries({"op": st.just("register"), "job": st.sampled_from(["a", "b", "c"]),
+                           "level": st.integers(0, 2), "flows": valid_flows}),
+    st.fixed_dictionaries({"op": st.just("unregister"), "job": st.sampled_from(["a", "b", "c"])},
+                          optional={"flows": valid_flows}),
+    st.fixed_dictionaries({"op": st.sampled_from(["list", "hello"])}))
+lines = (valid.map(lambda r: json.dumps(r).encode())
+         | requests.map(lambda r: json.dumps(r).encode())
+         | requests.map(lambda r: json.dumps(r).encode()[: max(1, len(json.dumps(r)) // 2)])  # truncated
+         | st.binary(max_size=200).filter(lambda b: b"\n" not in b))
+
+
+def test_fuzz_10000_messages_agent_stays_up_and_consistent():
+    with Testbed(hosts=1, rate="100mbit", name="tx3") as tb, running_agents(
+            tb, levels=3, config_extra={"trusted_users": ["root"], "rate_limit_per_s": 1e6}) as agents:
+        path = agents[1].socket
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(5)
+        conn.connect(path)
+        reader = conn.makefile("rb")
+        seen = {"ok": 0, "error": 0}
+
+        @settings(max_examples=200, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.lists(lines, min_size=50, max_size=50))
+        def send(batch: list[bytes]) -> None:  # 200 batches of 50 pipelined messages: 10,000 messages
+            conn.sendall(b"".join(line + b"\n" for line in batch))
+            for _ in batch:
+                reply = json.loads(reader.readline())
+                assert isinstance(reply["ok"], bool)
+                seen["ok" if reply["ok"] else "error"] += 1
+                if not reply["ok"]:
+                    assert reply["error"]["code"] and reply["error"]["message"]
+
+        send()
+        conn.close()
+        assert sum(seen.values()) >= 10_000 and seen["ok"] > 100 and seen["error"] > 1000
+        assert agents[1].proc.poll() is None
+        with AgentClient(path) as c:
+            listed = {(f["proto"], f["src"], f["sport"], f["dst"], f["dport"]): f["level"]
+                      for f in c.list()["flows"]}
+            status = c.status()
+        kernel = {}
+        for fam in (4, 6):
+            out = tb.host(1).run(["nft", "-j", "list", "map", "inet", "tensorlane", f"flows{fam}"]).stdout
+            for elem in json.loads(out)["nftables"][1]["map"].get("elem", []):
+                src, dst, proto, sport, dport = elem[0]["concat"]
+                kernel[(proto, src, sport, dst, dport)] = int(elem[1]["goto"]["target"][5:])
+        assert listed == kernel and status["reconcile"]["errors"] == 0
