@@ -6,6 +6,7 @@ Usage: ``sys.exit(run(load_config(path)))``
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -98,6 +99,8 @@ def restore_interface(cfg: Config, ipr: IPRoute, ifindex: int, snap: snapshot.Sn
 
 def _serve(cfg: Config, api: Api, rec: Reconciler, table: FlowTable) -> None:
     stop = threading.Event()
+    gc.collect()
+    gc.freeze()  # what start-up allocated (pyroute2, scapy, prometheus) is never scanned again: no long pauses
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server = Server(api, cfg.socket, cfg.socket_mode, cfg.socket_group)

@@ -6,21 +6,20 @@ Usage: ``table = FlowTable(levels=4); added, moved = table.register("job-a", 0, 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from agent.protocol import FlowKey, ProtocolError
 
 
-@dataclass(frozen=True)
-class FlowEntry:
-    """What the agent knows about one registered flow."""
+class FlowEntry(NamedTuple):
+    """What the agent knows about one registered flow (a tuple of atomic values: not tracked by the GC)."""
 
     job: str
     level: int
     rank: int | None = None
     pid: int | None = None  # the owning process, when ownership was checked: its exit removes the flow
     uid: int | None = None  # the registering user
-    registered_at: float = field(default_factory=time.time)
+    registered_at: float = 0.0
 
 
 class FlowTable:
@@ -52,9 +51,10 @@ class FlowTable:
                 moved.append(key)
         if len(self.flows) + len(added) > self.max_flows:
             raise ProtocolError("limit", f"registering {len(added)} flows would exceed {self.max_flows}")
+        now = time.time()
         for key in flows:
             self._forget_owner(key)
-            self.flows[key] = FlowEntry(job, level, rank, pid, uid)
+            self.flows[key] = FlowEntry(job, level, rank, pid, uid, now)
             if pid is not None:
                 self.by_pid.setdefault(pid, set()).add(key)
         return added, moved
