@@ -8,10 +8,11 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import pytest
 
-from bench.agents import running_agents
+from bench.agents import AgentStartError, running_agents
 from testbed import Testbed
 
 pytestmark = pytest.mark.netns
@@ -48,12 +49,20 @@ def levels_registered(agent) -> set[int]:
         return set()
 
 
-def test_flows_registered_per_level_and_survive_agent_restart(tmp_path):
+def tc_and_nft(host) -> str:
+    return "\n".join([host.run(["tc", w, "show", "dev", "eth0"]).stdout for w in ("qdisc", "class", "filter")]
+                     + [host.run(["nft", "list", "ruleset"]).stdout])
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_flows_registered_per_level_and_survive_agent_restart(tmp_path, how):
     import torch
 
     with Testbed(hosts=2, rate="200mbit", name="ts") as tb, running_agents(tb, hosts=[2], levels=3) as agents2:
         sockets = {1: f"/run/tensorlane/{tb.host(1).name}/agent.sock", 2: agents2[2].socket}
-        with running_agents(tb, hosts=[1], levels=3) as agents1:
+        before = tc_and_nft(tb.host(1))
+        killed = pytest.raises(AgentStartError, match="exited with -9") if how == "sigkill" else nullcontext()
+        with killed, running_agents(tb, hosts=[1], levels=3) as agents1:
             procs = start_workers(tb, tmp_path, 29610, sockets, "--modes", "ddp,overlap", "--levels", "3",
                                   "--steps", "60", "--step-sleep", "0.1")
             try:
@@ -66,11 +75,15 @@ def test_flows_registered_per_level_and_survive_agent_restart(tmp_path):
                 for p in procs:
                     p.kill()
                 raise
+            if how == "sigkill":  # no chance to clean up: the next agent finds its tree and adopts it
+                agents1[1].proc.kill()
+                agents1[1].proc.wait(5)
         # host1's agent is gone (SIGTERM): training goes on; a new agent gets the flows registered again
         time.sleep(3)  # longer than the shim's keep-alive period: it notices the agent is gone
         with running_agents(tb, hosts=[1], levels=3) as agents1:
             assert wait_for(lambda: levels_registered(agents1[1]) == {0, 1, 2}, 10, "re-registration")
             outputs = [p.communicate(timeout=120)[0] for p in procs]
+        assert tc_and_nft(tb.host(1)) == before  # no orphan classes, filters or nftables rules
     assert [p.returncode for p in procs] == [0, 0], outputs
     ref = torch.load(tmp_path / "ddp-0.pt")
     got = torch.load(tmp_path / "overlap-0.pt")
