@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_FLOWS_PER_MESSAGE = 1024
-OPS = ("register", "unregister", "list", "status", "hello")
+OPS = ("register", "unregister", "list", "status", "hello", "report")
+MAX_REPORT_LEVELS = 16
 PROTOCOLS = {"tcp": 6, "udp": 17}
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}$")
 
@@ -26,9 +29,12 @@ class ProtocolError(ValueError):
         self.code = code
 
 
-@dataclass(frozen=True, order=True)
-class FlowKey:
-    """One direction of a transport flow as it leaves this host: local address/port to remote address/port."""
+class FlowKey(NamedTuple):
+    """One direction of a transport flow as it leaves this host: local address/port to remote address/port.
+
+    A tuple of atomic values, so that the garbage collector stops tracking it: tens of thousands of registered
+    flows then cost no full-collection pauses.
+    """
 
     proto: str
     src: str
@@ -55,6 +61,8 @@ class Request:
     level: int | None = None
     rank: int | None = None
     flows: tuple[FlowKey, ...] = ()
+    session: str | None = None
+    counters: tuple[tuple[int, int, int, float], ...] = ()  # report: (level, allreduces, bytes, comm_s)
 
 
 def _port(value, name: str) -> int:
@@ -87,6 +95,37 @@ def parse_flow(obj) -> FlowKey:
     return FlowKey(proto, str(src), _port(obj.get("sport"), "sport"), str(dst), _port(obj.get("dport"), "dport"))
 
 
+def _count(obj: dict, name: str, kind: type) -> int | float:
+    value = obj.get(name)
+    ok = not isinstance(value, bool) and (isinstance(value, int) or kind is float and isinstance(value, float))
+    if not ok or value < 0 or (isinstance(value, float) and not math.isfinite(value)) or value >= 2**63:
+        raise ProtocolError("bad_request", f"{name} must be a non-negative {'number' if kind is float else 'integer'}"
+                                           f", got {value!r}")
+    return value
+
+
+def parse_counters(raw) -> tuple[tuple[int, int, int, float], ...]:
+    """Validate a report's ``levels``: 1..16 objects ``{level, allreduces, bytes, comm_s}``, each level once."""
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_REPORT_LEVELS:
+        raise ProtocolError("bad_request", f"levels must be a list of 1..{MAX_REPORT_LEVELS} objects")
+    out, seen = [], set()
+    for obj in raw:
+        if not isinstance(obj, dict):
+            raise ProtocolError("bad_request", f"each entry of levels must be an object, got {type(obj).__name__}")
+        unknown = set(obj) - {"level", "allreduces", "bytes", "comm_s"}
+        if unknown:
+            raise ProtocolError("bad_request", f"unknown field {sorted(unknown)[0]!r} in levels")
+        level = obj.get("level")
+        if isinstance(level, bool) or not isinstance(level, int) or level < 0:
+            raise ProtocolError("bad_level", f"level must be a non-negative integer, got {level!r}")
+        if level in seen:
+            raise ProtocolError("bad_request", f"level {level} appears twice")
+        seen.add(level)
+        out.append((level, _count(obj, "allreduces", int), _count(obj, "bytes", int),
+                    float(_count(obj, "comm_s", float))))
+    return tuple(out)
+
+
 def parse_request(line: bytes | str) -> Request:
     """Parse and validate one request line; raise ProtocolError with a precise reason."""
     if len(line) > MAX_MESSAGE_BYTES:
@@ -105,12 +144,13 @@ def parse_request(line: bytes | str) -> Request:
         raise ProtocolError("bad_request", "id must be a string or an integer")
     allowed = {"op", "id"} | {
         "register": {"job", "level", "rank", "flows"}, "unregister": {"job", "flows"}, "list": {"job"},
+        "report": {"job", "session", "levels"},
     }.get(op, set())
     unknown = set(msg) - allowed
     if unknown:
         raise ProtocolError("bad_request", f"unknown field {sorted(unknown)[0]!r} for op {op}")
     job = msg.get("job")
-    if op in ("register", "unregister") or job is not None:
+    if op in ("register", "unregister", "report") or job is not None:
         if not isinstance(job, str) or not _JOB_RE.match(job):
             raise ProtocolError("bad_job", "job must be 1-64 characters of letters, digits, '_.:-', "
                                            f"starting with a letter or digit; got {job!r}")
@@ -130,7 +170,14 @@ def parse_request(line: bytes | str) -> Request:
         if len(flows_raw) > MAX_FLOWS_PER_MESSAGE:
             raise ProtocolError("too_large", f"{len(flows_raw)} flows exceed {MAX_FLOWS_PER_MESSAGE} per message")
         flows = tuple(dict.fromkeys(parse_flow(f) for f in flows_raw))
-    return Request(op=op, id=rid, job=job, level=level, rank=rank, flows=flows)
+    session, counters = None, ()
+    if op == "report":
+        session = msg.get("session")
+        if not isinstance(session, str) or not _JOB_RE.match(session):
+            raise ProtocolError("bad_request", "session must be 1-64 characters of letters, digits, '_.:-', "
+                                               f"starting with a letter or digit; got {session!r}")
+        counters = parse_counters(msg.get("levels"))
+    return Request(op=op, id=rid, job=job, level=level, rank=rank, flows=flows, session=session, counters=counters)
 
 
 def ok(rid, result: dict) -> bytes:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from shim import report
 from shim.agent_link import AgentLink
 from shim.buckets import parameter_levels, pieces_of
 from shim.flows import new_flows, own_tcp_flows
@@ -177,6 +178,7 @@ class Handle:
         self._orig_step = None
         self.deferred_steps = 0
         self.closed = False
+        self.reporter = None  # shim.report: per-level communication counters to the agent (metrics)
 
     # -- overlap mode plumbing ------------------------------------------------------------------------------
     def _install_overlap(self) -> None:
@@ -242,6 +244,8 @@ class Handle:
             h.remove()
         if self._orig_step is not None:
             del self.optimizer.step  # the instance attribute; the class's step is back
+        if self.reporter is not None:
+            self.reporter.close()
         self.link.close()
         self.closed = True
 
@@ -261,14 +265,16 @@ def _priority_groups(levels: int, master_port: str | None) -> tuple[list, dict[i
 
 
 def attach(model, optimizer=None, *, levels: int = 4, policy: str = "layer_order", agent_socket: str | None = None,
-           job: str | None = None, partition_bytes: int | None = None, disable: bool | None = None) -> Handle:
+           job: str | None = None, partition_bytes: int | None = None, disable: bool | None = None,
+           report_interval_s: float = 5.0) -> Handle:
     """Give ``model`` (a DistributedDataParallel) prioritized all-reduce; with ``optimizer``, overlap mode.
 
     Every rank must call it (it creates process groups). ``disable=True`` or TENSORLANE_DISABLE=1 leaves training
     exactly as plain DDP. Options: ``levels`` (1..5), ``policy`` ("layer_order" or "flat", see shim.buckets),
     ``agent_socket`` (default TENSORLANE_AGENT_SOCKET or /run/tensorlane/agent.sock), ``job`` (default
     ``default_job_id()``), ``partition_bytes`` (largest all-reduce piece; None: a bucket is cut only where its
-    level changes). Usage: ``handle = shim.attach(ddp_model, optimizer, levels=4)``
+    level changes), ``report_interval_s`` (how often per-level communication counters go to the agent's
+    metrics, ``shim.report``). Usage: ``handle = shim.attach(ddp_model, optimizer, levels=4)``
     """
     if _disabled(disable):
         return Handle(model, optimizer, disabled=True)
@@ -295,6 +301,7 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "layer_order
                       None if partition_bytes is None else max(1, partition_bytes // element), optimizer is not None,
                       stats=[LevelStats() for _ in range(levels)])
     handle = Handle(model, optimizer, state, link, flows)
+    handle.reporter = report.start(handle, interval_s=report_interval_s)
     if optimizer is not None:
         handle._install_overlap()
         model.register_comm_hook(state, overlap_hook)

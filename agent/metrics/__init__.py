@@ -1,0 +1,177 @@
+"""Prometheus metrics of the agent, read from the kernel and the agent's state at scrape time (no polling thread).
+
+One small module per source of data, all of the same shape (``agent/metrics/base.py``): ``build``,
+``classes`` (tc class counters), ``contention`` (priority inversion, queueing delay), ``flows`` (registered
+flows, nftables marks), ``api`` (request outcomes and latency), ``reconcile``, ``jobs`` (communication time
+reported by the shims). Every scrape also reports, per source, ``tensorlane_scrape_collector_success`` and
+``tensorlane_scrape_collector_duration_seconds``: a failing source does not fail the scrape. Names and
+meanings: docs/metrics.md.
+
+HTTP (one thread per request, started by ``start_metrics_server``): ``/metrics``; ``/healthz`` (200 while the
+agent's main loop runs its reconcile passes, 503 when it has not for ``3 x reconcile_interval_s``, at least
+15 s; JSON body).
+
+Usage: ``server = start_metrics_server("127.0.0.1:9477", api)`` (``server.close()`` stops it).
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import socket
+import threading
+import time
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import make_wsgi_app
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from agent.metrics.api import ApiSource
+from agent.metrics.base import Scrape, Source
+from agent.metrics.build import BuildSource
+from agent.metrics.classes import ClassesSource
+from agent.metrics.contention import ContentionSource
+from agent.metrics.flows import FlowsSource
+from agent.metrics.jobs import JobReports, JobsSource
+from agent.metrics.reconcile import ReconcileSource
+
+log = logging.getLogger("tensorlane.metrics")
+SOURCES = (BuildSource, ClassesSource, ContentionSource, FlowsSource, ApiSource, ReconcileSource, JobsSource)
+__all__ = ["AgentCollector", "Health", "JobReports", "MetricsServer", "SOURCES", "Source", "make_registry",
+           "start_metrics_server"]
+
+
+class AgentCollector(Collector):
+    """Runs every source on one shared Scrape; a source that raises is reported (success 0) and skipped."""
+
+    def __init__(self, api, sources: list[Source]):
+        self.api = api
+        self.sources = sources
+        self._logged: set[str] = set()
+
+    def collect(self):
+        scrape = Scrape(self.api)
+        success = GaugeMetricFamily("tensorlane_scrape_collector_success",
+                                    "Whether the metrics source succeeded in this scrape", labels=["collector"])
+        duration = GaugeMetricFamily("tensorlane_scrape_collector_duration_seconds",
+                                     "Time the metrics source took in this scrape", labels=["collector"])
+        for src in self.sources:
+            t0 = time.perf_counter()
+            try:
+                families = list(src.collect(scrape))
+                ok = 1
+            except Exception as exc:  # noqa: BLE001 - one broken source must not hide the others
+                families, ok = [], 0
+                if src.name not in self._logged:  # once per source, not once per scrape
+                    self._logged.add(src.name)
+                    log.warning("metrics source %s failed: %s: %s", src.name, type(exc).__name__, exc)
+            yield from families
+            success.add_metric([src.name], ok)
+            duration.add_metric([src.name], time.perf_counter() - t0)
+        yield success
+        yield duration
+
+
+class Health:
+    """``check()`` -> (HTTP status, body): unhealthy when the reconcile pass count stopped moving."""
+
+    def __init__(self, api, stall_after_s: float | None = None, clock=time.monotonic):
+        self.api = api
+        self.stall_after_s = stall_after_s or max(15.0, 3 * float(api.cfg.reconcile_interval_s))
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._passes = api.rec.stats.passes
+        self._errors = api.rec.stats.errors
+        self._changed = clock()
+        self._last_failed = False
+
+    def check(self) -> tuple[int, dict]:
+        st, now = self.api.rec.stats, self.clock()
+        with self._lock:
+            if st.passes != self._passes:
+                self._last_failed = st.errors != self._errors
+                self._passes, self._errors, self._changed = st.passes, st.errors, now
+            idle = now - self._changed
+            body = {"status": "ok", "interface": self.api.cfg.interface, "backend": self.api.backend,
+                    "seconds_since_reconcile": round(idle, 3), "last_reconcile_failed": self._last_failed,
+                    "flows": len(self.api.table.flows)}
+        if idle > self.stall_after_s:
+            body["status"] = "stalled"
+            return 503, body
+        return 200, body
+
+
+def make_registry(api, sources=SOURCES) -> tuple[CollectorRegistry, AgentCollector]:
+    """A fresh registry with the agent's collector (subscribes the api source to ``api.observers``)."""
+    registry = CollectorRegistry()
+    collector = AgentCollector(api, [cls(api) for cls in sources])
+    registry.register(collector)
+    return registry, collector
+
+
+def make_app(registry: CollectorRegistry, health: Health):
+    """The WSGI app: /metrics, /healthz, and a tiny index at /."""
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        path = environ.get("PATH_INFO") or "/"
+        if path == "/metrics":
+            return metrics_app(environ, start_response)
+        if path in ("/healthz", "/-/healthy"):
+            code, body = health.check()
+            start_response(f"{code} {'OK' if code == 200 else 'Service Unavailable'}",
+                           [("Content-Type", "application/json")])
+            return [json.dumps(body).encode() + b"\n"]
+        if path == "/":
+            start_response("200 OK", [("Content-Type", "text/html; charset=utf-8")])
+            return [b"<html><body><h1>tensorlane agent</h1><p><a href='/metrics'>/metrics</a> "
+                    b"<a href='/healthz'>/healthz</a></p></body></html>\n"]
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found: try /metrics or /healthz\n"]
+
+    return app
+
+
+class _Handler(WSGIRequestHandler):
+    def log_message(self, *args):  # no access log on the agent's stderr
+        pass
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class MetricsServer:
+    """The running HTTP server: ``registry``, ``collector``, ``health``, ``address``, ``close()``."""
+
+    def __init__(self, address: str, api, sources=SOURCES):
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]") or "0.0.0.0"
+        self.registry, self.collector = make_registry(api, sources)
+        self.health = Health(api)
+        server_cls = _ThreadingServer
+        try:
+            if ipaddress.ip_address(host).version == 6:
+                server_cls = type("_ThreadingServer6", (_ThreadingServer,), {"address_family": socket.AF_INET6})
+        except ValueError:  # a host name
+            pass
+        self.httpd = make_server(host, int(port), make_app(self.registry, self.health), server_cls,
+                                 handler_class=_Handler)
+        self.address = f"[{host}]:{self.httpd.server_port}" if ":" in host else f"{host}:{self.httpd.server_port}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="tensorlane-metrics", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+
+def start_metrics_server(address: str, api) -> MetricsServer:
+    """Serve /metrics and /healthz on ``address`` ("host:port", "[v6]:port"; port 0 picks one) in a thread."""
+    server = MetricsServer(address, api)
+    log.info("metrics on http://%s/metrics", server.address)
+    return server

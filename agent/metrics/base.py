@@ -1,0 +1,80 @@
+"""The shape every metrics source has, and the per-scrape context the sources share.
+
+A *source* is one small class per source of data (like node_exporter's collectors): ``name`` (the ``collector``
+label of ``tensorlane_scrape_collector_success``) and ``collect(scrape)``, which reads its data at that moment
+and yields prometheus_client metric families. No source runs a thread or polls: everything is read when
+Prometheus scrapes. A *Scrape* is made per request to /metrics and caches what several sources read (the
+kernel's class counters), so one scrape reads the kernel once.
+
+Threads: sources run in the metrics HTTP server's threads while the agent's main thread changes ``api.table``;
+they copy what they iterate (``list(d.items())``) and never use the main thread's netlink or nftables handles.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from prometheus_client.metrics_core import Metric
+from pyroute2 import IPRoute
+
+from agent.kernel import tcstats
+from agent.kernel.qdisc import fmt_handle
+
+
+def link_rate_bps(api) -> int | None:
+    """The rate the agent shapes to (htb), else the configured or driver-reported link rate; None if unknown."""
+    rate = getattr(api.rec.backend, "rate", None) or api.cfg.link_rate_bps
+    if rate:
+        return int(rate)
+    from agent.kernel import detect
+
+    return detect.interface_speed_bps(api.cfg.interface)
+
+
+def class_label(spec) -> str:
+    """The ``class`` label of a leaf: the tc class id as tc prints it (``7a1:10``)."""
+    return fmt_handle(spec.classid)
+
+
+def level_label(spec) -> str:
+    return "default" if spec.level is None else str(spec.level)
+
+
+class Scrape:
+    """What one scrape reads, read at most once: ``classes()`` (kernel counters per class id), ``leaves()``."""
+
+    def __init__(self, api):
+        self.api = api
+        self.device = api.cfg.interface
+        self.monotonic = time.monotonic()
+        self._classes: dict[int, dict[str, int]] | None = None
+        self._leaves: list | None = None
+
+    def leaves(self) -> list:
+        """The backend's leaf classes (ClassSpec: level, classid, prio), most urgent first."""
+        if self._leaves is None:
+            self._leaves = sorted(self.api.rec.backend.leaves(), key=lambda s: s.prio)
+        return self._leaves
+
+    def classes(self) -> dict[int, dict[str, int]]:
+        """``{classid: {bytes, packets, drops, overlimits, requeues, backlog_bytes, backlog_packets}}``.
+
+        A fresh netlink socket in this thread (pyroute2's sync IPRoute is not shared across threads); the
+        agent runs in the host's network namespace, so this is the managed interface's namespace.
+        """
+        if self._classes is None:
+            with IPRoute() as ipr:
+                self._classes = tcstats.class_stats(ipr, self.api.rec.ifindex)
+        return self._classes
+
+
+class Source:
+    """Base of every metrics source: override ``name`` and ``collect``."""
+
+    name = "source"
+
+    def __init__(self, api):
+        self.api = api
+
+    def collect(self, scrape: Scrape) -> Iterable[Metric]:  # pragma: no cover - abstract
+        raise NotImplementedError

@@ -1,0 +1,77 @@
+"""Contention between the agent's classes, estimated at scrape time from the kernel's class counters.
+
+- ``tensorlane_class_inversion_bytes_total{device,class}``: priority inversion, estimated. At each scrape, for
+  each class C, the bytes C sent since the previous scrape are added if some more urgent class U (lower prio)
+  had a non-zero backlog both at the previous scrape and at this one. Under strict priority a backlogged U
+  should leave C nothing but its tiny HTB guarantee (about link/1000), so this counter growing by more than
+  that means lower-priority bytes went out while urgent bytes waited. It is an estimate from two instants, not
+  a measurement: U's queue may have drained and refilled between the scrapes (counted although there was no
+  inversion), or been backlogged only between them (missed). It gets sharper with shorter scrape intervals;
+  several Prometheus servers scraping the same agent make the intervals shorter, not wrong. HTB's own
+  guarantee to each class (by design) is included.
+- ``tensorlane_class_queue_delay_seconds{device,class}``: the queueing delay a packet entering C now would see
+  if nothing more urgent arrived: (backlog of C and of every more urgent class) / link rate. Exact for the top
+  class under strict priority (up to the packet on the wire and the lower classes' tiny guarantees); a lower
+  bound for the others. Absent when the link rate is unknown.
+"""
+from __future__ import annotations
+
+import threading
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from agent.metrics.base import Source, class_label, link_rate_bps
+
+LABELS = ["device", "class"]
+
+
+class ContentionSource(Source):
+    name = "contention"
+
+    def __init__(self, api):
+        super().__init__(api)
+        self._lock = threading.Lock()
+        self._prev: dict[int, tuple[int, int]] | None = None  # classid -> (bytes, backlog_bytes)
+        self._inversion: dict[int, int] = {}
+
+    def observe(self, leaves, stats: dict[int, dict[str, int]]) -> dict[int, int]:
+        """Fold one reading of the class counters into the inversion totals; return them (classid -> bytes)."""
+        now = {s.classid: (stats[s.classid]["bytes"], stats[s.classid]["backlog_bytes"])
+               for s in leaves if s.classid in stats}
+        with self._lock:
+            prev = self._prev
+            if prev is not None:
+                for spec in leaves:
+                    if spec.classid not in now or spec.classid not in prev:
+                        continue
+                    urgent_waiting = any(
+                        u.prio < spec.prio and prev.get(u.classid, (0, 0))[1] > 0 and now.get(u.classid, (0, 0))[1] > 0
+                        for u in leaves)
+                    sent = now[spec.classid][0] - prev[spec.classid][0]
+                    if urgent_waiting and sent > 0:
+                        self._inversion[spec.classid] = self._inversion.get(spec.classid, 0) + sent
+            self._prev = now
+            return dict(self._inversion)
+
+    def collect(self, scrape):
+        dev, leaves, stats = scrape.device, scrape.leaves(), scrape.classes()
+        totals = self.observe(leaves, stats)
+        inversion = CounterMetricFamily(
+            "tensorlane_class_inversion_bytes",
+            "Bytes the class sent between two scrapes at both of which a more urgent class had a backlog "
+            "(priority inversion estimate, see docs/metrics.md)", labels=LABELS)
+        for spec in leaves:
+            inversion.add_metric([dev, class_label(spec)], totals.get(spec.classid, 0))
+        yield inversion
+        rate = link_rate_bps(self.api)
+        if not rate:
+            return
+        delay = GaugeMetricFamily(
+            "tensorlane_class_queue_delay_seconds",
+            "Queueing delay a packet entering the class now would see: backlog of this and more urgent classes "
+            "over the link rate (exact for the top class, a lower bound below it)", labels=LABELS)
+        ahead = 0
+        for spec in leaves:  # most urgent first
+            ahead += stats.get(spec.classid, {}).get("backlog_bytes", 0)
+            delay.add_metric([dev, class_label(spec)], ahead * 8 / rate)
+        yield delay

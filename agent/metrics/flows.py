@@ -1,0 +1,82 @@
+"""Registered flows (the agent's FlowTable) and what the nftables marking chains counted.
+
+- ``tensorlane_registered_flows{device,class,training_job}``: flows registered now. At most ``MAX_JOBS``
+  training jobs get their own series (those with the most flows); the others are summed under
+  ``training_job="_other"`` (a job id must start with a letter or digit, so no real job has that name).
+  The label is ``training_job``, not ``job``, which Prometheus reserves for the scrape job.
+- ``tensorlane_registered_jobs{device}``: jobs with at least one flow (not capped).
+- ``tensorlane_class_marked_bytes_total`` / ``_packets_total{device,class}``: what each level's nftables chain
+  marked (set DSCP and class); the default class has none. Read through a libnftables context of this scrape's
+  own (the agent's context belongs to its main thread).
+"""
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from agent.kernel import nft as nftables
+from agent.metrics.base import Source, class_label
+
+MAX_JOBS = 32
+OTHER = "_other"
+
+
+def cap_jobs(counts: dict[tuple[str, str], int], max_jobs: int = MAX_JOBS) -> dict[tuple[str, str], int]:
+    """``{(class, job): n}`` with all but the ``max_jobs`` largest jobs folded into job ``_other``."""
+    per_job: dict[str, int] = {}
+    for (_, job), n in counts.items():
+        per_job[job] = per_job.get(job, 0) + n
+    keep = set(sorted(per_job, key=lambda j: (-per_job[j], j))[:max_jobs])
+    out: dict[tuple[str, str], int] = {}
+    for (cls, job), n in counts.items():
+        key = (cls, job if job in keep else OTHER)
+        out[key] = out.get(key, 0) + n
+    return out
+
+
+def marked_counters(levels: list[int]) -> dict[int, dict[str, int]]:
+    """Counters of the level chains, listed chain by chain (listing the table would dump every map element)."""
+    nft = nftables.Nft()
+    try:
+        items = []
+        for level in levels:
+            listing = nft.run([{"list": {"chain": {"family": nftables.FAMILY, "table": nftables.TABLE,
+                                                   "name": nftables.level_chain(level)}}}])
+            items += (listing or {}).get("nftables", [])
+        return nftables.chain_counters({"nftables": items})
+    finally:
+        nft.close()
+
+
+class FlowsSource(Source):
+    name = "flows"
+
+    def collect(self, scrape):
+        dev = scrape.device
+        leaves = scrape.leaves()
+        by_level = {spec.level: class_label(spec) for spec in leaves if spec.level is not None}
+        entries = list(self.api.table.flows.values())  # copy: the main thread changes the table
+        counts: dict[tuple[str, str], int] = {}
+        for e in entries:
+            key = (by_level.get(e.level, str(e.level)), e.job)
+            counts[key] = counts.get(key, 0) + 1
+        flows = GaugeMetricFamily("tensorlane_registered_flows", "Flows registered with the agent now",
+                                  labels=["device", "class", "training_job"])
+        for (cls, job), n in sorted(cap_jobs(counts).items()):
+            flows.add_metric([dev, cls, job], n)
+        yield flows
+        jobs = GaugeMetricFamily("tensorlane_registered_jobs", "Training jobs with at least one registered flow",
+                                 labels=["device"])
+        jobs.add_metric([dev], len({e.job for e in entries}))
+        yield jobs
+
+        marks = marked_counters(sorted(by_level))
+        mb = CounterMetricFamily("tensorlane_class_marked_bytes", "Bytes marked (DSCP and class) by the level's "
+                                 "nftables chain", labels=["device", "class"])
+        mp = CounterMetricFamily("tensorlane_class_marked_packets", "Packets marked (DSCP and class) by the "
+                                 "level's nftables chain", labels=["device", "class"])
+        for level, cls in sorted(by_level.items()):
+            c = marks.get(level, {})
+            mb.add_metric([dev, cls], c.get("bytes", 0))
+            mp.add_metric([dev, cls], c.get("packets", 0))
+        yield mb
+        yield mp

@@ -1,0 +1,110 @@
+"""Communication time per training job and level, as reported by the shims on this host (API op ``report``).
+
+A shim process (``shim/report.py``) sends its cumulative per-level counters (all-reduce pieces completed, their
+bytes, and the seconds from launch to completion summed over pieces) with a ``session`` id of its own. The agent
+adds the increase since that session's previous report to per-(job, level) totals, so the exported counters
+only grow, whatever the number of processes, their restarts, or a report sent twice. A session whose counters
+went down (the process restarted with the same id) counts from zero.
+
+- ``tensorlane_job_allreduces_total{training_job,level}``
+- ``tensorlane_job_allreduce_bytes_total{training_job,level}``
+- ``tensorlane_job_allreduce_seconds_total{training_job,level}``: rate(seconds) / rate(allreduces) is the mean
+  time of one all-reduce piece; pieces of different levels overlap, so seconds can grow faster than wall time.
+- ``tensorlane_reporting_jobs``: jobs with a series now.
+
+Cardinality: at most ``MAX_JOBS`` jobs have series; reports of further jobs are added to
+``training_job="_other"``. A job (and its sessions) with no report for ``JOB_TTL_S`` seconds is forgotten and
+its series disappear. At most ``MAX_SESSIONS`` sessions are remembered (least recently reporting dropped).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from agent.metrics.base import Source
+
+MAX_JOBS = 32
+MAX_SESSIONS = 4096
+JOB_TTL_S = 900.0
+OTHER = "_other"
+FIELDS = ("allreduces", "bytes", "comm_s")
+
+
+class JobReports:
+    """Per-(job, level) totals from cumulative per-session reports. Thread-safe (API thread writes, scrapes read).
+
+    Usage: ``r = JobReports(); r.add("job-a", "s1", {0: (10, 4096, 0.5)}); r.snapshot()``
+    """
+
+    def __init__(self, max_jobs: int = MAX_JOBS, max_sessions: int = MAX_SESSIONS, ttl_s: float = JOB_TTL_S,
+                 clock=time.monotonic):
+        self.max_jobs, self.max_sessions, self.ttl_s, self.clock = max_jobs, max_sessions, ttl_s, clock
+        self._lock = threading.Lock()
+        self._totals: dict[str, dict[int, list]] = {}  # job -> level -> [allreduces, bytes, comm_s]
+        self._seen: dict[str, float] = {}  # job -> last report (monotonic)
+        self._sessions: OrderedDict[tuple[str, str], dict[int, tuple]] = OrderedDict()  # LRU
+
+    def add(self, job: str, session: str, levels: dict[int, tuple[int, int, float]]) -> str:
+        """Fold one report in; return the job it was counted under (``job`` or ``_other``)."""
+        now = self.clock()
+        with self._lock:
+            self._expire(now)
+            target = job if job in self._totals or len(self._real_jobs()) < self.max_jobs else OTHER
+            last = self._sessions.pop((job, session), {})
+            totals = self._totals.setdefault(target, {})
+            for level, cur in levels.items():
+                prev = last.get(level, (0, 0, 0.0))
+                reset = any(c < p for c, p in zip(cur, prev))
+                delta = cur if reset else tuple(c - p for c, p in zip(cur, prev))
+                acc = totals.setdefault(level, [0, 0, 0.0])
+                for i, d in enumerate(delta):
+                    acc[i] += d
+                last[level] = tuple(cur)
+            self._sessions[(job, session)] = last
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+            self._seen[target] = now
+            return target
+
+    def _real_jobs(self) -> list[str]:
+        return [j for j in self._totals if j != OTHER]
+
+    def _expire(self, now: float) -> None:
+        for job in [j for j, t in self._seen.items() if now - t > self.ttl_s]:
+            self._seen.pop(job, None)
+            self._totals.pop(job, None)
+            for key in [k for k in self._sessions if k[0] == job]:
+                del self._sessions[key]
+
+    def snapshot(self) -> dict[str, dict[int, tuple[int, int, float]]]:
+        """``{job: {level: (allreduces, bytes, comm_s)}}`` of the jobs with series now."""
+        with self._lock:
+            self._expire(self.clock())
+            return {job: {lvl: tuple(v) for lvl, v in levels.items()} for job, levels in self._totals.items()}
+
+
+class JobsSource(Source):
+    name = "jobs"
+
+    def collect(self, scrape):
+        reports = getattr(self.api, "reports", None)
+        snap = reports.snapshot() if reports is not None else {}
+        labels = ["training_job", "level"]
+        fams = [
+            CounterMetricFamily("tensorlane_job_allreduces", "All-reduce pieces completed, reported by the job's "
+                                "shims on this host", labels=labels),
+            CounterMetricFamily("tensorlane_job_allreduce_bytes", "Bytes all-reduced, reported by the job's shims "
+                                "on this host", labels=labels),
+            CounterMetricFamily("tensorlane_job_allreduce_seconds", "Seconds from launch to completion, summed "
+                                "over all-reduce pieces, reported by the job's shims on this host", labels=labels),
+        ]
+        for job, levels in sorted(snap.items()):
+            for level, values in sorted(levels.items()):
+                for fam, value in zip(fams, values):
+                    fam.add_metric([job, str(level)], value)
+        yield from fams
+        yield GaugeMetricFamily("tensorlane_reporting_jobs", "Training jobs whose shims reported here recently",
+                                value=len(snap))

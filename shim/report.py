@@ -1,0 +1,100 @@
+"""The shim's communication-time reports: sends a process's per-level all-reduce counters to the local agent,
+which exports them as ``tensorlane_job_allreduce_seconds_total{training_job,level}`` and friends (docs/metrics.md).
+
+Reports are cumulative (counts, bytes and seconds since the process attached) and carry a random ``session``
+id, so a lost or repeated report changes nothing and several processes of one job on a host add up. Sending
+happens in a daemon thread every ``interval_s`` and once more at ``close()``; each attempt uses a fresh
+connection with a short timeout. An absent agent is silent (the agent link already warns once), an agent that
+does not know the ``report`` op (older) is not asked again. No torch here.
+
+Usage::
+
+    handle = shim.attach(ddp_model, optimizer)
+    reporter = shim.report.start(handle)          # None when the shim is disabled
+    ...
+    reporter.close(); handle.close()
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+
+from agent.client import AgentClient, AgentError, AgentUnavailable
+
+log = logging.getLogger("tensorlane.shim")
+
+
+class Reporter:
+    """Sends ``stats()`` (a list of ``{level, allreduces, bytes, comm_s}``) as op ``report`` for ``job``."""
+
+    def __init__(self, stats, socket_path: str, job: str, interval_s: float = 5.0, timeout_s: float = 0.25,
+                 session: str | None = None, start: bool = True):
+        self.stats = stats
+        self.socket_path = socket_path
+        self.job = job
+        self.timeout_s = timeout_s
+        self.session = session or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.counters = {"sent": 0, "failures": 0, "refusals": 0}
+        self.last_error = ""
+        self.unsupported = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        if start:
+            self._thread = threading.Thread(target=self._run, args=(interval_s,), name="tensorlane-report",
+                                            daemon=True)
+            self._thread.start()
+
+    def report(self) -> bool:
+        """Send one report now (bounded by ``timeout_s`` per step); never raises. Returns whether it was taken."""
+        with self._lock:
+            if self.unsupported:
+                return False
+            try:
+                levels = [{"level": int(s["level"]), "allreduces": int(s["allreduces"]), "bytes": int(s["bytes"]),
+                           "comm_s": float(s["comm_s"])} for s in self.stats()]
+            except Exception as exc:  # noqa: BLE001 - reporting must never break training
+                self.counters["failures"] += 1
+                self.last_error = f"reading the shim's counters: {type(exc).__name__}: {exc}"
+                return False
+            if not levels:
+                return False
+            try:
+                with AgentClient(self.socket_path, timeout=self.timeout_s) as agent:
+                    agent.request("report", job=self.job, session=self.session, levels=levels)
+            except AgentError as exc:
+                self.counters["refusals"] += 1
+                self.last_error = str(exc)
+                if exc.code == "unknown_op":
+                    self.unsupported = True
+                    log.info("tensorlane: the agent at %s takes no communication-time reports", self.socket_path)
+                return False
+            except (AgentUnavailable, OSError, ValueError) as exc:
+                self.counters["failures"] += 1
+                self.last_error = str(exc)
+                return False
+            self.counters["sent"] += 1
+            return True
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.report()
+
+    def close(self) -> bool:
+        """Stop the thread and send a last report (bounded). Idempotent; returns whether the last one was taken."""
+        first = not self._stop.is_set()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout_s * 4 + 1)
+        return self.report() if first else False
+
+
+def start(handle, interval_s: float = 5.0, timeout_s: float = 0.25) -> Reporter | None:
+    """A Reporter for a ``shim.attach`` handle (its agent socket and job id); None when the shim is disabled."""
+    if getattr(handle, "disabled", False) or getattr(handle, "link", None) is None:
+        return None
+    link = handle.link
+    return Reporter(lambda: handle.stats()["levels"], link.socket_path, link.job, interval_s=interval_s,
+                    timeout_s=timeout_s)

@@ -1,0 +1,505 @@
+"""The agent's metrics without a kernel: every source on a fake agent (the kernel's counters are stubbed), the
+report op end to end, the shim's reporter, the HTTP endpoints, and the names linted by `promtool check metrics`.
+The namespace and Prometheus tests are in test_metrics_prometheus.py."""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import socketserver
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent import protocol
+from agent.api import Api
+from agent.config import from_dict
+from agent.kernel.qdisc import HtbBackend
+from agent.metrics import Health, make_registry, start_metrics_server
+from agent.metrics import base as metrics_base
+from agent.metrics import flows as metrics_flows
+from agent.metrics.jobs import OTHER, JobReports
+from agent.reconcile import ReconcileStats
+from agent.state import FlowTable
+from shim.report import Reporter
+from shim.report import start as start_reporter
+
+RATE_BPS = 200_000_000
+L0, L1, L2, L3, DEFAULT = (0x7A10010 + i for i in range(5))
+
+
+class FakeRec:
+    """The parts of the Reconciler the api and the metrics use; no kernel."""
+
+    def __init__(self, levels: int = 4):
+        self.backend = HtbBackend(levels, RATE_BPS)
+        self.stats = ReconcileStats()
+        self.ifindex = 7
+
+    def apply(self, table, added, moved, removed) -> None:
+        pass
+
+
+class Kernel:
+    """Stands in for the kernel's class counters and nftables marks (set ``classes`` / ``marks``)."""
+
+    def __init__(self):
+        self.classes = {cid: zero() for cid in (L0, L1, L2, L3, DEFAULT)}
+        self.marks: dict[int, dict[str, int]] = {}
+        self.fail = False
+
+
+def zero(**kw) -> dict:
+    return {"bytes": 0, "packets": 0, "drops": 0, "overlimits": 0, "requeues": 0, "backlog_bytes": 0,
+            "backlog_packets": 0, **kw}
+
+
+@pytest.fixture
+def kernel(monkeypatch) -> Kernel:
+    k = Kernel()
+
+    def classes(self):
+        if k.fail:
+            raise OSError("netlink says no")
+        return {cid: dict(v) for cid, v in k.classes.items()}
+
+    monkeypatch.setattr(metrics_base.Scrape, "classes", classes)
+    monkeypatch.setattr(metrics_flows, "marked_counters", lambda levels: k.marks)
+    return k
+
+
+def fake_api(levels: int = 4) -> Api:
+    cfg = from_dict({"interface": "eth0", "link_rate": "200mbit", "levels": levels, "reconcile_interval_s": 1})
+    return Api(cfg, FlowTable(levels), FakeRec(levels), "htb")
+
+
+def request(api: Api, **msg) -> dict:
+    return json.loads(api.handle(json.dumps(msg).encode()))
+
+
+def flow(i: int) -> dict:
+    return {"proto": "tcp", "src": "198.18.0.1", "sport": 10000 + i, "dst": "198.18.0.2", "dport": 20000}
+
+
+def scrape(registry) -> dict[tuple[str, tuple], float]:
+    """``{(sample name, sorted label items): value}`` of one scrape."""
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    want = {k: str(v) for k, v in labels.items()}
+    hits = [v for (n, lab), v in samples.items() if n == name and all(dict(lab).get(k) == x for k, x in want.items())]
+    assert len(hits) == 1, f"{name}{labels}: {len(hits)} samples"
+    return hits[0]
+
+
+# --- names ------------------------------------------------------------------------------------------------------
+
+def test_exposition_passes_promtool_lint_and_has_no_reserved_labels(kernel):
+    api = fake_api()
+    request(api, op="register", job="job-a", level=0, flows=[flow(1)])
+    request(api, op="report", job="job-a", session="s1", levels=[{"level": 0, "allreduces": 2, "bytes": 8,
+                                                                       "comm_s": 0.25}])
+    registry, _ = make_registry(api)
+    text = generate_latest(registry)
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing: apt-get install prometheus (scripts/bootstrap)"
+    lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
+    assert lint.returncode == 0 and not lint.stdout.strip() and not lint.stderr.strip(), \
+        (lint.stdout + lint.stderr).decode()
+    names = set()
+    for fam in text_string_to_metric_families(text.decode()):
+        names.add(fam.name)
+        assert fam.name.startswith("tensorlane_"), fam.name
+        for s in fam.samples:
+            assert not {"job", "instance"} & set(s.labels), f"{s.name} uses a label Prometheus reserves"
+    assert {"tensorlane_class_info", "tensorlane_class_sent_bytes", "tensorlane_class_inversion_bytes",
+            "tensorlane_class_queue_delay_seconds", "tensorlane_registered_flows", "tensorlane_api_requests",
+            "tensorlane_api_request_duration_seconds", "tensorlane_reconcile_errors", "tensorlane_backend_info",
+            "tensorlane_build_info", "tensorlane_job_allreduce_seconds",
+            "tensorlane_link_rate_bytes_per_second"} <= names
+
+
+# --- classes, contention ----------------------------------------------------------------------------------------
+
+def test_class_counters_info_and_link_rate(kernel):
+    api = fake_api()
+    kernel.classes[L0] = zero(bytes=1000, packets=10, drops=1, overlimits=2, requeues=3, backlog_bytes=1514,
+                              backlog_packets=1)
+    registry, _ = make_registry(api)
+    s = scrape(registry)
+    assert value(s, "tensorlane_class_sent_bytes_total", **{"class": "7a1:10"}) == 1000
+    assert value(s, "tensorlane_class_sent_packets_total", **{"class": "7a1:10"}) == 10
+    assert value(s, "tensorlane_class_dropped_packets_total", **{"class": "7a1:10"}) == 1
+    assert value(s, "tensorlane_class_overlimits_total", **{"class": "7a1:10"}) == 2
+    assert value(s, "tensorlane_class_requeues_total", **{"class": "7a1:10"}) == 3
+    assert value(s, "tensorlane_class_backlog_bytes", **{"class": "7a1:10"}) == 1514
+    assert value(s, "tensorlane_class_backlog_packets", **{"class": "7a1:10"}) == 1
+    info = {dict(lab)["class"]: dict(lab) for (n, lab) in s if n == "tensorlane_class_info"}
+    assert info["7a1:10"] == {"device": "eth0", "class": "7a1:10", "level": "0", "dscp": "46", "prio": "0"}
+    assert info["7a1:14"]["level"] == "default" and info["7a1:14"]["dscp"] == "unchanged"
+    assert len(info) == 5
+    assert value(s, "tensorlane_link_rate_bytes_per_second", device="eth0") == RATE_BPS / 8
+    assert value(s, "tensorlane_backend_info", backend="htb", device="eth0") == 1
+    assert value(s, "tensorlane_priority_levels") == 4
+
+
+def test_inversion_counts_lower_class_bytes_only_while_an_urgent_class_stays_backlogged(kernel):
+    api = fake_api()
+    registry, _ = make_registry(api)
+    def inv(s, cid):
+        return value(s, "tensorlane_class_inversion_bytes_total", **{"class": f"7a1:{cid - 0x7A10000:x}"})
+
+    s = scrape(registry)
+    assert all(inv(s, c) == 0 for c in (L0, L1, L2, L3, DEFAULT))
+    # level 0 backlogged at this scrape only: the default class's bytes since the last scrape do not count
+    kernel.classes[L0]["backlog_bytes"] = 3000
+    kernel.classes[DEFAULT]["bytes"] += 1000
+    s = scrape(registry)
+    assert inv(s, DEFAULT) == 0
+    # level 0 backlogged at both scrapes: the default class and level 2 sent while it waited
+    kernel.classes[DEFAULT]["bytes"] += 500
+    kernel.classes[L2]["bytes"] += 200
+    kernel.classes[L0]["bytes"] += 9000  # the top class itself never counts
+    s = scrape(registry)
+    assert (inv(s, DEFAULT), inv(s, L2), inv(s, L0)) == (500, 200, 0)
+    # level 0 drained; level 1 backlogged at two scrapes: only classes below level 1 count
+    kernel.classes[L0]["backlog_bytes"] = 0
+    kernel.classes[L1]["backlog_bytes"] = 1500
+    scrape(registry)
+    kernel.classes[L0]["bytes"] += 100
+    kernel.classes[L1]["bytes"] += 100
+    kernel.classes[DEFAULT]["bytes"] += 50
+    s = scrape(registry)
+    assert (inv(s, L0), inv(s, L1), inv(s, DEFAULT)) == (0, 0, 550)
+
+
+def test_queue_delay_is_backlog_ahead_over_link_rate(kernel):
+    api = fake_api()
+    kernel.classes[L0]["backlog_bytes"] = 25_000      # 1 ms at 25 MB/s
+    kernel.classes[L2]["backlog_bytes"] = 50_000
+    kernel.classes[DEFAULT]["backlog_bytes"] = 1_000_000
+    registry, _ = make_registry(api)
+    s = scrape(registry)
+    delay = lambda c: value(s, "tensorlane_class_queue_delay_seconds", **{"class": c})
+    assert delay("7a1:10") == pytest.approx(0.001)
+    assert delay("7a1:11") == pytest.approx(0.001)
+    assert delay("7a1:12") == pytest.approx(0.003)
+    assert delay("7a1:14") == pytest.approx(0.043)
+
+
+def test_a_failing_source_is_reported_and_the_others_still_answer(kernel):
+    api = fake_api()
+    kernel.fail = True
+    registry, _ = make_registry(api)
+    s = scrape(registry)
+    assert value(s, "tensorlane_scrape_collector_success", collector="classes") == 0
+    assert value(s, "tensorlane_scrape_collector_success", collector="contention") == 0
+    assert value(s, "tensorlane_scrape_collector_success", collector="reconcile") == 1
+    assert value(s, "tensorlane_reconcile_passes_total") == 0
+    assert not [n for n, _ in s if n.startswith("tensorlane_class_sent")]
+
+
+# --- flows, api, reconcile --------------------------------------------------------------------------------------
+
+def test_flows_by_class_and_job_capped_with_the_rest_summed(kernel):
+    api = fake_api()
+    for j in range(40):
+        n = 1 if j >= 32 else 2
+        assert request(api, op="register", job=f"job{j:02d}", level=j % 2,
+                       flows=[flow(100 * j + i) for i in range(n)])["ok"]
+    kernel.marks = {0: {"bytes": 1234, "packets": 5}}
+    registry, _ = make_registry(api)
+    s = scrape(registry)
+    flows = {(dict(lab)["class"], dict(lab)["training_job"]): v
+             for (n, lab), v in s.items() if n == "tensorlane_registered_flows"}
+    assert len({job for _, job in flows}) == 33                           # 32 jobs and _other
+    assert flows[("7a1:10", OTHER)] + flows[("7a1:11", OTHER)] == 8       # the 8 one-flow jobs
+    assert sum(flows.values()) == 32 * 2 + 8
+    assert value(s, "tensorlane_registered_jobs") == 40
+    assert value(s, "tensorlane_class_marked_bytes_total", **{"class": "7a1:10"}) == 1234
+    assert value(s, "tensorlane_class_marked_packets_total", **{"class": "7a1:11"}) == 0
+
+
+def test_request_outcomes_and_latency_histogram(kernel):
+    api = fake_api()
+    registry, _ = make_registry(api)
+    assert request(api, op="register", job="a", level=0, flows=[flow(1)])["ok"]
+    assert not request(api, op="register", job="a", level=9, flows=[flow(2)])["ok"]
+    assert not request(api, op="register", job="b", level=0, flows=[flow(1)])["ok"]  # a's flow
+    api.handle(b"{not json")
+    s = scrape(registry)
+    assert value(s, "tensorlane_api_requests_total", op="register", outcome="ok") == 1
+    assert value(s, "tensorlane_api_requests_total", op="register", outcome="bad_level") == 1
+    assert value(s, "tensorlane_api_requests_total", op="register", outcome="conflict") == 1
+    assert value(s, "tensorlane_api_requests_total", op="invalid", outcome="bad_json") == 1
+    assert value(s, "tensorlane_api_request_duration_seconds_count", op="register") == 3
+    assert value(s, "tensorlane_api_request_duration_seconds_bucket", op="register", le="+Inf") == 3
+    assert 0 < value(s, "tensorlane_api_request_duration_seconds_sum", op="register") < 1
+    buckets = sorted((float(dict(lab)["le"]), v) for (n, lab), v in s.items()
+                     if n == "tensorlane_api_request_duration_seconds_bucket" and dict(lab)["op"] == "register")
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets)       # cumulative
+
+
+def test_reconcile_counters(kernel):
+    api = fake_api()
+    api.rec.stats.passes, api.rec.stats.repairs, api.rec.stats.errors = 7, 3, 2
+    s = scrape(make_registry(api)[0])
+    assert value(s, "tensorlane_reconcile_passes_total") == 7
+    assert value(s, "tensorlane_reconcile_repairs_total") == 3
+    assert value(s, "tensorlane_reconcile_errors_total") == 2
+
+
+# --- the report op and the job counters ------------------------------------------------------------------------
+
+def report_msg(**kw) -> dict:
+    msg = {"op": "report", "job": "job-a", "session": "s1",
+           "levels": [{"level": 0, "allreduces": 4, "bytes": 4096, "comm_s": 0.5}]}
+    msg.update(kw)
+    return msg
+
+
+@pytest.mark.parametrize("change, code", [
+    ({"job": None}, "bad_job"),
+    ({"session": ""}, "bad_request"),
+    ({"session": "-x"}, "bad_request"),
+    ({"levels": []}, "bad_request"),
+    ({"levels": "0"}, "bad_request"),
+    ({"levels": [{"level": 0, "allreduces": 1, "bytes": 1}]}, "bad_request"),            # comm_s missing
+    ({"levels": [{"level": 0, "allreduces": -1, "bytes": 1, "comm_s": 0}]}, "bad_request"),
+    ({"levels": [{"level": 0, "allreduces": 1.5, "bytes": 1, "comm_s": 0}]}, "bad_request"),
+    ({"levels": [{"level": 0, "allreduces": True, "bytes": 1, "comm_s": 0}]}, "bad_request"),
+    ({"levels": [{"level": 0, "allreduces": 1, "bytes": 1, "comm_s": float("nan")}]}, "bad_request"),
+    ({"levels": [{"level": 0, "allreduces": 1, "bytes": 1, "comm_s": 0, "x": 1}]}, "bad_request"),
+    ({"levels": [{"level": -1, "allreduces": 1, "bytes": 1, "comm_s": 0}]}, "bad_level"),
+    ({"levels": [{"level": 0, "allreduces": 1, "bytes": 1, "comm_s": 0}] * 2}, "bad_request"),
+    ({"levels": [{"level": i, "allreduces": 1, "bytes": 1, "comm_s": 0} for i in range(17)]}, "bad_request"),
+    ({"flows": []}, "bad_request"),
+])
+def test_report_requests_are_validated(change, code):
+    msg = report_msg(**change)
+    msg = {k: v for k, v in msg.items() if v is not None}
+    with pytest.raises(protocol.ProtocolError) as err:
+        protocol.parse_request(json.dumps(msg).encode())
+    assert err.value.code == code
+
+
+def test_report_op_feeds_the_job_counters(kernel):
+    api = fake_api(levels=3)
+    registry, _ = make_registry(api)
+    reply = request(api, **report_msg())
+    assert reply["ok"] and reply["result"] == {"job": "job-a", "levels": 1, "counted_as": "job-a"}
+    bad = request(api, **report_msg(levels=[{"level": 3, "allreduces": 1, "bytes": 1, "comm_s": 0}]))
+    assert bad["error"]["code"] == "bad_level"
+    request(api, **report_msg(levels=[{"level": 0, "allreduces": 6, "bytes": 6144, "comm_s": 0.75},
+                                      {"level": 2, "allreduces": 1, "bytes": 10, "comm_s": 0.125}]))
+    request(api, **report_msg(session="s2"))  # a second process of the same job on this host
+    s = scrape(registry)
+    assert value(s, "tensorlane_job_allreduces_total", training_job="job-a", level=0) == 10
+    assert value(s, "tensorlane_job_allreduce_bytes_total", training_job="job-a", level=0) == 10240
+    assert value(s, "tensorlane_job_allreduce_seconds_total", training_job="job-a", level=0) == 1.25
+    assert value(s, "tensorlane_job_allreduce_seconds_total", training_job="job-a", level=2) == 0.125
+    assert value(s, "tensorlane_reporting_jobs") == 1
+    assert value(s, "tensorlane_api_requests_total", op="report", outcome="ok") == 3
+
+
+def test_job_reports_are_idempotent_survive_restarts_and_are_bounded():
+    now = [0.0]
+    r = JobReports(max_jobs=2, max_sessions=3, ttl_s=100, clock=lambda: now[0])
+    r.add("a", "s1", {0: (2, 20, 1.0)})
+    r.add("a", "s1", {0: (2, 20, 1.0)})                 # sent twice: counted once
+    r.add("a", "s1", {0: (5, 50, 2.5)})
+    assert r.snapshot() == {"a": {0: (5, 50, 2.5)}}
+    r.add("a", "s1", {0: (1, 10, 0.5)})                 # the counters went down: a restart, counted from zero
+    assert r.snapshot()["a"][0] == (6, 60, 3.0)
+    assert r.add("b", "s2", {1: (1, 1, 1.0)}) == "b"
+    assert r.add("c", "s3", {0: (4, 4, 4.0)}) == OTHER  # over max_jobs
+    assert r.add("d", "s4", {0: (1, 1, 1.0)}) == OTHER
+    snap = r.snapshot()
+    assert set(snap) == {"a", "b", OTHER} and snap[OTHER][0] == (5, 5, 5.0)
+    now[0] = 50
+    r.add("b", "s2", {1: (2, 2, 2.0)})
+    now[0] = 120                                        # a and _other silent for more than ttl: forgotten
+    assert set(r.snapshot()) == {"b"}
+    assert r.add("e", "s5", {0: (1, 1, 1.0)}) == "e"    # a slot is free again
+    assert len(r._sessions) <= 3
+
+
+# --- the shim's reporter ----------------------------------------------------------------------------------------
+
+class ApiOverSocket:
+    """A Unix-socket server that answers each line with ``api.handle`` (the agent's server, without a kernel)."""
+
+    def __init__(self, path: str, api: Api):
+        handle = api.handle
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self):
+                for line in self.rfile:
+                    self.wfile.write(handle(line.rstrip(b"\n")))
+
+        self.server = socketserver.ThreadingUnixStreamServer(path, Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_reporter_is_silent_and_quick_without_an_agent(tmp_path, caplog):
+    rep = Reporter(lambda: [{"level": 0, "allreduces": 1, "bytes": 1, "comm_s": 0.1}],
+                   str(tmp_path / "absent.sock"), "job-a", interval_s=0.05, timeout_s=0.1)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert rep.close() is False
+    assert time.monotonic() - t0 < 1.0
+    assert rep.counters["failures"] >= 2 and rep.counters["sent"] == 0
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+
+
+def test_reporter_sends_cumulative_counters_and_a_last_report_at_close(tmp_path, kernel):
+    api = fake_api(levels=2)
+    server = ApiOverSocket(str(tmp_path / "agent.sock"), api)
+    counters = {"n": 0}
+
+    def stats():
+        counters["n"] += 1
+        return [{"level": 0, "allreduces": counters["n"], "bytes": 100 * counters["n"], "comm_s": 0.5},
+                {"level": 1, "allreduces": 1, "bytes": 10, "comm_s": 0.25}]
+
+    try:
+        rep = Reporter(stats, str(tmp_path / "agent.sock"), "job-r", interval_s=0.05, timeout_s=0.5)
+        deadline = time.monotonic() + 5
+        while rep.counters["sent"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rep.close() is True
+        assert rep.close() is False  # idempotent
+        n = counters["n"]
+        snap = api.reports.snapshot()["job-r"]
+        assert snap[0] == (n, 100 * n, 0.5) and snap[1] == (1, 10, 0.25)
+    finally:
+        server.close()
+
+
+def test_reporter_stops_asking_an_agent_without_the_report_op(tmp_path):
+    class OldApi:
+        def handle(self, line):
+            return protocol.error(1, "unknown_op", "unknown op 'report'")
+
+    server = ApiOverSocket(str(tmp_path / "agent.sock"), OldApi())
+    try:
+        rep = Reporter(lambda: [{"level": 0, "allreduces": 1, "bytes": 1, "comm_s": 0.1}],
+                       str(tmp_path / "agent.sock"), "job-a", start=False)
+        assert rep.report() is False and rep.unsupported
+        assert rep.report() is False and rep.counters["refusals"] == 1
+    finally:
+        server.close()
+
+
+def test_start_reporter_from_a_shim_handle(tmp_path):
+    class Link:
+        socket_path, job = str(tmp_path / "none.sock"), "job-h"
+
+    class Handle:
+        disabled, link = False, Link()
+
+        def stats(self):
+            return {"levels": [{"level": 0, "allreduces": 3, "bytes": 12, "comm_s": 0.1}]}
+
+    class Disabled:
+        disabled = True
+
+    assert start_reporter(Disabled()) is None
+    rep = start_reporter(Handle(), interval_s=60, timeout_s=0.1)
+    try:
+        assert rep.job == "job-h" and rep.socket_path == Link.socket_path
+        assert rep.report() is False and rep.counters["failures"] == 1
+    finally:
+        rep.close()
+
+
+# --- HTTP -------------------------------------------------------------------------------------------------------
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_http_server_serves_metrics_and_health(kernel):
+    api = fake_api()
+    server = start_metrics_server("127.0.0.1:0", api)
+    try:
+        base = f"http://{server.address}"
+        code, body = get(base + "/metrics")
+        assert code == 200 and b"tensorlane_class_sent_bytes_total" in body
+        code, body = get(base + "/healthz")
+        assert code == 200 and json.loads(body)["status"] == "ok"
+        assert get(base + "/nope")[0] == 404
+        assert get(base + "/")[0] == 200
+    finally:
+        server.close()
+
+
+def test_health_turns_503_when_reconcile_passes_stop():
+    api = fake_api()
+    now = [0.0]
+    health = Health(api, stall_after_s=15, clock=lambda: now[0])
+    for t in (5, 10, 15, 20):
+        now[0] = t
+        api.rec.stats.passes += 1
+        assert health.check()[0] == 200
+    api.rec.stats.errors += 1
+    api.rec.stats.passes += 1
+    code, body = health.check()
+    assert code == 200 and body["last_reconcile_failed"] is True
+    now[0] = 36
+    code, body = health.check()
+    assert code == 503 and body["status"] == "stalled"
+
+
+def test_metrics_address_in_use_is_an_error():
+    api = fake_api()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        with pytest.raises(OSError):
+            start_metrics_server(f"127.0.0.1:{s.getsockname()[1]}", api)
+
+
+def test_report_parser_raises_only_protocol_errors():
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
+                          | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
+    entry = st.fixed_dictionaries({}, optional={k: values for k in ("level", "allreduces", "bytes", "comm_s")})
+    msg = st.fixed_dictionaries({"op": st.just("report")}, optional={
+        "job": values | st.just("job-a"), "session": values | st.just("s1"),
+        "levels": values | st.lists(entry, max_size=3)})
+
+    @settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(msg)
+    def check(m):
+        try:
+            req = protocol.parse_request(json.dumps(m).encode())
+        except protocol.ProtocolError:
+            return
+        assert req.op == "report" and req.session and req.counters
+
+    check()
