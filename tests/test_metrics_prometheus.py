@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import tempfile
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,9 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PNG = os.path.join(REPO, "docs", "img", "metrics-testbed.png")
+# The committed picture is refreshed on request (TENSORLANE_UPDATE_DOCS=1); otherwise the plot goes to /tmp.
+PNG = (os.path.join(REPO, "docs", "img", "metrics-testbed.png") if os.environ.get("TENSORLANE_UPDATE_DOCS")
+       else os.path.join(tempfile.gettempdir(), "tensorlane-metrics-testbed.png"))
 PROM_PORT = 9090
 JOB = "metricsjob"
 LEVELS = 3
