@@ -64,6 +64,9 @@ class TestbedError(RuntimeError):
 class CommandError(TestbedError, subprocess.CalledProcessError):
     """A command run with ``Host.run(check=True)`` exited non-zero; the message includes its stderr."""
 
+    def __init__(self, returncode: int, cmd, output=None, stderr=None):
+        subprocess.CalledProcessError.__init__(self, returncode, cmd, output, stderr)
+
     def __str__(self) -> str:
         """The command, its exit status and the tail of its stderr."""
         err = (self.stderr or "").strip()[-500:] if isinstance(self.stderr, str) else ""

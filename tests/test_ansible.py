@@ -74,7 +74,7 @@ import json, socket, sys, time
 from agent.client import AgentClient
 path, src, dst, sport, dport, level, seconds, pps = sys.argv[1:]
 sport, dport, level, seconds, pps = int(sport), int(dport), int(level), float(seconds), float(pps)
-with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s, AgentClient(path) as agent:
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s, AgentClient(path, timeout=10) as agent:
     s.bind((src, sport))
     s.connect((dst, dport))
     reply = None
