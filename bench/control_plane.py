@@ -142,14 +142,17 @@ def run(sizes=(0, 1000, 10000), rounds: int = 400, iperf_s: float = 5, clients: 
         with AgentClient(agent.socket, timeout=30) as c:
             c.unregister("filler")
         progress(f"control-plane: soak, {clients} clients for {soak_s:g} s")
+        rss_before_soak = agent_rss(pid)  # Python keeps freed memory: compare with the RSS just before the soak
         result["soak"] = soak(agent.socket, clients, soak_s, 4)
         time.sleep(0.5)
         with AgentClient(agent.socket) as c:
             flows_after = c.status()["flows"]
         after = kernel_objects(h1, pid)
         result["soak"].update({"flows_after": flows_after, "objects_before": base_objects, "objects_after": after,
-                               "rss_before": base_rss, "rss_after": agent_rss(pid),
-                               "baseline_restored": flows_after == 0 and after == base_objects})
+                               "rss_start": base_rss, "rss_before": rss_before_soak, "rss_after": agent_rss(pid)})
+        result["soak"]["rss_growth_bytes"] = result["soak"]["rss_after"] - rss_before_soak
+        result["soak"]["baseline_restored"] = (flows_after == 0 and after == base_objects
+                                               and result["soak"]["rss_growth_bytes"] < 8 * 2**20)
     return result
 
 
@@ -167,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{f['throughput_ratio']:6.2f} {f['agent_rss_bytes'] / 2**20:7.1f}")
     s = res["soak"]
     print(f"soak: {s['clients']} clients x {s['seconds']:g} s: {s['operations']} ops ({s['ops_per_s']:.0f}/s), "
-          f"{s['errors']} errors, register p99 {s['register_p99_ms']:.1f} ms, baseline restored: "
-          f"{s['baseline_restored']}")
+          f"{s['errors']} errors, register p99 {s['register_p99_ms']:.1f} ms, agent RSS "
+          f"{s['rss_before'] / 2**20:.1f} -> {s['rss_after'] / 2**20:.1f} MB, baseline restored: {s['baseline_restored']}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=2)
