@@ -23,30 +23,18 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 from bench.bulk import bulk
+from bench.workers import ScenarioError, run_workers
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET_AGENT_RATIO = 1.10
 TARGET_FIFO_RATIO = 2.0
 TARGET_BULK_AFTER = 0.80
 PHASES = ("uncontended", "fifo", "agent")
-
-
-class ScenarioError(RuntimeError):
-    """A step of the scenario failed; the message says which and includes the relevant stderr."""
-
-
-def _worker_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
 
 
 def run_allreduce(tb, ranks: list[int], port: int, size_mb: float, iters: int, workdir: str, tag: str,
@@ -57,54 +45,21 @@ def run_allreduce(tb, ranks: list[int], port: int, size_mb: float, iters: int, w
     Returns rank 0's result (its ``times_s`` are the per-iteration maxima over ranks) with ``flows_by_rank``.
     """
     master = f"{tb.host(ranks[0]).ip}:{port}"
-    procs = []
-    try:
-        for rank, hi in enumerate(ranks):
-            host = tb.host(hi)
-            out = os.path.join(workdir, f"{tag}-r{rank}.json")
-            argv = [sys.executable, "-m", "bench.allreduce", "--rank", str(rank), "--world", str(len(ranks)),
-                    "--master", master, "--size-mb", f"{size_mb:g}", "--iters", str(iters),
-                    "--warmup", str(warmup), "--ifname", host.ifname, "--json", out,
-                    "--timeout", str(int(timeout))]
-            if sockets and hi in sockets:
-                argv += ["--agent-socket", sockets[hi], "--job", job, "--level", str(level)]
-            err = open(os.path.join(workdir, f"{tag}-r{rank}.log"), "wb")  # noqa: SIM115 (closed in finally)
-            procs.append((rank, host, out, err, host.popen(argv, stdin=subprocess.DEVNULL, stdout=err,
-                                                           stderr=subprocess.STDOUT, env=_worker_env(),
-                                                           cwd=REPO_ROOT)))
-        deadline = time.monotonic() + timeout
-        for rank, host, out, err, proc in procs:
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise ScenarioError(f"{tag}: all-reduce rank {rank} on {host.name} still running after "
-                                    f"{timeout} s; log:\n{_tail(err.name)}") from None
-            if proc.returncode != 0:
-                raise ScenarioError(f"{tag}: all-reduce rank {rank} on {host.name} exited {proc.returncode}; "
-                                    f"log:\n{_tail(err.name)}")
-        results = []
-        for rank, host, out, err, proc in procs:
-            with open(out) as fh:
-                results.append(json.load(fh))
-        res = results[0]
-        res["flows_by_rank"] = [r["flows"] for r in results]
-        res["registered_by_rank"] = [r["registered"] for r in results]
-        res["agent_errors"] = [r["agent_error"] for r in results if r["agent_error"]]
-        return res
-    finally:
-        for rank, host, out, err, proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=5)
-            err.close()
 
+    def argv_of(rank: int, host, out: str) -> list[str]:
+        argv = [sys.executable, "-m", "bench.allreduce", "--rank", str(rank), "--world", str(len(ranks)),
+                "--master", master, "--size-mb", f"{size_mb:g}", "--iters", str(iters), "--warmup", str(warmup),
+                "--ifname", host.ifname, "--json", out, "--timeout", str(int(timeout))]
+        if sockets and host.index in sockets:
+            argv += ["--agent-socket", sockets[host.index], "--job", job, "--level", str(level)]
+        return argv
 
-def _tail(path: str, n: int = 2000) -> str:
-    try:
-        with open(path, "rb") as fh:
-            return fh.read()[-n:].decode(errors="replace")
-    except OSError:
-        return ""
+    results = run_workers(tb, ranks, argv_of, workdir, tag, timeout)
+    res = results[0]
+    res["flows_by_rank"] = [r["flows"] for r in results]
+    res["registered_by_rank"] = [r["registered"] for r in results]
+    res["agent_errors"] = [r["agent_error"] for r in results if r["agent_error"]]
+    return res
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -1,0 +1,75 @@
+"""Run one worker process per rank on testbed hosts, wait for all of them (bounded), and collect their JSON.
+
+Shared by the benchmarks that launch distributed workers (``bench.contention``, ``bench.priority``).
+Usage: ``results = run_workers(tb, [1, 2], lambda rank, host, out: argv, workdir, "fifo", timeout=150)``
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ScenarioError(RuntimeError):
+    """A step of a benchmark failed; the message says which and includes the relevant log."""
+
+
+def worker_env() -> dict:
+    """The environment of a worker: the repository importable, unbuffered output, one OpenMP thread."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def tail(path: str, n: int = 2000) -> str:
+    """The last ``n`` characters of a log file ("" if it cannot be read)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - n))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def run_workers(tb, hosts: list[int], argv_of, workdir: str, tag: str, timeout: float) -> list[dict]:
+    """Start ``argv_of(rank, host, json_path)`` on each of ``hosts`` (testbed indexes, in rank order), wait for
+    all (``timeout`` s in total) and return each rank's JSON. Raises ScenarioError with the failing rank's log;
+    every worker still running is killed on the way out.
+    """
+    import time
+
+    procs = []
+    try:
+        for rank, index in enumerate(hosts):
+            host = tb.host(index)
+            out = os.path.join(workdir, f"{tag}-r{rank}.json")
+            log = open(os.path.join(workdir, f"{tag}-r{rank}.log"), "wb")  # noqa: SIM115 (closed in finally)
+            procs.append((rank, host, out, log, host.popen(argv_of(rank, host, out), stdin=subprocess.DEVNULL,
+                                                           stdout=log, stderr=subprocess.STDOUT, env=worker_env(),
+                                                           cwd=REPO_ROOT)))
+        deadline = time.monotonic() + timeout
+        for rank, host, out, log, proc in procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise ScenarioError(f"{tag}: rank {rank} on {host.name} still running after {timeout:g} s; "
+                                    f"log:\n{tail(log.name)}") from None
+            if proc.returncode != 0:
+                raise ScenarioError(f"{tag}: rank {rank} on {host.name} exited {proc.returncode}; "
+                                    f"log:\n{tail(log.name)}")
+        results = []
+        for _, _, out, _, _ in procs:
+            with open(out) as fh:
+                results.append(json.load(fh))
+        return results
+    finally:
+        for _, _, _, log, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=5)
+            log.close()
