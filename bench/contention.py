@@ -30,7 +30,6 @@ import time
 from bench.bulk import bulk
 from bench.workers import ScenarioError, run_workers
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET_AGENT_RATIO = 1.10
 TARGET_FIFO_RATIO = 2.0
 TARGET_BULK_AFTER = 0.80
