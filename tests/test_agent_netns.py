@@ -191,3 +191,18 @@ def test_sigkill_leaves_state_that_a_new_agent_adopts_then_restores(tb):
     with running_agents(tb, hosts=[1], backend="htb") as agents:
         assert agents[1].status()["flows"] == 0
     assert tc_dump(h1) == before and "tensorlane" not in nft_tables(h1)
+
+
+def test_unsupported_backend_stops_before_the_kernel(tb):
+    from agent.kernel.detect import probe_qdiscs
+
+    h1 = tb.host(1)
+    before = tc_dump(h1)
+    if "prio" in probe_qdiscs(("prio",)):  # a kernel with sch_prio: the backend is supported and must work
+        with running_agents(tb, hosts=[1], backend="prio") as agents:
+            assert agents[1].status()["backend"] == "prio"
+    else:  # this project's machines: no sch_prio
+        with pytest.raises(AgentStartError, match="config field 'backend': backend 'prio' is not supported"):
+            with running_agents(tb, hosts=[1], backend="prio"):
+                pass
+    assert tc_dump(h1) == before and "tensorlane" not in nft_tables(h1)
