@@ -12,6 +12,7 @@ import sys
 BENCHMARKS = {
     "contention": ("bench.contention", "all-reduce alone, under bulk with FIFO NICs, and under bulk with agents"),
     "allreduce": ("bench.allreduce", "one gloo all-reduce worker (run one per rank)"),
+    "priority": ("bench.priority", "training: plain DDP vs application order vs the shim's priorities (emulated models)"),
     "control-plane": ("bench.control_plane", "registration latency, memory and throughput at 0/1k/10k flows; soak"),
     "classifier": ("bench.classifier", "per-packet cost of nft map vs u32 filters vs SO_PRIORITY, by flow count"),
 }
