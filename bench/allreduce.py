@@ -21,6 +21,7 @@ import sys
 import time
 from datetime import timedelta
 
+from bench.workers import use_interface
 from shim.flows import new_flows, own_tcp_flows
 
 MB = 1024 * 1024
@@ -93,9 +94,7 @@ def unregister_flows(socket_path: str, job: str, flows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    ifname = args.ifname or ("eth0" if os.path.exists("/sys/class/net/eth0") else "lo")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
-    os.environ.setdefault("TP_SOCKET_IFNAME", ifname)
+    ifname = use_interface(args.ifname)
 
     import torch
     import torch.distributed as dist

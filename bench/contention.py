@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from bench.bulk import bulk
-from bench.workers import ScenarioError, run_workers
+from bench.workers import ScenarioError, progress_printer, run_workers
 
 TARGET_AGENT_RATIO = 1.10
 TARGET_FIFO_RATIO = 2.0
@@ -221,10 +221,7 @@ def main(argv=None) -> int:
     if os.geteuid() != 0:
         print("tensorlane: the contention scenario builds network namespaces: run it as root", file=sys.stderr)
         return 2
-    t0 = time.monotonic()
-
-    def progress(msg: str) -> None:
-        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
+    progress = progress_printer()
 
     result = run(hosts=args.hosts, rate=args.rate, size_mb=args.size_mb, iters=args.iters, progress=progress,
                  quick=args.quick, name=args.name, streams=args.streams, phases=phases)

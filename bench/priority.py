@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from bench.workers import ScenarioError, run_workers
+from bench.workers import ScenarioError, progress_printer, run_workers
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILES = ("resnet50", "vgg16", "bert_base")
@@ -258,10 +258,7 @@ def main(argv=None) -> int:
     if os.geteuid() != 0:
         print("tensorlane: the priority benchmark builds network namespaces: run it as root", file=sys.stderr)
         return 2
-    t0 = time.monotonic()
-
-    def progress(msg: str) -> None:
-        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
+    progress = progress_printer()
 
     result = run(profiles=tuple(x for x in args.profiles.split(",") if x), rate=args.rate, hosts=args.hosts,
                  iters=args.iters, warmup=args.warmup, quick=args.quick, progress=progress, name=args.name,

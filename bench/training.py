@@ -54,6 +54,8 @@ import sys
 import time
 from datetime import timedelta
 
+from bench.workers import use_interface
+
 MODES = ("ddp", "shim", "shim_overlap", "app_order", "compute")
 SHIM_MODES = ("shim", "shim_overlap", "app_order")
 OVERLAP_MODES = ("shim_overlap", "app_order")
@@ -141,9 +143,7 @@ def _jsonable(obj):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    ifname = args.ifname or ("eth0" if os.path.exists("/sys/class/net/eth0") else "lo")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
-    os.environ.setdefault("TP_SOCKET_IFNAME", ifname)
+    ifname = use_interface(args.ifname)
 
     import torch
     import torch.distributed as dist

@@ -73,3 +73,26 @@ def run_workers(tb, hosts: list[int], argv_of, workdir: str, tag: str, timeout: 
                 proc.kill()
                 proc.wait(timeout=5)
             log.close()
+
+
+def use_interface(ifname: str | None) -> str:
+    """In a worker: pin gloo (and tensorpipe) to ``ifname``, by default eth0 when the host has one, else lo.
+
+    Usage: ``use_interface(args.ifname)`` before importing torch.distributed's process groups.
+    """
+    ifname = ifname or ("eth0" if os.path.exists("/sys/class/net/eth0") else "lo")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    os.environ.setdefault("TP_SOCKET_IFNAME", ifname)
+    return ifname
+
+
+def progress_printer():
+    """A ``progress(msg)`` that prints each message with the seconds since it was made, flushed."""
+    import time
+
+    t0 = time.monotonic()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
+
+    return progress
