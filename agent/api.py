@@ -124,7 +124,7 @@ class Api:
             levels.append(entry)
         return {
             "version": VERSION, "interface": self.cfg.interface, "backend": self.backend,
-            "link_rate_bps": self.rec.backend.__dict__.get("rate"), "uptime_s": round(time.time() - self.started, 3),
+            "link_rate_bps": getattr(self.rec.backend, "rate", None), "uptime_s": round(time.time() - self.started, 3),
             "flows": len(self.table.flows), "jobs": self.table.jobs(), "classes": levels,
             "reconcile": {"passes": self.rec.stats.passes, "repairs": self.rec.stats.repairs,
                           "errors": self.rec.stats.errors, "last_error": self.rec.stats.last_error},
