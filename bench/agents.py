@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from agent.client import AgentClient, AgentError, AgentUnavailable
+from bench.workers import stop_process
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,18 +123,7 @@ def _wait_ready(agent: RunningAgent, timeout: float) -> dict:
 
 def stop_agent(agent: RunningAgent, timeout: float = 10.0) -> int:
     """SIGTERM ``agent`` and wait (bounded), then SIGKILL; return its exit status (negative: killed)."""
-    proc = agent.proc
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait(timeout=5)
-            return -signal.SIGKILL
-    return proc.returncode
+    return stop_process(agent.proc, signal.SIGTERM, timeout)
 
 
 @contextlib.contextmanager

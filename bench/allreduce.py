@@ -14,14 +14,12 @@ and the maximum over ranks (what the slowest rank saw, i.e. the collective's tim
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 from datetime import timedelta
 
-from bench.workers import use_interface
+from bench.workers import use_interface, write_json
 from shim.flows import new_flows, own_tcp_flows
 
 MB = 1024 * 1024
@@ -153,11 +151,7 @@ def main(argv=None) -> int:
         "job": args.job, "ifname": ifname, "end_time": time.time(),
     }
     if args.json:
-        path = args.json.replace("{rank}", str(args.rank))
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(result, fh, indent=1)
-        os.replace(tmp, path)
+        write_json(args.json, result, rank=args.rank)
     print(f"rank {args.rank}: median {result['median_s'] * 1000:.1f} ms over {args.iters} all-reduces of "
           f"{numel * 4 / MB:.1f} MiB; {len(flows)} flows{' registered' if registered else ''}", flush=True)
     return 0

@@ -21,6 +21,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+from bench.workers import stop_process
+
 DEFAULT_PORT = 5301
 
 
@@ -88,15 +90,7 @@ def parse_iperf_json(text: str, src: str = "?", dst: str = "?", port: int = 0, s
 
 def _stop(proc: subprocess.Popen, sig=signal.SIGTERM, wait_s: float = 3.0) -> None:
     """Signal ``proc`` and wait (bounded); SIGKILL if it is still there."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)
-        try:
-            proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait(timeout=5)
+    stop_process(proc, sig, wait_s)
 
 
 def _listening(host, port: int) -> bool:

@@ -20,7 +20,6 @@ Usage: ``python -m bench.contention --json out.json [--quick]`` (root: it builds
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -28,7 +27,7 @@ import tempfile
 import time
 
 from bench.bulk import bulk
-from bench.workers import ScenarioError, progress_printer, run_workers
+from bench.workers import ScenarioError, progress_printer, run_workers, show_figures
 
 TARGET_AGENT_RATIO = 1.10
 TARGET_FIFO_RATIO = 2.0
@@ -225,12 +224,7 @@ def main(argv=None) -> int:
 
     result = run(hosts=args.hosts, rate=args.rate, size_mb=args.size_mb, iters=args.iters, progress=progress,
                  quick=args.quick, name=args.name, streams=args.streams, phases=phases)
-    print()
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
-        print(f"figures written to {args.json}")
+    show_figures(format_table(result), result, args.json)
     return 0 if all(v is not False for v in result["pass"].values()) else 1
 
 

@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import sys
 import tempfile
 import time
 
-from bench.workers import ScenarioError, progress_printer, run_workers
+from bench.workers import ScenarioError, progress_printer, run_workers, show_figures
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILES = ("resnet50", "vgg16", "bert_base")
@@ -265,12 +264,7 @@ def main(argv=None) -> int:
                  modes=tuple(x for x in args.modes.split(",") if x), levels=args.levels, bulk_streams=args.bulk,
                  comm_s=args.comm_s, rounds=args.rounds, shim_bucket_mb=args.shim_bucket_mb,
                  partition_bytes=args.partition_bytes)
-    print()
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
-        print(f"figures written to {args.json}")
+    show_figures(format_table(result), result, args.json)
     return 0 if all(v is not False for f in result["pass"].values() for v in f.values()) else 1
 
 

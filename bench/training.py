@@ -48,13 +48,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
 from datetime import timedelta
 
-from bench.workers import use_interface
+from bench.workers import use_interface, write_json
 
 MODES = ("ddp", "shim", "shim_overlap", "app_order", "compute")
 SHIM_MODES = ("shim", "shim_overlap", "app_order")
@@ -296,11 +295,7 @@ def main(argv=None) -> int:
     if len(args.mode) == 1:  # the one mode's figures at the top level too
         result.update({k: v for k, v in modes_out[args.mode[0]].items() if k in ("times_s", "median_s", "phases_s")})
     if args.json:
-        path = args.json.replace("{rank}", str(args.rank))
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(result, fh, indent=1)
-        os.replace(tmp, path)
+        write_json(args.json, result, rank=args.rank)
     for mode, m in modes_out.items():
         ph = m["phases_s"]
         print(f"rank {args.rank}: {args.profile} {mode}: median {m['median_s'] * 1000:.0f} ms over "

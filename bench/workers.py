@@ -96,3 +96,44 @@ def progress_printer():
         print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
 
     return progress
+
+
+def stop_process(proc: subprocess.Popen, sig: int = 15, wait_s: float = 3.0) -> int:
+    """Send ``sig`` (default SIGTERM) to ``proc`` and wait ``wait_s``; SIGKILL it if it is still there.
+
+    Returns its exit status (negative: the signal that ended it). Usage: ``stop_process(agent_proc, wait_s=10)``
+    """
+    import contextlib
+    import signal
+
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(timeout=5)
+            return -signal.SIGKILL
+    return proc.returncode
+
+
+def write_json(path: str, obj, rank: int | None = None) -> str:
+    """Write ``obj`` to ``path`` atomically (a temporary file, then rename); "{rank}" in it becomes ``rank``."""
+    if rank is not None:
+        path = path.replace("{rank}", str(rank))
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def show_figures(table: str, result: dict, json_path: str | None) -> None:
+    """Print a benchmark's table and, when asked, write its figures as JSON."""
+    print()
+    print(table)
+    if json_path:
+        write_json(json_path, result)
+        print(f"figures written to {json_path}")
