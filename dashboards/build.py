@@ -149,6 +149,18 @@ def register_latency(q: float) -> str:
 
 # --- dashboards ---------------------------------------------------------------------------------------------
 
+
+def training_job_panels(lay, reporters: str) -> None:
+    """The "Training jobs" row both dashboards share; ``reporters`` says whose shim reports it shows."""
+    lay.row("Training jobs")
+    lay.add("All-reduce time by job and level", "s",
+            [(allreduce_mean("training_job, level"), "{{training_job}} level {{level}}")],
+            f"Mean time from launch to completion of one all-reduce piece, reported by {reporters}.")
+    lay.add("All-reduce throughput by job and level", "Bps",
+            [(f"sum by (training_job, level) (rate(tensorlane_job_allreduce_bytes_total{sel(jobs=True)}{RATE}))",
+              "{{training_job}} level {{level}}")],
+            f"Bytes all-reduced per second, reported by {reporters}.")
+
 def fleet() -> dict:
     lay = Layout()
     lay.row("Links")
@@ -163,14 +175,7 @@ def fleet() -> dict:
             "link rate (an estimate, see docs/metrics.md; HTB's tiny per-class guarantee is included).")
     lay.add("Top-class queueing delay", "s", [(top_class_delay(), "{{instance}} {{device}}")],
             "Backlog of the level-0 class over the link rate: the wait of a level-0 packet entering now.")
-    lay.row("Training jobs")
-    lay.add("All-reduce time by job and level", "s",
-            [(allreduce_mean("training_job, level"), "{{training_job}} level {{level}}")],
-            "Mean time from launch to completion of one all-reduce piece, reported by the shims (all hosts).")
-    lay.add("All-reduce throughput by job and level", "Bps",
-            [(f"sum by (training_job, level) (rate(tensorlane_job_allreduce_bytes_total{sel(jobs=True)}{RATE}))",
-              "{{training_job}} level {{level}}")],
-            "Bytes all-reduced per second, reported by the shims (all hosts).")
+    training_job_panels(lay, "the shims (all hosts)")
     lay.add("Registered flows by job", "short",
             [(f"sum by (training_job) (tensorlane_registered_flows{sel()})", "{{training_job}}")],
             "Flows registered with the agents, all hosts (at most 32 jobs per host; the rest is _other).")
@@ -223,14 +228,7 @@ def host() -> dict:
     lay.add("Registered flows by class and job", "short",
             [(with_level(f"tensorlane_registered_flows{sel()}"), "{{training_job}} level {{level}}")],
             "Flows registered now.")
-    lay.row("Training jobs")
-    lay.add("All-reduce time by job and level", "s",
-            [(allreduce_mean("training_job, level"), "{{training_job}} level {{level}}")],
-            "Mean time from launch to completion of one all-reduce piece, reported by this host's shims.")
-    lay.add("All-reduce throughput by job and level", "Bps",
-            [(f"sum by (training_job, level) (rate(tensorlane_job_allreduce_bytes_total{sel(jobs=True)}{RATE}))",
-              "{{training_job}} level {{level}}")],
-            "Bytes all-reduced per second, reported by this host's shims.")
+    training_job_panels(lay, "this host's shims")
     lay.row("Agent")
     lay.add("Registration latency", "s",
             [(register_latency(0.5), "p50"), (register_latency(0.9), "p90"), (register_latency(0.99), "p99")],
