@@ -69,12 +69,16 @@ class LevelStats:
 
 @dataclass
 class _Pending:
-    """A bucket whose all-reduce is in flight (overlap mode)."""
+    """A bucket whose all-reduce is in flight (overlap mode).
+
+    ``params`` holds ``(param, offset, numel, piece indexes)``: the pieces of ``futures`` that cover the
+    parameter's slice of ``buffer``, so that a parameter waits only for its own pieces.
+    """
 
     futures: list
     buffer: torch.Tensor
-    params: list  # (param, offset, numel)
-    applied: bool = False
+    params: list  # (param, offset, numel, tuple of piece indexes)
+    applied: set = field(default_factory=set)  # id(param) of the parameters whose step has been taken
 
 
 @dataclass
@@ -87,21 +91,41 @@ class ShimState:
     partition_elems: int | None
     overlap: bool
     stats: list[LevelStats] = field(default_factory=list)
+    forward_index: dict = field(default_factory=dict)  # id(param) -> position in forward order
     pending: dict = field(default_factory=dict)  # id(param) -> _Pending
+    step: object = None  # overlap mode: the optimizer step of a list of parameters (Handle._step_subset)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def launch(self, buf: torch.Tensor, params: list) -> list:
-        """Start the all-reduce of ``buf`` (the concatenated grads of ``params``) piece by piece, by level."""
+    def launch(self, buf: torch.Tensor, params: list) -> tuple[list, list]:
+        """Start the all-reduce of ``buf`` (the concatenated grads of ``params``) piece by piece, by level.
+
+        Pieces are launched most urgent first: by level, then by the forward position of their first parameter
+        (a level's group runs its operations in launch order). Returns the futures and the pieces
+        ``(offset, length, level)``, both in buffer order.
+        """
         numels = [p.numel() for p in params]
-        levels = [self.param_level.get(id(p), len(self.groups) - 1) for p in params]
-        futures = []
-        for offset, length, level in pieces_of(numels, levels, self.partition_elems):
+        last = len(self.groups) - 1
+        levels = [self.param_level.get(id(p), last) for p in params]
+        pieces = pieces_of(numels, levels, self.partition_elems)
+        order = self.forward_index
+        starts, acc = [], 0
+        for n in numels:
+            starts.append(acc)
+            acc += n
+        first = []  # forward position of the first parameter of each piece
+        for offset, length, _level in pieces:
+            covered = [order.get(id(p), 0) for p, s0, n in zip(params, starts, numels)
+                       if s0 < offset + length and s0 + n > offset]
+            first.append(min(covered, default=0))
+        futures: list = [None] * len(pieces)
+        for i in sorted(range(len(pieces)), key=lambda i: (pieces[i][2], first[i], pieces[i][0])):
+            offset, length, level = pieces[i]
             piece = buf.narrow(0, offset, length)
             t0 = time.perf_counter()
             fut = dist.all_reduce(piece, group=self.groups[level], async_op=True).get_future()
             fut.add_done_callback(self._recorder(level, piece.numel() * piece.element_size(), t0))
-            futures.append(fut)
-        return futures
+            futures[i] = fut
+        return futures, pieces
 
     def _recorder(self, level: int, nbytes: int, t0: float):
         def record(_fut) -> None:
@@ -120,7 +144,7 @@ def priority_hook(state: ShimState, bucket):
     """
     buf = bucket.buffer()
     buf.div_(state.world)
-    futures = state.launch(buf, bucket.parameters())
+    futures, _ = state.launch(buf, bucket.parameters())
     return torch.futures.collect_all(futures).then(lambda _: buf)
 
 
@@ -130,34 +154,44 @@ def overlap_hook(state: ShimState, bucket):
     Usage: ``ddp.register_comm_hook(state, overlap_hook)``
     """
     params = list(bucket.parameters())
-    for p in params:  # an update still pending from the last iteration (a module that did not run forward)
-        _apply(state, p, None)
+    for p in params:  # an update still pending from the last iteration (a module that did not run forward);
+        _apply(state, p, state.step)  # its gradient is complete, so autograd no longer reads the parameter
     buf = bucket.buffer().div(state.world)  # a copy, which the all-reduce owns until it completes
-    futures = state.launch(buf, params)
+    futures, pieces = state.launch(buf, params)
     pend, offset = _Pending(futures, buf, []), 0
     for p in params:
-        pend.params.append((p, offset, p.numel()))
+        n = p.numel()
+        covering = tuple(i for i, (o, length, _) in enumerate(pieces) if o < offset + n and o + length > offset)
+        pend.params.append((p, offset, n, covering))
         state.pending[id(p)] = pend
-        offset += p.numel()
+        offset += n
     done = torch.futures.Future()
     done.set_result(bucket.buffer())
     return done
 
 
 def _apply(state: ShimState, param, step) -> None:
-    """Wait for the all-reduce holding ``param`` and take the optimizer step of that bucket's parameters."""
-    pend = state.pending.pop(id(param), None)
-    if pend is None or pend.applied:
+    """Wait for the pieces holding ``param``, then take the optimizer step of every parameter of its bucket
+    whose pieces have all completed by then (``param`` among them; the others are not waited for)."""
+    pend = state.pending.get(id(param))
+    if pend is None or id(param) in pend.applied:
+        state.pending.pop(id(param), None)
         return
-    for fut in pend.futures:
-        fut.wait()
-    pend.applied = True
+    for _p, _o, _n, covering in pend.params:
+        if _p is param:
+            for i in covering:
+                pend.futures[i].wait()
+            break
+    done = [fut.done() for fut in pend.futures]
     params = []
-    for p, offset, numel in pend.params:
+    for p, offset, numel, covering in pend.params:
+        if id(p) in pend.applied or not all(done[i] for i in covering):
+            continue
+        pend.applied.add(id(p))
         state.pending.pop(id(p), None)
         p.grad = pend.buffer.narrow(0, offset, numel).view_as(p)
         params.append(p)
-    if step is not None:
+    if step is not None and params:
         step(params)
     for p in params:
         p.grad = None
@@ -185,6 +219,7 @@ class Handle:
         opt = self.optimizer
         self._orig_step = opt.step
         opt.step = self._deferred_step
+        self.state.step = self._step_subset
         owners = [m for m in self.model.module.modules() if any(True for _ in m.parameters(recurse=False))]
         for m in owners:
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
@@ -221,7 +256,9 @@ class Handle:
             for key in list(self.state.pending):
                 pend = self.state.pending.get(key)
                 if pend is not None:
-                    _apply(self.state, pend.params[0][0], self._step_subset)
+                    for p, *_ in pend.params:
+                        if id(p) not in pend.applied:
+                            _apply(self.state, p, self._step_subset)
 
     def stats(self) -> dict:
         """Flows per level, agent link counters, and per-level all-reduce counts, bytes and seconds."""
@@ -299,7 +336,8 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "layer_order
     element = params[0].element_size() if params else 4
     state = ShimState(groups, dist.get_world_size(), param_level,
                       None if partition_bytes is None else max(1, partition_bytes // element), optimizer is not None,
-                      stats=[LevelStats() for _ in range(levels)])
+                      stats=[LevelStats() for _ in range(levels)],
+                      forward_index={id(p): i for i, p in enumerate(params)})
     handle = Handle(model, optimizer, state, link, flows)
     handle.reporter = report.start(handle, interval_s=report_interval_s)
     if optimizer is not None:
