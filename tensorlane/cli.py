@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=_verify)
     for name, module, helptext in (("testbed", "testbed.topology", "build or remove an emulated cluster"),
-                                   ("demo", "bench.contention", "all-reduce under bulk traffic: FIFO vs agent"),
+                                   ("demo", "bench.demo", "training through the shim under bulk traffic: FIFO vs agent"),
                                    ("bench", "bench", "run a benchmark and write its figures")):
         d = sub.add_parser(name, help=helptext, add_help=False)
         d.set_defaults(func=lambda args, m=module: _delegate(m, args.rest), rest=[])

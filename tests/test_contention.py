@@ -71,6 +71,32 @@ def test_contention_targets_quick():
     assert result["elapsed_s"] < 180, f"the quick scenario took {result['elapsed_s']:.0f} s (demo budget 3 min)"
 
 
+@pytest.mark.netns
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+def test_demo_trains_through_the_shim_quick():
+    """`tensorlane demo`'s workload: a training loop through the shim, in the three phases (smoke: figures present,
+    the shim registered its flows with the agents, no timing assertion)."""
+    _require_root_tools()
+    import torch  # noqa: F401
+
+    from bench import demo
+    from bench.contention import run
+
+    assert demo.main.__doc__ and "training" in demo.__doc__
+    lines = []
+    result = run(hosts=3, rate=LINK, quick=True, iters=2, name="tdm", progress=lines.append, workload="training",
+                 port_base=29700)
+    report = "\n".join(lines)
+    assert result["workload"] == "training" and result["profile"] == "resnet50"
+    for key in ("uncontended_s", "fifo_s", "agent_s", "agent_ratio", "fifo_ratio", "bulk_after_ratio"):
+        assert isinstance(result[key], float) and result[key] > 0, (key, report)
+    assert all(len(result[f"{k}_times_s"]) == 2 for k in ("uncontended", "fifo", "agent")), report
+    stats = result["agent_shim_stats"]
+    assert stats["enabled"] and stats["mode"] == "overlap" and stats["agent"]["registrations"] > 0, stats
+    assert result["fifo_shim_stats"]["agent"]["connected"] is False  # no agent: trained unprioritised, no hang
+
+
 def _start_sniffer(host, iface: str, bpf: str, count: int = 0) -> subprocess.Popen:
     proc = host.popen([sys.executable, "-c", SNIFFER, json.dumps({"iface": iface, "filter": bpf, "count": count})],
                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
