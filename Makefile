@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap test test-unit demo lint clean
+.PHONY: bootstrap test test-unit demo report lint clean
 
 bootstrap:
 	@scripts/bootstrap $(VENV)
@@ -16,6 +16,10 @@ test-unit: bootstrap
 
 demo: bootstrap
 	$(VENV)/bin/tensorlane demo --json demo.json
+
+# The README's performance section and docs/img/bench-*.png from results/*.json (docs/benchmarks.md)
+report: bootstrap
+	$(PY) -m bench.report
 
 clean:
 	-$(VENV)/bin/tensorlane testbed down --all 2>/dev/null

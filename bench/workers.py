@@ -137,3 +137,30 @@ def show_figures(table: str, result: dict, json_path: str | None) -> None:
     if json_path:
         write_json(json_path, result)
         print(f"figures written to {json_path}")
+
+
+def machine_info() -> dict:
+    """What the figures were measured on: cores, memory, kernel, Python, torch version, load and the date.
+
+    Cheap (torch is not imported: its version comes from the package metadata). Benchmarks record it as
+    ``result["machine"]``; ``tensorlane bench NAME --json FILE`` adds it to FILE when a benchmark did not.
+    Usage: ``result["machine"] = machine_info()``
+    """
+    import contextlib
+    import datetime
+    import platform
+
+    info: dict = {"cores": os.cpu_count(), "memory_bytes": None, "kernel": platform.release(),
+                  "python": platform.python_version(), "torch": None, "cpu_model": None, "load_avg": None,
+                  "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        info["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    from importlib import metadata
+
+    with contextlib.suppress(Exception):  # not installed, or broken metadata: leave None
+        info["torch"] = metadata.version("torch")
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as fh:
+        info["cpu_model"] = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), None)
+    with contextlib.suppress(OSError):
+        info["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+    return info

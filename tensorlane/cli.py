@@ -1,4 +1,4 @@
-"""The `tensorlane` command: agent, status, verify, testbed, demo and bench.
+"""The `tensorlane` command: agent, status, verify, testbed, demo, bench and report.
 
 Each sub-command imports only what it needs, so the agent never loads torch.
 Usage: ``tensorlane agent --config /etc/tensorlane/agent.toml``
@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_verify)
     for name, module, helptext in (("testbed", "testbed.topology", "build or remove an emulated cluster"),
                                    ("demo", "bench.demo", "training through the shim under bulk traffic: FIFO vs agent"),
-                                   ("bench", "bench", "run a benchmark and write its figures")):
+                                   ("bench", "bench", "run a benchmark and write its figures"),
+                                   ("report", "bench.report", "README performance table and plots from results/*.json")):
         d = sub.add_parser(name, help=helptext, add_help=False)
         d.set_defaults(func=lambda args, m=module: _delegate(m, args.rest), rest=[])
     return p
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    if argv and argv[0] in ("testbed", "demo", "bench"):
+    if argv and argv[0] in ("testbed", "demo", "bench", "report"):
         args = parser.parse_args(argv[:1])
         args.rest = argv[1:]
     else:

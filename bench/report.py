@@ -1,0 +1,776 @@
+"""The README's performance section, made from the benchmarks' JSON files: one table with a row per figure (ours,
+the alternative it was measured beside, their ratio, the target and whether it was met or by how much it was
+missed), a line per benchmark (machine, link rate, repetitions, duration) and one PNG plot per benchmark.
+
+Inputs (``--results``, default ``results/``): ``contention.json``, ``priority.json``, ``jobs.json``,
+``control-plane.json``, ``shim-overhead.json`` and, optionally, ``classifier.json``, each written by
+``tensorlane bench NAME --json results/NAME.json``. A missing file gives a "not run" row; a missing key shows "-".
+
+Outputs: the section between ``<!-- perf-table:begin -->`` and ``<!-- perf-table:end -->`` of ``--readme``
+(nothing else in the file changes; running it twice changes nothing), and ``--img-dir``/bench-NAME.png.
+``--check`` writes nothing and exits 1 when the README's section (or a plot it links to) is not what the JSON
+files give.
+
+Usage: ``python -m bench.report [--results results] [--readme README.md] [--img-dir docs/img] [--check]``
+(also ``tensorlane report`` and ``make report``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+
+BEGIN = "<!-- perf-table:begin -->"
+END = "<!-- perf-table:end -->"
+# (name, file, required): the order of the table
+BENCHES = (("contention", "contention.json", True), ("priority", "priority.json", True), ("jobs", "jobs.json", True),
+           ("control-plane", "control-plane.json", True), ("shim-overhead", "shim-overhead.json", True),
+           ("classifier", "classifier.json", False))
+PROFILE_NAMES = {"resnet50": "ResNet-50", "vgg16": "VGG-16", "bert_base": "BERT-base"}
+DASH = "-"
+
+
+class ReportError(RuntimeError):
+    """The README cannot be updated (markers missing or out of order, file unreadable); the message says why."""
+
+
+@dataclasses.dataclass
+class Row:
+    """One figure of the table; :func:`judged` fills ``target``, ``result`` and ``missed`` from a verdict."""
+
+    bench: str
+    figure: str
+    ours: str = DASH
+    alternatives: str = DASH
+    ratio: str = DASH
+    target: str = DASH
+    result: str = DASH
+    missed: str | None = None   # "by how much", for the summary of missed targets
+
+
+# ---------------------------------------------------------------------------------------------------- formatting
+
+def num(v) -> float | None:
+    """``v`` as a float if it is a finite number, else None. Usage: ``num("x") is None``"""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+def fmt_s(v, unit: str | None = None) -> str:
+    """Seconds for the table: ``446 ms``, ``8.4 ms``, ``12.3 s``; ``-`` if missing. ``unit`` ("ms" or "s") forces
+    one unit (see :func:`time_unit`). Usage: ``fmt_s(0.446) == "446 ms"``, ``fmt_s(7.0, "s") == "7.00 s"``
+    """
+    v = num(v)
+    if v is None:
+        return DASH
+    unit = unit or time_unit(v)
+    if unit == "s":
+        return f"{v:.2f} s" if v < 100 else f"{v:.0f} s"
+    return f"{v * 1000:.1f} ms" if v < 0.01 else f"{v * 1000:.0f} ms"
+
+
+def time_unit(*values) -> str:
+    """The unit for a row of times, so that they read alike: "s" when the largest is 10 s or more, else "ms"."""
+    vals = [num(v) for v in values if num(v) is not None]
+    return "s" if vals and max(vals) >= 10 else "ms"
+
+
+def timer(*values):
+    """A formatter with the unit :func:`time_unit` picks for ``values``. Usage: ``t = timer(a, b); t(a)``"""
+    unit = time_unit(*values)
+    return lambda v: fmt_s(v, unit)
+
+
+def fmt_ms(v) -> str:
+    """Milliseconds: ``1.08 ms``; ``-`` if missing. Usage: ``fmt_ms(1.083)``"""
+    v = num(v)
+    return DASH if v is None else f"{v:.2f} ms"
+
+
+def fmt_x(v) -> str:
+    """A ratio: ``0.81``; ``-`` if missing. Usage: ``fmt_x(0.8123)``"""
+    v = num(v)
+    return DASH if v is None else f"{v:.2f}"
+
+
+def fmt_bps(v) -> str:
+    """Bits per second: ``187 Mbit/s``, ``1.2 Gbit/s``. Usage: ``fmt_bps(187e6)``"""
+    v = num(v)
+    if v is None:
+        return DASH
+    return f"{v / 1e9:.3g} Gbit/s" if v >= 1e9 else f"{v / 1e6:.0f} Mbit/s"
+
+
+def fmt_rate(rate) -> str:
+    """A tc-style rate as text: ``"200mbit"`` -> ``200 Mbit/s``; numbers are bits per second."""
+    if num(rate) is not None:
+        return fmt_bps(rate)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit)\s*", str(rate or ""), re.IGNORECASE)
+    if not m:
+        return str(rate) if rate else DASH
+    unit = {"bit": "bit", "kbit": "kbit", "mbit": "Mbit", "gbit": "Gbit"}[m.group(2).lower()]
+    return f"{float(m.group(1)):g} {unit}/s"
+
+
+def ratio_of(a, b) -> float | None:
+    """``a / b`` when both are numbers and ``b`` is non-zero, else None."""
+    a, b = num(a), num(b)
+    return None if a is None or not b else a / b
+
+
+def verdict(value, op: str, target: float, unit: str = "") -> tuple[str, str | None]:
+    """``("met", None)``, ``("missed by 0.03", "0.03")`` or ``("-", None)`` for ``value op target``.
+
+    ``op`` is ``<=``, ``<``, ``>=`` or ``>``; ``unit`` is appended to the margin (" ms"). Usage:
+    ``verdict(0.83, "<=", 0.80) == ("**missed** by 0.03", "0.03")``
+    """
+    v = num(value)
+    if v is None:
+        return DASH, None
+    ok = {"<=": v <= target, "<": v < target, ">=": v >= target, ">": v > target}[op]
+    if ok:
+        return "met", None
+    gap = abs(v - target)
+    margin = f"{gap:.2f}{unit}" if gap >= 0.01 else f"{gap:.3f}{unit}"   # never "missed by 0.00"
+    return f"**missed** by {margin}", margin
+
+
+def target_text(op: str, target: float, unit: str = "") -> str:
+    """``<= 1.10`` etc. Usage: ``target_text("<=", 10, " ms") == "<= 10 ms"``"""
+    return f"{op} {target:g}{unit}" if unit else f"{op} {target:.2f}"
+
+
+def judged(row: Row, value, op: str, target: float, unit: str = "") -> Row:
+    """Fill ``row``'s target and result from ``value op target``; returns the row."""
+    row.target = target_text(op, target, unit)
+    row.result, row.missed = verdict(value, op, target, unit)
+    return row
+
+
+# ------------------------------------------------------------------------------------------- rows per benchmark
+
+def rows_contention(d: dict) -> list[Row]:
+    """Agents vs alone (<= 1.10), FIFO vs alone (>= 2: the contention is real), bulk after training (>= 0.80)."""
+    what = "training step" if d.get("workload") == "training" else "all-reduce"
+    t = d.get("targets") or {}
+    unc, fifo, agent = d.get("uncontended_s"), d.get("fifo_s"), d.get("agent_s")
+    ts = timer(unc, fifo, agent)
+    agent_ratio = num(d.get("agent_ratio")) if num(d.get("agent_ratio")) is not None else ratio_of(agent, unc)
+    fifo_ratio = num(d.get("fifo_ratio")) if num(d.get("fifo_ratio")) is not None else ratio_of(fifo, unc)
+    rows = [judged(Row("contention", f"{what} under bulk with agents, vs alone", ts(agent),
+                       f"alone {ts(unc)}; FIFO under bulk {ts(fifo)}", fmt_x(agent_ratio)),
+                   agent_ratio, "<=", num(t.get("agent_ratio_max")) or 1.10),
+            judged(Row("contention", f"{what} under bulk with FIFO NICs, vs alone (contention is real)", ts(fifo),
+                       f"alone {ts(unc)}", fmt_x(fifo_ratio)),
+                   fifo_ratio, ">=", num(t.get("fifo_ratio_min")) or 2.0)]
+    after = d.get("bulk_after_bps") if isinstance(d.get("bulk_after_bps"), dict) else {}
+    low = min((num(v) for v in after.values() if num(v) is not None), default=None)
+    rows.append(judged(Row("contention", "bulk once training stops (agents on), share of the link", fmt_bps(low),
+                           f"link {fmt_bps(d.get('link_bps')) if d.get('link_bps') else fmt_rate(d.get('rate'))}",
+                           fmt_x(d.get("bulk_after_ratio"))),
+                       d.get("bulk_after_ratio"), ">=", num(t.get("bulk_after_ratio_min")) or 0.80))
+    return rows
+
+
+def rows_priority(d: dict) -> list[Row]:
+    """Per profile: shim vs DDP (<= 0.80), vs the lower bound (<= 1.15), vs application order (< 1)."""
+    t = d.get("targets") or {}
+    profiles = d.get("profiles") if isinstance(d.get("profiles"), dict) else {}
+    rows = []
+    for prof, f in profiles.items():
+        f = f if isinstance(f, dict) else {}
+        name = PROFILE_NAMES.get(prof, prof)
+        shim, ddp, app, lb = f.get("shim_s"), f.get("ddp_s"), f.get("app_order_s"), f.get("lower_bound_s")
+        ts = timer(shim, ddp, app, lb)
+        rows.append(judged(Row("priority", f"{name}: shim vs plain DDP", ts(shim), f"DDP {ts(ddp)}",
+                               fmt_x(ratio_of(shim, ddp))), ratio_of(shim, ddp), "<=",
+                           num(t.get("shim_vs_ddp_max")) or 0.80))
+        rows.append(judged(Row("priority", f"{name}: shim vs lower bound", ts(shim), f"lower bound {ts(lb)}",
+                               fmt_x(ratio_of(shim, lb))), ratio_of(shim, lb), "<=",
+                           num(t.get("shim_vs_lower_bound_max")) or 1.15))
+        rows.append(judged(Row("priority", f"{name}: shim vs application order only", ts(shim),
+                               f"app order {ts(app)}", fmt_x(ratio_of(shim, app))), ratio_of(shim, app), "<", 1.0))
+    if not rows:
+        rows.append(Row("priority", "no profile in the file"))
+    return rows
+
+
+def rows_jobs(d: dict) -> list[Row]:
+    """Per job count: average JCT with rotation vs FIFO (<= 0.75: >= 25 % better); no job worse than under FIFO
+    (each job's rotation JCT over its FIFO JCT, the largest <= 1; lists are job 0 first); worst JCT vs FIFO's."""
+    runs = d.get("runs") if isinstance(d.get("runs"), dict) else {}
+    target = num((d.get("targets") or {}).get("rotate_vs_fifo_avg_max")) or 0.75
+    rows = []
+    for n in sorted(runs, key=lambda k: (len(str(k)), str(k))):
+        r = runs[n] if isinstance(runs[n], dict) else {}
+        avg = num(r.get("rotate_vs_fifo_avg"))
+        avg = avg if avg is not None else ratio_of(r.get("rotate_avg_s"), r.get("fifo_avg_s"))
+        worst = num(r.get("rotate_worst_vs_fifo_worst"))
+        worst = worst if worst is not None else ratio_of(r.get("rotate_worst_s"), r.get("fifo_worst_s"))
+        ts = timer(*(r.get(f"{p}_{k}_s") for p in ("fifo", "static", "rotate") for k in ("avg", "worst")))
+        rows.append(judged(Row("jobs", f"{n} jobs: average JCT, rotation vs FIFO", ts(r.get("rotate_avg_s")),
+                               f"FIFO {ts(r.get('fifo_avg_s'))}; static priority {ts(r.get('static_avg_s'))}",
+                               fmt_x(avg)), avg, "<=", target))
+        per_job = per_job_ratios(r.get("rotate_jct_s"), r.get("fifo_jct_s"))
+        if per_job:
+            k = max(range(len(per_job)), key=per_job.__getitem__)
+            rows.append(judged(Row("jobs", f"{n} jobs: no job worse than FIFO (largest per-job JCT ratio, job {k})",
+                                   ts(r["rotate_jct_s"][k]), f"FIFO {ts(r['fifo_jct_s'][k])}", fmt_x(per_job[k])),
+                               per_job[k], "<=", 1.0))
+        rows.append(judged(Row("jobs", f"{n} jobs: worst JCT, rotation vs FIFO", ts(r.get("rotate_worst_s")),
+                               f"FIFO {ts(r.get('fifo_worst_s'))}; static priority {ts(r.get('static_worst_s'))}",
+                               fmt_x(worst)), worst, "<=", 1.0))
+    if not rows:
+        rows.append(Row("jobs", "no run in the file"))
+    return rows
+
+
+def per_job_ratios(ours, fifo) -> list[float]:
+    """Each job's JCT over its FIFO JCT (lists in job order); [] unless both are equal-length lists of numbers."""
+    if not isinstance(ours, list) or not isinstance(fifo, list) or len(ours) != len(fifo) or not ours:
+        return []
+    out = [ratio_of(a, b) for a, b in zip(ours, fifo)]
+    return [] if any(x is None for x in out) else out
+
+
+def rows_control_plane(d: dict) -> list[Row]:
+    """Register p99 at each size (target <= 10 ms at 10,000 flows) and throughput vs 0 flows (>= 0.90 at 10,000)."""
+    sizes = d.get("sizes") if isinstance(d.get("sizes"), dict) else {}
+    order = sorted(sizes, key=lambda k: num(_int(k)) or 0)
+    if "10000" not in sizes:
+        order.append("10000")
+    zero = sizes.get("0", {}) if isinstance(sizes.get("0"), dict) else {}
+    rows = []
+    for size in order:
+        f = sizes.get(size) if isinstance(sizes.get(size), dict) else None
+        label = f"{_int(size):,} flows" if _int(size) is not None else f"{size} flows"
+        if f is None:
+            rows.append(Row("control-plane", f"register p99 and throughput, {label}", "not run", result="not run"))
+            continue
+        row = Row("control-plane", f"register p99, {label} registered", fmt_ms(f.get("register_p99_ms")),
+                  f"p50 {fmt_ms(f.get('register_p50_ms'))}")
+        rows.append(judged(row, f.get("register_p99_ms"), "<=", 10, " ms") if size == "10000" else row)
+        if size != "0":
+            row = Row("control-plane", f"iperf3 through the host queue, {label} vs 0", fmt_bps(f.get("throughput_bps")),
+                      f"0 flows {fmt_bps(zero.get('throughput_bps'))}", fmt_x(f.get("throughput_ratio")))
+            rows.append(judged(row, f.get("throughput_ratio"), ">=", 0.90) if size == "10000" else row)
+    return rows
+
+
+def _int(text) -> int | None:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def rows_overhead(d: dict) -> list[Row]:
+    """Shim step time vs plain DDP, overlap mode (the normal use) and hook mode (both <= 1.05)."""
+    t = d.get("targets") or {}
+    ddp = d.get("ddp_s")
+    ts = timer(ddp, d.get("shim_s"), d.get("shim_hook_s"))
+    r = num(d.get("ratio")) if num(d.get("ratio")) is not None else ratio_of(d.get("shim_s"), ddp)
+    h = num(d.get("ratio_hook")) if num(d.get("ratio_hook")) is not None else ratio_of(d.get("shim_hook_s"), ddp)
+    return [judged(Row("shim-overhead", "step time through the shim (overlap mode) vs plain DDP, link not limiting",
+                       ts(d.get("shim_s")), f"DDP {ts(ddp)}", fmt_x(r)), r, "<=",
+                   num(t.get("ratio_max")) or 1.05),
+            judged(Row("shim-overhead", "step time through the shim (hook mode) vs plain DDP, link not limiting",
+                       ts(d.get("shim_hook_s")), f"DDP {ts(ddp)}", fmt_x(h)), h, "<=",
+                   num(t.get("ratio_hook_max")) or 1.05)]
+
+
+def rows_classifier(d: dict) -> list[Row]:
+    """The agent's nft map at the largest N against the smallest (no numeric target: not linear in N)."""
+    res = [r for r in d.get("results") or [] if isinstance(r, dict)]
+    nft = sorted((r for r in res if r.get("mechanism") == "nft-map" and num(r.get("n")) is not None),
+                 key=lambda r: r["n"])
+    u32 = {r.get("n"): r for r in res if r.get("mechanism") == "u32-linear"}
+    none = next((r for r in res if r.get("mechanism") == "none"), {})
+    if not nft:
+        return [Row("classifier", "no nft-map result in the file")]
+    lo, hi = nft[0], nft[-1]
+    alt = f"N={lo['n']:,}: {fmt_gbps(lo.get('gbps_median'))}; no classifier {fmt_gbps(none.get('gbps_median'))}"
+    if hi["n"] in u32:
+        alt += f"; u32 filters, N={hi['n']:,}: {fmt_gbps(u32[hi['n']].get('gbps_median'))}"
+    return [Row("classifier", f"one CPU-bound stream through the nft map, N={hi['n']:,} flows vs N={lo['n']:,}",
+                fmt_gbps(hi.get("gbps_median")), alt, fmt_x(ratio_of(hi.get("gbps_median"), lo.get("gbps_median"))),
+                "not linear in N (no number)", DASH)]
+
+
+def fmt_gbps(v) -> str:
+    v = num(v)
+    return DASH if v is None else f"{v:.2f} Gbit/s"
+
+
+ROWS = {"contention": rows_contention, "priority": rows_priority, "jobs": rows_jobs,
+        "control-plane": rows_control_plane, "shim-overhead": rows_overhead, "classifier": rows_classifier}
+
+
+# ------------------------------------------------------------------------------------------- run descriptions
+
+def describe_machine(d: dict) -> str:
+    """``2 cores, 23.5 GiB, Linux 6.18.44, Python 3.11.7, torch 2.13.0+cpu, 2026-11-22`` from ``d["machine"]``."""
+    m = d.get("machine")
+    if not isinstance(m, dict):   # the classifier records its own few facts
+        m = {"cores": d.get("cpus"), "kernel": d.get("kernel")} if d.get("kernel") or d.get("cpus") else {}
+    parts = []
+    cores = num(m.get("cores")) or num(m.get("cpus"))
+    if cores:
+        parts.append(f"{int(cores)} cores")
+    if num(m.get("memory_bytes")):
+        parts.append(f"{m['memory_bytes'] / 2**30:.1f} GiB")
+    elif num(m.get("mem_gib")):
+        parts.append(f"{m['mem_gib']:.1f} GiB")
+    if m.get("kernel"):
+        parts.append(f"Linux {m['kernel']}")
+    if m.get("python"):
+        parts.append(f"Python {m['python']}")
+    if m.get("torch"):
+        parts.append(f"torch {m['torch']}")
+    if m.get("date"):
+        parts.append(str(m["date"])[:10])
+    if not parts:
+        note = d.get("machine") if isinstance(d.get("machine"), str) else d.get("machine_note")
+        return f"machine: {note}" if isinstance(note, str) and note else "machine not recorded"
+    return ", ".join(parts)
+
+
+def describe_reps(name: str, d: dict) -> str:
+    """How many repetitions each figure summarises, from the keys each benchmark records."""
+    it, rounds = num(d.get("iters")), num(d.get("rounds"))
+    if name == "contention":
+        return f"median of {int(it)} iterations per phase" if it else "repetitions not recorded"
+    if name == "priority":
+        if it and rounds:
+            return f"median of {int(it * rounds)} iterations per mode ({_rounds(rounds, it)})"
+        return "repetitions not recorded"
+    if name == "shim-overhead":
+        reps = num(d.get("reps")) or (it * rounds if it and rounds else None)
+        if reps:
+            return (f"median of {int(reps)} iterations per mode"
+                    + (f" ({_rounds(rounds, it)})" if it and rounds else ""))
+        return "repetitions not recorded"
+    if name == "classifier":
+        if rounds and num(d.get("seconds")):
+            each = f"{d['seconds']:g} s"
+            return f"median of {_rounds(rounds, each)} per configuration"
+        return "repetitions not recorded"
+    if name == "jobs" and it:
+        reps = num(d.get("reps")) or 1
+        return (f"{int(it)} iterations per job; JCT per job " + ("from 1 run" if reps == 1 else
+                f"the mean of {int(reps)} repetitions") + " of every phase")
+    if name == "control-plane":
+        soak = d.get("soak") if isinstance(d.get("soak"), dict) else {}
+        text = (f"{int(d['rounds'])} registrations per size" if num(d.get("rounds"))
+                else "registrations per size not recorded")
+        if num(soak.get("clients")) and num(soak.get("seconds")):
+            text += f"; soak {int(soak['clients'])} clients x {soak['seconds']:g} s"
+        return text
+    for key, what in (("reps", "repetitions"), ("repeats", "repetitions"), ("iters", "iterations"),
+                      ("rounds", "rounds")):
+        if num(d.get(key)):
+            return f"{int(d[key])} {what}"
+    return "repetitions not recorded"
+
+
+def _rounds(rounds, each) -> str:
+    """``3 interleaved rounds of 8``, ``1 round of 3``."""
+    each = f"{int(each)}" if num(each) is not None else each
+    return f"{int(rounds)} interleaved rounds of {each}" if int(rounds) != 1 else f"1 round of {each}"
+
+
+def describe_setup(name: str, d: dict) -> str:
+    """Hosts and link rate (the classifier: a veth pair, no shaping)."""
+    if name == "classifier":
+        return "two namespaces on a veth pair, one CPU-bound TCP stream (no link shaping)"
+    hosts = num(d.get("hosts"))
+    rate = fmt_bps(d.get("link_bps")) if num(d.get("link_bps")) else fmt_rate(d.get("rate"))
+    text = f"{int(hosts)} hosts at {rate}" if hosts else f"links at {rate}"
+    if name == "shim-overhead" and d.get("profile"):
+        model = PROFILE_NAMES.get(d["profile"], d["profile"])
+        text += (f" (the testbed's highest rate: not the bottleneck); emulated {model}, "
+                 f"{fmt_bytes(d.get('gradient_bytes'))} of gradients, {fmt_s(d.get('compute_nominal_s'))} compute")
+    return text
+
+
+def fmt_bytes(v) -> str:
+    v = num(v)
+    return DASH if v is None else f"{v / 1e6:.1f} MB"
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+
+def load(results_dir: str) -> dict[str, dict]:
+    """``{name: {"path", "data" or "error"}}`` for every benchmark; a missing file has neither data nor error."""
+    out = {}
+    for name, fname, required in BENCHES:
+        path = os.path.join(results_dir, fname)
+        entry: dict = {"path": path, "required": required, "data": None, "error": None}
+        if os.path.exists(path):
+            try:
+                with open(path) as fh:
+                    data = json.load(fh)
+                if not isinstance(data, dict):
+                    raise TypeError("not a JSON object")
+                entry["data"] = data
+            except (OSError, ValueError, TypeError) as exc:
+                entry["error"] = f"{type(exc).__name__}: {exc}"
+        out[name] = entry
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- rendering
+
+def describe_run(name: str, d: dict, plot: str | None) -> str:
+    """The line under the table for one benchmark: setup, repetitions, machine, duration, plot link."""
+    took = num(d.get("elapsed_s"))
+    return (f"- **{name}**{' (quick run)' if d.get('quick') else ''}: {describe_setup(name, d)}; "
+            f"{describe_reps(name, d)}; {describe_machine(d)}"
+            + (f"; took {took:.0f} s" if took is not None else "") + (f"; [plot]({plot})" if plot else ""))
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render(results: dict[str, dict], results_rel: str = "results", img_rel: str | None = "docs/img",
+           plots: set[str] | None = None) -> str:
+    """The markdown section (without the markers). ``plots``: the benchmarks whose PNG exists (linked); None: every
+    benchmark with data. Usage: ``render(load("results"))``
+    """
+    rows: list[Row] = []
+    lines_after = []
+    quick = []
+    for name, _, required in BENCHES:
+        entry = results.get(name) or {"data": None, "error": None, "required": required}
+        d = entry.get("data")
+        if d is None:
+            if not entry.get("required", required) and not entry.get("error"):
+                continue
+            why = f"unreadable ({entry['error']})" if entry.get("error") else "not run"
+            rows.append(Row(name, DASH, why, result=why))
+            lines_after.append(f"- **{name}**: {why}: `{results_rel}/{name}.json`"
+                               + ("" if entry.get("error") else f" (`tensorlane bench {name} --json "
+                                                                 f"{results_rel}/{name}.json`)"))
+            continue
+        try:
+            rows.extend(ROWS[name](d))
+        except Exception as exc:  # noqa: BLE001 - a malformed file must not stop the report
+            rows.append(Row(name, DASH, f"unreadable ({type(exc).__name__}: {exc})", result="unreadable"))
+        if d.get("quick"):
+            quick.append(name)
+        has_plot = plots is None or name in plots
+        try:
+            lines_after.append(describe_run(name, d, f"{img_rel}/bench-{name}.png" if img_rel and has_plot else None))
+        except Exception as exc:  # noqa: BLE001 - as above
+            lines_after.append(f"- **{name}**: run not described ({type(exc).__name__}: {exc})")
+    out = ["Generated by `python -m bench.report` from `" + results_rel + "/*.json` (do not edit by hand). Every "
+           "ratio compares figures measured side by side in one run on one testbed.", ""]
+    if quick:
+        out += [f"**Quick runs** (fewer repetitions, for smoke testing, not for quoting): {', '.join(quick)}.", ""]
+    out += ["| benchmark | figure | ours | alternative(s) | ratio | target | result |",
+            "|---|---|---:|---|---:|---|---|"]
+    for r in rows:
+        out.append("| " + " | ".join(_cell(c) for c in (r.bench, r.figure, r.ours, r.alternatives, r.ratio, r.target,
+                                                          r.result)) + " |")
+    missed = [r for r in rows if r.missed is not None]
+    judged_rows = [r for r in rows if r.result in ("met",) or r.missed is not None]
+    out.append("")
+    if missed:
+        out += [f"Targets missed ({len(missed)} of {len(judged_rows)} measured):", ""]
+        out += [f"- {r.bench}, {r.figure}: {r.ratio if r.ratio != DASH else r.ours} against {r.target}, "
+                f"missed by {r.missed}" for r in missed]
+        out.append("")
+    elif judged_rows:
+        out.append(f"All {len(judged_rows)} measured targets met.")
+    not_run = [r.bench if r.figure == DASH else f"{r.bench} ({r.figure})" for r in rows
+               if r.result in ("not run",) or r.result.startswith("unreadable")]
+    if not_run:
+        out.append(f"Not measured: {', '.join(dict.fromkeys(not_run))}.")
+    out += ["", "Runs:", "", *lines_after]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------- README
+
+def split_readme(text: str) -> tuple[str, str, str]:
+    """``(before, section, after)`` around the markers (``before`` ends with BEGIN, ``after`` starts with END).
+
+    Raises ReportError when a marker is missing, repeated or out of order.
+    """
+    nb, ne = text.count(BEGIN), text.count(END)
+    if nb != 1 or ne != 1:
+        raise ReportError(f"the README must hold exactly one {BEGIN} and one {END} (found {nb} and {ne})")
+    i, j = text.index(BEGIN), text.index(END)
+    if j < i:
+        raise ReportError(f"{END} comes before {BEGIN} in the README")
+    return text[:i + len(BEGIN)], text[i + len(BEGIN):j], text[j:]
+
+
+def replace_section(text: str, section: str) -> str:
+    """``text`` with only what lies between the markers replaced by ``section``. Idempotent."""
+    before, _, after = split_readme(text)
+    return f"{before}\n{section.strip()}\n{after}"
+
+
+# ---------------------------------------------------------------------------------------------------- plots
+
+def _bars(ax, labels, values, title, ylabel, colors=None, ref=None, ref_label=""):
+    """Bars of ``values`` (None: an empty slot), labelled with their value; ``ref``: a dashed target line."""
+    xs = range(len(labels))
+    vals = [num(v) or 0.0 for v in values]
+    bars = ax.bar(xs, vals, color=colors)
+    ax.set_xticks(list(xs), labels)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(ylabel)
+    for b, v in zip(bars, values):
+        if num(v) is not None:
+            ax.annotate(f"{num(v):.0f}" if abs(num(v)) >= 10 else f"{num(v):.3g}",
+                        (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+    top = max([*vals, num(ref) or 0.0]) or 1.0
+    ax.set_ylim(0, top * 1.2)
+    if num(ref) is not None:
+        ax.axhline(num(ref), ls="--", color="k", lw=0.8, label=ref_label)
+        ax.legend(fontsize=8, loc="upper left")
+
+
+def _grouped(ax, groups, series, title, ylabel):
+    """``series``: ``[(label, [value per group])]``; missing values are left out."""
+    n = max(1, len(series))
+    width = 0.8 / n
+    top = 0.0
+    for k, (label, values) in enumerate(series):
+        xs = [g + (k - (n - 1) / 2) * width for g in range(len(groups))]
+        vals = [num(v) or 0.0 for v in values]
+        top = max([top, *vals])
+        ax.bar(xs, vals, width, label=label)
+    ax.set_xticks(list(range(len(groups))), groups)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, (top or 1.0) * 1.3)
+    ax.legend(fontsize=8, ncol=min(4, n), loc="upper center")
+
+
+def plot_contention(d, fig):
+    ax = fig.add_subplot(1, 1, 1)
+    vals = [d.get("uncontended_s"), d.get("fifo_s"), d.get("agent_s")]
+    t = num((d.get("targets") or {}).get("agent_ratio_max")) or 1.10
+    unc = num(d.get("uncontended_s"))
+    ms = [None if num(v) is None else num(v) * 1000 for v in vals]
+    _bars(ax, ["alone", "FIFO under bulk", "agents under bulk"], ms,
+          f"contention: median {'training step' if d.get('workload') == 'training' else 'all-reduce'}", "ms",
+          ["tab:gray", "tab:red", "tab:green"], ref=None if unc is None else unc * 1000 * t,
+          ref_label=f"target: {t:.2f}x alone")
+    return any(num(v) is not None for v in vals)
+
+
+def plot_priority(d, fig):
+    profiles = d.get("profiles") if isinstance(d.get("profiles"), dict) else {}
+    if not profiles:
+        return False
+    ax = fig.add_subplot(1, 1, 1)
+    names = list(profiles)
+    series = [(label, [None if num((profiles[p] or {}).get(k)) is None else num(profiles[p][k]) * 1000 for p in names])
+              for label, k in (("DDP", "ddp_s"), ("app order", "app_order_s"), ("shim", "shim_s"),
+                               ("lower bound", "lower_bound_s"))]
+    _grouped(ax, [PROFILE_NAMES.get(p, p) for p in names], series, "priority: median iteration time", "ms")
+    return True
+
+
+def plot_jobs(d, fig):
+    runs = d.get("runs") if isinstance(d.get("runs"), dict) else {}
+    if not runs:
+        return False
+    ns = sorted(runs, key=lambda k: (len(str(k)), str(k)))
+    for i, (what, suffix) in enumerate((("average", "avg_s"), ("worst", "worst_s"))):
+        ax = fig.add_subplot(1, 2, i + 1)
+        series = [(pol, [(runs[n] or {}).get(f"{key}_{suffix}") for n in ns])
+                  for pol, key in (("FIFO", "fifo"), ("static", "static"), ("rotation", "rotate"))]
+        _grouped(ax, [f"{n} jobs" for n in ns], series, f"jobs: {what} JCT", "s")
+    return True
+
+
+def _flows_axis(ax, xs):
+    """x axis of flow counts: symmetric-log when they span decades (0, 1,000, 10,000), ticks at the sizes."""
+    if max(xs) > 1000:
+        ax.set_xscale("symlog", linthresh=100)
+        ax.set_xlim(-30, max(xs) * 1.6)
+    ax.set_xticks(xs, [f"{x:,}" for x in xs])
+    ax.set_xlabel("flows registered")
+
+
+def plot_control_plane(d, fig):
+    sizes = d.get("sizes") if isinstance(d.get("sizes"), dict) else {}
+    keys = sorted((k for k in sizes if _int(k) is not None and isinstance(sizes[k], dict)), key=_int)
+    if not keys:
+        return False
+    xs = [_int(k) for k in keys]
+    ax = fig.add_subplot(1, 2, 1)
+    for key, label in (("register_p50_ms", "p50"), ("register_p99_ms", "p99")):
+        ax.plot(xs, [num(sizes[k].get(key)) for k in keys], marker="o", label=label)
+    ax.axhline(10, ls="--", color="k", lw=0.8, label="target p99 10 ms")
+    ax.set_ylim(0, None)
+    _flows_axis(ax, xs)
+    ax.set_ylabel("ms")
+    ax.set_title("control plane: register latency", fontsize=10)
+    ax.legend(fontsize=8)
+    ax = fig.add_subplot(1, 2, 2)
+    ax.plot(xs, [num(sizes[k].get("throughput_ratio")) for k in keys], marker="o")
+    ax.axhline(0.9, ls="--", color="k", lw=0.8, label="target 0.90")
+    ax.set_ylim(0, 1.2)
+    _flows_axis(ax, xs)
+    ax.set_title("iperf3 throughput vs 0 flows", fontsize=10)
+    ax.legend(fontsize=8)
+    return True
+
+
+def plot_overhead(d, fig):
+    ax = fig.add_subplot(1, 1, 1)
+    vals = [d.get("ddp_s"), d.get("shim_hook_s"), d.get("shim_s")]
+    t = num((d.get("targets") or {}).get("ratio_max")) or 1.05
+    ddp = num(d.get("ddp_s"))
+    _bars(ax, ["plain DDP", "shim, hook mode", "shim, overlap mode"],
+          [None if num(v) is None else num(v) * 1000 for v in vals], "shim overhead: median step, link not limiting",
+          "ms", ["tab:gray", "tab:blue", "tab:green"], ref=None if ddp is None else ddp * 1000 * t,
+          ref_label=f"target: {t:.2f}x DDP")
+    return any(num(v) is not None for v in vals)
+
+
+def plot_classifier(d, fig):
+    res = [r for r in d.get("results") or [] if isinstance(r, dict)]
+    if not res:
+        return False
+    ax = fig.add_subplot(1, 1, 1)
+    for mech in ("nft-map", "u32-linear"):
+        pts = sorted((r["n"], num(r.get("gbps_median"))) for r in res if r.get("mechanism") == mech
+                     and num(r.get("n")) is not None)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mech)
+    for mech, style in (("none", "--"), ("so-priority", ":")):
+        r = next((r for r in res if r.get("mechanism") == mech), None)
+        if r and num(r.get("gbps_median")) is not None:
+            ax.axhline(num(r["gbps_median"]), ls=style, color="k", lw=0.8, label=mech)
+    ax.set_xscale("log")
+    ax.set_xlabel("flows N")
+    ax.set_ylabel("Gbit/s")
+    ax.set_title("classifier: one CPU-bound stream", fontsize=10)
+    ax.legend(fontsize=8)
+    return True
+
+
+PLOTS = {"contention": plot_contention, "priority": plot_priority, "jobs": plot_jobs,
+         "control-plane": plot_control_plane, "shim-overhead": plot_overhead, "classifier": plot_classifier}
+
+
+def write_plots(results: dict[str, dict], img_dir: str) -> dict[str, str]:
+    """Save ``img_dir``/bench-NAME.png for every benchmark with data; returns ``{name: path}`` of those written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(img_dir, exist_ok=True)
+    written = {}
+    for name, entry in results.items():
+        d = entry.get("data")
+        if d is None:
+            continue
+        wide = name in ("jobs", "control-plane")
+        fig = plt.figure(figsize=(10 if wide else 6.5, 3.8))
+        try:
+            ok = PLOTS[name](d, fig)
+            if ok:
+                fig.suptitle(f"{name}{' (quick run)' if d.get('quick') else ''}", fontsize=9, x=0.99, ha="right")
+                fig.tight_layout()
+                path = os.path.join(img_dir, f"bench-{name}.png")
+                fig.savefig(path, dpi=100, metadata={"Software": None})
+                written[name] = path
+        except Exception as exc:  # noqa: BLE001 - a plot must not stop the report; say so
+            print(f"bench.report: no plot for {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        finally:
+            plt.close(fig)
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+def _rel(path: str, start: str) -> str:
+    return os.path.relpath(os.path.abspath(path), os.path.abspath(start)).replace(os.sep, "/")
+
+
+def build(results_dir: str, readme: str, img_dir: str, check: bool = False, out=print) -> int:
+    """Render from ``results_dir`` and update (or, with ``check``, compare) ``readme``; 0 ok, 1 stale.
+
+    Usage: ``build("results", "README.md", "docs/img")``
+    """
+    base = os.path.dirname(os.path.abspath(readme))
+    results = load(results_dir)
+    with open(readme) as fh:
+        text = fh.read()
+    if check:
+        plots = {n for n in results if os.path.exists(os.path.join(img_dir, f"bench-{n}.png"))}
+    else:
+        plots = set(write_plots(results, img_dir))
+    expected_plots = {n for n, e in results.items() if e.get("data") is not None}
+    section = render(results, _rel(results_dir, base), _rel(img_dir, base), plots=plots)
+    new = replace_section(text, section)
+    if check:
+        stale = []
+        if new != text:
+            stale.append(f"{readme}: the performance section differs from what {results_dir}/*.json give")
+        missing = sorted(expected_plots - plots)
+        if missing:
+            stale.append(f"plots missing in {img_dir}: " + ", ".join(f"bench-{n}.png" for n in missing))
+        for line in stale:
+            out(f"bench.report: {line}")
+        if stale:
+            out("bench.report: run `python -m bench.report` (or `make report`) to update")
+            return 1
+        out(f"bench.report: {readme} is up to date with {results_dir}")
+        return 0
+    if new != text:
+        with open(readme, "w") as fh:
+            fh.write(new)
+        out(f"bench.report: {readme}: performance section updated")
+    else:
+        out(f"bench.report: {readme}: performance section unchanged")
+    for name, path in sorted(plots_paths(img_dir, plots).items()):
+        out(f"bench.report: plot {path}")
+    return 0
+
+
+def plots_paths(img_dir: str, names) -> dict[str, str]:
+    return {n: os.path.join(img_dir, f"bench-{n}.png") for n in names}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", default="results", help="directory of the benchmarks' JSON files (%(default)s)")
+    p.add_argument("--readme", default="README.md", help="the file with the perf-table markers (%(default)s)")
+    p.add_argument("--img-dir", default=os.path.join("docs", "img"), help="where the PNG plots go (%(default)s)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the README is out of date")
+    p.add_argument("--print", action="store_true", dest="show", help="also print the section it renders")
+    args = p.parse_args(argv)
+    if not os.path.exists(args.readme):
+        print(f"bench.report: {args.readme} does not exist", file=sys.stderr)
+        return 2
+    try:
+        code = build(args.results, args.readme, args.img_dir, check=args.check)
+    except (ReportError, OSError) as exc:
+        print(f"bench.report: {exc}", file=sys.stderr)
+        return 2
+    if args.show:
+        base = os.path.dirname(os.path.abspath(args.readme))
+        plots = {n for n, _, _ in BENCHES if os.path.exists(os.path.join(args.img_dir, f"bench-{n}.png"))}
+        print(render(load(args.results), _rel(args.results, base), _rel(args.img_dir, base), plots=plots))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
