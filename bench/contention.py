@@ -33,7 +33,7 @@ import tempfile
 import time
 
 from bench.bulk import bulk
-from bench.workers import ScenarioError, progress_printer, run_workers, show_figures
+from bench.workers import machine_info, ScenarioError, progress_printer, run_workers, show_figures
 
 TARGET_AGENT_RATIO = 1.10
 TARGET_FIFO_RATIO = 2.0
@@ -217,6 +217,7 @@ def run(hosts: int = 3, rate: str = "200mbit", size_mb: float = 10, iters: int |
     result["agent_ratio"] = _ratio(result.get("agent_s"), result.get("uncontended_s"))
     result["fifo_ratio"] = _ratio(result.get("fifo_s"), result.get("uncontended_s"))
     result["elapsed_s"] = time.monotonic() - t_start
+    result["machine"] = machine_info()
     result["pass"] = passes(result)
     return result
 

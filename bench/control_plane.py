@@ -119,7 +119,10 @@ def run(sizes=(0, 1000, 10000), rounds: int = 400, iperf_s: float = 5, clients: 
     """Run the whole benchmark on a fresh 2-host testbed; returns the figures."""
     if quick:
         sizes, rounds, iperf_s, clients, soak_s = (0, 1000), 100, 2, 20, 3
-    result: dict = {"rate": rate, "sizes": {}, "machine": "2 cores (this project's CI machine kind)"}
+    from bench.workers import machine_info
+
+    result: dict = {"rate": rate, "sizes": {}, "machine": machine_info(), "quick": quick, "rounds": rounds,
+                    "hosts": 2, "iperf_s": iperf_s}
     with Testbed(hosts=2, rate=rate, name=name) as tb, running_agents(
             tb, hosts=[1], levels=4, config_extra={"trusted_users": ["root"], "rate_limit_per_s": 100000}) as ags:
         agent, h1, h2 = ags[1], tb.host(1), tb.host(2)

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from bench.workers import ScenarioError, progress_printer, run_workers, show_figures
+from bench.workers import machine_info, ScenarioError, progress_printer, run_workers, show_figures
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILES = ("resnet50", "vgg16", "bert_base")
@@ -200,6 +200,7 @@ def run(profiles=PROFILES, rate: str = "200mbit", hosts: int = 2, iters: int | N
         if own_dir:
             shutil.rmtree(workdir, ignore_errors=True)
     result["elapsed_s"] = time.monotonic() - t_start
+    result["machine"] = machine_info()
     result["pass"] = {p: f["pass"] for p, f in result["profiles"].items()}
     return result
 
