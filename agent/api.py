@@ -1,7 +1,9 @@
 """The agent's request handlers (protocol in docs/protocol.md; the socket server is agent/server.py).
 
 Handlers validate first (format, access rights, ownership of the flows' sockets), then change the FlowTable,
-then the kernel: a refused request changes nothing. Usage: ``api = Api(cfg, table, rec, "htb"); api.handle(line, peer)``
+then the kernel: a refused request changes nothing. With a job policy (agent/jobs.py) a change of the set of jobs
+can move other jobs' flows too: they go to the kernel in the same transaction as the request's own.
+Usage: ``api = Api(cfg, table, rec, "htb"); api.handle(line, peer)``
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import time
 import uuid
 
 from agent import protocol
+from agent.jobs import JobScheduler
 from agent.kernel.qdisc import fmt_handle
 from agent.metrics.jobs import JobReports
 from agent.ownership import not_owned
@@ -37,6 +40,9 @@ class Api:
         self.reports = JobReports()  # communication time reported by the shims (op "report"), for the metrics
         self.policy = AccessPolicy(frozenset(cfg.allowed_users), frozenset(cfg.allowed_groups),
                                    dict(cfg.level_limits), frozenset(cfg.trusted_users), cfg.check_ownership)
+        self.jobs = JobScheduler(cfg)  # effective levels from the job order (docs/jobs.md)
+        table.level_of = self.jobs.level_of
+        self.jobs.update(table)
 
     def handle(self, line: bytes, peer: Peer | None = None) -> bytes:
         """Answer one request line from ``peer`` (None: the agent itself) with one reply line; never raises."""
@@ -73,10 +79,31 @@ class Api:
         return {"version": VERSION, "interface": self.cfg.interface, "levels": self.cfg.levels,
                 "instance": self.instance}
 
+    def _push(self, added: list, moved: list, removed: list) -> None:
+        """Send one change of the table to the kernel, with the flows of other jobs that the job policy moved
+        because the set of jobs changed (one transaction)."""
+        shifted = self.jobs.update(self.table)
+        if shifted:
+            mine = set(added) | set(moved)
+            moved = moved + [k for k in shifted if k not in mine]
+        self.rec.apply(self.table, added, moved, removed)
+
+    def rotate(self) -> int:
+        """At an epoch boundary (the server's timer): recompute the job order and move the flows whose effective
+        level changed, in one transaction. Returns how many moved."""
+        shifted = self.jobs.update(self.table)
+        if shifted:
+            self.rec.apply(self.table, [], shifted, [])
+            self.record("job_order", "moved")
+            log.info("job order changed: moved %d flows", len(shifted))
+        return len(shifted)
+
     def _op_register(self, req, peer) -> dict:
         pid = uid = None
+        floor = 0
         if peer is not None:
             self.policy.check_level(peer, req.level)
+            floor = self.policy.most_urgent_level(peer) if self.jobs.enabled else 0
             uid = peer.uid
             if self.policy.must_own(peer):
                 foreign = not_owned(peer.pid, req.flows)
@@ -84,15 +111,16 @@ class Api:
                     raise ProtocolError("not_owner", f"flow {foreign[0]} is not a socket of process {peer.pid}"
                                         + (f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""))
                 pid = peer.pid
-        added, moved = self.table.register(req.job, req.level, req.flows, req.rank, pid=pid, uid=uid)
-        self.rec.apply(self.table, added, moved, [])
-        return {"job": req.job, "level": req.level, "added": len(added), "moved": len(moved),
-                "unchanged": len(req.flows) - len(added) - len(moved),
-                "dscp": self.cfg.dscp[req.level], "class": fmt_handle(self.rec.backend.classid(req.level))}
+        added, moved = self.table.register(req.job, req.level, req.flows, req.rank, pid=pid, uid=uid, floor=floor)
+        self._push(added, moved, [])
+        level = self.table.effective_level(req.flows[0])  # one job, one requested level: one effective level
+        return {"job": req.job, "level": level, "requested_level": req.level, "added": len(added),
+                "moved": len(moved), "unchanged": len(req.flows) - len(added) - len(moved),
+                "dscp": self.cfg.dscp[level], "class": fmt_handle(self.rec.backend.classid(level))}
 
     def _op_unregister(self, req, peer) -> dict:
         removed = self.table.unregister(req.job, req.flows, uid=None if peer is None else peer.uid)
-        self.rec.apply(self.table, [], [], removed)
+        self._push([], [], removed)
         return {"job": req.job, "removed": len(removed)}
 
     def _op_report(self, req, peer) -> dict:
@@ -103,7 +131,8 @@ class Api:
         return {"job": req.job, "levels": len(req.counters), "counted_as": counted_as}
 
     def _op_list(self, req, peer) -> dict:
-        flows = [{**k.as_dict(), "job": e.job, "level": e.level, "rank": e.rank}
+        level_of = self.table.level_of
+        flows = [{**k.as_dict(), "job": e.job, "level": level_of(e), "requested_level": e.level, "rank": e.rank}
                  for k, e in sorted(self.table.flows.items()) if req.job is None or e.job == req.job]
         return {"flows": flows}
 
@@ -125,7 +154,8 @@ class Api:
         return {
             "version": VERSION, "interface": self.cfg.interface, "backend": self.backend,
             "link_rate_bps": getattr(self.rec.backend, "rate", None), "uptime_s": round(time.time() - self.started, 3),
-            "flows": len(self.table.flows), "jobs": self.table.jobs(), "classes": levels,
+            "flows": len(self.table.flows), "jobs": self.table.jobs(), "job_policy": self.jobs.describe(),
+            "classes": levels,
             "reconcile": {"passes": self.rec.stats.passes, "repairs": self.rec.stats.repairs,
                           "errors": self.rec.stats.errors, "last_error": self.rec.stats.last_error},
         }
@@ -134,7 +164,7 @@ class Api:
         """The process ``pid`` exited: remove the flows it owned. Returns how many."""
         gone = self.table.drop_pid(pid)
         if gone:
-            self.rec.apply(self.table, [], [], gone)
+            self._push([], [], gone)
             self.record("owner_exit", "removed")
             log.info("process %d exited: removed its %d flows", pid, len(gone))
         return len(gone)
@@ -146,7 +176,7 @@ class Api:
             gone += not_owned(pid, sorted(keys))
         gone = self.table.drop(gone)
         if gone:
-            self.rec.apply(self.table, [], [], gone)
+            self._push([], [], gone)
             self.record("socket_closed", "removed")
             log.info("removed %d flows whose sockets were closed", len(gone))
         return len(gone)

@@ -8,9 +8,11 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 
+from policies.jobs import JOB_POLICIES
 from policies.levels import dscp_table
 
 BACKENDS = ("auto", "htb", "prio")
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}$")  # as the API's job ids (agent/protocol.py)
 
 
 class ConfigError(ValueError):
@@ -67,13 +69,54 @@ class Config:
     check_ownership: bool = True
     rate_limit_per_s: float = 1000.0
     max_flows: int = 100_000
+    job_policy: str = "none"
+    rotate_epoch_s: float = 20.0
+    job_priority: dict = field(default_factory=dict)
+    job_intensity: dict = field(default_factory=dict)
 
 
 _FIELDS = {
     "interface", "socket", "socket_mode", "metrics_address", "backend", "link_rate", "levels", "dscp",
     "take_over_root", "state_dir", "queue_limit_packets", "reconcile_interval_s", "socket_group", "allowed_users",
     "allowed_groups", "level_limits", "trusted_users", "check_ownership", "rate_limit_per_s", "max_flows",
+    "job_policy", "rotate_epoch_s", "job_priority", "job_intensity",
 }
+
+
+def _job_table(raw: dict, name: str, kind: type, lo: float, hi: float) -> dict:
+    """A ``{job id: number}`` table (``job_priority``, ``job_intensity``), every key a valid job id."""
+    table = _want(raw, name, dict, {})
+    out = {}
+    for job, value in table.items():
+        if not isinstance(job, str) or not _JOB_ID_RE.match(job):
+            raise ConfigError(name, f"keys are job ids (1-64 of letters, digits, '_.:-', starting with a letter or "
+                                    f"digit), got {job!r}")
+        ok = not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
+        if not ok or not lo <= value <= hi:
+            what = f"a number {lo:g}..{hi:g}" if kind is float else f"an integer {int(lo)}..{int(hi)}"
+            raise ConfigError(name, f"{job!r}: expected {what}, got {value!r}")
+        out[job] = kind(value)
+    return out
+
+
+def _job_policy(raw: dict) -> dict:
+    """The job policy fields (docs/jobs.md), validated; each table only with the policy that reads it."""
+    policy = _want(raw, "job_policy", str, "none")
+    if policy not in JOB_POLICIES:
+        raise ConfigError("job_policy", f"expected one of {', '.join(JOB_POLICIES)}, got {policy!r}")
+    epoch = _want(raw, "rotate_epoch_s", (int, float), 20.0)
+    if not 0.5 <= epoch <= 86400:
+        raise ConfigError("rotate_epoch_s", f"expected 0.5..86400 seconds, got {epoch}")
+    if "rotate_epoch_s" in raw and policy != "rotate":
+        raise ConfigError("rotate_epoch_s", f"only used with job_policy = \"rotate\", not {policy!r}")
+    priority = _job_table(raw, "job_priority", int, -10**6, 10**6)
+    if priority and policy != "static":
+        raise ConfigError("job_priority", f"only used with job_policy = \"static\", not {policy!r}")
+    intensity = _job_table(raw, "job_intensity", float, 0.0, 1e12)
+    if intensity and policy != "intensity":
+        raise ConfigError("job_intensity", f"only used with job_policy = \"intensity\", not {policy!r}")
+    return {"job_policy": policy, "rotate_epoch_s": float(epoch), "job_priority": priority,
+            "job_intensity": intensity}
 
 
 def _names(raw: dict, name: str) -> tuple[str, ...]:
@@ -161,7 +204,9 @@ def from_dict(raw: dict) -> Config:
     if not 1 <= max_flows <= 1_000_000:
         raise ConfigError("max_flows", f"expected 1..1000000, got {max_flows}")
     group = _want(raw, "socket_group", str, None)
+    jobs = _job_policy(raw)
     return Config(
+        **jobs,
         socket_group=group, allowed_users=_names(raw, "allowed_users"), allowed_groups=_names(raw, "allowed_groups"),
         level_limits=dict(limits), trusted_users=_names(raw, "trusted_users"),
         check_ownership=_want(raw, "check_ownership", bool, True), rate_limit_per_s=float(rate_limit),

@@ -1,7 +1,9 @@
 """Make the kernel match the desired state: the qdisc tree of the backend and the nftables flow maps.
 
-Incremental changes (a registration) go out as one nftables transaction; a full pass compares the kernel's
-maps with the FlowTable and repairs any drift (run periodically and after any failed change).
+Incremental changes (a registration, or the flows a job-order change moves) go out as one nftables transaction; a
+full pass compares the kernel's maps with the FlowTable and repairs any drift (run periodically and after any
+failed change). The kernel gets each flow's *effective* level (``FlowTable.effective_level``: the level asked
+for, or what the job policy makes of it).
 Usage: ``rec = Reconciler(backend, dscp, ifname, ifindex, ipr); rec.install(); rec.apply(table, added, moved, removed)``
 """
 from __future__ import annotations
@@ -48,11 +50,11 @@ class Reconciler:
     def apply(self, table: FlowTable, added: list[FlowKey], moved: list[FlowKey], removed: list[FlowKey]) -> None:
         """Push one change to the kernel as a single transaction; fall back to a full pass if it fails.
 
-        ``moved`` flows are in the kernel at their old level: they are deleted and re-added in the same
-        transaction, so no packet sees them unclassified.
+        ``moved`` flows are in the kernel at their old level: they are deleted and re-added at their effective
+        level in the same transaction, so no packet sees them unclassified.
         """
         cmds = nftables.element_commands("delete", [(k, None) for k in (*removed, *moved)])
-        cmds += nftables.element_commands("add", [(k, table.flows[k].level) for k in (*added, *moved)])
+        cmds += nftables.element_commands("add", [(k, table.effective_level(k)) for k in (*added, *moved)])
         if not cmds:
             return
         try:
@@ -71,7 +73,8 @@ class Reconciler:
                 self.nft.run(self._table_commands())
                 listing = nftables.list_table(self.nft)
             have = nftables.parse_map_elements(listing)
-            want = {k: e.level for k, e in table.flows.items()}
+            level_of = table.level_of
+            want = {k: level_of(e) for k, e in table.flows.items()}
             stale = [k for k, lvl in have.items() if want.get(k) != lvl]
             missing = [k for k, lvl in want.items() if have.get(k) != lvl]
             cmds = nftables.element_commands("delete", [(k, None) for k in stale])

@@ -5,7 +5,9 @@ synchronous API cannot run inside an asyncio loop, hence no asyncio). What a hos
 bounded: the kernel names every peer (SO_PEERCRED) and only allowed users get an answer; each connection has a
 request rate limit, a line-length limit and a cap on unanswered output; connections are capped in number.
 Processes that registered flows of their own sockets are watched with a pidfd: when one exits its flows go at
-once, and a sweep every ``SWEEP_S`` removes flows whose sockets were closed.
+once, and a sweep every ``SWEEP_S`` removes flows whose sockets were closed. With ``job_policy = "rotate"`` the
+loop also wakes at each epoch boundary of the wall clock and moves the flows whose effective level the new job
+order changes, in one nftables transaction (agent/jobs.py).
 Usage: ``Server(api, "/run/tensorlane/agent.sock", 0o660).serve(stop, 5.0, periodic)``
 """
 from __future__ import annotations
@@ -66,8 +68,11 @@ class Server:
         """Serve until ``stop`` is set, calling ``periodic()`` every ``every_s`` seconds."""
         next_tick = time.monotonic() + every_s
         next_sweep = time.monotonic() + SWEEP_S
+        jobs = self.api.jobs
         while not stop.is_set():
-            timeout = max(0.0, min(0.2, next_tick - time.monotonic(), next_sweep - time.monotonic()))
+            to_epoch = jobs.seconds_to_next_epoch()
+            timeout = max(0.0, min(0.2, next_tick - time.monotonic(), next_sweep - time.monotonic(),
+                                   1.0 if to_epoch is None else to_epoch + 0.001))
             for key, events in self.sel.select(timeout):
                 kind, data = key.data
                 if kind == "listen":
@@ -76,6 +81,8 @@ class Server:
                     self._owner_exited(data)
                 else:
                     self._service(data, events)
+            if jobs.epoch_due():  # a new rotation epoch: a new job order
+                self.api.rotate()
             now = time.monotonic()
             if now >= next_sweep:
                 self.api.sweep()

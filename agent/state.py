@@ -1,11 +1,15 @@
 """The desired flow state, in one place: which flow belongs to which job, at which level.
 
-Pure data, no I/O: the reconciler (agent/reconcile.py) makes the kernel match it.
-Usage: ``table = FlowTable(levels=4); added, moved = table.register("job-a", 0, flows)``
+Pure data, no I/O: the reconciler (agent/reconcile.py) makes the kernel match it. Each entry keeps the level the
+client asked for (``FlowEntry.level``); the level the flow is given in the kernel (its *effective* level) is
+derived from the entry by ``level_of`` -- the identity, unless a job policy is configured (agent/jobs.py sets
+it; docs/jobs.md).
+Usage: ``table = FlowTable(levels=4); added, moved = table.register("job-a", 0, flows); table.effective_level(k)``
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 from agent.protocol import FlowKey, ProtocolError
@@ -20,22 +24,37 @@ class FlowEntry(NamedTuple):
     pid: int | None = None  # the owning process, when ownership was checked: its exit removes the flow
     uid: int | None = None  # the registering user
     registered_at: float = 0.0
+    floor: int = 0  # the most urgent level the registering user may use (level_limits): bounds the effective level
+
+
+def requested_level(entry: FlowEntry) -> int:
+    """The level the client asked for: the effective level when no job policy is configured."""
+    return entry.level
 
 
 class FlowTable:
     """Registered flows keyed by 5-tuple; every change is validated before anything is modified."""
 
-    def __init__(self, levels: int, max_flows: int = 100_000):
+    def __init__(self, levels: int, max_flows: int = 100_000,
+                 level_of: Callable[[FlowEntry], int] = requested_level):
         self.levels = levels
         self.max_flows = max_flows
         self.flows: dict[FlowKey, FlowEntry] = {}
         self.by_pid: dict[int, set[FlowKey]] = {}
+        self.by_job: dict[str, set[FlowKey]] = {}
+        self.level_of = level_of  # entry -> effective level (a job policy replaces it: agent/jobs.py)
+
+    def effective_level(self, key: FlowKey) -> int:
+        """The level flow ``key`` gets in the kernel (``level_of`` of its entry)."""
+        return self.level_of(self.flows[key])
 
     def register(self, job: str, level: int, flows: tuple[FlowKey, ...], rank: int | None = None,
-                 pid: int | None = None, uid: int | None = None) -> tuple[list[FlowKey], list[FlowKey]]:
+                 pid: int | None = None, uid: int | None = None,
+                 floor: int = 0) -> tuple[list[FlowKey], list[FlowKey]]:
         """Add ``flows`` for ``job`` at ``level`` (moving the job's own flows that are at another level).
 
-        Returns (added, moved). Raises ProtocolError, changing nothing, when the level is out of range, a flow
+        ``floor``: the most urgent level the registering user may use; a job policy never puts the flows above
+        it. Returns (added, moved). Raises ProtocolError, changing nothing, when the level is out of range, a flow
         belongs to another job, or the table would overflow.
         """
         if not 0 <= level < self.levels:
@@ -47,21 +66,30 @@ class FlowTable:
                 added.append(key)
             elif cur.job != job:
                 raise ProtocolError("conflict", f"flow {key} is registered by job {cur.job!r}")
-            elif cur.level != level:
+            elif cur.level != level or cur.floor != floor:
                 moved.append(key)
         if len(self.flows) + len(added) > self.max_flows:
             raise ProtocolError("limit", f"registering {len(added)} flows would exceed {self.max_flows}")
         now = time.time()
         for key in flows:
             self._forget_owner(key)
-            self.flows[key] = FlowEntry(job, level, rank, pid, uid, now)
+            self.flows[key] = FlowEntry(job, level, rank, pid, uid, now, floor)
+            self.by_job.setdefault(job, set()).add(key)
             if pid is not None:
                 self.by_pid.setdefault(pid, set()).add(key)
         return added, moved
 
     def _forget_owner(self, key: FlowKey) -> None:
+        """Drop ``key`` from the indexes (by owner process, by job); the caller then removes or replaces it."""
         old = self.flows.get(key)
-        if old is not None and old.pid is not None:
+        if old is None:
+            return
+        keys = self.by_job.get(old.job)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self.by_job[old.job]
+        if old.pid is not None:
             keys = self.by_pid.get(old.pid)
             if keys is not None:
                 keys.discard(key)
@@ -70,8 +98,9 @@ class FlowTable:
 
     def drop_pid(self, pid: int) -> list[FlowKey]:
         """Remove every flow owned by process ``pid`` (it exited); return them."""
-        gone = sorted(self.by_pid.pop(pid, ()))
+        gone = sorted(self.by_pid.get(pid, ()))
         for key in gone:
+            self._forget_owner(key)
             del self.flows[key]
         return gone
 
@@ -90,7 +119,7 @@ class FlowTable:
         root) was registered by another user.
         """
         if not flows:
-            gone = [k for k, e in self.flows.items() if e.job == job]
+            gone = sorted(self.by_job.get(job, ()))
         else:
             gone = []
             for key in flows:
@@ -109,15 +138,12 @@ class FlowTable:
         return gone
 
     def by_level(self) -> dict[int, list[FlowKey]]:
-        """Flows grouped by level (every level present, possibly empty)."""
+        """Flows grouped by effective level (every level present, possibly empty)."""
         out: dict[int, list[FlowKey]] = {lvl: [] for lvl in range(self.levels)}
         for key, entry in self.flows.items():
-            out[entry.level].append(key)
+            out[self.level_of(entry)].append(key)
         return out
 
     def jobs(self) -> dict[str, int]:
         """Number of flows per job."""
-        out: dict[str, int] = {}
-        for entry in self.flows.values():
-            out[entry.job] = out.get(entry.job, 0) + 1
-        return out
+        return {job: len(keys) for job, keys in self.by_job.items()}

@@ -2,14 +2,24 @@
 
 Every agent must compute the same job order from the same inputs without a coordination service, so each
 function here is a pure function of its arguments, sorts with a total order, and breaks ties by job id.
+
+The agent's job policy (``agent/jobs.py``, docs/jobs.md) uses the second half of this module: ``job_order`` (the
+order and rank of the jobs one agent sees, for policy ``none``, ``static``, ``rotate`` or ``intensity``),
+``job_bands`` (each job's contiguous band of levels) and ``banded_level`` (a flow's effective level: its job's
+band, with the level the client asked for compressed inside). Rotation in the agent is ``hashed_rotation_order``,
+not ``rotate_job_order``: in it the relative order of two jobs depends only on those two ids and the epoch
+number, so agents that see different sets of jobs still agree on every pair they share.
 """
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from policies.compress import compress_levels
+
+JOB_POLICIES = ("none", "static", "rotate", "intensity")
 
 
 @dataclass(frozen=True)
@@ -49,7 +59,9 @@ def rotate_job_order(jobs: Sequence[Job], epoch_s: float = 20.0, now_s: float = 
     job gets the top priority once per n epochs (TensorLights rotates every 20 s).
 
     The result depends only on the set of job ids and ``now_s``: agents whose clocks agree (NTP) agree on the
-    order, except within the clock skew of an epoch boundary. Usage:
+    order, except within the clock skew of an epoch boundary -- but only agents that see the *same set* of jobs:
+    the rotation is by position, so an agent that also sees a third job may order two shared jobs the other way
+    round. The agent therefore rotates with ``hashed_rotation_order``. Usage:
     ``rotate_job_order([Job("a"), Job("b"), Job("c")], 20.0, 45.0) == ("c", "a", "b")``
     """
     _unique(jobs)
@@ -90,3 +102,114 @@ def job_levels(order: Sequence[str], queues: int = 8, reserved: int = 3) -> dict
     """
     levels = compress_levels(list(range(len(order))), queues=queues, reserved=reserved)
     return dict(zip(order, levels))
+
+
+# ---- the agent's job policy: order, bands of levels, effective level of a flow ------------------------------
+
+def rotation_epoch(now_s: float, epoch_s: float) -> int:
+    """The number of the rotation epoch that wall-clock time ``now_s`` falls in: ``floor(now_s / epoch_s)``.
+
+    Usage: ``rotation_epoch(45.0, 20.0) == 2``
+    """
+    if not (epoch_s > 0 and math.isfinite(epoch_s)) or not math.isfinite(now_s):
+        raise ValueError("epoch_s must be positive and finite, now_s finite")
+    return math.floor(now_s / epoch_s)
+
+
+def rotation_key(job_id: str, epoch: int) -> bytes:
+    """The sort key of ``job_id`` in epoch ``epoch``: SHA-256 of ``"EPOCH/JOB"`` (uniform, the same everywhere).
+
+    Usage: ``rotation_key("a", 3) == hashlib.sha256(b"3/a").digest()``
+    """
+    return hashlib.sha256(f"{int(epoch)}/{job_id}".encode()).digest()
+
+
+def hashed_rotation_order(job_ids: Sequence[str], epoch: int) -> tuple[str, ...]:
+    """Rotation without coordination: the jobs sorted by ``rotation_key(job, epoch)`` (a fresh pseudo-random
+    permutation each epoch, so each of n jobs is first in 1/n of the epochs on average).
+
+    Whether job a comes before job b depends only on a, b and the epoch, never on the other jobs an agent sees:
+    two agents with different job sets order every pair of shared jobs alike. Usage:
+    ``hashed_rotation_order(["a", "b"], 7) in (("a", "b"), ("b", "a"))``
+    """
+    ids = list(job_ids)
+    if len(set(ids)) != len(ids):
+        raise ValueError("job ids must be unique")
+    return tuple(sorted(ids, key=lambda j: (rotation_key(j, epoch), j)))
+
+
+def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: float = 20.0,
+              priority: Mapping[str, int] | None = None,
+              intensity: Mapping[str, float] | None = None) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """The order of the jobs ``job_ids`` under ``policy`` (most urgent first) and each one's rank value
+    (jobs with equal rank values share a band in ``job_bands``).
+
+    - ``none``: every job rank 0 (one band: the job plays no part);
+    - ``static``: by ``priority[job]`` (smaller first; TensorLights TLsOne), ties by id; jobs not in ``priority``
+      rank after every listed one, all alike;
+    - ``rotate``: ``hashed_rotation_order`` of epoch ``rotation_epoch(now_s, epoch_s)`` (TensorLights TLsRR
+      without a shared job list), ranks 0, 1, 2, ...;
+    - ``intensity``: by ``intensity[job]`` descending (Crux's GPU intensity, computed elsewhere), ties share a
+      band; jobs not listed count as intensity 0.
+
+    Usage: ``job_order("static", ["b", "a", "c"], priority={"b": 0, "a": 1})``
+    ``== (("b", "a", "c"), (0, 1, math.inf))``
+    """
+    ids = list(job_ids)
+    if len(set(ids)) != len(ids):
+        raise ValueError("job ids must be unique")
+    if policy == "none":
+        order = tuple(sorted(ids))
+        return order, tuple(0.0 for _ in order)
+    if policy == "static":
+        prio = priority or {}
+        rank = {j: float(prio[j]) if j in prio else math.inf for j in ids}
+        order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
+        return order, tuple(rank[j] for j in order)
+    if policy == "rotate":
+        order = hashed_rotation_order(ids, rotation_epoch(now_s, epoch_s))
+        return order, tuple(float(i) for i in range(len(order)))
+    if policy == "intensity":
+        inten = intensity or {}
+        rank = {j: -float(inten.get(j, 0.0)) + 0.0 for j in ids}
+        if any(math.isnan(r) for r in rank.values()):
+            raise ValueError("intensity must not be NaN")
+        order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
+        return order, tuple(rank[j] for j in order)
+    raise ValueError(f"policy must be one of {', '.join(JOB_POLICIES)}, not {policy!r}")
+
+
+def job_bands(order: Sequence[str], levels: int, ranks: Sequence[float] | None = None) -> dict[str, tuple[int, int]]:
+    """Each job's band of levels ``(first level, width)``: the jobs in ``order`` (most urgent first; equal
+    ``ranks`` together, default all distinct) are compressed onto ``b = min(levels, distinct ranks)`` bands
+    (``policies.compress``, order preserved, least urgent bands filled first), and band ``i`` gets the levels
+    ``[i * levels // b, (i + 1) * levels // b)``: the bands tile all levels, most urgent first.
+
+    Usage: ``job_bands(("x", "y"), 4) == {"x": (0, 2), "y": (2, 2)}``
+    """
+    if not isinstance(levels, int) or levels < 1:
+        raise ValueError(f"levels must be a positive integer, not {levels!r}")
+    order = tuple(order)
+    ranks = tuple(range(len(order))) if ranks is None else tuple(ranks)
+    if len(ranks) != len(order):
+        raise ValueError("order and ranks differ in length")
+    if list(ranks) != sorted(ranks):
+        raise ValueError("ranks must not decrease along the order")
+    if not order:
+        return {}
+    group = compress_levels(list(ranks), queues=levels, reserved=0)
+    n = max(group) + 1
+    return {job: (g * levels // n, (g + 1) * levels // n - g * levels // n) for job, g in zip(order, group)}
+
+
+def banded_level(band: tuple[int, int], requested: int, levels: int, floor: int = 0) -> int:
+    """A flow's effective level: the level the client asked for (``0..levels-1``) compressed into its job's band
+    (``first + requested * width // levels``: order preserved inside the band), never more urgent than
+    ``floor`` (the registering user's most urgent allowed level, ``level_limits``).
+
+    Usage: ``banded_level((2, 2), 3, 4) == 3`` and ``banded_level((0, 2), 1, 4) == 0``
+    """
+    first, width = band
+    if not 0 <= requested < levels or width < 1 or first < 0 or first + width > levels:
+        raise ValueError(f"level {requested} or band {band} outside 0..{levels - 1}")
+    return max(first + requested * width // levels, floor)

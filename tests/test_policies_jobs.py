@@ -1,13 +1,17 @@
 """Job-side priorities (TensorLights, Crux): hand-checked orders and agent agreement."""
 from __future__ import annotations
 
+import hashlib
+import itertools
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.jobs import Job, gpu_intensity, gpu_intensity_order, job_levels, rotate_job_order, static_job_order
+from policies.jobs import (JOB_POLICIES, Job, banded_level, gpu_intensity, gpu_intensity_order, hashed_rotation_order,
+                           job_bands, job_levels, job_order, rotate_job_order, rotation_epoch, rotation_key,
+                           static_job_order)
 
 JOBS = [Job("c", priority=1), Job("a", priority=1), Job("b", priority=0)]
 
@@ -66,3 +70,135 @@ def test_every_agent_computes_the_same_order(jobs, rnd, now) -> None:
     assert rotate_job_order(jobs, 20.0, now) == rotate_job_order(shuffled, 20.0, now)
     assert gpu_intensity_order(jobs) == gpu_intensity_order(shuffled)
     assert sorted(rotate_job_order(jobs, 20.0, now)) == sorted(j.job_id for j in jobs)
+
+
+# ---- the agent's job policy: hashed rotation, bands, effective levels ----------------------------------------
+
+
+def test_rotation_epoch_and_key_by_hand() -> None:
+    """Epoch = floor(now / epoch_s); the key is SHA-256 of "EPOCH/JOB", the same on every machine."""
+    assert rotation_epoch(0.0, 20.0) == 0 and rotation_epoch(19.999, 20.0) == 0 and rotation_epoch(45.0, 20.0) == 2
+    assert rotation_epoch(1_700_000_001.5, 2.0) == 850_000_000
+    assert rotation_key("job-a", 3) == hashlib.sha256(b"3/job-a").digest()
+    # a fixed vector: this order must never change between versions (agents of two versions must agree)
+    assert hashed_rotation_order(["a", "b", "c"], 0) == tuple(sorted("abc", key=lambda j: rotation_key(j, 0)))
+    for bad in (0.0, -1.0, math.inf):
+        with pytest.raises(ValueError):
+            rotation_epoch(1.0, bad)
+    with pytest.raises(ValueError):
+        hashed_rotation_order(["a", "a"], 1)
+
+
+def test_hashed_rotation_is_fair_and_rotates() -> None:
+    """Over 3,000 epochs each of 3 jobs is first in about a third of them, and the order does change."""
+    firsts = {"a": 0, "b": 0, "c": 0}
+    orders = set()
+    for epoch in range(3000):
+        order = hashed_rotation_order(["a", "b", "c"], epoch)
+        firsts[order[0]] += 1
+        orders.add(order)
+    assert all(850 <= n <= 1150 for n in firsts.values()), firsts
+    assert len(orders) == 6  # every permutation occurs
+
+
+def test_job_order_by_hand() -> None:
+    ids = ["c", "a", "b", "d"]
+    assert job_order("none", ids) == (("a", "b", "c", "d"), (0.0, 0.0, 0.0, 0.0))
+    # static: listed by priority (ties by id), unlisted after them, all alike
+    assert job_order("static", ids, priority={"c": 0, "a": 5, "b": 5}) == (
+        ("c", "a", "b", "d"), (0.0, 5.0, 5.0, math.inf))
+    # intensity: most intensive first; unlisted = 0; equal intensities tie
+    assert job_order("intensity", ids, intensity={"d": 3.0, "b": 1.0, "a": 1.0}) == (
+        ("d", "a", "b", "c"), (-3.0, -1.0, -1.0, 0.0))
+    order, ranks = job_order("rotate", ids, now_s=41.0, epoch_s=20.0)
+    assert order == hashed_rotation_order(ids, 2) and ranks == (0.0, 1.0, 2.0, 3.0)
+    assert set(JOB_POLICIES) == {"none", "static", "rotate", "intensity"}
+    with pytest.raises(ValueError, match="policy"):
+        job_order("fair", ids)
+    with pytest.raises(ValueError):
+        job_order("static", ["a", "a"])
+
+
+def test_job_bands_by_hand() -> None:
+    """Bands tile the levels, most urgent first; jobs beyond the levels share bands (least urgent filled first)."""
+    assert job_bands(("x", "y"), 4) == {"x": (0, 2), "y": (2, 2)}
+    assert job_bands(("x", "y", "z"), 4) == {"x": (0, 1), "y": (1, 1), "z": (2, 2)}
+    assert job_bands(tuple("abcd"), 4) == {j: (i, 1) for i, j in enumerate("abcd")}
+    six = job_bands(tuple("abcdef"), 4)
+    assert [six[j][0] for j in "abcdef"] == [0, 1, 2, 2, 3, 3]
+    assert job_bands(("x", "y"), 4, ranks=(0, 0)) == {"x": (0, 4), "y": (0, 4)}  # a tie: one band
+    assert job_bands(("x", "y"), 1) == {"x": (0, 1), "y": (0, 1)}
+    assert job_bands((), 4) == {}
+    with pytest.raises(ValueError):
+        job_bands(("x", "y"), 4, ranks=(1, 0))
+    with pytest.raises(ValueError):
+        job_bands(("x",), 0)
+
+
+def test_banded_level_by_hand() -> None:
+    """Two jobs on 4 levels: the first gets 0-1, the second 2-3; tensor levels 0,1 -> first, 2,3 -> second."""
+    assert [banded_level((0, 2), t, 4) for t in range(4)] == [0, 0, 1, 1]
+    assert [banded_level((2, 2), t, 4) for t in range(4)] == [2, 2, 3, 3]
+    assert [banded_level((0, 4), t, 4) for t in range(4)] == [0, 1, 2, 3]  # policy none: the identity
+    assert banded_level((0, 2), 0, 4, floor=2) == 2  # never above the user's level limit
+    with pytest.raises(ValueError):
+        banded_level((0, 2), 4, 4)
+    with pytest.raises(ValueError):
+        banded_level((3, 2), 0, 4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from("abcdefghij"), min_size=0, max_size=10, unique=True),
+       st.lists(st.integers(0, 3), min_size=10, max_size=10), st.integers(1, 5))
+def test_bands_tile_the_levels_and_keep_the_order(jobs, prios, levels) -> None:
+    order, ranks = job_order("static", jobs, priority=dict(zip("abcdefghij", prios)))
+    bands = job_bands(order, levels, ranks)
+    if not jobs:
+        return
+    distinct = sorted({bands[j] for j in order})
+    assert distinct[0][0] == 0 and distinct[-1][0] + distinct[-1][1] == levels
+    assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(distinct))  # contiguous, no overlap
+    for (j1, r1), (j2, r2) in itertools.pairwise(zip(order, ranks)):
+        assert bands[j1][0] <= bands[j2][0]
+        if r1 == r2:
+            assert bands[j1] == bands[j2]
+    # effective levels: lexicographic (job rank, tensor level) never inverted
+    pairs = sorted((r, t, j) for j, r in zip(order, ranks) for t in range(levels))
+    effective = [banded_level(bands[j], t, levels) for _, t, j in pairs]
+    assert effective == sorted(effective)
+
+
+job_ids = st.lists(st.text("abcdefgh", min_size=1, max_size=3), min_size=0, max_size=8, unique=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(job_ids, job_ids, st.integers(0, 10**9), st.integers(1, 5))
+def test_agents_with_different_job_sets_agree_on_shared_jobs(seen1, seen2, epoch, levels) -> None:
+    """Two agents see different jobs (e.g. host 1 runs a, b, c; host 2 runs b, c, d): in every epoch they order
+    each pair of shared jobs alike, and their effective levels for a shared pair are never inverted."""
+    now = epoch * 20.0 + 3.0
+    o1, r1 = job_order("rotate", seen1, now_s=now, epoch_s=20.0)
+    o2, r2 = job_order("rotate", seen2, now_s=now, epoch_s=20.0)
+    shared = set(seen1) & set(seen2)
+    assert [j for j in o1 if j in shared] == [j for j in o2 if j in shared]
+    b1, b2 = job_bands(o1, levels, r1), job_bands(o2, levels, r2)
+    for a in shared:
+        for b in shared:
+            for t in range(levels):
+                l1a, l1b = banded_level(b1[a], t, levels), banded_level(b1[b], t, levels)
+                l2a, l2b = banded_level(b2[a], t, levels), banded_level(b2[b], t, levels)
+                assert not (l1a < l1b and l2a > l2b), (a, b, o1, o2)
+
+
+def test_position_rotation_disagrees_but_hashed_does_not() -> None:
+    """Why the agent does not use rotate_job_order: by position in the locally seen list, an agent that also sees
+    a third job can order two shared jobs the other way round. The hashed order never does."""
+    found = False
+    for now in range(0, 200, 20):
+        o1 = rotate_job_order([Job("a"), Job("b")], 20.0, float(now))
+        o2 = rotate_job_order([Job("a"), Job("b"), Job("c")], 20.0, float(now))
+        if [j for j in o2 if j != "c"] != list(o1):
+            found = True
+        h1, h2 = hashed_rotation_order(["a", "b"], now), hashed_rotation_order(["a", "b", "c"], now)
+        assert [j for j in h2 if j != "c"] == list(h1)
+    assert found

@@ -1,0 +1,119 @@
+"""The agent's job policy: the effective level of every registered flow from its job's place in the job order.
+
+The FlowTable keeps the level each client asked for; this module derives the level the kernel gets (docs/jobs.md):
+
+- ``job_policy = "none"`` (default): the level asked for, nothing else;
+- ``"static"``: jobs ordered by ``job_priority`` (TensorLights' static priority);
+- ``"rotate"``: a fresh order every ``rotate_epoch_s`` of wall-clock time (TensorLights' rotation, by
+  ``policies.jobs.hashed_rotation_order``);
+- ``"intensity"``: by ``job_intensity``, most GPU-intensive first (Crux).
+
+The jobs this agent sees (those with flows in its table) get contiguous bands of levels in that order, most urgent
+first (``policies.jobs.job_bands``), and a flow's effective level is the level its client asked for compressed into
+its job's band, never above its user's ``level_limits`` (``policies.jobs.banded_level``). The order is a pure
+function of the job ids, the wall-clock epoch number and the config: agents need no coordination, and agents with
+different job sets still agree on the relative order of every two jobs they share.
+
+The scheduler caches the order and bands it last computed (derived state, never edited by anything else):
+``update(table)`` recomputes them when the set of jobs or the epoch changed and returns the flows whose effective
+level changed, which the caller pushes to the kernel in one transaction (agent/api.py; the server calls it at each
+epoch boundary). Usage::
+
+    sched = JobScheduler(cfg); table.level_of = sched.level_of
+    moved = sched.update(table)          # after every change of the table, and at epoch boundaries
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from agent.protocol import FlowKey
+from policies.jobs import banded_level, job_bands, job_order, rotation_epoch
+
+log = logging.getLogger("tensorlane.jobs")
+
+
+class JobScheduler:
+    """Effective levels under the configured job policy; ``clock`` is wall-clock time (agents compare epochs)."""
+
+    def __init__(self, cfg, clock=time.time):
+        self.policy = getattr(cfg, "job_policy", "none")
+        self.levels = cfg.levels
+        self.epoch_s = float(getattr(cfg, "rotate_epoch_s", 20.0))
+        self.priority = dict(getattr(cfg, "job_priority", {}) or {})
+        self.intensity = dict(getattr(cfg, "job_intensity", {}) or {})
+        self.clock = clock
+        self.enabled = self.policy != "none"
+        self.jobs: frozenset[str] = frozenset()
+        self.epoch: int | None = None
+        self.order: tuple[str, ...] = ()
+        self.bands: dict[str, tuple[int, int]] = {}
+        self.changes = 0  # how many times the order or bands changed (status)
+
+    # -- the derived level ------------------------------------------------------------------------------------
+    def level_of(self, entry) -> int:
+        """Effective level of a FlowEntry under the current bands (its requested level when disabled)."""
+        band = self.bands.get(entry.job) if self.enabled else None
+        if band is None:
+            return entry.level
+        return banded_level(band, entry.level, self.levels, entry.floor)
+
+    def epoch_now(self, now: float | None = None) -> int | None:
+        """The rotation epoch at wall-clock ``now`` (None unless the policy rotates)."""
+        if self.policy != "rotate":
+            return None
+        return rotation_epoch(self.clock() if now is None else now, self.epoch_s)
+
+    def seconds_to_next_epoch(self, now: float | None = None) -> float | None:
+        """Seconds until the next epoch boundary (None unless the policy rotates)."""
+        if self.policy != "rotate":
+            return None
+        now = self.clock() if now is None else now
+        return max(0.0, (math.floor(now / self.epoch_s) + 1) * self.epoch_s - now)
+
+    def epoch_due(self, now: float | None = None) -> bool:
+        """Whether the epoch changed since the last ``update`` (cheap: one clock read)."""
+        return self.policy == "rotate" and self.epoch_now(now) != self.epoch
+
+    # -- recomputation ----------------------------------------------------------------------------------------
+    def update(self, table, now: float | None = None) -> list[FlowKey]:
+        """Recompute the order and bands if the jobs in ``table`` or the epoch changed; return the flows (of jobs
+        that were already here) whose effective level changed -- they are in the kernel at their old level and
+        must be moved. Flows of jobs new to this agent are not returned: the caller adds them anyway."""
+        if not self.enabled:
+            return []
+        jobs = frozenset(table.by_job)
+        epoch = self.epoch_now(now)
+        if jobs == self.jobs and epoch == self.epoch and self.bands:
+            return []
+        now_s = 0.0 if epoch is None else epoch * self.epoch_s
+        order, ranks = job_order(self.policy, sorted(jobs), now_s=now_s, epoch_s=self.epoch_s,
+                                 priority=self.priority, intensity=self.intensity)
+        bands = job_bands(order, self.levels, ranks)
+        old = self.bands
+        shifted: list[FlowKey] = []
+        for job, band in bands.items():
+            was = old.get(job)
+            if was is None or was == band:
+                continue
+            for key in table.by_job.get(job, ()):
+                e = table.flows[key]
+                if banded_level(was, e.level, self.levels, e.floor) != banded_level(band, e.level, self.levels,
+                                                                                   e.floor):
+                    shifted.append(key)
+        if order != self.order or bands != old:
+            self.changes += 1
+            if epoch != self.epoch and epoch is not None:
+                log.info("epoch %d: job order %s", epoch, ", ".join(order) or "(no jobs)")
+        self.jobs, self.epoch, self.order, self.bands = jobs, epoch, order, bands
+        return sorted(shifted)
+
+    def describe(self) -> dict:
+        """What ``status`` shows: the policy, the epoch and the order and bands in force."""
+        out = {"policy": self.policy, "order": list(self.order), "changes": self.changes,
+               "bands": {job: {"first_level": b[0], "levels": b[1]} for job, b in self.bands.items()}}
+        if self.policy == "rotate":
+            out |= {"epoch_s": self.epoch_s, "epoch": self.epoch,
+                    "next_epoch_in_s": round(self.seconds_to_next_epoch() or 0.0, 3)}
+        return out

@@ -1,0 +1,328 @@
+"""The agent's job policy (agent/jobs.py, docs/jobs.md): effective levels from the job order, in unit form (the
+API on a recording reconciler) and against the real kernel (agents in a testbed of their own): static bands, a
+rotation that moves flows in the nftables map at an epoch boundary, agreement of two agents that see different
+jobs, and config errors that name their field."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from agent.api import Api
+from agent.config import ConfigError, from_dict
+from agent.jobs import JobScheduler
+from agent.kernel.qdisc import HtbBackend
+from agent.peers import Peer
+from agent.protocol import FlowKey
+from agent.reconcile import ReconcileStats
+from agent.state import FlowTable
+from policies.jobs import banded_level, hashed_rotation_order, job_bands, job_order, rotation_epoch
+
+
+class RecordingRec:
+    """The parts of the Reconciler the api uses: records every change it would push to the kernel."""
+
+    def __init__(self, levels: int = 4):
+        self.backend = HtbBackend(levels, 200_000_000)
+        self.stats = ReconcileStats()
+        self.ifindex = 7
+        self.ipr = None
+        self.calls: list[tuple[list, list, list]] = []
+        self.kernel: dict[FlowKey, int] = {}  # what the kernel's map would hold
+
+    def apply(self, table, added, moved, removed) -> None:
+        self.calls.append((list(added), list(moved), list(removed)))
+        for k in (*removed, *moved):
+            assert k in self.kernel, f"{k} deleted but not in the kernel"
+            del self.kernel[k]
+        for k in (*added, *moved):
+            assert k not in self.kernel, f"{k} added twice"
+            self.kernel[k] = table.effective_level(k)
+
+    def counters(self) -> dict:
+        return {}
+
+
+@pytest.fixture(autouse=True)
+def _no_tc_counters(monkeypatch):
+    """``status`` reads the tc class counters: none here (the agents of the namespace tests are processes)."""
+    from agent.kernel import tcstats
+
+    monkeypatch.setattr(tcstats, "class_stats", lambda ipr, ifindex: {})
+
+
+def make_api(levels: int = 4, clock=None, **fields) -> tuple[Api, RecordingRec]:
+    cfg = from_dict({"interface": "eth0", "link_rate": "200mbit", "levels": levels, **fields})
+    rec = RecordingRec(levels)
+    api = Api(cfg, FlowTable(levels), rec, "htb")
+    if clock is not None:
+        api.jobs.clock = clock
+        api.jobs.update(api.table)
+    return api, rec
+
+
+def request(api: Api, peer=None, **msg) -> dict:
+    reply = json.loads(api.handle(json.dumps(msg).encode(), peer))
+    assert reply["ok"], reply
+    return reply["result"]
+
+
+def flow(port: int) -> dict:
+    return {"proto": "tcp", "src": "198.18.0.1", "sport": port, "dst": "198.18.0.2", "dport": 29500}
+
+
+def key(port: int) -> FlowKey:
+    return FlowKey("tcp", "198.18.0.1", port, "198.18.0.2", 29500)
+
+
+def listed(api: Api) -> dict[int, tuple[str, int, int]]:
+    """``{sport: (job, effective level, requested level)}`` from the API's ``list``."""
+    return {f["sport"]: (f["job"], f["level"], f["requested_level"]) for f in request(api, op="list")["flows"]}
+
+
+# ---- unit: the API with a recording reconciler -----------------------------------------------------------------
+
+def test_policy_none_keeps_the_requested_level():
+    api, rec = make_api()
+    r = request(api, op="register", job="a", level=2, flows=[flow(1)])
+    request(api, op="register", job="b", level=0, flows=[flow(2)])
+    assert r["level"] == r["requested_level"] == 2 and r["dscp"] == 26 and r["class"] == "7a1:12"
+    assert listed(api) == {1: ("a", 2, 2), 2: ("b", 0, 0)}
+    assert rec.kernel == {key(1): 2, key(2): 0}
+    assert request(api, op="status")["job_policy"] == {"policy": "none", "order": [], "changes": 0, "bands": {}}
+
+
+def test_static_bands_move_other_jobs_in_the_same_change():
+    """j-b (priority 0) before j-a (priority 1): alone j-a has all 4 levels; with j-b it gets 2-3 and its flow
+    moves in the same kernel change that adds j-b's; when j-b leaves it moves back."""
+    api, rec = make_api(job_policy="static", job_priority={"j-b": 0, "j-a": 1})
+    request(api, op="register", job="j-a", level=0, flows=[flow(1)])
+    request(api, op="register", job="j-a", level=3, flows=[flow(3)])
+    assert rec.kernel == {key(1): 0, key(3): 3}
+    rec.calls.clear()
+    r = request(api, op="register", job="j-b", level=1, flows=[flow(2)])
+    assert r["level"] == 0 and r["requested_level"] == 1 and r["dscp"] == 46 and r["moved"] == 0
+    assert rec.calls == [([key(2)], [key(1)], [])]  # one transaction; flow 3 stays at 3 (band 2-3, tensor 3)
+    assert rec.kernel == {key(1): 2, key(2): 0, key(3): 3}
+    assert listed(api) == {1: ("j-a", 2, 0), 2: ("j-b", 0, 1), 3: ("j-a", 3, 3)}
+    st = request(api, op="status")
+    assert st["job_policy"]["order"] == ["j-b", "j-a"]
+    assert st["job_policy"]["bands"] == {"j-b": {"first_level": 0, "levels": 2}, "j-a": {"first_level": 2, "levels": 2}}
+    assert {c["level"]: c.get("flows") for c in st["classes"]} == {0: 1, 1: 0, 2: 1, 3: 1, None: None}
+    rec.calls.clear()
+    request(api, op="unregister", job="j-b")
+    assert rec.calls == [([], [key(1)], [key(2)])]  # flow 3 stays at level 3: not touched
+    assert rec.kernel == {key(1): 0, key(3): 3}
+
+
+def test_unlisted_jobs_go_after_listed_ones_and_share_a_band():
+    api, rec = make_api(job_policy="static", job_priority={"prod": 0})
+    for i, job in enumerate(("x", "y", "prod")):
+        request(api, op="register", job=job, level=0, flows=[flow(10 + i)])
+    assert rec.kernel == {key(12): 0, key(10): 2, key(11): 2}
+
+
+def test_rotation_moves_every_changed_flow_at_an_epoch_boundary():
+    now = [0.0]
+    api, rec = make_api(clock=lambda: now[0], job_policy="rotate", rotate_epoch_s=2)
+    epoch = next(e for e in range(1, 100) if hashed_rotation_order(["p", "q"], e)
+                 != hashed_rotation_order(["p", "q"], e - 1))
+    now[0] = (epoch - 1) * 2.0 + 0.5
+    assert api.rotate() == 0
+    request(api, op="register", job="p", level=0, flows=[flow(1), flow(2)])
+    request(api, op="register", job="q", level=0, flows=[flow(3)])
+    first, second = hashed_rotation_order(["p", "q"], epoch - 1)
+    port_of = {"p": [1, 2], "q": [3]}
+    assert {rec.kernel[key(p)] for p in port_of[first]} == {0} and {rec.kernel[key(p)] for p in port_of[second]} == {2}
+    assert not api.jobs.epoch_due() and api.jobs.seconds_to_next_epoch() == pytest.approx(1.5)
+    now[0] = epoch * 2.0 + 0.01
+    assert api.jobs.epoch_due()
+    rec.calls.clear()
+    assert api.rotate() == 3
+    assert rec.calls == [([], [key(1), key(2), key(3)], [])]  # one transaction
+    assert {rec.kernel[key(p)] for p in port_of[second]} == {0} and {rec.kernel[key(p)] for p in port_of[first]} == {2}
+    assert not api.jobs.epoch_due() and api.rotate() == 0
+    st = request(api, op="status")["job_policy"]
+    assert st["policy"] == "rotate" and st["epoch"] == epoch and st["order"] == [second, first]
+
+
+def test_the_user_level_limit_bounds_the_effective_level():
+    """nobody may use level 2 or less urgent; its job is first (band 0-1), but its flow stays at level 2."""
+    api, rec = make_api(job_policy="static", job_priority={"mine": 0}, level_limits={"*": 2},
+                        check_ownership=False)
+    nobody = Peer(os.getpid(), 65534, 65534)
+    request(api, peer=nobody, op="register", job="mine", level=2, flows=[flow(1)])
+    request(api, op="register", job="other", level=0, flows=[flow(2)])
+    assert rec.kernel == {key(1): 2, key(2): 2}
+    assert listed(api)[1] == ("mine", 2, 2)
+
+
+def test_intensity_policy_orders_by_configured_intensity():
+    api, rec = make_api(job_policy="intensity", job_intensity={"light": 0.5, "heavy": 4.0})
+    for i, job in enumerate(("light", "heavy", "unknown")):
+        request(api, op="register", job=job, level=0, flows=[flow(20 + i)])
+    assert rec.kernel == {key(21): 0, key(20): 1, key(22): 2}
+
+
+def test_full_reconcile_and_status_use_effective_levels():
+    table = FlowTable(4)
+    sched = JobScheduler(from_dict({"interface": "eth0", "job_policy": "static", "job_priority": {"a": 0, "b": 1}}))
+    table.level_of = sched.level_of
+    table.register("b", 1, (key(1),))
+    table.register("a", 3, (key(2),))
+    sched.update(table)
+    assert {k: table.effective_level(k) for k in table.flows} == {key(1): 2, key(2): 1}
+    assert table.by_level() == {0: [], 1: [key(2)], 2: [key(1)], 3: []}
+    assert table.flows[key(1)].level == 1  # the table keeps what the client asked for
+    assert table.jobs() == {"a": 1, "b": 1}
+
+
+@pytest.mark.parametrize("fields,field", [
+    ({"job_policy": "fair"}, "job_policy"),
+    ({"job_policy": 1}, "job_policy"),
+    ({"job_policy": "rotate", "rotate_epoch_s": 0}, "rotate_epoch_s"),
+    ({"job_policy": "rotate", "rotate_epoch_s": "20"}, "rotate_epoch_s"),
+    ({"rotate_epoch_s": 5}, "rotate_epoch_s"),                                  # without rotation: a mistake
+    ({"job_policy": "static", "job_priority": {"-bad": 1}}, "job_priority"),
+    ({"job_policy": "static", "job_priority": {"a": 1.5}}, "job_priority"),
+    ({"job_policy": "static", "job_priority": {"a": True}}, "job_priority"),
+    ({"job_policy": "static", "job_priority": [1, 2]}, "job_priority"),
+    ({"job_policy": "rotate", "job_priority": {"a": 1}}, "job_priority"),
+    ({"job_policy": "intensity", "job_intensity": {"a": -1.0}}, "job_intensity"),
+    ({"job_policy": "static", "job_intensity": {"a": 1.0}}, "job_intensity"),
+])
+def test_bad_job_config_names_the_field(fields, field):
+    with pytest.raises(ConfigError) as info:
+        from_dict({"interface": "eth0", **fields})
+    assert info.value.field == field and f"config field '{field}'" in str(info.value)
+
+
+def test_good_job_config_defaults():
+    cfg = from_dict({"interface": "eth0"})
+    assert (cfg.job_policy, cfg.rotate_epoch_s, cfg.job_priority, cfg.job_intensity) == ("none", 20.0, {}, {})
+    cfg = from_dict({"interface": "eth0", "job_policy": "rotate", "rotate_epoch_s": 2})
+    assert cfg.rotate_epoch_s == 2.0
+
+
+# ---- against the kernel: agents in a testbed of their own --------------------------------------------------------
+
+EPOCH_S = 1.0
+TRUST = {"trusted_users": ["root"]}
+
+
+def kernel_levels(host) -> dict[int, int]:
+    """``{sport: level}`` of the agent's IPv4 flow map on ``host``, as the kernel holds it."""
+    out = json.loads(host.run(["nft", "-j", "list", "map", "inet", "tensorlane", "flows4"]).stdout)
+    m = next(i["map"] for i in out["nftables"] if "map" in i)
+    return {e[0]["concat"][3]: int(e[1]["goto"]["target"][5:]) for e in m.get("elem", [])}
+
+
+def map_handle(host) -> int:
+    out = json.loads(host.run(["nft", "-j", "-a", "list", "map", "inet", "tensorlane", "flows4"]).stdout)
+    return next(i["map"] for i in out["nftables"] if "map" in i)["handle"]
+
+
+def settled(read, epoch_s: float = EPOCH_S, margin: float = 0.25, timeout: float = 10.0):
+    """``(epoch, read())`` taken well inside one epoch (at least ``margin`` s after its boundary, so that every
+    agent has switched, and ended before the next)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = time.time()
+        into = now % epoch_s
+        if into < margin or into > epoch_s - margin:
+            time.sleep(max(0.01, (margin - into) % epoch_s))
+            continue
+        e0 = rotation_epoch(now, epoch_s)
+        value = read()
+        if rotation_epoch(time.time(), epoch_s) == e0:
+            return e0, value
+    raise AssertionError("no settled reading within the timeout")
+
+
+def expected(jobs_ports: dict[str, list[int]], epoch: int, levels: int, requested: int = 0) -> dict[int, int]:
+    order, ranks = job_order("rotate", sorted(jobs_ports), now_s=epoch * EPOCH_S, epoch_s=EPOCH_S)
+    bands = job_bands(order, levels, ranks)
+    return {p: banded_level(bands[j], requested, levels) for j, ports in jobs_ports.items() for p in ports}
+
+
+@pytest.fixture(scope="module")
+def tb():
+    from testbed import Testbed
+
+    with Testbed(hosts=2, rate="100mbit", name="tjag") as bed:
+        yield bed
+
+
+def _flow(src, sport, dst, dport=9000) -> dict:
+    return {"proto": "udp", "src": src.ip, "sport": sport, "dst": dst.ip, "dport": dport}
+
+
+@pytest.mark.netns
+def test_rotation_moves_flows_in_the_kernel_map_in_place(tb):
+    from bench.agents import running_agents
+
+    h1, h2 = tb.host(1), tb.host(2)
+    jobs = {"job-a": [7001, 7002], "job-b": [7003]}
+    cfg = {"job_policy": "rotate", "rotate_epoch_s": EPOCH_S, **TRUST}
+    with running_agents(tb, levels=4, hosts=[1], backend="htb", config_extra=cfg) as agents:
+        with agents[1].client() as agent:
+            for job, ports in jobs.items():
+                agent.register(job, 0, [_flow(h1, p, h2) for p in ports])
+            handle = map_handle(h1)
+            qdisc = h1.run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
+            seen_orders = set()
+            for _ in range(12):  # 12 settled readings: with probability 1 - 2^-11 the order changes
+                epoch, (levels, flows) = settled(lambda: (kernel_levels(h1), agent.list()["flows"]))
+                assert levels == expected(jobs, epoch, 4), epoch
+                assert {f["sport"]: f["level"] for f in flows} == levels
+                assert all(f["requested_level"] == 0 for f in flows)
+                seen_orders.add(tuple(sorted(levels.items())))
+                if len(seen_orders) == 2:
+                    break
+                time.sleep(EPOCH_S * 0.6)
+            st = agent.status()
+        assert map_handle(h1) == handle  # the same map: elements moved in place
+        assert h1.run(["tc", "qdisc", "show", "dev", "eth0"]).stdout == qdisc
+    assert len(seen_orders) == 2, "the order never changed in 12 epochs"
+    assert st["job_policy"]["policy"] == "rotate" and st["job_policy"]["epoch_s"] == EPOCH_S
+    assert sorted(st["job_policy"]["order"]) == ["job-a", "job-b"]
+
+
+@pytest.mark.netns
+def test_two_agents_with_different_jobs_agree_on_shared_jobs(tb):
+    """Host 1 sees jobs a, b, c; host 2 sees b, c, d. Every epoch, both kernels order b and c alike."""
+    from bench.agents import running_agents
+
+    h1, h2 = tb.host(1), tb.host(2)
+    on1 = {"a": [7101], "b": [7102], "c": [7103]}
+    on2 = {"b": [7202], "c": [7203], "d": [7204]}
+    cfg = {"job_policy": "rotate", "rotate_epoch_s": EPOCH_S, **TRUST}
+    with running_agents(tb, levels=4, backend="htb", config_extra=cfg) as agents:
+        for host, other, jobs in ((h1, h2, on1), (h2, h1, on2)):
+            with agents[host.index].client() as agent:
+                for job, ports in jobs.items():
+                    agent.register(job, 0, [_flow(host, p, other) for p in ports])
+        for _ in range(4):
+            epoch, (k1, k2) = settled(lambda: (kernel_levels(h1), kernel_levels(h2)))
+            assert k1 == expected(on1, epoch, 4) and k2 == expected(on2, epoch, 4), epoch
+            b_first = hashed_rotation_order(["b", "c"], epoch)[0] == "b"
+            # b before c on both hosts, or c before b on both: never inverted
+            assert (k1[7102] < k1[7103]) == b_first and (k2[7202] < k2[7203]) == b_first
+            time.sleep(EPOCH_S * 0.6)
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("extra,field", [({"job_policy": "fair"}, "job_policy"),
+                                         ({"job_policy": "static", "job_priority": {"-x": 1}}, "job_priority")])
+def test_agent_refuses_bad_job_config_before_the_kernel(tb, extra, field):
+    from bench.agents import AgentStartError, running_agents
+
+    h1 = tb.host(1)
+    before = h1.run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
+    with pytest.raises(AgentStartError, match=f"config field '{field}'"):
+        with running_agents(tb, hosts=[1], config_extra=extra):
+            pass
+    assert h1.run(["tc", "qdisc", "show", "dev", "eth0"]).stdout == before
+    assert "tensorlane" not in h1.run(["nft", "list", "tables"]).stdout
