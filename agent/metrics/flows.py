@@ -56,8 +56,10 @@ class FlowsSource(Source):
         by_level = {spec.level: class_label(spec) for spec in leaves if spec.level is not None}
         entries = list(self.api.table.flows.values())  # copy: the main thread changes the table
         counts: dict[tuple[str, str], int] = {}
+        level_of = self.api.table.level_of  # the effective level (a job policy may move a job's flows)
         for e in entries:
-            key = (by_level.get(e.level, str(e.level)), e.job)
+            lvl = level_of(e)
+            key = (by_level.get(lvl, str(lvl)), e.job)
             counts[key] = counts.get(key, 0) + 1
         flows = GaugeMetricFamily("tensorlane_registered_flows", "Flows registered with the agent now",
                                   labels=["device", "class", "training_job"])
