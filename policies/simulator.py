@@ -19,7 +19,7 @@ Model (every policy is judged by it; the numbers it gives are predictions, not m
   lower levels wait (preemption at zero chunk size; a real switch preempts at packet granularity, which this
   approximates when blocks are much larger than a packet). Within one level the active operations share the
   link equally (processor sharing, as TCP flows in one queue do; ``sharing="fifo"`` serves them one at a time
-  in launch order instead).
+  in launch order instead; ``network_done_times(weights=...)`` shares in proportion to per-block weights).
 * **Launch.** A block enters the application's queue when ready and is launched, most urgent first (level, then
   priority, then ready time, then byte offset), as soon as the schedule's limits allow: ``max_inflight``
   operations in flight, ``credit_bytes`` in flight (a block may always start when nothing is in flight),
@@ -61,14 +61,19 @@ class SimResult:
         return self.iter_s - self.backward_s - self.forward_s
 
 
-def network_done_times(schedule: Schedule, cost: CostModel, ready: Sequence[float], sharing: str = "ps"
-                       ) -> tuple[float, ...]:
+def network_done_times(schedule: Schedule, cost: CostModel, ready: Sequence[float], sharing: str = "ps",
+                       weights: Sequence[float] | None = None) -> tuple[float, ...]:
     """Completion time of each block given its ready time; see the module docstring for the model.
 
+    ``weights`` (``sharing="ps"`` only; None: all equal): within a level, the operations in flight share the link
+    in proportion to their weights (weighted processor sharing; e.g. the message size of each operation when the
+    operations of one connection take turns message by message, ``policies.execution``).
     Usage: ``network_done_times(sched, cost, [b.ready_s for b in sched.blocks])``
     """
     if sharing not in ("ps", "fifo"):
         raise ValueError(f"sharing must be 'ps' or 'fifo', not {sharing!r}")
+    if weights is not None and (len(weights) != len(schedule.blocks) or not all(w > 0 for w in weights)):
+        raise ValueError("weights must be positive, one per block")
     blocks = schedule.blocks
     n = len(blocks)
     done = [0.0] * n
@@ -85,10 +90,12 @@ def network_done_times(schedule: Schedule, cost: CostModel, ready: Sequence[floa
     pending: list[list[tuple]] = [[] for _ in range(nlev)]  # app queue per level
     starting: list[tuple[float, int]] = []                  # (end of startup, block)
     ps_heap: list[list[tuple[float, int]]] = [[] for _ in range(nlev)]  # (virtual finish, block)
-    vclock = [0.0] * nlev                                   # bits served to each active flow of the level
+    vclock = [0.0] * nlev                                   # bits served per unit weight in the level
     fifo: list[deque[int]] = [deque() for _ in range(nlev)]
     remaining = list(bits)
+    weight = [1.0] * n if weights is None else [float(w) for w in weights]
     active = [0] * nlev
+    wsum = [0.0] * nlev                                     # total weight of the level's active flows
     lvl_inflight = [0] * nlev
     inflight = inflight_bytes = 0
     now = 0.0
@@ -97,8 +104,9 @@ def network_done_times(schedule: Schedule, cost: CostModel, ready: Sequence[floa
     def transmit(b: int) -> None:
         lv = blocks[b].level
         active[lv] += 1
+        wsum[lv] += weight[b]
         if sharing == "ps":
-            heapq.heappush(ps_heap[lv], (vclock[lv] + bits[b], b))
+            heapq.heappush(ps_heap[lv], (vclock[lv] + bits[b] / weight[b], b))
         else:
             fifo[lv].append(b)
 
@@ -106,6 +114,7 @@ def network_done_times(schedule: Schedule, cost: CostModel, ready: Sequence[floa
         nonlocal inflight, inflight_bytes, finished
         lv = blocks[b].level
         active[lv] -= 1
+        wsum[lv] = wsum[lv] - weight[b] if active[lv] else 0.0
         lvl_inflight[lv] -= 1
         inflight -= 1
         inflight_bytes -= blocks[b].nbytes
@@ -140,7 +149,7 @@ def network_done_times(schedule: Schedule, cost: CostModel, ready: Sequence[floa
         t_tx = INF
         if top >= 0:
             if sharing == "ps":
-                t_tx = now + (ps_heap[top][0][0] - vclock[top]) * active[top] / rate
+                t_tx = now + (ps_heap[top][0][0] - vclock[top]) * wsum[top] / rate
             else:
                 t_tx = now + remaining[fifo[top][0]] / rate
         t = min(t_arr, t_start, t_tx)
@@ -148,7 +157,7 @@ def network_done_times(schedule: Schedule, cost: CostModel, ready: Sequence[floa
             raise RuntimeError("simulator stalled: blocks pending but nothing can launch")
         if top >= 0 and t > now:
             if sharing == "ps":
-                vclock[top] += (t - now) * rate / active[top]
+                vclock[top] += (t - now) * rate / wsum[top]
             else:
                 remaining[fifo[top][0]] -= (t - now) * rate
         now = max(now, t)

@@ -27,6 +27,7 @@ class AgentLink:
         self.flows: dict[int, list[dict]] = {}
         self.counters = {"registrations": 0, "failures": 0, "refusals": 0, "reregistrations": 0}
         self.last_error = ""
+        self.link_bps: float | None = None  # the agent's interface rate (``status``), for the planner
         self._instance: str | None = None
         self._warned = False
         self._ever_registered = False
@@ -63,6 +64,9 @@ class AgentLink:
         instance = agent.request("hello").get("instance")
         if instance == self._instance:
             return
+        if self.link_bps is None:
+            rate = agent.request("status").get("link_rate_bps")
+            self.link_bps = float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
         self._register(agent, self.flows)
         if self.flows:
             self.counters["registrations"] += 1

@@ -40,6 +40,7 @@ from shim.buckets import parameter_levels, pieces_of
 from shim.flows import new_flows, own_tcp_flows
 
 log = logging.getLogger("tensorlane.shim")
+PLANNER_POLICIES = ("planner", "layer_order", "flat")
 DEFAULT_SOCKET = "/run/tensorlane/agent.sock"
 _TRUE = ("1", "true", "yes", "on")
 
@@ -213,6 +214,8 @@ class Handle:
         self.deferred_steps = 0
         self.closed = False
         self.reporter = None  # shim.report: per-level communication counters to the agent (metrics)
+        self.plan: dict = {}  # what the default policy decided (shim.plan), in stats()["plan"]
+        self._recorder = None  # shim.plan.Recorder while the first iteration is being measured
 
     # -- overlap mode plumbing ------------------------------------------------------------------------------
     def _install_overlap(self) -> None:
@@ -268,7 +271,7 @@ class Handle:
             levels = [dict(level=i, **vars(s)) for i, s in enumerate(self.state.stats)]
         return {"enabled": True, "mode": "overlap" if self.state.overlap else "hook",
                 "flows": {lvl: len(f) for lvl, f in self.flows.items()}, "levels": levels,
-                "deferred_steps": self.deferred_steps,
+                "deferred_steps": self.deferred_steps, "plan": dict(self.plan),
                 "agent": {"connected": self.link.connected, **self.link.counters, "last_error": self.link.last_error}}
 
     def close(self) -> None:
@@ -277,6 +280,8 @@ class Handle:
             self.closed = True
             return
         self.flush()
+        if self._recorder is not None:
+            self._recorder.remove()
         for h in self._hooks:
             h.remove()
         if self._orig_step is not None:
@@ -285,6 +290,74 @@ class Handle:
             self.reporter.close()
         self.link.close()
         self.closed = True
+
+
+def _agree(prof, rate: float | None):
+    """Make every rank plan from the same inputs (a collective): each layer's slowest forward and backward over
+    the ranks, and the slowest link (None if any rank does not know its link). Ranks that planned from their own
+    measurements would cut buckets differently and their all-reduces would not match."""
+    from policies.model import Layer, Profile
+
+    n = len(prof.layers)
+    vals = [l.fwd_s for l in prof.layers] + [l.bwd_s for l in prof.layers] + [1.0 if rate is None else -float(rate)]
+    t = torch.tensor(vals, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    v = t.tolist()
+    layers = tuple(Layer(l.name, l.params_bytes, v[i], v[n + i]) for i, l in enumerate(prof.layers))
+    return Profile(prof.name, layers, prof.dag), (None if v[-1] > 0 else -v[-1])
+
+
+def _apply_plan(handle: Handle, prof, owners: list, levels: int, link_bps: float | None,
+                partition_fixed: bool, source: str) -> None:
+    """Plan with ``prof`` (one layer per owner module) and install the per-parameter levels and partition size."""
+    from shim.plan import choose
+
+    prof, rate = _agree(prof, link_bps or handle.link.link_bps)
+    if rate is None:
+        handle.plan.update(status="layer_order: link rate unknown on some rank (pass link_bps= or run agents)",
+                           source=source)
+        return
+    state = handle.state
+    bucket = int(getattr(handle.model, "bucket_bytes_cap", 25 << 20))
+    try:
+        chosen = choose(prof, state.world, rate, levels, bucket)
+    except (ValueError, ArithmeticError) as exc:  # keep training on the layer-order levels, say why
+        handle.plan.update(status=f"layer_order: the planner failed: {exc}", source=source)
+        log.warning("tensorlane: the planner failed (%s); keeping layer-order levels", exc)
+        return
+    for m, lvl in zip(owners, chosen["layer_levels"]):
+        for p in m.parameters(recurse=False):
+            state.param_level[id(p)] = min(max(0, int(lvl)), levels - 1)
+    if not partition_fixed:
+        pb = chosen["partition_bytes"]
+        state.partition_elems = None if pb is None else max(1, pb // 4)
+    handle.plan.update(status="planned", source=source, link_bps=rate, bucket_bytes=bucket,
+                       **{k: v for k, v in chosen.items()})
+
+
+def _start_planner(handle: Handle, model, levels: int, profile, link_bps: float | None,
+                   partition_bytes: int | None) -> None:
+    """Plan now from ``profile``, or measure the next iteration and plan at the start of the one after."""
+    from shim.plan import Recorder, owner_modules
+
+    owners = owner_modules(model.module)
+    fixed = partition_bytes is not None
+    if profile is not None:
+        from policies.model import load_profile
+
+        prof = load_profile(profile) if isinstance(profile, str) else profile
+        if len(prof.layers) != len(owners):
+            raise ValueError(f"profile {prof.name!r} has {len(prof.layers)} layers but the model has {len(owners)} "
+                             "modules with parameters (one layer per such module, in parameter order)")
+        _apply_plan(handle, prof, owners, levels, link_bps, fixed, "profile")
+        return
+
+    def planned(rec: Recorder) -> None:
+        rec.remove()
+        _apply_plan(handle, rec.profile("measured"), owners, levels, link_bps, fixed, "measured")
+
+    handle.plan["status"] = "measuring the first iteration (layer_order until then)"
+    handle._recorder = Recorder(owners, on_done=planned)
 
 
 def _priority_groups(levels: int, master_port: str | None) -> tuple[list, dict[int, list[dict]]]:
@@ -301,13 +374,17 @@ def _priority_groups(levels: int, master_port: str | None) -> tuple[list, dict[i
     return groups, flows
 
 
-def attach(model, optimizer=None, *, levels: int = 4, policy: str = "layer_order", agent_socket: str | None = None,
+def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", agent_socket: str | None = None,
            job: str | None = None, partition_bytes: int | None = None, disable: bool | None = None,
-           report_interval_s: float = 5.0) -> Handle:
+           report_interval_s: float = 5.0, profile=None, link_bps: float | None = None) -> Handle:
     """Give ``model`` (a DistributedDataParallel) prioritized all-reduce; with ``optimizer``, overlap mode.
 
     Every rank must call it (it creates process groups). ``disable=True`` or TENSORLANE_DISABLE=1 leaves training
-    exactly as plain DDP. Options: ``levels`` (1..5), ``policy`` ("layer_order" or "flat", see shim.buckets),
+    exactly as plain DDP. Options: ``levels`` (1..5), ``policy`` ("planner", the default: ``policies.planner``
+    chooses each layer's level and the partition size from a profile measured during the first iteration or
+    given as ``profile`` (a policies.model.Profile or a shipped profile's name, one layer per module with
+    parameters) and the link rate ``link_bps`` (default: the agent's), see shim.plan; "layer_order" or "flat",
+    see shim.buckets), ``partition_bytes`` given explicitly overrides the planner's,
     ``agent_socket`` (default TENSORLANE_AGENT_SOCKET or /run/tensorlane/agent.sock), ``job`` (default
     ``default_job_id()``), ``partition_bytes`` (largest all-reduce piece; None: a bucket is cut only where its
     level changes), ``report_interval_s`` (how often per-level communication counters go to the agent's
@@ -326,7 +403,10 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "layer_order
                       "over IB/RoCE use NCCL_IB_TC per communicator instead (see docs/shim.md)", stacklevel=2)
     params = [p for p in model.module.parameters() if p.requires_grad]
     sizes = [p.numel() * p.element_size() for p in params]
-    param_level = {id(p): lvl for p, lvl in zip(params, parameter_levels(sizes, levels, policy))}
+    if policy not in PLANNER_POLICIES:
+        raise ValueError(f"policy must be one of {PLANNER_POLICIES}, not {policy!r}")
+    first_policy = "layer_order" if policy == "planner" else policy
+    param_level = {id(p): lvl for p, lvl in zip(params, parameter_levels(sizes, levels, first_policy))}
     groups, flows = _priority_groups(levels, os.environ.get("MASTER_PORT"))
     link = AgentLink(agent_socket or os.environ.get("TENSORLANE_AGENT_SOCKET", DEFAULT_SOCKET),
                      job or default_job_id(), rank=dist.get_rank())
@@ -339,6 +419,9 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "layer_order
                       stats=[LevelStats() for _ in range(levels)],
                       forward_index={id(p): i for i, p in enumerate(params)})
     handle = Handle(model, optimizer, state, link, flows)
+    handle.plan = {"policy": policy}
+    if policy == "planner":
+        _start_planner(handle, model, levels, profile, link_bps, partition_bytes)
     handle.reporter = report.start(handle, interval_s=report_interval_s)
     if optimizer is not None:
         handle._install_overlap()

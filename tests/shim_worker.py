@@ -45,7 +45,7 @@ def train(mode: str, args, rank: int) -> tuple[dict, dict]:
     if mode != "ddp":
         handle = shim.attach(model, optimizer=opt if mode == "overlap" else None, levels=args.levels,
                              agent_socket=args.agent_socket, partition_bytes=args.partition_bytes,
-                             disable=(mode == "disabled"))
+                             disable=(mode == "disabled"), link_bps=args.link_bps)
     loss_fn = nn.CrossEntropyLoss()
     for step in range(args.steps):
         x, y = batch(rank, step)
@@ -74,6 +74,7 @@ def main() -> int:
     p.add_argument("--modes", default="ddp,hook,overlap,disabled")
     p.add_argument("--agent-socket", default="/nonexistent/tensorlane.sock")
     p.add_argument("--partition-bytes", type=int, default=None)
+    p.add_argument("--link-bps", type=float, default=None, help="the planner's link rate (default: the agent's)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (longer runs)")
     args = p.parse_args()
     torch.set_num_threads(1)

@@ -79,3 +79,94 @@ def test_policies_stay_pure() -> None:
         assert "import torch" not in src and "open(" not in src and "socket" not in src, f.name
         if f.name != "model.py":
             assert "resources" not in src and "read_text" not in src, f.name
+
+
+# ------------------------------------------------------------------------------------------------ plan_shim
+
+def _emulated(name: str):
+    """The profile of bench.models' emulated model at 200 Mbit/s, 2 ranks (what bench.validate plans for)."""
+    from dataclasses import replace
+
+    from bench.models import DEFAULT_SCALES, layer_numels
+    from policies.model import Profile
+
+    ps, cs = DEFAULT_SCALES[name]
+    p = load_profile(name)
+    layers = tuple(replace(l, params_bytes=4 * n) for l, n in zip(p.layers, layer_numels(p, ps)))
+    return scaled(Profile(name, layers), cs), ps
+
+
+@pytest.mark.parametrize("name", ["resnet50", "vgg16", "bert_base"])
+def test_plan_shim_is_the_min_of_its_candidates_fast_and_deterministic(name: str) -> None:
+    from policies.execution import shim_iteration
+    from policies.planner import (
+        DEFAULT_SHIM_ALPHA_S,
+        DEFAULT_SHIM_HOST,
+        plan_shim,
+        shim_levels,
+    )
+
+    prof, ps = _emulated(name)
+    buckets = tuple(int(mb / ps * (1 << 20)) for mb in (25, 5, 1))
+    parts = (None, int((4 << 20) / ps), int((1 << 20) / ps))
+    t0 = time.perf_counter()
+    p = plan_shim(prof, ranks=2, link_bps=200e6, bucket_bytes=buckets, partitions=parts)
+    assert time.perf_counter() - t0 < 2.0  # ~0.2 s unloaded
+    assert p == plan_shim(prof, ranks=2, link_bps=200e6, bucket_bytes=buckets, partitions=parts)
+    best = min(c.predicted_iter_s for c in p.candidates)
+    assert best <= p.predicted_iter_s <= best * 1.01  # a tie within 1%: the fewest operations win
+    near = [c for c in p.candidates if c.predicted_iter_s <= best * 1.01]
+    chosen = next(c for c in p.candidates if c.label == p.label)
+    assert chosen.ops == min(c.ops for c in near) and chosen.ops > 0
+    exact = plan_shim(prof, ranks=2, link_bps=200e6, bucket_bytes=buckets, partitions=parts, tie_tolerance=0.0)
+    assert exact.predicted_iter_s == best
+    assert len(p.candidates) == 5 * len(parts) * len(buckets)  # flat + layer order on 2..5 levels
+    assert len(p.layer_levels) == len(prof.layers) and p.levels == 1 + max(p.layer_levels) and 1 <= p.levels <= 5
+    assert p.layer_levels == shim_levels(prof, p.policy, p.levels)
+    assert p.bucket_bytes in buckets and p.partition_bytes in parts
+    # the prediction is reproducible from the execution model
+    cost = CostModel(2, 200e6 * 1448 / 1514, 0.0, DEFAULT_SHIM_ALPHA_S)
+    r = shim_iteration(prof, cost, p.layer_levels, p.bucket_bytes, p.partition_bytes, host=DEFAULT_SHIM_HOST)
+    assert r.iter_s == p.predicted_iter_s and len(r.ops) == chosen.ops
+    # priority levels beat one level when communication is as large as compute
+    flat = min(c.predicted_iter_s for c in p.candidates if c.policy == "flat")
+    assert p.policy == "layer_order" and p.predicted_iter_s < flat
+    assert p.label.startswith("layer_order L")
+
+
+def test_plan_shim_one_bucket_size_and_limits() -> None:
+    from policies.planner import plan_shim
+
+    prof, _ = _emulated("resnet50")
+    p = plan_shim(prof, ranks=2, link_bps=200e6, levels_max=2, bucket_bytes=1 << 20, partitions=(None,))
+    assert [(c.policy, c.levels) for c in p.candidates] == [("flat", 1), ("layer_order", 2)]
+    assert all(c.bucket_bytes == 1 << 20 for c in p.candidates) and p.levels <= 2
+    one = plan_shim(prof, ranks=2, link_bps=200e6, levels_max=1, bucket_bytes=1 << 20)
+    assert one.levels == 1 and set(one.layer_levels) == {0}
+    with pytest.raises(ValueError):
+        plan_shim(prof, ranks=2, link_bps=200e6, levels_max=6)
+    with pytest.raises(ValueError):
+        plan_shim(prof, ranks=2, link_bps=200e6, payload_fraction=0.0)
+
+
+def test_plan_shim_full_size_profiles() -> None:
+    """The shim calls it with the real model's sizes: the shipped profiles at 10 Gbit/s, 8 ranks, one bucket."""
+    from policies.planner import plan_shim
+
+    for name in ("resnet50", "bert_base"):
+        t0 = time.perf_counter()
+        p = plan_shim(name, ranks=8, link_bps=10e9, bucket_bytes=25 << 20)
+        assert time.perf_counter() - t0 < 5.0
+        assert p.predicted_iter_s >= load_profile(name).fwd_total + load_profile(name).bwd_total
+
+
+def test_choose_candidate_ties_go_to_fewer_operations() -> None:
+    from policies.planner import ShimCandidate, choose_candidate
+
+    c = [ShimCandidate("layer_order", 4, 1024, 4096, 1.000, 90), ShimCandidate("layer_order", 4, None, 4096, 1.005, 12),
+         ShimCandidate("flat", 1, None, 4096, 1.02, 10), ShimCandidate("layer_order", 2, None, 4096, 1.005, 12)]
+    assert choose_candidate(c, 0.01) == 1          # within 1%: fewest ops, then fastest, then grid order
+    assert choose_candidate(c, 0.0) == 0
+    assert choose_candidate(c, 0.05) == 2
+    with pytest.raises(ValueError):
+        choose_candidate([], 0.01)

@@ -68,3 +68,19 @@ def test_partitioned_pieces_same_parameters(tmp_path):
 
     run_torchrun(tmp_path, 2, "--steps", "8", "--modes", "ddp,overlap", "--partition-bytes", "4096")
     assert max_rel_diff(torch.load(tmp_path / "overlap-0.pt"), torch.load(tmp_path / "ddp-0.pt")) <= 1e-5
+
+
+def test_planner_default_plans_after_first_iteration_same_parameters(tmp_path):
+    """The default policy measures the first iteration, then installs the planner's levels and partition; training
+    still ends equal to DDP, and stats() says what was planned."""
+    import json
+
+    import torch
+
+    run_torchrun(tmp_path, 2, "--steps", "6", "--modes", "ddp,hook,overlap", "--link-bps", "2e8")
+    for mode in ("hook", "overlap"):
+        assert max_rel_diff(torch.load(tmp_path / f"{mode}-0.pt"), torch.load(tmp_path / "ddp-0.pt")) <= 1e-5, mode
+        plan = json.loads((tmp_path / f"{mode}-0.json").read_text())["plan"]
+        assert plan["policy"] == "planner" and plan["status"] == "planned" and plan["source"] == "measured", plan
+        assert plan["link_bps"] == 2e8 and plan["candidates"] >= 2 and plan["predicted_iter_s"] > 0, plan
+        assert len(plan["layer_levels"]) >= 2 and all(0 <= lvl < 3 for lvl in plan["layer_levels"]), plan

@@ -1,0 +1,128 @@
+"""The shim's default policy: measure the model once, then let the planner (``policies.planner.plan_shim``)
+choose each layer's level and the partition size.
+
+A "layer" here is a module that owns parameters, in the order of ``model.parameters()`` (forward order for
+models built as a chain of modules). The planner needs per-layer forward and backward times, gradient bytes,
+the number of ranks and the link rate:
+
+- times: given as a :class:`policies.model.Profile` (``attach(profile=...)``, one layer per module with
+  parameters), or measured by :class:`Recorder` during the first training iteration after ``attach``: a
+  forward pre-hook and a forward hook time each module, a post-accumulate-grad hook on each parameter times
+  when its gradient is ready (host clock: right for CPU work and for the emulated devices of ``bench.models``;
+  on a CUDA device kernels are asynchronous, so pass ``profile=``);
+- the link rate: ``attach(link_bps=...)``, else the local agent's ``status`` (its interface's rate).
+
+Until the plan exists (the first iteration, or when an input is missing) the levels are ``layer_order``'s.
+What was decided, and why, is in ``handle.stats()["plan"]``.
+
+Usage: ``rec = Recorder(modules); ...one iteration...; prof = rec.profile("measured")`` then
+``choose(prof, ranks=2, link_bps=200e6, levels=4, bucket_bytes=25 << 20)``.
+"""
+from __future__ import annotations
+
+import time
+
+from policies.model import Layer, Profile
+
+
+def owner_modules(root) -> list:
+    """Modules that own parameters needing gradients, in the order of ``root.parameters()`` (each once).
+
+    Usage: ``owners = owner_modules(ddp.module)``
+    """
+    by_param = {}
+    for m in root.modules():
+        for p in m.parameters(recurse=False):
+            if p.requires_grad:
+                by_param.setdefault(id(p), m)
+    seen, out = set(), []
+    for p in root.parameters():
+        m = by_param.get(id(p))
+        if m is not None and id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+    return out
+
+
+class Recorder:
+    """Times one iteration: per module forward duration and per parameter gradient-ready time (host clock).
+
+    ``done`` becomes true when every parameter's gradient has been accumulated once after a complete forward;
+    ``on_done(recorder)`` is then called from the next forward pre-hook (outside autograd), where
+    ``profile()`` builds the :class:`Profile` and ``remove()`` drops the hooks.
+    """
+
+    def __init__(self, modules: list, on_done=None):
+        self.modules = modules
+        self.on_done = on_done
+        self.fwd_start: dict[int, float] = {}
+        self.fwd_s: dict[int, float] = {}
+        self.ready: dict[int, float] = {}  # id(param) -> time its gradient was accumulated
+        self.forward_end = 0.0
+        self.done = False
+        self.consumed = False
+        self._params = [[p for p in m.parameters(recurse=False) if p.requires_grad] for m in modules]
+        self._expected = sum(len(ps) for ps in self._params)
+        self._hooks = []
+        for i, m in enumerate(modules):
+            self._hooks.append(m.register_forward_pre_hook(self._pre(i)))
+            self._hooks.append(m.register_forward_hook(self._post(i)))
+            for p in self._params[i]:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad))
+
+    def _pre(self, i: int):
+        def hook(_module, _inputs):
+            if not self.done:
+                self.fwd_start[i] = time.perf_counter()
+            elif not self.consumed:  # the next forward after a measured iteration: hand the profile over here,
+                self.consumed = True  # outside autograd (on_done may remove the hooks)
+                if self.on_done is not None:
+                    self.on_done(self)
+        return hook
+
+    def _post(self, i: int):
+        def hook(_module, _inputs, _output):
+            if not self.done and i in self.fwd_start:
+                now = time.perf_counter()
+                self.fwd_s[i] = now - self.fwd_start[i]
+                self.forward_end = max(self.forward_end, now)
+                self.ready.clear()  # a new forward: the gradients of this iteration are what counts
+        return hook
+
+    def _grad(self, p) -> None:
+        if self.done or len(self.fwd_s) < len(self.modules):
+            return
+        self.ready[id(p)] = time.perf_counter()
+        if len(self.ready) == self._expected:
+            self.done = True  # on_done runs at the next forward pre-hook
+
+    def profile(self, name: str = "measured") -> Profile:
+        """The measured profile: layer i's backward is the time between the gradients of layer i + 1 and i."""
+        ready = [max(self.ready[id(p)] for p in ps) if ps else self.forward_end for ps in self._params]
+        layers = []
+        for i, m in enumerate(self.modules):
+            later = ready[i + 1] if i + 1 < len(ready) else self.forward_end
+            nbytes = sum(p.numel() * p.element_size() for p in self._params[i])
+            layers.append(Layer(f"{i}:{type(m).__name__}", nbytes, max(0.0, self.fwd_s.get(i, 0.0)),
+                                max(0.0, ready[i] - later)))
+        return Profile(name, tuple(layers))
+
+    def remove(self) -> None:
+        """Remove every hook (idempotent)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def choose(profile: Profile, ranks: int, link_bps: float, levels: int, bucket_bytes: int) -> dict:
+    """Run the planner for what the shim can execute; return ``{"layer_levels", "partition_bytes", ...}``.
+
+    Usage: ``choose(prof, ranks=2, link_bps=200e6, levels=4, bucket_bytes=5 << 20)["layer_levels"]``
+    """
+    from policies.planner import plan_shim
+
+    t0 = time.perf_counter()
+    plan = plan_shim(profile, ranks, link_bps, levels_max=levels, bucket_bytes=bucket_bytes)
+    return {"layer_levels": list(plan.layer_levels), "partition_bytes": plan.partition_bytes,
+            "levels_used": plan.levels, "predicted_iter_s": plan.predicted_iter_s,
+            "candidates": len(plan.candidates), "plan_s": time.perf_counter() - t0}

@@ -1,0 +1,51 @@
+"""shim.plan: the profile measured during one iteration, and the planner's choice installed by ``attach``.
+
+Single-process parts here (no process group); the multi-rank path runs in tests/test_shim.py (policy "planner" is
+the default there) and on the testbed in tests/test_priority.py.
+"""
+from __future__ import annotations
+
+import torch  # required (the [shim] extra): a missing torch fails these tests
+
+
+def _model():
+    from bench.models import emulated_model
+    from policies.model import Layer, Profile
+
+    prof = Profile("toy", (Layer("a", 4 * 1000, 0.004, 0.008), Layer("b", 4 * 50, 0.002, 0.004),
+                           Layer("c", 4 * 3000, 0.006, 0.012)))
+    return prof, emulated_model(prof)
+
+
+def test_recorder_measures_forward_and_backward_per_module():
+    from bench.models import reset_stream, synthetic_batch
+    from shim.plan import Recorder, owner_modules
+
+    prof, model = _model()
+    owners = owner_modules(model)
+    assert owners == list(model)  # one module per layer, in parameter order
+    seen = []
+    rec = Recorder(owners, on_done=seen.append)
+    x, t = synthetic_batch()
+    reset_stream()
+    (model(x) - t).square().mean().backward()
+    assert rec.done and not seen  # handed over at the next forward, outside autograd
+    model(x)
+    assert seen == [rec]
+    measured = rec.profile()
+    assert [l.params_bytes for l in measured.layers] == [l.params_bytes for l in prof.layers]
+    for got, want in zip(measured.layers, prof.layers):
+        assert got.fwd_s >= want.fwd_s * 0.9 and got.bwd_s >= want.bwd_s * 0.5, (got, want)
+    assert measured.fwd_total < 0.5 and measured.bwd_total < 0.5
+    rec.remove()
+    rec.remove()  # idempotent
+
+
+def test_owner_modules_skips_frozen_and_shared():
+    from shim.plan import owner_modules
+
+    lin = torch.nn.Linear(2, 2)
+    frozen = torch.nn.Linear(2, 2)
+    frozen.requires_grad_(False)
+    root = torch.nn.Sequential(lin, frozen, lin)
+    assert owner_modules(root) == [lin]
