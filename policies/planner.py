@@ -158,7 +158,8 @@ SHIM_PARTITIONS = (None, 4 * MiB, 1 * MiB, 256 * 1024)     # largest piece; None
 # Each completion of the shim's all-reduces runs a Python done-callback on a gloo thread; on this loaded host it
 # costs the training thread 0.07-0.75 ms of compute (median of six calibrations ~0.3 ms).
 DEFAULT_SHIM_ALPHA_S = 0.5e-3
-DEFAULT_SHIM_HOST = HostCosts(launch_s=50e-6, copy_bps=2e9, wake_s=50e-6, callback_s=0.3e-3)
+# callback_s = 0: the shim no longer runs a Python completion callback per piece (shim/ddp.py LevelStats)
+DEFAULT_SHIM_HOST = HostCosts(launch_s=50e-6, copy_bps=2e9, wake_s=50e-6, callback_s=0.0)
 SHIM_TIE_TOLERANCE = 0.01  # predictions closer than this are a tie; the fewest operations win (choose_candidate)
 
 

@@ -61,7 +61,10 @@ def default_job_id() -> str:
 
 @dataclass
 class LevelStats:
-    """Counters of one level (seconds from launch to completion of each all-reduce piece)."""
+    """Counters of one level: pieces launched, their bytes, and seconds from each piece's launch until the shim
+    saw it complete (hook mode: the bucket's completion; overlap mode: the wait or check in a forward pre-hook,
+    so an upper bound). No per-piece completion callback: a Python callback runs on a gloo thread and takes the
+    GIL, which measurably stalled the training thread (policies/execution.py, ``callback_s``)."""
 
     allreduces: int = 0
     bytes: int = 0
@@ -79,7 +82,9 @@ class _Pending:
     futures: list
     buffer: torch.Tensor
     params: list  # (param, offset, numel, tuple of piece indexes)
+    launched: list = field(default_factory=list)  # (level, launch time) of each piece, for the counters
     applied: set = field(default_factory=set)  # id(param) of the parameters whose step has been taken
+    timed: set = field(default_factory=set)  # pieces whose completion has been counted
 
 
 @dataclass
@@ -97,12 +102,12 @@ class ShimState:
     step: object = None  # overlap mode: the optimizer step of a list of parameters (Handle._step_subset)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def launch(self, buf: torch.Tensor, params: list) -> tuple[list, list]:
+    def launch(self, buf: torch.Tensor, params: list) -> tuple[list, list, list]:
         """Start the all-reduce of ``buf`` (the concatenated grads of ``params``) piece by piece, by level.
 
         Pieces are launched most urgent first: by level, then by the forward position of their first parameter
         (a level's group runs its operations in launch order). Returns the futures and the pieces
-        ``(offset, length, level)``, both in buffer order.
+        ``(offset, length, level)`` and their ``(level, launch time)``, all in buffer order.
         """
         numels = [p.numel() for p in params]
         last = len(self.groups) - 1
@@ -119,23 +124,27 @@ class ShimState:
                        if s0 < offset + length and s0 + n > offset]
             first.append(min(covered, default=0))
         futures: list = [None] * len(pieces)
+        launched: list = [None] * len(pieces)
+        element = buf.element_size()
         for i in sorted(range(len(pieces)), key=lambda i: (pieces[i][2], first[i], pieces[i][0])):
             offset, length, level = pieces[i]
-            piece = buf.narrow(0, offset, length)
-            t0 = time.perf_counter()
-            fut = dist.all_reduce(piece, group=self.groups[level], async_op=True).get_future()
-            fut.add_done_callback(self._recorder(level, piece.numel() * piece.element_size(), t0))
-            futures[i] = fut
-        return futures, pieces
-
-    def _recorder(self, level: int, nbytes: int, t0: float):
-        def record(_fut) -> None:
-            with self.lock:
+            launched[i] = (level, time.perf_counter())
+            futures[i] = dist.all_reduce(buf.narrow(0, offset, length), group=self.groups[level],
+                                         async_op=True).get_future()
+        with self.lock:
+            for offset, length, level in pieces:
                 s = self.stats[level]
                 s.allreduces += 1
-                s.bytes += nbytes
-                s.comm_s += time.perf_counter() - t0
-        return record
+                s.bytes += length * element
+        return futures, pieces, launched
+
+    def completed(self, launched: list, indexes) -> None:
+        """Count the seconds from launch to now of the pieces ``indexes`` of ``launched`` (seen complete now)."""
+        now = time.perf_counter()
+        with self.lock:
+            for i in indexes:
+                level, t0 = launched[i]
+                self.stats[level].comm_s += now - t0
 
 
 def priority_hook(state: ShimState, bucket):
@@ -145,8 +154,12 @@ def priority_hook(state: ShimState, bucket):
     """
     buf = bucket.buffer()
     buf.div_(state.world)
-    futures, _ = state.launch(buf, bucket.parameters())
-    return torch.futures.collect_all(futures).then(lambda _: buf)
+    futures, _, launched = state.launch(buf, bucket.parameters())
+
+    def finished(_fut):  # one callback per bucket (DDP needs the bucket's future anyway)
+        state.completed(launched, range(len(launched)))
+        return buf
+    return torch.futures.collect_all(futures).then(finished)
 
 
 def overlap_hook(state: ShimState, bucket):
@@ -158,8 +171,8 @@ def overlap_hook(state: ShimState, bucket):
     for p in params:  # an update still pending from the last iteration (a module that did not run forward);
         _apply(state, p, state.step)  # its gradient is complete, so autograd no longer reads the parameter
     buf = bucket.buffer().div(state.world)  # a copy, which the all-reduce owns until it completes
-    futures, pieces = state.launch(buf, params)
-    pend, offset = _Pending(futures, buf, []), 0
+    futures, pieces, launched = state.launch(buf, params)
+    pend, offset = _Pending(futures, buf, [], launched), 0
     for p in params:
         n = p.numel()
         covering = tuple(i for i, (o, length, _) in enumerate(pieces) if o < offset + n and o + length > offset)
@@ -184,6 +197,10 @@ def _apply(state: ShimState, param, step) -> None:
                 pend.futures[i].wait()
             break
     done = [fut.done() for fut in pend.futures]
+    seen = [i for i, d in enumerate(done) if d and i not in pend.timed]
+    if seen:
+        pend.timed.update(seen)
+        state.completed(pend.launched, seen)
     params = []
     for p, offset, numel, covering in pend.params:
         if id(p) in pend.applied or not all(done[i] for i in covering):
