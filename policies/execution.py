@@ -22,7 +22,7 @@ the same network engine (:func:`policies.simulator.network_done_times`), with th
 
 * The same DDP buckets (the shim's bucket cap). When a bucket is ready the reducer calls the shim's Python comm
   hook, one bucket after the other on the training thread. The hook copies the bucket (``buffer.div(world)``),
-  cuts it into pieces by level (:func:`bucket_pieces`, the rule of ``shim.buckets.pieces_of``: the bucket's
+  cuts it into pieces by level (``policies.partition.bucket_pieces``, which ``shim.buckets.pieces_of`` runs: the bucket's
   parameters in its buffer order, adjacent parameters of one level fused, pieces at most ``partition_bytes``)
   and issues the pieces most urgent level first, then by the forward position of their first layer.
 * One gloo group per level (``threads`` operations at once each, FIFO); strict priority across levels on the
@@ -54,8 +54,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from policies.compress import compress_levels
 from policies.model import Block, CostModel, Profile, Schedule, grad_ready_times
+from policies.partition import bucket_pieces, forward_order_levels
 from policies.simulator import forward_starts, network_done_times
 
 INF = float("inf")
@@ -171,40 +171,10 @@ def ddp_buckets(sizes: Sequence[int], bucket_bytes: int, first_bucket_bytes: int
     return tuple(out)
 
 
-def bucket_pieces(sizes: Sequence[int], levels: Sequence[int], partition_bytes: int | None
-                  ) -> list[tuple[int, int, int]]:
-    """Cut a bucket (parameters of ``sizes`` bytes, in buffer order) into ``(offset, length, level)`` pieces.
-
-    ``shim.buckets.pieces_of`` in bytes: a piece never mixes levels and never exceeds ``partition_bytes`` (None:
-    no limit); adjacent parameters of one level are fused into one piece.
-    Usage: ``bucket_pieces([12, 12], [0, 1], None) == [(0, 12, 0), (12, 12, 1)]``
-    """
-    pieces: list[tuple[int, int, int]] = []
-    offset = 0
-    for n, level in zip(sizes, levels):
-        if pieces and pieces[-1][2] == level and (partition_bytes is None or pieces[-1][1] < partition_bytes):
-            start, length, _ = pieces.pop()
-        else:
-            start, length = offset, 0
-        length += n
-        while partition_bytes is not None and length > partition_bytes:
-            pieces.append((start, partition_bytes, level))
-            start, length = start + partition_bytes, length - partition_bytes
-        pieces.append((start, length, level))
-        offset += n
-    return [p for p in pieces if p[1] > 0]
-
-
 def layer_order_levels(profile: Profile, levels: int) -> tuple[int, ...]:
     """The shim's ``layer_order`` policy: forward order compressed onto ``levels`` byte-balanced contiguous groups
-    (``shim.buckets.parameter_levels`` on one parameter per layer). Usage: ``layer_order_levels(p, 4)``"""
-    if levels < 1:
-        raise ValueError(f"levels must be >= 1, not {levels}")
-    n = len(profile.layers)
-    if levels == 1 or n == 0:
-        return (0,) * n
-    return compress_levels(list(range(n)), queues=levels, reserved=0,
-                           weights=[max(1, l.params_bytes) for l in profile.layers])
+    (``policies.partition.forward_order_levels`` of the layers' bytes). Usage: ``layer_order_levels(p, 4)``"""
+    return forward_order_levels([l.params_bytes for l in profile.layers], levels)
 
 
 def _partition(partition_bytes: int | None) -> int | None:

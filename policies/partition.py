@@ -13,6 +13,43 @@ from policies.model import Block, Profile, Schedule, make_blocks
 MiB = 1 << 20
 
 
+def bucket_pieces(sizes: Sequence[int], levels: Sequence[int], limit: int | None) -> list[tuple[int, int, int]]:
+    """Cut a bucket (items of ``sizes``, concatenated in buffer order) into ``(offset, length, level)`` pieces: the
+    rule the shim runs (``shim.buckets.pieces_of``, in elements) and ``policies.execution`` models (in bytes).
+
+    A piece never mixes levels and never exceeds ``limit`` (None: no limit); adjacent items of one level are fused
+    into one piece. Usage: ``bucket_pieces([12, 12], [0, 1], None) == [(0, 12, 0), (12, 12, 1)]``
+    """
+    pieces: list[tuple[int, int, int]] = []
+    offset = 0
+    for n, level in zip(sizes, levels):
+        if pieces and pieces[-1][2] == level and (limit is None or pieces[-1][1] < limit):
+            start, length, _ = pieces.pop()
+        else:
+            start, length = offset, 0
+        length += n
+        while limit is not None and length > limit:
+            pieces.append((start, limit, level))
+            start, length = start + limit, length - limit
+        pieces.append((start, length, level))
+        offset += n
+    return [p for p in pieces if p[1] > 0]
+
+
+def forward_order_levels(sizes_bytes: Sequence[int], levels: int) -> tuple[int, ...]:
+    """Layer-order priority (P3, ByteScheduler) on ``levels`` queues: items in forward order compressed onto
+    contiguous byte-balanced levels, first items most urgent (CEFS/Crux compression, ``policies.compress``).
+
+    Usage: ``forward_order_levels([4, 4, 4, 4], 2) == (0, 0, 1, 1)``
+    """
+    if levels < 1:
+        raise ValueError(f"levels must be >= 1, not {levels}")
+    n = len(sizes_bytes)
+    if levels == 1 or n == 0:
+        return (0,) * n
+    return compress_levels(list(range(n)), queues=levels, reserved=0, weights=[max(1, s) for s in sizes_bytes])
+
+
 def layer_ranges(profile: Profile) -> list[tuple[int, int]]:
     """One byte range per layer that has parameters. Usage: ``layer_ranges(p) == [(0, 4), (4, 12)]``"""
     offs = profile.offsets()

@@ -6,7 +6,7 @@ Usage: ``levels = parameter_levels(sizes, levels=4); pieces = pieces_of(bucket_s
 """
 from __future__ import annotations
 
-from policies.compress import compress_levels
+from policies.partition import bucket_pieces, forward_order_levels
 
 POLICIES = ("layer_order", "flat")
 
@@ -21,10 +21,9 @@ def parameter_levels(sizes_bytes: list[int], levels: int, policy: str = "layer_o
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
-    if policy == "flat" or levels == 1:
+    if policy == "flat":
         return [0] * len(sizes_bytes)
-    return list(compress_levels(list(range(len(sizes_bytes))), queues=levels, reserved=0,
-                                weights=[max(1, s) for s in sizes_bytes]))
+    return list(forward_order_levels(sizes_bytes, levels))
 
 
 def pieces_of(numels: list[int], levels: list[int], partition_elems: int | None) -> list[tuple[int, int, int]]:
@@ -33,17 +32,4 @@ def pieces_of(numels: list[int], levels: list[int], partition_elems: int | None)
     A piece never mixes levels and never exceeds ``partition_elems`` (None: no limit). Adjacent parameters of one
     level are fused into one piece. Usage: ``pieces_of([3, 3], [0, 1], None) == [(0, 3, 0), (3, 3, 1)]``
     """
-    pieces: list[tuple[int, int, int]] = []
-    offset = 0
-    for n, level in zip(numels, levels):
-        if pieces and pieces[-1][2] == level and (partition_elems is None or pieces[-1][1] < partition_elems):
-            start, length, _ = pieces.pop()
-        else:
-            start, length = offset, 0
-        length += n
-        while partition_elems is not None and length > partition_elems:
-            pieces.append((start, partition_elems, level))
-            start, length = start + partition_elems, length - partition_elems
-        pieces.append((start, length, level))
-        offset += n
-    return [p for p in pieces if p[1] > 0]
+    return bucket_pieces(numels, levels, partition_elems)
