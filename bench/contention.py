@@ -33,7 +33,7 @@ import tempfile
 import time
 
 from bench.bulk import bulk
-from bench.workers import machine_info, ScenarioError, progress_printer, run_workers, show_figures
+from bench.workers import ScenarioError, machine_info, progress_printer, run_workers, show_figures, text_table
 
 TARGET_AGENT_RATIO = 1.10
 TARGET_FIFO_RATIO = 2.0
@@ -250,9 +250,7 @@ def format_table(result: dict) -> str:
     if result.get("bulk_after_ratio") is not None:
         rows.append(("bulk after training", f"{min(result['bulk_after_bps'].values()) / 1e6:.0f} Mbit/s",
                      f"{result['bulk_after_ratio']:.0%} of link", f">= {TARGET_BULK_AFTER:.0%}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = text_table(rows)
     verdict = result.get("pass") or passes(result)
     met = [k for k, v in verdict.items() if v is True]
     missed = [k for k, v in verdict.items() if v is False]

@@ -45,7 +45,8 @@ import sys
 import tempfile
 import time
 
-from bench.workers import ScenarioError, progress_printer, show_figures, tail, worker_env
+from bench.workers import (ScenarioError, progress_printer, reap_workers, show_figures, tail, text_table, wait_worker,
+                           worker_env)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("fifo", "static", "rotate")
@@ -167,14 +168,7 @@ def run_jobs(tb, jobs: list[dict], sockets: dict[int, str] | None, workdir: str,
         os.replace(tmp, go)
         deadline = time.monotonic() + START_DELAY_S + timeout
         for jid, rank, host, _, _, log, proc in procs:
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise ScenarioError(f"{tag}: {jid} rank {rank} on {host.name} still running after {timeout:g} s; "
-                                    f"log:\n{tail(log.name)}") from None
-            if proc.returncode != 0:
-                raise ScenarioError(f"{tag}: {jid} rank {rank} on {host.name} exited {proc.returncode}; "
-                                    f"log:\n{tail(log.name)}")
+            wait_worker(proc, deadline, timeout, f"{tag}: {jid} rank {rank} on {host.name}", log.name)
         import json
 
         results: dict[str, list[dict]] = {}
@@ -186,11 +180,7 @@ def run_jobs(tb, jobs: list[dict], sockets: dict[int, str] | None, workdir: str,
         end = {jid: max(r["end_time"] for r in rs) - start for jid, rs in results.items()}
         return {"start": start, "jct_s": jct, "end_s": end, "results": results}
     finally:
-        for *_, log, proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=5)
-            log.close()
+        reap_workers((log, proc) for *_, log, proc in procs)
 
 
 def tcp_counters(host) -> dict[str, int]:
@@ -390,9 +380,7 @@ def format_table(result: dict) -> str:
                      _fmt(f.get("rotate_vs_fifo_avg")) + ok[p["rotate_avg"]],
                      _fmt(f.get("rotate_worst_vs_fifo_worst")) + ok[p["rotate_worst_not_worse"]],
                      {True: "yes", False: "no", None: "-"}[p["rotate_no_job_worse"]]))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = text_table(rows)
     lines.append(f"targets: rotate avg <= {TARGET_ROTATE_VS_FIFO_AVG:.2f}x FIFO avg; no job's rotate JCT above its "
                  f"FIFO JCT (per job; worst case shown too)")
     return "\n".join(lines)

@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 
-from bench.workers import machine_info, progress_printer, show_figures
+from bench.workers import machine_info, progress_printer, show_figures, text_table
 
 TARGET_RATIO = 1.05
 RATE = "10gbit"           # the testbed's highest rate (testbed.topology.MAX_RATE_BPS): the link never limits
@@ -164,9 +164,7 @@ def format_table(result: dict) -> str:
         rows.append((label, f"{med * 1000:.1f} ms", "1.00x" if mode == "ddp" else
                      (f"{med / ddp:.2f}x" if ddp else "-"), rounds,
                      "" if mode == "ddp" else f"<= {TARGET_RATIO:.2f}x"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = text_table(rows)
     verdict = result.get("pass") or passes(result)
     met = [k for k, v in verdict.items() if v is True]
     missed = [k for k, v in verdict.items() if v is False]

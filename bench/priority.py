@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from bench.workers import machine_info, ScenarioError, progress_printer, run_workers, show_figures
+from bench.workers import ScenarioError, machine_info, progress_printer, run_workers, show_figures, text_table
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILES = ("resnet50", "vgg16", "bert_base")
@@ -224,9 +224,7 @@ def format_table(result: dict) -> str:
                      ms(f.get("lower_bound_s")), x(f.get("shim_vs_ddp"), TARGET_VS_DDP),
                      x(f.get("shim_vs_lower_bound"), TARGET_VS_LOWER_BOUND),
                      x(f.get("shim_vs_app_order"), 1.0, le=False)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = text_table(rows)
     lines.append(f"targets: shim <= {TARGET_VS_DDP:.2f}x DDP, shim <= {TARGET_VS_LOWER_BOUND:.2f}x lower bound, "
                  f"shim < app order")
     return "\n".join(lines)

@@ -54,25 +54,49 @@ def run_workers(tb, hosts: list[int], argv_of, workdir: str, tag: str, timeout: 
                                                            cwd=REPO_ROOT)))
         deadline = time.monotonic() + timeout
         for rank, host, out, log, proc in procs:
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise ScenarioError(f"{tag}: rank {rank} on {host.name} still running after {timeout:g} s; "
-                                    f"log:\n{tail(log.name)}") from None
-            if proc.returncode != 0:
-                raise ScenarioError(f"{tag}: rank {rank} on {host.name} exited {proc.returncode}; "
-                                    f"log:\n{tail(log.name)}")
+            wait_worker(proc, deadline, timeout, f"{tag}: rank {rank} on {host.name}", log.name)
         results = []
         for _, _, out, _, _ in procs:
             with open(out) as fh:
                 results.append(json.load(fh))
         return results
     finally:
-        for _, _, _, log, proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=5)
-            log.close()
+        reap_workers((log, proc) for _, _, _, log, proc in procs)
+
+
+def wait_worker(proc, deadline: float, timeout: float, what: str, log_path: str) -> None:
+    """Wait for worker ``proc`` until ``deadline`` (time.monotonic(); at least 1 s); raise ScenarioError naming
+    ``what`` with the tail of its log if it is still running (``timeout``: the budget, for the message) or failed.
+    Usage: ``wait_worker(proc, deadline, 120, "tag: rank 0 on tw-h1", log.name)``
+    """
+    import time
+
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise ScenarioError(f"{what} still running after {timeout:g} s; log:\n{tail(log_path)}") from None
+    if proc.returncode != 0:
+        raise ScenarioError(f"{what} exited {proc.returncode}; log:\n{tail(log_path)}")
+
+
+def reap_workers(logs_and_procs) -> None:
+    """Kill every worker still running and close its log file: ``(log, proc)`` pairs. Usage: in a ``finally``."""
+    for log, proc in logs_and_procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)
+        log.close()
+
+
+def text_table(rows) -> list[str]:
+    """Left-aligned columns of ``rows`` (the first is the header) with a rule of dashes under the header.
+
+    Usage: ``"\n".join(text_table([("phase", "median"), ("fifo", "1794 ms")]))``
+    """
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
 
 
 def use_interface(ifname: str | None) -> str:
