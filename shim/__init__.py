@@ -1,11 +1,19 @@
 """Training-side shim of tensorlane. ``import shim; handle = shim.attach(ddp_model, optimizer)`` gives a DDP model
-prioritized all-reduce through the local agent (see shim/ddp.py and docs/shim.md). ``shim.flows`` and
-``shim.agent_link`` need no torch; ``attach`` imports torch when first used.
+prioritized all-reduce through the local agent (see shim/ddp.py and docs/shim.md); frameworks that wrap the model
+in DDP themselves take ``shim.comm_state()`` with ``shim.priority_hook`` (docs/frameworks.md). ``shim.flows`` and
+``shim.agent_link`` need no torch; the names below import torch when first used.
 """
 
+_LAZY = ("attach", "comm_state", "priority_hook", "overlap_hook", "agree_job_id")
 
-def attach(*args, **kwargs):
-    """See :func:`shim.ddp.attach`."""
-    from shim.ddp import attach as _attach
 
-    return _attach(*args, **kwargs)
+def __getattr__(name):
+    if name in _LAZY:
+        from shim import ddp
+
+        return getattr(ddp, name)
+    raise AttributeError(f"module 'shim' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])

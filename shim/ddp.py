@@ -1,17 +1,19 @@
-"""`shim.attach` (this module: DDP integration): prioritized, wait-free all-reduce for a DDP model, with optional overlap of communication and
-the next forward pass.
+"""`shim.attach` (this module: DDP integration): prioritized, wait-free all-reduce for a DDP model, with optional
+overlap of communication and the next forward pass.
 
 - One gloo process group per priority level: each level is its own set of TCP connections, which the shim finds
   in /proc and registers with the local agent (job id, rank, level).
 - A DDP communication hook cuts every gradient bucket into pieces by level (``shim.buckets``) and launches each
   piece's all-reduce on its level's group as soon as the bucket is ready; several levels are in flight at once
   and the network (the agent's queues, the switches' DSCP queues) serves the urgent ones first.
-- With ``optimizer``, overlap mode: DDP waits for every hook future before ``backward()`` returns, so the hook
-  returns at once and the all-reduce continues on a copy of the bucket. Each parameter's optimizer step is taken
-  when its own all-reduce has completed, lazily, in a forward pre-hook of the module that owns it: the next
-  forward pass starts while later layers are still synchronizing. ``optimizer.step()`` in the user's loop does
-  nothing (updates are applied per parameter); ``zero_grad()`` is harmless. ``state_dict()`` of the model or the
-  optimizer, ``flush()`` and ``close()`` apply every pending update first.
+- Hook mode (``priority_hook``): DDP waits for the pieces before ``backward()`` returns; the training loop is
+  exactly plain DDP's. ``comm_state()`` makes a state for frameworks that own DDP (Lightning's ``DDPStrategy``).
+- Overlap mode (``attach(..., optimizer)``, ``overlap_hook``): the hook returns at once and each parameter's
+  optimizer step is taken when its own all-reduce has completed, in a forward pre-hook of its module, so the next
+  forward pass starts while later layers are still synchronizing. The first synchronized iteration is a probe
+  that runs like hook mode and checks that the loop is one overlap mode reproduces exactly; if not (gradient
+  clipping, GradScaler, ``step(closure)``, an optimizer that is not per-parameter) the job stays in hook mode
+  with one warning (``shim/overlap.py`` has the rules).
 
 Usage::
 
@@ -28,16 +30,19 @@ import os
 import re
 import threading
 import time
+import types
+import uuid
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from shim import report
+from shim import overlap as ov
 from shim.agent_link import AgentLink
 from shim.buckets import parameter_levels, pieces_of
 from shim.flows import new_flows, own_tcp_flows
+from shim.report import Reporter
 
 log = logging.getLogger("tensorlane.shim")
 PLANNER_POLICIES = ("planner", "layer_order", "flat")
@@ -51,12 +56,33 @@ def _disabled(disable: bool | None) -> bool:
     return os.environ.get("TENSORLANE_DISABLE", "").strip().lower() in _TRUE
 
 
-def default_job_id() -> str:
-    """A job id every rank agrees on: TENSORLANE_JOB, else torchrun's run id, else the rendezvous address."""
-    raw = (os.environ.get("TENSORLANE_JOB") or os.environ.get("TORCHELASTIC_RUN_ID")
-           or f"job-{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}")
+def _clean_job(raw: str) -> str:
     job = re.sub(r"[^A-Za-z0-9_.:\-]", "-", raw)[:64]
     return job if job[:1].isalnum() else f"j{job}"[:64]
+
+
+def default_job_id() -> str | None:
+    """The job id named by the environment: TENSORLANE_JOB, else torchrun's run id (``--rdzv-id``) unless it is
+    torchrun's default ``none``; None when neither names the job (``agree_job_id`` then makes one)."""
+    raw = os.environ.get("TENSORLANE_JOB") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if raw.strip().lower() in ("", "none"):
+        return None
+    return _clean_job(raw)
+
+
+def agree_job_id(job: str | None = None, group=None) -> str:
+    """A job id that is the same on every rank of this job and differs between jobs (a collective on ``group``).
+
+    ``job`` or ``default_job_id()`` when given; otherwise rank 0 draws ``job-<12 hex digits>`` and broadcasts it,
+    so that two jobs started without ``--rdzv-id`` (``TORCHELASTIC_RUN_ID=none`` for both) stay apart.
+    Usage: ``job = agree_job_id(group=groups[0])``
+    """
+    job = job or default_job_id()
+    if job is not None:
+        return _clean_job(job)
+    box = [f"job-{uuid.uuid4().hex[:12]}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return _clean_job(str(box[0]))
 
 
 @dataclass
@@ -72,35 +98,48 @@ class LevelStats:
 
 
 @dataclass
-class _Pending:
-    """A bucket whose all-reduce is in flight (overlap mode).
+class ShimState:
+    """Everything the hooks need, kept plain and explicit (like DDP's default hook states).
 
-    ``params`` holds ``(param, offset, numel, piece indexes)``: the pieces of ``futures`` that cover the
-    parameter's slice of ``buffer``, so that a parameter waits only for its own pieces.
+    ``mode`` is ``hook``, ``probing`` (overlap asked for, first iteration under way) or ``overlap``, with
+    ``mode_reason``. ``deferred`` holds overlap mode's pending steps (``shim.overlap``). A state made by
+    ``comm_state()`` has no groups yet: ``start()`` makes them at the first hook call.
     """
 
-    futures: list
-    buffer: torch.Tensor
-    params: list  # (param, offset, numel, tuple of piece indexes)
-    launched: list = field(default_factory=list)  # (level, launch time) of each piece, for the counters
-    applied: set = field(default_factory=set)  # id(param) of the parameters whose step has been taken
-    timed: set = field(default_factory=set)  # pieces whose completion has been counted
-
-
-@dataclass
-class ShimState:
-    """Everything the hooks need, kept plain and explicit (like DDP's default hook states)."""
-
-    groups: list
+    groups: list | None
     world: int
     param_level: dict  # id(param) -> level
     partition_elems: int | None
-    overlap: bool
-    stats: list[LevelStats] = field(default_factory=list)
+    levels: int = 4
+    mode: str = "hook"
+    mode_reason: str = "no optimizer given: DDP's own step (hook mode)"
+    counters: list[LevelStats] = field(default_factory=list)  # per level
     forward_index: dict = field(default_factory=dict)  # id(param) -> position in forward order
-    pending: dict = field(default_factory=dict)  # id(param) -> _Pending
-    step: object = None  # overlap mode: the optimizer step of a list of parameters (Handle._step_subset)
+    deferred: ov.Deferred | None = None
+    require_overlap: bool = False
+    link: AgentLink | None = None
+    flows: dict = field(default_factory=dict)  # level -> flows registered
+    reporter: Reporter | None = None
+    job: str = ""
+    options: dict = field(default_factory=dict)  # comm_state(): what start() needs
+    order_source: list | None = None  # comm_state() without module: parameters in hook order, to learn levels
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self):
+        if not self.counters:
+            self.counters = [LevelStats() for _ in range(self.levels)]
+
+    def start(self) -> None:
+        """Make the per-level groups, agree on the job id and register the flows (a collective; idempotent)."""
+        if self.groups is not None:
+            return
+        o = self.options
+        self.world = dist.get_world_size()
+        self.groups, self.link, self.flows, self.job = _connect(self.levels, o.get("agent_socket"), o.get("job"))
+        self.reporter = _reporter(self, o.get("report_interval_s", 5.0))
+        module = o.get("module")
+        if module is not None:
+            _set_layer_levels(self, [p for p in module.parameters() if p.requires_grad], o.get("policy"))
 
     def launch(self, buf: torch.Tensor, params: list) -> tuple[list, list, list]:
         """Start the all-reduce of ``buf`` (the concatenated grads of ``params``) piece by piece, by level.
@@ -133,7 +172,7 @@ class ShimState:
                                          async_op=True).get_future()
         with self.lock:
             for offset, length, level in pieces:
-                s = self.stats[level]
+                s = self.counters[level]
                 s.allreduces += 1
                 s.bytes += length * element
         return futures, pieces, launched
@@ -144,14 +183,65 @@ class ShimState:
         with self.lock:
             for i in indexes:
                 level, t0 = launched[i]
-                self.stats[level].comm_s += now - t0
+                self.counters[level].comm_s += now - t0
+
+    def level_stats(self) -> list[dict]:
+        with self.lock:
+            return [dict(level=i, **vars(s)) for i, s in enumerate(self.counters)]
+
+    def summary(self) -> dict:
+        """Mode (and why), flows per level, per-level all-reduce counters, the agent link's counters."""
+        link = self.link
+        out = {"enabled": True, "mode": self.mode, "mode_reason": self.mode_reason, "job": self.job,
+               "flows": {lvl: len(f) for lvl, f in self.flows.items()}, "levels": self.level_stats(),
+               "agent": {"connected": False} if link is None else
+               {"connected": link.connected, **link.counters, "last_error": link.last_error}}
+        if self.deferred is not None:
+            out["overlap"] = {"steps_deferred": self.deferred.steps, "flushes": self.deferred.flushes,
+                              "early_parameters": len(self.deferred.early)}
+        return out
+
+    def stats(self) -> dict:
+        """``summary()`` (the same shape as ``Handle.stats()``). Usage: ``state.stats()["levels"]``"""
+        return self.summary()
+
+    def fallback(self, reason: str) -> None:
+        """Leave overlap mode for hook mode for the rest of the run (every rank, at the same iteration)."""
+        if self.require_overlap:
+            raise RuntimeError(f"tensorlane: overlap mode cannot reproduce this training loop: {reason}. "
+                               "Remove that idiom, or attach without require_overlap=True to run in hook mode.")
+        self.mode = "hook"
+        self.mode_reason = f"overlap mode fell back to hook mode: {reason}"
+        if dist.get_rank() == 0:
+            warnings.warn(f"tensorlane: {self.mode_reason}", stacklevel=2)
+        log.info("tensorlane: %s", self.mode_reason)
+
+    def close(self) -> None:
+        """Stop reporting and withdraw the flows (a state made by ``comm_state()``; ``Handle.close`` does this
+        for ``attach``). Idempotent."""
+        if self.reporter is not None:
+            self.reporter.close()
+            self.reporter = None
+        if self.link is not None:
+            self.link.close()
+
+
+def _set_layer_levels(state: ShimState, params_in_forward_order: list, policy: str | None) -> None:
+    sizes = [p.numel() * p.element_size() for p in params_in_forward_order]
+    lv = parameter_levels(sizes, state.levels, policy or "layer_order")
+    state.param_level = {id(p): level for p, level in zip(params_in_forward_order, lv)}
+    state.forward_index = {id(p): i for i, p in enumerate(params_in_forward_order)}
 
 
 def priority_hook(state: ShimState, bucket):
     """DDP comm hook: average the bucket with one all-reduce per level piece, all launched at once.
 
-    Usage: ``ddp.register_comm_hook(state, priority_hook)``
+    Usage: ``ddp.register_comm_hook(state, priority_hook)`` (state from ``attach`` or ``comm_state()``)
     """
+    if state.groups is None:
+        state.start()
+    if state.order_source is not None:
+        _learn_order(state, bucket)
     buf = bucket.buffer()
     buf.div_(state.world)
     futures, _, launched = state.launch(buf, bucket.parameters())
@@ -162,134 +252,263 @@ def priority_hook(state: ShimState, bucket):
     return torch.futures.collect_all(futures).then(finished)
 
 
-def overlap_hook(state: ShimState, bucket):
-    """DDP comm hook of overlap mode: launch the pieces on a copy of the bucket and return at once.
+def _learn_order(state: ShimState, bucket) -> None:
+    """comm_state() without a module: levels from the order DDP's rebuilt buckets become ready (the reverse of
+    the forward order), learnt in the second synchronized backward and used from the third on; until then every
+    piece goes at the last level. The same on every rank (DDP's buckets are)."""
+    src = state.order_source
+    if bucket.index() == 0:
+        src.append([])
+    src[-1].extend(bucket.parameters())
+    if bucket.is_last() and len(src) >= 2:
+        _set_layer_levels(state, list(reversed(src[-1])), state.options.get("policy"))
+        state.order_source = None
 
-    Usage: ``ddp.register_comm_hook(state, overlap_hook)``
+
+def overlap_hook(state: ShimState, bucket):
+    """DDP comm hook of overlap mode: launch the pieces on a copy of the bucket and return at once (while the
+    first iteration probes the loop, and after a fall-back, it is ``priority_hook``).
+
+    Usage: ``ddp.register_comm_hook(state, overlap_hook)`` (``attach(model, optimizer)`` does it)
     """
+    d = state.deferred
+    if bucket.index() == 0 and state.mode == "probing" and d.probe.backwards > 0:
+        _decide(state)  # a collective, at the same bucket of the same backward on every rank
+    if state.mode != "overlap":
+        fut = priority_hook(state, bucket)
+    else:
+        fut = _launch_deferred(state, bucket)
+    if bucket.is_last() and state.mode != "hook":
+        params = state.options["params"]
+        probing = state.mode == "probing"
+        ov.after_backward_callback(lambda: d.after_backward(params, probing))
+    return fut
+
+
+def _decide(state: ShimState) -> None:
+    """End of a probe iteration: agree over the ranks on what they saw, then overlap, hook mode, or go on probing
+    (no rank has called step() after a synchronized backward yet: GradScaler skips, accumulation)."""
+    pr = state.deferred.probe
+    flags = torch.tensor([0.0 if pr.stepped else 1.0, float(pr.grads_changed), float(pr.closure)],
+                         dtype=torch.float64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=state.groups[0])
+    not_stepped, changed, closure = (v > 0 for v in flags.tolist())
+    if changed or closure:
+        state.fallback("; ".join(r for r, f in ((ov.GRADS_CHANGED, changed), (ov.CLOSURE, closure)) if f))
+    elif not not_stepped:
+        state.mode = "overlap"
+        state.mode_reason = "the first iteration showed a loop that overlap mode reproduces exactly"
+
+
+def _launch_deferred(state: ShimState, bucket):
+    d = state.deferred
     params = list(bucket.parameters())
-    for p in params:  # an update still pending from the last iteration (a module that did not run forward);
-        _apply(state, p, state.step)  # its gradient is complete, so autograd no longer reads the parameter
+    for p in params:
+        pend = d.pending.get(id(p))
+        if pend is None or id(p) in pend.applied:
+            continue
+        if pend.hparams is None:  # no step() after the last backward: as under DDP, the gradient (still in
+            pend.applied.add(id(p))  # .grad) accumulates and is all-reduced again with this one
+            d.pending.pop(id(p), None)
+        elif id(p) in d.got_grad:
+            raise RuntimeError("tensorlane overlap mode: a parameter (shape {}) was used in this forward pass "
+                               "before its step was applied: it is used outside the forward of the module "
+                               "that holds it, and was not so in the first iteration. Use hook mode "
+                               "(shim.attach without optimizer) for this model.".format(tuple(p.shape)))
+        else:  # stamped, but its module did not run forward: its gradient is final, take the step now
+            _apply(state, p)
     buf = bucket.buffer().div(state.world)  # a copy, which the all-reduce owns until it completes
     futures, pieces, launched = state.launch(buf, params)
-    pend, offset = _Pending(futures, buf, [], launched), 0
+    pend, offset = ov.Pending(futures, buf, [], launched), 0
     for p in params:
         n = p.numel()
         covering = tuple(i for i, (o, length, _) in enumerate(pieces) if o < offset + n and o + length > offset)
         pend.params.append((p, offset, n, covering))
-        state.pending[id(p)] = pend
+        d.pending[id(p)] = pend
         offset += n
+    d.unstamped.append(pend)
     done = torch.futures.Future()
     done.set_result(bucket.buffer())
     return done
 
 
-def _apply(state: ShimState, param, step) -> None:
-    """Wait for the pieces holding ``param``, then take the optimizer step of every parameter of its bucket
-    whose pieces have all completed by then (``param`` among them; the others are not waited for)."""
-    pend = state.pending.get(id(param))
+def _apply(state: ShimState, param) -> bool:
+    """Wait for the pieces holding ``param``, then take the stamped optimizer step of every parameter of its
+    bucket whose pieces have all completed by then (``param`` among them; the others are not waited for).
+    Nothing happens before the user's ``step()`` stamped the bucket. Returns whether a step was taken."""
+    d = state.deferred
+    pend = d.pending.get(id(param))
     if pend is None or id(param) in pend.applied:
-        state.pending.pop(id(param), None)
-        return
-    for _p, _o, _n, covering in pend.params:
-        if _p is param:
+        d.pending.pop(id(param), None)
+        return False
+    if pend.hparams is None:
+        return False
+    for p, _o, _n, covering in pend.params:
+        if p is param:
             for i in covering:
                 pend.futures[i].wait()
             break
     done = [fut.done() for fut in pend.futures]
-    seen = [i for i, d in enumerate(done) if d and i not in pend.timed]
+    seen = [i for i, ok in enumerate(done) if ok and i not in pend.timed]
     if seen:
         pend.timed.update(seen)
         state.completed(pend.launched, seen)
-    params = []
-    for p, offset, numel, covering in pend.params:
-        if id(p) in pend.applied or not all(done[i] for i in covering):
-            continue
+    ready = [(p, o, n) for p, o, n, covering in pend.params
+             if id(p) not in pend.applied and all(done[i] for i in covering)]
+    for p, _o, _n in ready:
+        if p._version != pend.versions.get(id(p), p._version):
+            raise RuntimeError(f"tensorlane overlap mode: a parameter (shape {tuple(p.shape)}) was changed in "
+                               "place between optimizer.step() and the next forward; under DDP that change "
+                               "comes after the update, which overlap mode has not applied yet. Call "
+                               "handle.flush() after optimizer.step() before changing parameters, or use hook mode.")
+    for p, _o, _n in ready:
         pend.applied.add(id(p))
-        state.pending.pop(id(p), None)
-        p.grad = pend.buffer.narrow(0, offset, numel).view_as(p)
-        params.append(p)
-    if step is not None and params:
-        step(params)
-    for p in params:
-        p.grad = None
+        d.pending.pop(id(p), None)
+    if not ready:
+        return False
+    saved = [p.grad for p, _o, _n in ready]
+    for p, o, n in ready:
+        p.grad = pend.buffer.narrow(0, o, n).view_as(p)
+    try:
+        _step_subset(d, [p for p, _o, _n in ready], pend.hparams)
+    finally:
+        for (p, _o, _n), g in zip(ready, saved):
+            p.grad = g  # what DDP left (this rank's gradient, or None after zero_grad): it accumulates as there
+    return True
+
+
+def _step_subset(d: ov.Deferred, params: list, hparams: list) -> None:
+    """One step of the user's optimizer over ``params`` only, with the hyperparameters ``hparams`` (one dict per
+    param group, as stamped by ``step()``); the groups are restored afterwards."""
+    opt = d.optimizer
+    wanted = {id(p) for p in params}
+    saved = [(g["params"], {k: g[k] for k in h if k in g}) for g, h in zip(opt.param_groups, hparams)]
+    try:
+        for g, h in zip(opt.param_groups, hparams):
+            g["params"] = [p for p in g["params"] if id(p) in wanted]
+            g.update(h)
+        with torch.no_grad():
+            d.orig_step()
+    finally:
+        for g, (ps, current) in zip(opt.param_groups, saved):
+            g["params"] = ps
+            g.update(current)
 
 
 class Handle:
     """What ``attach`` returns: ``close()``, ``flush()``, ``stats()``."""
 
-    def __init__(self, model, optimizer=None, state: ShimState | None = None, link: AgentLink | None = None,
-                 flows: dict | None = None, disabled: bool = False):
+    def __init__(self, model, optimizer=None, state: ShimState | None = None, disabled: bool = False):
         self.model = model
         self.optimizer = optimizer
         self.state = state
-        self.link = link
-        self.flows = flows or {}
         self.disabled = disabled
         self._hooks: list = []
-        self._orig_step = None
-        self.deferred_steps = 0
+        self._step_attr = None  # the bound method put on optimizer.step (overlap mode)
         self.closed = False
-        self.reporter = None  # shim.report: per-level communication counters to the agent (metrics)
         self.plan: dict = {}  # what the default policy decided (shim.plan), in stats()["plan"]
         self._recorder = None  # shim.plan.Recorder while the first iteration is being measured
 
+    @property
+    def link(self) -> AgentLink | None:
+        return None if self.state is None else self.state.link
+
+    @property
+    def flows(self) -> dict:
+        return {} if self.state is None else self.state.flows
+
+    @property
+    def reporter(self) -> Reporter | None:
+        return None if self.state is None else self.state.reporter
+
     # -- overlap mode plumbing ------------------------------------------------------------------------------
-    def _install_overlap(self) -> None:
-        opt = self.optimizer
-        self._orig_step = opt.step
-        opt.step = self._deferred_step
-        self.state.step = self._step_subset
-        owners = [m for m in self.model.module.modules() if any(True for _ in m.parameters(recurse=False))]
+    def _install_overlap(self, per_parameter: bool) -> None:
+        opt, root = self.optimizer, self.model.module
+        params = [p for p in root.parameters() if p.requires_grad]
+        owners = [m for m in root.modules() if any(True for _ in m.parameters(recurse=False))]
+        holders: dict = {}
+        for m in owners:
+            for p in m.parameters(recurse=False):
+                holders.setdefault(id(p), []).append(id(m))
+        d = self.state.deferred = ov.Deferred(opt, holders, per_parameter)
+        self.state.options["params"] = params
+        d.orig_step = opt.step
+
+        def step(_optimizer, closure=None):  # a method of the optimizer, so that LR schedulers can wrap it
+            return self._user_step(closure)
+        opt.step = self._step_attr = types.MethodType(step, opt)
+        self._hooks.append(root.register_forward_pre_hook(self._root_pre_forward))
         for m in owners:
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
-        self._hooks.append(self.model.register_state_dict_pre_hook(lambda *a, **k: self.flush()))
-        self._hooks.append(opt.register_state_dict_pre_hook(lambda *a, **k: self.flush()))
+        for p in params:
+            self._hooks.append(p.register_hook(self._grad_seen(p)))
+        flush = self._flush_hook
+        for m in [self.model, *owners] if root in owners else [self.model, root, *owners]:
+            self._hooks.append(m.register_state_dict_pre_hook(flush))
+            self._hooks.append(m.register_load_state_dict_pre_hook(flush))
+        self._hooks.append(opt.register_state_dict_pre_hook(flush))
+        self._hooks.append(opt.register_load_state_dict_pre_hook(flush))
 
-    def _deferred_step(self, closure=None):
-        if closure is not None:
-            raise RuntimeError("tensorlane overlap mode applies each parameter's step when its all-reduce "
-                               "completes; optimizer.step(closure) is not supported")
-        self.deferred_steps += 1
+    def _grad_seen(self, p):
+        key, seen = id(p), self.state.deferred.got_grad
 
-    def _step_subset(self, params: list) -> None:
-        opt = self.optimizer
-        wanted = {id(p) for p in params}
-        saved = [g["params"] for g in opt.param_groups]
-        try:
-            for g in opt.param_groups:
-                g["params"] = [p for p in g["params"] if id(p) in wanted]
-            with torch.no_grad():
-                self._orig_step()
-        finally:
-            for g, ps in zip(opt.param_groups, saved):
-                g["params"] = ps
+        def hook(_grad):
+            seen.add(key)
+        return hook
+
+    def _flush_hook(self, *_args, **_kwargs) -> None:
+        self.flush()
+
+    def _user_step(self, closure=None):
+        """The user's ``optimizer.step()``: stamps the pending updates in overlap mode (see shim.overlap)."""
+        state, d = self.state, self.state.deferred
+        if self.closed or state.mode == "hook":
+            return d.orig_step() if closure is None else d.orig_step(closure)
+        if state.mode == "probing":
+            d.probe_step(closure)
+            return d.orig_step() if closure is None else d.orig_step(closure)
+        d.stamp([p for g in self.optimizer.param_groups for p in g["params"]], closure)
+        return None
+
+    def _root_pre_forward(self, _module, _inputs) -> None:
+        d = self.state.deferred
+        if self.state.mode == "overlap" and d.early:
+            for p in self.state.options["params"]:
+                if id(p) in d.early:
+                    _apply(self.state, p)
 
     def _pre_forward(self, module, _inputs) -> None:
-        for p in module.parameters(recurse=False):
-            _apply(self.state, p, self._step_subset)
+        d = self.state.deferred
+        if self.state.mode == "probing":
+            d.probe.ran.add(id(module))
+        elif self.state.mode == "overlap" and d.pending:
+            for p in module.parameters(recurse=False):
+                _apply(self.state, p)
 
     # -- public -------------------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Apply every pending update (overlap mode); a no-op otherwise."""
-        if self.state is not None and self.state.overlap:
-            for key in list(self.state.pending):
-                pend = self.state.pending.get(key)
-                if pend is not None:
-                    for p, *_ in pend.params:
-                        if id(p) not in pend.applied:
-                            _apply(self.state, p, self._step_subset)
+        """Apply every update whose step() was called (overlap mode): call it before reading or changing
+        parameters outside a forward pass. A no-op otherwise. Usage: ``opt.step(); handle.flush(); ema.update()``"""
+        d = None if self.state is None else self.state.deferred
+        if d is None or not d.pending:
+            return
+        applied = False
+        for key in list(d.pending):
+            pend = d.pending.get(key)
+            if pend is not None and pend.hparams is not None:
+                for p, *_ in pend.params:
+                    applied |= _apply(self.state, p)
+        d.flushes += applied
 
     def stats(self) -> dict:
-        """Flows per level, agent link counters, and per-level all-reduce counts, bytes and seconds."""
+        """Mode and why, flows per level, agent link counters, per-level all-reduce counts, bytes and seconds,
+        and the planner's decision."""
         if self.disabled:
             return {"enabled": False}
-        with self.state.lock:
-            levels = [dict(level=i, **vars(s)) for i, s in enumerate(self.state.stats)]
-        return {"enabled": True, "mode": "overlap" if self.state.overlap else "hook",
-                "flows": {lvl: len(f) for lvl, f in self.flows.items()}, "levels": levels,
-                "deferred_steps": self.deferred_steps, "plan": dict(self.plan),
-                "agent": {"connected": self.link.connected, **self.link.counters, "last_error": self.link.last_error}}
+        out = self.state.summary()
+        out["plan"] = dict(self.plan)
+        out["deferred_steps"] = out.get("overlap", {}).get("steps_deferred", 0)
+        return out
 
     def close(self) -> None:
         """Apply pending updates, restore the optimizer, withdraw the flows from the agent. Idempotent."""
@@ -297,15 +516,20 @@ class Handle:
             self.closed = True
             return
         self.flush()
+        d = self.state.deferred
+        if d is not None:
+            for pend in {id(p): p for p in d.pending.values()}.values():
+                for fut in pend.futures:  # steps never asked for: let their all-reduces end before we leave
+                    fut.wait()
+            d.pending.clear()
         if self._recorder is not None:
             self._recorder.remove()
         for h in self._hooks:
             h.remove()
-        if self._orig_step is not None:
+        if self._step_attr is not None and self.optimizer.__dict__.get("step") is self._step_attr:
             del self.optimizer.step  # the instance attribute; the class's step is back
-        if self.reporter is not None:
-            self.reporter.close()
-        self.link.close()
+        # (an LR scheduler made after attach wraps our step: it stays, and forwards to the optimizer's own step)
+        self.state.close()
         self.closed = True
 
 
@@ -391,9 +615,55 @@ def _priority_groups(levels: int, master_port: str | None) -> tuple[list, dict[i
     return groups, flows
 
 
+def _connect(levels: int, agent_socket: str | None, job: str | None) -> tuple[list, AgentLink, dict, str]:
+    """The collective part of starting: groups per level, the agreed job id, flows registered with the agent."""
+    groups, flows = _priority_groups(levels, os.environ.get("MASTER_PORT"))
+    job = agree_job_id(job, group=groups[0])
+    link = AgentLink(agent_socket or os.environ.get("TENSORLANE_AGENT_SOCKET", DEFAULT_SOCKET), job,
+                     rank=dist.get_rank())
+    for level, fl in flows.items():
+        if fl:
+            link.add(level, fl)
+    return groups, link, flows, job
+
+
+def _reporter(state: ShimState, interval_s: float) -> Reporter:
+    """Per-level communication counters to the agent's metrics (shim.report)."""
+    return Reporter(state.level_stats, state.link.socket_path, state.job, interval_s=interval_s)
+
+
+def _check_levels(levels: int) -> None:
+    if not 1 <= levels <= 5:
+        raise ValueError(f"levels must be 1..5 (the DSCP table's distinct switch queues), not {levels}")
+
+
+def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | None = None,
+               partition_bytes: int | None = None, module=None, policy: str = "layer_order",
+               report_interval_s: float = 5.0) -> ShimState:
+    """A hook-mode state for a framework that wraps the model in DDP itself; nothing collective happens until the
+    first hook call, which makes the groups and registers the flows on every rank.
+
+    ``module`` (the model before DDP wraps it) gives the forward order of the parameters for their levels;
+    without it the order is learnt from DDP's buckets during the first two iterations. ``state.stats()``,
+    ``state.close()``. Usage (Lightning)::
+
+        state = shim.comm_state(levels=4, module=model)
+        Trainer(strategy=DDPStrategy(process_group_backend="gloo", ddp_comm_state=state,
+                                     ddp_comm_hook=shim.priority_hook))
+    """
+    _check_levels(levels)
+    if policy not in ("layer_order", "flat"):
+        raise ValueError(f"comm_state's policy must be 'layer_order' or 'flat', not {policy!r}")
+    return ShimState(None, 0, {}, None if partition_bytes is None else max(1, partition_bytes // 4), levels=levels,
+                     options={"agent_socket": agent_socket, "job": job, "module": module, "policy": policy,
+                              "report_interval_s": report_interval_s},
+                     order_source=[] if module is None else None)
+
+
 def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", agent_socket: str | None = None,
            job: str | None = None, partition_bytes: int | None = None, disable: bool | None = None,
-           report_interval_s: float = 5.0, profile=None, link_bps: float | None = None) -> Handle:
+           report_interval_s: float = 5.0, profile=None, link_bps: float | None = None,
+           require_overlap: bool = False, per_parameter_optimizer: bool | None = None) -> Handle:
     """Give ``model`` (a DistributedDataParallel) prioritized all-reduce; with ``optimizer``, overlap mode.
 
     Every rank must call it (it creates process groups). ``disable=True`` or TENSORLANE_DISABLE=1 leaves training
@@ -401,48 +671,53 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
     chooses each layer's level and the partition size from a profile measured during the first iteration or
     given as ``profile`` (a policies.model.Profile or a shipped profile's name, one layer per module with
     parameters) and the link rate ``link_bps`` (default: the agent's), see shim.plan; "layer_order" or "flat",
-    see shim.buckets), ``partition_bytes`` given explicitly overrides the planner's,
-    ``agent_socket`` (default TENSORLANE_AGENT_SOCKET or /run/tensorlane/agent.sock), ``job`` (default
-    ``default_job_id()``), ``partition_bytes`` (largest all-reduce piece; None: a bucket is cut only where its
-    level changes), ``report_interval_s`` (how often per-level communication counters go to the agent's
-    metrics, ``shim.report``). Usage: ``handle = shim.attach(ddp_model, optimizer, levels=4)``
+    see shim.buckets), ``partition_bytes`` (largest all-reduce piece; overrides the planner's; None with the other
+    policies: a bucket is cut only where its level changes), ``agent_socket`` (default TENSORLANE_AGENT_SOCKET or
+    /run/tensorlane/agent.sock), ``job`` (default ``agree_job_id()``), ``report_interval_s`` (how often
+    per-level communication counters go to the agent's metrics, ``shim.report``). Overlap mode: ``optimizer`` is a
+    torch optimizer or a framework's wrapper of one (Accelerate's); ``require_overlap=True`` raises instead of
+    falling back to hook mode when the first iteration shows a loop overlap mode cannot reproduce;
+    ``per_parameter_optimizer=True`` declares an optimizer outside ``shim.overlap.PER_PARAMETER_OPTIMIZERS``
+    whose update of each parameter depends only on that parameter (otherwise such an optimizer gets hook mode).
+    Usage: ``handle = shim.attach(ddp_model, optimizer, levels=4)``
     """
     if _disabled(disable):
         return Handle(model, optimizer, disabled=True)
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError("shim.attach needs a torch.nn.parallel.DistributedDataParallel model")
-    if not 1 <= levels <= 5:
-        raise ValueError(f"levels must be 1..5 (the DSCP table's distinct switch queues), not {levels}")
-    if optimizer is not None and getattr(model, "gradient_as_bucket_view", False):
-        raise ValueError("overlap mode needs DDP(gradient_as_bucket_view=False)")
+    _check_levels(levels)
+    if optimizer is not None:
+        optimizer = ov.inner_optimizer(optimizer)
+        if getattr(model, "gradient_as_bucket_view", False):
+            raise ValueError("overlap mode needs DDP(gradient_as_bucket_view=False)")
     if dist.get_backend() != "gloo":
         warnings.warn("tensorlane's shim is tested with gloo; with NCCL sockets the flows are found the same way, "
                       "over IB/RoCE use NCCL_IB_TC per communicator instead (see docs/shim.md)", stacklevel=2)
-    params = [p for p in model.module.parameters() if p.requires_grad]
-    sizes = [p.numel() * p.element_size() for p in params]
     if policy not in PLANNER_POLICIES:
         raise ValueError(f"policy must be one of {PLANNER_POLICIES}, not {policy!r}")
-    first_policy = "layer_order" if policy == "planner" else policy
-    param_level = {id(p): lvl for p, lvl in zip(params, parameter_levels(sizes, levels, first_policy))}
-    groups, flows = _priority_groups(levels, os.environ.get("MASTER_PORT"))
-    link = AgentLink(agent_socket or os.environ.get("TENSORLANE_AGENT_SOCKET", DEFAULT_SOCKET),
-                     job or default_job_id(), rank=dist.get_rank())
-    for level, fl in flows.items():
-        if fl:
-            link.add(level, fl)
-    element = params[0].element_size() if params else 4
-    state = ShimState(groups, dist.get_world_size(), param_level,
-                      None if partition_bytes is None else max(1, partition_bytes // element), optimizer is not None,
-                      stats=[LevelStats() for _ in range(levels)],
-                      forward_index={id(p): i for i, p in enumerate(params)})
-    handle = Handle(model, optimizer, state, link, flows)
+    params = [p for p in model.module.parameters() if p.requires_grad]
+    state = ShimState(None, dist.get_world_size(), {}, None, levels=levels, require_overlap=require_overlap)
+    _set_layer_levels(state, params, "layer_order" if policy == "planner" else policy)
+    if partition_bytes is not None:
+        element = params[0].element_size() if params else 4
+        state.partition_elems = max(1, partition_bytes // element)
+    state.groups, state.link, state.flows, state.job = _connect(levels, agent_socket, job)
+    state.reporter = _reporter(state, report_interval_s)
+    handle = Handle(model, optimizer, state)
     handle.plan = {"policy": policy}
     if policy == "planner":
         _start_planner(handle, model, levels, profile, link_bps, partition_bytes)
-    handle.reporter = report.start(handle, interval_s=report_interval_s)
-    if optimizer is not None:
-        handle._install_overlap()
-        model.register_comm_hook(state, overlap_hook)
-    else:
+    if optimizer is None:
         model.register_comm_hook(state, priority_hook)
+        return handle
+    per_param = per_parameter_optimizer if per_parameter_optimizer is not None else \
+        type(optimizer) in ov.PER_PARAMETER_OPTIMIZERS
+    handle._install_overlap(per_param)
+    if per_param:
+        state.mode, state.mode_reason = "probing", "overlap asked for: the first iteration runs as hook mode"
+    else:
+        state.mode = "probing"  # fallback() sets hook mode and says why (or raises with require_overlap)
+        state.fallback(f"{type(optimizer).__name__} is not known to update each parameter on its own "
+                       "(shim.overlap.PER_PARAMETER_OPTIMIZERS; pass per_parameter_optimizer=True if it does)")
+    model.register_comm_hook(state, overlap_hook)
     return handle

@@ -58,7 +58,7 @@ def test_same_parameters_as_ddp(tmp_path, nproc, optimizer):
             assert max_rel_diff(torch.load(tmp_path / f"{mode}-{rank}.pt"), ref) <= 1e-5, (mode, rank)
         assert max_rel_diff(torch.load(tmp_path / f"disabled-{rank}.pt"), ref) == 0.0
         stats = json.loads((tmp_path / f"overlap-{rank}.json").read_text())
-        assert stats["mode"] == "overlap" and stats["deferred_steps"] == 20
+        assert stats["mode"] == "overlap" and stats["deferred_steps"] == 19, stats  # the first iteration probes
         assert [lvl["allreduces"] > 0 for lvl in stats["levels"]] == [True, True, True]  # every level was used
         assert json.loads((tmp_path / f"disabled-{rank}.json").read_text()) == {"enabled": False}
 

@@ -1,0 +1,223 @@
+"""Overlap mode's deferred optimizer steps, and the checks that keep them exactly equal to plain DDP.
+
+In overlap mode the comm hook returns at once (``shim.ddp.overlap_hook``) and the all-reduce of each bucket
+continues on a copy of it (a :class:`Pending`). The user's ``optimizer.step()`` does not update anything: it
+*stamps* the pending buckets of that iteration with the optimizer's hyperparameters as they are at that moment
+(learning rate, momentum, ...: whatever an LR scheduler or the user's code set). Each parameter's step is taken
+later, when its own all-reduce has completed, in the forward pre-hook of its module (or on ``flush()``), with the
+stamped hyperparameters. So LR schedulers (created before or after ``attach``) and manual changes of
+``param_groups`` apply exactly as under DDP.
+
+What overlap mode cannot reproduce, and how it is caught:
+
+- gradients changed between ``backward()`` and ``step()`` (``clip_grad_norm_``, ``clip_grad_value_``,
+  ``GradScaler.unscale_``, code writing ``.grad``): under DDP they act on the averaged gradient, which overlap
+  mode does not have yet. The first synchronized iteration after ``attach`` is a :class:`Probe` that runs exactly
+  like hook mode; if it sees such a change (a gradient's version counter or identity changed), a
+  ``step(closure)`` or an optimizer that does not update each parameter on its own, every rank switches to hook
+  mode for the rest of the run (one warning; ``stats()["mode_reason"]``). The probe also compares each
+  gradient's norm (``GradScaler`` unscales in place without moving the version counter) and notices a step
+  taken through ``GradScaler.step``. A change that first appears later raises at that ``step()``, before the
+  update it concerns is applied (seen by version, identity, or a ``GradScaler`` caller; a write through
+  ``.grad.data`` after the first iteration is not seen).
+- a parameter used in a forward pass before its module's forward pre-hook ran (a parameter of one module used
+  functionally by another): parameters seen so in the probe are applied at the start of every forward; one that
+  is caught so later raises.
+- ``step()`` without a synchronized ``backward()`` since the previous one (a step after ``no_sync`` only, or two
+  steps on one gradient) raises; a ``backward()`` with no ``step()`` afterwards keeps DDP's semantics (the
+  gradient accumulates and is all-reduced with the next one).
+- parameters written in place between ``step()`` and the next forward (checked with their version counters)
+  raise; ``load_state_dict`` and ``state_dict`` of the model or the optimizer apply pending steps first.
+
+Code that *reads* parameters between ``step()`` and the next forward (an EMA of the weights, logging them) sees
+them before that iteration's update: call ``handle.flush()`` first. Code that reads ``.grad`` after
+``backward()`` sees this rank's own gradient (not the average) in overlap mode.
+
+Usage: ``deferred = Deferred(optimizer, per_parameter=True)`` is made by ``shim.attach``; see shim/ddp.py.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+# torch.optim classes whose update of a parameter depends only on that parameter's gradient and state, so that
+# stepping a subset of the parameters at a time gives the same result as one step of all (exact classes only:
+# a subclass may override step). LBFGS (closure, global state) and wrappers such as ZeroRedundancyOptimizer are
+# not among them: with those, overlap mode falls back to hook mode.
+PER_PARAMETER_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop",
+    "SparseAdam", "Adafactor") if hasattr(torch.optim, name))
+
+GRADS_CHANGED = ("gradients were changed between backward() and optimizer.step() (gradient clipping, "
+                 "GradScaler's unscale_/step, or code writing .grad): under DDP that acts on the averaged "
+                 "gradient, which overlap mode only has later")
+CLOSURE = ("optimizer.step(closure) runs forward and backward inside the step (LBFGS and similar), so the step "
+           "cannot be deferred")
+
+
+def inner_optimizer(optimizer):
+    """The torch optimizer behind a framework's wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``: an ``optimizer`` attribute), or ``optimizer`` itself."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        return inner
+    raise TypeError(f"shim.attach needs a torch.optim.Optimizer (or a wrapper holding one as .optimizer), "
+                    f"not {type(optimizer).__name__}")
+
+
+def hyperparameters(optimizer) -> list[dict]:
+    """Every param group's values except its parameters, as they are now (tensors copied: schedulers may change
+    a tensor learning rate in place)."""
+    return [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
+@dataclass
+class Pending:
+    """One bucket whose all-reduce is in flight.
+
+    ``params`` holds ``(param, offset, numel, piece indexes)``: the pieces of ``futures`` that cover the
+    parameter's slice of ``buffer``, so a parameter waits only for its own pieces. ``hparams`` is set when the
+    user's ``step()`` stamps it (None: no step was asked for yet), with each parameter's version at that time.
+    """
+
+    futures: list
+    buffer: torch.Tensor
+    params: list
+    launched: list = field(default_factory=list)  # (level, launch time) of each piece, for the counters
+    applied: set = field(default_factory=set)  # id(param): step taken, or dropped
+    timed: set = field(default_factory=set)  # pieces whose completion has been counted
+    hparams: list | None = None
+    versions: dict = field(default_factory=dict)  # id(param) -> param._version when stamped
+
+
+@dataclass
+class Probe:
+    """What the probe iterations saw, per rank (reduced over the ranks before any decision)."""
+
+    backwards: int = 0  # synchronized backward passes seen
+    stepped: bool = False  # step() called after one of them
+    grads_changed: bool = False
+    closure: bool = False
+    ran: set = field(default_factory=set)  # id(module) of modules whose forward ran since the last backward
+
+
+class Deferred:
+    """The deferred-step machinery of one ``attach``: pending buckets, gradient marks, the probe, the checks."""
+
+    def __init__(self, optimizer, holders: dict, per_parameter: bool):
+        self.optimizer = optimizer
+        self.holders = holders  # id(param) -> ids of the modules that hold it directly
+        self.per_parameter = per_parameter
+        self.pending: dict = {}  # id(param) -> Pending
+        self.unstamped: list = []  # Pendings of the current iteration, not yet stamped by step()
+        self.marks: list = []  # (param, grad, grad version) right after the last synchronized backward
+        self.got_grad: set = set()  # id(param) of parameters whose gradient was computed in this backward
+        self.early: set = set()  # id(param) used before their own module's forward: applied at forward start
+        self.probe = Probe()
+        self.norms: list | None = None  # while probing: each gradient's norm right after backward
+        self.orig_step = None
+        self.steps = 0  # step() calls stamped
+        self.flushes = 0
+        self.in_forward = 0
+        self.lock = threading.Lock()
+
+    # -- the user's optimizer.step() ----------------------------------------------------------------------
+    def stamp(self, params: list, closure) -> None:
+        """``optimizer.step()`` in overlap mode: check, then stamp this iteration's buckets (no update now)."""
+        if closure is not None:
+            raise RuntimeError(f"tensorlane overlap mode: {CLOSURE}. Use hook mode (shim.attach without "
+                               "optimizer) for this loop.")
+        changed = changed_grads(self.marks)
+        if changed or called_by_grad_scaler():
+            raise RuntimeError(f"tensorlane overlap mode: {GRADS_CHANGED} (first: a parameter of shape "
+                               f"{tuple(changed[0].shape) if changed else 'any'}). The first iteration showed no such change, so "
+                               "overlap mode was chosen; this update has not been applied. Use hook mode "
+                               "(shim.attach without optimizer) for a loop that changes gradients only sometimes.")
+        if not self.unstamped:
+            if any(p.grad is not None for p in params):
+                raise RuntimeError("tensorlane overlap mode: optimizer.step() without a synchronized backward() "
+                                   "since the last step (a step after no_sync() alone, or a second step on the "
+                                   "same gradients); overlap mode cannot reproduce DDP there. Use hook mode.")
+            return  # nothing to update, as under DDP (no gradients)
+        hp = hyperparameters(self.optimizer)
+        for pend in self.unstamped:
+            pend.hparams = hp
+            pend.versions = {id(p): p._version for p, *_ in pend.params}
+        self.unstamped = []
+        self.marks = []
+        self.steps += 1
+
+    def probe_step(self, closure) -> None:
+        """``optimizer.step()`` while probing: note what this iteration did (the real step follows)."""
+        self.probe.stepped = self.probe.backwards > 0 or self.probe.stepped
+        self.probe.closure |= closure is not None
+        self.probe.grads_changed |= (bool(changed_grads(self.marks)) or called_by_grad_scaler()
+                                     or _norms([g for _p, g, _v in self.marks]) != self.norms)
+        self.marks = []
+        self.norms = None
+
+    # -- after every synchronized backward ----------------------------------------------------------------
+    def after_backward(self, params: list, probing: bool) -> None:
+        """Runs once DDP has written the gradients: mark them; while probing, note early-used parameters."""
+        self.marks = [(p, p.grad, p.grad._version if p.grad is not None else -1) for p in params]
+        if probing:
+            self.norms = _norms([g for _p, g, _v in self.marks])
+            self.probe.backwards += 1
+            for p in params:
+                if id(p) in self.got_grad and not any(m in self.probe.ran for m in self.holders.get(id(p), ())):
+                    self.early.add(id(p))
+        self.probe.ran = set()
+        self.got_grad = set()
+
+
+def _norms(grads: list) -> list | None:
+    """Each dense gradient's norm (one pass over the gradients: the probe alone pays it)."""
+    dense = [g for g in grads if g is not None and not g.is_sparse]
+    if not dense:
+        return None
+    with torch.no_grad():
+        return torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in dense]).tolist()
+
+
+def called_by_grad_scaler(depth: int = 8) -> bool:
+    """Whether this ``step()`` is being called by ``GradScaler.step`` (which unscales, and may skip, first)."""
+    f = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if os.path.basename(f.f_code.co_filename) == "grad_scaler.py":
+            return True
+        f = f.f_back
+    return False
+
+
+def changed_grads(marks: list) -> list:
+    """Parameters whose ``.grad`` is no longer the tensor (or version) DDP wrote at the end of backward, or was
+    removed (``.grad = None`` before ``step()`` keeps DDP from updating that parameter)."""
+    out = []
+    for p, grad, version in marks:
+        g = p.grad
+        if g is None:
+            if grad is not None:
+                out.append(p)
+        elif g is not grad or g._version != version:
+            out.append(p)
+    return out
+
+
+def after_backward_callback(fn) -> None:
+    """Run ``fn()`` at the end of the current backward pass, after DDP has copied the buckets into ``.grad``.
+
+    Called from a comm hook: DDP queues its finalizer after the last bucket's hook, so a callback queued here
+    would run before it; the callback queues ``fn`` again, behind the finalizer (the engine runs callbacks that
+    callbacks queue).
+    """
+    engine = torch.autograd.Variable._execution_engine
+    engine.queue_callback(lambda: engine.queue_callback(fn))
