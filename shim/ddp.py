@@ -254,8 +254,8 @@ def priority_hook(state: ShimState, bucket):
 
 def _learn_order(state: ShimState, bucket) -> None:
     """comm_state() without a module: levels from the order DDP's rebuilt buckets become ready (the reverse of
-    the forward order), learnt in the second synchronized backward and used from the third on; until then every
-    piece goes at the last level. The same on every rank (DDP's buckets are)."""
+    the forward order), learnt in the second synchronized backward and used from its last bucket on; until then
+    every piece goes at the last level. The same on every rank (DDP's buckets are)."""
     src = state.order_source
     if bucket.index() == 0:
         src.append([])
@@ -364,6 +364,7 @@ def _apply(state: ShimState, param) -> bool:
     for p, _o, _n in ready:
         pend.applied.add(id(p))
         d.pending.pop(id(p), None)
+    ready = [r for r in ready if id(r[0]) not in pend.skip]
     if not ready:
         return False
     saved = [p.grad for p, _o, _n in ready]
@@ -649,7 +650,8 @@ def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | N
 
         state = shim.comm_state(levels=4, module=model)
         Trainer(strategy=DDPStrategy(process_group_backend="gloo", ddp_comm_state=state,
-                                     ddp_comm_hook=shim.priority_hook))
+                                     ddp_comm_hook=shim.priority_hook),
+                callbacks=[shim.lightning.CommHook(state)])   # Lightning registers the hook itself only on CUDA
     """
     _check_levels(levels)
     if policy not in ("layer_order", "flat"):

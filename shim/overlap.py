@@ -62,11 +62,11 @@ CLOSURE = ("optimizer.step(closure) runs forward and backward inside the step (L
 def inner_optimizer(optimizer):
     """The torch optimizer behind a framework's wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
     ``LightningOptimizer``: an ``optimizer`` attribute), or ``optimizer`` itself."""
+    inner = getattr(optimizer, "optimizer", None)  # first: AcceleratedOptimizer is an Optimizer subclass too
+    if isinstance(inner, torch.optim.Optimizer):
+        return inner_optimizer(inner)
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer):
-        return inner
     raise TypeError(f"shim.attach needs a torch.optim.Optimizer (or a wrapper holding one as .optimizer), "
                     f"not {type(optimizer).__name__}")
 
@@ -95,6 +95,7 @@ class Pending:
     timed: set = field(default_factory=set)  # pieces whose completion has been counted
     hparams: list | None = None
     versions: dict = field(default_factory=dict)  # id(param) -> param._version when stamped
+    skip: set = field(default_factory=set)  # id(param) with no .grad at step(): the optimizer skips them
 
 
 @dataclass
@@ -150,6 +151,7 @@ class Deferred:
         for pend in self.unstamped:
             pend.hparams = hp
             pend.versions = {id(p): p._version for p, *_ in pend.params}
+            pend.skip = {id(p) for p, *_ in pend.params if p.grad is None}  # DDP left no gradient (unused)
         self.unstamped = []
         self.marks = []
         self.steps += 1

@@ -32,9 +32,10 @@ def test_pieces_split_at_levels_and_partition():
     assert [p[0] for p in pieces] == sorted(p[0] for p in pieces)
 
 
-def run_torchrun(tmp_path, nproc: int, *args: str) -> None:
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+def run_torchrun(tmp_path, nproc: int, *args: str, launch: tuple = ("--standalone",)) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("TENSORLANE_JOB", "TORCHELASTIC_RUN_ID")}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", *launch, "--nproc-per-node",
                           str(nproc), os.path.join(REPO, "tests", "shim_worker.py"), "--out", str(tmp_path), *args],
                          env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -84,3 +85,33 @@ def test_planner_default_plans_after_first_iteration_same_parameters(tmp_path):
         assert plan["policy"] == "planner" and plan["status"] == "planned" and plan["source"] == "measured", plan
         assert plan["link_bps"] == 2e8 and plan["candidates"] >= 2 and plan["predicted_iter_s"] > 0, plan
         assert len(plan["layer_levels"]) >= 2 and all(0 <= lvl < 3 for lvl in plan["layer_levels"]), plan
+
+
+def test_default_job_id_agreed_per_job_when_run_id_is_none(tmp_path):
+    """A multi-node style torchrun launch without --rdzv-id sets TORCHELASTIC_RUN_ID=none for every job: the
+    ranks of one job still agree on one id, and two such jobs get different ids."""
+    import json
+
+    jobs = []
+    for i in range(2):
+        out = tmp_path / f"job{i}"
+        out.mkdir()
+        run_torchrun(out, 2, "--steps", "1", "--modes", "hook", launch=(
+            "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{29650 + i}"))
+        stats = [json.loads((out / f"hook-{rank}.json").read_text()) for rank in range(2)]
+        assert [s["run_id"] for s in stats] == ["none", "none"], stats
+        assert stats[0]["job"] == stats[1]["job"] and stats[0]["job"].startswith("job-"), stats
+        jobs.append(stats[0]["job"])
+    assert jobs[0] != jobs[1]
+
+
+def test_default_job_id_from_environment(monkeypatch):
+    from shim.ddp import default_job_id
+
+    monkeypatch.delenv("TENSORLANE_JOB", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert default_job_id() is None  # torchrun's default: not a job id, the ranks agree on one instead
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "resnet/run 7")
+    assert default_job_id() == "resnet-run-7"
+    monkeypatch.setenv("TENSORLANE_JOB", "_mine")
+    assert default_job_id() == "j_mine"

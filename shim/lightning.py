@@ -1,0 +1,37 @@
+"""PyTorch Lightning: the shim's hook mode on the DDP model that Lightning's ``DDPStrategy`` builds.
+
+Lightning (2.6) registers ``DDPStrategy(ddp_comm_hook=...)`` only when its root device is CUDA; on CPU (gloo) the
+arguments are dropped silently. :class:`CommHook` registers the hook in ``on_fit_start`` (after the strategy
+has wrapped the module in DDP, before the first forward) where Lightning did not. Lightning steps the optimizer
+with a closure that runs forward and backward, so only hook mode applies (docs/frameworks.md). Importing this
+module imports Lightning (``lightning`` or ``pytorch_lightning``).
+
+Usage::
+
+    state = shim.comm_state(levels=4, module=model)
+    trainer = Trainer(strategy=DDPStrategy(process_group_backend="gloo", ddp_comm_state=state,
+                                           ddp_comm_hook=shim.priority_hook),
+                      callbacks=[shim.lightning.CommHook(state)])
+"""
+from __future__ import annotations
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # the standalone distribution
+    from pytorch_lightning import Callback
+
+from shim.ddp import priority_hook
+
+
+class CommHook(Callback):
+    """Registers ``hook`` (default ``shim.priority_hook``) with ``state`` on Lightning's DDP model unless Lightning
+    registered it itself (CUDA); ``registered_here`` says which. Closes ``state`` when fitting ends."""
+
+    def __init__(self, state, hook=priority_hook):
+        self.state, self.hook = state, hook
+        self.registered_here = False
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if trainer.strategy.root_device.type != "cuda":
+            trainer.strategy.model.register_comm_hook(self.state, self.hook)
+            self.registered_here = True

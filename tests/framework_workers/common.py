@@ -1,0 +1,79 @@
+"""What the framework workers share: the model, the data, and the records they leave for tests/test_frameworks.py.
+
+Each worker runs in one testbed host namespace with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (and the
+framework's own variables) set by the test, trains the same small model once per variant, and writes
+OUT/VARIANT-RANK.pt (final parameters) and OUT/VARIANT-RANK.json (the shim's stats, the agent's view of the
+job's flows while training and after close).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from agent.client import AgentClient  # noqa: E402
+
+SAMPLES = 96  # per run, over all ranks: enough for a few steps of a batch of 8 per rank
+
+
+def make_model() -> nn.Module:
+    """A small CNN with several parameter-owning layers (so that every level gets a piece)."""
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def dataset(samples: int = SAMPLES) -> torch.utils.data.TensorDataset:
+    """The same inputs and labels on every rank and every run; the frameworks' samplers split them by rank."""
+    g = torch.Generator().manual_seed(4321)
+    return torch.utils.data.TensorDataset(torch.randn(samples, 3, 8, 8, generator=g),
+                                          torch.randint(0, 10, (samples,), generator=g))
+
+
+def params_of(module: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def agent_flows(socket: str | None, job: str) -> list[dict]:
+    """The flows the host's agent holds for ``job`` ([] when no agent answers)."""
+    if not socket:
+        return []
+    try:
+        with AgentClient(socket, timeout=1.0) as c:
+            return list(c.list(job=job)["flows"])
+    except OSError:
+        return []
+
+
+def wait_levels(socket: str | None, job: str, levels: int, timeout: float = 10.0) -> list[dict]:
+    """Poll the agent until it holds flows of ``job`` at every level (or ``timeout``); return its last answer."""
+    deadline = time.monotonic() + timeout
+    flows = agent_flows(socket, job)
+    while {f["level"] for f in flows} != set(range(levels)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        flows = agent_flows(socket, job)
+    return flows
+
+
+def wait_gone(socket: str | None, job: str, timeout: float = 5.0) -> list[dict]:
+    """Poll the agent until it holds no flow of ``job`` (or ``timeout``); return its last answer."""
+    deadline = time.monotonic() + timeout
+    flows = agent_flows(socket, job)
+    while flows and time.monotonic() < deadline:
+        time.sleep(0.1)
+        flows = agent_flows(socket, job)
+    return flows
+
+
+def save(out: str, variant: str, rank: int, params: dict, record: dict) -> None:
+    torch.save(params, os.path.join(out, f"{variant}-{rank}.pt"))
+    with open(os.path.join(out, f"{variant}-{rank}.json"), "w") as fh:
+        json.dump(record, fh, default=str)

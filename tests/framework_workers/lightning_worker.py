@@ -1,0 +1,104 @@
+"""PyTorch Lightning worker for tests/test_frameworks.py: one process = one node of ``num_nodes`` (1 device each).
+
+Launched by hand in each testbed host namespace (no torchrun): LOCAL_RANK=0 tells Lightning the processes
+are created externally; NODE_RANK, MASTER_ADDR and MASTER_PORT do the rest. Trains the same model with
+``DDPStrategy(process_group_backend="gloo")`` once per variant:
+
+- ``plain``: Lightning's own DDP;
+- ``shim``:  ``DDPStrategy(..., ddp_comm_state=shim.comm_state(..., module=model),
+  ddp_comm_hook=shim.priority_hook)`` plus ``shim.lightning.CommHook``, the callback that registers the hook where
+  Lightning does not (see below);
+- ``shim-learn``: the same without ``module=`` (the levels are learnt from DDP's buckets).
+
+    python tests/framework_workers/lightning_worker.py --out DIR --variants plain,shim,shim-learn --levels 3 \
+        --agent-socket /run/tensorlane/fw-h1/agent.sock --job fw-lightning
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (puts the repository on sys.path)
+import lightning.pytorch as L  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+
+import shim  # noqa: E402
+import shim.lightning as shim_lightning  # noqa: E402
+
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = common.make_model()
+        self.loss = nn.CrossEntropyLoss()
+
+    def training_step(self, batch, _idx):
+        x, y = batch
+        return self.loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+
+
+def train(variant: str, args) -> tuple[dict, dict]:
+    model = Net()
+    initial = common.params_of(model.net)
+    loader = torch.utils.data.DataLoader(common.dataset(), batch_size=8, shuffle=False)
+    callbacks, state, record = [], None, {"variant": variant}
+    if variant.startswith("shim"):
+        # "shim": levels from the module's parameter order at once; "shim-learn": no module, levels learnt from
+        # DDP's buckets in the second iteration (every piece at the last level until then)
+        state = shim.comm_state(args.levels, agent_socket=args.agent_socket, job=f"{args.job}-{variant}",
+                                module=model if variant == "shim" else None)
+        strategy = DDPStrategy(process_group_backend="gloo", ddp_comm_state=state, ddp_comm_hook=shim.priority_hook)
+        callbacks.append(shim_lightning.CommHook(state))
+    else:
+        strategy = DDPStrategy(process_group_backend="gloo")
+    trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=args.nodes, strategy=strategy,
+                        max_steps=args.steps, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+                        callbacks=callbacks)
+    trainer.fit(model, loader)
+    record["global_step"] = trainer.global_step
+    record["world_size"] = trainer.world_size
+    record["initial_changed"] = any(not torch.equal(initial[k], v) for k, v in common.params_of(model.net).items())
+    if state is not None:
+        record["hook_registered_by_callback"] = callbacks[0].registered_here
+        job = f"{args.job}-{variant}"
+        record["flows_during"] = common.wait_levels(args.agent_socket, job, args.levels)
+        record["stats"] = state.stats()
+        state.close()
+        record["flows_after_close"] = common.wait_gone(args.agent_socket, job)
+    return common.params_of(model.net), record
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--variants", default="plain,shim,shim-learn")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--nodes", type=int, default=int(os.environ.get("WORLD_SIZE", "2")))
+    p.add_argument("--levels", type=int, default=3)
+    p.add_argument("--agent-socket", default=None)
+    p.add_argument("--job", default="fw-lightning")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="lightning")
+    rank = int(os.environ["NODE_RANK"])
+    for variant in args.variants.split(","):
+        params, record = train(variant, args)
+        common.save(args.out, variant, rank, params, record)
+    torch.distributed.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Frameworks that own DDP use the shim (docs/frameworks.md): PyTorch Lightning and Hugging Face Accelerate, the
+real libraries (the `frameworks` extra), 2 ranks on the namespace testbed with an agent on each host.
+
+Each worker (tests/framework_workers/) trains the same small model once without the shim and once with it, in
+one process per host namespace, gloo over eth0. The test checks that both runs end with the same parameters,
+that the flows of every level were registered with each host's agent while training (the workers ask their
+agent before closing the shim) and withdrawn after, and that the shim's counters show all-reduces on every level.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.agents import running_agents
+from testbed import Testbed
+
+pytestmark = pytest.mark.netns
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(REPO, "tests", "framework_workers")
+LEVELS = 3
+
+
+def run_workers(tb, agents, script: str, out, port: int, args: list[str], extra_env=None,
+                timeout: float = 150) -> list[str]:
+    """Run ``script`` once per host namespace (rank = host index - 1) and wait; return the outputs.
+
+    Fails with both outputs when a worker exits non-zero or runs past ``timeout`` (the others are killed)."""
+    procs = []
+    world = len(tb.hosts)
+    try:
+        for rank, host in enumerate(tb.hosts):
+            env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                       MASTER_ADDR=tb.host(1).ip, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
+                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                       NODE_RANK=str(rank), **(extra_env or {}))
+            for var in ("TORCHELASTIC_RUN_ID", "TENSORLANE_JOB", "TENSORLANE_DISABLE"):
+                env.pop(var, None)
+            procs.append(host.popen([sys.executable, os.path.join(WORKERS, script), "--out", str(out),
+                                     "--agent-socket", agents[host.index].socket, *args],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        deadline = time.monotonic() + timeout
+        outputs = []
+        for p in procs:
+            try:
+                outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                outputs = [q.communicate()[0] for q in procs]
+                pytest.fail(f"{script} ran past {timeout} s:\n" + "\n---\n".join(o[-3000:] for o in outputs))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if [p.returncode for p in procs] != [0] * world:
+        pytest.fail(f"{script} exited {[p.returncode for p in procs]}:\n"
+                    + "\n---\n".join(o[-4000:] for o in outputs))
+    return outputs
+
+
+def load(out, variant: str, rank: int) -> tuple[dict, dict]:
+    import torch
+
+    return (torch.load(out / f"{variant}-{rank}.pt"),
+            json.loads((out / f"{variant}-{rank}.json").read_text()))
+
+
+def rel_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a)
+
+
+def check_shim_record(tb, rank: int, record: dict, job: str) -> None:
+    """Every level's flows were registered with this host's agent under ``job`` (this host -> the other),
+    withdrawn after close; the shim counted all-reduces on every level."""
+    host, other = tb.host(rank + 1), tb.host(2 - rank)
+    flows = record["flows_during"]
+    assert {f["level"] for f in flows} == set(range(LEVELS)), (job, rank, flows)
+    assert all(f["src"] == host.ip and f["dst"] == other.ip for f in flows), flows
+    assert record["flows_after_close"] == [], (job, rank, record["flows_after_close"])
+    stats = record["stats"]
+    assert sorted(int(k) for k in stats["flows"]) == list(range(LEVELS)), stats["flows"]
+    assert all(n >= 1 for n in stats["flows"].values()), stats["flows"]
+    assert [lv["level"] for lv in stats["levels"]] == list(range(LEVELS)), stats["levels"]
+    assert all(lv["allreduces"] >= 1 and lv["bytes"] > 0 for lv in stats["levels"]), stats["levels"]
+    assert stats["agent"]["registrations"] >= 1 and stats["agent"]["failures"] == 0, stats["agent"]
+
+
+def test_lightning_ddp_strategy_with_shim_hook(tmp_path):
+    job = "fw-lightning"
+    variants = ("shim", "shim-learn")  # comm_state(module=model); comm_state() learning levels from the buckets
+    with Testbed(hosts=2, rate="200mbit", name="fwl") as tb, \
+            running_agents(tb, hosts=[1, 2], levels=LEVELS) as agents:
+        run_workers(tb, agents, "lightning_worker.py", tmp_path, 29710,
+                    ["--variants", ",".join(("plain", *variants)), "--steps", "6", "--levels", str(LEVELS),
+                     "--job", job])
+        for i in (1, 2):
+            with agents[i].client() as c:
+                assert [f for f in c.list()["flows"] if f["job"].startswith(job)] == []
+    for rank in (0, 1):
+        plain, plain_rec = load(tmp_path, "plain", rank)
+        assert plain_rec["global_step"] == 6 and plain_rec["world_size"] == 2, plain_rec
+        assert plain_rec["initial_changed"]  # it trained
+        for variant in variants:
+            got, rec = load(tmp_path, variant, rank)
+            assert rec["global_step"] == 6, rec
+            assert rel_diff(got, plain) <= 1e-5, variant
+            check_shim_record(tb, rank, rec, f"{job}-{variant}")
+            assert rec["stats"]["mode"] == "hook"  # Lightning steps with a closure: hook mode only
+    for variant in variants:
+        assert rel_diff(load(tmp_path, variant, 1)[0], load(tmp_path, variant, 0)[0]) == 0.0
+
+
+# variant -> the mode the shim must end in (overlap requested every time: shim.attach(model, optimizer))
+ACCELERATE_MODES = {"basic": "overlap", "clip": "hook", "accum": "overlap"}
+
+
+def test_accelerate_prepare_then_attach(tmp_path):
+    job = "fw-acc"
+    with Testbed(hosts=2, rate="200mbit", name="fwa") as tb, \
+            running_agents(tb, hosts=[1, 2], levels=LEVELS) as agents:
+        run_workers(tb, agents, "accelerate_worker.py", tmp_path, 29711,
+                    ["--variants", ",".join(ACCELERATE_MODES), "--levels", str(LEVELS), "--job", job])
+        for i in (1, 2):
+            with agents[i].client() as c:
+                assert [f for f in c.list()["flows"] if f["job"].startswith(job)] == []
+    for kind, mode in ACCELERATE_MODES.items():
+        for rank in (0, 1):
+            plain, plain_rec = load(tmp_path, f"plain-{kind}", rank)
+            got, rec = load(tmp_path, f"shim-{kind}", rank)
+            assert plain_rec["distributed_type"] == "MULTI_CPU" and plain_rec["num_processes"] == 2, plain_rec
+            assert plain_rec["ddp"] == "DistributedDataParallel" and plain_rec["backend"] == "gloo", plain_rec
+            assert plain_rec["steps"] == rec["steps"] == (3 if kind == "accum" else 6), (plain_rec, rec)
+            assert plain_rec["initial_changed"]  # it trained
+            assert rel_diff(got, plain) <= 1e-5, kind
+            check_shim_record(tb, rank, rec, f"{job}-{kind}")
+            stats = rec["stats"]
+            assert stats["mode"] == mode, (kind, stats["mode"], stats.get("mode_reason"))
+            if mode == "hook":
+                assert "clip" in stats["mode_reason"], stats["mode_reason"]
+            if kind == "clip":  # clipping was active (the norm of the averaged gradient, the same with the shim)
+                assert min(plain_rec["grad_norms"]) > 0.05, plain_rec["grad_norms"]
+                assert rec["grad_norms"] == pytest.approx(plain_rec["grad_norms"], rel=1e-5)
+        assert rel_diff(load(tmp_path, f"shim-{kind}", 1)[0], load(tmp_path, f"shim-{kind}", 0)[0]) == 0.0
