@@ -30,7 +30,6 @@ import os
 import re
 import threading
 import time
-import types
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ log = logging.getLogger("tensorlane.shim")
 PLANNER_POLICIES = ("planner", "layer_order", "flat")
 DEFAULT_SOCKET = "/run/tensorlane/agent.sock"
 _TRUE = ("1", "true", "yes", "on")
+PROBE_MAX_BACKWARDS = 16  # synchronized iterations without a step() seen before overlap mode gives up
 
 
 def _disabled(disable: bool | None) -> bool:
@@ -123,6 +123,7 @@ class ShimState:
     job: str = ""
     options: dict = field(default_factory=dict)  # comm_state(): what start() needs
     order_source: list | None = None  # comm_state() without module: parameters in hook order, to learn levels
+    closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self):
@@ -217,13 +218,20 @@ class ShimState:
         log.info("tensorlane: %s", self.mode_reason)
 
     def close(self) -> None:
-        """Stop reporting and withdraw the flows (a state made by ``comm_state()``; ``Handle.close`` does this
-        for ``attach``). Idempotent."""
+        """Stop reporting, withdraw the flows and free the per-level groups (for a state made by ``comm_state()``
+        call it once training is over; ``Handle.close`` calls it). Idempotent."""
+        self.closed = True
         if self.reporter is not None:
             self.reporter.close()
             self.reporter = None
         if self.link is not None:
             self.link.close()
+        groups, self.groups = self.groups or [], None
+        for group in groups:
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError) as exc:  # already gone with the default group
+                log.debug("tensorlane: destroying a level's group: %s", exc)
 
 
 def _set_layer_levels(state: ShimState, params_in_forward_order: list, policy: str | None) -> None:
@@ -238,6 +246,8 @@ def priority_hook(state: ShimState, bucket):
 
     Usage: ``ddp.register_comm_hook(state, priority_hook)`` (state from ``attach`` or ``comm_state()``)
     """
+    if state.closed:
+        return _plain_allreduce(state, bucket)
     if state.groups is None:
         state.start()
     if state.order_source is not None:
@@ -250,6 +260,12 @@ def priority_hook(state: ShimState, bucket):
         state.completed(launched, range(len(launched)))
         return buf
     return torch.futures.collect_all(futures).then(finished)
+
+
+def _plain_allreduce(state: ShimState, bucket):
+    """After ``close()``: DDP's own all-reduce of the bucket on its process group (DDP keeps a hook for good)."""
+    buf = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
 def _learn_order(state: ShimState, bucket) -> None:
@@ -272,6 +288,8 @@ def overlap_hook(state: ShimState, bucket):
     Usage: ``ddp.register_comm_hook(state, overlap_hook)`` (``attach(model, optimizer)`` does it)
     """
     d = state.deferred
+    if state.closed:
+        return _plain_allreduce(state, bucket)
     if bucket.index() == 0 and state.mode == "probing" and d.probe.backwards > 0:
         _decide(state)  # a collective, at the same bucket of the same backward on every rank
     if state.mode != "overlap":
@@ -298,6 +316,9 @@ def _decide(state: ShimState) -> None:
     elif not not_stepped:
         state.mode = "overlap"
         state.mode_reason = "the first iteration showed a loop that overlap mode reproduces exactly"
+    elif pr.backwards >= PROBE_MAX_BACKWARDS:
+        state.fallback(f"optimizer.step() was not seen in {pr.backwards} synchronized iterations (a framework "
+                       "calls the optimizer's original step, or GradScaler skipped every step)")
 
 
 def _launch_deferred(state: ShimState, bucket):
@@ -405,7 +426,8 @@ class Handle:
         self.state = state
         self.disabled = disabled
         self._hooks: list = []
-        self._step_attr = None  # the bound method put on optimizer.step (overlap mode)
+        self._step_attr = None  # the function put on optimizer.step (overlap mode)
+        self._own_step = None  # what optimizer.step was as an instance attribute before that, if anything
         self.closed = False
         self.plan: dict = {}  # what the default policy decided (shim.plan), in stats()["plan"]
         self._recorder = None  # shim.plan.Recorder while the first iteration is being measured
@@ -434,10 +456,13 @@ class Handle:
         d = self.state.deferred = ov.Deferred(opt, holders, per_parameter)
         self.state.options["params"] = params
         d.orig_step = opt.step
+        self._own_step = opt.__dict__.get("step")  # an LR scheduler made before attach put its wrapper there
 
-        def step(_optimizer, closure=None):  # a method of the optimizer, so that LR schedulers can wrap it
+        def step(closure=None):
+            opt._opt_called = True  # what an LR scheduler's own wrapper records (it then does not warn)
             return self._user_step(closure)
-        opt.step = self._step_attr = types.MethodType(step, opt)
+        step._wrapped_by_lr_sched = True  # LR schedulers made after attach leave it as it is
+        opt.step = self._step_attr = step
         self._hooks.append(root.register_forward_pre_hook(self._root_pre_forward))
         for m in owners:
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
@@ -528,8 +553,10 @@ class Handle:
         for h in self._hooks:
             h.remove()
         if self._step_attr is not None and self.optimizer.__dict__.get("step") is self._step_attr:
-            del self.optimizer.step  # the instance attribute; the class's step is back
-        # (an LR scheduler made after attach wraps our step: it stays, and forwards to the optimizer's own step)
+            if self._own_step is None:
+                del self.optimizer.step  # the instance attribute; the class's step is back
+            else:
+                self.optimizer.step = self._own_step
         self.state.close()
         self.closed = True
 

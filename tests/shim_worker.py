@@ -84,7 +84,7 @@ def main() -> int:
         params, stats = train(mode, args, rank)
         torch.save(params, os.path.join(args.out, f"{mode}-{rank}.pt"))
         with open(os.path.join(args.out, f"{mode}-{rank}.json"), "w") as fh:
-            json.dump(dict(stats, run_id=os.environ.get("TORCHELASTIC_RUN_ID")) if stats else stats, fh)
+            json.dump(dict(stats, run_id=os.environ.get("TORCHELASTIC_RUN_ID")) if stats.get("enabled") else stats, fh)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -1,0 +1,625 @@
+"""The shim's conformance matrix, worker side (issue 12): real training-loop idioms x {ddp, hook, overlap}.
+
+Every idiom is one function that builds its model, optimizer and scheduler and runs its loop; the SAME function
+runs for plain DDP ("ddp", the reference), the shim's hook mode ("hook": ``attach(model)``) and its overlap mode
+("overlap": ``attach(model, optimizer)``); only ``ctx.attach`` differs. All idioms and modes run one after the
+other in the same processes (one torchrun launch per world size). For each cell the worker writes
+
+    OUT/IDIOM-MODE-RANK.pt    {"state": model.module.state_dict() at the end (after handle.close()),
+                               "extras": {name: float64 tensor}}  (per-step losses, eval outputs, clip norms...)
+    OUT/IDIOM-MODE-RANK.json  {"stats": handle.stats() or {}, "error": traceback or None,
+                               "errors": [each rank's error or None], "seconds": wall time of the cell}
+
+and tests/test_conformance.py compares every hook/overlap cell with the ddp cell of the same idiom.
+
+The checkpoint idiom is in two parts: ``checkpoint_save`` (in the main launch) trains all the steps and, after
+half of them, rank 0 saves model.module.state_dict(), optimizer and scheduler state to OUT/ckpt-MODE.pt;
+``checkpoint_resume`` runs in a second, fresh launch (``--resume``): it loads that file, attaches, trains the
+remaining steps, and must end equal to the uninterrupted ``checkpoint_save-ddp`` run.
+
+    torchrun --standalone --nproc-per-node 2 tests/conformance_worker.py --out DIR            # the whole matrix
+    torchrun --standalone --nproc-per-node 2 tests/conformance_worker.py --out DIR --resume   # checkpoint part 2
+    torchrun --standalone --nproc-per-node 2 tests/conformance_worker.py --out DIR --idioms adam --modes ddp,overlap
+    torchrun --standalone --nproc-per-node 2 tests/conformance_worker.py --out DIR --device cuda  # ranks share GPU 0
+    python tests/conformance_worker.py --list                                                 # the idioms
+
+The shim needs no agent here (``--agent-socket /nonexistent/...``: it warns once and trains unprioritised);
+``link_bps=2e8`` lets its planner plan. Written against torch 2.11+ APIs (the CUDA machine has 2.11).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+
+if any("cuda" in a for a in sys.argv[1:]):  # deterministic cuBLAS needs this before CUDA initialises
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import shim  # noqa: E402
+
+MODES = ("ddp", "hook", "overlap")
+IDIOMS: dict = {}  # name -> function(ctx); in the order they run
+CLIP_NORM = 0.05  # well under this model's gradient norm (about 1): clip_grad_norm_ really clips on every step
+CLIP_VALUE = 0.01  # well under the largest gradient element
+
+
+def idiom(name: str, **params):
+    """Register ``fn(ctx, **params)`` as idiom ``name``."""
+    def register(fn):
+        IDIOMS[name] = lambda ctx: fn(ctx, **params)
+        return fn
+    return register
+
+
+class Ctx:
+    """What an idiom function gets: the mode's attach, a DDP wrapper, deterministic per-rank data, records."""
+
+    def __init__(self, mode: str, rank: int, world: int, device: torch.device, steps: int, args):
+        self.mode, self.rank, self.world, self.device, self.steps, self.args = mode, rank, world, device, steps, args
+        self.handle = None
+        self.model = None
+        self.extras: dict[str, list[float]] = {}
+
+    # -- set-up ---------------------------------------------------------------------------------------------
+    def ddp(self, module: nn.Module, **kwargs) -> DDP:
+        """``module`` on the device, wrapped in DDP with small buckets (several buckets, several levels)."""
+        self.model = DDP(module.to(self.device), bucket_cap_mb=self.args.bucket_cap_mb, **kwargs)
+        return self.model
+
+    def attach(self, model: DDP, optimizer) -> None:
+        """The only line that differs between the modes: nothing (ddp), hook mode, or overlap mode."""
+        if self.mode == "ddp":
+            return
+        self.handle = shim.attach(model, optimizer=optimizer if self.mode == "overlap" else None,
+                                  levels=self.args.levels, agent_socket=self.args.agent_socket,
+                                  link_bps=self.args.link_bps)
+
+    # -- data: the same on every mode, different per rank and step ---------------------------------------------
+    def gen(self, step: int, micro: int = 0) -> torch.Generator:
+        return torch.Generator().manual_seed(100_003 * step + 1_009 * micro + self.rank + 17)
+
+    def images(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.gen(step, micro)
+        x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)
+        return x.to(self.device), y.to(self.device)
+
+    def vectors(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.gen(step)
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        return x.to(self.device), y.to(self.device)
+
+    def tokens(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.gen(step)
+        x, y = torch.randint(0, 50, (16, 4), generator=g), torch.randint(0, 50, (16,), generator=g)
+        return x.to(self.device), y.to(self.device)
+
+    def record(self, key: str, value) -> None:
+        """Keep a number (or every element of a tensor) for the comparison with ddp."""
+        if isinstance(value, torch.Tensor):
+            self.extras.setdefault(key, []).extend(value.detach().double().flatten().cpu().tolist())
+        else:
+            self.extras.setdefault(key, []).append(float(value))
+
+
+# -- models (seeded: every mode starts from the same parameters) ----------------------------------------------
+def convnet(batchnorm: bool = False) -> nn.Module:
+    torch.manual_seed(1234)
+    # a conv followed by BatchNorm has no bias (the usual way; its gradient would be rounding noise, which Adam
+    # amplifies to lr-sized updates, so that any change of summation order would show as a difference)
+    bn = (lambda c: [nn.BatchNorm2d(c)]) if batchnorm else (lambda c: [])
+    return nn.Sequential(nn.Conv2d(3, 8, 3, bias=not batchnorm), *bn(8), nn.ReLU(),
+                         nn.Conv2d(8, 16, 3, bias=not batchnorm), *bn(16), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+class Branchy(nn.Module):
+    """A trunk, a head, a branch used only on some ranks and iterations, and a submodule never used."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.trunk = nn.Linear(32, 64)
+        self.head = nn.Linear(64, 10)
+        self.branch = nn.Linear(64, 10)
+        self.never = nn.Linear(64, 10)
+
+    def forward(self, x, use_branch: bool):
+        h = torch.relu(self.trunk(x))
+        out = self.head(h)
+        return out + self.branch(h) if use_branch else out
+
+
+class TiedLM(nn.Module):
+    """A tiny language model whose output projection is its embedding table (one Parameter, two modules)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.embed = nn.Embedding(50, 16)
+        self.hidden = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 50)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.hidden(self.embed(tokens).mean(1))))
+
+
+def sgd(params, lr=0.05):
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-3)
+
+
+def plain_loop(ctx: Ctx, model, opt, sched=None, sched_every: int = 1, plateau_metrics=None) -> None:
+    """The textbook loop: forward, backward, step, (scheduler), zero_grad."""
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if plateau_metrics is not None:
+            sched.step(plateau_metrics[step])
+        elif sched is not None and (step + 1) % sched_every == 0:
+            sched.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+        ctx.record("lr", opt.param_groups[0]["lr"])
+
+
+# -- 1-4: optimizers and parameter groups -----------------------------------------------------------------------
+@idiom("sgd_momentum")
+def _sgd_momentum(ctx: Ctx):
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("adam")
+def _adam(ctx: Ctx):
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-4)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("adamw")
+def _adamw(ctx: Ctx):
+    model = ctx.ddp(convnet())
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("param_groups")
+def _param_groups(ctx: Ctx):
+    model = ctx.ddp(convnet())
+    m = model.module
+    opt = torch.optim.SGD([
+        {"params": list(m[0].parameters()) + list(m[2].parameters()), "lr": 0.02, "weight_decay": 0.0},
+        {"params": m[5].parameters(), "lr": 0.05, "weight_decay": 1e-3},
+        {"params": m[7].parameters(), "lr": 0.1, "momentum": 0.5, "nesterov": True, "weight_decay": 1e-2},
+    ], lr=0.01, momentum=0.9)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+# -- 5-14: LR schedulers, each created before and after attach -------------------------------------------------
+def scheduled(ctx: Ctx, kind: str, before: bool):
+    """One scheduler ``kind``, created before or after ``attach``; the rest of the loop is plain."""
+    model = ctx.ddp(convnet())
+    if kind in ("sequential",):
+        opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.01)
+    elif kind == "epoch_multistep":
+        opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+    else:
+        opt = sgd(model.parameters(), lr=0.1)
+    sl = torch.optim.lr_scheduler
+
+    def make():
+        if kind == "warmup_lambda":  # per-iteration linear warm-up
+            return sl.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+        if kind == "epoch_multistep":  # per-"epoch" (2 iterations), decays at epochs 1 and 2
+            return sl.MultiStepLR(opt, milestones=[1, 2], gamma=0.3)
+        if kind == "onecycle":  # cycles lr and momentum every iteration
+            return sl.OneCycleLR(opt, max_lr=0.1, total_steps=ctx.steps, pct_start=0.4, cycle_momentum=True)
+        if kind == "sequential":  # linear warm-up, then exponential decay
+            return sl.SequentialLR(opt, [sl.LinearLR(opt, start_factor=0.2, total_iters=3),
+                                         sl.ExponentialLR(opt, gamma=0.7)], milestones=[3])
+        if kind == "plateau":
+            return sl.ReduceLROnPlateau(opt, mode="min", factor=0.5, patience=0, threshold=0.0)
+        raise ValueError(kind)
+
+    sched = make() if before else None
+    ctx.attach(model, opt)
+    if not before:
+        sched = make()
+    # ReduceLROnPlateau's metric: deterministic and the same on every rank; no improvement at 2, 4, 5 -> cuts
+    metrics = [1.0, 0.9, 0.95, 0.8, 0.85, 0.85, 0.7, 0.75, 0.75, 0.6] * (ctx.steps // 10 + 1)
+    plain_loop(ctx, model, opt, sched, sched_every=2 if kind == "epoch_multistep" else 1,
+               plateau_metrics=metrics if kind == "plateau" else None)
+
+
+for _kind in ("warmup_lambda", "epoch_multistep", "onecycle", "sequential", "plateau"):
+    for _when in ("before", "after"):
+        idiom(f"{_kind}_{_when}", kind=_kind, before=_when == "before")(scheduled)
+
+
+# -- manual hyperparameter changes ---------------------------------------------------------------------------------
+@idiom("manual_hparams")
+def _manual_hparams(ctx: Ctx):
+    """User code writes param_groups[i]["lr"] every iteration (before the forward, where overlap mode applies the
+    previous step), momentum at iteration 3 and weight_decay at iteration 5."""
+    model = ctx.ddp(convnet())
+    m = model.module
+    opt = torch.optim.SGD([{"params": list(m[0].parameters()) + list(m[2].parameters())},
+                           {"params": list(m[5].parameters()) + list(m[7].parameters()), "lr": 0.02}],
+                          lr=0.05, momentum=0.9, weight_decay=1e-4)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        opt.param_groups[0]["lr"] = 0.05 * 0.7 ** step
+        opt.param_groups[1]["lr"] = 0.02 * (1 + step)
+        if step == 3:
+            opt.param_groups[1]["momentum"] = 0.3
+        if step == 5:
+            opt.param_groups[0]["weight_decay"] = 0.05
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
+# -- gradients changed between backward() and step() ------------------------------------------------------------
+@idiom("clip_grad_norm")
+def _clip_grad_norm(ctx: Ctx):
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        total = nn.utils.clip_grad_norm_(model.parameters(), max_norm=CLIP_NORM)
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+        ctx.record("total_norm", total)  # > CLIP_NORM: clipping happened (checked on the ddp cell)
+
+
+@idiom("clip_grad_value")
+def _clip_grad_value(ctx: Ctx):
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        ctx.record("max_abs_grad", max(float(p.grad.abs().max()) for p in model.parameters()))
+        nn.utils.clip_grad_value_(model.parameters(), clip_value=CLIP_VALUE)
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
+@idiom("grad_scaler")
+def _grad_scaler(ctx: Ctx):
+    """fp16 autocast with a GradScaler whose initial scale overflows fp16 gradients: the first steps are skipped
+    (inf/NaN found, scale backed off), later ones taken; growth_interval=2 makes the scale grow again.
+    ``unscale_`` is called explicitly on even iterations only (both of scaler.step's paths)."""
+    dev = ctx.device.type
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    scaler = torch.amp.GradScaler(dev, init_scale=2.0 ** 20, growth_interval=2)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        with torch.autocast(dev, dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if step % 2 == 0:
+            scaler.unscale_(opt)
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ctx.record("loss", loss.float().item())
+        ctx.record("scale", scale)
+        ctx.record("skipped", float(scaler.get_scale() < scale))  # backed off: this step found inf/NaN
+
+
+# -- DDP features -------------------------------------------------------------------------------------------------
+@idiom("no_sync_accumulation")
+def _no_sync_accumulation(ctx: Ctx):
+    """k = 3 micro-batches per step: the first k-1 backward passes under model.no_sync()."""
+    k = 3
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        for micro in range(k):
+            x, y = ctx.images(step, micro)
+            if micro < k - 1:
+                with model.no_sync():
+                    loss = F.cross_entropy(model(x), y) / k
+                    loss.backward()
+            else:
+                loss = F.cross_entropy(model(x), y) / k
+                loss.backward()
+            ctx.record("loss", loss.item())
+        opt.step()
+        opt.zero_grad()
+
+
+@idiom("frozen")
+def _frozen(ctx: Ctx):
+    """The first conv frozen (requires_grad=False); the optimizer still holds every parameter."""
+    net = convnet()
+    for p in net[0].parameters():
+        p.requires_grad_(False)
+    model = ctx.ddp(net)
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("find_unused")
+def _find_unused(ctx: Ctx):
+    """find_unused_parameters=True: ``branch`` is used by some ranks on some iterations (globally unused on
+    others), ``never`` is never used. Adam skips parameters whose grad is None: zeros instead would differ."""
+    model = ctx.ddp(Branchy(), find_unused_parameters=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=1e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.vectors(step)
+        loss = F.cross_entropy(model(x, use_branch=(step + ctx.rank) % 3 == 0), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
+@idiom("tied_weights")
+def _tied_weights(ctx: Ctx):
+    model = ctx.ddp(TiedLM())
+    opt = sgd(model.parameters(), lr=0.2)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.tokens(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+    assert model.module.out.weight is model.module.embed.weight
+
+
+@idiom("batchnorm")
+def _batchnorm(ctx: Ctx):
+    """BatchNorm running statistics (DDP broadcasts rank 0's buffers every forward); buffers are compared too."""
+    model = ctx.ddp(convnet(batchnorm=True))
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("static_graph")
+def _static_graph(ctx: Ctx):
+    model = ctx.ddp(convnet(), static_graph=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+# -- checkpoint mid-run, resumed in a fresh process ---------------------------------------------------------------
+def _ckpt_setup(ctx: Ctx, state: dict | None):
+    net = convnet()
+    if state is not None:
+        net.load_state_dict(state["model"])
+    model = ctx.ddp(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+    ctx.attach(model, opt)
+    return model, opt, sched
+
+
+def _ckpt_loop(ctx: Ctx, model, opt, sched, first: int, save_at: int | None) -> None:
+    for step in range(first, ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+        if save_at is not None and step + 1 == save_at:
+            if ctx.rank == 0:  # the usual idiom: one rank saves, mid-run (overlap mode: updates still in flight)
+                torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                            "scheduler": sched.state_dict(), "step": step + 1},
+                           os.path.join(ctx.args.out, f"ckpt-{ctx.mode}.pt"))
+            dist.barrier()
+
+
+@idiom("checkpoint_save")
+def _checkpoint_save(ctx: Ctx):
+    """Trains every step, saving a checkpoint after half of them (the uninterrupted run)."""
+    model, opt, sched = _ckpt_setup(ctx, None)
+    _ckpt_loop(ctx, model, opt, sched, 0, save_at=ctx.steps // 2)
+
+
+@idiom("checkpoint_resume")
+def _checkpoint_resume(ctx: Ctx):
+    """Loads OUT/ckpt-MODE.pt (a fresh process: run with --resume), attaches, trains the remaining steps."""
+    state = torch.load(os.path.join(ctx.args.out, f"ckpt-{ctx.mode}.pt"), map_location=ctx.device)
+    model, opt, sched = _ckpt_setup(ctx, state)
+    _ckpt_loop(ctx, model, opt, sched, state["step"], save_at=None)
+
+
+# -- eval forwards in the loop, LBFGS -------------------------------------------------------------------------------
+@idiom("eval_in_loop")
+def _eval_in_loop(ctx: Ctx):
+    """model.eval(); with torch.no_grad(): model(x); model.train() every 3 iterations (BatchNorm: eval uses the
+    running statistics); the eval outputs are compared too."""
+    model = ctx.ddp(convnet(batchnorm=True))
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    x_eval = ctx.images(10_000)[0]
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+        if step % 3 == 1:
+            model.eval()
+            with torch.no_grad():
+                ctx.record("eval_out", model(x_eval))
+            model.train()
+
+
+@idiom("lbfgs")
+def _lbfgs(ctx: Ctx):
+    """optimizer.step(closure): LBFGS evaluates the closure (forward + backward + all-reduce) several times per
+    step. Tolerances 0 so that every rank makes the same number of evaluations (the loss is rank-local)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3, history_size=4, tolerance_grad=0.0,
+                            tolerance_change=0.0)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+        loss = opt.step(closure)
+        ctx.record("loss", loss.item())
+
+
+MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
+
+
+# -- the driver -------------------------------------------------------------------------------------------------
+def run_cell(name: str, mode: str, args, rank: int, world: int, device: torch.device) -> None:
+    ctx = Ctx(mode, rank, world, device, args.steps, args)
+    error, stats = None, {}
+    t0 = time.perf_counter()
+    try:
+        IDIOMS[name](ctx)
+    except Exception:  # noqa: BLE001 - a failing cell is a result; the next cells still run
+        error = traceback.format_exc()
+    if ctx.handle is not None:
+        try:
+            stats = ctx.handle.stats()
+        except Exception:  # noqa: BLE001
+            stats = {"stats_error": traceback.format_exc()}
+        try:
+            ctx.handle.close()
+        except Exception:  # noqa: BLE001
+            error = (error or "") + "handle.close() raised:\n" + traceback.format_exc()
+    seconds = time.perf_counter() - t0
+    state = {}
+    if ctx.model is not None:
+        try:
+            state = {k: v.detach().cpu().clone() for k, v in ctx.model.module.state_dict().items()}
+        except Exception:  # noqa: BLE001
+            error = (error or "") + "state_dict() raised:\n" + traceback.format_exc()
+    errors: list = [None] * world
+    dist.all_gather_object(errors, error)  # every rank knows whether the cell failed somewhere
+    if ctx.handle is not None and not args.keep_groups:  # each attach made `levels` groups: free them
+        for group in getattr(getattr(ctx.handle, "state", None), "groups", None) or []:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001
+                pass
+    base = os.path.join(args.out, f"{name}-{mode}-{rank}")
+    torch.save({"state": state, "extras": {k: torch.tensor(v, dtype=torch.float64) for k, v in ctx.extras.items()}},
+               base + ".pt")
+    with open(base + ".json", "w") as fh:
+        json.dump({"stats": stats, "error": error, "errors": errors, "seconds": seconds, "world": world,
+                   "device": str(device)}, fh, default=str)
+    if rank == 0:
+        failed = [r for r, e in enumerate(errors) if e]
+        line = f"[conformance] {name}-{mode}-{world}: {seconds:.2f}s "
+        line += f"ERROR on ranks {failed}: {errors[failed[0]].strip().splitlines()[-1]}" if failed else "done"
+        print(line, flush=True)
+    dist.barrier()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="directory for the cells' results (and the checkpoints)")
+    p.add_argument("--idioms", default=None, help="comma-separated idioms (default: all but checkpoint_resume; "
+                                                  "with --resume: checkpoint_resume)")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--resume", action="store_true", help="the fresh-process half of the checkpoint idiom")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--levels", type=int, default=3)
+    p.add_argument("--bucket-cap-mb", type=float, default=0.01)
+    p.add_argument("--link-bps", type=float, default=2e8)
+    p.add_argument("--agent-socket", default="/nonexistent/tensorlane.sock")
+    p.add_argument("--timeout", type=float, default=180, help="seconds a collective may hang before it fails")
+    p.add_argument("--keep-groups", action="store_true", help="do not destroy the shim's groups after a cell")
+    p.add_argument("--list", action="store_true", help="print the idioms and exit")
+    args = p.parse_args()
+    if args.list:
+        print("\n".join(IDIOMS))
+        return 0
+    if not args.out:
+        p.error("--out is required")
+    names = (args.idioms.split(",") if args.idioms else (["checkpoint_resume"] if args.resume else MAIN_IDIOMS))
+    unknown = [n for n in names if n not in IDIOMS]
+    modes = args.modes.split(",")
+    if unknown or any(m not in MODES for m in modes):
+        p.error(f"unknown idiom or mode: {unknown or modes}; idioms: {', '.join(IDIOMS)}")
+    os.makedirs(args.out, exist_ok=True)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*agent.*")  # the absent agent: one warning per attach
+    timeout = datetime.timedelta(seconds=args.timeout)
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout  # the shim's new_group() calls take the default timeout: bound them too
+    dist.init_process_group("gloo", timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    t0 = time.perf_counter()
+    for name in names:
+        for mode in modes:
+            run_cell(name, mode, args, rank, world, device)
+    if rank == 0:
+        print(f"[conformance] {len(names) * len(modes)} cells on {world} ranks in {time.perf_counter() - t0:.1f}s",
+              flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The shim's conformance matrix (issue 12): real training-loop idioms x {hook, overlap} x {2, 3 ranks}, each
+cell compared with plain DDP parameter by parameter (and buffer by buffer), plus what the loop observed along the
+way (per-step losses, eval outputs, clip norms, GradScaler scales), within 1e-5 relative max abs diff.
+
+The worker (tests/conformance_worker.py) runs every idiom in every mode in ONE torchrun launch per world size,
+plus a second, fresh launch that resumes the mid-run checkpoint; a module-scoped fixture runs the launches once
+and each cell is its own test (ids ``IDIOM-MODE-WORLD``, e.g. ``clip_grad_norm-overlap-3``).
+
+GradScaler cells use the same 1e-5: plain DDP is bit-stable for them on CPU (the comparison of fp32 master
+gradients and of which steps were skipped is exact), so no looser tolerance is needed.
+
+Environment: TENSORLANE_CONFORMANCE_DEVICE=cuda runs the worker with ``--device cuda`` (ranks share GPU 0 over
+gloo); TENSORLANE_CONFORMANCE_OUT=DIR keeps the cells' files in DIR instead of a temporary directory.
+Debug one idiom by hand:
+
+    torchrun --standalone --nproc-per-node 2 tests/conformance_worker.py --out /tmp/cf --idioms grad_scaler
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("conformance_worker", os.path.join(REPO, "tests",
+                                                                                  "conformance_worker.py"))
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+pytestmark = pytest.mark.torch
+
+TOLERANCE = 1e-5
+WORLDS = (2, 3)
+MAIN = list(worker.MAIN_IDIOMS)
+SHIM_MODES = ("hook", "overlap")
+DEVICE = os.environ.get("TENSORLANE_CONFORMANCE_DEVICE", "cpu")
+LAUNCH_TIMEOUT_S = 420
+BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+# Expected handle.stats()["mode"] of the overlap cells (the exact overlap design): gradients changed between
+# backward() and step(), or step(closure), fall back to hook mode with a reason; everything else overlaps.
+FALLS_BACK_TO_HOOK = ("clip_grad_norm", "clip_grad_value", "grad_scaler", "lbfgs")
+STAYS_OVERLAP = tuple(n for n in MAIN + ["checkpoint_resume"] if n not in FALLS_BACK_TO_HOOK)
+
+CELLS = ([(idiom, mode, world) for world in WORLDS for idiom in MAIN for mode in SHIM_MODES]
+         + [("checkpoint_resume", mode, world) for world in WORLDS for mode in ("ddp",) + SHIM_MODES])
+
+
+class Launches:
+    """Runs the worker's launches for a world size once (lazily) and keeps their outcome."""
+
+    def __init__(self, root):
+        self.root = root
+        self.done: dict[int, dict] = {}
+
+    def __call__(self, world: int) -> dict:
+        if world not in self.done:
+            out = os.path.join(self.root, f"world{world}")
+            os.makedirs(out, exist_ok=True)
+            main = self._run(out, world)
+            resume = self._run(out, world, "--resume")
+            self.done[world] = {"out": out, "main": main, "resume": resume}
+            with open(os.path.join(self.root, "launches.json"), "w") as fh:  # how long each launch took
+                json.dump({w: {k: {"rc": v["rc"], "seconds": round(v["seconds"], 1)} for k, v in d.items()
+                               if k != "out"} for w, d in self.done.items()}, fh, indent=1)
+        return self.done[world]
+
+    @staticmethod
+    def _run(out: str, world: int, *extra: str) -> dict:
+        env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+               os.path.join(REPO, "tests", "conformance_worker.py"), "--out", out, "--device", DEVICE, *extra]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+            rc, output = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc = "timeout"
+            output = "".join(s if isinstance(s, str) else (s or b"").decode(errors="replace")
+                             for s in (exc.stdout, exc.stderr))
+        return {"rc": rc, "seconds": time.perf_counter() - t0, "output": output, "cmd": " ".join(cmd)}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    root = os.environ.get("TENSORLANE_CONFORMANCE_OUT") or str(tmp_path_factory.mktemp("conformance"))
+    return Launches(root)
+
+
+def _launch_of(idiom: str) -> str:
+    return "resume" if idiom == "checkpoint_resume" else "main"
+
+
+def load_cell(res: dict, idiom: str, mode: str, rank: int) -> tuple[dict, dict]:
+    base = os.path.join(res["out"], f"{idiom}-{mode}-{rank}")
+    if not (os.path.exists(base + ".pt") and os.path.exists(base + ".json")):
+        launch = res[_launch_of(idiom)]
+        pytest.fail(f"no result for {idiom}-{mode} rank {rank}: the launch ended with rc={launch['rc']} after "
+                    f"{launch['seconds']:.0f}s\n{launch['cmd']}\n{launch['output'][-4000:]}")
+    with open(base + ".json") as fh:
+        meta = json.load(fh)
+    return torch.load(base + ".pt"), meta
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (inf for a shape mismatch or NaNs where b has none)."""
+    if a.shape != b.shape:
+        return math.inf
+    if b.numel() == 0:
+        return 0.0
+    a, b = a.detach().double(), b.detach().double()
+    if not torch.equal(torch.isnan(a), torch.isnan(b)):
+        return math.inf
+    same = torch.isnan(b) | (a == b)  # NaN vs NaN and inf vs inf of the same sign count as equal
+    d = torch.where(same, torch.zeros_like(a), (a - b).abs()).max()
+    finite = b[torch.isfinite(b)]
+    scale = finite.abs().max() if finite.numel() else torch.tensor(1.0, dtype=torch.float64)
+    return float(d / scale.clamp(min=1e-12))
+
+
+def max_rel_diff(a: dict, b: dict) -> tuple[float, str]:
+    """The worst :func:`rel_diff` over the entries of two dicts of tensors, and its key."""
+    if set(a) != set(b):
+        return math.inf, f"keys differ: only in cell {sorted(set(a) - set(b))}, only in ddp {sorted(set(b) - set(a))}"
+    worst, where = 0.0, ""
+    for k in b:
+        d = rel_diff(a[k], b[k])
+        if d > worst or (math.isnan(d) and not where):
+            worst, where = d, k
+    return worst, where
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 120)
+@pytest.mark.parametrize("idiom,mode,world", CELLS, ids=[f"{i}-{m}-{w}" for i, m, w in CELLS])
+def test_cell_matches_ddp(launches, idiom, mode, world):
+    """The cell's final parameters and buffers, and what the loop saw on the way, equal plain DDP's."""
+    res = launches(world)
+    ref_idiom = "checkpoint_save" if idiom == "checkpoint_resume" else idiom  # the uninterrupted DDP run
+    for rank in range(world):
+        cell, meta = load_cell(res, idiom, mode, rank)
+        ref, ref_meta = load_cell(res, ref_idiom, "ddp", rank)
+        assert not any(ref_meta["errors"]), f"the ddp reference raised:\n{next(e for e in ref_meta['errors'] if e)}"
+        assert not any(meta["errors"]), f"rank {rank}: the cell raised on some rank:\n" + \
+            next(e for e in meta["errors"] if e)
+        d, key = max_rel_diff(cell["state"], ref["state"])
+        assert d <= TOLERANCE, f"rank {rank}: state_dict differs from DDP: max rel diff {d:.3g} at {key!r}"
+        if idiom == "checkpoint_resume":  # the resumed run saw only the second half of the steps
+            n = len(cell["extras"]["loss"])
+            ref = {"extras": {"loss": ref["extras"]["loss"][-n:]}}
+        d, key = max_rel_diff(cell["extras"], ref["extras"])
+        assert d <= TOLERANCE, f"rank {rank}: the loop observed different {key!r}: max rel diff {d:.3g}"
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 120)
+@pytest.mark.parametrize("world", WORLDS)
+def test_launches_complete(launches, world):
+    res = launches(world)
+    for name in ("main", "resume"):
+        launch = res[name]
+        assert launch["rc"] == 0, f"{name} launch: rc={launch['rc']} after {launch['seconds']:.0f}s\n" \
+                                  f"{launch['cmd']}\n{launch['output'][-4000:]}"
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 120)
+@pytest.mark.parametrize("world", WORLDS)
+def test_references_exercise_the_idioms(launches, world):
+    """The ddp runs really do what the idioms claim: clipping clips, the GradScaler skips some steps (inf/NaN)
+    and takes others, the schedulers change the lr, ranks end with equal parameters."""
+    res = launches(world)
+    extras = {n: load_cell(res, n, "ddp", 0)[0]["extras"] for n in MAIN}
+    assert (extras["clip_grad_norm"]["total_norm"] > 2 * worker.CLIP_NORM).all()
+    assert (extras["clip_grad_value"]["max_abs_grad"] > 2 * worker.CLIP_VALUE).all()
+    skipped = extras["grad_scaler"]["skipped"]
+    assert 1 <= int(skipped.sum()) < len(skipped), skipped
+    for name in MAIN:
+        if name.endswith(("_before", "_after")):
+            assert len(set(extras[name]["lr"].tolist())) >= 3, (name, extras[name]["lr"])
+    for name in MAIN:  # parameters only: BatchNorm's running statistics are per rank after the last forward
+        states = [{k: v for k, v in load_cell(res, name, "ddp", r)[0]["state"].items() if not k.endswith(BUFFERS)}
+                  for r in range(world)]
+        assert all(max_rel_diff(s, states[0])[0] == 0.0 for s in states[1:]), name
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 120)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("idiom", FALLS_BACK_TO_HOOK + STAYS_OVERLAP)
+def test_overlap_mode_reported(launches, idiom, world):
+    """Overlap requested: idioms that change gradients between backward() and step(), and step(closure), end in
+    hook mode with a reason (stats()["mode_reason"]); the plain idioms end in overlap mode."""
+    res = launches(world)
+    want = "hook" if idiom in FALLS_BACK_TO_HOOK else "overlap"
+    for rank in range(world):
+        _, meta = load_cell(res, idiom, "overlap", rank)
+        stats = meta["stats"]
+        raised = next((e for e in meta["errors"] if e), None)
+        note = f" (the cell raised: {raised.strip().splitlines()[-1]})" if raised else ""
+        assert stats.get("mode") == want, \
+            f"rank {rank}: mode {stats.get('mode')!r}, expected {want!r}; mode_reason " \
+            f"{stats.get('mode_reason')!r}{note}"
+        if want == "hook":
+            assert isinstance(stats.get("mode_reason"), str) and stats["mode_reason"].strip(), \
+                f"rank {rank}: fell back to hook mode without a mode_reason{note}"
