@@ -329,7 +329,8 @@ def _launch_deferred(state: ShimState, bucket):
         if pend is None or id(p) in pend.applied:
             continue
         if pend.hparams is None:  # no step() after the last backward: as under DDP, the gradient (still in
-            pend.applied.add(id(p))  # .grad) accumulates and is all-reduced again with this one
+            ov.check_unstepped(pend, p)  # .grad) accumulates and is all-reduced again with this one
+            pend.applied.add(id(p))
             d.pending.pop(id(p), None)
         elif id(p) in d.got_grad:
             raise RuntimeError("tensorlane overlap mode: a parameter (shape {}) was used in this forward pass "
@@ -345,6 +346,7 @@ def _launch_deferred(state: ShimState, bucket):
         n = p.numel()
         covering = tuple(i for i, (o, length, _) in enumerate(pieces) if o < offset + n and o + length > offset)
         pend.params.append((p, offset, n, covering))
+        pend.created[id(p)] = p._version
         d.pending[id(p)] = pend
         offset += n
     d.unstamped.append(pend)
@@ -362,7 +364,8 @@ def _apply(state: ShimState, param) -> bool:
     if pend is None or id(param) in pend.applied:
         d.pending.pop(id(param), None)
         return False
-    if pend.hparams is None:
+    if pend.hparams is None:  # step() not called for it yet: DDP has not updated it either
+        ov.check_unstepped(pend, param)
         return False
     for p, _o, _n, covering in pend.params:
         if p is param:
@@ -541,7 +544,10 @@ class Handle:
         if self.closed or self.disabled:
             self.closed = True
             return
-        self.flush()
+        try:
+            self.flush()
+        except RuntimeError as exc:  # a refusal was raised already: clean up all the same
+            warnings.warn(f"tensorlane: close() dropped updates it could not apply exactly: {exc}", stacklevel=2)
         d = self.state.deferred
         if d is not None:
             for pend in {id(p): p for p in d.pending.values()}.values():

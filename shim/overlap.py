@@ -27,7 +27,8 @@ What overlap mode cannot reproduce, and how it is caught:
   steps on one gradient) raises; a ``backward()`` with no ``step()`` afterwards keeps DDP's semantics (the
   gradient accumulates and is all-reduced with the next one).
 - parameters written in place between ``step()`` and the next forward (checked with their version counters)
-  raise; ``load_state_dict`` and ``state_dict`` of the model or the optimizer apply pending steps first.
+  raise, and so does a parameter that changed after ``backward()`` without a ``step()`` through the shim (a
+  framework that calls the optimizer's original ``step``); ``load_state_dict`` and ``state_dict`` of the model or the optimizer apply pending steps first.
 
 Code that *reads* parameters between ``step()`` and the next forward (an EMA of the weights, logging them) sees
 them before that iteration's update: call ``handle.flush()`` first. Code that reads ``.grad`` after
@@ -96,6 +97,7 @@ class Pending:
     hparams: list | None = None
     versions: dict = field(default_factory=dict)  # id(param) -> param._version when stamped
     skip: set = field(default_factory=set)  # id(param) with no .grad at step(): the optimizer skips them
+    created: dict = field(default_factory=dict)  # id(param) -> param._version when the bucket was launched
 
 
 @dataclass
@@ -176,7 +178,7 @@ class Deferred:
                 if id(p) in self.got_grad and not any(m in self.probe.ran for m in self.holders.get(id(p), ())):
                     self.early.add(id(p))
         self.probe.ran = set()
-        self.got_grad = set()
+        self.got_grad.clear()  # in place: the gradient hooks hold this set
 
 
 def _norms(grads: list) -> list | None:
@@ -223,3 +225,13 @@ def after_backward_callback(fn) -> None:
     """
     engine = torch.autograd.Variable._execution_engine
     engine.queue_callback(lambda: engine.queue_callback(fn))
+
+
+def check_unstepped(pend: Pending, p) -> None:
+    """A parameter whose bucket no ``step()`` stamped must be as it was at backward: if it changed, something
+    stepped the optimizer (or wrote the parameter) around the shim, with this rank's own gradient."""
+    if p._version != pend.created.get(id(p), p._version):
+        raise RuntimeError(f"tensorlane overlap mode: a parameter (shape {tuple(p.shape)}) changed after backward() "
+                           "although no optimizer.step() went through the shim (the optimizer's original step was "
+                           "called another way, or the parameter was written): under DDP that update would use "
+                           "the averaged gradient. Use hook mode (shim.attach without optimizer).")

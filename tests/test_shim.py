@@ -115,3 +115,36 @@ def test_default_job_id_from_environment(monkeypatch):
     assert default_job_id() == "resnet-run-7"
     monkeypatch.setenv("TENSORLANE_JOB", "_mine")
     assert default_job_id() == "j_mine"
+
+
+REFUSALS = {  # scenario of tests/refusal_worker.py -> what the error says
+    "clip_later": "gradients were changed between backward() and optimizer.step()",
+    "grad_write_later": "gradients were changed between backward() and optimizer.step()",
+    "double_step": "optimizer.step() without a synchronized backward()",
+    "require_overlap": "overlap mode cannot reproduce this training loop: gradients were changed",
+    "step_around_shim": "changed after backward() although no optimizer.step() went through the shim",
+    "param_write_later": "was changed in place between optimizer.step() and the next forward",
+    "stale_use": "was used in this forward pass before its step was applied",
+}
+
+
+def test_overlap_refuses_what_it_cannot_reproduce(tmp_path):
+    """Once overlap mode is chosen, a loop that starts doing what it cannot reproduce gets a clear error on every
+    rank; where the error can come before the update it concerns, the parameters then equal plain DDP's."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TENSORLANE_JOB", "TORCHELASTIC_RUN_ID")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          os.path.join(REPO, "tests", "refusal_worker.py"), "--out", str(tmp_path)],
+                         env=dict(env, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for scenario, message in REFUSALS.items():
+        for rank in range(2):
+            got = json.loads((tmp_path / f"{scenario}-{rank}.json").read_text())
+            assert got["error"] and message in got["error"], (scenario, rank, got["error"])
+            if got["exact_steps"] is not None:
+                assert got["diff"] == 0.0, (scenario, rank, got)
+    for rank in range(2):  # parameters used outside their module from the first iteration: applied early, exact
+        got = json.loads((tmp_path / f"early_use-{rank}.json").read_text())
+        assert got["error"] is None and got["diff"] <= 1e-6, got

@@ -1,0 +1,115 @@
+"""Loops that overlap mode cannot reproduce once it has been chosen, run under torchrun: each must raise a clear
+error on every rank, where it can before any parameter differs from plain DDP's (and ``early_use``, which it
+can reproduce, must not). Writes OUT/SCENARIO-RANK.json with the error
+and the largest relative difference from DDP at that point (DDP after the same number of completed steps).
+
+    torchrun --standalone --nproc-per-node 2 tests/refusal_worker.py --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import shim  # noqa: E402
+
+STEPS = 6
+LATE = 3  # the iteration at which the loop starts doing what the first iterations did not
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x, late: bool = False):
+        h = torch.relu(self.b(torch.relu(self.a(x))))
+        if late:  # from LATE on, c's parameters are used by the root's forward, c itself does not run
+            return nn.functional.linear(h, self.c.weight, self.c.bias)
+        return self.c(h)
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+def loop(scenario: str, shim_on: bool, steps: int):
+    """Train ``steps`` iterations; returns (parameters, error text or None)."""
+    model = DDP(Net(), bucket_cap_mb=0.0001)  # a bucket per parameter: c's step waits for c alone
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = None
+    if shim_on:
+        handle = shim.attach(model, opt, levels=2, policy="layer_order", agent_socket="/nonexistent/tl.sock",
+                             require_overlap=scenario == "require_overlap")
+    error = None
+    try:
+        for step in range(steps):
+            x, y = batch(step)
+            late = step >= LATE
+            functional = late and scenario == "stale_use" or scenario == "early_use"
+            loss = ((model(x, late=functional) - y) ** 2).mean()
+            loss.backward()
+            if scenario == "clip_later" and late or scenario == "require_overlap":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            if scenario == "grad_write_later" and late:
+                next(model.parameters()).grad.mul_(0.5)
+            if scenario == "step_around_shim" and late:
+                type(opt).step(opt)  # the optimizer's own step, not the one the shim installed
+            else:
+                opt.step()
+            if scenario == "double_step" and late:
+                opt.step()
+            if scenario == "param_write_later" and late:
+                with torch.no_grad():
+                    model.module.a.weight.clamp_(-0.1, 0.1)
+            opt.zero_grad()
+    except RuntimeError as exc:
+        error = str(exc)
+    if handle is not None and error is None:
+        handle.flush()  # the last step's update (after an error: the parameters as they are)
+    params = {k: v.detach().clone() for k, v in model.module.named_parameters()}
+    if handle is not None:
+        handle.close()  # after a refusal: cleans up, drops what cannot be applied (a warning), never raises
+    return params, error
+
+
+# scenario -> the number of DDP steps the parameters must equal when the error is raised (None: the loop itself
+# already changed them around the shim before it could be seen)
+SCENARIOS = {"clip_later": LATE, "grad_write_later": LATE, "double_step": LATE, "require_overlap": 1,
+             "step_around_shim": None, "param_write_later": None, "stale_use": None,
+             "early_use": STEPS}  # c's parameters used outside c from the first iteration on: exact, no error
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for scenario in args.scenarios.split(","):
+        params, error = loop(scenario, True, STEPS)
+        exact = SCENARIOS[scenario]
+        diff = None
+        if exact is not None:
+            ref = loop(scenario, False, exact)[0]
+            diff = max(float((params[k] - r).abs().max() / r.abs().max().clamp(min=1e-12)) for k, r in ref.items())
+        with open(os.path.join(args.out, f"{scenario}-{rank}.json"), "w") as fh:
+            json.dump({"error": error, "exact_steps": exact, "diff": diff}, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
