@@ -21,6 +21,7 @@ BENCHMARKS = {
     "jobs": ("bench.jobs", "several jobs sharing hosts: JCT under FIFO, static priority and rotation"),
     "control-plane": ("bench.control_plane", "registration latency, memory and throughput at 0/1k/10k flows; soak"),
     "shim-overhead": ("bench.overhead", "step time of the shim against plain DDP when the link is not the bottleneck"),
+    "realtrain": ("bench.realtrain", "a real CNN (bf16, LR warm-up, clipping) under bulk: plain DDP vs the shim, loss curves and step times"),
     "validate": ("bench.validate", "issue 4: the execution model's predicted vs measured iteration time, and the planner's choice"),
     "classifier": ("bench.classifier", "per-packet cost of nft map vs u32 filters vs SO_PRIORITY, by flow count"),
 }

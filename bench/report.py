@@ -3,7 +3,7 @@ the alternative it was measured beside, their ratio, the target and whether it w
 missed), a line per benchmark (machine, link rate, repetitions, duration) and one PNG plot per benchmark.
 
 Inputs (``--results``, default ``results/``): ``contention.json``, ``priority.json``, ``jobs.json``,
-``control-plane.json``, ``shim-overhead.json`` and, optionally, ``classifier.json``, each written by
+``control-plane.json``, ``shim-overhead.json``, ``realtrain.json`` and, optionally, ``classifier.json``, each written by
 ``tensorlane bench NAME --json results/NAME.json``. A missing file gives a "not run" row; a missing key shows "-".
 
 Outputs: the section between ``<!-- perf-table:begin -->`` and ``<!-- perf-table:end -->`` of ``--readme``
@@ -29,9 +29,10 @@ END = "<!-- perf-table:end -->"
 # (name, file, required): the order of the table
 BENCHES = (("contention", "contention.json", True), ("priority", "priority.json", True), ("jobs", "jobs.json", True),
            ("control-plane", "control-plane.json", True), ("shim-overhead", "shim-overhead.json", True),
-           ("classifier", "classifier.json", False))
+           ("realtrain", "realtrain.json", True), ("classifier", "classifier.json", False))
 PROFILE_NAMES = {"resnet50": "ResNet-50", "vgg16": "VGG-16", "bert_base": "BERT-base"}
 DASH = "-"
+INFORMATIONAL = "none (informational)"
 
 
 class ReportError(RuntimeError):
@@ -178,8 +179,31 @@ def rows_contention(d: dict) -> list[Row]:
     return rows
 
 
+def dependency_bound_of(d: dict, prof: str, f: dict) -> float | None:
+    """The dependency-aware lower bound of one profile: ``lower_bound_dep_s`` as recorded, else derived from what
+    older files hold (the profile's name, ``param_scale``, ``compute_scale``, the run's ``ranks`` or ``hosts`` and
+    ``link_bps`` or ``rate``) with ``bench.models.dependency_bound``; None when that is not enough.
+
+    Usage: ``dependency_bound_of(priority_json, "bert_base", priority_json["profiles"]["bert_base"])``
+    """
+    if num(f.get("lower_bound_dep_s")) is not None:
+        return num(f["lower_bound_dep_s"])
+    ps, cs = num(f.get("param_scale")), num(f.get("compute_scale"))
+    ranks = num(d.get("ranks")) or num(d.get("hosts"))
+    rate = num(d.get("link_bps")) or (d.get("rate") if isinstance(d.get("rate"), str) else None)
+    if ps is None or cs is None or not ranks or not rate:
+        return None
+    try:
+        from bench.models import dependency_bound
+
+        return dependency_bound(prof, int(ranks), rate, ps, cs)["lower_bound_dep_s"]
+    except Exception:  # noqa: BLE001 - an unknown profile or rate: no figure, not a crash
+        return None
+
+
 def rows_priority(d: dict) -> list[Row]:
-    """Per profile: shim vs DDP (<= 0.80), vs the lower bound (<= 1.15), vs application order (< 1)."""
+    """Per profile: shim vs DDP (<= 0.80), vs the lower bound (<= 1.15), vs the dependency-aware lower bound (no
+    target: informational; derived for files that predate it), vs application order (< 1)."""
     t = d.get("targets") or {}
     profiles = d.get("profiles") if isinstance(d.get("profiles"), dict) else {}
     rows = []
@@ -187,13 +211,16 @@ def rows_priority(d: dict) -> list[Row]:
         f = f if isinstance(f, dict) else {}
         name = PROFILE_NAMES.get(prof, prof)
         shim, ddp, app, lb = f.get("shim_s"), f.get("ddp_s"), f.get("app_order_s"), f.get("lower_bound_s")
-        ts = timer(shim, ddp, app, lb)
+        lbd = dependency_bound_of(d, prof, f)
+        ts = timer(shim, ddp, app, lb, lbd)
         rows.append(judged(Row("priority", f"{name}: shim vs plain DDP", ts(shim), f"DDP {ts(ddp)}",
                                fmt_x(ratio_of(shim, ddp))), ratio_of(shim, ddp), "<=",
                            num(t.get("shim_vs_ddp_max")) or 0.80))
         rows.append(judged(Row("priority", f"{name}: shim vs lower bound", ts(shim), f"lower bound {ts(lb)}",
                                fmt_x(ratio_of(shim, lb))), ratio_of(shim, lb), "<=",
                            num(t.get("shim_vs_lower_bound_max")) or 1.15))
+        rows.append(Row("priority", f"{name}: shim vs dependency-aware lower bound", ts(shim),
+                        f"dependency-aware lower bound {ts(lbd)}", fmt_x(ratio_of(shim, lbd)), INFORMATIONAL))
         rows.append(judged(Row("priority", f"{name}: shim vs application order only", ts(shim),
                                f"app order {ts(app)}", fmt_x(ratio_of(shim, app))), ratio_of(shim, app), "<", 1.0))
     if not rows:
@@ -285,6 +312,36 @@ def rows_overhead(d: dict) -> list[Row]:
                    num(t.get("ratio_hook_max")) or 1.05)]
 
 
+def rows_realtrain(d: dict) -> list[Row]:
+    """A real CNN under bulk: the shim with clipping (hook mode) and without (overlap) vs plain DDP, no target;
+    the loss curves of the shim with clipping and DDP, largest relative difference per step (<= 1e-6)."""
+    ddp, clip, noclip = d.get("ddp_s"), d.get("shim_clip_s"), d.get("shim_noclip_s")
+    ts = timer(ddp, clip, noclip)
+    modes = d.get("modes") if isinstance(d.get("modes"), dict) else {}
+
+    def shim_mode(mode: str) -> str:
+        m = modes.get(mode) if isinstance(modes.get(mode), dict) else {}
+        found = sorted({x for x in m.get("shim_mode") or [] if isinstance(x, str)})
+        return f" ({'/'.join(found)} mode)" if found else ""
+
+    rows = [Row("realtrain", f"shim with clipping{shim_mode('shim_clip')} vs plain DDP under bulk", ts(clip),
+                f"DDP {ts(ddp)}", fmt_x(ratio_of(clip, ddp)), INFORMATIONAL),
+            Row("realtrain", f"shim without clipping{shim_mode('shim_noclip')} vs plain DDP under bulk", ts(noclip),
+                f"DDP {ts(ddp)}; shim with clipping {ts(clip)}", fmt_x(ratio_of(noclip, ddp)), INFORMATIONAL)]
+    loss = (d.get("loss") or {}).get("shim_clip_vs_ddp") if isinstance(d.get("loss"), dict) else None
+    loss = loss if isinstance(loss, dict) else {}
+    tol = num((d.get("targets") or {}).get("loss_max_rel_diff_max")) or 1e-6
+    v = num(loss.get("max"))
+    row = Row("realtrain", "loss curve, shim with clipping vs plain DDP: largest relative difference per step",
+              DASH if v is None else f"{v:.2g}",
+              f"{loss['exact_steps']} of {loss['steps']} steps bit-equal" if num(loss.get("steps")) else DASH,
+              DASH, f"<= {tol:g}")
+    if v is not None:
+        row.result, row.missed = ("met", None) if v <= tol else (f"**missed** by {v - tol:.2g}", f"{v - tol:.2g}")
+    rows.append(row)
+    return rows
+
+
 def rows_classifier(d: dict) -> list[Row]:
     """The agent's nft map at the largest N against the smallest (no numeric target: not linear in N)."""
     res = [r for r in d.get("results") or [] if isinstance(r, dict)]
@@ -309,7 +366,8 @@ def fmt_gbps(v) -> str:
 
 
 ROWS = {"contention": rows_contention, "priority": rows_priority, "jobs": rows_jobs,
-        "control-plane": rows_control_plane, "shim-overhead": rows_overhead, "classifier": rows_classifier}
+        "control-plane": rows_control_plane, "shim-overhead": rows_overhead, "realtrain": rows_realtrain,
+        "classifier": rows_classifier}
 
 
 # ------------------------------------------------------------------------------------------- run descriptions
@@ -349,6 +407,12 @@ def describe_reps(name: str, d: dict) -> str:
     if name == "priority":
         if it and rounds:
             return f"median of {int(it * rounds)} iterations per mode ({_rounds(rounds, it)})"
+        return "repetitions not recorded"
+    if name == "realtrain":
+        if it and rounds:
+            steps = f" ({int(d['steps'])} per run)" if num(d.get("steps")) else ""
+            return (f"median of {int(it * rounds)} iterations per mode ({_rounds(rounds, it)}); the loss of every "
+                    f"step{steps}")
         return "repetitions not recorded"
     if name == "shim-overhead":
         reps = num(d.get("reps")) or (it * rounds if it and rounds else None)
@@ -392,6 +456,16 @@ def describe_setup(name: str, d: dict) -> str:
     hosts = num(d.get("hosts"))
     rate = fmt_bps(d.get("link_bps")) if num(d.get("link_bps")) else fmt_rate(d.get("rate"))
     text = f"{int(hosts)} hosts at {rate}" if hosts else f"links at {rate}"
+    if name == "realtrain":
+        m = d.get("model") if isinstance(d.get("model"), dict) else {}
+        tr = d.get("train") if isinstance(d.get("train"), dict) else {}
+        if num(m.get("params")):
+            text += (f"; small CNN ({num(m['params']) / 1e6:.2f} M parameters, {fmt_bytes(m.get('gradient_bytes'))} of "
+                     f"gradients, {fmt_s(d.get('comm_s'))} at link rate; compute {fmt_s(d.get('compute_s'))}), "
+                     f"batch {m.get('batch_per_rank', DASH)} per rank, bf16 autocast, SGD with "
+                     f"{tr.get('warmup_steps', DASH)}-step linear warm-up, clipping at {tr.get('max_norm', DASH)}")
+        if num(d.get("bulk_streams")):
+            text += f"; iperf3 bulk {int(d['bulk_streams'])} streams each way (unregistered), agents on both hosts"
     if name == "shim-overhead" and d.get("profile"):
         model = PROFILE_NAMES.get(d["profile"], d["profile"])
         text += (f" (the testbed's highest rate: not the bottleneck); emulated {model}, "
@@ -579,6 +653,9 @@ def plot_priority(d, fig):
     series = [(label, [None if num((profiles[p] or {}).get(k)) is None else num(profiles[p][k]) * 1000 for p in names])
               for label, k in (("DDP", "ddp_s"), ("app order", "app_order_s"), ("shim", "shim_s"),
                                ("lower bound", "lower_bound_s"))]
+    deps = [dependency_bound_of(d, p, profiles[p] if isinstance(profiles[p], dict) else {}) for p in names]
+    if any(v is not None for v in deps):
+        series.append(("dep.-aware lower bound", [None if v is None else v * 1000 for v in deps]))
     _grouped(ax, [PROFILE_NAMES.get(p, p) for p in names], series, "priority: median iteration time", "ms")
     return True
 
@@ -642,6 +719,43 @@ def plot_overhead(d, fig):
     return any(num(v) is not None for v in vals)
 
 
+REALTRAIN_LABELS = {"compute": "compute only", "ddp": "plain DDP (clip)", "shim_clip": "shim (clip)",
+                    "shim_noclip": "shim (no clip)", "ddp_noclip": "plain DDP (no clip)"}
+REALTRAIN_STYLE = {"ddp": ("tab:gray", "-", "o"), "shim_clip": ("tab:blue", "--", "x"),
+                   "shim_noclip": ("tab:green", ":", "."), "ddp_noclip": ("tab:olive", "-.", "+")}
+
+
+def plot_realtrain(d, fig):
+    """Loss per step (first round, mean over ranks) of every mode, overlaid; median iteration time per mode."""
+    modes = d.get("modes") if isinstance(d.get("modes"), dict) else {}
+    if not modes:
+        return False
+    ax = fig.add_subplot(1, 2, 1)
+    for mode, (color, ls, marker) in REALTRAIN_STYLE.items():
+        m = modes.get(mode) if isinstance(modes.get(mode), dict) else {}
+        losses = m.get("losses") or []
+        if losses and isinstance(losses[0], list) and losses[0]:
+            ax.plot(range(len(losses[0])), [num(v) for v in losses[0]], color=color, ls=ls, marker=marker,
+                    label=REALTRAIN_LABELS.get(mode, mode), lw=1.2, ms=5)
+    loss = (d.get("loss") or {}).get("shim_clip_vs_ddp") if isinstance(d.get("loss"), dict) else None
+    diff = num((loss or {}).get("max")) if isinstance(loss, dict) else None
+    ax.set_title("realtrain: loss per step" + ("" if diff is None else
+                                               f" (shim clip vs DDP: max rel diff {diff:.2g})"), fontsize=9)
+    ax.set_xlabel("step")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylabel("cross-entropy, mean of ranks")
+    ax.legend(fontsize=8)
+    ax = fig.add_subplot(1, 2, 2)
+    order = [m for m in ("compute", "ddp", "ddp_noclip", "shim_clip", "shim_noclip") if m in modes]
+    colors = {"compute": "tab:purple", **{k: v[0] for k, v in REALTRAIN_STYLE.items()}}
+    _bars(ax, [REALTRAIN_LABELS[m].replace(" (", "\n(") for m in order],
+          [None if num((modes[m] or {}).get("median_s")) is None else num(modes[m]["median_s"]) * 1000 for m in order],
+          "median iteration (slowest rank), bulk on the link", "ms", [colors[m] for m in order],
+          ref=None if num(d.get("comm_s")) is None else num(d["comm_s"]) * 1000, ref_label="all-reduce at link rate")
+    ax.tick_params(axis="x", labelsize=8)
+    return True
+
+
 def plot_classifier(d, fig):
     res = [r for r in d.get("results") or [] if isinstance(r, dict)]
     if not res:
@@ -665,37 +779,48 @@ def plot_classifier(d, fig):
 
 
 PLOTS = {"contention": plot_contention, "priority": plot_priority, "jobs": plot_jobs,
-         "control-plane": plot_control_plane, "shim-overhead": plot_overhead, "classifier": plot_classifier}
+         "control-plane": plot_control_plane, "shim-overhead": plot_overhead, "realtrain": plot_realtrain,
+         "classifier": plot_classifier}
+WIDE_PLOTS = ("jobs", "control-plane", "realtrain")
 
 
 def write_plots(results: dict[str, dict], img_dir: str) -> dict[str, str]:
     """Save ``img_dir``/bench-NAME.png for every benchmark with data; returns ``{name: path}`` of those written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     os.makedirs(img_dir, exist_ok=True)
     written = {}
     for name, entry in results.items():
         d = entry.get("data")
         if d is None:
             continue
-        wide = name in ("jobs", "control-plane")
-        fig = plt.figure(figsize=(10 if wide else 6.5, 3.8))
+        path = os.path.join(img_dir, f"bench-{name}.png")
         try:
-            ok = PLOTS[name](d, fig)
-            if ok:
-                fig.suptitle(f"{name}{' (quick run)' if d.get('quick') else ''}", fontsize=9, x=0.99, ha="right")
-                fig.tight_layout()
-                path = os.path.join(img_dir, f"bench-{name}.png")
-                fig.savefig(path, dpi=100, metadata={"Software": None})
+            if save_plot(name, d, path):
                 written[name] = path
         except Exception as exc:  # noqa: BLE001 - a plot must not stop the report; say so
             print(f"bench.report: no plot for {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        finally:
-            plt.close(fig)
     return written
+
+
+def save_plot(name: str, d: dict, path: str) -> bool:
+    """Draw benchmark ``name``'s plot of the figures ``d`` into ``path`` (PNG); False when there is nothing to plot.
+
+    Usage: ``save_plot("realtrain", json.load(open("results/realtrain.json")), "/tmp/realtrain.png")``
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(10 if name in WIDE_PLOTS else 6.5, 3.8))
+    try:
+        if not PLOTS[name](d, fig):
+            return False
+        fig.suptitle(f"{name}{' (quick run)' if d.get('quick') else ''}", fontsize=9, x=0.99, ha="right")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100, metadata={"Software": None})
+        return True
+    finally:
+        plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------------------- CLI

@@ -101,6 +101,9 @@ def test_render_rows_missing_files_and_keys(tmp_path):
     assert by_figure[("priority", "ResNet-50: shim vs application order only")][6] == "met"
     r = by_figure[("priority", "BERT-base: shim vs lower bound")]
     assert r[3] == "lower bound -" and r[4] == "-" and r[6] == "-"
+    # the dependency-aware bound: no scales in these figures, so it cannot be derived: "-", informational
+    r = by_figure[("priority", "ResNet-50: shim vs dependency-aware lower bound")]
+    assert r[3:] == ["dependency-aware lower bound -", "-", "none (informational)", "-"]
     # jobs: 2 jobs meet both; 4 jobs: static missing ("-"), average missed by 0.15, worst missed
     r = by_figure[("jobs", "2 jobs: average JCT, rotation vs FIFO")]
     assert r[2:] == ["7.00 s", "FIFO 10.00 s; static priority 8.00 s", "0.70", "<= 0.75", "met"]
@@ -127,7 +130,7 @@ def test_render_rows_missing_files_and_keys(tmp_path):
     assert "- control-plane, register p99, 10,000 flows registered: 12.50 ms against <= 10 ms, missed by 2.50 ms" \
         in section.splitlines()
     assert "- priority, ResNet-50: shim vs plain DDP: 0.81 against <= 0.80, missed by 0.01" in section.splitlines()
-    assert "Not measured: shim-overhead." in section
+    assert "Not measured: shim-overhead, realtrain." in section
     assert "**Quick runs**" in section and "jobs" in section.split("**Quick runs**")[1].splitlines()[0]
     line = next(x for x in section.splitlines() if x.startswith("- **contention**"))
     assert "3 hosts at 200 Mbit/s" in line and "median of 10 iterations per phase" in line
@@ -151,7 +154,7 @@ def test_render_survives_garbage(tmp_path):
     assert any(r[1] == "register p99 and throughput, 10,000 flows" and r[6] == "not run" for r in rows)
     assert all(len(r) == 7 for r in rows)
     empty = render(report.load(str(tmp_path / "nowhere")))
-    assert sum(1 for r in table_rows(empty) if r[6] == "not run") == 5
+    assert sum(1 for r in table_rows(empty) if r[6] == "not run") == 6
 
 
 def test_marker_replacement_is_idempotent_and_local():
@@ -253,3 +256,31 @@ def test_bench_dispatch_stamps_machine(tmp_path, monkeypatch):
     assert obj["machine"]["cpus"] == 2 and obj["machine"]["date"] == "then" and "torch" in obj["machine"]
     out.write_text("[1, 2]")
     assert not bench.stamp(str(out), "x")
+
+
+def test_priority_dependency_bound_recorded_or_derived(tmp_path):
+    """A file with ``lower_bound_dep_s`` is shown as recorded; an older one (scales, ranks and link rate only) gets
+    the bound from ``bench.models.dependency_bound``; neither row has a target, so the counts do not change."""
+    from bench.models import dependency_bound
+
+    old = {"rate": "200mbit", "link_bps": 200_000_000, "ranks": 2, "hosts": 2, "iters": 8, "rounds": 3,
+           "profiles": {"bert_base": {"param_scale": 23.0, "compute_scale": 3.55, "ddp_s": 1.127, "shim_s": 1.062,
+                                      "app_order_s": 1.112, "lower_bound_s": 0.762},
+                        "vgg16": {"ddp_s": 1.0, "shim_s": 0.8, "app_order_s": 1.0, "lower_bound_s": 0.738,
+                                  "lower_bound_dep_s": 0.75}}}
+    write_results(tmp_path / "r", {"priority": old})
+    section = render(report.load(str(tmp_path / "r")))
+    rows = {(r[0], r[1]): r for r in table_rows(section)}
+    want = dependency_bound("bert_base", 2, 200e6, 23.0, 3.55)["lower_bound_dep_s"]
+    assert 0.93 < want < 0.95
+    r = rows[("priority", "BERT-base: shim vs dependency-aware lower bound")]
+    assert r[2:] == ["1062 ms", f"dependency-aware lower bound {want * 1000:.0f} ms", f"{1.062 / want:.2f}",
+                     "none (informational)", "-"]
+    r = rows[("priority", "VGG-16: shim vs dependency-aware lower bound")]
+    assert r[3:5] == ["dependency-aware lower bound 750 ms", "1.07"]
+    assert "Targets missed (2 of 6 measured):" in section
+    assert report.write_plots(report.load(str(tmp_path / "r")), str(tmp_path / "img")).keys() == {"priority"}
+    # the bound itself: at least the plain one and the first layer's term, for every shipped profile
+    for prof, (ps, cs) in {"resnet50": (5.0, 10.416), "vgg16": (30.0, 2.484), "bert_base": (23.0, 3.55)}.items():
+        b = dependency_bound(prof, 2, 200e6, ps, cs)
+        assert b["lower_bound_dep_s"] >= max(b["plain_s"], b["first_layer_s"]) - 1e-12

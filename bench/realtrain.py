@@ -1,0 +1,469 @@
+"""Real-compute training under bulk traffic: a small CNN (``bench.models.small_cnn``, no sleep emulation) trained
+data-parallel with a linear warm-up LR schedule (``LambdaLR``), ``clip_grad_norm_`` and bf16 autocast on
+deterministic synthetic images, on the namespace testbed (2 hosts, one rank per host, gloo over eth0), with an
+agent on every host and iperf3 bulk between the hosts both ways (never registered).
+
+One set of workers (one process per rank) runs the modes interleaved, ``rounds`` times in rotating order, so that
+they share the machine's noise; every run builds the same model from the same seed and trains it on the same
+batches, so the loss curves of the modes can be compared step by step:
+
+``compute``      every rank alone, no communication (the realised compute per iteration; diagnostic);
+``ddp``          plain ``DistributedDataParallel`` (DDP's default buckets) with clipping; its flows are not
+                 registered (a user without tensorlane): under the bulk it shares the lowest class with iperf3;
+``shim_clip``    the same loop (clipping) with ``shim.attach(ddp, optimizer, levels=4)``: the shim detects the
+                 clipping at the first iteration and runs its exact hook mode (``stats()["mode"] == "hook"``);
+``shim_noclip``  the shim on the same loop without clipping, so that its overlap mode runs;
+``ddp_noclip``   (not in the default set) plain DDP without clipping: the reference for ``shim_noclip``'s losses.
+
+Figures: the median iteration time per mode (the slowest rank per iteration, start to start, as in
+``bench.training``), ``shim_clip_vs_ddp`` and ``shim_noclip_vs_ddp``; the per-step losses of every run (per rank
+and the mean over ranks); ``loss.shim_clip_vs_ddp``: the largest relative difference per step between the shim
+with clipping and plain DDP (over ranks and rounds; equal data, init and 2 ranks: it should be 0 or ~1e-7).
+
+Usage: ``tensorlane bench realtrain --json results/realtrain.json [--quick]`` (root: it builds network namespaces);
+``python -m bench.realtrain worker ...`` is the per-rank worker the benchmark starts.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+from bench.workers import ScenarioError, machine_info, progress_printer, run_workers, show_figures, text_table
+
+MODES = ("compute", "ddp", "shim_clip", "shim_noclip")
+ALL_MODES = MODES + ("ddp_noclip",)
+CLIP_MODES = ("ddp", "shim_clip", "compute")
+SHIM_MODES = ("shim_clip", "shim_noclip")
+KEY = {"compute": "compute_s", "ddp": "ddp_s", "shim_clip": "shim_clip_s", "shim_noclip": "shim_noclip_s",
+       "ddp_noclip": "ddp_noclip_s"}
+DEFAULTS = {"rate": "100mbit", "width": 48, "batch": 32, "lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4,
+            "warmup_steps": 5, "max_norm": 1.0, "levels": 4, "shim_bucket_mb": 2.0, "streams": 4, "seed": 0}
+LOSS_TOLERANCE = 1e-6   # the largest relative loss difference shim (clip) vs DDP the report calls "met"
+
+
+# ------------------------------------------------------------------------------------------------------- worker
+
+def worker_args(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.realtrain worker", description="one rank of bench.realtrain")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--master", required=True, metavar="ADDR:PORT")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations before the timed ones")
+    p.add_argument("--width", type=int, default=DEFAULTS["width"])
+    p.add_argument("--batch", type=int, default=DEFAULTS["batch"])
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    p.add_argument("--momentum", type=float, default=DEFAULTS["momentum"])
+    p.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
+    p.add_argument("--warmup-steps", type=int, default=DEFAULTS["warmup_steps"], help="linear LR warm-up")
+    p.add_argument("--max-norm", type=float, default=DEFAULTS["max_norm"], help="clip_grad_norm_ bound")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument("--levels", type=int, default=DEFAULTS["levels"])
+    p.add_argument("--shim-bucket-mb", type=float, default=DEFAULTS["shim_bucket_mb"],
+                   help="DDP bucket size in the shim modes (plain DDP keeps its default 25 MB)")
+    p.add_argument("--agent-socket", default=None)
+    p.add_argument("--job", default="realtrain")
+    p.add_argument("--ifname", default=None)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--json", required=True)
+    return p.parse_args(argv)
+
+
+def worker(argv) -> int:
+    """One rank: every mode ``rounds`` times (rotating), losses and iteration times of each run, to ``--json``."""
+    args = worker_args(argv)
+    from bench.workers import use_interface, write_json
+
+    ifname = use_interface(args.ifname)
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from bench.models import small_cnn, synthetic_images
+
+    torch.set_num_threads(1)
+    modes = [m for m in args.modes.split(",") if m]
+    steps = args.warmup + args.iters + 1   # the last one is not timed: it absorbs the previous one's communication
+    batches = [synthetic_images(args.rank, s, args.batch, seed=args.seed) for s in range(steps)]
+    addr, port = args.master.rsplit(":", 1)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=args.rank, world_size=args.world,
+                            timeout=timedelta(seconds=args.timeout))
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    # warm the process up (oneDNN's bf16 primitives, the allocator) so that the first mode does not pay for it
+    warm = small_cnn(args.width, seed=args.seed + 1)
+    for s in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.nn.functional.cross_entropy(warm(batches[s][0]), batches[s][1]).backward()
+    del warm
+
+    def run_mode(mode: str):
+        """One run of ``mode``: its record, and its final parameters (flat)."""
+        clip = mode in CLIP_MODES
+        net = small_cnn(args.width, seed=args.seed)
+        params = list(net.parameters())
+        if mode != "compute":
+            cap = args.shim_bucket_mb if mode in SHIM_MODES else 25.0
+            # forward_sync_buffers=False: no BatchNorm-buffer broadcast on the default group before every forward
+            # (the shim registers its own groups' flows only; under bulk that broadcast would sit in the lowest
+            # class). Training mode normalises with batch statistics, so the losses do not depend on it.
+            net = DDP(net, bucket_cap_mb=cap, forward_sync_buffers=False)
+        opt = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+        handle = None
+        if mode in SHIM_MODES:
+            import shim
+
+            handle = shim.attach(net, opt, levels=args.levels, agent_socket=args.agent_socket,
+                                 job=f"{args.job}-{mode}")
+        rec = {"losses": [], "grad_norms": [], "lrs": [], "forward": [], "backward": [], "step": [], "cpu_s": [],
+               "cpu_wait_s": []}
+        starts = []
+        try:
+            dist.barrier()
+            for s in range(steps):
+                x, y = batches[s]
+                c0 = _sched()
+                t0 = time.perf_counter()
+                starts.append(t0)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = torch.nn.functional.cross_entropy(net(x), y)
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                norm = torch.nn.utils.clip_grad_norm_(params, args.max_norm) if clip else None
+                rec["lrs"].append(opt.param_groups[0]["lr"])
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                t3 = time.perf_counter()
+                c1 = _sched()
+                rec["losses"].append(loss.item())
+                rec["grad_norms"].append(None if norm is None else norm.item())
+                if args.warmup <= s < steps - 1:
+                    rec["cpu_s"].append(c1[0] - c0[0])
+                    rec["cpu_wait_s"].append(c1[1] - c0[1])
+                    rec["forward"].append(t1 - t0)
+                    rec["backward"].append(t2 - t1)
+                    rec["step"].append(t3 - t2)
+            if handle is not None:
+                handle.flush()
+            end = time.perf_counter()
+            rec["local_times_s"] = [b - a for a, b in itertools.pairwise(starts[args.warmup:])]
+            rec["span_s"] = end - starts[args.warmup]
+            if handle is not None:
+                st = handle.stats()
+                rec["shim_mode"] = st.get("mode")
+                rec["mode_reason"] = st.get("mode_reason")
+                rec["shim_stats"] = _jsonable(st)
+        finally:
+            if handle is not None:
+                handle.close()
+        if mode != "compute":
+            dist.barrier()
+        return rec, torch.cat([p.detach().reshape(-1) for p in params])
+
+    for r in range(args.rounds):
+        k = r % len(modes)
+        finals = {}
+        for mode in modes[k:] + modes[:k]:
+            rec, finals[mode] = run_mode(mode)
+            runs[mode].append(rec)
+        for mode, flat in finals.items():   # against plain DDP on the same loop (clipping or not), this round
+            ref = finals.get("ddp" if mode in CLIP_MODES else "ddp_noclip")
+            if mode != "compute" and ref is not None:
+                runs[mode][-1]["param_max_abs_diff_vs_ddp"] = float((flat - ref).abs().max())
+    dist.destroy_process_group()
+    write_json(args.json, {"rank": args.rank, "world": args.world, "runs": runs, "mode_order": modes,
+                           "rounds": args.rounds, "iters": args.iters, "warmup": args.warmup, "steps": steps,
+                           "ifname": ifname, "params": sum(p.numel() for p in small_cnn(args.width).parameters()),
+                           "end_time": time.time()})
+    return 0
+
+
+def _sched() -> tuple[float, float]:
+    """This thread's seconds on a CPU and waiting in a run queue for one (/proc/thread-self/schedstat; zeros
+    where it is missing): the wait shows how much of an iteration other processes took."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as fh:
+            run_ns, wait_ns = fh.read().split()[:2]
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
+
+
+def _jsonable(obj):
+    import json
+
+    try:
+        json.dumps(obj)
+        return obj
+    except (TypeError, ValueError):
+        if isinstance(obj, dict):
+            return {str(k): _jsonable(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [_jsonable(v) for v in obj]
+        return repr(obj)
+
+
+# ----------------------------------------------------------------------------------------------------- analysis
+
+def rel_diff(a: float, b: float) -> float:
+    """``|a - b| / |b|`` (0 when equal; ``|a - b|`` when ``b`` is 0). Usage: ``rel_diff(1.0, 1.0) == 0.0``"""
+    if a == b:
+        return 0.0
+    return abs(a - b) / abs(b) if b else abs(a - b)
+
+
+def loss_diff(runs_of: dict, mode: str, ref: str) -> dict | None:
+    """Per step, the largest relative difference between ``mode``'s and ``ref``'s losses over ranks and rounds
+    (round r of one against round r of the other, rank by rank); None if either mode was not run.
+
+    ``runs_of[mode]``: per rank, a list of runs with ``losses``. Returns ``per_step``, ``max``, ``exact_steps``
+    (steps with bit-equal losses on every rank and round) and ``steps``.
+    """
+    if mode not in runs_of or ref not in runs_of:
+        return None
+    per_step: list[float] = []
+    exact = 0
+    ranks = range(len(runs_of[ref]))
+    rounds = min(len(runs_of[mode][0]), len(runs_of[ref][0]))
+    steps = len(runs_of[ref][0][0]["losses"])
+    for s in range(steps):
+        diffs = [rel_diff(runs_of[mode][k][r]["losses"][s], runs_of[ref][k][r]["losses"][s])
+                 for k in ranks for r in range(rounds)]
+        per_step.append(max(diffs))
+        exact += all(d == 0.0 for d in diffs)
+    return {"per_step": per_step, "max": max(per_step), "exact_steps": exact, "steps": steps}
+
+
+def merge(results: list[dict], modes) -> dict:
+    """Combine the ranks' JSON: per mode the iteration times (per iteration, the slowest rank), the median, the
+    losses per round (mean over ranks and per rank), phases, the shim's mode and reason."""
+    out: dict = {}
+    runs_of = {m: [r["runs"][m] for r in results] for m in modes}
+    for mode in modes:
+        per_rank = runs_of[mode]
+        rounds = len(per_rank[0])
+        times = [max(r[k]["local_times_s"][i] for r in per_rank)
+                 for k in range(rounds) for i in range(len(per_rank[0][k]["local_times_s"]))]
+        losses = [[statistics.fmean(r[k]["losses"][s] for r in per_rank) for s in range(len(per_rank[0][k]["losses"]))]
+                  for k in range(rounds)]
+        m = {"median_s": statistics.median(times), "mean_s": statistics.fmean(times), "times_s": times,
+             "losses": losses, "losses_by_rank": [[r[k]["losses"] for r in per_rank] for k in range(rounds)],
+             "grad_norms": [per_rank[0][k]["grad_norms"] for k in range(rounds)],
+             "lrs": per_rank[0][0]["lrs"],
+             "phases_s": {ph: statistics.median(x for r in per_rank for k in range(rounds) for x in r[k][ph])
+                          for ph in ("forward", "backward", "step")},
+             # the training thread's own CPU time and run-queue wait per timed iteration (median over ranks and
+             # iterations): a wait of the size of the iteration means the CPUs were busy with something else
+             "cpu_s": statistics.median(x for r in per_rank for k in range(rounds) for x in r[k]["cpu_s"]),
+             "cpu_wait_s": statistics.median(x for r in per_rank for k in range(rounds) for x in r[k]["cpu_wait_s"]),
+             "param_max_abs_diff_vs_ddp": max((r[k].get("param_max_abs_diff_vs_ddp") for r in per_rank
+                                               for k in range(rounds)
+                                               if r[k].get("param_max_abs_diff_vs_ddp") is not None), default=None),
+             "rounds_identical": all(per_rank[0][k]["losses"] == per_rank[0][0]["losses"] for k in range(rounds))}
+        if mode in SHIM_MODES:
+            m["shim_mode"] = [per_rank[0][k].get("shim_mode") for k in range(rounds)]
+            m["mode_reason"] = per_rank[0][-1].get("mode_reason")
+            m["shim_stats"] = per_rank[0][-1].get("shim_stats")
+        out[mode] = m
+    return {"modes": out, "runs_of": runs_of}
+
+
+# ---------------------------------------------------------------------------------------------------- benchmark
+
+def run(quick: bool = False, rate: str = DEFAULTS["rate"], iters: int | None = None, warmup: int | None = None,
+        rounds: int | None = None, modes=MODES, width: int = DEFAULTS["width"], batch: int = DEFAULTS["batch"],
+        streams: int = DEFAULTS["streams"], levels: int = DEFAULTS["levels"],
+        shim_bucket_mb: float = DEFAULTS["shim_bucket_mb"], lr: float = DEFAULTS["lr"],
+        warmup_steps: int = DEFAULTS["warmup_steps"], max_norm: float = DEFAULTS["max_norm"],
+        seed: int = DEFAULTS["seed"], name: str = "tr", progress=print, port: int = 29700, settle_s: float = 2.0,
+        workdir: str | None = None) -> dict:
+    """Run the benchmark on a fresh 2-host testbed ``name``; return the figures (module docstring)."""
+    from bench.agents import running_agents
+    from bench.bulk import bulk
+    from policies.model import CostModel
+    from testbed import Testbed
+
+    unknown = set(modes) - set(ALL_MODES)
+    if unknown:
+        raise ValueError(f"unknown mode(s) {sorted(unknown)}; modes are {', '.join(ALL_MODES)}")
+    iters = iters or (3 if quick else 10)
+    warmup = warmup if warmup is not None else (1 if quick else 2)
+    rounds = rounds or (1 if quick else 3)
+    progress = progress or (lambda *a, **k: None)
+    own_dir = workdir is None
+    workdir = workdir or tempfile.mkdtemp(prefix="tensorlane-realtrain-")
+    ranks = [1, 2]
+    pairs = [(1, 2, streams), (2, 1, streams)]
+    params = _count_params(width)
+    result: dict = {"hosts": 2, "ranks": 2, "rate": rate, "iters": iters, "warmup": warmup, "rounds": rounds,
+                    "steps": warmup + iters + 1, "modes_run": list(modes), "quick": quick, "bulk_streams": streams,
+                    "bulk_pairs": pairs, "levels": levels, "shim_bucket_mb": shim_bucket_mb,
+                    "model": {"kind": "small_cnn", "width": width, "params": params, "gradient_bytes": 4 * params,
+                              "batch_per_rank": batch, "image": [3, 32, 32], "classes": 10},
+                    "train": {"optimizer": "SGD", "lr": lr, "momentum": DEFAULTS["momentum"],
+                              "weight_decay": DEFAULTS["weight_decay"], "schedule": "LambdaLR linear warm-up",
+                              "warmup_steps": warmup_steps, "max_norm": max_norm, "autocast": "cpu bfloat16",
+                              "seed": seed, "ddp_bucket_mb": 25.0, "forward_sync_buffers": False},
+                    "targets": {"loss_max_rel_diff_max": LOSS_TOLERANCE}}
+    t_start = time.monotonic()
+    progress(f"testbed {name}: 2 hosts at {rate}; small CNN width {width} ({params / 1e6:.2f} M parameters, "
+             f"{4 * params / 1e6:.1f} MB of gradients), batch {batch} per rank, bf16 autocast; modes "
+             f"{', '.join(modes)} interleaved, {rounds} round(s) of {iters} timed iterations (+{warmup} warm-up); "
+             f"bulk h1<->h2 x{streams} each way, agents on both hosts")
+    try:
+        with contextlib.ExitStack() as stack:
+            tb = stack.enter_context(Testbed(hosts=2, rate=rate, name=name))
+            link = tb.rate_bps
+            result["link_bps"] = link
+            result["comm_s"] = CostModel(2, link).wire_bits(4 * params) / link
+            agents_dir = os.path.join(workdir, "agents")
+            os.makedirs(agents_dir, exist_ok=True)
+            agents = stack.enter_context(running_agents(tb, levels=levels, workdir=agents_dir))
+            sockets = {i: a.socket for i, a in agents.items()}
+            b = stack.enter_context(bulk(tb, pairs, seconds=3600))
+            time.sleep(settle_s)
+            master = f"{tb.host(1).ip}:{port}"
+
+            def argv_of(rank: int, host, out: str) -> list[str]:
+                return [sys.executable, "-m", "bench.realtrain", "worker", "--rank", str(rank), "--world", "2",
+                        "--master", master, "--modes", ",".join(modes), "--rounds", str(rounds), "--iters",
+                        str(iters), "--warmup", str(warmup), "--width", str(width), "--batch", str(batch),
+                        "--lr", f"{lr:g}", "--warmup-steps", str(warmup_steps), "--max-norm", f"{max_norm:g}",
+                        "--seed", str(seed), "--levels", str(levels), "--shim-bucket-mb", f"{shim_bucket_mb:g}",
+                        "--agent-socket", sockets[host.index], "--job", "realtrain", "--ifname", host.ifname,
+                        "--json", out]
+
+            t0 = time.time()
+            budget = 180 + rounds * len(modes) * (iters + warmup + 1) * 8.0
+            results = run_workers(tb, ranks, argv_of, workdir, "realtrain", budget)
+            t1 = time.time()
+            if not b.alive():
+                raise ScenarioError("bulk traffic ended before the benchmark did")
+            bulk_results = b.stop()
+            with contextlib.suppress(Exception):
+                result["bulk_bps"] = {f"h{a}->h{c}": res.mean_bps_wall(t0 + 1, t1)
+                                      for (a, c, _), res in zip(pairs, bulk_results)}
+    finally:
+        if own_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    merged = merge(results, modes)
+    result["modes"] = merged["modes"]
+    for mode in modes:
+        result[KEY[mode]] = merged["modes"][mode]["median_s"]
+    result["shim_clip_vs_ddp"] = _ratio(result.get("shim_clip_s"), result.get("ddp_s"))
+    result["shim_noclip_vs_ddp"] = _ratio(result.get("shim_noclip_s"), result.get("ddp_s"))
+    result["shim_clip_vs_noclip"] = _ratio(result.get("shim_clip_s"), result.get("shim_noclip_s"))
+    result["compute_vs_comm"] = _ratio(result.get("compute_s"), result.get("comm_s"))
+    runs_of = merged["runs_of"]
+    result["loss"] = {"shim_clip_vs_ddp": loss_diff(runs_of, "shim_clip", "ddp"),
+                      "shim_noclip_vs_ddp_noclip": loss_diff(runs_of, "shim_noclip", "ddp_noclip"),
+                      "shim_noclip_vs_ddp": loss_diff(runs_of, "shim_noclip", "ddp")}
+    lc = result["loss"]["shim_clip_vs_ddp"]
+    result["loss_max_rel_diff"] = None if lc is None else lc["max"]
+    result["shim_clip_mode"] = (result["modes"].get("shim_clip") or {}).get("shim_mode")
+    result["shim_noclip_mode"] = (result["modes"].get("shim_noclip") or {}).get("shim_mode")
+    result["pass"] = {"loss_equal": None if lc is None else lc["max"] <= LOSS_TOLERANCE}
+    result["elapsed_s"] = time.monotonic() - t_start
+    result["machine"] = machine_info()
+    return result
+
+
+def _count_params(width: int) -> int:
+    """Parameters of ``small_cnn(width)`` without building it (torch-free)."""
+    w, c = width, 10
+    convs = [(3, w), (w, 2 * w), (2 * w, 2 * w), (2 * w, 4 * w), (4 * w, 4 * w), (4 * w, 8 * w)]
+    return sum(9 * a * o + 2 * o for a, o in convs) + 8 * w * c + c
+
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def format_table(result: dict) -> str:
+    """Median iteration per mode, ratio to plain DDP, the shim's mode, and the loss comparison."""
+    def ms(v):
+        return "-" if v is None else f"{v * 1000:.0f} ms"
+
+    ddp = result.get("ddp_s")
+    rows = [("mode", "median iteration", "vs DDP", "CPU / run-queue wait", "shim mode", "final loss (mean of ranks)",
+             "losses vs DDP")]
+    for mode, m in (result.get("modes") or {}).items():
+        ref = {"shim_clip": "shim_clip_vs_ddp", "shim_noclip": "shim_noclip_vs_ddp"}.get(mode)
+        ld = (result.get("loss") or {}).get(ref) if ref else None
+        modes = sorted(set(x for x in m.get("shim_mode") or [] if x)) if mode in SHIM_MODES else []
+        rows.append((mode, ms(m.get("median_s")),
+                     "-" if mode == "compute" or ddp is None else f"{m['median_s'] / ddp:.2f}x",
+                     f"{ms(m.get('cpu_s'))} / {ms(m.get('cpu_wait_s'))}", ",".join(modes) or "-", f"{m['losses'][0][-1]:.4f}" if m.get("losses") else "-",
+                     "-" if ld is None else f"max rel diff {ld['max']:.2g} ({ld['exact_steps']}/{ld['steps']} exact)"))
+    lines = text_table(rows)
+    lines.append(f"communication per iteration at link rate {result.get('comm_s', 0) * 1000:.0f} ms "
+                 f"({result['model']['gradient_bytes'] / 1e6:.1f} MB, ring over 2 ranks); compute "
+                 f"{ms(result.get('compute_s'))}; bulk iperf3 x{result.get('bulk_streams')} each way, unregistered")
+    reason = (result.get("modes", {}).get("shim_clip") or {}).get("mode_reason")
+    if reason:
+        lines.append(f"shim with clipping: {reason}")
+    nc = (result.get("loss") or {}).get("shim_noclip_vs_ddp_noclip")
+    if nc is not None:
+        lines.append(f"shim without clipping (overlap) vs plain DDP without clipping: max rel loss diff "
+                     f"{nc['max']:.2g}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["worker"]:
+        return worker(argv[1:])
+    p = argparse.ArgumentParser(prog="tensorlane bench realtrain", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", metavar="FILE", help="write every figure here")
+    p.add_argument("--plot", metavar="PNG",
+                   help="also save the plot here (bench.report makes docs/img/bench-realtrain.png)")
+    p.add_argument("--quick", action="store_true", help="1 round of 3 iterations (a smoke run)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(ALL_MODES))
+    p.add_argument("--rate", default=DEFAULTS["rate"])
+    p.add_argument("--iters", type=int, default=None, help="timed iterations per mode and round (10; quick 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed iterations before them (2; quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of interleaved modes (3; quick 1)")
+    p.add_argument("--width", type=int, default=DEFAULTS["width"], help="CNN width (channels of the first block)")
+    p.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="images per rank and step")
+    p.add_argument("--streams", type=int, default=DEFAULTS["streams"], help="iperf3 streams per bulk direction")
+    p.add_argument("--levels", type=int, default=DEFAULTS["levels"])
+    p.add_argument("--shim-bucket-mb", type=float, default=DEFAULTS["shim_bucket_mb"])
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    p.add_argument("--warmup-steps", type=int, default=DEFAULTS["warmup_steps"])
+    p.add_argument("--max-norm", type=float, default=DEFAULTS["max_norm"])
+    p.add_argument("--name", default="tr", help="testbed name (namespaces NAME-h1, NAME-h2, NAME-sw)")
+    args = p.parse_args(argv)
+    if os.geteuid() != 0:
+        print("tensorlane: the realtrain benchmark builds network namespaces: run it as root", file=sys.stderr)
+        return 2
+    result = run(quick=args.quick, rate=args.rate, iters=args.iters, warmup=args.warmup, rounds=args.rounds,
+                 modes=tuple(m for m in args.modes.split(",") if m), width=args.width, batch=args.batch,
+                 streams=args.streams, levels=args.levels, shim_bucket_mb=args.shim_bucket_mb, lr=args.lr,
+                 warmup_steps=args.warmup_steps, max_norm=args.max_norm, name=args.name,
+                 progress=progress_printer())
+    show_figures(format_table(result), result, args.json)
+    if args.plot:
+        from bench.report import save_plot
+
+        save_plot("realtrain", result, args.plot)
+    ok = result["pass"]["loss_equal"]
+    return 0 if ok is not False else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
