@@ -83,17 +83,18 @@ def test_report_rows_and_plot(tmp_path):
 
     d = {"hosts": 2, "rate": "200mbit", "link_bps": 2e8, "iters": 10, "rounds": 3, "steps": 13, "quick": False,
          "bulk_streams": 4, "comm_s": 0.367, "compute_s": 0.45, "ddp_s": 1.8, "shim_clip_s": 0.9,
-         "shim_noclip_s": 0.7, "model": {"params": 2295114, "gradient_bytes": 9180456, "batch_per_rank": 32},
+         "shim_noclip_s": 0.7, "ddp_noclip_s": 1.75, "model": {"params": 2295114, "gradient_bytes": 9180456, "batch_per_rank": 32},
          "train": {"warmup_steps": 5, "max_norm": 1.0}, "targets": {"loss_max_rel_diff_max": 1e-6},
          "loss": {"shim_clip_vs_ddp": {"per_step": [0.0] * 13, "max": 0.0, "exact_steps": 13, "steps": 13}},
          "modes": {"compute": {"median_s": 0.45}, "ddp": {"median_s": 1.8, "losses": [[2.3, 2.1, 1.9]]},
                    "shim_clip": {"median_s": 0.9, "losses": [[2.3, 2.1, 1.9]], "shim_mode": ["hook"] * 3},
                    "shim_noclip": {"median_s": 0.7, "losses": [[2.3, 2.0, 1.7]], "shim_mode": ["overlap"] * 3}}}
     rows = {r.figure: r for r in report.rows_realtrain(d)}
-    r = rows["shim with clipping (hook mode) vs plain DDP under bulk"]
+    r = rows["shim with clipping (hook mode) vs plain DDP with clipping, under bulk"]
     assert (r.ours, r.alternatives, r.ratio, r.result) == ("900 ms", "DDP 1800 ms", "0.50", "-")
-    assert rows["shim without clipping (overlap mode) vs plain DDP under bulk"].ratio == "0.39"
-    r = rows["loss curve, shim with clipping vs plain DDP: largest relative difference per step"]
+    assert rows["shim without clipping (overlap mode) vs plain DDP without clipping, under bulk"].ratio == "0.40"
+    assert rows["what clipping costs the shim (hook mode instead of overlap): with vs without"].ratio == "1.29"
+    r = rows["loss curve, shim with clipping vs plain DDP with clipping: largest relative difference per step"]
     assert (r.ours, r.alternatives, r.target, r.result) == ("0", "13 of 13 steps bit-equal", "<= 1e-06", "met")
     d["loss"]["shim_clip_vs_ddp"]["max"] = 3e-5
     r = report.rows_realtrain(d)[-1]
