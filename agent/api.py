@@ -1,8 +1,9 @@
 """The agent's request handlers (protocol in docs/protocol.md; the socket server is agent/server.py).
 
-Handlers validate first (format, access rights, ownership of the flows' sockets), then change the FlowTable,
-then the kernel: a refused request changes nothing. With a job policy (agent/jobs.py) a change of the set of jobs
-can move other jobs' flows too: they go to the kernel in the same transaction as the request's own.
+Handlers validate first (format, access rights, ownership of the flows' sockets in the agent's own network
+namespace: agent/ownership.py), then change the FlowTable, then the kernel: a refused request changes nothing.
+With a job policy (agent/jobs.py) a change of the set of jobs can move other jobs' flows too: they go to the
+kernel in the same transaction as the request's own.
 Usage: ``api = Api(cfg, table, rec, "htb"); api.handle(line, peer)``
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from agent import protocol
 from agent.jobs import JobScheduler
 from agent.kernel.qdisc import fmt_handle
 from agent.metrics.jobs import JobReports
-from agent.ownership import not_owned
+from agent.ownership import netns_of, not_owned, not_owned_by_owners
 from agent.peers import AccessPolicy, Peer
 from agent.protocol import ProtocolError
 
@@ -41,6 +42,7 @@ class Api:
         self.policy = AccessPolicy(frozenset(cfg.allowed_users), frozenset(cfg.allowed_groups),
                                    dict(cfg.level_limits), frozenset(cfg.trusted_users), cfg.check_ownership)
         self.jobs = JobScheduler(cfg)  # effective levels from the job order (docs/jobs.md)
+        self.netns = netns_of("self")  # the network namespace this agent manages: ownership is decided in it
         table.level_of = self.jobs.level_of
         self.jobs.update(table)
 
@@ -105,10 +107,14 @@ class Api:
             self.policy.check_level(peer, req.level)
             floor = self.policy.most_urgent_level(peer) if self.jobs.enabled else 0
             uid = peer.uid
-            if self.policy.must_own(peer):
+            must_own = self.policy.must_own(peer)
+            if must_own or (self.policy.check_ownership and peer.uid != 0):
+                self._check_netns(peer)  # trusted users too, except root (it can enter any namespace anyway)
+            if must_own:
                 foreign = not_owned(peer.pid, req.flows)
                 if foreign:
-                    raise ProtocolError("not_owner", f"flow {foreign[0]} is not a socket of process {peer.pid}"
+                    raise ProtocolError("not_owner", f"flow {foreign[0]} is not a socket of process {peer.pid} "
+                                        "in this agent's network namespace"
                                         + (f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""))
                 pid = peer.pid
         added, moved = self.table.register(req.job, req.level, req.flows, req.rank, pid=pid, uid=uid, floor=floor)
@@ -117,6 +123,23 @@ class Api:
         return {"job": req.job, "level": level, "requested_level": req.level, "added": len(added),
                 "moved": len(moved), "unchanged": len(req.flows) - len(added) - len(moved),
                 "dscp": self.cfg.dscp[level], "class": fmt_handle(self.rec.backend.classid(level))}
+
+    def _check_netns(self, peer) -> None:
+        """Refuse a client whose network namespace is not the one this agent manages: its addresses and ports
+        name flows of another network, which the agent neither sees nor marks."""
+        try:
+            theirs = netns_of(peer.pid)
+        except ProcessLookupError:
+            raise ProtocolError("not_owner", f"process {peer.pid} is gone") from None
+        except OSError as exc:  # cannot tell (e.g. the agent is not root): refuse rather than guess
+            raise ProtocolError("foreign_netns", f"cannot read the network namespace of process {peer.pid}: "
+                                                 f"{exc}") from None
+        if theirs != self.netns:
+            raise ProtocolError(
+                "foreign_netns",
+                f"process {peer.pid} is in network namespace net:[{theirs[1]}], not the one this agent manages "
+                f"(net:[{self.netns[1]}]): its flows are not this host's. Containers and pods with host networking "
+                "are plain clients; those with their own network namespace are refused")
 
     def _op_unregister(self, req, peer) -> dict:
         removed = self.table.unregister(req.job, req.flows, uid=None if peer is None else peer.uid)
@@ -170,10 +193,12 @@ class Api:
         return len(gone)
 
     def sweep(self) -> int:
-        """Remove flows whose sockets their owners have closed (processes still alive). Returns how many."""
-        gone = []
-        for pid, keys in list(self.table.by_pid.items()):
-            gone += not_owned(pid, sorted(keys))
+        """Remove flows whose owners no longer hold their sockets in the agent's network namespace (closed, or the
+        process moved to another namespace and holds only a look-alike there). The namespace's socket tables are
+        read once per pass, for every owner. Returns how many flows went."""
+        if not self.table.by_pid:
+            return 0
+        gone = not_owned_by_owners({pid: sorted(keys) for pid, keys in self.table.by_pid.items()})
         gone = self.table.drop(gone)
         if gone:
             self._push([], [], gone)

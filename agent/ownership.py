@@ -1,13 +1,26 @@
-"""Which flows a process really owns, from the kernel's socket tables (/proc/PID/fd and /proc/PID/net/*).
+"""Which flows a process really owns, decided in the network namespace the agent manages (its own).
 
 A client may register only flows of its own sockets: a TCP flow must be an established connection of the
 process with exactly that 5-tuple; a UDP flow needs a socket of the process bound to the source address and
-port (connected to the destination, or not connected at all). Usage: ``owned_by(pid, flows)``
+port (connected to the destination, or not connected at all). "Its own sockets" are the ``socket:[INODE]``
+links in ``/proc/PID/fd``; they count only if they appear in the socket tables of the AGENT's network namespace
+(``/proc/self/net/{tcp,udp}{,6}`` read by the agent). A socket created in another namespace never appears there,
+whatever that namespace's own tables say: a process in a private namespace that gives its loopback the host's
+addresses and opens another job's 5-tuple owns nothing here. ``/proc/PID/net/*`` (the client's view) is never
+read. ``netns_of`` names a namespace (device and inode of ``/proc/PID/ns/net``) so that a client in another
+namespace can be told so plainly (docs/agent.md, "Ownership and namespaces").
+
+Usage::
+
+    if netns_of(pid) != netns_of("self"): refuse
+    foreign = not_owned(pid, flows)                       # one client: tables read for its sockets only
+    gone = not_owned_by_owners({pid: flows, ...})         # the sweep: the tables read once for every owner
 """
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 
 from agent.protocol import FlowKey
 from shim.flows import _socket_inodes, parse_proc_net_tcp
@@ -15,36 +28,71 @@ from shim.flows import _socket_inodes, parse_proc_net_tcp
 TCP_ESTABLISHED = 0x01
 _TABLES = (("tcp", "tcp", False), ("tcp6", "tcp", True), ("udp", "udp", False), ("udp6", "udp", True))
 
+Socket = tuple[str, str, int, str, int, int]  # (proto, laddr, lport, raddr, rport, state)
+NetnsId = tuple[int, int]
 
-def sockets_of(pid: int) -> list[tuple[str, str, int, str, int, int]]:
-    """``(proto, laddr, lport, raddr, rport, state)`` of every TCP/UDP socket process ``pid`` holds.
+
+def netns_of(pid: int | str) -> NetnsId:
+    """Identity of the network namespace of process ``pid`` ("self": the agent): (st_dev, st_ino) of its
+    ``/proc/PID/ns/net``. Raises ProcessLookupError when the process is gone."""
+    try:
+        st = os.stat(f"/proc/{pid}/ns/net")
+    except (FileNotFoundError, ProcessLookupError):
+        raise ProcessLookupError(pid) from None
+    return st.st_dev, st.st_ino
+
+
+def agent_sockets(inodes: set[int] | None = None, proc: str = "self") -> dict[int, Socket]:
+    """The TCP/UDP sockets of the agent's network namespace by inode (``/proc/self/net/*``); only those in
+    ``inodes`` when given (rows of other sockets are skipped unparsed). ``proc`` is for tests."""
+    out: dict[int, Socket] = {}
+    if inodes is not None and not inodes:
+        return out
+    for table, proto, v6 in _TABLES:
+        try:
+            with open(f"/proc/{proc}/net/{table}") as fh:
+                rows = parse_proc_net_tcp(fh.read(), v6, inodes)
+        except FileNotFoundError:  # no IPv6 in this kernel
+            continue
+        for inode, state, (laddr, lport), (raddr, rport) in rows:
+            if inode:  # 0: TIME_WAIT and other orphans, owned by no process
+                out[inode] = (proto, str(laddr), lport, str(raddr), rport, state)
+    return out
+
+
+def inodes_of(pid: int) -> set[int]:
+    """Inodes of the sockets process ``pid`` holds. Raises ProcessLookupError when the process is gone."""
+    try:
+        return _socket_inodes(pid)
+    except (FileNotFoundError, ProcessLookupError):
+        raise ProcessLookupError(pid) from None
+
+
+def sockets_of(pid: int, table: Mapping[int, Socket] | None = None) -> list[Socket]:
+    """``(proto, laddr, lport, raddr, rport, state)`` of every socket of process ``pid`` that lives in the agent's
+    network namespace (``table``: from ``agent_sockets``, read now when not given).
 
     Raises ProcessLookupError when the process is gone.
     """
-    try:
-        inodes = _socket_inodes(pid)
-    except (FileNotFoundError, ProcessLookupError):
-        raise ProcessLookupError(pid) from None
-    out = []
-    for table, proto, v6 in _TABLES:
-        try:
-            with open(f"/proc/{pid}/net/{table}") as fh:
-                rows = parse_proc_net_tcp(fh.read(), v6)
-        except FileNotFoundError:
-            continue
-        for inode, state, (laddr, lport), (raddr, rport) in rows:
-            if inode and inode in inodes:
-                out.append((proto, str(laddr), lport, str(raddr), rport, state))
-    return out
+    inodes = inodes_of(pid)
+    if table is None:
+        table = agent_sockets(inodes)
+    return [table[i] for i in inodes if i in table]
 
 
 def _unspecified(addr: str) -> bool:
     return ipaddress.ip_address(addr).is_unspecified
 
 
-def owns(key: FlowKey, sockets: Iterable[tuple]) -> bool:
-    """Whether one of ``sockets`` (from ``sockets_of``) is the local end of flow ``key``."""
-    for proto, laddr, lport, raddr, rport, state in sockets:
+def _by_port(sockets: Iterable[Socket]) -> dict[tuple[str, int], list[Socket]]:
+    index: dict[tuple[str, int], list[Socket]] = {}
+    for sock in sockets:
+        index.setdefault((sock[0], sock[2]), []).append(sock)
+    return index
+
+
+def _owns(key: FlowKey, candidates: Iterable[Socket]) -> bool:
+    for proto, laddr, lport, raddr, rport, state in candidates:
         if proto != key.proto or lport != key.sport:
             continue
         if key.proto == "tcp":
@@ -56,11 +104,40 @@ def owns(key: FlowKey, sockets: Iterable[tuple]) -> bool:
     return False
 
 
-def not_owned(pid: int, flows: Iterable[FlowKey]) -> list[FlowKey]:
-    """The flows among ``flows`` that process ``pid`` does not own (all of them if the process is gone)."""
+def owns(key: FlowKey, sockets: Iterable[Socket]) -> bool:
+    """Whether one of ``sockets`` (from ``sockets_of``) is the local end of flow ``key``."""
+    return _owns(key, sockets)
+
+
+def _unowned(flows: Iterable[FlowKey], sockets: list[Socket]) -> list[FlowKey]:
+    index = _by_port(sockets)
+    return [k for k in flows if not _owns(k, index.get((k.proto, k.sport), ()))]
+
+
+def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | None = None) -> list[FlowKey]:
+    """The flows among ``flows`` that process ``pid`` does not own in the agent's network namespace (all of them
+    if the process is gone)."""
     flows = list(flows)
     try:
-        sockets = sockets_of(pid)
+        sockets = sockets_of(pid, table)
     except ProcessLookupError:
         return flows
-    return [k for k in flows if not owns(k, sockets)]
+    return _unowned(flows, sockets)
+
+
+def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]]) -> list[FlowKey]:
+    """For the periodic sweep: every flow of ``owners`` (pid -> its flows) whose owner no longer holds its socket
+    in the agent's namespace (closed, or the process is gone). The namespace's tables are read once for all."""
+    gone: list[FlowKey] = []
+    held: dict[int, set[int]] = {}
+    for pid, flows in owners.items():
+        try:
+            held[pid] = inodes_of(pid)
+        except ProcessLookupError:
+            gone += flows
+    if not held:
+        return gone
+    table = agent_sockets(set().union(*held.values()))
+    for pid, inodes in held.items():
+        gone += _unowned(owners[pid], [table[i] for i in inodes if i in table])
+    return gone

@@ -71,6 +71,22 @@ def _port(value, name: str) -> int:
     return value
 
 
+_LIMITED_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
+
+
+def _host_address(addr, name: str):
+    """``addr`` with an IPv4-mapped IPv6 address (``::ffff:a.b.c.d``) turned into IPv4 (compared and stored so);
+    refused unless it can be one end of a unicast flow: not unspecified, multicast or the limited broadcast."""
+    addr = getattr(addr, "ipv4_mapped", None) or addr
+    if getattr(addr, "scope_id", None):  # "fe80::1%eth0": the kernel's tables and maps key by address alone
+        raise ProtocolError("bad_flow", f"{name} {addr} has a scope id; give the address alone")
+    if addr.is_unspecified or addr.is_multicast or addr == _LIMITED_BROADCAST:
+        kind = ("unspecified" if addr.is_unspecified else "multicast" if addr.is_multicast
+                else "the limited broadcast address")
+        raise ProtocolError("bad_flow", f"{name} {addr} is {kind}, not a unicast host address")
+    return addr
+
+
 def parse_flow(obj) -> FlowKey:
     """Validate one flow object ``{"proto","src","sport","dst","dport"}``. Usage: ``parse_flow({...})``"""
     if not isinstance(obj, dict):
@@ -87,11 +103,9 @@ def parse_flow(obj) -> FlowKey:
     except (ValueError, TypeError):
         raise ProtocolError("bad_flow", f"src and dst must be IP addresses, got {obj.get('src')!r}, "
                                         f"{obj.get('dst')!r}") from None
+    src, dst = _host_address(src, "src"), _host_address(dst, "dst")
     if src.version != dst.version:
         raise ProtocolError("bad_flow", f"src {src} and dst {dst} are of different IP versions")
-    if getattr(src, "ipv4_mapped", None) or getattr(dst, "ipv4_mapped", None):
-        src = getattr(src, "ipv4_mapped", None) or src
-        dst = getattr(dst, "ipv4_mapped", None) or dst
     return FlowKey(proto, str(src), _port(obj.get("sport"), "sport"), str(dst), _port(obj.get("dport"), "dport"))
 
 

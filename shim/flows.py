@@ -55,18 +55,23 @@ def _endpoint(text: str, v6: bool):
     return (_addr6(hexaddr) if v6 else _addr4(hexaddr)), int(hexport, 16)
 
 
-def parse_proc_net_tcp(text: str, v6: bool = False) -> list[tuple[int, int, tuple, tuple]]:
-    """Parse the text of /proc/net/tcp(6) into ``(inode, state, (laddr, lport), (raddr, rport))`` rows."""
+def parse_proc_net_tcp(text: str, v6: bool = False, inodes: set[int] | None = None
+                       ) -> list[tuple[int, int, tuple, tuple]]:
+    """Parse the text of /proc/net/tcp(6) (or udp(6): same columns) into
+    ``(inode, state, (laddr, lport), (raddr, rport))`` rows; with ``inodes``, only the rows of those sockets
+    (the others are skipped before their addresses are parsed: cheap on large tables)."""
     rows = []
     for line in text.splitlines()[1:]:
         fields = line.split()
         if len(fields) < 10:
             continue
         try:
+            inode = int(fields[9])
+            if inodes is not None and inode not in inodes:
+                continue
             local = _endpoint(fields[1], v6)
             remote = _endpoint(fields[2], v6)
             state = int(fields[3], 16)
-            inode = int(fields[9])
         except ValueError:
             continue
         rows.append((inode, state, local, remote))

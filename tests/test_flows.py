@@ -161,3 +161,58 @@ def test_parse_rows_byte_order_and_state():
     if sys.byteorder == "little":
         assert [(str(r[2][0]), str(r[3][0]), r[3][1]) for r in rows6] == [
             ("127.0.0.1", "127.0.0.2", 0xA000), ("::1", "::1", 0xA001)]
+
+
+def test_parse_rows_filtered_by_inode():
+    """With ``inodes`` only those sockets' rows come back (the agent's sweep reads its tables so, once per pass)."""
+    text = textwrap.dedent("""\
+          sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+           0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 111 1 0 100 0 0 10 0
+           1: 010012C6:9C40 020012C6:0FA0 01 00000000:00000000 00:00000000 00000000     0        0 222 1 0 20 4 30 10 -1
+           2: ZZZZZZZZ:9C40 020012C6:0FA0 01 00000000:00000000 00:00000000 00000000     0        0 333 1 0 20 4 30 10 -1
+        """)
+    assert [r[0] for r in parse_proc_net_tcp(text)] == [111, 222]  # the unparsable row is skipped
+    assert [r[0] for r in parse_proc_net_tcp(text, inodes={222, 333, 999})] == [222]
+    assert parse_proc_net_tcp(text, inodes=set()) == []
+
+
+def test_agent_side_ownership_uses_the_callers_namespace_tables():
+    """agent.ownership finds a process's sockets through the CALLER's (the agent's) /proc/self/net tables: a
+    child in the same namespace owns its connection, a closed connection is owned by no one."""
+    from agent.ownership import agent_sockets, not_owned, not_owned_by_owners, sockets_of
+    from agent.protocol import FlowKey
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import socket, sys
+            s = socket.create_connection(("127.0.0.1", {port}), timeout=5)
+            print(s.getsockname()[1], flush=True)
+            sys.stdin.readline()
+            s.close()
+            print("closed", flush=True)
+            sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            conn, _ = listener.accept()
+            with conn:
+                cport = int(child.stdout.readline())
+                key = FlowKey("tcp", "127.0.0.1", cport, "127.0.0.1", port)
+                other = FlowKey("tcp", "127.0.0.1", cport + 1 if cport < 65535 else 1, "127.0.0.1", port)
+                assert ("tcp", "127.0.0.1", cport, "127.0.0.1", port, 1) in sockets_of(child.pid)
+                assert not_owned(child.pid, [key, other]) == [other]
+                assert not_owned_by_owners({child.pid: [key]}) == []
+                assert not_owned(child.pid, [key], table={}) == [key]  # a table without its socket: not owned
+                assert len(agent_sockets()) >= 2
+                child.stdin.write("close\n")
+                child.stdin.flush()
+                assert child.stdout.readline().strip() == "closed"
+                assert not_owned_by_owners({child.pid: [key]}) == [key]
+        finally:
+            child.stdin.close()
+            child.wait(timeout=10)
+            child.stdout.close()
+    assert not_owned(child.pid, [key]) == [key]  # gone
+    assert not_owned_by_owners({child.pid: [key]}) == [key]

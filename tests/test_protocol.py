@@ -25,6 +25,42 @@ def test_ipv6_and_mapped_addresses():
     assert r.flows[1].family == 6
 
 
+def test_mapped_addresses_are_ipv4_before_any_comparison():
+    """An IPv4 source with a mapped destination is an IPv4 flow, not "different IP versions"."""
+    for src, dst in (("198.18.0.1", "::ffff:198.18.0.2"), ("::ffff:198.18.0.1", "198.18.0.2"),
+                     ("::FFFF:c612:1", "::ffff:198.18.0.2")):
+        r = parse_request(req(op="register", job="j", level=0, flows=[{**FLOW, "src": src, "dst": dst}]))
+        assert r.flows == (FlowKey("tcp", "198.18.0.1", 4000, "198.18.0.2", 5000),) and r.flows[0].family == 4
+    # the mapped and plain spellings of one flow are one flow
+    r = parse_request(req(op="unregister", job="j", flows=[FLOW, {**FLOW, "dst": "::ffff:198.18.0.2"}]))
+    assert len(r.flows) == 1
+    v6 = parse_request(req(op="register", job="j", level=0, flows=[{**FLOW, "src": "fd00::1", "dst": "FD00::2"}]))
+    assert v6.flows[0].dst == "fd00::2" and v6.flows[0].family == 6
+
+
+@pytest.mark.parametrize("src,dst", [
+    ("0.0.0.0", "198.18.0.2"), ("198.18.0.1", "0.0.0.0"), ("::", "fd00::2"), ("fd00::1", "::"),
+    ("198.18.0.1", "224.0.0.1"), ("239.1.2.3", "198.18.0.2"), ("ff02::1", "fd00::2"), ("fd00::1", "ff05::2"),
+    ("198.18.0.1", "255.255.255.255"), ("255.255.255.255", "198.18.0.2"),
+    ("198.18.0.1", "::ffff:0.0.0.0"), ("::ffff:224.0.0.1", "198.18.0.2"), ("198.18.0.1", "::ffff:255.255.255.255"),
+    ("fe80::1%eth0", "fe80::2"),
+])
+def test_non_unicast_addresses_are_refused(src, dst):
+    for op in ("register", "unregister"):
+        with pytest.raises(ProtocolError) as err:
+            parse_request(req(op=op, job="j", level=0, flows=[{**FLOW, "src": src, "dst": dst}])
+                          if op == "register" else req(op=op, job="j", flows=[{**FLOW, "src": src, "dst": dst}]))
+        assert err.value.code == "bad_flow" and ("unicast" in str(err.value) or "scope" in str(err.value))
+
+
+def test_unicast_edge_addresses_are_accepted():
+    """Loopback, link-local and a subnet's own broadcast-looking address are unicast as far as a host can tell."""
+    for src, dst in (("127.0.0.1", "127.0.0.2"), ("169.254.1.1", "169.254.1.2"), ("::1", "::1"),
+                     ("fe80::1", "fe80::2"), ("198.18.0.1", "198.18.0.255")):
+        r = parse_request(req(op="register", job="j", level=0, flows=[{**FLOW, "src": src, "dst": dst}]))
+        assert r.flows[0].src == src and r.flows[0].dst == dst
+
+
 @pytest.mark.parametrize("line,code", [
     (b"not json", "bad_json"),
     (b"[1,2]", "bad_request"),

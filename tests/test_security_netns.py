@@ -3,6 +3,7 @@ against the kernel's socket tables, flows of exited processes and closed sockets
 size limits, and 10,000 generated messages after which the agent is up and its state consistent."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import socket
@@ -18,10 +19,24 @@ from testbed import Testbed
 
 pytestmark = pytest.mark.netns
 NOBODY = 65534
+CLONE_NEWNET = 0x40000000
 
 
-def in_child(fn, uid: int | None = None, stay: float = 0.0):
-    """Run ``fn()`` in a forked child (optionally as ``uid``); return its JSON result and the child's pid.
+def enter_netns(name: str) -> None:
+    """Move this (single-threaded, root) process into the named network namespace: the agent decides ownership in
+    its own namespace, so clients that register flows must live there (tests/test_netns_ownership.py)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns {name}")
+    finally:
+        os.close(fd)
+
+
+def in_child(fn, uid: int | None = None, stay: float = 0.0, netns: str | None = None):
+    """Run ``fn()`` in a forked child (optionally in network namespace ``netns``, as ``uid``); return its JSON
+    result and the child's pid.
 
     The child then lives ``stay`` seconds more (0: exits at once) and is reaped by the caller via os.waitpid.
     """
@@ -30,6 +45,8 @@ def in_child(fn, uid: int | None = None, stay: float = 0.0):
     if pid == 0:  # child: no pytest machinery from here on
         try:
             os.close(r)
+            if netns is not None:
+                enter_netns(netns)
             if uid is not None:
                 os.setgroups([])
                 os.setgid(uid)
@@ -102,7 +119,7 @@ def test_level_limits_and_ownership(agent):
         s.close()
         return out
 
-    replies, pid = in_child(nobody_registers, uid=NOBODY)
+    replies, pid = in_child(nobody_registers, uid=NOBODY, netns=agent.host.name)
     os.waitpid(pid, 0)
     assert replies["urgent"]["error"]["code"] == "forbidden" and "level 2" in replies["urgent"]["error"]["message"]
     assert replies["allowed"]["ok"] is True
@@ -124,7 +141,7 @@ def test_flows_of_an_exiting_process_go_within_one_second(agent):
         s, flow = own_udp_flow(40200)
         return request(agent.socket, {"op": "register", "job": "exiting", "level": 1, "flows": [flow]})
 
-    reply, pid = in_child(register_and_linger, stay=0.7)
+    reply, pid = in_child(register_and_linger, stay=0.7, netns=agent.host.name)
     assert reply["ok"] and any(f["sport"] == 40200 for f in registered(agent.socket))
     os.waitpid(pid, 0)  # the child exits 0.7 s after registering
     assert wait_gone(agent.socket, 40200) <= 1.0
@@ -145,6 +162,7 @@ def test_flows_of_closed_sockets_go_within_one_second(agent):
     pid = os.fork()
     if pid == 0:
         try:
+            enter_netns(agent.host.name)
             register_then_close()
         finally:
             os._exit(0)
