@@ -15,6 +15,7 @@ import uuid
 from agent import protocol
 from agent.jobs import JobScheduler
 from agent.kernel.qdisc import fmt_handle
+from agent.logs import RefusalLog
 from agent.metrics.jobs import JobReports
 from agent.ownership import netns_of, not_owned, not_owned_by_owners
 from agent.peers import AccessPolicy, Peer
@@ -42,6 +43,7 @@ class Api:
         self.policy = AccessPolicy(frozenset(cfg.allowed_users), frozenset(cfg.allowed_groups),
                                    dict(cfg.level_limits), frozenset(cfg.trusted_users), cfg.check_ownership)
         self.jobs = JobScheduler(cfg)  # effective levels from the job order (docs/jobs.md)
+        self.refusal_log = RefusalLog(log, 10.0)  # shared with the socket server (agent/server.py)
         self.netns = netns_of("self")  # the network namespace this agent manages: ownership is decided in it
         table.level_of = self.jobs.level_of
         self.jobs.update(table)
@@ -58,7 +60,8 @@ class Api:
         except ProtocolError as exc:
             reply, outcome = protocol.error(rid, exc.code, str(exc)), exc.code
             who = f"pid {peer.pid} uid {peer.uid}" if peer else "agent"
-            log.info("refused %s from %s: %s: %s", op, who, exc.code, exc)
+            self.refusal_log.note(f"request {exc.code}", logging.INFO, "refused %s from %s: %s: %s", op, who,
+                                  exc.code, exc)
         except Exception as exc:  # noqa: BLE001 - the agent must answer and stay up
             log.exception("internal error in %s", op)
             reply, outcome = protocol.error(rid, "internal", f"{type(exc).__name__}: {exc}"), "internal"

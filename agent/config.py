@@ -73,13 +73,19 @@ class Config:
     rotate_epoch_s: float = 20.0
     job_priority: dict = field(default_factory=dict)
     job_intensity: dict = field(default_factory=dict)
+    max_connections: int = 1024
+    reserved_connections: int = 32
+    max_connections_per_user: int = 64
+    requests_per_user_per_s: float = 200.0
+    idle_timeout_s: float = 60.0
 
 
 _FIELDS = {
     "interface", "socket", "socket_mode", "metrics_address", "backend", "link_rate", "levels", "dscp",
     "take_over_root", "state_dir", "queue_limit_packets", "reconcile_interval_s", "socket_group", "allowed_users",
     "allowed_groups", "level_limits", "trusted_users", "check_ownership", "rate_limit_per_s", "max_flows",
-    "job_policy", "rotate_epoch_s", "job_priority", "job_intensity",
+    "job_policy", "rotate_epoch_s", "job_priority", "job_intensity", "max_connections", "reserved_connections",
+    "max_connections_per_user", "requests_per_user_per_s", "idle_timeout_s",
 }
 
 
@@ -117,6 +123,29 @@ def _job_policy(raw: dict) -> dict:
         raise ConfigError("job_intensity", f"only used with job_policy = \"intensity\", not {policy!r}")
     return {"job_policy": policy, "rotate_epoch_s": float(epoch), "job_priority": priority,
             "job_intensity": intensity}
+
+
+def _connection_limits(raw: dict) -> dict:
+    """The socket server's fairness limits (docs/agent.md, "Fairness"), validated against each other."""
+    total = _want(raw, "max_connections", int, 1024)
+    if not 1 <= total <= 65536:
+        raise ConfigError("max_connections", f"expected 1..65536 connections, got {total}")
+    reserved = _want(raw, "reserved_connections", int, 32)
+    if not 0 <= reserved < total:
+        raise ConfigError("reserved_connections", f"expected 0..{total - 1} (fewer than max_connections = "
+                                                  f"{total}), got {reserved}")
+    per_user = _want(raw, "max_connections_per_user", int, 64)
+    if not 1 <= per_user <= total - reserved:
+        raise ConfigError("max_connections_per_user", f"expected 1..{total - reserved} (max_connections - "
+                                                      f"reserved_connections), got {per_user}")
+    user_rate = _want(raw, "requests_per_user_per_s", (int, float), 200.0)
+    if not 1 <= user_rate <= 1_000_000:
+        raise ConfigError("requests_per_user_per_s", f"expected 1..1000000 requests per second, got {user_rate}")
+    idle = _want(raw, "idle_timeout_s", (int, float), 60.0)
+    if not 0.5 <= idle <= 86400:
+        raise ConfigError("idle_timeout_s", f"expected 0.5..86400 seconds, got {idle}")
+    return {"max_connections": total, "reserved_connections": reserved, "max_connections_per_user": per_user,
+            "requests_per_user_per_s": float(user_rate), "idle_timeout_s": float(idle)}
 
 
 def _names(raw: dict, name: str) -> tuple[str, ...]:
@@ -206,7 +235,7 @@ def from_dict(raw: dict) -> Config:
     group = _want(raw, "socket_group", str, None)
     jobs = _job_policy(raw)
     return Config(
-        **jobs,
+        **jobs, **_connection_limits(raw),
         socket_group=group, allowed_users=_names(raw, "allowed_users"), allowed_groups=_names(raw, "allowed_groups"),
         level_limits=dict(limits), trusted_users=_names(raw, "trusted_users"),
         check_ownership=_want(raw, "check_ownership", bool, True), rate_limit_per_s=float(rate_limit),

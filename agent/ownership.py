@@ -3,8 +3,9 @@
 A client may register only flows of its own sockets: a TCP flow must be an established connection of the
 process with exactly that 5-tuple; a UDP flow needs a socket of the process bound to the source address and
 port (connected to the destination, or not connected at all). "Its own sockets" are the ``socket:[INODE]``
-links in ``/proc/PID/fd``; they count only if they appear in the socket tables of the AGENT's network namespace
-(``/proc/self/net/{tcp,udp}{,6}`` read by the agent). A socket created in another namespace never appears there,
+links in ``/proc/PID/fd``; they count only if they are sockets of the AGENT's network namespace: asked of the
+kernel by 5-tuple through the agent's own sock_diag socket (``agent/kernel/sockdiag.py``), or found in that
+namespace's tables (``/proc/self/net/{tcp,udp}{,6}`` read by the agent; the sweep reads them once per pass). A socket created in another namespace never appears there,
 whatever that namespace's own tables say: a process in a private namespace that gives its loopback the host's
 addresses and opens another job's 5-tuple owns nothing here. ``/proc/PID/net/*`` (the client's view) is never
 read. ``netns_of`` names a namespace (device and inode of ``/proc/PID/ns/net``) so that a client in another
@@ -13,8 +14,8 @@ namespace can be told so plainly (docs/agent.md, "Ownership and namespaces").
 Usage::
 
     if netns_of(pid) != netns_of("self"): refuse
-    foreign = not_owned(pid, flows)                       # one client: tables read for its sockets only
-    gone = not_owned_by_owners({pid: flows, ...})         # the sweep: the tables read once for every owner
+    foreign = not_owned(pid, flows)                       # one client: exact kernel lookups (sock_diag)
+    gone = not_owned_by_owners({pid: flows, ...})         # the sweep: exact lookups, or the tables read once
 """
 from __future__ import annotations
 
@@ -22,10 +23,13 @@ import ipaddress
 import os
 from collections.abc import Iterable, Mapping
 
+from agent.kernel.sockdiag import SockDiag
 from agent.protocol import FlowKey
 from shim.flows import _socket_inodes, parse_proc_net_tcp
 
 TCP_ESTABLISHED = 0x01
+EXACT_LOOKUPS_MAX = 256  # above this many TCP flows in one request, one read of the tables is cheaper
+_DIAG = SockDiag()  # the agent's namespace: a socket of another one is never found
 _TABLES = (("tcp", "tcp", False), ("tcp6", "tcp", True), ("udp", "udp", False), ("udp6", "udp", True))
 
 Socket = tuple[str, str, int, str, int, int]  # (proto, laddr, lport, raddr, rport, state)
@@ -42,13 +46,16 @@ def netns_of(pid: int | str) -> NetnsId:
     return st.st_dev, st.st_ino
 
 
-def agent_sockets(inodes: set[int] | None = None, proc: str = "self") -> dict[int, Socket]:
+def agent_sockets(inodes: set[int] | None = None, proc: str = "self",
+                  protos: tuple[str, ...] = ("tcp", "udp")) -> dict[int, Socket]:
     """The TCP/UDP sockets of the agent's network namespace by inode (``/proc/self/net/*``); only those in
-    ``inodes`` when given (rows of other sockets are skipped unparsed). ``proc`` is for tests."""
+    ``inodes`` when given (rows of other sockets are skipped unparsed), of ``protos``. ``proc`` is for tests."""
     out: dict[int, Socket] = {}
     if inodes is not None and not inodes:
         return out
     for table, proto, v6 in _TABLES:
+        if proto not in protos:
+            continue
         try:
             with open(f"/proc/{proc}/net/{table}") as fh:
                 rows = parse_proc_net_tcp(fh.read(), v6, inodes)
@@ -114,20 +121,48 @@ def _unowned(flows: Iterable[FlowKey], sockets: list[Socket]) -> list[FlowKey]:
     return [k for k in flows if not _owns(k, index.get((k.proto, k.sport), ()))]
 
 
+def _tcp_unowned(flows: list[FlowKey], inodes: set[int]) -> list[FlowKey]:
+    """TCP flows not held by a socket among ``inodes``, by one exact sock_diag lookup each (raises OSError when
+    the kernel cannot answer)."""
+    out = []
+    for k in flows:
+        found = _DIAG.tcp(k.src, k.sport, k.dst, k.dport)
+        if found is None or found[0] != TCP_ESTABLISHED or found[1] not in inodes:
+            out.append(k)
+    return out
+
+
 def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | None = None) -> list[FlowKey]:
     """The flows among ``flows`` that process ``pid`` does not own in the agent's network namespace (all of them
-    if the process is gone)."""
+    if the process is gone). TCP flows are looked up one by one in the kernel (sock_diag: a hash lookup, about
+    10 us) when there are at most ``EXACT_LOOKUPS_MAX``; otherwise, and for UDP, the namespace's tables are read
+    (milliseconds: the kernel walks its whole hash table)."""
     flows = list(flows)
     try:
-        sockets = sockets_of(pid, table)
+        inodes = inodes_of(pid)
     except ProcessLookupError:
         return flows
-    return _unowned(flows, sockets)
+    if table is None:
+        tcp = [k for k in flows if k.proto == "tcp"]
+        if tcp and len(tcp) <= EXACT_LOOKUPS_MAX:
+            try:
+                foreign = _tcp_unowned(tcp, inodes)
+            except OSError:  # no sock_diag here: read the tables
+                pass
+            else:
+                udp = [k for k in flows if k.proto != "tcp"]
+                if udp:
+                    rows = agent_sockets(inodes, protos=("udp",))
+                    foreign += _unowned(udp, [rows[i] for i in inodes if i in rows])
+                return foreign
+        table = agent_sockets(inodes)
+    return _unowned(flows, [table[i] for i in inodes if i in table])
 
 
 def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]]) -> list[FlowKey]:
     """For the periodic sweep: every flow of ``owners`` (pid -> its flows) whose owner no longer holds its socket
-    in the agent's namespace (closed, or the process is gone). The namespace's tables are read once for all."""
+    in the agent's namespace (closed, or the process is gone). Up to ``EXACT_LOOKUPS_MAX`` TCP flows are looked
+    up one by one; beyond that the namespace's tables are read once for all owners."""
     gone: list[FlowKey] = []
     held: dict[int, set[int]] = {}
     for pid, flows in owners.items():
@@ -137,7 +172,20 @@ def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]]) -> list[FlowKey
             gone += flows
     if not held:
         return gone
+    flows_of = {pid: list(owners[pid]) for pid in held}
+    tcp_count = sum(k.proto == "tcp" for fl in flows_of.values() for k in fl)
+    if tcp_count <= EXACT_LOOKUPS_MAX:  # few flows: exact lookups, and the UDP tables only if needed
+        try:
+            exact = {pid: _tcp_unowned([k for k in fl if k.proto == "tcp"], held[pid]) for pid, fl in flows_of.items()}
+        except OSError:
+            pass
+        else:
+            udp = {pid: [k for k in fl if k.proto != "tcp"] for pid, fl in flows_of.items()}
+            rows = agent_sockets(set().union(*held.values()), protos=("udp",)) if any(udp.values()) else {}
+            for pid, inodes in held.items():
+                gone += exact[pid] + _unowned(udp[pid], [rows[i] for i in inodes if i in rows])
+            return gone
     table = agent_sockets(set().union(*held.values()))
     for pid, inodes in held.items():
-        gone += _unowned(owners[pid], [table[i] for i in inodes if i in table])
+        gone += _unowned(flows_of[pid], [table[i] for i in inodes if i in table])
     return gone

@@ -3,7 +3,20 @@
 One request is handled at a time, so the FlowTable and the kernel are only changed from this thread (pyroute2's
 synchronous API cannot run inside an asyncio loop, hence no asyncio). What a hostile or broken client can do is
 bounded: the kernel names every peer (SO_PEERCRED) and only allowed users get an answer; each connection has a
-request rate limit, a line-length limit and a cap on unanswered output; connections are capped in number.
+request rate limit, a line-length limit and a cap on unanswered output.
+
+No user locks the others out (docs/agent.md, "Fairness"): each unprivileged uid has a connection cap
+(``max_connections_per_user``) and a request rate shared by all its connections (``requests_per_user_per_s``, a
+token bucket: a uid whose bucket is empty is not served, and its connections not read, until it refills, so its
+excess costs the agent nothing); of the ``max_connections`` in total, ``reserved_connections`` are kept for root,
+the agent's own user and ``trusted_users``; a connection without a request for ``idle_timeout_s`` is closed (the
+connections are kept in order of their last request, so the check costs one look at the oldest). Complete request
+lines are queued per uid and served round-robin across uids, one request per uid per round, with a look at the
+sockets at least every ``WORK_SLICE_S`` of work: a user pipelining many requests delays another user's request by
+at most one of its own. Refusals are counted (``api.record``: op ``connect``, ``request`` or ``connection``, the
+reason as outcome) and logged at most once per reason per ``LOG_EVERY_S``, with the number left out since the
+last line.
+
 Processes that registered flows of their own sockets are watched with a pidfd: when one exits its flows go at
 once, and a sweep every ``SWEEP_S`` removes flows whose sockets were closed. With ``job_policy = "rotate"`` the
 loop also wakes at each epoch boundary of the wall clock and moves the flows whose effective level the new job
@@ -12,43 +25,106 @@ Usage: ``Server(api, "/run/tensorlane/agent.sock", 0o660).serve(stop, 5.0, perio
 """
 from __future__ import annotations
 
+import errno
 import grp
 import logging
 import os
+import resource
 import selectors
 import socket
 import threading
 import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from agent import protocol
 from agent.api import Api
+from agent.logs import RefusalLog  # noqa: F401  (re-exported: agent.server.RefusalLog)
 from agent.peers import Peer, credentials
 
 log = logging.getLogger("tensorlane.server")
 SWEEP_S = 0.5
+READ, WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+
+# What the server refuses or closes, as (op, outcome) of ``api.record``; agent/metrics/connections.py counts them.
+REFUSALS = {
+    "busy": "connect",               # max_connections reached (or all but the reserve, for other users)
+    "forbidden": "connect",          # the peer is not allowed to use the agent
+    "user_limit": "connect",         # the peer's uid holds max_connections_per_user connections
+    "rate_limited": "request",       # more than rate_limit_per_s requests on one connection
+    "user_rate_limited": "request",  # held back (not refused): its uid's requests_per_user_per_s were used up
+    "too_large": "request",          # a line over protocol.MAX_MESSAGE_BYTES (the connection is closed)
+    "idle_closed": "connection",     # no request for idle_timeout_s
+    "unread_output": "connection",   # more than MAX_PENDING_OUTPUT of replies the client does not read
+}
 
 
 @dataclass
+class _User:
+    """An unprivileged uid: its open connections and its request bucket (kept a while after its last
+    connection closes, so that reconnecting does not refill it)."""
+
+    tokens: float
+    stamp: float
+    conns: int = 0
+
+
+@dataclass(eq=False)
 class _Conn:
     sock: socket.socket
     peer: Peer
     tokens: float
+    user: _User | None  # None: root, the agent's user or a trusted user (no per-user limits, may use the reserve)
     stamp: float = field(default_factory=time.monotonic)
+    last: float = field(default_factory=time.monotonic)  # last request (or the connect): the idle clock
     inbuf: bytes = b""
     outbuf: bytes = b""
+    events: int = 0       # what the selector watches now (0: not registered)
+    queued: bool = False  # has complete request lines waiting in Server.ready (not read further meanwhile)
+    closed: bool = False
+
+
+def raise_fd_limit(need: int) -> int:
+    """Raise this process's open-file limit to ``need`` if it is lower (the hard limit too, as root); returns the
+    soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return soft
+    for limits in ((need, max(need, hard) if hard != resource.RLIM_INFINITY else hard),
+                   (min(need, hard), hard)):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+            return limits[0]
+        except (ValueError, OSError):
+            continue
+    return soft
 
 
 class Server:
     """Serves ``api`` on a Unix socket until told to stop."""
 
-    MAX_CLIENTS = 1024
     MAX_PENDING_OUTPUT = 1 << 20
+    WORK_SLICE_S = 0.002  # at most this much request handling between two looks at the sockets
+    ACCEPT_BATCH = 64     # connections accepted per wake-up
+    IDLE_BATCH = 256      # idle connections closed per pass (more: the next pass, at once)
+    LOG_EVERY_S = 10.0
 
     def __init__(self, api: Api, path: str, mode: int, group: str | None = None):
+        cfg = api.cfg
         self.api = api
         self.path = path
-        self.rate = api.cfg.rate_limit_per_s
+        self.rate = cfg.rate_limit_per_s
+        self.user_rate = cfg.requests_per_user_per_s
+        self.max_conns = cfg.max_connections
+        self.reserved = cfg.reserved_connections
+        self.per_user = cfg.max_connections_per_user
+        self.idle_s = cfg.idle_timeout_s
+        self.trusted = frozenset(cfg.trusted_users)
+        self.euid = os.geteuid()
+        fds = raise_fd_limit(self.max_conns + 1024)  # pidfds, netlink and metrics sockets besides the clients
+        if fds != resource.RLIM_INFINITY and fds < self.max_conns + 64:
+            log.warning("open-file limit %d is below max_connections = %d: connections beyond it wait in the "
+                        "listen backlog", fds, self.max_conns)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if os.path.exists(path):
             os.unlink(path)
@@ -60,9 +136,17 @@ class Server:
         self.listener.listen(128)
         self.listener.setblocking(False)
         self.sel = selectors.DefaultSelector()
-        self.sel.register(self.listener, selectors.EVENT_READ, ("listen", None))
-        self.conns: dict[socket.socket, _Conn] = {}
+        self.sel.register(self.listener, READ, ("listen", None))
+        self.listen_again: float | None = None  # out of file descriptors: accept again at this time
+        self.conns: OrderedDict[socket.socket, _Conn] = OrderedDict()  # least recently active first
+        self.users: dict[int, _User] = {}  # unprivileged uids with connections (or a bucket still refilling)
+        self.ready: OrderedDict[int, deque[_Conn]] = OrderedDict()  # uid -> connections with a request waiting
+        self.held: dict[int, deque[_Conn]] = {}  # the same, of uids whose request bucket is empty ...
+        self.held_until: dict[int, float] = {}   # ... until it has a token again
+        self.privileged_open = 0
+        self.refusals = api.refusal_log  # one bounded log for the server's and the API's refusals
         self.watched: dict[int, int] = {}  # pid -> pidfd
+        api.server = self  # read by the metrics (agent/metrics/connections.py), from their threads
 
     def serve(self, stop: threading.Event, every_s: float, periodic) -> None:
         """Serve until ``stop`` is set, calling ``periodic()`` every ``every_s`` seconds."""
@@ -70,23 +154,41 @@ class Server:
         next_sweep = time.monotonic() + SWEEP_S
         jobs = self.api.jobs
         while not stop.is_set():
-            to_epoch = jobs.seconds_to_next_epoch()
-            timeout = max(0.0, min(0.2, next_tick - time.monotonic(), next_sweep - time.monotonic(),
-                                   1.0 if to_epoch is None else to_epoch + 0.001))
-            for key, events in self.sel.select(timeout):
+            now = time.monotonic()
+            if self.ready:
+                timeout = 0.0
+            else:
+                to_epoch = jobs.seconds_to_next_epoch()
+                timeout = min(0.2, next_tick - now, next_sweep - now, 1.0 if to_epoch is None else to_epoch + 0.001)
+                if self.conns:
+                    timeout = min(timeout, next(iter(self.conns.values())).last + self.idle_s - now)
+                if self.listen_again is not None:
+                    timeout = min(timeout, self.listen_again - now)
+                if self.held_until:
+                    timeout = min(timeout, min(self.held_until.values()) - now)
+            for key, events in self.sel.select(max(0.0, timeout)):
                 kind, data = key.data
                 if kind == "listen":
                     self._accept()
                 elif kind == "pid":
                     self._owner_exited(data)
                 else:
-                    self._service(data, events)
+                    self._io(data, events)
+            if self.held_until:
+                self._release_held(time.monotonic())
+            self._work()
             if jobs.epoch_due():  # a new rotation epoch: a new job order
                 self.api.rotate()
             now = time.monotonic()
+            self._close_idle(now)
+            if self.listen_again is not None and now >= self.listen_again:
+                self.listen_again = None
+                self.sel.register(self.listener, READ, ("listen", None))
             if now >= next_sweep:
                 self.api.sweep()
                 self._watch_owners()
+                self._forget_users(now)
+                self.refusals.flush()
                 next_sweep = now + SWEEP_S
             if now >= next_tick:
                 periodic()
@@ -94,25 +196,58 @@ class Server:
 
     # -- connections ----------------------------------------------------------------------------------
     def _accept(self) -> None:
+        for _ in range(self.ACCEPT_BATCH):
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Nothing to refuse with: stop accepting for a moment rather than spin on a readable listener.
+                    self.sel.unregister(self.listener)
+                    self.listen_again = time.monotonic() + 0.1
+                    self.refusals.note("fd_limit", logging.WARNING, "cannot accept connections: %s", exc)
+                return
+            self._admit(sock)
+
+    def may_use_reserve(self, peer: Peer) -> bool:
+        """Root, the agent's own user and ``trusted_users``: no per-user limits, and the reserved connections."""
+        return peer.uid in (0, self.euid) or (bool(self.trusted) and peer.user in self.trusted)
+
+    def _admit(self, sock: socket.socket) -> None:
         try:
-            sock, _ = self.listener.accept()
+            peer = credentials(sock)
         except OSError:
+            sock.close()
             return
-        peer = credentials(sock)
-        if len(self.conns) >= self.MAX_CLIENTS:
-            self._refuse(sock, peer, "busy", f"too many connections ({self.MAX_CLIENTS})")
-            return
+        privileged = self.may_use_reserve(peer)
+        total = len(self.conns)
+        if total >= self.max_conns or (not privileged and total >= self.max_conns - self.reserved):
+            return self._refuse(sock, peer, "busy", f"the agent has {total} connections (max_connections = "
+                                f"{self.max_conns}, of which {self.reserved} are kept for root and trusted users)")
         if not self.api.policy.allowed(peer):
-            self._refuse(sock, peer, "forbidden", f"user {peer.user} is not allowed to use this agent")
-            return
+            return self._refuse(sock, peer, "forbidden", f"user {peer.user} is not allowed to use this agent")
+        user = None
+        if not privileged:
+            now = time.monotonic()
+            user = self.users.get(peer.uid)
+            if user is None:
+                user = self.users[peer.uid] = _User(tokens=self.user_rate, stamp=now)
+            if user.conns >= self.per_user:
+                return self._refuse(sock, peer, "user_limit", f"user {peer.user} already has {user.conns} "
+                                    f"connections to the agent (max_connections_per_user = {self.per_user}); "
+                                    "close some")
+            user.conns += 1
+        else:
+            self.privileged_open += 1
         sock.setblocking(False)
-        conn = _Conn(sock, peer, tokens=self.rate)
+        conn = _Conn(sock, peer, tokens=self.rate, user=user)
         self.conns[sock] = conn
-        self.sel.register(sock, selectors.EVENT_READ, ("conn", conn))
+        self._watch(conn)
 
     def _refuse(self, sock: socket.socket, peer: Peer, code: str, message: str) -> None:
-        log.warning("refused connection from pid %d uid %d: %s", peer.pid, peer.uid, message)
-        self.api.record("connect", code)
+        self._count(code, logging.WARNING, "refused connection from pid %d uid %d: %s: %s", peer.pid, peer.uid, code,
+                    message)
         try:
             sock.setblocking(False)
             sock.send(protocol.error(None, code, message))
@@ -120,22 +255,66 @@ class Server:
             pass
         sock.close()
 
+    def _count(self, reason: str, level: int, msg: str, *args) -> None:
+        self.api.record(REFUSALS[reason], reason)
+        self.refusals.note(reason, level, msg, *args)
+
     def _close(self, conn: _Conn) -> None:
-        self.sel.unregister(conn.sock)
+        if conn.closed:
+            return
+        conn.closed = True
+        if conn.events:
+            self.sel.unregister(conn.sock)
         self.conns.pop(conn.sock, None)
+        if conn.user is not None:
+            conn.user.conns -= 1
+        else:
+            self.privileged_open -= 1
         conn.sock.close()
 
-    def _allow_request(self, conn: _Conn) -> bool:
-        now = time.monotonic()
-        conn.tokens = min(self.rate, conn.tokens + (now - conn.stamp) * self.rate)
-        conn.stamp = now
-        if conn.tokens < 1:
-            return False
-        conn.tokens -= 1
-        return True
+    def _close_idle(self, now: float) -> None:
+        """Close the connections without a request for ``idle_timeout_s``: the oldest first, at most
+        ``IDLE_BATCH`` per pass (the loop comes back at once while more are due)."""
+        cutoff = now - self.idle_s
+        for _ in range(self.IDLE_BATCH):
+            if not self.conns:
+                return
+            conn = next(iter(self.conns.values()))
+            if conn.last > cutoff:
+                return
+            self._count("idle_closed", logging.INFO, "closed idle connection of pid %d uid %d after %.1f s",
+                        conn.peer.pid, conn.peer.uid, now - conn.last)
+            if not conn.outbuf:  # tell a client that reads why; one that does not read just sees the close
+                try:
+                    conn.sock.send(protocol.error(None, "idle_timeout", f"no request for {self.idle_s:g} s "
+                                                  "(idle_timeout_s): connection closed"))
+                except OSError:
+                    pass
+            self._close(conn)
 
-    def _service(self, conn: _Conn, events: int) -> None:
-        if events & selectors.EVENT_READ:
+    def _forget_users(self, now: float) -> None:
+        """Drop uids without connections whose request bucket has refilled (a new one would be the same)."""
+        for uid, user in list(self.users.items()):
+            if user.conns == 0 and user.tokens + (now - user.stamp) * self.user_rate >= self.user_rate:
+                del self.users[uid]
+
+    def _watch(self, conn: _Conn) -> None:
+        """Watch for what ``conn`` needs: more input unless it has requests waiting, output while it has any."""
+        want = (0 if conn.queued else READ) | (WRITE if conn.outbuf else 0)
+        if want == conn.events or conn.closed:
+            return
+        if not conn.events:
+            self.sel.register(conn.sock, want, ("conn", conn))
+        elif not want:
+            self.sel.unregister(conn.sock)
+        else:
+            self.sel.modify(conn.sock, want, ("conn", conn))
+        conn.events = want
+
+    def _io(self, conn: _Conn, events: int) -> None:
+        if events & WRITE:
+            self._flush(conn)
+        if events & READ and not conn.closed and not conn.queued:
             try:
                 data = conn.sock.recv(65536)
             except (BlockingIOError, InterruptedError):
@@ -146,24 +325,105 @@ class Server:
                 return self._close(conn)
             if data:
                 conn.inbuf += data
-                while b"\n" in conn.inbuf:
-                    line, conn.inbuf = conn.inbuf.split(b"\n", 1)
-                    if self._allow_request(conn):
-                        conn.outbuf += self.api.handle(line, conn.peer)
-                    else:
-                        self.api.record("request", "rate_limited")
-                        conn.outbuf += protocol.error(None, "rate_limited",
-                                                      f"more than {self.rate:g} requests per second")
+                if b"\n" in data:
+                    self._touch(conn)
+                    self._queue(conn)
+                elif len(conn.inbuf) > protocol.MAX_MESSAGE_BYTES:
+                    return self._too_large(conn)
+        self._watch(conn)
+
+    def _queue(self, conn: _Conn) -> None:
+        conn.queued = True
+        uid = conn.peer.uid
+        if uid in self.held:
+            self.held[uid].append(conn)
+        else:
+            self.ready.setdefault(uid, deque()).append(conn)
+
+    def _release_held(self, now: float) -> None:
+        for uid, until in list(self.held_until.items()):
+            if now >= until:
+                del self.held_until[uid]
+                self.ready[uid] = self.held.pop(uid)
+
+    def _touch(self, conn: _Conn) -> None:
+        conn.last = time.monotonic()
+        self.conns.move_to_end(conn.sock)
+
+    def _too_large(self, conn: _Conn) -> None:
+        self._count("too_large", logging.WARNING, "closed connection of pid %d uid %d: a message over %d bytes",
+                    conn.peer.pid, conn.peer.uid, protocol.MAX_MESSAGE_BYTES)
+        conn.outbuf += protocol.error(None, "too_large", f"message exceeds {protocol.MAX_MESSAGE_BYTES} bytes")
+        conn.inbuf = b""
+        self._flush(conn)
+        self._close(conn)
+
+    def _work(self) -> None:
+        """Answer waiting requests: one per uid per round, round after round, for at most ``WORK_SLICE_S``."""
+        deadline = time.monotonic() + self.WORK_SLICE_S
+        while self.ready:
+            for uid in list(self.ready):
+                queue = self.ready[uid]
+                conn = queue[0]
+                if not conn.closed and conn.user is not None and not self._user_token(conn.user):
+                    self._hold(uid, conn)
+                    continue
+                queue.popleft()
+                if not queue:
+                    del self.ready[uid]
+                if conn.closed:
+                    continue
+                self._answer_one(conn)
+                if conn.closed:
+                    continue
+                if b"\n" in conn.inbuf:
+                    self._queue(conn)
+                    continue
+                conn.queued = False
                 if len(conn.inbuf) > protocol.MAX_MESSAGE_BYTES:
-                    self.api.record("request", "too_large")
-                    conn.outbuf += protocol.error(None, "too_large",
-                                                  f"message exceeds {protocol.MAX_MESSAGE_BYTES} bytes")
-                    conn.inbuf = b""
-                    self._flush(conn)
-                    return self._close(conn)
+                    self._too_large(conn)
+                else:
+                    self._watch(conn)
+            if time.monotonic() >= deadline:
+                return
+
+    def _user_token(self, user: _User) -> bool:
+        """Take a token from the bucket of ``user``'s uid; False if it is empty."""
+        now = time.monotonic()
+        user.tokens = min(self.user_rate, user.tokens + (now - user.stamp) * self.user_rate)
+        user.stamp = now
+        if user.tokens < 1:
+            return False
+        user.tokens -= 1
+        return True
+
+    def _hold(self, uid: int, conn: _Conn) -> None:
+        """The uid's bucket is empty: its waiting requests (and connections: not read meanwhile) wait until it has a
+        token again. The request is counted, not refused: a client over its rate only waits."""
+        self.held[uid] = self.ready.pop(uid)
+        self.held_until[uid] = time.monotonic() + (1 - conn.user.tokens) / self.user_rate
+        self._count("user_rate_limited", logging.WARNING, "held back requests of uid %d (%s): more than %g "
+                    "requests per second from its connections (requests_per_user_per_s)", conn.peer.uid,
+                    conn.peer.user, self.user_rate)
+
+    def _answer_one(self, conn: _Conn) -> None:
+        line, conn.inbuf = conn.inbuf.split(b"\n", 1)
+        self._touch(conn)
+        now = time.monotonic()
+        conn.tokens = min(self.rate, conn.tokens + (now - conn.stamp) * self.rate)
+        conn.stamp = now
+        if conn.tokens >= 1:
+            conn.tokens -= 1
+            conn.outbuf += self.api.handle(line, conn.peer)
+        else:
+            self._count("rate_limited", logging.WARNING, "rate-limited pid %d uid %d: more than %g requests per "
+                        "second on one connection", conn.peer.pid, conn.peer.uid, self.rate)
+            conn.outbuf += protocol.error(None, "rate_limited", f"more than {self.rate:g} requests per second")
         self._flush(conn)
 
     def _flush(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
         if conn.outbuf:
             try:
                 sent = conn.sock.send(conn.outbuf)
@@ -173,10 +433,18 @@ class Server:
             except OSError:
                 return self._close(conn)
         if len(conn.outbuf) > self.MAX_PENDING_OUTPUT:  # a client that does not read its replies
+            self._count("unread_output", logging.WARNING, "closed connection of pid %d uid %d: over %d bytes of "
+                        "replies unread", conn.peer.pid, conn.peer.uid, self.MAX_PENDING_OUTPUT)
             return self._close(conn)
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
-        if self.sel.get_key(conn.sock).events != want:
-            self.sel.modify(conn.sock, want, ("conn", conn))
+        self._watch(conn)
+
+    def connection_counts(self) -> dict:
+        """Open connections and limits now, for the metrics (read from another thread: plain reads only)."""
+        users = list(self.users.values())
+        return {"privileged": self.privileged_open, "user": sum(u.conns for u in users),
+                "users_at_limit": sum(u.conns >= self.per_user for u in users),
+                "max_connections": self.max_conns, "reserved_connections": self.reserved,
+                "max_connections_per_user": self.per_user}
 
     # -- owners of registered flows ---------------------------------------------------------------------
     def _watch_owners(self) -> None:
@@ -189,7 +457,7 @@ class Server:
                 self.api.drop_owner(pid)
                 continue
             self.watched[pid] = fd
-            self.sel.register(fd, selectors.EVENT_READ, ("pid", pid))
+            self.sel.register(fd, READ, ("pid", pid))
         for pid in set(self.watched) - owners:
             self._unwatch(pid)
 
@@ -203,6 +471,7 @@ class Server:
         self.api.drop_owner(pid)
 
     def close(self) -> None:
+        self.refusals.flush(force=True)
         for conn in list(self.conns.values()):
             self._close(conn)
         for pid in list(self.watched):

@@ -10,6 +10,18 @@ def test_minimal_config_has_defaults():
     assert cfg.backend == "auto" and cfg.take_over_root is False and cfg.link_rate_bps is None
 
 
+def test_fairness_limits_defaults_and_values():
+    cfg = from_dict({"interface": "eth0"})
+    assert (cfg.max_connections, cfg.reserved_connections, cfg.max_connections_per_user) == (1024, 32, 64)
+    assert cfg.requests_per_user_per_s == 200.0 and cfg.idle_timeout_s == 60.0
+    cfg = from_dict({"interface": "eth0", "max_connections": 100, "reserved_connections": 0,
+                     "max_connections_per_user": 100, "requests_per_user_per_s": 5, "idle_timeout_s": 2})
+    assert (cfg.max_connections, cfg.reserved_connections, cfg.max_connections_per_user) == (100, 0, 100)
+    assert cfg.requests_per_user_per_s == 5.0 and cfg.idle_timeout_s == 2.0
+    with pytest.raises(ConfigError, match=r"max_connections_per_user.*1\.\.68 \(max_connections - reserved"):
+        from_dict({"interface": "eth0", "max_connections": 100, "max_connections_per_user": 69})
+
+
 @pytest.mark.parametrize("text,bps", [("200mbit", 200_000_000), ("10gbit", 10**10), ("1.5gbit", 1_500_000_000),
                                       ("100kbit", 100_000), (64000, 64000)])
 def test_parse_rate(text, bps):
@@ -34,6 +46,17 @@ def test_parse_rate(text, bps):
     ({"interface": "eth0", "take_over_root": "yes"}, "take_over_root"),
     ({"interface": "eth0", "queue_limit_packets": 1}, "queue_limit_packets"),
     ({"interface": "eth0", "colour": "blue"}, "colour"),
+    ({"interface": "eth0", "max_connections": 0}, "max_connections"),
+    ({"interface": "eth0", "max_connections": "many"}, "max_connections"),
+    ({"interface": "eth0", "reserved_connections": 1024}, "reserved_connections"),  # all of max_connections
+    ({"interface": "eth0", "reserved_connections": -1}, "reserved_connections"),
+    ({"interface": "eth0", "max_connections_per_user": 0}, "max_connections_per_user"),
+    ({"interface": "eth0", "max_connections": 100, "max_connections_per_user": 90}, "max_connections_per_user"),
+    ({"interface": "eth0", "max_connections_per_user": True}, "max_connections_per_user"),
+    ({"interface": "eth0", "requests_per_user_per_s": 0}, "requests_per_user_per_s"),
+    ({"interface": "eth0", "requests_per_user_per_s": "fast"}, "requests_per_user_per_s"),
+    ({"interface": "eth0", "idle_timeout_s": 0}, "idle_timeout_s"),
+    ({"interface": "eth0", "idle_timeout_s": 10**6}, "idle_timeout_s"),
 ])
 def test_bad_values_name_their_field(raw, field):
     with pytest.raises(ConfigError) as err:

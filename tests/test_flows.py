@@ -216,3 +216,25 @@ def test_agent_side_ownership_uses_the_callers_namespace_tables():
             child.stdout.close()
     assert not_owned(child.pid, [key]) == [key]  # gone
     assert not_owned_by_owners({child.pid: [key]}) == [key]
+
+
+def test_sock_diag_finds_a_tcp_socket_by_its_5_tuple():
+    """The agent's exact lookup (netlink sock_diag): state and inode of a connection of this namespace, by 5-tuple,
+    also through a dual-stack (v4-mapped) socket; nothing for a 5-tuple no socket has."""
+    import os
+    import socket
+
+    from agent.kernel.sockdiag import SockDiag
+
+    diag = SockDiag()
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as c, srv.accept()[0], \
+                socket.socket(socket.AF_INET6) as c6:
+            c6.connect(("::ffff:127.0.0.1", port))
+            with srv.accept()[0]:
+                sport, sport6 = c.getsockname()[1], c6.getsockname()[1]
+                assert diag.tcp("127.0.0.1", sport, "127.0.0.1", port) == (1, os.fstat(c.fileno()).st_ino)
+                assert diag.tcp("127.0.0.1", sport6, "127.0.0.1", port) == (1, os.fstat(c6.fileno()).st_ino)
+                assert diag.tcp("127.0.0.1", sport, "127.0.0.2", port) is None
+    diag.close()

@@ -127,7 +127,7 @@ def test_exposition_passes_promtool_lint_and_has_no_reserved_labels(kernel):
             "tensorlane_class_queue_delay_seconds", "tensorlane_registered_flows", "tensorlane_api_requests",
             "tensorlane_api_request_duration_seconds", "tensorlane_reconcile_errors", "tensorlane_backend_info",
             "tensorlane_build_info", "tensorlane_job_allreduce_seconds",
-            "tensorlane_link_rate_bytes_per_second"} <= names
+            "tensorlane_link_rate_bytes_per_second", "tensorlane_agent_connections_refused"} <= names
 
 
 # --- classes, contention ----------------------------------------------------------------------------------------
@@ -503,3 +503,127 @@ def test_report_parser_raises_only_protocol_errors():
         assert req.op == "report" and req.session and req.counters
 
     check()
+
+
+# --- the socket server's fairness limits (agent/server.py; with real users: test_fairness_netns.py) ---------------
+
+def test_refusals_are_counted_by_reason_every_reason_from_zero(kernel):
+    from agent.metrics.connections import REASONS
+    from agent.server import REFUSALS
+
+    assert REASONS == {(op, reason): reason for reason, op in REFUSALS.items()}  # the two tables agree
+    api = fake_api()
+    registry, _ = make_registry(api)
+    s = scrape(registry)
+    assert {dict(lab)["reason"] for (n, lab) in s if n == "tensorlane_agent_connections_refused_total"} == \
+        set(REFUSALS)
+    assert all(value(s, "tensorlane_agent_connections_refused_total", reason=r) == 0 for r in REFUSALS)
+    assert not any(n == "tensorlane_agent_connections" for n, _ in s)  # no server, no open connections
+    for op, outcome in (("connect", "user_limit"), ("connect", "user_limit"), ("connection", "idle_closed"),
+                        ("request", "user_rate_limited"), ("register", "forbidden")):  # the last: not a refusal
+        api.record(op, outcome)
+    s = scrape(registry)
+    assert value(s, "tensorlane_agent_connections_refused_total", reason="user_limit") == 2
+    assert value(s, "tensorlane_agent_connections_refused_total", reason="idle_closed") == 1
+    assert value(s, "tensorlane_agent_connections_refused_total", reason="user_rate_limited") == 1
+    assert value(s, "tensorlane_agent_connections_refused_total", reason="forbidden") == 0
+
+
+def test_refusal_log_writes_one_line_per_reason_per_period_and_counts_the_rest(caplog):
+    import logging
+
+    from agent.server import RefusalLog
+
+    now = [0.0]
+    rl = RefusalLog(logging.getLogger("tensorlane.server"), every_s=10, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="tensorlane.server"):
+        for i in range(1000):  # 100 s of refusals of two reasons, 10 a second each
+            now[0] = i / 10
+            rl.note("busy", logging.WARNING, "refused %d", i)
+            rl.note("user_limit", logging.WARNING, "refused %d", i)
+        rl.flush()
+        now[0] = 200.0
+        rl.flush()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == rl.lines == 22, lines  # 10 per reason in 100 s, then a summary of the last 10 s each
+    assert lines[0] == "refused 0" and lines[2] == "refused 100 (and 99 more busy since the last such line)"
+    assert lines[-1] == "99 more user_limit since the last such line, 110.0 s ago (one line per 10 s)"
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A real Server on a socket in tmp_path with the fake api, in a thread; every client counts as an ordinary
+    user (the test runs as root, which the server would otherwise treat as privileged)."""
+    from agent.server import Server
+
+    started = []
+
+    def start(**limits):
+        cfg = from_dict({"interface": "eth0", "link_rate": "200mbit", "reconcile_interval_s": 1, **limits})
+        api = Api(cfg, FlowTable(4), FakeRec(4), "htb")
+        registry, _ = make_registry(api)
+        server = Server(api, str(tmp_path / "agent.sock"), 0o600)
+        server.may_use_reserve = lambda peer: False
+        stop = threading.Event()
+        thread = threading.Thread(target=server.serve, args=(stop, 60.0, lambda: None), daemon=True)
+        thread.start()
+        started.append((stop, thread, server))
+        return server, registry
+
+    yield start
+    for stop, thread, server in started:
+        stop.set()
+        thread.join(timeout=5)
+        server.close()
+
+
+def connect(path: str) -> tuple[socket.socket, dict]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(path)
+    try:
+        s.sendall(b'{"op":"hello"}\n')
+    except BrokenPipeError:  # refused: the reply is waiting
+        pass
+    return s, json.loads(s.makefile("rb").readline())
+
+
+def test_server_caps_a_user_holds_its_excess_requests_and_closes_idle_connections(kernel, served, caplog):
+    server, registry = served(max_connections=16, reserved_connections=4, max_connections_per_user=5,
+                              requests_per_user_per_s=50, idle_timeout_s=1)
+    socks = []
+    try:
+        replies = []
+        for _ in range(8):
+            s, reply = connect(server.path)
+            socks.append(s)
+            replies.append(reply.get("error", {}).get("code", "ok"))
+        assert replies == ["ok"] * 5 + ["user_limit"] * 3
+        s = scrape(registry)
+        assert value(s, "tensorlane_agent_connections", kind="user") == 5
+        assert value(s, "tensorlane_agent_users_at_connection_limit") == 1
+        assert value(s, "tensorlane_agent_connection_limit", limit="max_connections_per_user") == 5
+        # 150 pipelined requests at 50/s (45 left in the bucket after the 5 hellos): all answered, none refused,
+        # the excess held back for about 2 s
+        t0 = time.monotonic()
+        socks[0].sendall(b'{"op":"hello"}\n' * 150)
+        reader = socks[0].makefile("rb")
+        codes = [json.loads(reader.readline()).get("error", {}).get("code", "ok") for _ in range(150)]
+        took = time.monotonic() - t0
+        assert codes == ["ok"] * 150 and 1.7 < took < 3.5, took
+        # idle: the other four went quiet at the start; socks[0] after its last reply
+        t0 = time.monotonic()
+        notice = json.loads(reader.readline())
+        assert notice["error"]["code"] == "idle_timeout" and reader.readline() == b""
+        assert 0.8 < time.monotonic() - t0 < 1.5
+        s = scrape(registry)
+        assert value(s, "tensorlane_agent_connections_refused_total", reason="user_limit") == 3
+        assert value(s, "tensorlane_agent_connections_refused_total", reason="idle_closed") == 5
+        assert value(s, "tensorlane_agent_connections_refused_total", reason="user_rate_limited") > 0
+        assert value(s, "tensorlane_agent_connections_refused_total", reason="rate_limited") == 0
+        assert value(s, "tensorlane_agent_connections", kind="user") == 0
+        refusal_lines = [r for r in caplog.records if r.name == "tensorlane.server"]
+        assert len(refusal_lines) <= 3, [r.getMessage() for r in refusal_lines]  # one per reason
+    finally:
+        for s in socks:
+            s.close()

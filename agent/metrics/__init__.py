@@ -2,10 +2,10 @@
 
 One small module per source of data, all of the same shape (``agent/metrics/base.py``): ``build``,
 ``classes`` (tc class counters), ``contention`` (priority inversion, queueing delay), ``flows`` (registered
-flows, nftables marks), ``api`` (request outcomes and latency), ``reconcile``, ``jobs`` (communication time
-reported by the shims). Every scrape also reports, per source, ``tensorlane_scrape_collector_success`` and
-``tensorlane_scrape_collector_duration_seconds``: a failing source does not fail the scrape. Names and
-meanings: docs/metrics.md.
+flows, nftables marks), ``api`` (request outcomes and latency), ``connections`` (the socket server's refusals
+by reason, open connections), ``reconcile``, ``jobs`` (communication time reported by the shims). Every scrape
+also reports, per source, ``tensorlane_scrape_collector_success`` and ``tensorlane_scrape_collector_duration_seconds``:
+a failing source does not fail the scrape. Names and meanings: docs/metrics.md.
 
 HTTP (one thread per request, started by ``start_metrics_server``): ``/metrics``; ``/healthz`` (200 while the
 agent's main loop runs its reconcile passes, 503 when it has not for ``3 x reconcile_interval_s``, at least
@@ -32,13 +32,15 @@ from agent.metrics.api import ApiSource
 from agent.metrics.base import Scrape, Source
 from agent.metrics.build import BuildSource
 from agent.metrics.classes import ClassesSource
+from agent.metrics.connections import ConnectionsSource
 from agent.metrics.contention import ContentionSource
 from agent.metrics.flows import FlowsSource
 from agent.metrics.jobs import JobReports, JobsSource
 from agent.metrics.reconcile import ReconcileSource
 
 log = logging.getLogger("tensorlane.metrics")
-SOURCES = (BuildSource, ClassesSource, ContentionSource, FlowsSource, ApiSource, ReconcileSource, JobsSource)
+SOURCES = (BuildSource, ClassesSource, ContentionSource, FlowsSource, ApiSource, ConnectionsSource, ReconcileSource,
+           JobsSource)
 __all__ = ["AgentCollector", "Health", "JobReports", "MetricsServer", "SOURCES", "Source", "make_registry",
            "start_metrics_server"]
 
