@@ -36,7 +36,8 @@ import tempfile
 import time
 from datetime import timedelta
 
-from bench.workers import ScenarioError, machine_info, progress_printer, run_workers, show_figures, text_table
+from bench.workers import (ScenarioError, jsonable, machine_info, progress_printer, run_workers, show_figures,
+                           text_table)
 
 MODES = ("compute", "ddp", "shim_clip", "ddp_noclip", "shim_noclip")
 ALL_MODES = MODES
@@ -164,7 +165,7 @@ def worker(argv) -> int:
                 st = handle.stats()
                 rec["shim_mode"] = st.get("mode")
                 rec["mode_reason"] = st.get("mode_reason")
-                rec["shim_stats"] = _jsonable(st)
+                rec["shim_stats"] = jsonable(st)
         finally:
             if handle is not None:
                 handle.close()
@@ -201,18 +202,6 @@ def _sched() -> tuple[float, float]:
         return 0.0, 0.0
 
 
-def _jsonable(obj):
-    import json
-
-    try:
-        json.dumps(obj)
-        return obj
-    except (TypeError, ValueError):
-        if isinstance(obj, dict):
-            return {str(k): _jsonable(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return [_jsonable(v) for v in obj]
-        return repr(obj)
 
 
 # ----------------------------------------------------------------------------------------------------- analysis

@@ -72,7 +72,7 @@ import sys
 import time
 from datetime import timedelta
 
-from bench.workers import use_interface, write_json
+from bench.workers import jsonable, use_interface, write_json
 
 MODES = ("ddp", "shim", "shim_overlap", "app_order", "compute", "calibrate")
 SHIM_MODES = ("shim", "shim_overlap", "app_order")
@@ -186,16 +186,6 @@ def _scales(args) -> tuple[float, float]:
             args.compute_scale if args.compute_scale is not None else dcs)
 
 
-def _jsonable(obj):
-    try:
-        json.dumps(obj)
-        return obj
-    except (TypeError, ValueError):
-        if isinstance(obj, dict):
-            return {str(k): _jsonable(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return [_jsonable(v) for v in obj]
-        return repr(obj)
 
 
 def calibrate(dist, torch, sizes=CALIBRATION_SIZES, launches: int = 40, copies: int = 10) -> dict:
@@ -441,7 +431,7 @@ def main(argv=None) -> int:
             else:
                 rec["times"].extend(local)
             if handle is not None:
-                rec["stats"].append(_jsonable(handle.stats()))
+                rec["stats"].append(jsonable(handle.stats()))
         finally:
             if handle is not None:
                 handle.close()

@@ -188,3 +188,16 @@ def machine_info() -> dict:
     with contextlib.suppress(OSError):
         info["load_avg"] = [round(x, 2) for x in os.getloadavg()]
     return info
+
+
+def jsonable(obj):
+    """``obj`` as JSON can hold it: dict keys as strings, tuples as lists, anything else unknown as its repr."""
+    try:
+        json.dumps(obj)
+        return obj
+    except (TypeError, ValueError):
+        if isinstance(obj, dict):
+            return {str(k): jsonable(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [jsonable(v) for v in obj]
+        return repr(obj)

@@ -15,7 +15,6 @@ walks its whole TCP hash table)."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import math
 import os
@@ -35,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.agents import running_agents
 from testbed import Testbed
+from agent_clients import enter_netns
 
 pytestmark = pytest.mark.netns
 
@@ -44,7 +44,6 @@ CHURN_N = 300          # register/unregister pairs of root and of the other user
 CHURN_S = 6.0
 CHURN_EVERY_S = 0.02   # a pair every 20 ms on average (random gaps): 100 requests/s, half of requests_per_user_per_s
 HELLO = b'{"op":"hello"}\n'
-CLONE_NEWNET = 0x40000000
 FETCH = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
 
 
@@ -58,18 +57,6 @@ def agent():
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------
-
-def enter_netns(name: str) -> None:
-    """Move this (single-threaded, root) process into the named network namespace: the agent decides who owns a
-    flow in its own namespace, so clients that register flows must live there."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns {name}")
-    finally:
-        os.close(fd)
-
 
 _PARENT_ENDS: set[int] = set()  # the parent's ends of every child's pipes: closed in each new child
 

@@ -32,6 +32,7 @@ from agent.protocol import FlowKey
 from bench.agents import running_agents
 from shim.flows import own_tcp_flows
 from testbed import Testbed
+from agent_clients import CLONE_NEWNET, request
 
 pytestmark = pytest.mark.netns
 
@@ -44,7 +45,6 @@ OPERATOR_PORT = 47331
 H1, H2 = "198.18.0.1", "198.18.0.2"
 CHILD_LIFETIME_S = 120.0  # no child outlives this, whatever happens to the parent
 
-CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
@@ -114,20 +114,6 @@ def look_alike(flow: dict) -> tuple[socket.socket, socket.socket, socket.socket]
     client = connect_from(flow["src"], flow["sport"], flow["dst"], flow["dport"])
     server, _ = listener.accept()
     return listener, client, server
-
-
-def request(path: str, msg: dict, timeout: float = 5.0) -> dict:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(path)
-        s.sendall(json.dumps(msg).encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-    return json.loads(buf)
 
 
 class Child:

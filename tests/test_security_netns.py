@@ -3,7 +3,6 @@ against the kernel's socket tables, flows of exited processes and closed sockets
 size limits, and 10,000 generated messages after which the agent is up and its state consistent."""
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import socket
@@ -16,22 +15,10 @@ from hypothesis import strategies as st
 from agent.client import AgentClient
 from bench.agents import running_agents
 from testbed import Testbed
+from agent_clients import enter_netns, request
 
 pytestmark = pytest.mark.netns
 NOBODY = 65534
-CLONE_NEWNET = 0x40000000
-
-
-def enter_netns(name: str) -> None:
-    """Move this (single-threaded, root) process into the named network namespace: the agent decides ownership in
-    its own namespace, so clients that register flows must live there (tests/test_netns_ownership.py)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns {name}")
-    finally:
-        os.close(fd)
 
 
 def in_child(fn, uid: int | None = None, stay: float = 0.0, netns: str | None = None):
@@ -60,20 +47,6 @@ def in_child(fn, uid: int | None = None, stay: float = 0.0, netns: str | None = 
     with os.fdopen(r) as fh:
         line = fh.readline()
     return json.loads(line), pid
-
-
-def request(path: str, msg: dict, timeout: float = 3.0) -> dict:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(path)
-        s.sendall(json.dumps(msg).encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-    return json.loads(buf)
 
 
 def own_udp_flow(port: int):

@@ -1,0 +1,36 @@
+"""Helpers shared by the tests that talk to a real agent as other users and from other namespaces."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+
+CLONE_NEWNET = 0x40000000
+
+
+def request(path: str, msg: dict, timeout: float = 5.0) -> dict:
+    """One request on a fresh connection to the agent's socket at ``path``; its one reply."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(json.dumps(msg).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    return json.loads(buf)
+
+
+def enter_netns(name: str) -> None:
+    """Move this (single-threaded, root) process into the named network namespace: the agent decides who owns a
+    flow in its own namespace, so clients that register flows must live there."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns {name}")
+    finally:
+        os.close(fd)
