@@ -20,8 +20,9 @@ from testbed import Testbed, TestbedError, down_by_name, main, parse_rate
 from testbed import records, topology
 
 REPO = Path(__file__).resolve().parents[1]
-RATE = "200mbit"
-RATE_BPS = 200_000_000
+RATE = "100mbit"  # at 200 Mbit/s two flows through 3 namespaces saturate some 2-core machines' softirq CPU: the
+# switch can only order what the senders manage to send (EF got 131-151 of 200 Mbit/s there; at 100 it passes)
+RATE_BPS = 100_000_000
 EF = 46
 
 

@@ -48,7 +48,9 @@ def train(kind: str, with_shim: bool, args) -> tuple[dict, dict]:
     record["grad_norms"] = []  # clip: the norm before clipping, on every rank the averaged gradient's
     handle = None
     if with_shim:
-        handle = shim.attach(model, opt, levels=args.levels, agent_socket=args.agent_socket, job=job)
+        # layer_order: every level carries pieces, whatever the planner would measure on a loaded machine
+        handle = shim.attach(model, opt, levels=args.levels, agent_socket=args.agent_socket, job=job,
+                             policy="layer_order")
     loss_fn = nn.CrossEntropyLoss()
     steps = micro = 0
     for x, y in loader:
