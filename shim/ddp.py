@@ -41,6 +41,7 @@ from shim import overlap as ov
 from shim.agent_link import AgentLink
 from shim.buckets import parameter_levels, pieces_of
 from shim.flows import new_flows, own_tcp_flows
+from shim import report
 from shim.report import Reporter
 
 log = logging.getLogger("tensorlane.shim")
@@ -137,7 +138,7 @@ class ShimState:
         o = self.options
         self.world = dist.get_world_size()
         self.groups, self.link, self.flows, self.job = _connect(self.levels, o.get("agent_socket"), o.get("job"))
-        self.reporter = _reporter(self, o.get("report_interval_s", 5.0))
+        self.reporter = report.start(self, interval_s=o.get("report_interval_s", 5.0))
         module = o.get("module")
         if module is not None:
             _set_layer_levels(self, [p for p in module.parameters() if p.requires_grad], o.get("policy"))
@@ -448,7 +449,7 @@ class Handle:
         return None if self.state is None else self.state.reporter
 
     # -- overlap mode plumbing ------------------------------------------------------------------------------
-    def _install_overlap(self, per_parameter: bool) -> None:
+    def _install_overlap(self) -> None:
         opt, root = self.optimizer, self.model.module
         params = [p for p in root.parameters() if p.requires_grad]
         owners = [m for m in root.modules() if any(True for _ in m.parameters(recurse=False))]
@@ -456,7 +457,7 @@ class Handle:
         for m in owners:
             for p in m.parameters(recurse=False):
                 holders.setdefault(id(p), []).append(id(m))
-        d = self.state.deferred = ov.Deferred(opt, holders, per_parameter)
+        d = self.state.deferred = ov.Deferred(opt, holders)
         self.state.options["params"] = params
         d.orig_step = opt.step
         self._own_step = opt.__dict__.get("step")  # an LR scheduler made before attach put its wrapper there
@@ -661,11 +662,6 @@ def _connect(levels: int, agent_socket: str | None, job: str | None) -> tuple[li
     return groups, link, flows, job
 
 
-def _reporter(state: ShimState, interval_s: float) -> Reporter:
-    """Per-level communication counters to the agent's metrics (shim.report)."""
-    return Reporter(state.level_stats, state.link.socket_path, state.job, interval_s=interval_s)
-
-
 def _check_levels(levels: int) -> None:
     if not 1 <= levels <= 5:
         raise ValueError(f"levels must be 1..5 (the DSCP table's distinct switch queues), not {levels}")
@@ -737,7 +733,7 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
         element = params[0].element_size() if params else 4
         state.partition_elems = max(1, partition_bytes // element)
     state.groups, state.link, state.flows, state.job = _connect(levels, agent_socket, job)
-    state.reporter = _reporter(state, report_interval_s)
+    state.reporter = report.start(state, interval_s=report_interval_s)  # counters to the agent's metrics
     handle = Handle(model, optimizer, state)
     handle.plan = {"policy": policy}
     if policy == "planner":
@@ -747,7 +743,7 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
         return handle
     per_param = per_parameter_optimizer if per_parameter_optimizer is not None else \
         type(optimizer) in ov.PER_PARAMETER_OPTIMIZERS
-    handle._install_overlap(per_param)
+    handle._install_overlap()
     if per_param:
         state.mode, state.mode_reason = "probing", "overlap asked for: the first iteration runs as hook mode"
     else:

@@ -34,13 +34,12 @@ Code that *reads* parameters between ``step()`` and the next forward (an EMA of 
 them before that iteration's update: call ``handle.flush()`` first. Code that reads ``.grad`` after
 ``backward()`` sees this rank's own gradient (not the average) in overlap mode.
 
-Usage: ``deferred = Deferred(optimizer, per_parameter=True)`` is made by ``shim.attach``; see shim/ddp.py.
+Usage: ``deferred = Deferred(optimizer, holders)`` is made by ``shim.attach``; see shim/ddp.py.
 """
 from __future__ import annotations
 
 import os
 import sys
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -114,10 +113,9 @@ class Probe:
 class Deferred:
     """The deferred-step machinery of one ``attach``: pending buckets, gradient marks, the probe, the checks."""
 
-    def __init__(self, optimizer, holders: dict, per_parameter: bool):
+    def __init__(self, optimizer, holders: dict):
         self.optimizer = optimizer
         self.holders = holders  # id(param) -> ids of the modules that hold it directly
-        self.per_parameter = per_parameter
         self.pending: dict = {}  # id(param) -> Pending
         self.unstamped: list = []  # Pendings of the current iteration, not yet stamped by step()
         self.marks: list = []  # (param, grad, grad version) right after the last synchronized backward
@@ -128,8 +126,6 @@ class Deferred:
         self.orig_step = None
         self.steps = 0  # step() calls stamped
         self.flushes = 0
-        self.in_forward = 0
-        self.lock = threading.Lock()
 
     # -- the user's optimizer.step() ----------------------------------------------------------------------
     def stamp(self, params: list, closure) -> None:
