@@ -15,12 +15,12 @@ test-unit: bootstrap
 	$(PY) -m pytest -ra -m "not netns" $(PYTEST_ARGS)
 
 demo: bootstrap
-	$(VENV)/bin/tensorlane demo --json demo.json
+	$(VENV)/bin/python -m bench.demo --json demo.json
 
 # The README's performance section and docs/img/bench-*.png from results/*.json (docs/benchmarks.md)
 report: bootstrap
 	$(PY) -m bench.report
 
 clean:
-	-$(VENV)/bin/tensorlane testbed down --all 2>/dev/null
+	-$(VENV)/bin/python -m testbed down --all 2>/dev/null
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -12,17 +12,17 @@ import logging
 import time
 import uuid
 
-from agent import protocol
-from agent.jobs import JobScheduler
-from agent.kernel.qdisc import fmt_handle
-from agent.logs import RefusalLog
-from agent.metrics.jobs import JobReports
-from agent.ownership import netns_of, not_owned, not_owned_by_owners
-from agent.peers import AccessPolicy, Peer
-from agent.protocol import ProtocolError
+from tensorlane import __version__ as VERSION  # package metadata (pyproject.toml)
+from tensorlane.agent import protocol
+from tensorlane.agent.jobs import JobScheduler
+from tensorlane.agent.kernel.qdisc import fmt_handle
+from tensorlane.agent.logs import RefusalLog
+from tensorlane.agent.metrics.jobs import JobReports
+from tensorlane.agent.ownership import netns_of, not_owned, not_owned_by_owners
+from tensorlane.agent.peers import AccessPolicy, Peer
+from tensorlane.agent.protocol import ProtocolError
 
 log = logging.getLogger("tensorlane.api")
-VERSION = "0.1.0"
 
 
 class Api:
@@ -163,7 +163,7 @@ class Api:
         return {"flows": flows}
 
     def _op_status(self, req, peer) -> dict:
-        from agent.kernel import tcstats  # local: status is rare, keep the hot path lean
+        from tensorlane.agent.kernel import tcstats  # local: status is rare, keep the hot path lean
 
         classes = tcstats.class_stats(self.rec.ipr, self.rec.ifindex)
         marks = self.rec.counters()

@@ -8,8 +8,8 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 
-from policies.jobs import JOB_POLICIES
-from policies.levels import dscp_table
+from tensorlane.policies.jobs import JOB_POLICIES
+from tensorlane.policies.levels import dscp_table
 
 BACKENDS = ("auto", "htb", "prio")
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}$")  # as the API's job ids (agent/protocol.py)

@@ -16,13 +16,13 @@ from pathlib import Path
 
 from pyroute2 import IPRoute
 
-from agent.api import Api
-from agent.server import Server
-from agent.config import Config, ConfigError
-from agent.kernel import detect, snapshot
-from agent.kernel.qdisc import fmt_handle, make_backend
-from agent.reconcile import Reconciler
-from agent.state import FlowTable
+from tensorlane.agent.api import Api
+from tensorlane.agent.server import Server
+from tensorlane.agent.config import Config, ConfigError
+from tensorlane.agent.kernel import detect, snapshot
+from tensorlane.agent.kernel.qdisc import fmt_handle, make_backend
+from tensorlane.agent.reconcile import Reconciler
+from tensorlane.agent.state import FlowTable
 
 log = logging.getLogger("tensorlane.agent")
 
@@ -128,7 +128,7 @@ def run(cfg: Config) -> int:
                      list(cfg.dscp))
             api = Api(cfg, table, rec, kind)
             if cfg.metrics_address:
-                from agent.metrics import start_metrics_server
+                from tensorlane.agent.metrics import start_metrics_server
                 start_metrics_server(cfg.metrics_address, api)
             _serve(cfg, api, rec, table)
         finally:

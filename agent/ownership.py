@@ -23,9 +23,9 @@ import ipaddress
 import os
 from collections.abc import Iterable, Mapping
 
-from agent.kernel.sockdiag import SockDiag
-from agent.protocol import FlowKey
-from shim.flows import _socket_inodes, parse_proc_net_tcp
+from tensorlane.agent.kernel.sockdiag import SockDiag
+from tensorlane.agent.protocol import FlowKey
+from tensorlane.shim.flows import _socket_inodes, parse_proc_net_tcp
 
 TCP_ESTABLISHED = 0x01
 EXACT_LOOKUPS_MAX = 256  # above this many TCP flows in one request, one read of the tables is cheaper

@@ -14,7 +14,7 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
-from agent.protocol import ProtocolError
+from tensorlane.agent.protocol import ProtocolError
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from agent.kernel import nft as nftables
-from agent.protocol import FlowKey
-from agent.state import FlowTable
+from tensorlane.agent.kernel import nft as nftables
+from tensorlane.agent.protocol import FlowKey
+from tensorlane.agent.state import FlowTable
 
 log = logging.getLogger("tensorlane.reconcile")
 

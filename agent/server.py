@@ -37,10 +37,10 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from agent import protocol
-from agent.api import Api
-from agent.logs import RefusalLog  # noqa: F401  (re-exported: agent.server.RefusalLog)
-from agent.peers import Peer, credentials
+from tensorlane.agent import protocol
+from tensorlane.agent.api import Api
+from tensorlane.agent.logs import RefusalLog  # noqa: F401  (re-exported: agent.server.RefusalLog)
+from tensorlane.agent.peers import Peer, credentials
 
 log = logging.getLogger("tensorlane.server")
 SWEEP_S = 0.5

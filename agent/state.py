@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from agent.protocol import FlowKey, ProtocolError
+from tensorlane.agent.protocol import FlowKey, ProtocolError
 
 
 class FlowEntry(NamedTuple):

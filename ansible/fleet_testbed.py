@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass, field
 from importlib import metadata
 
@@ -38,8 +39,7 @@ from testbed import Testbed  # noqa: E402 (REPO_ROOT must be on sys.path first)
 from testbed.topology import down_by_name  # noqa: E402
 
 SSHD = "/usr/sbin/sshd"
-PACKAGE_DIRS = ("agent", "shim", "policies", "testbed", "bench", "tensorlane")
-AGENT_DEPENDENCIES = ("pyroute2", "prometheus-client", "scapy")
+PACKAGE_DIRS = ("tensorlane", "agent", "shim", "policies")   # what the wheel ships (pyproject.toml)
 SSH_READY_TIMEOUT_S = 15
 RECAP_RE = re.compile(r"^(\S+)\s*:\s*ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)\s+skipped=(\d+)"
                       r"\s+rescued=(\d+)\s+ignored=(\d+)", re.MULTILINE)
@@ -84,7 +84,7 @@ def build_wheel(out_dir: str) -> str:
     src = os.path.join(out_dir, "src")
     shutil.rmtree(src, ignore_errors=True)
     os.makedirs(src)
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(os.path.join(REPO_ROOT, name), src)
     for name in PACKAGE_DIRS:
         shutil.copytree(os.path.join(REPO_ROOT, name), os.path.join(src, name),
@@ -99,11 +99,18 @@ def build_wheel(out_dir: str) -> str:
     return os.path.join(dist, wheels[-1])
 
 
+def agent_dependencies() -> list[str]:
+    """The distribution names in pyproject.toml's ``dependencies`` (what the agent needs, torch excluded)."""
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    return [re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0] for d in deps]
+
+
 def fill_wheelhouse(out_dir: str) -> str:
     """``pip download`` the agent's dependencies (the versions installed here) into ``out_dir/wheelhouse``."""
     house = os.path.join(out_dir, "wheelhouse")
     pins = []
-    for dist in AGENT_DEPENDENCIES:
+    for dist in agent_dependencies():
         try:
             pins.append(f"{dist}=={metadata.version(dist)}")
         except metadata.PackageNotFoundError:

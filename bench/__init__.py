@@ -2,7 +2,7 @@
 traffic (``bench.bulk``), agents per testbed host (``bench.agents``) and the contention scenario of the demo
 (``bench.contention``).
 
-``tensorlane bench NAME [ARGS]`` calls ``main([NAME, *ARGS])``: ``tensorlane bench contention --json out.json``.
+``python -m bench NAME [ARGS]`` calls ``main([NAME, *ARGS])``: ``python -m bench contention --json out.json``.
 With ``--json FILE``, the file is stamped afterwards with ``benchmark`` (NAME) and ``machine``
 (``bench.workers.machine_info()``) where the benchmark did not record them itself, so that ``bench.report`` can
 say what each figure was measured on. ``python -m bench.report`` turns the files into the README's table.
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
         out = sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"tensorlane bench: unknown benchmark {argv[0]!r}", file=out)
-        print("usage: tensorlane bench NAME [ARGS...]   (NAME --help for its options)\n\nbenchmarks:", file=out)
+            print(f"bench: unknown benchmark {argv[0]!r}", file=out)
+        print("usage: python -m bench NAME [ARGS...]   (NAME --help for its options)\n\nbenchmarks:", file=out)
         for name, (_, text) in BENCHMARKS.items():
             print(f"  {name:14s} {text}", file=out)
         print("\nthe README's performance table: python -m bench.report (docs/benchmarks.md)", file=out)

@@ -113,21 +113,21 @@ def flow_keys(n: int):
 
     Same addresses and protocol, so that a u32 filter of another flow mismatches only at its last key (the
     worst case for a linear list; a hash does not care)."""
-    from agent.protocol import FlowKey
+    from tensorlane.agent.protocol import FlowKey
 
     others = [FlowKey("tcp", SRC, 10000 + i % 50000, DST, 6000 + i // 50000) for i in range(max(n - 1, 0))]
     return [*others, FlowKey("tcp", SRC, CPORT, DST, PORT)] if n > 0 else []
 
 
 def _classids() -> tuple[list[int], int]:
-    from agent.kernel.qdisc import HtbBackend
+    from tensorlane.agent.kernel.qdisc import HtbBackend
 
     backend = HtbBackend(levels=LEVELS, link_rate_bps=LINK_RATE_BPS)
     return [backend.classid(lvl) for lvl in range(LEVELS)], backend.default.classid
 
 
 def _fmt_class(h: int) -> str:
-    from agent.kernel.qdisc import fmt_handle
+    from tensorlane.agent.kernel.qdisc import fmt_handle
 
     return fmt_handle(h)
 
@@ -167,7 +167,7 @@ def _child_setup(args) -> dict:
     through pyroute2 when asked)."""
     from pyroute2 import IPRoute
 
-    from agent.kernel.qdisc import HtbBackend
+    from tensorlane.agent.kernel.qdisc import HtbBackend
 
     out = {}
     with IPRoute() as ipr:
@@ -180,7 +180,7 @@ def _child_setup(args) -> dict:
                        target=target, keys=[f"0x{v:08x}/0x{m:08x}+{off}" for v, m, off in _u32_keys(key)])
             out["classifier_setup_s"] = time.monotonic() - t0
     if args.mech == "nft-map":
-        from agent.kernel import nft
+        from tensorlane.agent.kernel import nft
 
         classids, _ = _classids()
         t0 = time.monotonic()

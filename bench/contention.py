@@ -1,8 +1,8 @@
 """The contention scenario of the demo: data-parallel work between two hosts, alone, under bulk traffic with
 plain FIFO NICs, and under the same bulk with tensorlane's agents, in one run on one namespace testbed.
 
-Two workloads: ``allreduce`` (``tensorlane bench contention``: a bare gloo all-reduce, ``bench.allreduce``) and
-``training`` (``tensorlane demo``: a real training loop through the shim, ``bench.training`` in mode
+Two workloads: ``allreduce`` (``python -m bench contention``: a bare gloo all-reduce, ``bench.allreduce``) and
+``training`` (``python -m bench.demo``: a real training loop through the shim, ``bench.training`` in mode
 ``shim_overlap``: an emulated ResNet-50 trained by DDP with ``shim.attach(ddp, optimizer, levels=4)``). With
 ``training`` the figures are median iteration times; in the phases without agents the shim finds no agent,
 warns once and trains unprioritised, which is exactly what a job sees on a host without tensorlane.
@@ -21,7 +21,7 @@ Targets (the issue's): agent median <= 1.10 x uncontended, FIFO median >= 2 x un
 >= 80 % of the link once training stops.
 
 Usage: ``python -m bench.contention --json out.json [--quick]`` (root: it builds network namespaces), or
-``run(quick=True)`` from Python; ``tensorlane demo`` and ``tensorlane bench contention`` call ``main``.
+``run(quick=True)`` from Python; ``python -m bench.demo`` and ``python -m bench contention`` call ``main``.
 """
 from __future__ import annotations
 
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
     p.add_argument("--name", default="tw", help="testbed name (namespaces NAME-h1.., NAME-sw)")
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
     p.add_argument("--workload", choices=WORKLOADS, default="allreduce",
-                   help="a bare all-reduce, or a training loop through the shim (what `tensorlane demo` runs)")
+                   help="a bare all-reduce, or a training loop through the shim (what `python -m bench.demo` runs)")
     p.add_argument("--profile", default=TRAINING_PROFILE, help="the emulated model of --workload training")
     args = p.parse_args(argv)
     phases = tuple(x.strip() for x in args.phases.split(",") if x.strip())

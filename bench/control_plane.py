@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-from agent.client import AgentClient, AgentError, AgentUnavailable
+from tensorlane.agent.client import AgentClient, AgentError, AgentUnavailable
 from bench.agents import running_agents
 from bench.bulk import iperf_server, run_client
 from testbed import Testbed
@@ -160,7 +160,7 @@ def run(sizes=(0, 1000, 10000), rounds: int = 400, iperf_s: float = 5, clients: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tensorlane bench control-plane", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench control-plane", description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--clients", type=int, default=200)

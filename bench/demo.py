@@ -1,10 +1,10 @@
-"""``tensorlane demo`` (``make demo``): the contention scenario with a real training loop through the shim.
+"""``python -m bench.demo`` (``make demo``): the contention scenario with a real training loop through the shim.
 
 An emulated ResNet-50 (``bench.models``) is trained by DDP with ``shim.attach(ddp, optimizer, levels=4)`` between
 two testbed hosts, alone, under iperf3 bulk with FIFO NICs, and under the same bulk with an agent on every host
-(``bench.contention``, workload ``training``). Options are those of ``tensorlane bench contention``.
+(``bench.contention``, workload ``training``). Options are those of ``python -m bench contention``.
 
-Usage: ``tensorlane demo --json demo.json [--quick]`` (root: it builds network namespaces).
+Usage: ``python -m bench.demo --json demo.json [--quick]`` (root: it builds network namespaces).
 """
 from __future__ import annotations
 

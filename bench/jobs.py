@@ -390,7 +390,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["worker"]:
         return worker(argv[1:])
-    p = argparse.ArgumentParser(prog="tensorlane bench jobs", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench jobs", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="FILE", help="write every figure here")
     p.add_argument("--quick", action="store_true", help="few iterations, a small model (the smoke test)")
     p.add_argument("--jobs", default="2,4", help="comma-separated job counts (default 2,4)")

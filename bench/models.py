@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 
-from policies.model import CostModel, Profile, load_profile
+from tensorlane.policies.model import CostModel, Profile, load_profile
 
 ACT_SCALE = 1e-3     # C: the weight of the parameter's partial sum in the activation
 ACT_TAP = 8          # k: how many parameter elements the forward reads

@@ -30,7 +30,7 @@ per-iteration lists ``*_times_s``, per-round medians and ratios, ``ratio`` = shi
 ``ratio_hook`` = shim_hook_s / ddp_s (reported; same target), ``pass``, ``reps`` (timed iterations per mode),
 ``rate``, ``hosts``, ``machine``, ``elapsed_s``.
 
-Usage: ``tensorlane bench shim-overhead --json out.json [--quick]`` (root: it builds network namespaces), or
+Usage: ``python -m bench shim-overhead --json out.json [--quick]`` (root: it builds network namespaces), or
 ``run(quick=True)`` from Python.
 """
 from __future__ import annotations
@@ -175,7 +175,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="tensorlane bench shim-overhead", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench shim-overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="FILE", help="write every figure here")
     p.add_argument("--quick", action="store_true", help="1 round of 3 iterations (what the tests run)")
     p.add_argument("--rate", default=RATE, help="link rate (default: the testbed's highest, %(default)s)")

@@ -27,7 +27,7 @@ tensors differs.
 
 Targets (the issue's): ``shim_s <= 0.8 x ddp_s``, ``shim_s <= 1.15 x lower_bound_s``, ``shim_s < app_order_s``.
 
-Usage: ``tensorlane bench priority --json out.json [--quick]`` (root: it builds network namespaces), or
+Usage: ``python -m bench priority --json out.json [--quick]`` (root: it builds network namespaces), or
 ``run(quick=True)`` from Python.
 """
 from __future__ import annotations
@@ -252,7 +252,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="tensorlane bench priority", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench priority", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="FILE", help="write every figure here")
     p.add_argument("--quick", action="store_true", help="fewer iterations")
     p.add_argument("--profiles", default=",".join(PROFILES))

@@ -20,7 +20,7 @@ Figures: the median iteration time per mode (the slowest rank per iteration, sta
 and the mean over ranks); ``loss.shim_clip_vs_ddp``: the largest relative difference per step between the shim
 with clipping and plain DDP (over ranks and rounds; equal data, init and 2 ranks: it should be 0 or ~1e-7).
 
-Usage: ``tensorlane bench realtrain --json results/realtrain.json [--quick]`` (root: it builds network namespaces);
+Usage: ``python -m bench realtrain --json results/realtrain.json [--quick]`` (root: it builds network namespaces);
 ``python -m bench.realtrain worker ...`` is the per-rank worker the benchmark starts.
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ def worker(argv) -> int:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
         handle = None
         if mode in SHIM_MODES:
-            import shim
+            from tensorlane import shim
 
             handle = shim.attach(net, opt, levels=args.levels, agent_socket=args.agent_socket,
                                  job=f"{args.job}-{mode}")
@@ -281,7 +281,7 @@ def run(quick: bool = False, rate: str = DEFAULTS["rate"], iters: int | None = N
     """Run the benchmark on a fresh 2-host testbed ``name``; return the figures (module docstring)."""
     from bench.agents import running_agents
     from bench.bulk import bulk
-    from policies.model import CostModel
+    from tensorlane.policies.model import CostModel
     from testbed import Testbed
 
     unknown = set(modes) - set(ALL_MODES)
@@ -414,7 +414,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:
         return worker(argv[1:])
-    p = argparse.ArgumentParser(prog="tensorlane bench realtrain", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench realtrain", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="FILE", help="write every figure here")
     p.add_argument("--plot", metavar="PNG",
                    help="also save the plot here (bench.report makes docs/img/bench-realtrain.png)")

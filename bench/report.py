@@ -4,7 +4,7 @@ missed), a line per benchmark (machine, link rate, repetitions, duration) and on
 
 Inputs (``--results``, default ``results/``): ``contention.json``, ``priority.json``, ``jobs.json``,
 ``control-plane.json``, ``shim-overhead.json``, ``realtrain.json`` and, optionally, ``classifier.json``, each written by
-``tensorlane bench NAME --json results/NAME.json``. A missing file gives a "not run" row; a missing key shows "-".
+``python -m bench NAME --json results/NAME.json``. A missing file gives a "not run" row; a missing key shows "-".
 
 Outputs: the section between ``<!-- perf-table:begin -->`` and ``<!-- perf-table:end -->`` of ``--readme``
 (nothing else in the file changes; running it twice changes nothing), and ``--img-dir``/bench-NAME.png.
@@ -12,7 +12,7 @@ Outputs: the section between ``<!-- perf-table:begin -->`` and ``<!-- perf-table
 files give.
 
 Usage: ``python -m bench.report [--results results] [--readme README.md] [--img-dir docs/img] [--check]``
-(also ``tensorlane report`` and ``make report``).
+(also ``python -m bench.report`` and ``make report``).
 """
 from __future__ import annotations
 
@@ -540,7 +540,7 @@ def render(results: dict[str, dict], results_rel: str = "results", img_rel: str 
             why = f"unreadable ({entry['error']})" if entry.get("error") else "not run"
             rows.append(Row(name, DASH, why, result=why))
             lines_after.append(f"- **{name}**: {why}: `{results_rel}/{name}.json`"
-                               + ("" if entry.get("error") else f" (`tensorlane bench {name} --json "
+                               + ("" if entry.get("error") else f" (`python -m bench {name} --json "
                                                                  f"{results_rel}/{name}.json`)"))
             continue
         try:

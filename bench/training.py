@@ -308,7 +308,7 @@ def main(argv=None) -> int:
         lower_bound_s,
         synthetic_batch,
     )
-    from shim.flows import new_flows, own_tcp_flows
+    from tensorlane.shim.flows import new_flows, own_tcp_flows
 
     torch.set_num_threads(1)
     if args.strict_compute:
@@ -361,7 +361,7 @@ def main(argv=None) -> int:
         opt = torch.optim.SGD(net.parameters(), lr=args.lr)
         handle = None
         if base in SHIM_MODES:
-            import shim
+            from tensorlane import shim
 
             kw = {"levels": st["levels"], "agent_socket": args.agent_socket, "job": f"{args.job}-{mode}",
                   "policy": st["policy"]}

@@ -68,7 +68,7 @@ def emulated_profile(name: str, param_scale: float, compute_scale: float, comput
     Usage: ``emulated_profile("vgg16", 30, 2.484)``
     """
     from bench.models import layer_numels
-    from policies.model import Profile, load_profile, scaled
+    from tensorlane.policies.model import Profile, load_profile, scaled
 
     p = load_profile(name)
     layers = tuple(replace(l, params_bytes=4 * n) for l, n in zip(p.layers, layer_numels(p, param_scale)))
@@ -81,7 +81,7 @@ def calibration_costs(cal: dict, ranks: int) -> dict:
 
     Usage: ``calibration_costs(worker_json["modes"]["calibrate"]["calibration"], ranks=2)``
     """
-    from policies.execution import fit_alpha_beta
+    from tensorlane.policies.execution import fit_alpha_beta
 
     by_size: dict[int, list[float]] = {}
     for nbytes, secs in cal["samples"]:
@@ -96,8 +96,8 @@ def calibration_costs(cal: dict, ranks: int) -> dict:
 
 
 def _cost_host(costs: dict, ranks: int):
-    from policies.execution import HostCosts
-    from policies.model import CostModel
+    from tensorlane.policies.execution import HostCosts
+    from tensorlane.policies.model import CostModel
 
     return (CostModel(ranks, costs["link_bps"], 0.0, costs["alpha_s"]),
             HostCosts(launch_s=costs["launch_s"], copy_bps=costs["copy_bps"], wake_s=costs["wake_s"],
@@ -125,8 +125,8 @@ def predict(setting: dict, profile, costs: dict, ranks: int) -> float:
 
     Usage: ``predict(setting_of("ddp", 5), emulated_profile("resnet50", 5, 10.416), costs, 2)``
     """
-    from policies.execution import ddp_iteration, shim_iteration
-    from policies.planner import shim_levels
+    from tensorlane.policies.execution import ddp_iteration, shim_iteration
+    from tensorlane.policies.planner import shim_levels
 
     cost, host = _cost_host(costs, ranks)
     if setting["kind"] == "ddp":
@@ -201,7 +201,7 @@ def run(profiles=PROFILES, quick: bool = False, rate: str = "200mbit", hosts: in
     from bench.agents import running_agents
     from bench.models import DEFAULT_COMM_S, balanced_scales, compute_s, lower_bound_s
     from bench.priority import run_training
-    from policies.planner import plan_shim
+    from tensorlane.policies.planner import plan_shim
     from testbed import Testbed
 
     if hosts < 2:
@@ -382,7 +382,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="tensorlane bench validate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench validate", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="FILE", help="write every figure here")
     p.add_argument("--quick", action="store_true", help="one round of 3 iterations, one other candidate")
     p.add_argument("--profiles", default=",".join(PROFILES))

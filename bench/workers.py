@@ -167,7 +167,7 @@ def machine_info() -> dict:
     """What the figures were measured on: cores, memory, kernel, Python, torch version, load and the date.
 
     Cheap (torch is not imported: its version comes from the package metadata). Benchmarks record it as
-    ``result["machine"]``; ``tensorlane bench NAME --json FILE`` adds it to FILE when a benchmark did not.
+    ``result["machine"]``; ``python -m bench NAME --json FILE`` adds it to FILE when a benchmark did not.
     Usage: ``result["machine"] = machine_info()``
     """
     import contextlib

@@ -54,9 +54,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from policies.model import Block, CostModel, Profile, Schedule, grad_ready_times
-from policies.partition import bucket_pieces, forward_order_levels
-from policies.simulator import forward_starts, network_done_times
+from tensorlane.policies.model import Block, CostModel, Profile, Schedule, grad_ready_times
+from tensorlane.policies.partition import bucket_pieces, forward_order_levels
+from tensorlane.policies.simulator import forward_starts, network_done_times
 
 INF = float("inf")
 GLOO_THREADS = 2       # ProcessGroupGloo worker threads per group (one device): operations running at once

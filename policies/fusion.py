@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import heapq
 
-from policies.model import CostModel, Profile, Schedule, grad_ready_times, make_blocks
+from tensorlane.policies.model import CostModel, Profile, Schedule, grad_ready_times, make_blocks
 
 
 def _backward_items(profile: Profile) -> tuple[list[int], list[float], list[int]]:

@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from policies.compress import compress_levels
+from tensorlane.policies.compress import compress_levels
 
 JOB_POLICIES = ("none", "static", "rotate", "intensity")
 

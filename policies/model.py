@@ -245,7 +245,7 @@ def balance_scale(profile: Profile, cost: CostModel, comm_to_compute: float = 1.
 
 def profile_names() -> tuple[str, ...]:
     """Names of the shipped profiles. Usage: ``"resnet50" in profile_names()``"""
-    root = resources.files("policies.profiles")
+    root = resources.files("tensorlane.policies.profiles")
     return tuple(sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json")))
 
 
@@ -256,7 +256,7 @@ def load_profile(name: str) -> Profile:
     """
     if name not in profile_names():
         raise ValueError(f"unknown profile {name!r}; shipped: {', '.join(profile_names())}")
-    doc = json.loads(resources.files("policies.profiles").joinpath(f"{name}.json").read_text(encoding="utf-8"))
+    doc = json.loads(resources.files("tensorlane.policies.profiles").joinpath(f"{name}.json").read_text(encoding="utf-8"))
     return profile_from_dict(doc)
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from policies.model import Profile, Schedule, make_blocks
-from policies.partition import split_range, with_levels
+from tensorlane.policies.model import Profile, Schedule, make_blocks
+from tensorlane.policies.partition import split_range, with_levels
 
 
 def dag_indices(profile: Profile, dag: Mapping[str, Sequence[str]] | Mapping[int, Sequence[int]] | None

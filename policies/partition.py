@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from policies.compress import compress_levels
-from policies.model import Block, Profile, Schedule, make_blocks
+from tensorlane.policies.compress import compress_levels
+from tensorlane.policies.model import Block, Profile, Schedule, make_blocks
 
 MiB = 1 << 20
 

@@ -13,15 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
-from policies.execution import (
+from tensorlane.policies.execution import (
     TCP_PAYLOAD_FRACTION,
     HostCosts,
     layer_order_levels,
     shim_iteration,
 )
-from policies.fusion import asc_wfbp, fusion_dp
-from policies.levels import DEFAULT_DSCP_TABLE
-from policies.model import (
+from tensorlane.policies.fusion import asc_wfbp, fusion_dp
+from tensorlane.policies.levels import DEFAULT_DSCP_TABLE
+from tensorlane.policies.model import (
     CostModel,
     Plan,
     Profile,
@@ -30,9 +30,9 @@ from policies.model import (
     load_profile,
     scaled,
 )
-from policies.order import pace
-from policies.partition import MiB, bytescheduler, us_byte, wfbp
-from policies.simulator import simulate
+from tensorlane.policies.order import pace
+from tensorlane.policies.partition import MiB, bytescheduler, us_byte, wfbp
+from tensorlane.policies.simulator import simulate
 
 POLICIES = ("wfbp", "fusion_dp", "asc_wfbp", "bytescheduler", "us_byte", "pace")
 MAX_LEVELS = len(DEFAULT_DSCP_TABLE)

@@ -38,7 +38,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from policies.model import CostModel, Profile, Schedule, check_blocks, grad_ready_times
+from tensorlane.policies.model import CostModel, Profile, Schedule, check_blocks, grad_ready_times
 
 INF = float("inf")
 

@@ -9,7 +9,7 @@ _LAZY = ("attach", "comm_state", "priority_hook", "overlap_hook", "agree_job_id"
 
 def __getattr__(name):
     if name in _LAZY:
-        from shim import ddp
+        from tensorlane.shim import ddp
 
         return getattr(ddp, name)
     raise AttributeError(f"module 'shim' has no attribute {name!r}")

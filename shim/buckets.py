@@ -6,7 +6,7 @@ Usage: ``levels = parameter_levels(sizes, levels=4); pieces = pieces_of(bucket_s
 """
 from __future__ import annotations
 
-from policies.partition import bucket_pieces, forward_order_levels
+from tensorlane.policies.partition import bucket_pieces, forward_order_levels
 
 POLICIES = ("layer_order", "flat")
 

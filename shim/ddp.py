@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from shim import overlap as ov
-from shim.agent_link import AgentLink
-from shim.buckets import parameter_levels, pieces_of
-from shim.flows import new_flows, own_tcp_flows
-from shim import report
-from shim.report import Reporter
+from tensorlane.shim import overlap as ov
+from tensorlane.shim.agent_link import AgentLink
+from tensorlane.shim.buckets import parameter_levels, pieces_of
+from tensorlane.shim.flows import new_flows, own_tcp_flows
+from tensorlane.shim import report
+from tensorlane.shim.report import Reporter
 
 log = logging.getLogger("tensorlane.shim")
 PLANNER_POLICIES = ("planner", "layer_order", "flat")
@@ -572,7 +572,7 @@ def _agree(prof, rate: float | None):
     """Make every rank plan from the same inputs (a collective): each layer's slowest forward and backward over
     the ranks, and the slowest link (None if any rank does not know its link). Ranks that planned from their own
     measurements would cut buckets differently and their all-reduces would not match."""
-    from policies.model import Layer, Profile
+    from tensorlane.policies.model import Layer, Profile
 
     n = len(prof.layers)
     vals = [l.fwd_s for l in prof.layers] + [l.bwd_s for l in prof.layers] + [1.0 if rate is None else -float(rate)]
@@ -586,7 +586,7 @@ def _agree(prof, rate: float | None):
 def _apply_plan(handle: Handle, prof, owners: list, levels: int, link_bps: float | None,
                 partition_fixed: bool, source: str) -> None:
     """Plan with ``prof`` (one layer per owner module) and install the per-parameter levels and partition size."""
-    from shim.plan import choose
+    from tensorlane.shim.plan import choose
 
     prof, rate = _agree(prof, link_bps or handle.link.link_bps)
     if rate is None:
@@ -614,12 +614,12 @@ def _apply_plan(handle: Handle, prof, owners: list, levels: int, link_bps: float
 def _start_planner(handle: Handle, model, levels: int, profile, link_bps: float | None,
                    partition_bytes: int | None) -> None:
     """Plan now from ``profile``, or measure the next iteration and plan at the start of the one after."""
-    from shim.plan import Recorder, owner_modules
+    from tensorlane.shim.plan import Recorder, owner_modules
 
     owners = owner_modules(model.module)
     fixed = partition_bytes is not None
     if profile is not None:
-        from policies.model import load_profile
+        from tensorlane.policies.model import load_profile
 
         prof = load_profile(profile) if isinstance(profile, str) else profile
         if len(prof.layers) != len(owners):

@@ -20,7 +20,7 @@ try:
 except ImportError:  # the standalone distribution
     from pytorch_lightning import Callback
 
-from shim.ddp import priority_hook
+from tensorlane.shim.ddp import priority_hook
 
 
 class CommHook(Callback):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 
-from policies.model import Layer, Profile
+from tensorlane.policies.model import Layer, Profile
 
 
 def owner_modules(root) -> list:
@@ -119,7 +119,7 @@ def choose(profile: Profile, ranks: int, link_bps: float, levels: int, bucket_by
 
     Usage: ``choose(prof, ranks=2, link_bps=200e6, levels=4, bucket_bytes=5 << 20)["layer_levels"]``
     """
-    from policies.planner import plan_shim
+    from tensorlane.policies.planner import plan_shim
 
     t0 = time.perf_counter()
     plan = plan_shim(profile, ranks, link_bps, levels_max=levels, bucket_bytes=bucket_bytes)

@@ -1,6 +1,7 @@
-"""The `tensorlane` command: agent, status, verify, testbed, demo, bench and report.
+"""The `tensorlane` command: agent, status and verify.
 
-Each sub-command imports only what it needs, so the agent never loads torch.
+Each sub-command imports only what it needs, so the agent never loads torch. The benchmarks, the demo and the
+namespace testbed are repository tools (``python -m bench``, ``python -m testbed``, ``make demo``).
 Usage: ``tensorlane agent --config /etc/tensorlane/agent.toml``
 """
 from __future__ import annotations
@@ -10,12 +11,13 @@ import json
 import logging
 import sys
 
-from agent.client import DEFAULT_SOCKET, AgentClient, AgentError, AgentUnavailable
+from tensorlane import __version__
+from tensorlane.agent.client import DEFAULT_SOCKET, AgentClient, AgentError, AgentUnavailable
 
 
 def _agent(args) -> int:
-    from agent.config import ConfigError, from_dict, load_config
-    from agent.daemon import StartupError, run
+    from tensorlane.agent.config import ConfigError, from_dict, load_config
+    from tensorlane.agent.daemon import StartupError, run
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -65,7 +67,7 @@ def _status(args) -> int:
 
 
 def _verify(args) -> int:
-    from agent.verify import format_report, verify
+    from tensorlane.agent.verify import format_report, verify
 
     try:
         report = verify(args.socket, args.seconds, args.interface)
@@ -76,14 +78,9 @@ def _verify(args) -> int:
     return 0 if report["ok"] else 1
 
 
-def _delegate(module: str, argv: list[str]) -> int:
-    import importlib
-
-    return importlib.import_module(module).main(argv)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tensorlane", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("agent", help="run the per-host agent in the foreground")
     a.add_argument("--config", help="TOML config file (see docs/agent.md)")
@@ -102,23 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--interface", help="capture here instead of the agent's interface")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=_verify)
-    for name, module, helptext in (("testbed", "testbed.topology", "build or remove an emulated cluster"),
-                                   ("demo", "bench.demo", "training through the shim under bulk traffic: FIFO vs agent"),
-                                   ("bench", "bench", "run a benchmark and write its figures"),
-                                   ("report", "bench.report", "README performance table and plots from results/*.json")):
-        d = sub.add_parser(name, help=helptext, add_help=False)
-        d.set_defaults(func=lambda args, m=module: _delegate(m, args.rest), rest=[])
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    if argv and argv[0] in ("testbed", "demo", "bench", "report"):
-        args = parser.parse_args(argv[:1])
-        args.rest = argv[1:]
-    else:
-        args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import shim  # noqa: E402
+from tensorlane import shim  # noqa: E402
 
 MODES = ("ddp", "hook", "overlap")
 IDIOMS: dict = {}  # name -> function(ctx); in the order they run

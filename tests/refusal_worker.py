@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import shim  # noqa: E402
+from tensorlane import shim  # noqa: E402
 
 STEPS = 6
 LATE = 3  # the iteration at which the loop starts doing what the first iterations did not

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import shim  # noqa: E402
+from tensorlane import shim  # noqa: E402
 
 
 def make_model() -> nn.Module:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from agent.client import AgentClient
+from tensorlane.agent.client import AgentClient
 from bench.agents import AgentStartError, running_agents, stop_agent
 from testbed import Testbed
 
@@ -194,7 +194,7 @@ def test_sigkill_leaves_state_that_a_new_agent_adopts_then_restores(tb):
 
 
 def test_unsupported_backend_stops_before_the_kernel(tb):
-    from agent.kernel.detect import probe_qdiscs
+    from tensorlane.agent.kernel.detect import probe_qdiscs
 
     h1 = tb.host(1)
     before = tc_dump(h1)

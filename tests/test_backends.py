@@ -6,11 +6,11 @@ import uuid
 
 import pytest
 
-from agent.kernel import detect
-from agent.kernel.nft import Nft, list_table
-from agent.kernel.qdisc import HtbBackend, PrioBackend, fmt_handle
-from agent.reconcile import Reconciler
-from agent.state import FlowTable
+from tensorlane.agent.kernel import detect
+from tensorlane.agent.kernel.nft import Nft, list_table
+from tensorlane.agent.kernel.qdisc import HtbBackend, PrioBackend, fmt_handle
+from tensorlane.agent.reconcile import Reconciler
+from tensorlane.agent.state import FlowTable
 
 
 class RecordingIPRoute:
@@ -75,8 +75,8 @@ def test_prio_backend_nftables_side_for_real():
     try:
         code = (
             "from tests.test_backends import RecordingIPRoute\n"
-            "from agent.kernel.qdisc import PrioBackend\nfrom agent.reconcile import Reconciler\n"
-            "from agent.state import FlowTable\nfrom agent.protocol import FlowKey\n"
+            "from tensorlane.agent.kernel.qdisc import PrioBackend\nfrom agent.reconcile import Reconciler\n"
+            "from tensorlane.agent.state import FlowTable\nfrom agent.protocol import FlowKey\n"
             "import json\nfrom agent.kernel.nft import list_table\n"
             "rec = Reconciler(PrioBackend(3), (46, 34, 26), 'lo', 1, RecordingIPRoute())\n"
             "rec.install(); t = FlowTable(3)\n"

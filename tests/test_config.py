@@ -1,7 +1,7 @@
 """Configuration is validated before the agent touches the kernel; every error names its field."""
 import pytest
 
-from agent.config import ConfigError, from_dict, load_config, parse_rate
+from tensorlane.agent.config import ConfigError, from_dict, load_config, parse_rate
 
 
 def test_minimal_config_has_defaults():

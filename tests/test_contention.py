@@ -79,7 +79,7 @@ def test_contention_targets_quick():
 @pytest.mark.torch
 @pytest.mark.timeout(300)
 def test_demo_trains_through_the_shim_quick():
-    """`tensorlane demo`'s workload: a training loop through the shim, in the three phases (smoke: figures present,
+    """`python -m bench.demo`'s workload: a training loop through the shim, in the three phases (smoke: figures present,
     the shim registered its flows with the agents, no timing assertion)."""
     _require_root_tools()
     import torch  # noqa: F401
@@ -199,7 +199,7 @@ def test_fabric_contention_switch_protects_registered_flow():
 # --- pieces of the scenario, no privileges -------------------------------------------------------------------------
 
 def test_agent_config_written_by_bench_is_valid(tmp_path):
-    from agent.config import load_config
+    from tensorlane.agent.config import load_config
     from bench.agents import agent_config, render_config
     from testbed import Testbed
 

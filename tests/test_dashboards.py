@@ -89,7 +89,7 @@ def test_expand_leaves_no_variable_and_refuses_unknown_ones():
 
 
 def test_queries_and_rules_name_only_metrics_the_agent_exports(kernel):  # noqa: F811
-    from agent.metrics import make_registry
+    from tensorlane.agent.metrics import make_registry
 
     api = fake_api()
     registry, _ = make_registry(api)  # subscribes to the api's requests from now on

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from shim.flows import flow_key, new_flows, own_tcp_flows, parse_proc_net_tcp
+from tensorlane.shim.flows import flow_key, new_flows, own_tcp_flows, parse_proc_net_tcp
 
 
 def _has_ipv6_loopback() -> bool:
@@ -179,8 +179,8 @@ def test_parse_rows_filtered_by_inode():
 def test_agent_side_ownership_uses_the_callers_namespace_tables():
     """agent.ownership finds a process's sockets through the CALLER's (the agent's) /proc/self/net tables: a
     child in the same namespace owns its connection, a closed connection is owned by no one."""
-    from agent.ownership import agent_sockets, not_owned, not_owned_by_owners, sockets_of
-    from agent.protocol import FlowKey
+    from tensorlane.agent.ownership import agent_sockets, not_owned, not_owned_by_owners, sockets_of
+    from tensorlane.agent.protocol import FlowKey
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -224,7 +224,7 @@ def test_sock_diag_finds_a_tcp_socket_by_its_5_tuple():
     import os
     import socket
 
-    from agent.kernel.sockdiag import SockDiag
+    from tensorlane.agent.kernel.sockdiag import SockDiag
 
     diag = SockDiag()
     with socket.create_server(("127.0.0.1", 0)) as srv:

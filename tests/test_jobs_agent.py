@@ -10,15 +10,15 @@ import time
 
 import pytest
 
-from agent.api import Api
-from agent.config import ConfigError, from_dict
-from agent.jobs import JobScheduler
-from agent.kernel.qdisc import HtbBackend
-from agent.peers import Peer
-from agent.protocol import FlowKey
-from agent.reconcile import ReconcileStats
-from agent.state import FlowTable
-from policies.jobs import banded_level, hashed_rotation_order, job_bands, job_order, rotation_epoch
+from tensorlane.agent.api import Api
+from tensorlane.agent.config import ConfigError, from_dict
+from tensorlane.agent.jobs import JobScheduler
+from tensorlane.agent.kernel.qdisc import HtbBackend
+from tensorlane.agent.peers import Peer
+from tensorlane.agent.protocol import FlowKey
+from tensorlane.agent.reconcile import ReconcileStats
+from tensorlane.agent.state import FlowTable
+from tensorlane.policies.jobs import banded_level, hashed_rotation_order, job_bands, job_order, rotation_epoch
 
 
 class RecordingRec:
@@ -48,7 +48,7 @@ class RecordingRec:
 @pytest.fixture(autouse=True)
 def _no_tc_counters(monkeypatch):
     """``status`` reads the tc class counters: none here (the agents of the namespace tests are processes)."""
-    from agent.kernel import tcstats
+    from tensorlane.agent.kernel import tcstats
 
     monkeypatch.setattr(tcstats, "class_stats", lambda ipr, ifindex: {})
 

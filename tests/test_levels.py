@@ -1,7 +1,7 @@
 """Level -> DSCP -> switch queue table."""
 import pytest
 
-from policies.levels import dscp_table, parse_dscp, switch_queue
+from tensorlane.policies.levels import dscp_table, parse_dscp, switch_queue
 
 
 def test_default_table_uses_distinct_descending_queues():

@@ -17,18 +17,18 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import protocol
-from agent.api import Api
-from agent.config import from_dict
-from agent.kernel.qdisc import HtbBackend
-from agent.metrics import Health, make_registry, start_metrics_server
-from agent.metrics import base as metrics_base
-from agent.metrics import flows as metrics_flows
-from agent.metrics.jobs import OTHER, JobReports
-from agent.reconcile import ReconcileStats
-from agent.state import FlowTable
-from shim.report import Reporter
-from shim.report import start as start_reporter
+from tensorlane.agent import protocol
+from tensorlane.agent.api import Api
+from tensorlane.agent.config import from_dict
+from tensorlane.agent.kernel.qdisc import HtbBackend
+from tensorlane.agent.metrics import Health, make_registry, start_metrics_server
+from tensorlane.agent.metrics import base as metrics_base
+from tensorlane.agent.metrics import flows as metrics_flows
+from tensorlane.agent.metrics.jobs import OTHER, JobReports
+from tensorlane.agent.reconcile import ReconcileStats
+from tensorlane.agent.state import FlowTable
+from tensorlane.shim.report import Reporter
+from tensorlane.shim.report import start as start_reporter
 
 RATE_BPS = 200_000_000
 L0, L1, L2, L3, DEFAULT = (0x7A10010 + i for i in range(5))
@@ -508,8 +508,8 @@ def test_report_parser_raises_only_protocol_errors():
 # --- the socket server's fairness limits (agent/server.py; with real users: test_fairness_netns.py) ---------------
 
 def test_refusals_are_counted_by_reason_every_reason_from_zero(kernel):
-    from agent.metrics.connections import REASONS
-    from agent.server import REFUSALS
+    from tensorlane.agent.metrics.connections import REASONS
+    from tensorlane.agent.server import REFUSALS
 
     assert REASONS == {(op, reason): reason for reason, op in REFUSALS.items()}  # the two tables agree
     api = fake_api()
@@ -532,7 +532,7 @@ def test_refusals_are_counted_by_reason_every_reason_from_zero(kernel):
 def test_refusal_log_writes_one_line_per_reason_per_period_and_counts_the_rest(caplog):
     import logging
 
-    from agent.server import RefusalLog
+    from tensorlane.agent.server import RefusalLog
 
     now = [0.0]
     rl = RefusalLog(logging.getLogger("tensorlane.server"), every_s=10, clock=lambda: now[0])
@@ -554,7 +554,7 @@ def test_refusal_log_writes_one_line_per_reason_per_period_and_counts_the_rest(c
 def served(tmp_path):
     """A real Server on a socket in tmp_path with the fake api, in a thread; every client counts as an ordinary
     user (the test runs as root, which the server would otherwise treat as privileged)."""
-    from agent.server import Server
+    from tensorlane.agent.server import Server
 
     started = []
 

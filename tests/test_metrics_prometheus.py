@@ -326,7 +326,7 @@ def worker(argv=None) -> int:
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import shim
+    from tensorlane import shim
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -17,7 +17,7 @@ from bench.models import (
     lower_bound_s,
     synthetic_batch,
 )
-from policies.model import Layer, Profile, load_profile
+from tensorlane.policies.model import Layer, Profile, load_profile
 
 pytestmark = pytest.mark.torch
 

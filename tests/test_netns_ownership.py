@@ -27,10 +27,10 @@ import traceback
 
 import pytest
 
-from agent.ownership import netns_of, not_owned
-from agent.protocol import FlowKey
+from tensorlane.agent.ownership import netns_of, not_owned
+from tensorlane.agent.protocol import FlowKey
 from bench.agents import running_agents
-from shim.flows import own_tcp_flows
+from tensorlane.shim.flows import own_tcp_flows
 from testbed import Testbed
 from agent_clients import CLONE_NEWNET, request
 

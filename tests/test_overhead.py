@@ -1,4 +1,4 @@
-"""bench.overhead (``tensorlane bench shim-overhead``): a quick smoke run on the namespace testbed at the testbed's
+"""bench.overhead (``python -m bench shim-overhead``): a quick smoke run on the namespace testbed at the testbed's
 highest rate, agents on every host, plain DDP and the shim in hook and overlap mode interleaved in one set of
 workers. Checks that every figure is there and consistent; no timing assertions (the full run is by hand:
 docs/benchmarks.md)."""

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.execution import (
+from tensorlane.policies.execution import (
     HostCosts,
     Op,
     bucket_pieces,
@@ -19,8 +19,8 @@ from policies.execution import (
     shim_iteration,
     shim_ops,
 )
-from policies.model import CostModel, Layer, Profile, Schedule, make_blocks
-from policies.simulator import network_done_times
+from tensorlane.policies.model import CostModel, Layer, Profile, Schedule, make_blocks
+from tensorlane.policies.simulator import network_done_times
 
 # 2 ranks at 8000 bit/s: an all-reduce of 1000 bytes moves 2*(1/2)*8000 = 8000 bits = 1 s.
 COST = CostModel(ranks=2, link_bps=8000.0)
@@ -74,7 +74,7 @@ def test_bucket_pieces_by_hand() -> None:
        st.one_of(st.none(), st.integers(1, 50)))
 def test_bucket_pieces_is_the_shims_rule(params, partition) -> None:
     """Equal to shim.buckets.pieces_of on elements of 4 bytes."""
-    from shim.buckets import pieces_of
+    from tensorlane.shim.buckets import pieces_of
 
     numels = [n for n, _ in params]
     levels = [lv for _, lv in params]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.jobs import (JOB_POLICIES, Job, banded_level, gpu_intensity, gpu_intensity_order, hashed_rotation_order,
+from tensorlane.policies.jobs import (JOB_POLICIES, Job, banded_level, gpu_intensity, gpu_intensity_order, hashed_rotation_order,
                            job_bands, job_levels, job_order, rotate_job_order, rotation_epoch, rotation_key,
                            static_job_order)
 

@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from policies.levels import dscp_table
-from policies.model import CostModel, balance_scale, load_profile, scaled
-from policies.planner import POLICIES, compare, plan, table
-from policies.simulator import simulate
+from tensorlane.policies.levels import dscp_table
+from tensorlane.policies.model import CostModel, balance_scale, load_profile, scaled
+from tensorlane.policies.planner import POLICIES, compare, plan, table
+from tensorlane.policies.simulator import simulate
 
 
 def test_plan_is_the_best_of_compare() -> None:
@@ -88,7 +88,7 @@ def _emulated(name: str):
     from dataclasses import replace
 
     from bench.models import DEFAULT_SCALES, layer_numels
-    from policies.model import Profile
+    from tensorlane.policies.model import Profile
 
     ps, cs = DEFAULT_SCALES[name]
     p = load_profile(name)
@@ -98,8 +98,8 @@ def _emulated(name: str):
 
 @pytest.mark.parametrize("name", ["resnet50", "vgg16", "bert_base"])
 def test_plan_shim_is_the_min_of_its_candidates_fast_and_deterministic(name: str) -> None:
-    from policies.execution import shim_iteration
-    from policies.planner import (
+    from tensorlane.policies.execution import shim_iteration
+    from tensorlane.policies.planner import (
         DEFAULT_SHIM_ALPHA_S,
         DEFAULT_SHIM_HOST,
         plan_shim,
@@ -135,7 +135,7 @@ def test_plan_shim_is_the_min_of_its_candidates_fast_and_deterministic(name: str
 
 
 def test_plan_shim_one_bucket_size_and_limits() -> None:
-    from policies.planner import plan_shim
+    from tensorlane.policies.planner import plan_shim
 
     prof, _ = _emulated("resnet50")
     p = plan_shim(prof, ranks=2, link_bps=200e6, levels_max=2, bucket_bytes=1 << 20, partitions=(None,))
@@ -151,7 +151,7 @@ def test_plan_shim_one_bucket_size_and_limits() -> None:
 
 def test_plan_shim_full_size_profiles() -> None:
     """The shim calls it with the real model's sizes: the shipped profiles at 10 Gbit/s, 8 ranks, one bucket."""
-    from policies.planner import plan_shim
+    from tensorlane.policies.planner import plan_shim
 
     for name in ("resnet50", "bert_base"):
         t0 = time.perf_counter()
@@ -161,7 +161,7 @@ def test_plan_shim_full_size_profiles() -> None:
 
 
 def test_choose_candidate_ties_go_to_fewer_operations() -> None:
-    from policies.planner import ShimCandidate, choose_candidate
+    from tensorlane.policies.planner import ShimCandidate, choose_candidate
 
     c = [ShimCandidate("layer_order", 4, 1024, 4096, 1.000, 90), ShimCandidate("layer_order", 4, None, 4096, 1.005, 12),
          ShimCandidate("flat", 1, None, 4096, 1.02, 10), ShimCandidate("layer_order", 2, None, 4096, 1.005, 12)]

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from policies.model import Layer, Profile, load_profile, profile_names, scaled
+from tensorlane.policies.model import Layer, Profile, load_profile, profile_names, scaled
 
 FP32 = 4
 BATCH = 32

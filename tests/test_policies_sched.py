@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.compress import compress_levels, contiguous_split
-from policies.fusion import asc_groups, asc_wfbp, concurrency_beats_fusion, fusion_dp, fusion_groups
-from policies.model import CostModel, Layer, Profile, Schedule, check_blocks, make_blocks
-from policies.order import consumer_order, dag_indices, pace
-from policies.partition import bytescheduler, split_range, unequal_sizes, us_byte, wfbp
-from policies.simulator import simulate
+from tensorlane.policies.compress import compress_levels, contiguous_split
+from tensorlane.policies.fusion import asc_groups, asc_wfbp, concurrency_beats_fusion, fusion_dp, fusion_groups
+from tensorlane.policies.model import CostModel, Layer, Profile, Schedule, check_blocks, make_blocks
+from tensorlane.policies.order import consumer_order, dag_indices, pace
+from tensorlane.policies.partition import bytescheduler, split_range, unequal_sizes, us_byte, wfbp
+from tensorlane.policies.simulator import simulate
 
 COST = CostModel(ranks=2, link_bps=8000.0)  # 1000 B = 1 s on the wire
 
@@ -216,7 +216,7 @@ def test_contiguous_split_is_min_max(weights, k) -> None:
 def test_pace_on_resnet_ranks_downsample_with_block_input() -> None:
     """ResNet-50's DAG: layer2.0.downsample consumes the block input, as layer2.0.conv1 does, so it ranks right
     after that conv1 and before conv2/conv3 (forward order puts it after conv3)."""
-    from policies.model import load_profile
+    from tensorlane.policies.model import load_profile
 
     p = load_profile("resnet50")
     rank = consumer_order(p)

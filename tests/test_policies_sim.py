@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.fusion import concurrent_finish_s, fused_finish_s, sequential_finish_s
-from policies.model import CostModel, Layer, Profile, Schedule, grad_ready_times, make_blocks
-from policies.order import pace
-from policies.partition import bytescheduler, wfbp
-from policies.simulator import forward_starts, simulate
+from tensorlane.policies.fusion import concurrent_finish_s, fused_finish_s, sequential_finish_s
+from tensorlane.policies.model import CostModel, Layer, Profile, Schedule, grad_ready_times, make_blocks
+from tensorlane.policies.order import pace
+from tensorlane.policies.partition import bytescheduler, wfbp
+from tensorlane.policies.simulator import forward_starts, simulate
 
 # 2 ranks at 8000 bit/s: an all-reduce of 1000 bytes moves 2*(1/2)*8000 = 8000 bits = 1 s.
 COST = CostModel(ranks=2, link_bps=8000.0)
@@ -141,7 +141,7 @@ def test_simulator_bounds(spec, ranks, alpha, sharing, part) -> None:
 def test_phase2_order_is_optimal(spec) -> None:
     """US-Byte phase 2: with every gradient ready at once, sending blocks in forward-layer order minimises the
     iteration among all orders (brute force over permutations, one block per layer, one stream)."""
-    from policies.partition import phase2_order
+    from tensorlane.policies.partition import phase2_order
 
     p = Profile("p2", tuple(Layer(f"l{i}", b, f, 0.0) for i, (b, f) in enumerate(spec)))
     blocks = make_blocks(p, [(p.offsets()[i], p.offsets()[i + 1]) for i in range(len(spec))])

@@ -14,7 +14,7 @@ import pytest
 
 from bench.models import dependency_bound, lower_bound_dep_s, lower_bound_s
 from bench.priority import format_table, passes
-from policies.model import Layer, Profile
+from tensorlane.policies.model import Layer, Profile
 
 
 def _chain(layers) -> Profile:
@@ -43,8 +43,8 @@ def test_dependency_bound_below_every_simulated_schedule():
     """No schedule the simulator knows (priorities, partition, fusion, preemption; no startup latency) beats the
     bound, on random chains; on ResNet-50 (bench.priority's scales) the best one meets it within 0.1%."""
     from bench.models import layer_numels
-    from policies.model import load_profile
-    from policies.planner import compare
+    from tensorlane.policies.model import load_profile
+    from tensorlane.policies.planner import compare
 
     rng = random.Random(12)
     for _ in range(25):

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from agent.protocol import MAX_MESSAGE_BYTES, FlowKey, ProtocolError, parse_request
+from tensorlane.agent.protocol import MAX_MESSAGE_BYTES, FlowKey, ProtocolError, parse_request
 
 FLOW = {"proto": "tcp", "src": "198.18.0.1", "sport": 4000, "dst": "198.18.0.2", "dport": 5000}
 

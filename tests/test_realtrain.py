@@ -1,6 +1,6 @@
 """bench.realtrain: the quick run on the namespace testbed (a real CNN, bf16 autocast, LR warm-up, clipping; plain
 DDP, the shim with and without clipping, under iperf3 bulk with agents on both hosts), through
-``tensorlane bench realtrain --quick --json FILE``. Checks the JSON's structure, that the shim with clipping runs
+``python -m bench realtrain --quick --json FILE``. Checks the JSON's structure, that the shim with clipping runs
 hook mode and trains exactly like plain DDP step by step, and that the shim without clipping runs overlap mode.
 No timing assertions (the 2-core machine is shared). Plus the analysis helpers and the report's rows on synthetic
 figures (no testbed)."""

@@ -238,7 +238,7 @@ def test_overhead_and_classifier_rows(tmp_path):
 
 
 def test_bench_dispatch_stamps_machine(tmp_path, monkeypatch):
-    """``tensorlane bench NAME --json FILE`` adds ``benchmark`` and ``machine`` to what the benchmark wrote."""
+    """``python -m bench NAME --json FILE`` adds ``benchmark`` and ``machine`` to what the benchmark wrote."""
     import bench
 
     assert bench.json_path(["--quick", "--json", "x.json"]) == "x.json"

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from shim.buckets import parameter_levels, pieces_of
+from tensorlane.shim.buckets import parameter_levels, pieces_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -106,7 +106,7 @@ def test_default_job_id_agreed_per_job_when_run_id_is_none(tmp_path):
 
 
 def test_default_job_id_from_environment(monkeypatch):
-    from shim.ddp import default_job_id
+    from tensorlane.shim.ddp import default_job_id
 
     monkeypatch.delenv("TENSORLANE_JOB", raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")

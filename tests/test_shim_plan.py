@@ -10,7 +10,7 @@ import torch  # required (the [shim] extra): a missing torch fails these tests
 
 def _model():
     from bench.models import emulated_model
-    from policies.model import Layer, Profile
+    from tensorlane.policies.model import Layer, Profile
 
     prof = Profile("toy", (Layer("a", 4 * 1000, 0.004, 0.008), Layer("b", 4 * 50, 0.002, 0.004),
                            Layer("c", 4 * 3000, 0.006, 0.012)))
@@ -19,7 +19,7 @@ def _model():
 
 def test_recorder_measures_forward_and_backward_per_module():
     from bench.models import reset_stream, synthetic_batch
-    from shim.plan import Recorder, owner_modules
+    from tensorlane.shim.plan import Recorder, owner_modules
 
     prof, model = _model()
     owners = owner_modules(model)
@@ -45,7 +45,7 @@ def test_recorder_measures_forward_and_backward_per_module():
 
 
 def test_owner_modules_skips_frozen_and_shared():
-    from shim.plan import owner_modules
+    from tensorlane.shim.plan import owner_modules
 
     lin = torch.nn.Linear(2, 2)
     frozen = torch.nn.Linear(2, 2)

@@ -1,8 +1,8 @@
 """FlowTable: the single place that holds the desired flow state."""
 import pytest
 
-from agent.protocol import FlowKey, ProtocolError
-from agent.state import FlowTable
+from tensorlane.agent.protocol import FlowKey, ProtocolError
+from tensorlane.agent.state import FlowTable
 
 A = FlowKey("tcp", "198.18.0.1", 4000, "198.18.0.2", 5000)
 B = FlowKey("tcp", "198.18.0.1", 4001, "198.18.0.2", 5000)

@@ -48,7 +48,7 @@ def test_calibration_predict_judge_and_candidates() -> None:
     j = judge(1.1, 1.0)
     assert j["error"] == pytest.approx(0.1) and j["within_15pct"] and not judge(0.8, 1.0)["within_15pct"]
 
-    from policies.planner import plan_shim
+    from tensorlane.policies.planner import plan_shim
 
     plan = plan_shim(prof, 2, costs["link_bps"], bucket_bytes=(1 << 20, 1 << 18), partitions=(None, 1 << 16),
                      payload_fraction=1.0)

@@ -11,7 +11,7 @@ import ctypes
 import ctypes.util
 import json
 
-from agent.protocol import FlowKey
+from tensorlane.agent.protocol import FlowKey
 
 TABLE = "tensorlane"
 FAMILY = "inet"

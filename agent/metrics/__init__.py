@@ -28,15 +28,15 @@ from prometheus_client import make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from agent.metrics.api import ApiSource
-from agent.metrics.base import Scrape, Source
-from agent.metrics.build import BuildSource
-from agent.metrics.classes import ClassesSource
-from agent.metrics.connections import ConnectionsSource
-from agent.metrics.contention import ContentionSource
-from agent.metrics.flows import FlowsSource
-from agent.metrics.jobs import JobReports, JobsSource
-from agent.metrics.reconcile import ReconcileSource
+from tensorlane.agent.metrics.api import ApiSource
+from tensorlane.agent.metrics.base import Scrape, Source
+from tensorlane.agent.metrics.build import BuildSource
+from tensorlane.agent.metrics.classes import ClassesSource
+from tensorlane.agent.metrics.connections import ConnectionsSource
+from tensorlane.agent.metrics.contention import ContentionSource
+from tensorlane.agent.metrics.flows import FlowsSource
+from tensorlane.agent.metrics.jobs import JobReports, JobsSource
+from tensorlane.agent.metrics.reconcile import ReconcileSource
 
 log = logging.getLogger("tensorlane.metrics")
 SOURCES = (BuildSource, ClassesSource, ContentionSource, FlowsSource, ApiSource, ConnectionsSource, ReconcileSource,

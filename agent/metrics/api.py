@@ -17,8 +17,8 @@ import threading
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-from agent.metrics.base import Source
-from agent.protocol import OPS
+from tensorlane.agent.metrics.base import Source
+from tensorlane.agent.protocol import OPS
 
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from prometheus_client.metrics_core import Metric
 from pyroute2 import IPRoute
 
-from agent.kernel import tcstats
-from agent.kernel.qdisc import fmt_handle
+from tensorlane.agent.kernel import tcstats
+from tensorlane.agent.kernel.qdisc import fmt_handle
 
 
 def link_rate_bps(api) -> int | None:
@@ -26,7 +26,7 @@ def link_rate_bps(api) -> int | None:
     rate = getattr(api.rec.backend, "rate", None) or api.cfg.link_rate_bps
     if rate:
         return int(rate)
-    from agent.kernel import detect
+    from tensorlane.agent.kernel import detect
 
     return detect.interface_speed_bps(api.cfg.interface)
 

@@ -11,14 +11,14 @@ import platform
 
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
-from agent.metrics.base import Source
+from tensorlane.agent.metrics.base import Source
 
 
 class BuildSource(Source):
     name = "build"
 
     def collect(self, scrape):
-        from agent.api import VERSION
+        from tensorlane.agent.api import VERSION
 
         api, dev = self.api, scrape.device
         build = InfoMetricFamily("tensorlane_build", "Version of the running agent")

@@ -20,7 +20,7 @@ import threading
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from agent.metrics.base import Source
+from tensorlane.agent.metrics.base import Source
 
 # (op, outcome) of api.record -> reason label; the same table as agent/server.py's REFUSALS (kept here so that the
 # metrics do not import the server).

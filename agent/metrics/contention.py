@@ -20,7 +20,7 @@ import threading
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from agent.metrics.base import Source, class_label, link_rate_bps
+from tensorlane.agent.metrics.base import Source, class_label, link_rate_bps
 
 LABELS = ["device", "class"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from agent.kernel import nft as nftables
-from agent.metrics.base import Source, class_label
+from tensorlane.agent.kernel import nft as nftables
+from tensorlane.agent.metrics.base import Source, class_label
 
 MAX_JOBS = 32
 OTHER = "_other"

@@ -24,7 +24,7 @@ from collections import OrderedDict
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from agent.metrics.base import Source
+from tensorlane.agent.metrics.base import Source
 
 MAX_JOBS = 32
 MAX_SESSIONS = 4096

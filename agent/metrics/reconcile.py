@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily
 
-from agent.metrics.base import Source
+from tensorlane.agent.metrics.base import Source
 
 
 class ReconcileSource(Source):

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (puts the repository on sys.path)
 from accelerate import Accelerator  # noqa: E402
 
-import shim  # noqa: E402
+from tensorlane import shim  # noqa: E402
 
 
 def train(kind: str, with_shim: bool, args) -> tuple[dict, dict]:

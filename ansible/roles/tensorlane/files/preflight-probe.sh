@@ -17,7 +17,7 @@ unshare --net -- sh -c '
     done
     nft add table inet tensorlane_probe >/dev/null 2>&1 && echo "nftables yes"
 ' 2>&1 | sed 's/^unshare: /probe_error unshare: /'
-if v=$("$python" -c 'import sys, venv, ensurepip; print(sys.version.split()[0]); sys.exit(sys.version_info < (3, 10))' 2>&1)
+if v=$("$python" -c 'import sys, venv, ensurepip; print(sys.version.split()[0]); sys.exit(sys.version_info < (3, 11))' 2>&1)
 then echo "python $v"; else echo "python_error $v" | tr '\n' ' '; echo; fi
 if [ -n "$group" ]; then
     if getent group "$group" >/dev/null; then echo "group ok"; else echo "group_error no group $group"; fi
