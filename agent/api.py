@@ -12,7 +12,6 @@ import logging
 import time
 import uuid
 
-from tensorlane import __version__ as VERSION  # package metadata (pyproject.toml)
 from tensorlane.agent import protocol
 from tensorlane.agent.jobs import JobScheduler
 from tensorlane.agent.kernel.qdisc import fmt_handle
@@ -21,6 +20,8 @@ from tensorlane.agent.metrics.jobs import JobReports
 from tensorlane.agent.ownership import netns_of, not_owned, not_owned_by_owners
 from tensorlane.agent.peers import AccessPolicy, Peer
 from tensorlane.agent.protocol import ProtocolError
+
+from tensorlane import __version__ as VERSION  # package metadata (pyproject.toml)
 
 log = logging.getLogger("tensorlane.api")
 
@@ -163,7 +164,9 @@ class Api:
         return {"flows": flows}
 
     def _op_status(self, req, peer) -> dict:
-        from tensorlane.agent.kernel import tcstats  # local: status is rare, keep the hot path lean
+        from tensorlane.agent.kernel import (
+            tcstats,  # local: status is rare, keep the hot path lean
+        )
 
         classes = tcstats.class_stats(self.rec.ipr, self.rec.ifindex)
         marks = self.rec.counters()

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from tensorlane.policies.jobs import JOB_POLICIES
 from tensorlane.policies.levels import dscp_table
 
+from tensorlane.client import DEFAULT_SOCKET, JOB_ID_RE
+
 BACKENDS = ("auto", "htb", "prio")
-_JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}$")  # as the API's job ids (agent/protocol.py)
+
 
 
 class ConfigError(ValueError):
@@ -50,7 +52,7 @@ class Config:
     """Validated agent configuration (see docs/agent.md for each field)."""
 
     interface: str
-    socket: str = "/run/tensorlane/agent.sock"
+    socket: str = DEFAULT_SOCKET
     socket_mode: int = 0o660
     metrics_address: str = "127.0.0.1:9477"
     backend: str = "auto"
@@ -94,7 +96,7 @@ def _job_table(raw: dict, name: str, kind: type, lo: float, hi: float) -> dict:
     table = _want(raw, name, dict, {})
     out = {}
     for job, value in table.items():
-        if not isinstance(job, str) or not _JOB_ID_RE.match(job):
+        if not isinstance(job, str) or not JOB_ID_RE.match(job):
             raise ConfigError(name, f"keys are job ids (1-64 of letters, digits, '_.:-', starting with a letter or "
                                     f"digit), got {job!r}")
         ok = not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
@@ -210,7 +212,7 @@ def from_dict(raw: dict) -> Config:
     metrics = _want(raw, "metrics_address", str, "127.0.0.1:9477")
     if metrics and not re.match(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]*):\d{1,5}$", metrics):
         raise ConfigError("metrics_address", f"expected HOST:PORT (or empty to disable), got {metrics!r}")
-    socket_path = _want(raw, "socket", str, "/run/tensorlane/agent.sock")
+    socket_path = _want(raw, "socket", str, DEFAULT_SOCKET)
     if not socket_path.startswith("/") or len(socket_path.encode()) > 107:
         raise ConfigError("socket", f"expected an absolute path of at most 107 bytes, got {socket_path!r}")
     state_dir = _want(raw, "state_dir", str, "/run/tensorlane")

@@ -15,13 +15,12 @@ import threading
 from pathlib import Path
 
 from pyroute2 import IPRoute
-
 from tensorlane.agent.api import Api
-from tensorlane.agent.server import Server
 from tensorlane.agent.config import Config, ConfigError
 from tensorlane.agent.kernel import detect, snapshot
 from tensorlane.agent.kernel.qdisc import fmt_handle, make_backend
 from tensorlane.agent.reconcile import Reconciler
+from tensorlane.agent.server import Server
 from tensorlane.agent.state import FlowTable
 
 log = logging.getLogger("tensorlane.agent")

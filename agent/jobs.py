@@ -28,8 +28,9 @@ import logging
 import math
 import time
 
-from tensorlane.agent.protocol import FlowKey
 from tensorlane.policies.jobs import banded_level, job_bands, job_order, rotation_epoch
+
+from tensorlane.flows import FlowKey
 
 log = logging.getLogger("tensorlane.jobs")
 

@@ -24,8 +24,8 @@ import os
 from collections.abc import Iterable, Mapping
 
 from tensorlane.agent.kernel.sockdiag import SockDiag
-from tensorlane.agent.protocol import FlowKey
-from tensorlane.shim.flows import _socket_inodes, parse_proc_net_tcp
+
+from tensorlane.flows import FlowKey, parse_proc_net_tcp, socket_inodes
 
 TCP_ESTABLISHED = 0x01
 EXACT_LOOKUPS_MAX = 256  # above this many TCP flows in one request, one read of the tables is cheaper
@@ -70,7 +70,7 @@ def agent_sockets(inodes: set[int] | None = None, proc: str = "self",
 def inodes_of(pid: int) -> set[int]:
     """Inodes of the sockets process ``pid`` holds. Raises ProcessLookupError when the process is gone."""
     try:
-        return _socket_inodes(pid)
+        return socket_inodes(pid)
     except (FileNotFoundError, ProcessLookupError):
         raise ProcessLookupError(pid) from None
 

@@ -9,16 +9,19 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
-import re
 from dataclasses import dataclass
-from typing import NamedTuple
 
-MAX_MESSAGE_BYTES = 64 * 1024
-MAX_FLOWS_PER_MESSAGE = 1024
-OPS = ("register", "unregister", "list", "status", "hello", "report")
-MAX_REPORT_LEVELS = 16
+from tensorlane.client import (
+    JOB_ID_RE,
+    JOB_ID_RULE,
+    MAX_FLOWS_PER_MESSAGE,
+    MAX_MESSAGE_BYTES,
+    MAX_REPORT_LEVELS,
+    OPS,
+)
+from tensorlane.flows import FlowKey
+
 PROTOCOLS = {"tcp": 6, "udp": 17}
-_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}$")
 
 
 class ProtocolError(ValueError):
@@ -27,30 +30,6 @@ class ProtocolError(ValueError):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
-
-
-class FlowKey(NamedTuple):
-    """One direction of a transport flow as it leaves this host: local address/port to remote address/port.
-
-    A tuple of atomic values, so that the garbage collector stops tracking it: tens of thousands of registered
-    flows then cost no full-collection pauses.
-    """
-
-    proto: str
-    src: str
-    sport: int
-    dst: str
-    dport: int
-
-    @property
-    def family(self) -> int:
-        return ipaddress.ip_address(self.src).version
-
-    def as_dict(self) -> dict:
-        return {"proto": self.proto, "src": self.src, "sport": self.sport, "dst": self.dst, "dport": self.dport}
-
-    def __str__(self) -> str:
-        return f"{self.proto} {self.src}:{self.sport} -> {self.dst}:{self.dport}"
 
 
 @dataclass(frozen=True)
@@ -165,9 +144,8 @@ def parse_request(line: bytes | str) -> Request:
         raise ProtocolError("bad_request", f"unknown field {sorted(unknown)[0]!r} for op {op}")
     job = msg.get("job")
     if op in ("register", "unregister", "report") or job is not None:
-        if not isinstance(job, str) or not _JOB_RE.match(job):
-            raise ProtocolError("bad_job", "job must be 1-64 characters of letters, digits, '_.:-', "
-                                           f"starting with a letter or digit; got {job!r}")
+        if not isinstance(job, str) or not JOB_ID_RE.match(job):
+            raise ProtocolError("bad_job", f"job must be {JOB_ID_RULE}; got {job!r}")
     level = msg.get("level")
     if op == "register" and (isinstance(level, bool) or not isinstance(level, int) or level < 0):
         raise ProtocolError("bad_level", f"level must be a non-negative integer, got {level!r}")
@@ -187,9 +165,8 @@ def parse_request(line: bytes | str) -> Request:
     session, counters = None, ()
     if op == "report":
         session = msg.get("session")
-        if not isinstance(session, str) or not _JOB_RE.match(session):
-            raise ProtocolError("bad_request", "session must be 1-64 characters of letters, digits, '_.:-', "
-                                               f"starting with a letter or digit; got {session!r}")
+        if not isinstance(session, str) or not JOB_ID_RE.match(session):
+            raise ProtocolError("bad_request", f"session must be {JOB_ID_RULE}; got {session!r}")
         counters = parse_counters(msg.get("levels"))
     return Request(op=op, id=rid, job=job, level=level, rank=rank, flows=flows, session=session, counters=counters)
 

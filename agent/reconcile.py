@@ -12,8 +12,9 @@ import logging
 from dataclasses import dataclass
 
 from tensorlane.agent.kernel import nft as nftables
-from tensorlane.agent.protocol import FlowKey
 from tensorlane.agent.state import FlowTable
+
+from tensorlane.flows import FlowKey
 
 log = logging.getLogger("tensorlane.reconcile")
 

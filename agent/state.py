@@ -12,7 +12,9 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from tensorlane.agent.protocol import FlowKey, ProtocolError
+from tensorlane.agent.protocol import ProtocolError
+
+from tensorlane.flows import FlowKey
 
 
 class FlowEntry(NamedTuple):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import ipaddress
 
-from tensorlane.agent.client import AgentClient
-from tensorlane.agent.protocol import FlowKey
+from tensorlane.client import AgentClient
+from tensorlane.flows import FlowKey
 
 
 def _key(pkt) -> FlowKey | None:

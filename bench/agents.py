@@ -23,7 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from tensorlane.agent.client import AgentClient, AgentError, AgentUnavailable
+from tensorlane.client import AgentClient, AgentError, AgentUnavailable
 from bench.workers import stop_process
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

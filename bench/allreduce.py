@@ -20,7 +20,7 @@ import time
 from datetime import timedelta
 
 from bench.workers import use_interface, write_json
-from tensorlane.shim.flows import new_flows, own_tcp_flows
+from tensorlane.flows import new_flows, own_tcp_flows
 
 MB = 1024 * 1024
 
@@ -64,7 +64,7 @@ def _warn(msg: str) -> None:
 
 def register_flows(socket_path: str, job: str, level: int, rank: int, flows: list[dict]) -> tuple[bool, str | None]:
     """Register ``flows`` with the agent; never raises (training goes on without the agent)."""
-    from tensorlane.agent.client import AgentClient, AgentError, AgentUnavailable
+    from tensorlane.client import AgentClient, AgentError, AgentUnavailable
 
     if not flows:
         return False, "no flows found"
@@ -81,7 +81,7 @@ def register_flows(socket_path: str, job: str, level: int, rank: int, flows: lis
 
 
 def unregister_flows(socket_path: str, job: str, flows: list[dict]) -> None:
-    from tensorlane.agent.client import AgentClient, AgentError, AgentUnavailable
+    from tensorlane.client import AgentClient, AgentError, AgentUnavailable
 
     try:
         with AgentClient(socket_path) as agent:

@@ -270,7 +270,7 @@ def send(dst: str, port: int, nbytes: int, agent_socket: str | None = None, job:
     the receiver's one-byte answer; return the flow, whether it was registered and the transfer time."""
     import socket
 
-    from tensorlane.shim.flows import own_tcp_flows
+    from tensorlane.flows import own_tcp_flows
 
     deadline = time.monotonic() + connect_timeout
     while True:
@@ -286,7 +286,7 @@ def send(dst: str, port: int, nbytes: int, agent_socket: str | None = None, job:
         flows = [f for f in own_tcp_flows(remote_filter=dst) if f["sport"] == sport and f["dport"] == port]
         registered, error = False, None
         if agent_socket:
-            from tensorlane.agent.client import AgentClient, AgentError, AgentUnavailable
+            from tensorlane.client import AgentClient, AgentError, AgentUnavailable
             try:
                 with AgentClient(agent_socket) as agent:
                     agent.register(job, level=level, flows=flows)
@@ -304,7 +304,7 @@ def send(dst: str, port: int, nbytes: int, agent_socket: str | None = None, job:
         seconds = time.perf_counter() - t0
         if agent_socket and registered:
             with contextlib.suppress(Exception):
-                from tensorlane.agent.client import AgentClient
+                from tensorlane.client import AgentClient
                 with AgentClient(agent_socket) as agent:
                     agent.unregister(job, flows=flows)
     return {"flows": flows, "registered": registered, "agent_error": error, "bytes": nbytes, "acked": ack == b"k",

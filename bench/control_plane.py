@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-from tensorlane.agent.client import AgentClient, AgentError, AgentUnavailable
+from tensorlane.client import AgentClient, AgentError, AgentUnavailable
 from bench.agents import running_agents
 from bench.bulk import iperf_server, run_client
 from testbed import Testbed

@@ -308,7 +308,7 @@ def main(argv=None) -> int:
         lower_bound_s,
         synthetic_batch,
     )
-    from tensorlane.shim.flows import new_flows, own_tcp_flows
+    from tensorlane.flows import new_flows, own_tcp_flows
 
     torch.set_num_threads(1)
     if args.strict_compute:

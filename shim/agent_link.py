@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from tensorlane.agent.client import AgentClient, AgentError, AgentUnavailable
+from tensorlane.client import AgentClient, AgentError, AgentUnavailable
 
 log = logging.getLogger("tensorlane.shim")
 MAX_FLOWS_PER_REQUEST = 1024

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -36,17 +35,17 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-
 from tensorlane.shim import overlap as ov
+from tensorlane.shim import report
 from tensorlane.shim.agent_link import AgentLink
 from tensorlane.shim.buckets import parameter_levels, pieces_of
-from tensorlane.shim.flows import new_flows, own_tcp_flows
-from tensorlane.shim import report
 from tensorlane.shim.report import Reporter
+
+from tensorlane.client import DEFAULT_SOCKET, clean_job_id
+from tensorlane.flows import new_flows, own_tcp_flows
 
 log = logging.getLogger("tensorlane.shim")
 PLANNER_POLICIES = ("planner", "layer_order", "flat")
-DEFAULT_SOCKET = "/run/tensorlane/agent.sock"
 _TRUE = ("1", "true", "yes", "on")
 PROBE_MAX_BACKWARDS = 16  # synchronized iterations without a step() seen before overlap mode gives up
 
@@ -57,18 +56,13 @@ def _disabled(disable: bool | None) -> bool:
     return os.environ.get("TENSORLANE_DISABLE", "").strip().lower() in _TRUE
 
 
-def _clean_job(raw: str) -> str:
-    job = re.sub(r"[^A-Za-z0-9_.:\-]", "-", raw)[:64]
-    return job if job[:1].isalnum() else f"j{job}"[:64]
-
-
 def default_job_id() -> str | None:
     """The job id named by the environment: TENSORLANE_JOB, else torchrun's run id (``--rdzv-id``) unless it is
     torchrun's default ``none``; None when neither names the job (``agree_job_id`` then makes one)."""
     raw = os.environ.get("TENSORLANE_JOB") or os.environ.get("TORCHELASTIC_RUN_ID", "")
     if raw.strip().lower() in ("", "none"):
         return None
-    return _clean_job(raw)
+    return clean_job_id(raw)
 
 
 def agree_job_id(job: str | None = None, group=None) -> str:
@@ -80,10 +74,10 @@ def agree_job_id(job: str | None = None, group=None) -> str:
     """
     job = job or default_job_id()
     if job is not None:
-        return _clean_job(job)
+        return clean_job_id(job)
     box = [f"job-{uuid.uuid4().hex[:12]}" if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
-    return _clean_job(str(box[0]))
+    return clean_job_id(str(box[0]))
 
 
 @dataclass

@@ -21,7 +21,7 @@ import os
 import threading
 import uuid
 
-from tensorlane.agent.client import AgentClient, AgentError, AgentUnavailable
+from tensorlane.client import AgentClient, AgentError, AgentUnavailable
 
 log = logging.getLogger("tensorlane.shim")
 

@@ -12,7 +12,7 @@ import logging
 import sys
 
 from tensorlane import __version__
-from tensorlane.agent.client import DEFAULT_SOCKET, AgentClient, AgentError, AgentUnavailable
+from tensorlane.client import DEFAULT_SOCKET, AgentClient, AgentError, AgentUnavailable
 
 
 def _agent(args) -> int:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tensorlane.agent.client import AgentClient
+from tensorlane.client import AgentClient
 from bench.agents import AgentStartError, running_agents, stop_agent
 from testbed import Testbed
 

@@ -71,7 +71,7 @@ FETCH = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], t
 # the agent accepts the registration whether or not it checks who owns a flow.
 SENDER = r"""
 import json, socket, sys, time
-from tensorlane.agent.client import AgentClient
+from tensorlane.client import AgentClient
 path, src, dst, sport, dport, level, seconds, pps = sys.argv[1:]
 sport, dport, level, seconds, pps = int(sport), int(dport), int(level), float(seconds), float(pps)
 with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s, AgentClient(path, timeout=10) as agent:

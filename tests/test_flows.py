@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from tensorlane.shim.flows import flow_key, new_flows, own_tcp_flows, parse_proc_net_tcp
+from tensorlane.flows import flow_key, new_flows, own_tcp_flows, parse_proc_net_tcp
 
 
 def _has_ipv6_loopback() -> bool:

@@ -28,9 +28,9 @@ import traceback
 import pytest
 
 from tensorlane.agent.ownership import netns_of, not_owned
-from tensorlane.agent.protocol import FlowKey
+from tensorlane.flows import FlowKey
 from bench.agents import running_agents
-from tensorlane.shim.flows import own_tcp_flows
+from tensorlane.flows import own_tcp_flows
 from testbed import Testbed
 from agent_clients import CLONE_NEWNET, request
 

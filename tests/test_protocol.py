@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from tensorlane.agent.protocol import MAX_MESSAGE_BYTES, FlowKey, ProtocolError, parse_request
+from tensorlane.agent.protocol import MAX_MESSAGE_BYTES, ProtocolError, parse_request
+from tensorlane.flows import FlowKey
 
 FLOW = {"proto": "tcp", "src": "198.18.0.1", "sport": 4000, "dst": "198.18.0.2", "dport": 5000}
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tensorlane.agent.client import AgentClient
+from tensorlane.client import AgentClient
 from bench.agents import running_agents
 from testbed import Testbed
 from agent_clients import enter_netns, request

@@ -1,7 +1,8 @@
 """FlowTable: the single place that holds the desired flow state."""
 import pytest
 
-from tensorlane.agent.protocol import FlowKey, ProtocolError
+from tensorlane.agent.protocol import ProtocolError
+from tensorlane.flows import FlowKey
 from tensorlane.agent.state import FlowTable
 
 A = FlowKey("tcp", "198.18.0.1", 4000, "198.18.0.2", 5000)

@@ -11,7 +11,7 @@ import ctypes
 import ctypes.util
 import json
 
-from tensorlane.agent.protocol import FlowKey
+from tensorlane.flows import FlowKey
 
 TABLE = "tensorlane"
 FAMILY = "inet"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import platform
 
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
-
 from tensorlane.agent.metrics.base import Source
 
 

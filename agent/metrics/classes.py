@@ -7,9 +7,17 @@ treats as a counter reset. Byte counters are 64-bit.
 """
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
-
-from tensorlane.agent.metrics.base import Source, class_label, level_label, link_rate_bps
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+)
+from tensorlane.agent.metrics.base import (
+    Source,
+    class_label,
+    level_label,
+    link_rate_bps,
+)
 
 COUNTERS = (  # (metric base name, tcstats key, help)
     ("tensorlane_class_sent_bytes", "bytes", "Bytes sent by the class"),

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily
-
 from tensorlane.agent.metrics.base import Source
 
 

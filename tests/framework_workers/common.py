@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from tensorlane.agent.client import AgentClient  # noqa: E402
+from tensorlane.client import AgentClient  # noqa: E402
 
 SAMPLES = 96  # per run, over all ranks: enough for a few steps of a batch of 8 per rank
 

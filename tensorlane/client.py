@@ -1,4 +1,7 @@
-"""Client of the agent's Unix-socket API; used by the CLI and the shim. No privileges needed.
+"""The agent's local API as both sides see it: its constants, job-id rule and a client (docs/protocol.md).
+
+The agent (``tensorlane.agent.protocol`` parses, ``tensorlane.agent.server`` serves) and its clients (the CLI,
+``tensorlane.shim``) import this module; neither imports the other. No privileges needed.
 
 Usage::
 
@@ -9,9 +12,25 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import socket
 
 DEFAULT_SOCKET = "/run/tensorlane/agent.sock"
+MAX_MESSAGE_BYTES = 64 * 1024
+MAX_FLOWS_PER_MESSAGE = 1024
+OPS = ("register", "unregister", "list", "status", "hello", "report")
+MAX_REPORT_LEVELS = 16
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}$")
+JOB_ID_RULE = "1-64 characters of letters, digits, '_.:-', starting with a letter or digit"
+
+
+def clean_job_id(raw: str) -> str:
+    """``raw`` made into a valid job id (``JOB_ID_RE``): other characters become '-', at most 64.
+
+    Usage: ``clean_job_id("my run/3") == "my-run-3"``
+    """
+    job = re.sub(r"[^A-Za-z0-9_.:\-]", "-", raw)[:64]
+    return job if job[:1].isalnum() else f"j{job}"[:64]
 
 
 class AgentUnavailable(ConnectionError):

@@ -1,4 +1,6 @@
-"""Discover a process's own established TCP flows from /proc (no torch, no privileges).
+"""Flow identity, and a process's own established TCP flows (no torch, no privileges).
+
+Shared by the agent (``FlowKey`` in its table; ``socket_inodes`` for ownership) and the shim (``own_tcp_flows``).
 
 A process's sockets are the ``socket:[INODE]`` links in ``/proc/PID/fd``; the rows of ``/proc/PID/net/tcp`` and
 ``/proc/PID/net/tcp6`` (which show the network namespace of PID) give each inode's addresses and state. Only
@@ -18,14 +20,39 @@ import ipaddress
 import os
 import struct
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 TCP_ESTABLISHED = 0x01
 
 FlowDict = dict
+
+
+class FlowKey(NamedTuple):
+    """One direction of a transport flow as it leaves this host: local address/port to remote address/port.
+
+    On the wire (the API) a flow is the dict ``as_dict()`` gives. A tuple of atomic values, so that the garbage
+    collector stops tracking it: tens of thousands of registered flows then cost no full-collection pauses.
+    """
+
+    proto: str
+    src: str
+    sport: int
+    dst: str
+    dport: int
+
+    @property
+    def family(self) -> int:
+        return ipaddress.ip_address(self.src).version
+
+    def as_dict(self) -> dict:
+        return {"proto": self.proto, "src": self.src, "sport": self.sport, "dst": self.dst, "dport": self.dport}
+
+    def __str__(self) -> str:
+        return f"{self.proto} {self.src}:{self.sport} -> {self.dst}:{self.dport}"
 RemoteFilter = Callable[[dict], bool] | str | Iterable[str] | ipaddress.IPv4Network | ipaddress.IPv6Network | None
 
 
-def _socket_inodes(pid: int | str) -> set[int]:
+def socket_inodes(pid: int | str) -> set[int]:
     """Inodes of the sockets that process ``pid`` holds open (fds that vanish while we look are skipped)."""
     fd_dir = f"/proc/{pid}/fd"
     inodes: set[int] = set()
@@ -107,7 +134,7 @@ def own_tcp_flows(pid: int | None = None, remote_filter: RemoteFilter = None) ->
     so that a connection to a rendezvous store or a metrics server is left out.
     """
     proc = "self" if pid is None else str(int(pid))
-    inodes = _socket_inodes(proc)
+    inodes = socket_inodes(proc)
     keep = _matcher(remote_filter)
     flows: dict[tuple, FlowDict] = {}
     for name, v6 in (("tcp", False), ("tcp6", True)):
@@ -127,9 +154,9 @@ def own_tcp_flows(pid: int | None = None, remote_filter: RemoteFilter = None) ->
     return [flows[k] for k in sorted(flows)]
 
 
-def flow_key(flow: FlowDict) -> tuple:
-    """Hashable identity of a flow dict."""
-    return (flow.get("proto", "tcp"), flow["src"], flow["sport"], flow["dst"], flow["dport"])
+def flow_key(flow: FlowDict) -> FlowKey:
+    """Hashable identity of a flow dict (``FlowKey(**flow)`` with the protocol defaulting to tcp)."""
+    return FlowKey(flow.get("proto", "tcp"), flow["src"], flow["sport"], flow["dst"], flow["dport"])
 
 
 def new_flows(before: Iterable[FlowDict], after: Iterable[FlowDict]) -> list[FlowDict]:
