@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 
+from tensorlane import __version__ as VERSION  # package metadata (pyproject.toml)
 from tensorlane.agent import protocol
 from tensorlane.agent.jobs import JobScheduler
 from tensorlane.agent.kernel.qdisc import fmt_handle
@@ -20,8 +21,6 @@ from tensorlane.agent.metrics.jobs import JobReports
 from tensorlane.agent.ownership import netns_of, not_owned, not_owned_by_owners
 from tensorlane.agent.peers import AccessPolicy, Peer
 from tensorlane.agent.protocol import ProtocolError
-
-from tensorlane import __version__ as VERSION  # package metadata (pyproject.toml)
 
 log = logging.getLogger("tensorlane.api")
 

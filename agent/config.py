@@ -8,10 +8,10 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 
+from tensorlane import units
+from tensorlane.client import DEFAULT_SOCKET, JOB_ID_RE
 from tensorlane.policies.jobs import JOB_POLICIES
 from tensorlane.policies.levels import dscp_table
-
-from tensorlane.client import DEFAULT_SOCKET, JOB_ID_RE
 
 BACKENDS = ("auto", "htb", "prio")
 
@@ -25,26 +25,15 @@ class ConfigError(ValueError):
         self.field = field_name
 
 
-_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)?\s*$", re.IGNORECASE)
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
-
-
 def parse_rate(value: int | str, field_name: str = "link_rate") -> int:
-    """Parse a tc-style rate ("200mbit", "10gbit", or bits/s as an int) into bits per second.
+    """Parse a tc-style rate ("200mbit", "10gbit", or bits/s as an int) into bits per second, 8kbit..4tbit.
 
     Usage: ``parse_rate("200mbit") == 200_000_000``
     """
-    if isinstance(value, bool):
-        raise ConfigError(field_name, f"expected a rate such as '200mbit', got {value!r}")
-    if isinstance(value, int):
-        bps = value
-    elif isinstance(value, str) and (m := _RATE_RE.match(value)):
-        bps = int(float(m.group(1)) * _RATE_UNITS[(m.group(2) or "bit").lower()])
-    else:
-        raise ConfigError(field_name, f"expected a rate such as '200mbit' or '10gbit', got {value!r}")
-    if not 8_000 <= bps <= 4 * 10**12:
-        raise ConfigError(field_name, f"rate {bps} bit/s outside 8kbit..4tbit")
-    return bps
+    try:
+        return units.parse_rate(value)
+    except ValueError as exc:
+        raise ConfigError(field_name, str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 from pyroute2 import IPRoute
+
 from tensorlane.agent.api import Api
 from tensorlane.agent.config import Config, ConfigError
 from tensorlane.agent.kernel import detect, snapshot

@@ -28,9 +28,8 @@ import logging
 import math
 import time
 
-from tensorlane.policies.jobs import banded_level, job_bands, job_order, rotation_epoch
-
 from tensorlane.flows import FlowKey
+from tensorlane.policies.jobs import banded_level, job_bands, job_order, rotation_epoch
 
 log = logging.getLogger("tensorlane.jobs")
 

@@ -24,7 +24,6 @@ import os
 from collections.abc import Iterable, Mapping
 
 from tensorlane.agent.kernel.sockdiag import SockDiag
-
 from tensorlane.flows import FlowKey, parse_proc_net_tcp, socket_inodes
 
 TCP_ESTABLISHED = 0x01

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from tensorlane.agent.kernel import nft as nftables
 from tensorlane.agent.state import FlowTable
-
 from tensorlane.flows import FlowKey
 
 log = logging.getLogger("tensorlane.reconcile")

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from tensorlane.agent.protocol import ProtocolError
-
 from tensorlane.flows import FlowKey
 
 

@@ -48,6 +48,7 @@ import threading
 import time
 
 from tensorlane.policies.model import CostModel, Profile, load_profile
+from tensorlane.units import parse_rate
 
 ACT_SCALE = 1e-3     # C: the weight of the parameter's partial sum in the activation
 ACT_TAP = 8          # k: how many parameter elements the forward reads
@@ -64,11 +65,7 @@ def _profile(profile: Profile | str) -> Profile:
 
 
 def _rate_bps(rate: float | str) -> float:
-    if isinstance(rate, str):
-        from testbed.topology import parse_rate
-
-        return float(parse_rate(rate))
-    return float(rate)
+    return float(parse_rate(rate)) if isinstance(rate, str) else float(rate)
 
 
 def layer_numels(profile: Profile | str, param_scale: float = 1.0) -> list[int]:

@@ -201,3 +201,8 @@ def jsonable(obj):
         if isinstance(obj, (list, tuple)):
             return [jsonable(v) for v in obj]
         return repr(obj)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or None when either is missing or ``b`` is zero (a figure that could not be measured)."""
+    return None if a is None or not b else a / b

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from collections.abc import Iterator
 
 from pyroute2 import IPRoute
 
+from tensorlane import units
 from testbed import records, switch
 
 NETNS_DIR = "/run/netns"
@@ -51,8 +51,6 @@ GSO_MAX_SEGS = 1
 
 _NO_IPV6 = ("[ -d /proc/sys/net/ipv6 ] || exit 0; for c in all default; "
             "do echo 1 > /proc/sys/net/ipv6/conf/$c/disable_ipv6 || exit 1; done")
-_RATE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|)\s*", re.IGNORECASE)
-_RATE_UNITS = {"": 1, "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 
 
 class TestbedError(RuntimeError):
@@ -78,13 +76,9 @@ def parse_rate(rate: str) -> int:
 
     Usage: ``parse_rate("200mbit") == 200_000_000``
     """
-    m = _RATE_RE.fullmatch(rate) if isinstance(rate, str) else None
-    if not m:
+    if not isinstance(rate, str):
         raise ValueError(f"rate must look like '200mbit', '1gbit' or '5000kbit' (bits per second), not {rate!r}")
-    bps = int(float(m.group(1)) * _RATE_UNITS[m.group(2).lower()])
-    if not MIN_RATE_BPS <= bps <= MAX_RATE_BPS:
-        raise ValueError(f"rate {rate!r} is {bps} bit/s; the testbed supports 1mbit..10gbit")
-    return bps
+    return units.parse_rate(rate, MIN_RATE_BPS, MAX_RATE_BPS)
 
 
 def validate_name(name: str) -> str:

@@ -27,6 +27,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
+
 from tensorlane.agent.metrics.api import ApiSource
 from tensorlane.agent.metrics.base import Scrape, Source
 from tensorlane.agent.metrics.build import BuildSource

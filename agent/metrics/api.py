@@ -16,6 +16,7 @@ import bisect
 import threading
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
 from tensorlane.agent.metrics.base import Source
 from tensorlane.agent.protocol import OPS
 

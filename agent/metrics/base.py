@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from prometheus_client.metrics_core import Metric
 from pyroute2 import IPRoute
+
 from tensorlane.agent.kernel import tcstats
 from tensorlane.agent.kernel.qdisc import fmt_handle
 

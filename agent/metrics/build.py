@@ -10,6 +10,7 @@ from __future__ import annotations
 import platform
 
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+
 from tensorlane.agent.metrics.base import Source
 
 

@@ -12,6 +12,7 @@ from prometheus_client.core import (
     GaugeMetricFamily,
     InfoMetricFamily,
 )
+
 from tensorlane.agent.metrics.base import (
     Source,
     class_label,

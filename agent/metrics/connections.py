@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from tensorlane.agent.metrics.base import Source
 
 # (op, outcome) of api.record -> reason label; the same table as agent/server.py's REFUSALS (kept here so that the

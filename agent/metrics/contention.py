@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from tensorlane.agent.metrics.base import Source, class_label, link_rate_bps
 
 LABELS = ["device", "class"]

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from tensorlane.agent.kernel import nft as nftables
 from tensorlane.agent.metrics.base import Source, class_label
 

@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from tensorlane.agent.metrics.base import Source
 
 MAX_JOBS = 32

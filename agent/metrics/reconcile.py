@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily
+
 from tensorlane.agent.metrics.base import Source
 
 
