@@ -8,7 +8,8 @@ PYTEST_ARGS ?=
 bootstrap:
 	@scripts/bootstrap $(VENV)
 
-test: bootstrap
+# The linter runs first: `make test` fails on any finding.
+test: lint
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 test-unit: bootstrap
@@ -20,6 +21,9 @@ demo: bootstrap
 # The README's performance section and docs/img/bench-*.png from results/*.json (docs/benchmarks.md)
 report: bootstrap
 	$(PY) -m bench.report
+
+lint: bootstrap
+	$(VENV)/bin/ruff check .
 
 clean:
 	-$(VENV)/bin/python -m testbed down --all 2>/dev/null

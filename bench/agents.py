@@ -23,39 +23,23 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from tensorlane.client import AgentClient, AgentError, AgentUnavailable
-from bench.workers import stop_process
+import tomli_w
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.workers import REPO_ROOT, repo_env, stop_process, tail
+from tensorlane.client import AgentClient, AgentError, AgentUnavailable
 
 
 class AgentStartError(RuntimeError):
     """An agent did not come up, or did not stop cleanly."""
 
 
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {v!r} as TOML")
-
-
 def render_config(fields: dict) -> str:
-    """A flat TOML document of ``fields`` (tables given as dicts are written as inline tables)."""
-    lines = []
-    for k, v in fields.items():
-        if v is None:
-            continue
-        if isinstance(v, dict):
-            lines.append(f"{k} = {{ " + ", ".join(f'"{kk}" = {_toml_value(vv)}' for kk, vv in v.items()) + " }")
-        else:
-            lines.append(f"{k} = {_toml_value(v)}")
-    return "\n".join(lines) + "\n"
+    """The agent's TOML config file of ``fields`` (None values left out, tables' keys as strings).
+
+    Usage: ``render_config(agent_config(tb, tb.host(1)))``; ``tensorlane.agent.config.load_config`` reads it.
+    """
+    return tomli_w.dumps({k: {str(kk): vv for kk, vv in v.items()} if isinstance(v, dict) else v
+                          for k, v in fields.items() if v is not None})
 
 
 def agent_config(tb, host, levels: int = 4, backend: str = "auto", **extra) -> dict:
@@ -77,6 +61,8 @@ def agent_config(tb, host, levels: int = 4, backend: str = "auto", **extra) -> d
 
 @dataclass
 class RunningAgent:
+    """One agent process on a testbed host: its socket, config file and stderr log."""
+
     host: object
     proc: subprocess.Popen
     socket: str
@@ -84,27 +70,37 @@ class RunningAgent:
     stderr_path: str
 
     def client(self, timeout: float = 2.0) -> AgentClient:
+        """A client of this agent (a context manager). Usage: ``with agent.client() as c: c.status()``"""
         return AgentClient(self.socket, timeout=timeout)
 
     def status(self) -> dict:
+        """The agent's ``status`` reply."""
         with self.client() as c:
             return c.status()
 
     def stderr_tail(self, n: int = 3000) -> str:
-        try:
-            with open(self.stderr_path, "rb") as fh:
-                fh.seek(0, os.SEEK_END)
-                fh.seek(max(0, fh.tell() - n))
-                return fh.read().decode(errors="replace")
-        except OSError:
-            return ""
+        """The last ``n`` characters of the agent's stderr."""
+        return tail(self.stderr_path, n)
 
 
-def _command(config_path: str) -> list[str]:
-    return [sys.executable, "-m", "tensorlane.cli", "agent", "--config", config_path]
+def _start_agent(tb, index: int, workdir: str, env: dict, **fields) -> RunningAgent:
+    """Write the config of the agent on host ``index`` into ``workdir`` and start it (``fields``: agent_config's)."""
+    host = tb.host(index)
+    host.run(["ip", "link", "set", "lo", "up"], check=False, timeout=10)
+    config = agent_config(tb, host, **fields)
+    os.makedirs(config["state_dir"], exist_ok=True)
+    config_path = os.path.join(workdir, f"{host.name}.toml")
+    with open(config_path, "w") as fh:
+        fh.write(render_config(config))
+    stderr_path = os.path.join(workdir, f"{host.name}.stderr")
+    with open(stderr_path, "wb") as err:
+        proc = host.popen([sys.executable, "-m", "tensorlane.cli", "agent", "--config", config_path],
+                          stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    return RunningAgent(host, proc, config["socket"], config_path, stderr_path)
 
 
 def _wait_ready(agent: RunningAgent, timeout: float) -> dict:
+    """Poll ``status`` until the agent answers (bounded); AgentStartError with its stderr if it exits or not."""
     deadline = time.monotonic() + timeout
     last = None
     while True:
@@ -121,9 +117,26 @@ def _wait_ready(agent: RunningAgent, timeout: float) -> dict:
         time.sleep(0.1)
 
 
-def stop_agent(agent: RunningAgent, timeout: float = 10.0) -> int:
-    """SIGTERM ``agent`` and wait (bounded), then SIGKILL; return its exit status (negative: killed)."""
-    return stop_process(agent.proc, signal.SIGTERM, timeout)
+def _stop_agents(agents, timeout: float) -> list[str]:
+    """SIGTERM every agent (SIGKILL after ``timeout``); one line per agent that did not exit with 0."""
+    problems = []
+    for agent in agents:
+        code = stop_process(agent.proc, signal.SIGTERM, timeout)
+        with contextlib.suppress(OSError):  # the per-host run directory, if the agent left it empty
+            os.rmdir(os.path.dirname(agent.socket))
+        if code != 0:
+            problems.append(f"agent on {agent.host.name} exited with {code} on SIGTERM; stderr:\n"
+                            f"{agent.stderr_tail()}")
+    return problems
+
+
+def _remove_dir(path: str) -> None:
+    """Remove ``path`` and the files in it (what could not be removed stays)."""
+    for name in os.listdir(path):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(path, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 @contextlib.contextmanager
@@ -138,26 +151,12 @@ def running_agents(tb, levels: int = 4, hosts=None, backend: str = "auto", ready
     indexes = list(hosts) if hosts is not None else list(range(1, len(tb.hosts) + 1))
     own_dir = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix=f"tensorlane-agents-{getattr(tb, 'name', 'tb')}-")
-    run_env = dict(os.environ)
-    run_env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + run_env["PYTHONPATH"] if run_env.get("PYTHONPATH") else "")
-    run_env["PYTHONUNBUFFERED"] = "1"
-    run_env.update(env or {})
+    run_env = repo_env(env)
     agents: dict[int, RunningAgent] = {}
     failed = False
     try:
         for i in indexes:
-            host = tb.host(i)
-            host.run(["ip", "link", "set", "lo", "up"], check=False, timeout=10)
-            fields = agent_config(tb, host, levels=levels, backend=backend, **(config_extra or {}))
-            os.makedirs(fields["state_dir"], exist_ok=True)
-            config_path = os.path.join(workdir, f"{host.name}.toml")
-            with open(config_path, "w") as fh:
-                fh.write(render_config(fields))
-            stderr_path = os.path.join(workdir, f"{host.name}.stderr")
-            with open(stderr_path, "wb") as err:
-                proc = host.popen(_command(config_path), stdin=subprocess.DEVNULL, stdout=err,
-                                  stderr=subprocess.STDOUT, env=run_env, cwd=REPO_ROOT)
-            agents[i] = RunningAgent(host, proc, fields["socket"], config_path, stderr_path)
+            agents[i] = _start_agent(tb, i, workdir, run_env, levels=levels, backend=backend, **(config_extra or {}))
         for agent in agents.values():
             _wait_ready(agent, ready_timeout)
         yield agents
@@ -165,21 +164,10 @@ def running_agents(tb, levels: int = 4, hosts=None, backend: str = "auto", ready
         failed = True
         raise
     finally:
-        problems = []
-        for agent in agents.values():
-            code = stop_agent(agent, stop_timeout)
-            with contextlib.suppress(OSError):  # the per-host run directory, if the agent left it empty
-                os.rmdir(os.path.dirname(agent.socket))
-            if code != 0:
-                problems.append(f"agent on {agent.host.name} exited with {code} on SIGTERM; stderr:\n"
-                                f"{agent.stderr_tail()}")
+        problems = _stop_agents(agents.values(), stop_timeout)
         if problems and not failed:
             raise AgentStartError("\n".join(problems))
         if problems:
             print("\n".join(problems), file=sys.stderr)
         if own_dir and not problems:
-            for name in os.listdir(workdir):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(workdir, name))
-            with contextlib.suppress(OSError):
-                os.rmdir(workdir)
+            _remove_dir(workdir)

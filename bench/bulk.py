@@ -21,7 +21,9 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from bench.workers import stop_process
+from bench.workers import REPO_ROOT, repo_env, stop_process
+from tensorlane.client import AgentClient, AgentError, AgentUnavailable
+from tensorlane.flows import own_tcp_flows
 
 DEFAULT_PORT = 5301
 
@@ -88,12 +90,16 @@ def parse_iperf_json(text: str, src: str = "?", dst: str = "?", port: int = 0, s
     return res
 
 
-def _stop(proc: subprocess.Popen, sig=signal.SIGTERM, wait_s: float = 3.0) -> None:
-    """Signal ``proc`` and wait (bounded); SIGKILL if it is still there."""
-    stop_process(proc, sig, wait_s)
+def _close(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` if it still runs and close its pipes."""
+    stop_process(proc, signal.SIGKILL)
+    for f in (proc.stdout, proc.stderr):
+        if f:
+            f.close()
 
 
 def _listening(host, port: int) -> bool:
+    """Whether a TCP socket listens on ``port`` in ``host``'s namespace."""
     out = host.run(["ss", "-Htln", f"sport = :{port}"], check=False, timeout=5)
     return str(port) in (out.stdout if isinstance(out.stdout, str) else (out.stdout or b"").decode())
 
@@ -115,7 +121,7 @@ def iperf_server(host, port: int = DEFAULT_PORT, one_off: bool = False, ready_ti
             time.sleep(0.05)
         yield proc
     finally:
-        _stop(proc)
+        stop_process(proc)
         if proc.stderr:
             proc.stderr.close()
 
@@ -144,7 +150,7 @@ class IperfClient:
         try:
             out, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _stop(self.proc, signal.SIGKILL)
+            stop_process(self.proc, signal.SIGKILL)
             self.proc.communicate(timeout=5)
             raise BulkError(f"iperf3 client {getattr(self.host, 'name', self.host)}->{self.server_ip}:{self.port} "
                             f"did not finish in {timeout} s") from None
@@ -170,10 +176,8 @@ class IperfClient:
         return self._result
 
     def kill(self) -> None:
-        _stop(self.proc, signal.SIGKILL)
-        for f in (self.proc.stdout, self.proc.stderr):
-            if f:
-                f.close()
+        """Kill the client now (no result) and close its pipes."""
+        _close(self.proc)
 
 
 def run_client(host, server_ip: str, port: int = DEFAULT_PORT, seconds: float = 3, streams: int = 1,
@@ -227,7 +231,7 @@ def bulk(tb, pairs: list[tuple[int, int, int]], seconds: float = 60, base_port: 
             ports.append(port)
         clients: list[IperfClient] = []
         try:
-            for (src, dst, streams), port in zip(pairs, ports):
+            for (src, dst, streams), port in zip(pairs, ports, strict=True):
                 clients.append(IperfClient(tb.host(src), tb.host(dst).ip, port, seconds, streams, interval, extra))
             yield Bulk(clients, pairs)
         finally:
@@ -264,80 +268,79 @@ def sink(bind: str, port: int, nbytes: int, timeout: float = 60.0) -> dict:
             "seconds": (t_last - t_first) if t_first is not None else None}
 
 
-def send(dst: str, port: int, nbytes: int, agent_socket: str | None = None, job: str = "transfer",
-         level: int = 0, timeout: float = 60.0, connect_timeout: float = 10.0) -> dict:
-    """Connect to ``dst:port``, register the flow with the agent (if ``agent_socket``), send ``nbytes``, wait for
-    the receiver's one-byte answer; return the flow, whether it was registered and the transfer time."""
+def _connect(dst: str, port: int, timeout: float, connect_timeout: float):
+    """A TCP connection to ``dst:port``, retried for ``connect_timeout`` s (the receiver may not listen yet)."""
     import socket
-
-    from tensorlane.flows import own_tcp_flows
 
     deadline = time.monotonic() + connect_timeout
     while True:
         try:
-            sock = socket.create_connection((dst, port), timeout=timeout)
-            break
+            return socket.create_connection((dst, port), timeout=timeout)
         except OSError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-    with sock:
+
+
+def send(dst: str, port: int, nbytes: int, agent_socket: str | None = None, job: str = "transfer",
+         level: int = 0, timeout: float = 60.0, connect_timeout: float = 10.0) -> dict:
+    """Connect to ``dst:port``, register the flow with the agent (if ``agent_socket``), send ``nbytes``, wait for
+    the receiver's one-byte answer; return the flow, whether it was registered and the transfer time."""
+    registered, error = False, None
+    with _connect(dst, port, timeout, connect_timeout) as sock:
         sport = sock.getsockname()[1]
-        flows = [f for f in own_tcp_flows(remote_filter=dst) if f["sport"] == sport and f["dport"] == port]
-        registered, error = False, None
+        flows = [f for f in own_tcp_flows(remote_filter=dst) if (f["sport"], f["dport"]) == (sport, port)]
         if agent_socket:
-            from tensorlane.client import AgentClient, AgentError, AgentUnavailable
             try:
                 with AgentClient(agent_socket) as agent:
                     agent.register(job, level=level, flows=flows)
                 registered = True
             except (AgentUnavailable, AgentError) as exc:
                 error = str(exc)
-        block = b"\0" * (1 << 20)
+        block = memoryview(b"\0" * (1 << 20))
         t0 = time.perf_counter()
-        left = nbytes
-        while left > 0:
-            n = min(left, len(block))
-            sock.sendall(block[:n])
-            left -= n
+        for start in range(0, nbytes, len(block)):
+            sock.sendall(block[:min(len(block), nbytes - start)])
         ack = sock.recv(1)
         seconds = time.perf_counter() - t0
-        if agent_socket and registered:
-            with contextlib.suppress(Exception):
-                from tensorlane.client import AgentClient
-                with AgentClient(agent_socket) as agent:
-                    agent.unregister(job, flows=flows)
+        if registered:
+            with contextlib.suppress(Exception), AgentClient(agent_socket) as agent:
+                agent.unregister(job, flows=flows)
     return {"flows": flows, "registered": registered, "agent_error": error, "bytes": nbytes, "acked": ack == b"k",
             "seconds": seconds, "goodput_bps": nbytes * 8 / seconds if seconds > 0 else None}
+
+
+def _start_sink(host, port: int, nbytes: int, timeout: float) -> subprocess.Popen:
+    """``python -m bench.bulk sink`` on ``host``, once it says it listens (BulkError, and killed, if it does not)."""
+    import select
+    import sys
+
+    proc = host.popen([sys.executable, "-m", "bench.bulk", "sink", "--port", str(port), "--bytes", str(nbytes),
+                       "--timeout", f"{timeout:g}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                      env=repo_env(), cwd=REPO_ROOT)
+    ready, _, _ = select.select([proc.stdout], [], [], 20.0)
+    line = proc.stdout.readline() if ready else ""  # "listening" (or EOF if it died)
+    if "listening" not in line:
+        stop_process(proc, signal.SIGKILL)
+        err = proc.stderr.read()[-1000:]
+        _close(proc)
+        raise BulkError(f"sink on {host.name}:{port} did not start: {err}")
+    return proc
 
 
 def timed_transfer(tb, src: int, dst: int, port: int, nbytes: int, agent_socket: str | None = None,
                    job: str = "transfer", level: int = 0, timeout: float = 60.0) -> dict:
     """One transfer of ``nbytes`` from testbed host ``src`` to ``dst`` (sender registered when ``agent_socket``);
     returns the sender's result with the receiver's under ``"sink"``. Both processes are bounded and killed."""
-    import os
     import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=repo + (os.pathsep + os.environ["PYTHONPATH"]
-                                              if os.environ.get("PYTHONPATH") else ""))
-    base = [sys.executable, "-m", "bench.bulk"]
-    sink_proc = tb.host(dst).popen(base + ["sink", "--port", str(port), "--bytes", str(nbytes),
-                                           "--timeout", f"{timeout:g}"],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=repo)
+    sink_proc = _start_sink(tb.host(dst), port, nbytes, timeout)
     try:
-        import select
-
-        ready, _, _ = select.select([sink_proc.stdout], [], [], 20.0)
-        line = sink_proc.stdout.readline() if ready else ""  # "listening" (or EOF if it died)
-        if "listening" not in line:
-            _stop(sink_proc, signal.SIGKILL)
-            raise BulkError(f"sink on {tb.host(dst).name}:{port} did not start: {sink_proc.stderr.read()[-1000:]}")
-        argv = base + ["send", "--to", f"{tb.host(dst).ip}:{port}", "--bytes", str(nbytes), "--job", job,
-                       "--level", str(level), "--timeout", f"{timeout:g}"]
+        argv = [sys.executable, "-m", "bench.bulk", "send", "--to", f"{tb.host(dst).ip}:{port}", "--bytes",
+                str(nbytes), "--job", job, "--level", str(level), "--timeout", f"{timeout:g}"]
         if agent_socket:
             argv += ["--agent-socket", agent_socket]
-        sender = tb.host(src).run(argv, check=False, timeout=timeout + 15, env=env, cwd=repo)
+        sender = tb.host(src).run(argv, check=False, timeout=timeout + 15, env=repo_env(), cwd=REPO_ROOT)
         if sender.returncode != 0:
             raise BulkError(f"sender on {tb.host(src).name} exited {sender.returncode}: {sender.stderr[-1000:]}")
         result = json.loads(sender.stdout.strip().splitlines()[-1])
@@ -345,10 +348,7 @@ def timed_transfer(tb, src: int, dst: int, port: int, nbytes: int, agent_socket:
         result["sink"] = json.loads(out.strip().splitlines()[-1])
         return result
     finally:
-        _stop(sink_proc, signal.SIGKILL)
-        for f in (sink_proc.stdout, sink_proc.stderr):
-            if f:
-                f.close()
+        _close(sink_proc)
 
 
 def main(argv=None) -> int:

@@ -48,7 +48,8 @@ import threading
 import time
 from typing import Self
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.workers import REPO_ROOT, repo_env, stop_process
+
 MECHANISMS = ("none", "so-priority", "nft-map", "u32-linear")
 FULL_N = {"nft-map": (1, 1000, 10000), "u32-linear": (1, 100, 1000, 4000, 10000)}
 QUICK_N = {"nft-map": (1, 1000), "u32-linear": (1, 1000)}
@@ -75,16 +76,9 @@ class BenchError(RuntimeError):
 
 # ---- small helpers ----------------------------------------------------------------------------------------
 
-def _child_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def _sh(argv: list[str], timeout: float = CMD_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
     try:
-        proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout, env=_child_env(),
+        proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout, env=repo_env(),
                               cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise BenchError(f"'{' '.join(argv)}' timed out after {timeout:g} s") from None
@@ -97,15 +91,6 @@ def _sh(argv: list[str], timeout: float = CMD_TIMEOUT_S, check: bool = True) -> 
 def _me(ns: str, sub: str, *args: str) -> list[str]:
     """argv running this module's sub-command ``sub`` inside namespace ``ns``."""
     return ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.classifier", sub, *args]
-
-
-def _stop(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
 
 
 def flow_keys(n: int):
@@ -187,7 +172,8 @@ def _child_setup(args) -> dict:
         ctx = nft.Nft()
         try:
             ctx.run(nft.table_commands(args.ifname, classids, list(DSCP)))
-            items = [(k, LEVEL if (k.sport, k.dport) == (CPORT, PORT) else i % LEVELS) for i, k in enumerate(flow_keys(args.n))]
+            items = [(k, LEVEL if (k.sport, k.dport) == (CPORT, PORT) else i % LEVELS)
+                     for i, k in enumerate(flow_keys(args.n))]
             for start in range(0, len(items), 5000):
                 ctx.run(nft.element_commands("add", items[start:start + 5000]))
             out["classifier_setup_s"] = time.monotonic() - t0
@@ -241,8 +227,8 @@ def _child_sink(args) -> dict:
         raise RuntimeError("sink: the connection closed without data")
     if mark is None or now - mark[0] <= 0.05:
         mark = (t_first, 0)
-    return {"peer": list(peer), "bytes": total, "seconds": now - t_first, "bps": (total - mark[1]) * 8 / (now - mark[0]),
-            "cpu_s": cpu}
+    return {"peer": list(peer), "bytes": total, "seconds": now - t_first,
+            "bps": (total - mark[1]) * 8 / (now - mark[0]), "cpu_s": cpu}
 
 
 def _child_send(args) -> dict:
@@ -359,7 +345,7 @@ class Pair:
             _sh(["ip", "-n", ns, "link", "set", ifname, "up"])
 
     def popen(self, argv: list[str], **kw) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, env=_child_env(), cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(argv, env=repo_env(), cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
         self.procs.append(proc)
         return proc
@@ -374,7 +360,7 @@ class Pair:
     def close(self) -> None:
         with _signals_deferred():
             for proc in self.procs:
-                _stop(proc)
+                stop_process(proc, signal.SIGKILL)
             for ns in reversed(self.created):
                 _delete_netns(ns)
             self.created.clear()
@@ -419,7 +405,7 @@ def _read_json_result(proc: subprocess.Popen, what: str, timeout: float) -> dict
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _stop(proc)
+        stop_process(proc, signal.SIGKILL)
         raise BenchError(f"{what} still running after {timeout:g} s") from None
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -437,7 +423,7 @@ def _wait_ready(proc: subprocess.Popen, what: str, timeout: float = 15.0) -> Non
                 return
             if not line:
                 break
-    _stop(proc)
+    stop_process(proc, signal.SIGKILL)
     raise BenchError(f"{what} did not become ready: {proc.stderr.read()[-800:] if proc.stderr else ''}")
 
 

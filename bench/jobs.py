@@ -45,10 +45,19 @@ import sys
 import tempfile
 import time
 
-from bench.workers import (ScenarioError, progress_printer, reap_workers, show_figures, tail, text_table, wait_worker,
-                           worker_env)
+from bench.workers import (
+    REPO_ROOT,
+    ScenarioError,
+    progress_printer,
+    ratio,
+    reap_workers,
+    show_figures,
+    tail,
+    text_table,
+    wait_worker,
+    worker_env,
+)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("fifo", "static", "rotate")
 OPTIONAL_PHASES = ("alone",)  # job 0 alone (agents, policy none): the JCT no sharing can beat
 POLICY = {"fifo": "none", "static": "static", "rotate": "rotate", "alone": "none"}
@@ -116,6 +125,65 @@ def job_ids(n: int, name: str) -> list[str]:
     return [f"{name}-j{i}" for i in range(n)]
 
 
+def _training_argv(tb, job: dict, rank: int, index: int, json_path: str, sockets, timeout: float) -> list[str]:
+    """``bench.training`` arguments of ``job``'s rank ``rank`` on testbed host ``index`` (plain DDP, gloo, its flows
+    registered at level 0 with the host's agent when ``sockets`` has one)."""
+    host = tb.host(index)
+    argv = ["--rank", str(rank), "--world", "2", "--master", f"{tb.host(1).ip}:{job['port']}",
+            "--profile", job["profile"], "--mode", "ddp", "--iters", str(job["iters"]),
+            "--warmup", str(job["warmup"]), "--param-scale", f"{job['param_scale']:g}",
+            "--compute-scale", f"{job['compute_scale']:g}", "--job", job["id"],
+            "--ifname", host.ifname, "--link-rate", str(int(tb.rate_bps)),
+            "--json", json_path, "--timeout", str(int(timeout))]
+    if sockets and index in sockets:
+        argv += ["--agent-socket", sockets[index], "--ddp-level", "0"]
+    return argv
+
+
+def _start_ranks(tb, jobs: list[dict], sockets, workdir: str, tag: str, go: str, timeout: float,
+                 ready_timeout: float, procs: list) -> None:
+    """Start both ranks of every job (hosts 1 and 2) as ``worker`` processes; append to ``procs`` one
+    ``(job id, rank, host, json path, ready path, log, proc)`` per rank, as each starts."""
+    for job in jobs:
+        for rank, index in enumerate((1, 2)):
+            host = tb.host(index)
+            base = os.path.join(workdir, f"{tag}-{job['id']}-r{rank}")
+            argv = [sys.executable, "-m", "bench.jobs", "worker", "--ready", base + ".ready", "--go", go,
+                    "--timeout", str(int(ready_timeout + 30)), "--",
+                    *_training_argv(tb, job, rank, index, base + ".json", sockets, timeout)]
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(base + ".ready")
+            log = open(base + ".log", "wb")  # noqa: SIM115 (closed by run_jobs)
+            procs.append((job["id"], rank, host, base + ".json", base + ".ready", log,
+                          host.popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     env=worker_env(), cwd=REPO_ROOT)))
+
+
+def _await_ready(procs: list, tag: str, ready_timeout: float) -> None:
+    """Wait (bounded) until every worker has created its ready file; ScenarioError if one exits first."""
+    deadline = time.monotonic() + ready_timeout
+    while not all(os.path.exists(p[4]) for p in procs):
+        for jid, rank, host, _, _, log, proc in procs:
+            if proc.poll() is not None:
+                raise ScenarioError(f"{tag}: {jid} rank {rank} on {host.name} exited {proc.returncode} before "
+                                    "the common start (worker() holds each job at its first dist.barrier(), "
+                                    f"the one bench.training calls before its timed iterations); log:\n"
+                                    f"{tail(log.name)}")
+        if time.monotonic() > deadline:
+            raise ScenarioError(f"{tag}: workers not ready after {ready_timeout:g} s (set-up)")
+        time.sleep(0.05)
+
+
+def _release(go: str) -> float:
+    """Write the common start (``START_DELAY_S`` from now, wall clock) into ``go`` atomically; return it."""
+    start = time.time() + START_DELAY_S
+    tmp = go + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(repr(start))
+    os.replace(tmp, go)
+    return start
+
+
 def run_jobs(tb, jobs: list[dict], sockets: dict[int, str] | None, workdir: str, tag: str, timeout: float,
              ready_timeout: float = 240.0) -> dict:
     """Start every rank of every job in ``jobs`` (dicts: id, profile, param_scale, compute_scale, iters, warmup,
@@ -123,54 +191,19 @@ def run_jobs(tb, jobs: list[dict], sockets: dict[int, str] | None, workdir: str,
 
     Raises ScenarioError with the failing worker's log; every worker still running is killed on the way out.
     """
+    import json
+
     go = os.path.join(workdir, f"{tag}.go")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(go)
-    procs = []  # (job id, rank, host, json path, ready path, log, proc)
+    procs: list = []  # (job id, rank, host, json path, ready path, log, proc)
     try:
-        for job in jobs:
-            ranks = [1, 2]
-            master = f"{tb.host(ranks[0]).ip}:{job['port']}"
-            for rank, index in enumerate(ranks):
-                host = tb.host(index)
-                base = os.path.join(workdir, f"{tag}-{job['id']}-r{rank}")
-                training = ["--rank", str(rank), "--world", str(len(ranks)), "--master", master,
-                            "--profile", job["profile"], "--mode", "ddp", "--iters", str(job["iters"]),
-                            "--warmup", str(job["warmup"]), "--param-scale", f"{job['param_scale']:g}",
-                            "--compute-scale", f"{job['compute_scale']:g}", "--job", job["id"],
-                            "--ifname", host.ifname, "--link-rate", str(int(tb.rate_bps)),
-                            "--json", base + ".json", "--timeout", str(int(timeout))]
-                if sockets and index in sockets:
-                    training += ["--agent-socket", sockets[index], "--ddp-level", "0"]
-                argv = [sys.executable, "-m", "bench.jobs", "worker", "--ready", base + ".ready", "--go", go,
-                        "--timeout", str(int(ready_timeout + 30)), "--", *training]
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(base + ".ready")
-                log = open(base + ".log", "wb")  # noqa: SIM115 (closed in finally)
-                procs.append((job["id"], rank, host, base + ".json", base + ".ready", log,
-                              host.popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=worker_env(), cwd=REPO_ROOT)))
-        deadline = time.monotonic() + ready_timeout
-        while not all(os.path.exists(p[4]) for p in procs):
-            for jid, rank, host, _, _, log, proc in procs:
-                if proc.poll() is not None:
-                    raise ScenarioError(f"{tag}: {jid} rank {rank} on {host.name} exited {proc.returncode} before "
-                                        "the common start (worker() holds each job at its first dist.barrier(), "
-                                        f"the one bench.training calls before its timed iterations); log:\n"
-                                        f"{tail(log.name)}")
-            if time.monotonic() > deadline:
-                raise ScenarioError(f"{tag}: workers not ready after {ready_timeout:g} s (set-up)")
-            time.sleep(0.05)
-        start = time.time() + START_DELAY_S
-        tmp = go + ".tmp"
-        with open(tmp, "w") as fh:
-            fh.write(repr(start))
-        os.replace(tmp, go)
+        _start_ranks(tb, jobs, sockets, workdir, tag, go, timeout, ready_timeout, procs)
+        _await_ready(procs, tag, ready_timeout)
+        start = _release(go)
         deadline = time.monotonic() + START_DELAY_S + timeout
         for jid, rank, host, _, _, log, proc in procs:
             wait_worker(proc, deadline, timeout, f"{tag}: {jid} rank {rank} on {host.name}", log.name)
-        import json
-
         results: dict[str, list[dict]] = {}
         for jid, _, _, out, _, _, _ in procs:
             with open(out) as fh:
@@ -190,13 +223,9 @@ def tcp_counters(host) -> dict[str, int]:
                                ("/proc/net/netstat", "TcpExt:", ("TCPTimeouts",))):
         lines = [ln.split() for ln in host.run(["cat", path]).stdout.splitlines() if ln.startswith(table)]
         if len(lines) >= 2:
-            row = dict(zip(lines[0][1:], lines[1][1:]))
+            row = dict(zip(lines[0][1:], lines[1][1:], strict=False))
             out.update({n: int(row[n]) for n in names if n in row})
     return out
-
-
-def _ratio(a, b):
-    return None if a is None or not b else a / b
 
 
 def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels: int, epoch_s: float) -> dict:
@@ -237,7 +266,7 @@ def passes(fig: dict) -> dict:
     if not f or not r:
         return {"rotate_avg": None, "rotate_no_job_worse": None, "rotate_worst_not_worse": None, "all": None}
     avg = fig["rotate_avg_s"] <= TARGET_ROTATE_VS_FIFO_AVG * fig["fifo_avg_s"]
-    per_job = all(x <= y for x, y in zip(r, f))
+    per_job = all(x <= y for x, y in zip(r, f, strict=False))
     worst = fig["rotate_worst_s"] <= fig["fifo_worst_s"]
     return {"rotate_avg": avg, "rotate_no_job_worse": per_job, "rotate_worst_not_worse": worst,
             "all": avg and per_job}
@@ -250,12 +279,12 @@ def summarise(fig: dict, phases=PHASES) -> dict:
         if jct:
             fig[f"{phase}_avg_s"] = statistics.fmean(jct)
             fig[f"{phase}_worst_s"] = max(jct)
-    fig["rotate_vs_fifo_avg"] = _ratio(fig.get("rotate_avg_s"), fig.get("fifo_avg_s"))
-    fig["rotate_worst_vs_fifo_worst"] = _ratio(fig.get("rotate_worst_s"), fig.get("fifo_worst_s"))
-    fig["static_vs_fifo_avg"] = _ratio(fig.get("static_avg_s"), fig.get("fifo_avg_s"))
-    fig["static_worst_vs_fifo_worst"] = _ratio(fig.get("static_worst_s"), fig.get("fifo_worst_s"))
+    fig["rotate_vs_fifo_avg"] = ratio(fig.get("rotate_avg_s"), fig.get("fifo_avg_s"))
+    fig["rotate_worst_vs_fifo_worst"] = ratio(fig.get("rotate_worst_s"), fig.get("fifo_worst_s"))
+    fig["static_vs_fifo_avg"] = ratio(fig.get("static_avg_s"), fig.get("fifo_avg_s"))
+    fig["static_worst_vs_fifo_worst"] = ratio(fig.get("static_worst_s"), fig.get("fifo_worst_s"))
     if fig.get("fifo_jct_s") and fig.get("rotate_jct_s"):
-        fig["rotate_vs_fifo_per_job"] = [r / f for r, f in zip(fig["rotate_jct_s"], fig["fifo_jct_s"])]
+        fig["rotate_vs_fifo_per_job"] = [r / f for r, f in zip(fig["rotate_jct_s"], fig["fifo_jct_s"], strict=False)]
     fig["pass"] = passes(fig)
     return fig
 

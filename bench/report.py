@@ -1,18 +1,20 @@
-"""The README's performance section, made from the benchmarks' JSON files: one table with a row per figure (ours,
-the alternative it was measured beside, their ratio, the target and whether it was met or by how much it was
-missed), a line per benchmark (machine, link rate, repetitions, duration) and one PNG plot per benchmark.
+"""The results page and the README's headline block, made from the benchmarks' JSON files: one table with a row per
+figure (ours, the alternative it was measured beside, their ratio, the target and whether it was met or by how much it
+was missed), a line per benchmark (machine, link rate, repetitions, duration), one PNG plot per benchmark and the
+predicted-vs-measured tables of ``validate``.
 
 Inputs (``--results``, default ``results/``): ``contention.json``, ``priority.json``, ``jobs.json``,
-``control-plane.json``, ``shim-overhead.json``, ``realtrain.json`` and, optionally, ``classifier.json``, each written by
-``python -m bench NAME --json results/NAME.json``. A missing file gives a "not run" row; a missing key shows "-".
+``control-plane.json``, ``shim-overhead.json``, ``realtrain.json`` and, optionally, ``classifier.json`` and
+``validate.json``, each written by ``python -m bench NAME --json results/NAME.json``. A missing file gives a "not run"
+row; a missing key shows "-".
 
-Outputs: the section between ``<!-- perf-table:begin -->`` and ``<!-- perf-table:end -->`` of ``--readme``
-(nothing else in the file changes; running it twice changes nothing), and ``--img-dir``/bench-NAME.png.
-``--check`` writes nothing and exits 1 when the README's section (or a plot it links to) is not what the JSON
-files give.
+Outputs: ``--page`` (default ``README.md`` in the results directory: ``results/README.md``), written whole; in
+``--readme`` only the short block between ``<!-- perf-table:begin -->`` and ``<!-- perf-table:end -->`` (a headline
+figure per benchmark and a link to the page); ``--img-dir``/bench-NAME.png. Running it twice changes nothing.
+``--check`` writes nothing and exits 1 when the page, the README's block or a plot is not what the JSON files give.
 
-Usage: ``python -m bench.report [--results results] [--readme README.md] [--img-dir docs/img] [--check]``
-(also ``python -m bench.report`` and ``make report``).
+Usage: ``python -m bench.report [--results results] [--readme README.md] [--page results/README.md]
+[--img-dir docs/img] [--check] [--print]`` (also ``make report``).
 """
 from __future__ import annotations
 
@@ -33,6 +35,14 @@ BENCHES = (("contention", "contention.json", True), ("priority", "priority.json"
 PROFILE_NAMES = {"resnet50": "ResNet-50", "vgg16": "VGG-16", "bert_base": "BERT-base"}
 DASH = "-"
 INFORMATIONAL = "none (informational)"
+# The README's headline block: per benchmark its first row, or the rows whose figure holds this text
+HEADLINE = {"priority": "shim vs plain DDP"}
+# Where each benchmark's method is described (repository-relative), linked from the results page
+METHOD_DOCS = {"contention": "docs/benchmarks.md#contention", "priority": "docs/priority.md", "jobs": "docs/jobs.md",
+               "control-plane": "docs/benchmarks.md#control-plane",
+               "shim-overhead": "docs/benchmarks.md#shim-overhead", "realtrain": "docs/benchmarks.md#realtrain",
+               "classifier": "docs/classifier.md", "validate": "docs/policies.md#predicted-vs-measured"}
+VALIDATE_POLICIES = {"ddp": "plain DDP", "app_order": "application order (1 level)", "shim_overlap": "shim"}
 
 
 class ReportError(RuntimeError):
@@ -262,7 +272,7 @@ def per_job_ratios(ours, fifo) -> list[float]:
     """Each job's JCT over its FIFO JCT (lists in job order); [] unless both are equal-length lists of numbers."""
     if not isinstance(ours, list) or not isinstance(fifo, list) or len(ours) != len(fifo) or not ours:
         return []
-    out = [ratio_of(a, b) for a, b in zip(ours, fifo)]
+    out = [ratio_of(a, b) for a, b in zip(ours, fifo, strict=True)]
     return [] if any(x is None for x in out) else out
 
 
@@ -490,23 +500,26 @@ def fmt_bytes(v) -> str:
 
 # ---------------------------------------------------------------------------------------------------- loading
 
+def load_one(path: str) -> dict:
+    """``{"path", "data", "error"}`` for one JSON file: ``data`` the object, or ``error`` why it is unreadable;
+    neither when the file does not exist. Usage: ``load_one("results/validate.json")["data"]``"""
+    entry: dict = {"path": path, "data": None, "error": None}
+    if os.path.exists(path):
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+            if not isinstance(data, dict):
+                raise TypeError("not a JSON object")
+            entry["data"] = data
+        except (OSError, ValueError, TypeError) as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+    return entry
+
+
 def load(results_dir: str) -> dict[str, dict]:
-    """``{name: {"path", "data" or "error"}}`` for every benchmark; a missing file has neither data nor error."""
-    out = {}
-    for name, fname, required in BENCHES:
-        path = os.path.join(results_dir, fname)
-        entry: dict = {"path": path, "required": required, "data": None, "error": None}
-        if os.path.exists(path):
-            try:
-                with open(path) as fh:
-                    data = json.load(fh)
-                if not isinstance(data, dict):
-                    raise TypeError("not a JSON object")
-                entry["data"] = data
-            except (OSError, ValueError, TypeError) as exc:
-                entry["error"] = f"{type(exc).__name__}: {exc}"
-        out[name] = entry
-    return out
+    """``{name: {"path", "required", "data" or "error"}}`` for every benchmark of the table (see :func:`load_one`)."""
+    return {name: {**load_one(os.path.join(results_dir, fname)), "required": required}
+            for name, fname, required in BENCHES}
 
 
 # ---------------------------------------------------------------------------------------------------- rendering
@@ -523,14 +536,14 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def render(results: dict[str, dict], results_rel: str = "results", img_rel: str | None = "docs/img",
-           plots: set[str] | None = None) -> str:
-    """The markdown section (without the markers). ``plots``: the benchmarks whose PNG exists (linked); None: every
-    benchmark with data. Usage: ``render(load("results"))``
+def collect(results: dict[str, dict], results_rel: str = "results", img_rel: str | None = "docs/img",
+            plots: set[str] | None = None) -> tuple[list[Row], list[str], list[str]]:
+    """``(rows, run lines, quick runs)`` of every benchmark in table order: a missing file gives a "not run" row,
+    an unreadable one an "unreadable" row. ``plots``: the benchmarks whose PNG exists (linked); None: all with data.
     """
     rows: list[Row] = []
-    lines_after = []
-    quick = []
+    lines: list[str] = []
+    quick: list[str] = []
     for name, _, required in BENCHES:
         entry = results.get(name) or {"data": None, "error": None, "required": required}
         d = entry.get("data")
@@ -539,9 +552,9 @@ def render(results: dict[str, dict], results_rel: str = "results", img_rel: str 
                 continue
             why = f"unreadable ({entry['error']})" if entry.get("error") else "not run"
             rows.append(Row(name, DASH, why, result=why))
-            lines_after.append(f"- **{name}**: {why}: `{results_rel}/{name}.json`"
-                               + ("" if entry.get("error") else f" (`python -m bench {name} --json "
-                                                                 f"{results_rel}/{name}.json`)"))
+            cmd = f"python -m bench {name} --json {results_rel}/{name}.json"
+            lines.append(f"- **{name}**: {why}: `{results_rel}/{name}.json`"
+                         + ("" if entry.get("error") else f" (`{cmd}`)"))
             continue
         try:
             rows.extend(ROWS[name](d))
@@ -549,36 +562,152 @@ def render(results: dict[str, dict], results_rel: str = "results", img_rel: str 
             rows.append(Row(name, DASH, f"unreadable ({type(exc).__name__}: {exc})", result="unreadable"))
         if d.get("quick"):
             quick.append(name)
-        has_plot = plots is None or name in plots
+        plot = f"{img_rel}/bench-{name}.png" if img_rel and (plots is None or name in plots) else None
         try:
-            lines_after.append(describe_run(name, d, f"{img_rel}/bench-{name}.png" if img_rel and has_plot else None))
+            lines.append(describe_run(name, d, plot))
         except Exception as exc:  # noqa: BLE001 - as above
-            lines_after.append(f"- **{name}**: run not described ({type(exc).__name__}: {exc})")
-    out = ["Generated by `python -m bench.report` from `" + results_rel + "/*.json` (do not edit by hand). Every "
-           "ratio compares figures measured side by side in one run on one testbed.", ""]
-    if quick:
-        out += [f"**Quick runs** (fewer repetitions, for smoke testing, not for quoting): {', '.join(quick)}.", ""]
-    out += ["| benchmark | figure | ours | alternative(s) | ratio | target | result |",
-            "|---|---|---:|---|---:|---|---|"]
-    for r in rows:
-        out.append("| " + " | ".join(_cell(c) for c in (r.bench, r.figure, r.ours, r.alternatives, r.ratio, r.target,
-                                                          r.result)) + " |")
+            lines.append(f"- **{name}**: run not described ({type(exc).__name__}: {exc})")
+    return rows, lines, quick
+
+
+def table_lines(rows: list[Row]) -> list[str]:
+    """The markdown table of ``rows``, header included."""
+    out = ["| benchmark | figure | ours | alternative(s) | ratio | target | result |",
+           "|---|---|---:|---|---:|---|---|"]
+    return out + ["| " + " | ".join(_cell(c) for c in (r.bench, r.figure, r.ours, r.alternatives, r.ratio, r.target,
+                                                         r.result)) + " |" for r in rows]
+
+
+def judged_rows(rows: list[Row]) -> tuple[list[Row], list[Row]]:
+    """``(judged, missed)``: the rows with a verdict against a target, and those of them that missed it."""
     missed = [r for r in rows if r.missed is not None]
-    judged_rows = [r for r in rows if r.result in ("met",) or r.missed is not None]
+    return [r for r in rows if r.result == "met" or r.missed is not None], missed
+
+
+def quick_note(quick: list[str]) -> list[str]:
+    """The paragraph that marks quick runs (none: no lines)."""
+    if not quick:
+        return []
+    return [f"**Quick runs** (fewer repetitions, for smoke testing, not for quoting): {', '.join(quick)}.", ""]
+
+
+def render(results: dict[str, dict], results_rel: str = "results", img_rel: str | None = "docs/img",
+           plots: set[str] | None = None) -> str:
+    """The full performance section: the table, the missed targets, what was not measured and a line per run.
+    ``plots``: the benchmarks whose PNG exists (linked); None: every benchmark with data.
+
+    Usage: ``render(load("results"))``
+    """
+    rows, lines_after, quick = collect(results, results_rel, img_rel, plots)
+    out = ["Generated by `python -m bench.report` from `" + results_rel + "/*.json` (do not edit by hand). Every "
+           "ratio compares figures measured side by side in one run on one testbed.", "", *quick_note(quick)]
+    out += table_lines(rows)
+    judged, missed = judged_rows(rows)
     out.append("")
     if missed:
-        out += [f"Targets missed ({len(missed)} of {len(judged_rows)} measured):", ""]
+        out += [f"Targets missed ({len(missed)} of {len(judged)} measured):", ""]
         out += [f"- {r.bench}, {r.figure}: {r.ratio if r.ratio != DASH else r.ours} against {r.target}, "
                 f"missed by {r.missed}" for r in missed]
         out.append("")
-    elif judged_rows:
-        out.append(f"All {len(judged_rows)} measured targets met.")
+    elif judged:
+        out.append(f"All {len(judged)} measured targets met.")
     not_run = [r.bench if r.figure == DASH else f"{r.bench} ({r.figure})" for r in rows
                if r.result in ("not run",) or r.result.startswith("unreadable")]
     if not_run:
         out.append(f"Not measured: {', '.join(dict.fromkeys(not_run))}.")
     out += ["", "Runs:", "", *lines_after]
     return "\n".join(out)
+
+
+def headline_rows(rows: list[Row]) -> list[Row]:
+    """One row per benchmark (its first), or for those in HEADLINE the rows whose figure names it."""
+    out = []
+    for name, _, _ in BENCHES:
+        mine = [r for r in rows if r.bench == name]
+        picked = [r for r in mine if name in HEADLINE and HEADLINE[name] in r.figure]
+        out += picked or mine[:1]
+    return out
+
+
+def render_headline(results: dict[str, dict], page_rel: str = "results/README.md", results_rel: str = "results") -> str:
+    """The README's short block: a headline figure per benchmark, the count of targets met, a link to the page.
+
+    Usage: ``render_headline(load("results"))``
+    """
+    rows, _, quick = collect(results, results_rel, None, set())
+    judged, missed = judged_rows(rows)
+    count = (f"{len(judged) - len(missed)} of {len(judged)} measured targets met" if judged
+             else "no target measured yet")
+    out = [f"Generated by `python -m bench.report` from `{results_rel}/*.json` (do not edit by hand): one headline "
+           f"figure per benchmark; {count}. Every figure, the set-up of each run and the plots: "
+           f"[{page_rel}]({page_rel}).", "", *quick_note(quick)]
+    return "\n".join(out + table_lines(headline_rows(rows)))
+
+
+def render_validate(entry: dict, root_rel: str = "..") -> list[str]:
+    """The page's section on ``validate.json``: predicted vs measured per profile and policy (within 15 %), and the
+    planner's choice against the best candidate measured (within 5 %). Nothing when the file is absent."""
+    d = entry.get("data")
+    if d is None:
+        return [] if not entry.get("error") else ["## Predicted vs measured", "", f"unreadable ({entry['error']})"]
+    profiles = d.get("profiles") if isinstance(d.get("profiles"), dict) else {}
+    planner = d.get("planner") if isinstance(d.get("planner"), dict) else {}
+    tol, ptol = num(d.get("tolerance")) or 0.15, num(d.get("planner_tolerance")) or 0.05
+    out = ["## Predicted vs measured (`validate`)", "",
+           f"`policies.execution`'s predictions against measured iteration times ({describe_setup('validate', d)}; "
+           f"{describe_reps('priority', d)}; {describe_machine(d)}); how: "
+           f"[{METHOD_DOCS['validate']}]({_join(root_rel, METHOD_DOCS['validate'])}).", "",
+           f"| profile | policy | predicted | measured | error | within {tol:.0%} |", "|---|---|---:|---:|---:|---|"]
+    for prof, f in profiles.items():
+        for key, label in VALIDATE_POLICIES.items():
+            p = (f or {}).get(key) if isinstance((f or {}).get(key), dict) else {}
+            err = num(p.get("error"))
+            out.append(f"| {PROFILE_NAMES.get(prof, prof)} | {label} | {fmt_s(p.get('predicted_s'))} | "
+                       f"{fmt_s(p.get('measured_s'))} | {DASH if err is None else f'{err:+.1%}'} | "
+                       f"{verdict(None if err is None else abs(err), '<=', tol)[0]} |")
+    out += ["", f"| profile | planner's choice | measured | best candidate measured | measured | ratio "
+                f"(<= {1 + ptol:.2f}) | result |", "|---|---|---:|---|---:|---:|---|"]
+    for prof, p in planner.items():
+        p = p if isinstance(p, dict) else {}
+        out.append(f"| {PROFILE_NAMES.get(prof, prof)} | `{p.get('chosen', DASH)}` | {fmt_s(p.get('chosen_s'))} | "
+                   f"`{p.get('best', DASH)}` | {fmt_s(p.get('best_s'))} | {fmt_x(p.get('ratio'))} | "
+                   f"{verdict(p.get('ratio'), '<=', 1 + ptol)[0]} |")
+    return out
+
+
+def render_plots(results: dict[str, dict], img_rel: str, root_rel: str, plots: set[str]) -> list[str]:
+    """The page's section per benchmark with data: where its method is described and its plot, embedded."""
+    out = ["## Plots", ""]
+    for name, _, _ in BENCHES:
+        if (results.get(name) or {}).get("data") is None:
+            continue
+        out += [f"### {name}", "", f"How it runs: [{METHOD_DOCS[name]}]({_join(root_rel, METHOD_DOCS[name])}).", ""]
+        if name in plots:
+            out += [f"![{name}]({img_rel}/bench-{name}.png)", ""]
+    return out
+
+
+def _join(root_rel: str, path: str) -> str:
+    return path if root_rel in ("", ".") else f"{root_rel}/{path}"
+
+
+def render_page(results: dict[str, dict], validate: dict | None = None, results_rel: str = "results",
+                img_rel: str = "../docs/img", root_rel: str = "..", plots: set[str] | None = None) -> str:
+    """The whole results page (``results/README.md``): the section of :func:`render`, a plot per benchmark and the
+    validate tables. Links are relative to the page (``img_rel``, ``root_rel``: the repository root from it).
+
+    Usage: ``render_page(load("results"), load_one("results/validate.json"))``
+    """
+    plots = {n for n, e in results.items() if e.get("data") is not None} if plots is None else plots
+    docs = _join(root_rel, "docs/benchmarks.md")
+    out = ["# Measured results", "",
+           f"What each benchmark compares, how it runs, its options and notes on earlier runs: [docs/benchmarks.md]"
+           f"({docs}). Regenerate this page, the README's headline block and the plots with `make report`; "
+           "`python -m bench.report --check` exits 1 when any of them is out of date.", "",
+           "## Every figure", "", render(results, results_rel, img_rel, plots), "", *render_plots(results, img_rel,
+                                                                                                 root_rel, plots)]
+    out += render_validate(validate or {}, root_rel)
+    return "\n".join(out).rstrip() + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------- README
@@ -613,7 +742,7 @@ def _bars(ax, labels, values, title, ylabel, colors=None, ref=None, ref_label=""
     ax.set_xticks(list(xs), labels)
     ax.set_title(title, fontsize=10)
     ax.set_ylabel(ylabel)
-    for b, v in zip(bars, values):
+    for b, v in zip(bars, values, strict=True):
         if num(v) is not None:
             ax.annotate(f"{num(v):.0f}" if abs(num(v)) >= 10 else f"{num(v):.3g}",
                         (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
@@ -839,71 +968,91 @@ def _rel(path: str, start: str) -> str:
     return os.path.relpath(os.path.abspath(path), os.path.abspath(start)).replace(os.sep, "/")
 
 
-def build(results_dir: str, readme: str, img_dir: str, check: bool = False, out=print) -> int:
-    """Render from ``results_dir`` and update (or, with ``check``, compare) ``readme``; 0 ok, 1 stale.
+def _read(path: str) -> str | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        return fh.read()
 
-    Usage: ``build("results", "README.md", "docs/img")``
-    """
-    base = os.path.dirname(os.path.abspath(readme))
-    results = load(results_dir)
-    with open(readme) as fh:
-        text = fh.read()
-    if check:
-        plots = {n for n in results if os.path.exists(os.path.join(img_dir, f"bench-{n}.png"))}
-    else:
-        plots = set(write_plots(results, img_dir))
-    expected_plots = {n for n, e in results.items() if e.get("data") is not None}
-    section = render(results, _rel(results_dir, base), _rel(img_dir, base), plots=plots)
-    new = replace_section(text, section)
-    if check:
-        stale = []
-        if new != text:
-            stale.append(f"{readme}: the performance section differs from what {results_dir}/*.json give")
-        missing = sorted(expected_plots - plots)
-        if missing:
-            stale.append(f"plots missing in {img_dir}: " + ", ".join(f"bench-{n}.png" for n in missing))
-        for line in stale:
-            out(f"bench.report: {line}")
-        if stale:
-            out("bench.report: run `python -m bench.report` (or `make report`) to update")
-            return 1
-        out(f"bench.report: {readme} is up to date with {results_dir}")
-        return 0
-    if new != text:
-        with open(readme, "w") as fh:
-            fh.write(new)
-        out(f"bench.report: {readme}: performance section updated")
-    else:
-        out(f"bench.report: {readme}: performance section unchanged")
-    for name, path in sorted(plots_paths(img_dir, plots).items()):
-        out(f"bench.report: plot {path}")
+
+def generate(results_dir: str, readme: str, page: str, img_dir: str, plots: set[str]) -> dict[str, str]:
+    """``{path: text}`` of the README (its block replaced) and the results page, from ``results_dir``'s files.
+    Paths written into the README are relative to it (the repository root); those in the page to the page."""
+    base, page_dir = os.path.dirname(os.path.abspath(readme)), os.path.dirname(os.path.abspath(page))
+    results, results_rel = load(results_dir), _rel(results_dir, base)
+    text = _read(readme)
+    if text is None:
+        raise ReportError(f"{readme} does not exist")
+    page_text = render_page(results, load_one(os.path.join(results_dir, "validate.json")), results_rel,
+                            _rel(img_dir, page_dir), _rel(base, page_dir), plots)
+    return {readme: replace_section(text, render_headline(results, _rel(page, base), results_rel)), page: page_text}
+
+
+def check(texts: dict[str, str], expected_plots: set[str], plots: set[str], img_dir: str, out=print) -> int:
+    """0 when every file in ``texts`` already holds its text and every plot exists, else 1 (saying what differs)."""
+    stale = [f"{path}: differs from what the results' JSON files give" for path, text in texts.items()
+             if _read(path) != text]
+    missing = sorted(expected_plots - plots)
+    if missing:
+        stale.append(f"plots missing in {img_dir}: " + ", ".join(f"bench-{n}.png" for n in missing))
+    for line in stale:
+        out(f"bench.report: {line}")
+    if stale:
+        out("bench.report: run `python -m bench.report` (or `make report`) to update")
+        return 1
+    out("bench.report: " + ", ".join(texts) + " up to date")
     return 0
 
 
-def plots_paths(img_dir: str, names) -> dict[str, str]:
-    return {n: os.path.join(img_dir, f"bench-{n}.png") for n in names}
+def build(results_dir: str, readme: str, img_dir: str, check_only: bool = False, out=print,
+          page: str | None = None) -> int:
+    """Render from ``results_dir`` and update (or, with ``check_only``, compare) ``readme``'s block, the results page
+    (default ``results_dir``/README.md) and the plots; 0 ok, 1 stale.
+
+    Usage: ``build("results", "README.md", "docs/img")``
+    """
+    page = page or os.path.join(results_dir, "README.md")
+    results = load(results_dir)
+    expected_plots = {n for n, e in results.items() if e.get("data") is not None}
+    if check_only:
+        plots = {n for n in expected_plots if os.path.exists(os.path.join(img_dir, f"bench-{n}.png"))}
+        return check(generate(results_dir, readme, page, img_dir, plots), expected_plots, plots, img_dir, out)
+    plots = set(write_plots(results, img_dir))
+    for path, text in generate(results_dir, readme, page, img_dir, plots).items():
+        if _read(path) == text:
+            out(f"bench.report: {path}: unchanged")
+            continue
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(text)
+        out(f"bench.report: {path}: updated")
+    for name in sorted(plots):
+        out(f"bench.report: plot {os.path.join(img_dir, f'bench-{name}.png')}")
+    return 0
 
 
 def main(argv=None) -> int:
+    """``python -m bench.report``: see the module's docstring. Returns the exit status (0, 1 stale, 2 error)."""
     p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
     p.add_argument("--results", default="results", help="directory of the benchmarks' JSON files (%(default)s)")
     p.add_argument("--readme", default="README.md", help="the file with the perf-table markers (%(default)s)")
+    p.add_argument("--page", help="the results page (default: README.md in the --results directory)")
     p.add_argument("--img-dir", default=os.path.join("docs", "img"), help="where the PNG plots go (%(default)s)")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the README is out of date")
-    p.add_argument("--print", action="store_true", dest="show", help="also print the section it renders")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if anything is out of date")
+    p.add_argument("--print", action="store_true", dest="show", help="also print the results page it renders")
     args = p.parse_args(argv)
     if not os.path.exists(args.readme):
         print(f"bench.report: {args.readme} does not exist", file=sys.stderr)
         return 2
+    page = args.page or os.path.join(args.results, "README.md")
     try:
-        code = build(args.results, args.readme, args.img_dir, check=args.check)
+        code = build(args.results, args.readme, args.img_dir, check_only=args.check, page=page)
     except (ReportError, OSError) as exc:
         print(f"bench.report: {exc}", file=sys.stderr)
         return 2
     if args.show:
-        base = os.path.dirname(os.path.abspath(args.readme))
         plots = {n for n, _, _ in BENCHES if os.path.exists(os.path.join(args.img_dir, f"bench-{n}.png"))}
-        print(render(load(args.results), _rel(args.results, base), _rel(args.img_dir, base), plots=plots))
+        print(generate(args.results, args.readme, page, args.img_dir, plots)[page])
     return code
 
 

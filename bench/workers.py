@@ -16,11 +16,20 @@ class ScenarioError(RuntimeError):
     """A step of a benchmark failed; the message says which and includes the relevant log."""
 
 
-def worker_env() -> dict:
-    """The environment of a worker: the repository importable, unbuffered output, one OpenMP thread."""
+def repo_env(extra: dict | None = None) -> dict:
+    """This process's environment with the repository importable (``bench``, ``testbed``) and unbuffered output,
+    updated with ``extra``. Usage: ``host.popen(argv, env=repo_env(), cwd=REPO_ROOT)``
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def worker_env() -> dict:
+    """The environment of a worker: the repository importable, unbuffered output, one OpenMP thread."""
+    env = repo_env()
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
@@ -53,7 +62,7 @@ def run_workers(tb, hosts: list[int], argv_of, workdir: str, tag: str, timeout: 
                                                            stdout=log, stderr=subprocess.STDOUT, env=worker_env(),
                                                            cwd=REPO_ROOT)))
         deadline = time.monotonic() + timeout
-        for rank, host, out, log, proc in procs:
+        for rank, host, _, log, proc in procs:
             wait_worker(proc, deadline, timeout, f"{tag}: rank {rank} on {host.name}", log.name)
         results = []
         for _, _, out, _, _ in procs:
@@ -94,7 +103,7 @@ def text_table(rows) -> list[str]:
     Usage: ``"\n".join(text_table([("phase", "median"), ("fifo", "1794 ms")]))``
     """
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return lines
 
@@ -125,7 +134,9 @@ def progress_printer():
 def stop_process(proc: subprocess.Popen, sig: int = 15, wait_s: float = 3.0) -> int:
     """Send ``sig`` (default SIGTERM) to ``proc`` and wait ``wait_s``; SIGKILL it if it is still there.
 
-    Returns its exit status (negative: the signal that ended it). Usage: ``stop_process(agent_proc, wait_s=10)``
+    The one way the benchmarks stop what they started (agents, iperf3, their own children). Returns its exit
+    status (negative: the signal that ended it). Usage: ``stop_process(agent_proc, wait_s=10)``,
+    ``stop_process(proc, signal.SIGKILL)``
     """
     import contextlib
     import signal
@@ -176,7 +187,7 @@ def machine_info() -> dict:
 
     info: dict = {"cores": os.cpu_count(), "memory_bytes": None, "kernel": platform.release(),
                   "python": platform.python_version(), "torch": None, "cpu_model": None, "load_avg": None,
-                  "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+                  "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
     with contextlib.suppress(ValueError, OSError, AttributeError):
         info["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     from importlib import metadata

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tensorlane.client import AgentClient
-from bench.agents import AgentStartError, running_agents, stop_agent
+from bench.agents import AgentStartError, running_agents
 from testbed import Testbed
 
 pytestmark = pytest.mark.netns

@@ -68,6 +68,14 @@ class Scrape:
         return self._classes
 
 
+def without_created(instrument) -> Iterable[Metric]:
+    """The families of a prometheus_client instrument (Counter, Histogram) without their ``_created`` samples,
+    which the text format would export as one more gauge series each."""
+    for fam in instrument.collect():
+        fam.samples = [s for s in fam.samples if not s.name.endswith("_created")]
+        yield fam
+
+
 class Source:
     """Base of every metrics source: override ``name`` and ``collect``."""
 

@@ -1,0 +1,195 @@
+"""The distribution: one import package ``tensorlane``, dependencies that flow one way, a wheel that installs the
+agent without torch and the shim with it.
+
+The import rules (docs in README.md, "Repository layout"):
+- the agent never imports the shim, the shim never imports the agent; both import the shared modules
+  (``tensorlane.client``, ``tensorlane.flows``, ``tensorlane.units``) and the policies;
+- the shared modules and the policies import neither the agent nor the shim; the policies do no I/O;
+- nothing shipped imports the repository tools (``bench``, ``testbed``), and no private name crosses a package;
+- the agent and the CLI never load torch.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from test_ansible import fleet_testbed  # builds the wheel from a copy of the tree, as the fleet test does
+
+from testbed import Testbed
+
+REPO = Path(__file__).resolve().parents[1]
+PARTS = {"tensorlane": REPO / "tensorlane", "tensorlane.agent": REPO / "agent", "tensorlane.shim": REPO / "shim",
+         "tensorlane.policies": REPO / "policies"}
+
+# module prefix -> prefixes it must never import
+FORBIDDEN = {
+    "tensorlane.agent": ("tensorlane.shim", "torch", "bench", "testbed"),
+    "tensorlane.shim": ("tensorlane.agent", "bench", "testbed"),
+    "tensorlane.policies": ("tensorlane.agent", "tensorlane.shim", "tensorlane.client", "tensorlane.flows", "torch",
+                            "bench", "testbed", "os", "socket", "subprocess", "pyroute2", "threading"),
+    "tensorlane.client": ("tensorlane.agent", "tensorlane.shim", "tensorlane.policies", "torch"),
+    "tensorlane.flows": ("tensorlane.agent", "tensorlane.shim", "tensorlane.policies", "torch"),
+    "tensorlane.units": ("tensorlane.agent", "tensorlane.shim", "tensorlane.policies", "torch"),
+    "tensorlane.cli": ("tensorlane.shim", "torch", "bench", "testbed"),
+}
+
+
+def modules() -> dict[str, Path]:
+    """Every shipped module by its dotted name (the package-dir mapping of pyproject.toml)."""
+    out = {}
+    for pkg, root in PARTS.items():
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root).with_suffix("").parts
+            if pkg == "tensorlane" and len(rel) > 1:
+                continue
+            name = ".".join((pkg, *rel))
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imports(name: str, path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """``(module, names)`` for each import statement of the module (relative imports resolved)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, ()) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = name.split(".")[: -node.level + (1 if path.name == "__init__.py" else 0) or None]
+                base = ".".join([*parent, base]) if base else ".".join(parent)
+            out.append((base, tuple(a.name for a in node.names)))
+    return out
+
+
+def package_of(module: str) -> str:
+    for pkg in ("tensorlane.agent", "tensorlane.shim", "tensorlane.policies"):
+        if module == pkg or module.startswith(pkg + "."):
+            return pkg
+    return module
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_imports_flow_one_way():
+    """The agent and the shim meet only in the shared modules; policies and shared modules import neither."""
+    bad = []
+    for name, path in modules().items():
+        rules = [bans for prefix, bans in FORBIDDEN.items() if _under(name, prefix)]
+        for target, names in imports(name, path):
+            targets = [target] + [f"{target}.{n}" for n in names]
+            for bans in rules:
+                bad += [f"{name} imports {t}" for t in targets for ban in bans if _under(t, ban)]
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_no_private_name_crosses_a_package():
+    """``from X import _name`` only inside X's own package."""
+    mods = modules()
+    bad = [f"{name}: from {target} import {n}" for name, path in mods.items()
+           for target, names in imports(name, path) if target.startswith("tensorlane")
+           for n in names if n.startswith("_") and n != "__version__"
+           and package_of(target) != package_of(name)]
+    assert not bad, "\n".join(bad)
+
+
+def test_agent_and_cli_never_load_torch():
+    """Importing every agent module and the CLI leaves torch unloaded (a fleet host has no torch)."""
+    agent = [n for n in modules() if _under(n, "tensorlane.agent")] + ["tensorlane.cli", "tensorlane.client"]
+    code = f"import importlib, sys\nfor m in {agent!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_version_is_stated_once():
+    """``tensorlane --version`` and the API report the package metadata's version; the Ansible role's default
+    version to install is the same."""
+    version = metadata.version("tensorlane")
+    out = subprocess.run([sys.executable, "-m", "tensorlane", "--version"], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == f"tensorlane {version}"
+    from tensorlane.agent import api
+
+    assert version == api.VERSION
+    defaults = (REPO / "ansible" / "roles" / "tensorlane" / "defaults" / "main.yml").read_text()
+    assert f'tensorlane_version: "{version}"' in defaults
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> tuple[Path, Path]:
+    """The project's wheel, and a wheelhouse with its dependencies (downloaded once)."""
+    out = tmp_path_factory.mktemp("wheel")
+    return Path(fleet_testbed.build_wheel(str(out))), Path(fleet_testbed.fill_wheelhouse(str(out)))
+
+
+def test_wheel_holds_one_package(wheel):
+    """Every file of the wheel is under ``tensorlane/`` or its dist-info: no bench, testbed or generic names."""
+    import zipfile
+
+    names = zipfile.ZipFile(wheel[0]).namelist()
+    tops = {n.split("/", 1)[0] for n in names}
+    assert tops == {"tensorlane", f"tensorlane-{metadata.version('tensorlane')}.dist-info"}, tops
+    for part in ("agent/daemon.py", "shim/ddp.py", "policies/planner.py", "policies/profiles/resnet50.json",
+                 "client.py", "flows.py", "cli.py"):
+        assert f"tensorlane/{part}" in names
+    assert any(n.endswith("licenses/LICENSE") for n in names)
+
+
+def test_shim_imports_from_the_wheel_with_torch(wheel, tmp_path):
+    """``from tensorlane import shim`` from the installed wheel (with the project's torch)."""
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+                    str(target), str(wheel[0])], check=True, capture_output=True, timeout=300)
+    code = "from tensorlane import shim; import torch; print(shim.__file__); print(callable(shim.attach))"
+    env = dict(os.environ, PYTHONPATH=str(target))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=tmp_path, check=True)
+    path, ok = out.stdout.split()
+    assert path.startswith(str(target)) and ok == "True"
+
+
+@pytest.mark.netns
+def test_agent_runs_from_the_wheel_without_torch(wheel, tmp_path):
+    """In an empty virtualenv the wheel installs only ``tensorlane`` and its three dependencies; its agent
+    starts on a namespace's interface, answers ``tensorlane status`` and stops cleanly; torch is absent."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py, cli = venv / "bin" / "python", venv / "bin" / "tensorlane"
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheel[1]), str(wheel[0])],
+                   check=True, capture_output=True, timeout=300)
+    probe = subprocess.run([py, "-c", "import importlib.util as u; print(u.find_spec('torch') is None)"],
+                           capture_output=True, text=True, check=True, timeout=60)
+    assert probe.stdout.strip() == "True"
+    version = subprocess.run([cli, "--version"], capture_output=True, text=True, check=True, timeout=60)
+    assert version.stdout.strip() == f"tensorlane {metadata.version('tensorlane')}"
+    sock = f"/run/tensorlane/twh-{os.getpid()}.sock"
+    with Testbed(hosts=1, rate="100mbit", name="twh", shape_hosts=False) as tb:
+        host = tb.host(1)
+        agent = host.popen([str(cli), "agent", "--interface", host.ifname, "--socket", sock, "--metrics-address",
+                            ""], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 20
+            status = None
+            while time.monotonic() < deadline and agent.poll() is None:
+                status = host.run([str(cli), "status", "--socket", sock, "--json"], check=False, timeout=10)
+                if status.returncode == 0:
+                    break
+                time.sleep(0.2)
+            assert status is not None and status.returncode == 0, (status and status.stderr, agent.poll())
+            assert '"interface": "eth0"' in status.stdout
+        finally:
+            agent.terminate()
+            try:
+                err = agent.communicate(timeout=20)[1]
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                err = agent.communicate()[1]
+        assert agent.returncode == 0, err
