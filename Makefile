@@ -18,7 +18,7 @@ test-unit: bootstrap
 demo: bootstrap
 	$(VENV)/bin/python -m bench.demo --json demo.json
 
-# The README's performance section and docs/img/bench-*.png from results/*.json (docs/benchmarks.md)
+# results/README.md (the results page), the README's headline block and docs/img/bench-*.png from results/*.json
 report: bootstrap
 	$(PY) -m bench.report
 

@@ -5,7 +5,8 @@ process with exactly that 5-tuple; a UDP flow needs a socket of the process boun
 port (connected to the destination, or not connected at all). "Its own sockets" are the ``socket:[INODE]``
 links in ``/proc/PID/fd``; they count only if they are sockets of the AGENT's network namespace: asked of the
 kernel by 5-tuple through the agent's own sock_diag socket (``agent/kernel/sockdiag.py``), or found in that
-namespace's tables (``/proc/self/net/{tcp,udp}{,6}`` read by the agent; the sweep reads them once per pass). A socket created in another namespace never appears there,
+namespace's tables (``/proc/self/net/{tcp,udp}{,6}`` read by the agent; the sweep reads them once per pass).
+A socket created in another namespace never appears there,
 whatever that namespace's own tables say: a process in a private namespace that gives its loopback the host's
 addresses and opens another job's 5-tuple owns nothing here. ``/proc/PID/net/*`` (the client's view) is never
 read. ``netns_of`` names a namespace (device and inode of ``/proc/PID/ns/net``) so that a client in another
@@ -104,9 +105,9 @@ def _owns(key: FlowKey, candidates: Iterable[Socket]) -> bool:
         if key.proto == "tcp":
             if state == TCP_ESTABLISHED and (laddr, raddr, rport) == (key.src, key.dst, key.dport):
                 return True
-        elif laddr == key.src or _unspecified(laddr):
-            if (raddr, rport) == (key.dst, key.dport) or (_unspecified(raddr) and rport == 0):
-                return True
+        elif (laddr == key.src or _unspecified(laddr)) and (
+                (raddr, rport) == (key.dst, key.dport) or (_unspecified(raddr) and rport == 0)):
+            return True
     return False
 
 

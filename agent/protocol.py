@@ -143,8 +143,8 @@ def parse_request(line: bytes | str) -> Request:
     if unknown:
         raise ProtocolError("bad_request", f"unknown field {sorted(unknown)[0]!r} for op {op}")
     job = msg.get("job")
-    if op in ("register", "unregister", "report") or job is not None:
-        if not isinstance(job, str) or not JOB_ID_RE.match(job):
+    if (op in ("register", "unregister", "report") or job is not None) and (
+            not isinstance(job, str) or not JOB_ID_RE.match(job)):
             raise ProtocolError("bad_job", f"job must be {JOB_ID_RULE}; got {job!r}")
     level = msg.get("level")
     if op == "register" and (isinstance(level, bool) or not isinstance(level, int) or level < 0):

@@ -166,7 +166,8 @@ class Fleet:
 def recap(output: str) -> dict[str, dict[str, int]]:
     """The PLAY RECAP of an ansible-playbook run: ``{host: {ok, changed, unreachable, failed, ...}}``."""
     keys = ("ok", "changed", "unreachable", "failed", "skipped", "rescued", "ignored")
-    return {m.group(1): dict(zip(keys, map(int, m.groups()[1:]))) for m in RECAP_RE.finditer(output)}
+    return {m.group(1): dict(zip(keys, map(int, m.groups()[1:]), strict=True))
+            for m in RECAP_RE.finditer(output)}
 
 
 def _inventory(fleet_root: str, hosts: list, key: str, wheel: str, wheelhouse: str, rate: str) -> dict:

@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from tensorlane.shim import overlap as ov
-from tensorlane.shim import report
-from tensorlane.shim.agent_link import AgentLink
-from tensorlane.shim.buckets import parameter_levels, pieces_of
-from tensorlane.shim.report import Reporter
 
 from tensorlane.client import DEFAULT_SOCKET, clean_job_id
 from tensorlane.flows import new_flows, own_tcp_flows
+from tensorlane.policies.cutting import parameter_levels, pieces_of
+from tensorlane.shim import overlap as ov
+from tensorlane.shim import report
+from tensorlane.shim.agent_link import AgentLink
+from tensorlane.shim.report import Reporter
 
 log = logging.getLogger("tensorlane.shim")
 PLANNER_POLICIES = ("planner", "layer_order", "flat")
@@ -155,7 +155,7 @@ class ShimState:
             acc += n
         first = []  # forward position of the first parameter of each piece
         for offset, length, _level in pieces:
-            covered = [order.get(id(p), 0) for p, s0, n in zip(params, starts, numels)
+            covered = [order.get(id(p), 0) for p, s0, n in zip(params, starts, numels, strict=True)
                        if s0 < offset + length and s0 + n > offset]
             first.append(min(covered, default=0))
         futures: list = [None] * len(pieces)
@@ -167,7 +167,7 @@ class ShimState:
             futures[i] = dist.all_reduce(buf.narrow(0, offset, length), group=self.groups[level],
                                          async_op=True).get_future()
         with self.lock:
-            for offset, length, level in pieces:
+            for _offset, length, level in pieces:
                 s = self.counters[level]
                 s.allreduces += 1
                 s.bytes += length * element
@@ -232,7 +232,7 @@ class ShimState:
 def _set_layer_levels(state: ShimState, params_in_forward_order: list, policy: str | None) -> None:
     sizes = [p.numel() * p.element_size() for p in params_in_forward_order]
     lv = parameter_levels(sizes, state.levels, policy or "layer_order")
-    state.param_level = {id(p): level for p, level in zip(params_in_forward_order, lv)}
+    state.param_level = {id(p): level for p, level in zip(params_in_forward_order, lv, strict=True)}
     state.forward_index = {id(p): i for i, p in enumerate(params_in_forward_order)}
 
 
@@ -287,10 +287,7 @@ def overlap_hook(state: ShimState, bucket):
         return _plain_allreduce(state, bucket)
     if bucket.index() == 0 and state.mode == "probing" and d.probe.backwards > 0:
         _decide(state)  # a collective, at the same bucket of the same backward on every rank
-    if state.mode != "overlap":
-        fut = priority_hook(state, bucket)
-    else:
-        fut = _launch_deferred(state, bucket)
+    fut = priority_hook(state, bucket) if state.mode != "overlap" else _launch_deferred(state, bucket)
     if bucket.is_last() and state.mode != "hook":
         params = state.options["params"]
         probing = state.mode == "probing"
@@ -328,10 +325,10 @@ def _launch_deferred(state: ShimState, bucket):
             pend.applied.add(id(p))
             d.pending.pop(id(p), None)
         elif id(p) in d.got_grad:
-            raise RuntimeError("tensorlane overlap mode: a parameter (shape {}) was used in this forward pass "
-                               "before its step was applied: it is used outside the forward of the module "
-                               "that holds it, and was not so in the first iteration. Use hook mode "
-                               "(shim.attach without optimizer) for this model.".format(tuple(p.shape)))
+            raise RuntimeError(f"tensorlane overlap mode: a parameter (shape {tuple(p.shape)}) was used in this "
+                               "forward pass before its step was applied: it is used outside the forward of the "
+                               "module that holds it, and was not so in the first iteration. Use hook mode "
+                               "(shim.attach without optimizer) for this model.")
         else:  # stamped, but its module did not run forward: its gradient is final, take the step now
             _apply(state, p)
     buf = bucket.buffer().div(state.world)  # a copy, which the all-reduce owns until it completes
@@ -392,7 +389,7 @@ def _apply(state: ShimState, param) -> bool:
     try:
         _step_subset(d, [p for p, _o, _n in ready], pend.hparams)
     finally:
-        for (p, _o, _n), g in zip(ready, saved):
+        for (p, _o, _n), g in zip(ready, saved, strict=True):
             p.grad = g  # what DDP left (this rank's gradient, or None after zero_grad): it accumulates as there
     return True
 
@@ -402,15 +399,15 @@ def _step_subset(d: ov.Deferred, params: list, hparams: list) -> None:
     param group, as stamped by ``step()``); the groups are restored afterwards."""
     opt = d.optimizer
     wanted = {id(p) for p in params}
-    saved = [(g["params"], {k: g[k] for k in h if k in g}) for g, h in zip(opt.param_groups, hparams)]
+    saved = [(g["params"], {k: g[k] for k in h if k in g}) for g, h in zip(opt.param_groups, hparams, strict=True)]
     try:
-        for g, h in zip(opt.param_groups, hparams):
+        for g, h in zip(opt.param_groups, hparams, strict=True):
             g["params"] = [p for p in g["params"] if id(p) in wanted]
             g.update(h)
         with torch.no_grad():
             d.orig_step()
     finally:
-        for g, (ps, current) in zip(opt.param_groups, saved):
+        for g, (ps, current) in zip(opt.param_groups, saved, strict=True):
             g["params"] = ps
             g.update(current)
 
@@ -569,11 +566,12 @@ def _agree(prof, rate: float | None):
     from tensorlane.policies.model import Layer, Profile
 
     n = len(prof.layers)
-    vals = [l.fwd_s for l in prof.layers] + [l.bwd_s for l in prof.layers] + [1.0 if rate is None else -float(rate)]
+    vals = [layer.fwd_s for layer in prof.layers] + [layer.bwd_s for layer in prof.layers]
+    vals.append(1.0 if rate is None else -float(rate))
     t = torch.tensor(vals, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     v = t.tolist()
-    layers = tuple(Layer(l.name, l.params_bytes, v[i], v[n + i]) for i, l in enumerate(prof.layers))
+    layers = tuple(Layer(layer.name, layer.params_bytes, v[i], v[n + i]) for i, layer in enumerate(prof.layers))
     return Profile(prof.name, layers, prof.dag), (None if v[-1] > 0 else -v[-1])
 
 
@@ -595,7 +593,7 @@ def _apply_plan(handle: Handle, prof, owners: list, levels: int, link_bps: float
         handle.plan.update(status=f"layer_order: the planner failed: {exc}", source=source)
         log.warning("tensorlane: the planner failed (%s); keeping layer-order levels", exc)
         return
-    for m, lvl in zip(owners, chosen["layer_levels"]):
+    for m, lvl in zip(owners, chosen["layer_levels"], strict=True):
         for p in m.parameters(recurse=False):
             state.param_level[id(p)] = min(max(0, int(lvl)), levels - 1)
     if not partition_fixed:

@@ -28,7 +28,8 @@ What overlap mode cannot reproduce, and how it is caught:
   gradient accumulates and is all-reduced with the next one).
 - parameters written in place between ``step()`` and the next forward (checked with their version counters)
   raise, and so does a parameter that changed after ``backward()`` without a ``step()`` through the shim (a
-  framework that calls the optimizer's original ``step``); ``load_state_dict`` and ``state_dict`` of the model or the optimizer apply pending steps first.
+  framework that calls the optimizer's original ``step``); ``load_state_dict`` and ``state_dict`` of the model
+  or the optimizer apply pending steps first.
 
 Code that *reads* parameters between ``step()`` and the next forward (an EMA of the weights, logging them) sees
 them before that iteration's update: call ``handle.flush()`` first. Code that reads ``.grad`` after
@@ -135,8 +136,9 @@ class Deferred:
                                "optimizer) for this loop.")
         changed = changed_grads(self.marks)
         if changed or called_by_grad_scaler():
+            shape = tuple(changed[0].shape) if changed else "any"
             raise RuntimeError(f"tensorlane overlap mode: {GRADS_CHANGED} (first: a parameter of shape "
-                               f"{tuple(changed[0].shape) if changed else 'any'}). The first iteration showed no such change, so "
+                               f"{shape}). The first iteration showed no such change, so "
                                "overlap mode was chosen; this update has not been applied. Use hook mode "
                                "(shim.attach without optimizer) for a loop that changes gradients only sometimes.")
         if not self.unstamped:

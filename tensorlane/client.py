@@ -55,7 +55,7 @@ class AgentClient:
         self._buf = b""
         self._ids = itertools.count(1)
 
-    def connect(self) -> "AgentClient":
+    def connect(self) -> AgentClient:
         if self._sock is None:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(self.timeout)
@@ -73,7 +73,7 @@ class AgentClient:
             self._sock = None
             self._buf = b""
 
-    def __enter__(self) -> "AgentClient":
+    def __enter__(self) -> AgentClient:
         return self.connect()
 
     def __exit__(self, *exc) -> None:

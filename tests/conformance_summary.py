@@ -33,7 +33,8 @@ def cell(out: str, idiom: str, mode: str, world: int, tc) -> tuple[float, str]:
         if not os.path.exists(base + ".pt"):
             return float("nan"), "missing"
         got, ref = torch.load(base + ".pt"), torch.load(ref_base + ".pt")
-        meta = json.load(open(base + ".json"))
+        with open(base + ".json") as f:
+            meta = json.load(f)
         if any(meta.get("errors") or []):
             return float("nan"), "raised"
         worst = max(worst, tc.max_rel_diff(got["state"], ref["state"])[0])

@@ -29,6 +29,7 @@ The shim needs no agent here (``--agent-socket /nonexistent/...``: it warns once
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -504,7 +505,7 @@ def _lbfgs(ctx: Ctx):
     for step in range(ctx.steps):
         x, y = ctx.images(step)
 
-        def closure():
+        def closure(x=x, y=y):
             opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
@@ -545,10 +546,8 @@ def run_cell(name: str, mode: str, args, rank: int, world: int, device: torch.de
     dist.all_gather_object(errors, error)  # every rank knows whether the cell failed somewhere
     if ctx.handle is not None and not args.keep_groups:  # each attach made `levels` groups: free them
         for group in getattr(getattr(ctx.handle, "state", None), "groups", None) or []:
-            try:
+            with contextlib.suppress(Exception):
                 dist.destroy_process_group(group)
-            except Exception:  # noqa: BLE001
-                pass
     base = os.path.join(args.out, f"{name}-{mode}-{rank}")
     torch.save({"state": state, "extras": {k: torch.tensor(v, dtype=torch.float64) for k, v in ctx.extras.items()}},
                base + ".pt")

@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from tensorlane.client import AgentClient
 from bench.agents import AgentStartError, running_agents
 from testbed import Testbed
 

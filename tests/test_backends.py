@@ -7,10 +7,7 @@ import uuid
 import pytest
 
 from tensorlane.agent.kernel import detect
-from tensorlane.agent.kernel.nft import Nft, list_table
 from tensorlane.agent.kernel.qdisc import HtbBackend, PrioBackend, fmt_handle
-from tensorlane.agent.reconcile import Reconciler
-from tensorlane.agent.state import FlowTable
 
 
 class RecordingIPRoute:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from test_metrics import fake_api, flow, kernel, request  # noqa: F401 (kernel is a fixture)
 
 from dashboards import build
-from test_metrics import fake_api, flow, kernel, request  # noqa: F401 (kernel is a fixture)
 
 DASHBOARDS = Path(build.__file__).resolve().parent
 DASHBOARD_NAMES = sorted(build.DASHBOARDS)
@@ -54,7 +54,7 @@ def test_every_panel_has_a_unit_and_uses_the_datasource_variable(name):
             assert t["datasource"]["uid"] == "${datasource}", p["title"]
             assert t["expr"].strip() and t["legendFormat"], p["title"]
         g = p["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
     for v in dash["templating"]["list"]:
         if v["type"] == "query":
             assert v["datasource"]["uid"] == "${datasource}", v["name"]
@@ -70,7 +70,7 @@ def test_every_query_parses_as_promql(tmp_path):
     """promtool parses each (variables substituted) expression as the expression of a recording rule."""
     lines = ["groups:", "  - name: panels", "    rules:"]
     for name in DASHBOARD_NAMES:
-        for i, (title, ref, expr) in enumerate(build.queries(load(name))):
+        for i, (_title, _ref, expr) in enumerate(build.queries(load(name))):
             lines.append(f"      - record: panel:{Path(name).stem.replace('-', '_')}:{i}")
             lines.append("        expr: |")
             lines += [f"          {line}" for line in build.expand(expr).splitlines()]

@@ -15,9 +15,9 @@ from tensorlane.agent.config import ConfigError, from_dict
 from tensorlane.agent.jobs import JobScheduler
 from tensorlane.agent.kernel.qdisc import HtbBackend
 from tensorlane.agent.peers import Peer
-from tensorlane.flows import FlowKey
 from tensorlane.agent.reconcile import ReconcileStats
 from tensorlane.agent.state import FlowTable
+from tensorlane.flows import FlowKey
 from tensorlane.policies.jobs import banded_level, hashed_rotation_order, job_bands, job_order, rotation_epoch
 
 

@@ -26,13 +26,12 @@ import time
 import traceback
 
 import pytest
-
-from tensorlane.agent.ownership import netns_of, not_owned
-from tensorlane.flows import FlowKey
-from bench.agents import running_agents
-from tensorlane.flows import own_tcp_flows
-from testbed import Testbed
 from agent_clients import CLONE_NEWNET, request
+
+from bench.agents import running_agents
+from tensorlane.agent.ownership import netns_of, not_owned
+from tensorlane.flows import FlowKey, own_tcp_flows
+from testbed import Testbed
 
 pytestmark = pytest.mark.netns
 

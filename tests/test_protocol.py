@@ -21,7 +21,8 @@ def test_register_parses_flows_and_dedups():
 
 def test_ipv6_and_mapped_addresses():
     r = parse_request(req(op="register", job="j", level=0, flows=[
-        {**FLOW, "src": "::ffff:198.18.0.1", "dst": "::ffff:198.18.0.2"}, {**FLOW, "src": "fd00::1", "dst": "fd00::2"}]))
+        {**FLOW, "src": "::ffff:198.18.0.1", "dst": "::ffff:198.18.0.2"},
+        {**FLOW, "src": "fd00::1", "dst": "fd00::2"}]))
     assert r.flows[0].src == "198.18.0.1" and r.flows[0].family == 4
     assert r.flows[1].family == 6
 

@@ -9,13 +9,13 @@ import socket
 import time
 
 import pytest
+from agent_clients import enter_netns, request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tensorlane.client import AgentClient
 from bench.agents import running_agents
+from tensorlane.client import AgentClient
 from testbed import Testbed
-from agent_clients import enter_netns, request
 
 pytestmark = pytest.mark.netns
 NOBODY = 65534

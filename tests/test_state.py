@@ -2,8 +2,8 @@
 import pytest
 
 from tensorlane.agent.protocol import ProtocolError
-from tensorlane.flows import FlowKey
 from tensorlane.agent.state import FlowTable
+from tensorlane.flows import FlowKey
 
 A = FlowKey("tcp", "198.18.0.1", 4000, "198.18.0.2", 5000)
 B = FlowKey("tcp", "198.18.0.1", 4001, "198.18.0.2", 5000)

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed import Testbed, TestbedError, down_by_name, main, parse_rate
-from testbed import records, topology
+from testbed import Testbed, TestbedError, down_by_name, main, parse_rate, records, topology
 
 REPO = Path(__file__).resolve().parents[1]
 RATE = "100mbit"  # at 200 Mbit/s two flows through 3 namespaces saturate some 2-core machines' softirq CPU: the

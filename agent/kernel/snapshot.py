@@ -8,6 +8,7 @@ Usage: ``snap = capture(ipr, ifindex); ...; restore(snap)``
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 import struct
@@ -57,7 +58,7 @@ class Snapshot:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> "Snapshot":
+    def from_json(cls, data: dict) -> Snapshot:
         objs = [TcObject(**{**o, "attrs": [tuple(a) for a in o["attrs"]]}) for o in data["objects"]]
         return cls(data["ifname"], data["ifindex"], objs)
 
@@ -166,10 +167,8 @@ def restore(snap: Snapshot, ipr, netns: str | None = None) -> list[str]:
     ``ipr`` and ``netns`` must name the same network namespace (None: this process's own).
     """
     warnings: list[str] = []
-    try:
+    with contextlib.suppress(Exception):  # already gone is fine
         ipr.tc("del", index=snap.ifindex, parent=TC_H_ROOT)
-    except Exception:  # noqa: BLE001 - already gone is fine
-        pass
     if snap.root_is_default:
         return warnings
     with create_socket(netns, socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE, flags=0) as sock:

@@ -29,8 +29,8 @@ import common  # noqa: E402  (puts the repository on sys.path)
 import lightning.pytorch as L  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
-from tensorlane import shim  # noqa: E402
 import tensorlane.shim.lightning as shim_lightning  # noqa: E402
+from tensorlane import shim  # noqa: E402
 
 
 class Net(L.LightningModule):
