@@ -36,13 +36,14 @@ PROFILE_NAMES = {"resnet50": "ResNet-50", "vgg16": "VGG-16", "bert_base": "BERT-
 DASH = "-"
 INFORMATIONAL = "none (informational)"
 # The README's headline block: per benchmark its first row, or the rows whose figure holds this text
-HEADLINE = {"priority": "shim vs plain DDP"}
+HEADLINE = {"priority": "shim vs plain DDP", "control-plane": "register p99, 10,000"}
 # Where each benchmark's method is described (repository-relative), linked from the results page
 METHOD_DOCS = {"contention": "docs/benchmarks.md#contention", "priority": "docs/priority.md", "jobs": "docs/jobs.md",
                "control-plane": "docs/benchmarks.md#control-plane",
                "shim-overhead": "docs/benchmarks.md#shim-overhead", "realtrain": "docs/benchmarks.md#realtrain",
                "classifier": "docs/classifier.md", "validate": "docs/policies.md#predicted-vs-measured"}
-VALIDATE_POLICIES = {"ddp": "plain DDP", "app_order": "application order (1 level)", "shim_overlap": "shim"}
+VALIDATE_POLICIES = {"ddp": "plain DDP", "app_order": "application order (1 level)",
+                     "shim_overlap": "shim (overlap mode)"}
 
 
 class ReportError(RuntimeError):
@@ -301,6 +302,7 @@ def rows_control_plane(d: dict) -> list[Row]:
 
 
 def _int(text) -> int | None:
+    """``text`` as an int, or None when it is not one."""
     try:
         return int(text)
     except (TypeError, ValueError):
@@ -331,6 +333,7 @@ def rows_realtrain(d: dict) -> list[Row]:
     modes = d.get("modes") if isinstance(d.get("modes"), dict) else {}
 
     def shim_mode(mode: str) -> str:
+        """`` (hook mode)`` etc. as recorded for ``mode``; empty when not recorded."""
         m = modes.get(mode) if isinstance(modes.get(mode), dict) else {}
         found = sorted({x for x in m.get("shim_mode") or [] if isinstance(x, str)})
         return f" ({'/'.join(found)} mode)" if found else ""
@@ -381,6 +384,7 @@ def rows_classifier(d: dict) -> list[Row]:
 
 
 def fmt_gbps(v) -> str:
+    """Gigabits per second: ``1.80 Gbit/s``; ``-`` if missing."""
     v = num(v)
     return DASH if v is None else f"{v:.2f} Gbit/s"
 
@@ -494,6 +498,7 @@ def describe_setup(name: str, d: dict) -> str:
 
 
 def fmt_bytes(v) -> str:
+    """Bytes as megabytes: ``5.2 MB``; ``-`` if missing."""
     v = num(v)
     return DASH if v is None else f"{v / 1e6:.1f} MB"
 
@@ -533,6 +538,7 @@ def describe_run(name: str, d: dict, plot: str | None) -> str:
 
 
 def _cell(text: str) -> str:
+    """``text`` safe inside a markdown table cell (pipes escaped, one line)."""
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
@@ -653,7 +659,7 @@ def render_validate(entry: dict, root_rel: str = "..") -> list[str]:
     profiles = d.get("profiles") if isinstance(d.get("profiles"), dict) else {}
     planner = d.get("planner") if isinstance(d.get("planner"), dict) else {}
     tol, ptol = num(d.get("tolerance")) or 0.15, num(d.get("planner_tolerance")) or 0.05
-    out = ["## Predicted vs measured (`validate`)", "",
+    out = [f"## Predicted vs measured (`validate`{', quick run' if d.get('quick') else ''})", "",
            f"`policies.execution`'s predictions against measured iteration times ({describe_setup('validate', d)}; "
            f"{describe_reps('priority', d)}; {describe_machine(d)}); how: "
            f"[{METHOD_DOCS['validate']}]({_join(root_rel, METHOD_DOCS['validate'])}).", "",
@@ -688,6 +694,7 @@ def render_plots(results: dict[str, dict], img_rel: str, root_rel: str, plots: s
 
 
 def _join(root_rel: str, path: str) -> str:
+    """A repository-relative ``path`` as seen from where ``root_rel`` leads back to the root."""
     return path if root_rel in ("", ".") else f"{root_rel}/{path}"
 
 
@@ -771,6 +778,7 @@ def _grouped(ax, groups, series, title, ylabel):
 
 
 def plot_contention(d, fig):
+    """Median all-reduce (or step) alone, under bulk with FIFO NICs and with agents, with the target line."""
     ax = fig.add_subplot(1, 1, 1)
     vals = [d.get("uncontended_s"), d.get("fifo_s"), d.get("agent_s")]
     t = num((d.get("targets") or {}).get("agent_ratio_max")) or 1.10
@@ -784,6 +792,7 @@ def plot_contention(d, fig):
 
 
 def plot_priority(d, fig):
+    """Per profile: DDP, application order, the shim and the lower bounds, grouped bars."""
     profiles = d.get("profiles") if isinstance(d.get("profiles"), dict) else {}
     if not profiles:
         return False
@@ -800,6 +809,7 @@ def plot_priority(d, fig):
 
 
 def plot_jobs(d, fig):
+    """Average and worst JCT per job policy, per job count."""
     runs = d.get("runs") if isinstance(d.get("runs"), dict) else {}
     if not runs:
         return False
@@ -822,6 +832,7 @@ def _flows_axis(ax, xs):
 
 
 def plot_control_plane(d, fig):
+    """Register p50/p99 and throughput ratio against the number of flows registered, with the targets."""
     sizes = d.get("sizes") if isinstance(d.get("sizes"), dict) else {}
     keys = sorted((k for k in sizes if _int(k) is not None and isinstance(sizes[k], dict)), key=_int)
     if not keys:
@@ -847,6 +858,7 @@ def plot_control_plane(d, fig):
 
 
 def plot_overhead(d, fig):
+    """Median step of plain DDP, the shim in hook mode and in overlap mode, with the target line."""
     ax = fig.add_subplot(1, 1, 1)
     vals = [d.get("ddp_s"), d.get("shim_hook_s"), d.get("shim_s")]
     t = num((d.get("targets") or {}).get("ratio_max")) or 1.05
@@ -896,6 +908,7 @@ def plot_realtrain(d, fig):
 
 
 def plot_classifier(d, fig):
+    """Throughput of one stream against N for the nft map and u32 filters; no classifier and SO_PRIORITY as lines."""
     res = [r for r in d.get("results") or [] if isinstance(r, dict)]
     if not res:
         return False
@@ -965,10 +978,12 @@ def save_plot(name: str, d: dict, path: str) -> bool:
 # ---------------------------------------------------------------------------------------------------- CLI
 
 def _rel(path: str, start: str) -> str:
+    """``path`` relative to ``start``, with forward slashes (for markdown links)."""
     return os.path.relpath(os.path.abspath(path), os.path.abspath(start)).replace(os.sep, "/")
 
 
 def _read(path: str) -> str | None:
+    """The text of ``path``, or None when it does not exist."""
     if not os.path.exists(path):
         return None
     with open(path) as fh:

@@ -1,5 +1,6 @@
-"""bench.report: the README's performance section from small synthetic JSON files (missing files and keys
-included), marker replacement (idempotent, nothing outside the markers touched), ``--check`` and the PNG plots."""
+"""bench.report: the results page and the README's headline block from small synthetic JSON files (missing files
+and keys included), marker replacement (idempotent, nothing outside the markers touched), ``--check`` and the PNG
+plots."""
 from __future__ import annotations
 
 import json
@@ -168,38 +169,87 @@ def test_marker_replacement_is_idempotent_and_local():
             replace_section(bad, "x")
 
 
-def test_cli_writes_readme_plots_and_check(tmp_path, capsys):
+def test_cli_writes_page_readme_block_plots_and_check(tmp_path, capsys):
     results = write_results(tmp_path / "results")
     path = readme(tmp_path)
+    page = results / "README.md"                               # the default page: README.md in --results
     img = tmp_path / "docs" / "img"
     before = path.read_text()
     args = ["--results", str(results), "--readme", str(path), "--img-dir", str(img)]
 
-    assert main(args + ["--check"]) == 1                       # "(not generated yet)": stale
-    assert path.read_text() == before                          # --check writes nothing
+    assert main(args + ["--check"]) == 1                       # "(not generated yet)", no page: stale
+    assert path.read_text() == before and not page.exists()    # --check writes nothing
     assert main(args) == 0
     text = path.read_text()
     assert text.startswith("# project\n\nintro\n\n" + BEGIN) and text.endswith(END + "\n\n## after\n\ntail text\n")
-    assert "| contention | all-reduce under bulk with agents, vs alone |" in text
-    assert "[plot](docs/img/bench-contention.png)" in text     # relative to the README
+    # the README's block: one headline figure per benchmark (priority: every profile vs DDP), a link to the page
+    block = split_readme(text)[1]
+    assert "[results/README.md](results/README.md)" in block and "9 of 15 measured targets met" in block
+    heads = {(r[0], r[1]) for r in table_rows(block)}
+    assert ("contention", "all-reduce under bulk with agents, vs alone") in heads
+    assert {("priority", "ResNet-50: shim vs plain DDP"), ("priority", "BERT-base: shim vs plain DDP")} <= heads
+    assert ("control-plane", "register p99, 10,000 flows registered") in heads
+    assert ("shim-overhead", "-") in heads and len(block.splitlines()) < 20
+    assert "Runs:" not in block and "bench-contention.png" not in block
+    # the page: every figure, the run lines, the plots embedded, links relative to the page
+    body = page.read_text()
+    assert body.startswith("# Measured results\n") and "(../docs/benchmarks.md)" in body
+    assert "| contention | all-reduce under bulk with agents, vs alone |" in body
+    assert "| contention | bulk once training stops (agents on), share of the link |" in body
+    assert "[plot](../docs/img/bench-contention.png)" in body and "![jobs](../docs/img/bench-jobs.png)" in body
+    assert "[docs/priority.md](../docs/priority.md)" in body and "Predicted vs measured" not in body
     for name in ("contention", "priority", "jobs", "control-plane"):
         png = img / f"bench-{name}.png"
         assert png.exists() and png.stat().st_size > 1000, name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (img / "bench-shim-overhead.png").exists()    # not run: no plot
     assert main(args + ["--check"]) == 0                       # up to date
-    assert main(args) == 0 and path.read_text() == text        # idempotent
+    assert main(args) == 0 and path.read_text() == text and page.read_text() == body   # idempotent
 
-    # a new figure makes the README stale; a removed plot too
+    # a new figure makes the page and the README stale; a removed plot too; a hand edit of the page too
     obj = dict(SAMPLES["contention"], agent_s=0.52)
     (results / "contention.json").write_text(json.dumps(obj))
     capsys.readouterr()
     assert main(args + ["--check"]) == 1
     assert "differs" in capsys.readouterr().out
-    assert main(args) == 0 and "| 520 ms |" in path.read_text() and main(args + ["--check"]) == 0
+    assert main(args) == 0 and "| 520 ms |" in path.read_text() and "| 520 ms |" in page.read_text()
+    assert main(args + ["--check"]) == 0
     os.unlink(img / "bench-priority.png")
     assert main(args + ["--check"]) == 1
     assert "bench-priority.png" in capsys.readouterr().out
+    assert main(args) == 0
+    page.write_text(page.read_text() + "edited by hand\n")
+    assert main(args + ["--check"]) == 1 and str(page) in capsys.readouterr().out
+    other = tmp_path / "elsewhere" / "page.md"                  # --page: links follow the page
+    assert main(args + ["--page", str(other)]) == 0
+    assert "[plot](../docs/img/bench-contention.png)" in other.read_text()
+    assert "[elsewhere/page.md](elsewhere/page.md)" in path.read_text()
+
+
+def test_validate_section(tmp_path):
+    """``validate.json`` (optional): predictions vs measurements within the tolerance, the planner's choice vs the
+    best candidate measured; an unreadable file says so; none: no section."""
+    pol = {"ddp": {"predicted_s": 1.19, "measured_s": 1.1875, "error": 0.0021},
+           "app_order": {"predicted_s": 1.15, "measured_s": 1.40, "error": -0.18},
+           "shim_overlap": {"predicted_s": 0.88, "measured_s": 0.911, "error": -0.034}}
+    d = {"rate": "200mbit", "hosts": 2, "iters": 6, "rounds": 3, "tolerance": 0.15, "planner_tolerance": 0.05,
+         "machine": MACHINE, "profiles": {"resnet50": pol},
+         "planner": {"resnet50": {"chosen": "layer_order L3", "chosen_s": 0.99, "best": "layer_order L4",
+                                  "best_s": 0.90, "ratio": 1.1}, "vgg16": "garbage"}}
+    write_results(tmp_path / "r", {"validate": d})
+    lines = report.render_validate(report.load_one(str(tmp_path / "r" / "validate.json")))
+    text = "\n".join(lines)
+    assert "| ResNet-50 | plain DDP | 1190 ms | 1188 ms | +0.2% | met |" in lines
+    assert "| ResNet-50 | application order (1 level) | 1150 ms | 1400 ms | -18.0% | **missed** by 0.03 |" in lines
+    assert "| ResNet-50 | `layer_order L3` | 990 ms | `layer_order L4` | 900 ms | 1.10 | **missed** by 0.05 |" in lines
+    assert "| VGG-16 | `-` | - | `-` | - | - | - |" in lines
+    assert "median of 18 iterations per mode (3 interleaved rounds of 6)" in text and "2 cores, 24.0 GiB" in text
+    (tmp_path / "r" / "validate.json").write_text("[")
+    assert "unreadable (JSONDecodeError" in "\n".join(report.render_validate(report.load_one(
+        str(tmp_path / "r" / "validate.json"))))
+    assert report.render_validate(report.load_one(str(tmp_path / "nowhere.json"))) == []
+    page = report.render_page(report.load(str(tmp_path / "r")), report.load_one(str(tmp_path / "r" / "validate.json")))
+    assert "## Predicted vs measured" in page and page.endswith("\n")
 
 
 def test_cli_errors(tmp_path, capsys):
