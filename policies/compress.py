@@ -10,10 +10,13 @@ broken towards small urgent levels: the split is filled from the least urgent en
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+
+from tensorlane.policies.model import Block
 
 
 def _groups_needed(weights: Sequence[int], bound: int) -> int:
+    """Contiguous groups a greedy left-to-right fill needs so that no group sum exceeds ``bound``."""
     groups, acc = 1, 0
     for w in weights:
         if acc + w > bound:
@@ -78,3 +81,14 @@ def compress_levels(priorities: Sequence[float], queues: int = 8, reserved: int 
         per[rank[p]] += 1 if weights is None else int(weights[i])
     group = contiguous_split(per, usable)
     return tuple(group[rank[p]] for p in priorities)
+
+
+def with_levels(blocks: Sequence[Block], queues: int) -> tuple[Block, ...]:
+    """Blocks with ``level`` set by compressing their priorities onto ``queues`` levels, balancing bytes (CEFS).
+
+    Usage: ``with_levels(blocks, 5)``
+    """
+    levels = compress_levels([b.priority for b in blocks], queues=queues, reserved=0,
+                             weights=[b.nbytes for b in blocks])
+    return tuple(Block(b.start, b.end, b.layers, b.ready_s, b.priority, lv)
+                 for b, lv in zip(blocks, levels, strict=True))

@@ -22,8 +22,8 @@ the same network engine (:func:`policies.simulator.network_done_times`), with th
 
 * The same DDP buckets (the shim's bucket cap). When a bucket is ready the reducer calls the shim's Python comm
   hook, one bucket after the other on the training thread. The hook copies the bucket (``buffer.div(world)``),
-  cuts it into pieces by level (``policies.partition.bucket_pieces``, which ``shim.buckets.pieces_of`` runs: the bucket's
-  parameters in its buffer order, adjacent parameters of one level fused, pieces at most ``partition_bytes``)
+  cuts it into pieces by level (``policies.cutting.bucket_pieces``, which the shim runs as ``pieces_of``: the
+  bucket's parameters in its buffer order, adjacent parameters of one level fused, pieces at most ``partition_bytes``)
   and issues the pieces most urgent level first, then by the forward position of their first layer.
 * One gloo group per level (``threads`` operations at once each, FIFO); strict priority across levels on the
   link (the agent's host queue and the DSCP switch queues): fluid preemption, as in the simulator.
@@ -51,11 +51,11 @@ Usage::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
+from tensorlane.policies.cutting import bucket_pieces, forward_order_levels
 from tensorlane.policies.model import Block, CostModel, Profile, Schedule, grad_ready_times
-from tensorlane.policies.partition import bucket_pieces, forward_order_levels
 from tensorlane.policies.simulator import forward_starts, network_done_times
 
 INF = float("inf")
@@ -173,8 +173,8 @@ def ddp_buckets(sizes: Sequence[int], bucket_bytes: int, first_bucket_bytes: int
 
 def layer_order_levels(profile: Profile, levels: int) -> tuple[int, ...]:
     """The shim's ``layer_order`` policy: forward order compressed onto ``levels`` byte-balanced contiguous groups
-    (``policies.partition.forward_order_levels`` of the layers' bytes). Usage: ``layer_order_levels(p, 4)``"""
-    return forward_order_levels([l.params_bytes for l in profile.layers], levels)
+    (``policies.cutting.forward_order_levels`` of the layers' bytes). Usage: ``layer_order_levels(p, 4)``"""
+    return forward_order_levels([ly.params_bytes for ly in profile.layers], levels)
 
 
 def _partition(partition_bytes: int | None) -> int | None:
@@ -223,7 +223,8 @@ def shim_ops(profile: Profile, buckets: Sequence[Sequence[int]], layer_levels: S
         starts = [0]
         for s in sizes:
             starts.append(starts[-1] + s)
-        covered = [tuple(sorted(i for i, lo, hi in zip(b, starts, starts[1:]) if lo < off + n and hi > off))
+        covered = [tuple(sorted(i for i, lo, hi in zip(b, starts, starts[1:], strict=False)
+                                if lo < off + n and hi > off))
                    for off, n, _ in pieces]
         idx = list(range(len(pieces)))
         if order == "urgent":
@@ -281,7 +282,7 @@ def _result(profile: Profile, ops: tuple[Op, ...], done: Sequence[float], layer_
             buckets: tuple[tuple[int, ...], ...]) -> ExecResult:
     backward = grad_ready_times(profile)[0] if profile.layers else 0.0
     starts = forward_starts(profile, layer_ready, backward, None)
-    end = max((s + l.fwd_s for s, l in zip(starts, profile.layers)), default=backward)
+    end = max((s + ly.fwd_s for s, ly in zip(starts, profile.layers, strict=True)), default=backward)
     return ExecResult(end, backward, profile.fwd_total, max(done, default=0.0), ops, tuple(done),
                       tuple(layer_ready), starts, buckets)
 
@@ -295,7 +296,7 @@ def ddp_iteration(profile: Profile, cost: CostModel, bucket_bytes: int, first_bu
 
     Usage: ``ddp_iteration(p, CostModel(2, 191e6, alpha_s=1.5e-3), bucket_bytes=5 << 20).iter_s``
     """
-    buckets = ddp_buckets([l.params_bytes for l in profile.layers], bucket_bytes, first_bucket_bytes)
+    buckets = ddp_buckets([ly.params_bytes for ly in profile.layers], bucket_bytes, first_bucket_bytes)
     ops = ddp_ops(profile, buckets, host)
     done = op_done_times(ops, cost, host, sharing)
     gate = max(done, default=0.0) + (host.wake_s if ops else 0.0)
@@ -351,20 +352,20 @@ def stalled(profile: Profile, r: ExecResult, callback_s: float) -> Profile:
             if s0 < t < s0 + profile.layers[i].fwd_s:  # at s0 the layer was waiting for it
                 fwd[i] += 1
                 break
-    layers = tuple(replace(l, bwd_s=l.bwd_s + bwd[i] * callback_s, fwd_s=l.fwd_s + fwd[i] * callback_s)
-                   for i, l in enumerate(profile.layers))
+    layers = tuple(replace(ly, bwd_s=ly.bwd_s + bwd[i] * callback_s, fwd_s=ly.fwd_s + fwd[i] * callback_s)
+                   for i, ly in enumerate(profile.layers))
     return replace(profile, layers=layers)
 
 
 def _shim_pass(profile: Profile, cost: CostModel, layer_levels: Sequence[int], bucket_bytes: int,
                partition_bytes: int | None, first_bucket_bytes: int | None, host: HostCosts, wait: str,
                order: str, sharing: str) -> ExecResult:
-    buckets = ddp_buckets([l.params_bytes for l in profile.layers], bucket_bytes, first_bucket_bytes)
+    buckets = ddp_buckets([ly.params_bytes for ly in profile.layers], bucket_bytes, first_bucket_bytes)
     ops = shim_ops(profile, buckets, layer_levels, partition_bytes, host, order)
     done = op_done_times(ops, cost, host, sharing)
     ready = [-INF] * len(profile.layers)
     bucket_done = [-INF] * len(buckets)
-    for op, t in zip(ops, done):
+    for op, t in zip(ops, done, strict=True):
         bucket_done[op.bucket] = max(bucket_done[op.bucket], t)
         for i in op.layers:
             ready[i] = max(ready[i], t)

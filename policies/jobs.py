@@ -1,14 +1,15 @@
-"""Job-side priorities: static order and periodic rotation (TensorLights, HPBDC'19), GPU intensity (Crux, SIGCOMM'24).
+"""The agent's job policy: the order of the jobs, each job's band of levels, and a flow's effective level.
 
 Every agent must compute the same job order from the same inputs without a coordination service, so each
 function here is a pure function of its arguments, sorts with a total order, and breaks ties by job id.
 
-The agent's job policy (``agent/jobs.py``, docs/jobs.md) uses the second half of this module: ``job_order`` (the
-order and rank of the jobs one agent sees, for policy ``none``, ``static``, ``rotate`` or ``intensity``),
-``job_bands`` (each job's contiguous band of levels) and ``banded_level`` (a flow's effective level: its job's
-band, with the level the client asked for compressed inside). Rotation in the agent is ``hashed_rotation_order``,
-not ``rotate_job_order``: in it the relative order of two jobs depends only on those two ids and the epoch
-number, so agents that see different sets of jobs still agree on every pair they share.
+The agent (``agent/jobs.py``, docs/jobs.md) uses ``job_order`` (the order and rank of the jobs one agent sees, for
+policy ``none``, ``static``, ``rotate`` or ``intensity``), ``job_bands`` (each job's contiguous band of levels)
+and ``banded_level`` (a flow's effective level: its job's band, with the level the client asked for compressed
+inside). Rotation is ``hashed_rotation_order``: the relative order of two jobs depends only on those two ids and
+the epoch number, so agents that see different sets of jobs still agree on every pair they share (TensorLights'
+positional rotation, ``policies.papers.tensorlights.rotate_job_order``, does not). :class:`Job` is the job as the
+paper reproductions (``policies.papers.tensorlights``, ``policies.papers.crux``) see it.
 """
 from __future__ import annotations
 
@@ -39,72 +40,13 @@ class Job:
     correction: float = 1.0
 
 
-def _unique(jobs: Sequence[Job]) -> None:
-    ids = [j.job_id for j in jobs]
+def unique_ids(job_ids: Sequence[str]) -> list[str]:
+    """The job ids as a list; ValueError when one appears twice. Usage: ``unique_ids(["a", "b"]) == ["a", "b"]``"""
+    ids = list(job_ids)
     if len(set(ids)) != len(ids):
         raise ValueError("job ids must be unique")
+    return ids
 
-
-def static_job_order(jobs: Sequence[Job]) -> tuple[str, ...]:
-    """TensorLights TLsOne: a fixed order, by the static ``priority`` then job id (most urgent first).
-
-    Usage: ``static_job_order([Job("b"), Job("a")]) == ("a", "b")``
-    """
-    _unique(jobs)
-    return tuple(j.job_id for j in sorted(jobs, key=lambda j: (j.priority, j.job_id)))
-
-
-def rotate_job_order(jobs: Sequence[Job], epoch_s: float = 20.0, now_s: float = 0.0) -> tuple[str, ...]:
-    """TensorLights TLsRR: the job ids in sorted order, rotated left by ``floor(now_s / epoch_s) mod n``, so every
-    job gets the top priority once per n epochs (TensorLights rotates every 20 s).
-
-    The result depends only on the set of job ids and ``now_s``: agents whose clocks agree (NTP) agree on the
-    order, except within the clock skew of an epoch boundary -- but only agents that see the *same set* of jobs:
-    the rotation is by position, so an agent that also sees a third job may order two shared jobs the other way
-    round. The agent therefore rotates with ``hashed_rotation_order``. Usage:
-    ``rotate_job_order([Job("a"), Job("b"), Job("c")], 20.0, 45.0) == ("c", "a", "b")``
-    """
-    _unique(jobs)
-    if not epoch_s > 0 or not math.isfinite(now_s):
-        raise ValueError("epoch_s must be positive and now_s finite")
-    ids = sorted(j.job_id for j in jobs)
-    if not ids:
-        return ()
-    r = int(math.floor(now_s / epoch_s)) % len(ids)
-    return tuple(ids[r:] + ids[:r])
-
-
-def gpu_intensity(job: Job) -> float:
-    """Crux's GPU intensity: correction * compute per iteration / transfer time on the slowest link
-    (bytes * 8 / link_bps); infinite when the job sends nothing. Usage: ``gpu_intensity(Job("a", 1.0, 125, 1e3)) == 1.0``
-    """
-    if job.bytes_per_iter <= 0:
-        return math.inf
-    if job.slowest_link_bps <= 0:
-        raise ValueError(f"job {job.job_id}: slowest_link_bps must be positive")
-    return job.correction * job.compute_s / (job.bytes_per_iter * 8 / job.slowest_link_bps)
-
-
-def gpu_intensity_order(jobs: Sequence[Job]) -> tuple[str, ...]:
-    """Crux: most GPU-intensive job first (its traffic keeps the most GPU time busy per byte), ties by job id.
-
-    Usage: ``gpu_intensity_order([Job("a", 1.0, 10**6, 1e9), Job("b", 2.0, 10**6, 1e9)]) == ("b", "a")``
-    """
-    _unique(jobs)
-    return tuple(j.job_id for j in sorted(jobs, key=lambda j: (-gpu_intensity(j), j.job_id)))
-
-
-def job_levels(order: Sequence[str], queues: int = 8, reserved: int = 3) -> dict[str, int]:
-    """Network level of each job in ``order`` (most urgent first), compressed onto the usable queues with equal
-    numbers of jobs per level, order preserved (Crux's compression; see policies.compress).
-
-    Usage: ``job_levels(("b", "a"), queues=8, reserved=3) == {"b": 0, "a": 1}``
-    """
-    levels = compress_levels(list(range(len(order))), queues=queues, reserved=reserved)
-    return dict(zip(order, levels))
-
-
-# ---- the agent's job policy: order, bands of levels, effective level of a flow ------------------------------
 
 def rotation_epoch(now_s: float, epoch_s: float) -> int:
     """The number of the rotation epoch that wall-clock time ``now_s`` falls in: ``floor(now_s / epoch_s)``.
@@ -132,9 +74,7 @@ def hashed_rotation_order(job_ids: Sequence[str], epoch: int) -> tuple[str, ...]
     two agents with different job sets order every pair of shared jobs alike. Usage:
     ``hashed_rotation_order(["a", "b"], 7) in (("a", "b"), ("b", "a"))``
     """
-    ids = list(job_ids)
-    if len(set(ids)) != len(ids):
-        raise ValueError("job ids must be unique")
+    ids = unique_ids(job_ids)
     return tuple(sorted(ids, key=lambda j: (rotation_key(j, epoch), j)))
 
 
@@ -155,9 +95,7 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
     Usage: ``job_order("static", ["b", "a", "c"], priority={"b": 0, "a": 1})``
     ``== (("b", "a", "c"), (0, 1, math.inf))``
     """
-    ids = list(job_ids)
-    if len(set(ids)) != len(ids):
-        raise ValueError("job ids must be unique")
+    ids = unique_ids(job_ids)
     if policy == "none":
         order = tuple(sorted(ids))
         return order, tuple(0.0 for _ in order)
@@ -199,7 +137,8 @@ def job_bands(order: Sequence[str], levels: int, ranks: Sequence[float] | None =
         return {}
     group = compress_levels(list(ranks), queues=levels, reserved=0)
     n = max(group) + 1
-    return {job: (g * levels // n, (g + 1) * levels // n - g * levels // n) for job, g in zip(order, group)}
+    return {job: (g * levels // n, (g + 1) * levels // n - g * levels // n)
+            for job, g in zip(order, group, strict=True)}
 
 
 def banded_level(band: tuple[int, int], requested: int, levels: int, floor: int = 0) -> int:

@@ -20,6 +20,7 @@ DSCP_NAMES: dict[str, int] = {
     "CS4": 32, "AF41": 34, "AF42": 36, "AF43": 38, "CS5": 40, "VA": 44, "EF": 46, "CS6": 48, "CS7": 56,
 }
 DEFAULT_DSCP_TABLE: tuple[int, ...] = (46, 34, 26, 18, 10)
+MAX_LEVELS = len(DEFAULT_DSCP_TABLE)  # distinct levels a DSCP-trusting switch tells apart here
 SWITCH_QUEUES = 8
 RESERVED_QUEUES = frozenset({6, 7})  # CS6 / CS7: network control
 

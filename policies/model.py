@@ -17,9 +17,11 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
-from typing import Sequence
+
+MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -46,21 +48,21 @@ class Profile:
 
     @property
     def total_bytes(self) -> int:
-        return sum(l.params_bytes for l in self.layers)
+        return sum(ly.params_bytes for ly in self.layers)
 
     @property
     def fwd_total(self) -> float:
-        return sum(l.fwd_s for l in self.layers)
+        return sum(ly.fwd_s for ly in self.layers)
 
     @property
     def bwd_total(self) -> float:
-        return sum(l.bwd_s for l in self.layers)
+        return sum(ly.bwd_s for ly in self.layers)
 
     def offsets(self) -> tuple[int, ...]:
         """Byte offset of each layer in the flat gradient array, plus the total at the end."""
         out = [0]
-        for l in self.layers:
-            out.append(out[-1] + l.params_bytes)
+        for ly in self.layers:
+            out.append(out[-1] + ly.params_bytes)
         return tuple(out)
 
 
@@ -209,6 +211,46 @@ def make_blocks(profile: Profile, ranges: Sequence[tuple[int, int]], priorities:
     return tuple(out)
 
 
+def layer_ranges(profile: Profile) -> list[tuple[int, int]]:
+    """One byte range per layer that has parameters. Usage: ``layer_ranges(p) == [(0, 4), (4, 12)]``"""
+    offs = profile.offsets()
+    return [(offs[i], offs[i + 1]) for i in range(len(profile.layers)) if offs[i + 1] > offs[i]]
+
+
+def split_range(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
+    """Cut ``[lo, hi)`` into pieces of ``size`` bytes, the last one shorter (ByteScheduler's partition rule).
+
+    Usage: ``split_range(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]``
+    """
+    if size < 1:
+        raise ValueError(f"partition size must be positive, not {size}")
+    return [(a, min(a + size, hi)) for a in range(lo, hi, size)]
+
+
+def layer_pieces(profile: Profile, sizes: Sequence[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Every layer ``i`` cut into pieces of ``sizes[i]`` bytes (:func:`split_range`): the byte ranges, and each
+    piece's layer index as its priority (input side first). Usage: ``ranges, prios = layer_pieces(p, [4, 4])``
+    """
+    ranges: list[tuple[int, int]] = []
+    prios: list[int] = []
+    offs = profile.offsets()
+    for i in range(len(profile.layers)):
+        for r in split_range(offs[i], offs[i + 1], sizes[i]):
+            ranges.append(r)
+            prios.append(i)
+    return ranges, prios
+
+
+def backward_items(profile: Profile) -> tuple[list[int], list[float], list[int]]:
+    """Layers with parameters in backward order (last layer first): indices, gradient-ready times, bytes.
+
+    Usage: ``idx, ready, sizes = backward_items(p)``
+    """
+    ready = grad_ready_times(profile)
+    idx = [i for i in range(len(profile.layers) - 1, -1, -1) if profile.layers[i].params_bytes > 0]
+    return idx, [ready[i] for i in idx], [profile.layers[i].params_bytes for i in idx]
+
+
 def check_blocks(profile: Profile, blocks: Sequence[Block]) -> None:
     """Raise ValueError unless the blocks cover the gradient array exactly once. Usage: ``check_blocks(p, bs)``"""
     pos = 0
@@ -227,7 +269,7 @@ def scaled(profile: Profile, compute_scale: float) -> Profile:
     """
     if not compute_scale > 0 or math.isinf(compute_scale):
         raise ValueError(f"compute_scale must be positive and finite, not {compute_scale}")
-    layers = tuple(replace(l, fwd_s=l.fwd_s * compute_scale, bwd_s=l.bwd_s * compute_scale) for l in profile.layers)
+    layers = tuple(replace(ly, fwd_s=ly.fwd_s * compute_scale, bwd_s=ly.bwd_s * compute_scale) for ly in profile.layers)
     return replace(profile, layers=layers)
 
 
@@ -256,8 +298,14 @@ def load_profile(name: str) -> Profile:
     """
     if name not in profile_names():
         raise ValueError(f"unknown profile {name!r}; shipped: {', '.join(profile_names())}")
-    doc = json.loads(resources.files("tensorlane.policies.profiles").joinpath(f"{name}.json").read_text(encoding="utf-8"))
+    text = resources.files("tensorlane.policies.profiles").joinpath(f"{name}.json").read_text(encoding="utf-8")
+    doc = json.loads(text)
     return profile_from_dict(doc)
+
+
+def resolve_profile(profile: Profile | str) -> Profile:
+    """``profile`` itself, or the shipped profile of that name. Usage: ``resolve_profile("vgg16").name``"""
+    return load_profile(profile) if isinstance(profile, str) else profile
 
 
 def profile_from_dict(doc: dict) -> Profile:
@@ -266,7 +314,7 @@ def profile_from_dict(doc: dict) -> Profile:
     layers = tuple(Layer(e["name"], int(e["params_bytes"]), float(e["fwd_s"]), float(e["bwd_s"])) for e in entries)
     dag = None
     if any("after" in e for e in entries):
-        index = {l.name: i for i, l in enumerate(layers)}
+        index = {ly.name: i for i, ly in enumerate(layers)}
         dag = tuple(tuple(sorted(index[a] for a in e.get("after", []))) for e in entries)
         for i, preds in enumerate(dag):
             if any(p >= i for p in preds):

@@ -1,17 +1,14 @@
-"""The planner: evaluate every candidate policy over a small grid of sizes in the simulator and keep the best.
+"""The shim's planner: choose what the shim executes by predicting every configuration it can run.
 
-``plan()`` returns the blocks, their network levels, and the partition and fusion sizes with the lowest predicted
-iteration time of the idealised schedules (``policies.simulator``); ``compare()`` gives the best plan of each
-policy and ``table()`` renders the policy x profile table of docs/policies.md.
-
-``plan_shim()`` plans what the shim can execute (``policies.execution``'s model of its overlap mode): per-layer
-levels (flat, or layer order compressed onto 2..``levels_max`` levels), partition size and DDP bucket size
-(fusion); the shim uses it by default.
+``plan_shim()`` plans with ``policies.execution``'s model of the shim's overlap mode: per-layer levels (flat, or
+layer order compressed onto 2..``levels_max`` levels), partition size and DDP bucket size (fusion); the shim
+uses it by default. (The comparison of the published policies, ``plan``/``compare``/``table``, is
+``policies.papers.compare``.)
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
 
 from tensorlane.policies.execution import (
     TCP_PAYLOAD_FRACTION,
@@ -19,134 +16,8 @@ from tensorlane.policies.execution import (
     layer_order_levels,
     shim_iteration,
 )
-from tensorlane.policies.fusion import asc_wfbp, fusion_dp
-from tensorlane.policies.levels import DEFAULT_DSCP_TABLE
-from tensorlane.policies.model import (
-    CostModel,
-    Plan,
-    Profile,
-    Schedule,
-    balance_scale,
-    load_profile,
-    scaled,
-)
-from tensorlane.policies.order import pace
-from tensorlane.policies.partition import MiB, bytescheduler, us_byte, wfbp
-from tensorlane.policies.simulator import simulate
-
-POLICIES = ("wfbp", "fusion_dp", "asc_wfbp", "bytescheduler", "us_byte", "pace")
-MAX_LEVELS = len(DEFAULT_DSCP_TABLE)
-PARTITIONS = (256 * 1024, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
-CREDITS = (1, 2, 4)            # credit window, in partitions
-SLOPES = (0.0, 1.0, 3.0, 7.0)  # US-Byte growth: last blocks are (1 + slope) times the first
-SLOTS = (2, 4, 8)              # ASC-WFBP simultaneous all-reduces
-FUSIONS = (0, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
-DEFAULT_ALPHA_S = 20e-6        # per-operation overhead (kernel launch, negotiation); an assumption
-
-
-def candidates_for(policy: str, profile: Profile, cost: CostModel, queues: int) -> Iterator[Schedule]:
-    """The grid of schedules tried for ``policy``. Usage: ``list(candidates_for("wfbp", p, cost, 5))``"""
-    if policy == "wfbp":
-        yield wfbp(profile)
-    elif policy == "fusion_dp":
-        yield fusion_dp(profile, cost)
-    elif policy == "asc_wfbp":
-        for s in SLOTS:
-            yield asc_wfbp(profile, cost, slots=s)
-    elif policy == "bytescheduler":
-        for p in PARTITIONS:
-            for c in CREDITS:
-                yield bytescheduler(profile, partition_bytes=p, credit_bytes=c * p, queues=queues)
-    elif policy == "us_byte":
-        for p in PARTITIONS:
-            for c in CREDITS:
-                for s in SLOPES:
-                    yield us_byte(profile, first_bytes=p, slope=s, credit_bytes=c * p, queues=queues)
-    elif policy == "pace":
-        for f in FUSIONS:
-            for part in (None, 4 * MiB):
-                yield pace(profile, fusion_bytes=f, partition_bytes=part, queues=queues)
-    else:
-        raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
-
-
-def _to_plan(s: Schedule, iter_s: float) -> Plan:
-    return Plan(s.policy, s.blocks, s.levels, s.partition_bytes, s.fusion_bytes, iter_s, s.credit_bytes,
-                s.max_inflight, s.per_level_inflight, s.params, s)
-
-
-def _resolve(profile: Profile | str) -> Profile:
-    return load_profile(profile) if isinstance(profile, str) else profile
-
-
-def compare(profile: Profile | str, ranks: int, link_bps: float, latency_s: float = 5e-6, queues: int = MAX_LEVELS,
-            candidates: Iterable[str] = POLICIES, alpha_s: float = DEFAULT_ALPHA_S, sharing: str = "ps"
-            ) -> list[Plan]:
-    """Best plan of each candidate policy (in the order given), by simulated iteration time.
-
-    ``queues``: network levels available (1..5, see policies.levels); policies without priorities use one.
-    Ties keep the first grid point (smaller sizes first). Usage: ``compare("vgg16", 2, 200e6)``
-    """
-    prof = _resolve(profile)
-    if not 1 <= queues <= MAX_LEVELS:
-        raise ValueError(f"queues must be 1..{MAX_LEVELS}, not {queues}")
-    cost = CostModel(ranks, link_bps, latency_s, alpha_s)
-    out = []
-    for policy in candidates:
-        best: tuple[float, Schedule] | None = None
-        for s in candidates_for(policy, prof, cost, queues):
-            t = simulate(prof, s, cost, sharing=sharing).iter_s
-            if best is None or t < best[0]:
-                best = (t, s)
-        assert best is not None
-        out.append(_to_plan(best[1], best[0]))
-    return out
-
-
-def plan(profile: Profile | str, ranks: int, link_bps: float, latency_s: float = 5e-6, queues: int = MAX_LEVELS,
-         candidates: Iterable[str] = POLICIES, alpha_s: float = DEFAULT_ALPHA_S, sharing: str = "ps") -> Plan:
-    """The plan with the lowest predicted iteration time over all candidate policies and their grids.
-
-    Usage: ``plan(load_profile("resnet50"), ranks=16, link_bps=25e9, latency_s=5e-6).blocks``
-    """
-    plans = compare(profile, ranks, link_bps, latency_s, queues, candidates, alpha_s, sharing)
-    return min(plans, key=lambda p: p.predicted_iter_s)
-
-
-def table(profiles: Sequence[str] = ("resnet50", "vgg16", "bert_base"), ranks: int = 2, link_bps: float = 200e6,
-          latency_s: float = 50e-6, queues: int = MAX_LEVELS, comm_to_compute: float | None = 1.0,
-          candidates: Sequence[str] = POLICIES, alpha_s: float = DEFAULT_ALPHA_S) -> str:
-    """Markdown table of predicted iteration time (s) per policy x profile, compute scaled so that one
-    all-reduce of the whole model takes ``comm_to_compute`` times forward + backward; each cell is the best
-    grid point (with its speed-up over WFBP), and the last rows give compute alone and the no-overlap bound
-    (compute + one all-reduce of the whole model). ``comm_to_compute=None`` keeps the profiles' own compute times.
-
-    Usage: ``print(table())``
-    """
-    cost = CostModel(ranks, link_bps, latency_s, alpha_s)
-    cols: dict[str, dict[str, float]] = {}
-    bounds: dict[str, tuple[float, float]] = {}
-    for name in profiles:
-        prof = load_profile(name)
-        if comm_to_compute is not None:
-            prof = scaled(prof, balance_scale(prof, cost, comm_to_compute))
-        cols[name] = {p.policy: p.predicted_iter_s for p in compare(prof, ranks, link_bps, latency_s, queues,
-                                                                   candidates, alpha_s)}
-        compute = prof.fwd_total + prof.bwd_total
-        bounds[name] = (compute, compute + cost.allreduce_s(prof.total_bytes))
-    lines = ["| policy | " + " | ".join(profiles) + " |", "|---|" + "---:|" * len(profiles)]
-    for policy in candidates:
-        cells = []
-        for name in profiles:
-            t, ref = cols[name][policy], cols[name]["wfbp"] if "wfbp" in cols[name] else None
-            cells.append(f"{t:.3f}" + (f" ({ref / t:.2f}x)" if ref else ""))
-        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
-    lines.append("| compute only | " + " | ".join(f"{bounds[n][0]:.3f}" for n in profiles) + " |")
-    lines.append("| compute + comm, no overlap | " + " | ".join(f"{bounds[n][1]:.3f}" for n in profiles) + " |")
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------- the shim's planner
+from tensorlane.policies.levels import MAX_LEVELS
+from tensorlane.policies.model import CostModel, MiB, Profile, resolve_profile
 
 SHIM_POLICIES = ("flat", "layer_order")
 SHIM_BUCKETS = (25 * MiB, 5 * MiB, 1 * MiB)                 # DDP bucket caps (fusion) tried
@@ -168,7 +39,7 @@ class ShimCandidate:
     """One configuration the shim can run, with its predicted iteration time (``policies.execution``).
 
     ``policy``: ``flat`` (every layer at level 0: WFBP on one group) or ``layer_order`` (forward order compressed
-    onto ``levels`` byte-balanced levels, ``shim.buckets.parameter_levels``); ``levels``: levels used;
+    onto ``levels`` byte-balanced levels, ``policies.cutting.parameter_levels``); ``levels``: levels used;
     ``partition_bytes``: largest all-reduce piece (None: a bucket is cut only where its level changes);
     ``bucket_bytes``: DDP's bucket cap (fusion); ``ops``: all-reduce operations per iteration.
     """
@@ -244,7 +115,7 @@ def plan_shim(profile: Profile | str, ranks: int, link_bps: float, levels_max: i
     levels (more levels than layers) are tried once.
     Usage: ``plan_shim(p, ranks=2, link_bps=200e6, bucket_bytes=1 << 20).layer_levels``
     """
-    prof = _resolve(profile)
+    prof = resolve_profile(profile)
     if not 1 <= levels_max <= MAX_LEVELS:
         raise ValueError(f"levels_max must be 1..{MAX_LEVELS}, not {levels_max}")
     if not 0 < payload_fraction <= 1:

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from tensorlane.policies.model import CostModel, Profile, Schedule, check_blocks, grad_ready_times
 
@@ -61,6 +61,138 @@ class SimResult:
         return self.iter_s - self.backward_s - self.forward_s
 
 
+class _Network:
+    """State of :func:`network_done_times` while it runs: the application's queues, the startups in flight and the
+    levels' fluid service (virtual clocks for processor sharing, FIFO queues otherwise)."""
+
+    def __init__(self, schedule: Schedule, cost: CostModel, ready: Sequence[float], sharing: str,
+                 weights: Sequence[float] | None) -> None:
+        blocks = schedule.blocks
+        n = len(blocks)
+        self.blocks, self.ready, self.sharing, self.n = blocks, ready, sharing, n
+        self.done = [0.0] * n
+        self.rate = cost.link_bps
+        self.startup = cost.startup_s()
+        self.nlev = nlev = 1 + max((b.level for b in blocks), default=0)
+        self.bits = [cost.wire_bits(b.nbytes) for b in blocks]
+        self.key = [(b.priority, ready[i], b.start, i) for i, b in enumerate(blocks)]
+        self.arrivals = sorted(range(n), key=lambda i: (ready[i], i))
+        self.max_inflight, self.credit = schedule.max_inflight, schedule.credit_bytes
+        self.per_level = schedule.per_level_inflight
+        self.pending: list[list[tuple]] = [[] for _ in range(nlev)]  # app queue per level
+        self.starting: list[tuple[float, int]] = []                  # (end of startup, block)
+        self.ps_heap: list[list[tuple[float, int]]] = [[] for _ in range(nlev)]  # (virtual finish, block)
+        self.vclock = [0.0] * nlev                                   # bits served per unit weight in the level
+        self.fifo: list[deque[int]] = [deque() for _ in range(nlev)]
+        self.remaining = list(self.bits)
+        self.weight = [1.0] * n if weights is None else [float(w) for w in weights]
+        self.active = [0] * nlev
+        self.wsum = [0.0] * nlev                                     # total weight of the level's active flows
+        self.lvl_inflight = [0] * nlev
+        self.inflight = self.inflight_bytes = 0
+        self.now = 0.0
+        self.ptr = self.finished = 0
+
+    def transmit(self, b: int) -> None:
+        """Block ``b`` has finished its startup: it joins its level's service."""
+        lv = self.blocks[b].level
+        self.active[lv] += 1
+        self.wsum[lv] += self.weight[b]
+        if self.sharing == "ps":
+            heapq.heappush(self.ps_heap[lv], (self.vclock[lv] + self.bits[b] / self.weight[b], b))
+        else:
+            self.fifo[lv].append(b)
+
+    def complete(self, b: int) -> None:
+        """Block ``b`` has sent its last bit: it leaves the link and the launch limits, done now."""
+        lv = self.blocks[b].level
+        self.active[lv] -= 1
+        self.wsum[lv] = self.wsum[lv] - self.weight[b] if self.active[lv] else 0.0
+        self.lvl_inflight[lv] -= 1
+        self.inflight -= 1
+        self.inflight_bytes -= self.blocks[b].nbytes
+        self.done[b] = self.now
+        self.finished += 1
+
+    def launch(self) -> None:
+        """Launch queued blocks, most urgent level first, while the schedule's limits allow."""
+        for lv in range(self.nlev):
+            q = self.pending[lv]
+            while q:
+                if self.per_level is not None and self.lvl_inflight[lv] >= self.per_level:
+                    break
+                if self.max_inflight is not None and self.inflight >= self.max_inflight:
+                    return
+                b = q[0][-1]
+                if (self.credit is not None and self.inflight > 0
+                        and self.inflight_bytes + self.blocks[b].nbytes > self.credit):
+                    return
+                heapq.heappop(q)
+                self.inflight += 1
+                self.inflight_bytes += self.blocks[b].nbytes
+                self.lvl_inflight[lv] += 1
+                if self.startup > 0:
+                    heapq.heappush(self.starting, (self.now + self.startup, b))
+                else:
+                    self.transmit(b)
+
+    def next_event(self) -> tuple[int, float, float]:
+        """The most urgent level with bits to send (-1: none), the time of the next event, and the time the
+        first transmission of that level ends (INF: none)."""
+        top = next((lv for lv in range(self.nlev) if self.active[lv]), -1)
+        t_arr = self.ready[self.arrivals[self.ptr]] if self.ptr < self.n else INF
+        t_start = self.starting[0][0] if self.starting else INF
+        t_tx = INF
+        if top >= 0:
+            if self.sharing == "ps":
+                t_tx = self.now + (self.ps_heap[top][0][0] - self.vclock[top]) * self.wsum[top] / self.rate
+            else:
+                t_tx = self.now + self.remaining[self.fifo[top][0]] / self.rate
+        return top, min(t_arr, t_start, t_tx), t_tx
+
+    def serve(self, top: int, t: float, t_tx: float) -> None:
+        """Serve level ``top`` until ``t`` and complete what it finished then."""
+        if top >= 0 and t > self.now:
+            if self.sharing == "ps":
+                self.vclock[top] += (t - self.now) * self.rate / self.wsum[top]
+            else:
+                self.remaining[self.fifo[top][0]] -= (t - self.now) * self.rate
+        self.now = max(self.now, t)
+        if t_tx <= t:
+            if self.sharing == "ps":
+                h = self.ps_heap[top]
+                self.vclock[top] = max(self.vclock[top], h[0][0])
+                limit = self.vclock[top] * (1 + 1e-12) + 1e-9
+                while h and h[0][0] <= limit:
+                    self.complete(heapq.heappop(h)[1])
+            else:
+                self.complete(self.fifo[top].popleft())
+
+    def admit(self) -> None:
+        """Start transmitting the blocks whose startup has ended, queue the blocks that became ready, launch."""
+        while self.starting and self.starting[0][0] <= self.now:
+            self.transmit(heapq.heappop(self.starting)[1])
+        while self.ptr < self.n and self.ready[self.arrivals[self.ptr]] <= self.now:
+            b = self.arrivals[self.ptr]
+            self.ptr += 1
+            if self.bits[b] <= 0:
+                self.done[b] = self.now
+                self.finished += 1
+            else:
+                heapq.heappush(self.pending[self.blocks[b].level], self.key[b])
+        self.launch()
+
+    def run(self) -> tuple[float, ...]:
+        """Advance event by event until every block is done; the completion time of each block."""
+        while self.finished < self.n:
+            top, t, t_tx = self.next_event()
+            if t == INF:
+                raise RuntimeError("simulator stalled: blocks pending but nothing can launch")
+            self.serve(top, t, t_tx)
+            self.admit()
+        return tuple(self.done)
+
+
 def network_done_times(schedule: Schedule, cost: CostModel, ready: Sequence[float], sharing: str = "ps",
                        weights: Sequence[float] | None = None) -> tuple[float, ...]:
     """Completion time of each block given its ready time; see the module docstring for the model.
@@ -74,114 +206,9 @@ def network_done_times(schedule: Schedule, cost: CostModel, ready: Sequence[floa
         raise ValueError(f"sharing must be 'ps' or 'fifo', not {sharing!r}")
     if weights is not None and (len(weights) != len(schedule.blocks) or not all(w > 0 for w in weights)):
         raise ValueError("weights must be positive, one per block")
-    blocks = schedule.blocks
-    n = len(blocks)
-    done = [0.0] * n
     if cost.ranks == 1:
         return tuple(ready)
-    rate = cost.link_bps
-    startup = cost.startup_s()
-    nlev = 1 + max((b.level for b in blocks), default=0)
-    bits = [cost.wire_bits(b.nbytes) for b in blocks]
-    key = [(b.priority, ready[i], b.start, i) for i, b in enumerate(blocks)]
-    arrivals = sorted(range(n), key=lambda i: (ready[i], i))
-    max_inflight, credit, per_level = schedule.max_inflight, schedule.credit_bytes, schedule.per_level_inflight
-
-    pending: list[list[tuple]] = [[] for _ in range(nlev)]  # app queue per level
-    starting: list[tuple[float, int]] = []                  # (end of startup, block)
-    ps_heap: list[list[tuple[float, int]]] = [[] for _ in range(nlev)]  # (virtual finish, block)
-    vclock = [0.0] * nlev                                   # bits served per unit weight in the level
-    fifo: list[deque[int]] = [deque() for _ in range(nlev)]
-    remaining = list(bits)
-    weight = [1.0] * n if weights is None else [float(w) for w in weights]
-    active = [0] * nlev
-    wsum = [0.0] * nlev                                     # total weight of the level's active flows
-    lvl_inflight = [0] * nlev
-    inflight = inflight_bytes = 0
-    now = 0.0
-    ptr = finished = 0
-
-    def transmit(b: int) -> None:
-        lv = blocks[b].level
-        active[lv] += 1
-        wsum[lv] += weight[b]
-        if sharing == "ps":
-            heapq.heappush(ps_heap[lv], (vclock[lv] + bits[b] / weight[b], b))
-        else:
-            fifo[lv].append(b)
-
-    def complete(b: int) -> None:
-        nonlocal inflight, inflight_bytes, finished
-        lv = blocks[b].level
-        active[lv] -= 1
-        wsum[lv] = wsum[lv] - weight[b] if active[lv] else 0.0
-        lvl_inflight[lv] -= 1
-        inflight -= 1
-        inflight_bytes -= blocks[b].nbytes
-        done[b] = now
-        finished += 1
-
-    def launch() -> None:
-        nonlocal inflight, inflight_bytes
-        for lv in range(nlev):
-            q = pending[lv]
-            while q:
-                if per_level is not None and lvl_inflight[lv] >= per_level:
-                    break
-                if max_inflight is not None and inflight >= max_inflight:
-                    return
-                b = q[0][-1]
-                if credit is not None and inflight > 0 and inflight_bytes + blocks[b].nbytes > credit:
-                    return
-                heapq.heappop(q)
-                inflight += 1
-                inflight_bytes += blocks[b].nbytes
-                lvl_inflight[lv] += 1
-                if startup > 0:
-                    heapq.heappush(starting, (now + startup, b))
-                else:
-                    transmit(b)
-
-    while finished < n:
-        top = next((lv for lv in range(nlev) if active[lv]), -1)
-        t_arr = ready[arrivals[ptr]] if ptr < n else INF
-        t_start = starting[0][0] if starting else INF
-        t_tx = INF
-        if top >= 0:
-            if sharing == "ps":
-                t_tx = now + (ps_heap[top][0][0] - vclock[top]) * wsum[top] / rate
-            else:
-                t_tx = now + remaining[fifo[top][0]] / rate
-        t = min(t_arr, t_start, t_tx)
-        if t == INF:
-            raise RuntimeError("simulator stalled: blocks pending but nothing can launch")
-        if top >= 0 and t > now:
-            if sharing == "ps":
-                vclock[top] += (t - now) * rate / wsum[top]
-            else:
-                remaining[fifo[top][0]] -= (t - now) * rate
-        now = max(now, t)
-        if t_tx <= t:
-            if sharing == "ps":
-                h = ps_heap[top]
-                vclock[top] = max(vclock[top], h[0][0])
-                limit = vclock[top] * (1 + 1e-12) + 1e-9
-                while h and h[0][0] <= limit:
-                    complete(heapq.heappop(h)[1])
-            else:
-                complete(fifo[top].popleft())
-        while starting and starting[0][0] <= now:
-            transmit(heapq.heappop(starting)[1])
-        while ptr < n and ready[arrivals[ptr]] <= now:
-            b = arrivals[ptr]
-            ptr += 1
-            if bits[b] <= 0:
-                done[b] = now
-                finished += 1
-            else:
-                heapq.heappush(pending[blocks[b].level], key[b])
-        launch()
-    return tuple(done)
+    return _Network(schedule, cost, ready, sharing, weights).run()
 
 
 def forward_starts(profile: Profile, layer_ready: Sequence[float], start_s: float,
@@ -229,10 +256,10 @@ def simulate(profile: Profile, schedule: Schedule, cost: CostModel, sharing: str
     ready = [grad[min(b.layers)] for b in schedule.blocks]
     done = network_done_times(schedule, cost, ready, sharing)
     layer_ready = [0.0] * len(profile.layers)
-    for b, t in zip(schedule.blocks, done):
+    for b, t in zip(schedule.blocks, done, strict=True):
         for i in b.layers:
             layer_ready[i] = max(layer_ready[i], t)
     starts = forward_starts(profile, layer_ready, backward, graph)
-    end = max((s + l.fwd_s for s, l in zip(starts, profile.layers)), default=backward)
+    end = max((s + ly.fwd_s for s, ly in zip(starts, profile.layers, strict=True)), default=backward)
     return SimResult(end, backward, profile.fwd_total, max(done, default=0.0), tuple(done), tuple(layer_ready),
                      starts)

@@ -3,7 +3,7 @@ overlap of communication and the next forward pass.
 
 - One gloo process group per priority level: each level is its own set of TCP connections, which the shim finds
   in /proc and registers with the local agent (job id, rank, level).
-- A DDP communication hook cuts every gradient bucket into pieces by level (``shim.buckets``) and launches each
+- A DDP communication hook cuts every gradient bucket into pieces by level (``policies.cutting``) and launches each
   piece's all-reduce on its level's group as soon as the bucket is ready; several levels are in flight at once
   and the network (the agent's queues, the switches' DSCP queues) serves the urgent ones first.
 - Hook mode (``priority_hook``): DDP waits for the pieces before ``backward()`` returns; the training loop is
@@ -694,7 +694,7 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
     chooses each layer's level and the partition size from a profile measured during the first iteration or
     given as ``profile`` (a policies.model.Profile or a shipped profile's name, one layer per module with
     parameters) and the link rate ``link_bps`` (default: the agent's), see shim.plan; "layer_order" or "flat",
-    see shim.buckets), ``partition_bytes`` (largest all-reduce piece; overrides the planner's; None with the other
+    see policies.cutting), ``partition_bytes`` (largest all-reduce piece; overrides the planner's; None with the other
     policies: a bucket is cut only where its level changes), ``agent_socket`` (default TENSORLANE_AGENT_SOCKET or
     /run/tensorlane/agent.sock), ``job`` (default ``agree_job_id()``), ``report_interval_s`` (how often
     per-level communication counters go to the agent's metrics, ``shim.report``). Overlap mode: ``optimizer`` is a

@@ -73,8 +73,8 @@ def test_bucket_pieces_by_hand() -> None:
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 3)), min_size=1, max_size=12),
        st.one_of(st.none(), st.integers(1, 50)))
 def test_bucket_pieces_is_the_shims_rule(params, partition) -> None:
-    """Equal to shim.buckets.pieces_of on elements of 4 bytes."""
-    from tensorlane.shim.buckets import pieces_of
+    """Equal to policies.cutting.pieces_of (what the shim runs) on elements of 4 bytes."""
+    from tensorlane.policies.cutting import pieces_of
 
     numels = [n for n, _ in params]
     levels = [lv for _, lv in params]

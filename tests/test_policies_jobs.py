@@ -9,9 +9,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorlane.policies.jobs import (JOB_POLICIES, Job, banded_level, gpu_intensity, gpu_intensity_order, hashed_rotation_order,
-                           job_bands, job_levels, job_order, rotate_job_order, rotation_epoch, rotation_key,
-                           static_job_order)
+from tensorlane.policies.jobs import (
+    JOB_POLICIES,
+    Job,
+    banded_level,
+    hashed_rotation_order,
+    job_bands,
+    job_order,
+    rotation_epoch,
+    rotation_key,
+)
+from tensorlane.policies.papers.crux import gpu_intensity, gpu_intensity_order, job_levels
+from tensorlane.policies.papers.tensorlights import rotate_job_order, static_job_order
 
 JOBS = [Job("c", priority=1), Job("a", priority=1), Job("b", priority=0)]
 
@@ -151,19 +160,19 @@ def test_banded_level_by_hand() -> None:
 @given(st.lists(st.sampled_from("abcdefghij"), min_size=0, max_size=10, unique=True),
        st.lists(st.integers(0, 3), min_size=10, max_size=10), st.integers(1, 5))
 def test_bands_tile_the_levels_and_keep_the_order(jobs, prios, levels) -> None:
-    order, ranks = job_order("static", jobs, priority=dict(zip("abcdefghij", prios)))
+    order, ranks = job_order("static", jobs, priority=dict(zip("abcdefghij", prios, strict=True)))
     bands = job_bands(order, levels, ranks)
     if not jobs:
         return
     distinct = sorted({bands[j] for j in order})
     assert distinct[0][0] == 0 and distinct[-1][0] + distinct[-1][1] == levels
     assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(distinct))  # contiguous, no overlap
-    for (j1, r1), (j2, r2) in itertools.pairwise(zip(order, ranks)):
+    for (j1, r1), (j2, r2) in itertools.pairwise(zip(order, ranks, strict=True)):
         assert bands[j1][0] <= bands[j2][0]
         if r1 == r2:
             assert bands[j1] == bands[j2]
     # effective levels: lexicographic (job rank, tensor level) never inverted
-    pairs = sorted((r, t, j) for j, r in zip(order, ranks) for t in range(levels))
+    pairs = sorted((r, t, j) for j, r in zip(order, ranks, strict=True) for t in range(levels))
     effective = [banded_level(bands[j], t, levels) for _, t, j in pairs]
     assert effective == sorted(effective)
 

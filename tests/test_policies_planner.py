@@ -7,7 +7,7 @@ import pytest
 
 from tensorlane.policies.levels import dscp_table
 from tensorlane.policies.model import CostModel, balance_scale, load_profile, scaled
-from tensorlane.policies.planner import POLICIES, compare, plan, table
+from tensorlane.policies.papers.compare import POLICIES, compare, plan, table
 from tensorlane.policies.simulator import simulate
 
 
@@ -92,7 +92,7 @@ def _emulated(name: str):
 
     ps, cs = DEFAULT_SCALES[name]
     p = load_profile(name)
-    layers = tuple(replace(l, params_bytes=4 * n) for l, n in zip(p.layers, layer_numels(p, ps)))
+    layers = tuple(replace(ly, params_bytes=4 * n) for ly, n in zip(p.layers, layer_numels(p, ps), strict=True))
     return scaled(Profile(name, layers), cs), ps
 
 

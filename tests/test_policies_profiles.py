@@ -107,11 +107,11 @@ def build_profile_json(name: str) -> dict:
 def test_shipped_profile_matches_architecture(name: str) -> None:
     prof = load_profile(name)
     arch = ARCH[name]()
-    assert [l.name for l in prof.layers] == [a[0] for a in arch]
-    assert [l.params_bytes for l in prof.layers] == [a[1] * FP32 for a in arch]
+    assert [ly.name for ly in prof.layers] == [a[0] for a in arch]
+    assert [ly.params_bytes for ly in prof.layers] == [a[1] * FP32 for a in arch]
     assert sum(a[1] for a in arch) == TOTAL_PARAMS[name]
     assert prof.total_bytes == TOTAL_PARAMS[name] * FP32
-    for layer, (_, _, macs, _) in zip(prof.layers, arch):
+    for layer, (_, _, macs, _) in zip(prof.layers, arch, strict=True):
         assert layer.fwd_s == pytest.approx(2 * macs * BATCH / EFFECTIVE_FLOPS, rel=1e-5)
         assert layer.bwd_s == pytest.approx(2 * layer.fwd_s, rel=1e-5)
 
@@ -131,7 +131,7 @@ def test_profile_names_and_dag() -> None:
     assert profile_names() == ("bert_base", "resnet50", "vgg16")
     r = load_profile("resnet50")
     assert r.dag is not None and len(r.dag) == len(r.layers)
-    names = [l.name for l in r.layers]
+    names = [ly.name for ly in r.layers]
     ds = names.index("layer2.0.downsample")
     # the downsample branch consumes the block input, as conv1 of the same block does
     assert r.dag[ds] == r.dag[names.index("layer2.0.conv1")]

@@ -8,10 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorlane.policies.compress import compress_levels, contiguous_split
-from tensorlane.policies.fusion import asc_groups, asc_wfbp, concurrency_beats_fusion, fusion_dp, fusion_groups
-from tensorlane.policies.model import CostModel, Layer, Profile, Schedule, check_blocks, make_blocks
-from tensorlane.policies.order import consumer_order, dag_indices, pace
-from tensorlane.policies.partition import bytescheduler, split_range, unequal_sizes, us_byte, wfbp
+from tensorlane.policies.model import CostModel, Layer, Profile, Schedule, check_blocks, make_blocks, split_range
+from tensorlane.policies.papers.asc_wfbp import asc_groups, asc_wfbp, concurrency_beats_fusion
+from tensorlane.policies.papers.bytescheduler import bytescheduler
+from tensorlane.policies.papers.mg_wfbp import fusion_dp, fusion_groups
+from tensorlane.policies.papers.pace import consumer_order, dag_indices, pace
+from tensorlane.policies.papers.poseidon_wfbp import wfbp
+from tensorlane.policies.papers.us_byte import unequal_sizes, us_byte
 from tensorlane.policies.simulator import simulate
 
 COST = CostModel(ranks=2, link_bps=8000.0)  # 1000 B = 1 s on the wire
@@ -69,7 +72,7 @@ def test_partitions_conserve_bytes(sizes, part, slope, queues) -> None:
         assert all(len(b.layers) == 1 for b in s.blocks)
         assert all(0 <= b.level < queues for b in s.blocks)
         by_prio = sorted(s.blocks, key=lambda b: b.priority)
-        assert all(x.level <= y.level for x, y in zip(by_prio, by_prio[1:]))
+        assert all(x.level <= y.level for x, y in itertools.pairwise(by_prio))
     assert all(b.nbytes <= part for b in bytescheduler(p, part, part).blocks)
 
 
@@ -111,11 +114,11 @@ def test_fusion_dp_is_optimal_and_never_adds_blocks(spec, alpha) -> None:
     best = float("inf")
     for cuts in itertools.product([0, 1], repeat=n - 1):
         bounds = [0] + [i + 1 for i in range(n - 1) if cuts[i]] + [n]
-        ranges = [(offs[a], offs[b]) for a, b in zip(bounds, bounds[1:])]
+        ranges = [(offs[a], offs[b]) for a, b in itertools.pairwise(bounds)]
         best = min(best, simulate(p, Schedule("x", make_blocks(p, ranges), max_inflight=1), c).iter_s)
     assert got == pytest.approx(best, abs=1e-9)
     ready = sorted(b.ready_s for b in wfbp(p).blocks)
-    _, f = fusion_groups(ready, [l.params_bytes for l in reversed(p.layers)], c)
+    _, f = fusion_groups(ready, [ly.params_bytes for ly in reversed(p.layers)], c)
     assert got == pytest.approx(f + p.fwd_total, abs=1e-9)
 
 
@@ -206,9 +209,9 @@ def test_compress_levels_preserves_order(prios, queues, reserved, data) -> None:
 def test_contiguous_split_is_min_max(weights, k) -> None:
     """The split's heaviest group equals the brute-force optimum over all contiguous splits."""
     g = contiguous_split(weights, k)
-    got = max(sum(w for w, x in zip(weights, g) if x == lv) for lv in set(g))
+    got = max(sum(w for w, x in zip(weights, g, strict=True) if x == lv) for lv in set(g))
     n = len(weights)
-    best = min(max(sum(weights[a:b]) for a, b in zip((0,) + cuts, cuts + (n,)))
+    best = min(max(sum(weights[a:b]) for a, b in zip((0,) + cuts, cuts + (n,), strict=True))
                for m in range(min(k, n)) for cuts in itertools.combinations(range(1, n), m))
     assert got == best and len(set(g)) == min(k, n)
 
@@ -220,7 +223,7 @@ def test_pace_on_resnet_ranks_downsample_with_block_input() -> None:
 
     p = load_profile("resnet50")
     rank = consumer_order(p)
-    names = [l.name for l in p.layers]
+    names = [ly.name for ly in p.layers]
     r = {n: rank[names.index(f"layer2.0.{n}")] for n in ("conv1", "conv2", "conv3", "downsample")}
     assert r["conv1"] < r["downsample"] < r["conv2"] < r["conv3"]
     assert consumer_order(load_profile("vgg16")) == tuple(range(16))

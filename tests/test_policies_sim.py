@@ -7,10 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorlane.policies.fusion import concurrent_finish_s, fused_finish_s, sequential_finish_s
 from tensorlane.policies.model import CostModel, Layer, Profile, Schedule, grad_ready_times, make_blocks
-from tensorlane.policies.order import pace
-from tensorlane.policies.partition import bytescheduler, wfbp
+from tensorlane.policies.papers.asc_wfbp import concurrent_finish_s, fused_finish_s, sequential_finish_s
+from tensorlane.policies.papers.bytescheduler import bytescheduler
+from tensorlane.policies.papers.pace import pace
+from tensorlane.policies.papers.poseidon_wfbp import wfbp
 from tensorlane.policies.simulator import forward_starts, simulate
 
 # 2 ranks at 8000 bit/s: an all-reduce of 1000 bytes moves 2*(1/2)*8000 = 8000 bits = 1 s.
@@ -111,7 +112,7 @@ layers_st = st.lists(st.tuples(st.integers(0, 5000), st.floats(0, 2), st.floats(
 
 def _profile(spec: list[tuple[int, float, float]]) -> Profile:
     layers = tuple(Layer(f"l{i}", b, f, w) for i, (b, f, w) in enumerate(spec))
-    if sum(l.params_bytes for l in layers) == 0:
+    if sum(ly.params_bytes for ly in layers) == 0:
         layers = (Layer("x", 1, 0.0, 0.0),) + layers
     return Profile("h", layers)
 
@@ -128,7 +129,7 @@ def test_simulator_bounds(spec, ranks, alpha, sharing, part) -> None:
                   pace(p, queues=3)):
         r = simulate(p, sched, cost, sharing=sharing)
         assert r.iter_s >= r.backward_s + r.forward_s - 1e-9
-        for b, t in zip(sched.blocks, r.block_done_s):
+        for b, t in zip(sched.blocks, r.block_done_s, strict=True):
             assert t >= b.ready_s + cost.allreduce_s(b.nbytes) - 1e-9
         wire = cost.wire_bits(p.total_bytes) / cost.link_bps
         assert r.comm_end_s >= min(b.ready_s for b in sched.blocks) + wire - 1e-9
@@ -141,7 +142,7 @@ def test_simulator_bounds(spec, ranks, alpha, sharing, part) -> None:
 def test_phase2_order_is_optimal(spec) -> None:
     """US-Byte phase 2: with every gradient ready at once, sending blocks in forward-layer order minimises the
     iteration among all orders (brute force over permutations, one block per layer, one stream)."""
-    from tensorlane.policies.partition import phase2_order
+    from tensorlane.policies.papers.us_byte import phase2_order
 
     p = Profile("p2", tuple(Layer(f"l{i}", b, f, 0.0) for i, (b, f) in enumerate(spec)))
     blocks = make_blocks(p, [(p.offsets()[i], p.offsets()[i + 1]) for i in range(len(spec))])

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tensorlane.shim.buckets import parameter_levels, pieces_of
+from tensorlane.policies.cutting import parameter_levels, pieces_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

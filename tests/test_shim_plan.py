@@ -33,9 +33,9 @@ def test_recorder_measures_forward_and_backward_per_module():
     model(x)
     assert seen == [rec]
     measured = rec.profile()
-    assert [l.params_bytes for l in measured.layers] == [l.params_bytes for l in prof.layers]
+    assert [ly.params_bytes for ly in measured.layers] == [ly.params_bytes for ly in prof.layers]
     # host-clock times of the emulated device: host work overlapped with it may shorten a layer a little
-    for got, want in zip(measured.layers, prof.layers):
+    for got, want in zip(measured.layers, prof.layers, strict=True):
         assert 0 < got.fwd_s < 0.5 and 0 < got.bwd_s < 0.5, (got, want)
     assert 0.5 * prof.fwd_total <= measured.fwd_total <= 3 * prof.fwd_total + 0.05, measured
     assert 0.5 * prof.bwd_total <= measured.bwd_total <= 3 * prof.bwd_total + 0.05, measured

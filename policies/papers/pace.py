@@ -1,10 +1,16 @@
-"""Preemptive scheduling over the training DAG (PACE, INFOCOM'20; TicTac, MLSys'19 for the consumption order)."""
+"""Preemptive all-reduce scheduling over the training DAG: PACE, with TicTac's consumption order.
+
+Papers: "Preemptive All-reduce Scheduling for Expediting Distributed DNN Training" (PACE), IEEE INFOCOM 2020;
+"TicTac: Accelerating Distributed Deep Learning with Communication Scheduling", MLSys 2019 (the order in which the
+next forward consumes the parameters). Priorities follow the earliest consumer in the forward DAG, are compressed
+onto the network's levels, and the network preempts the less urgent levels.
+"""
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from tensorlane.policies.model import Profile, Schedule, make_blocks
-from tensorlane.policies.partition import split_range, with_levels
+from tensorlane.policies.compress import with_levels
+from tensorlane.policies.model import Profile, Schedule, make_blocks, split_range
 
 
 def dag_indices(profile: Profile, dag: Mapping[str, Sequence[str]] | Mapping[int, Sequence[int]] | None
@@ -19,7 +25,7 @@ def dag_indices(profile: Profile, dag: Mapping[str, Sequence[str]] | Mapping[int
         if profile.dag is not None:
             return profile.dag
         return tuple(() if i == 0 else (i - 1,) for i in range(n))
-    index = {l.name: i for i, l in enumerate(profile.layers)}
+    index = {ly.name: i for i, ly in enumerate(profile.layers)}
     out: list[tuple[int, ...]] = [()] * n
     for key, preds in dag.items():
         k = index[key] if isinstance(key, str) else int(key)
@@ -77,7 +83,7 @@ def pace(profile: Profile, dag: Mapping[str, Sequence[str]] | Mapping[int, Seque
     prios = [rank[g[0]] for g in groups]
     if partition_bytes is not None:
         cut_r, cut_p = [], []
-        for (lo, hi), p in zip(ranges, prios):
+        for (lo, hi), p in zip(ranges, prios, strict=True):
             for r in split_range(lo, hi, partition_bytes):
                 cut_r.append(r)
                 cut_p.append(p)
