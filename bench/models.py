@@ -75,7 +75,7 @@ def layer_numels(profile: Profile | str, param_scale: float = 1.0) -> list[int]:
     """
     if not param_scale > 0:
         raise ValueError(f"param_scale must be positive, not {param_scale}")
-    return [max(1, round(l.params_bytes / 4 / param_scale)) for l in _profile(profile).layers]
+    return [max(1, round(layer.params_bytes / 4 / param_scale)) for layer in _profile(profile).layers]
 
 
 def gradient_bytes(profile: Profile | str, param_scale: float = 1.0) -> int:
@@ -193,17 +193,27 @@ _STREAM = _Stream()
 STREAM_STATS = {"compute_s": 0.0, "slept_s": 0.0, "late_s": 0.0, "cpu_hidden_s": 0.0, "idle_s": 0.0, "calls": 0}
 
 
-def _busy_s() -> float:
-    """Seconds this thread has been running or runnable (on a CPU, or waiting in a run queue for one).
+def schedstat() -> tuple[float, float] | None:
+    """This thread's seconds on a CPU and waiting in a run queue for one (/proc/thread-self/schedstat), or None
+    where that cannot be read. The wait shows how much of an interval other processes took.
 
-    From /proc/thread-self/schedstat (on-CPU ns, run-queue wait ns); where that is missing, CPU time only.
+    Usage: ``run_s, wait_s = schedstat() or (0.0, 0.0)``
     """
     try:
         with open("/proc/thread-self/schedstat", "rb") as fh:
             run_ns, wait_ns = fh.read().split()[:2]
-        return (int(run_ns) + int(wait_ns)) / 1e9
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
     except (OSError, ValueError):
-        return time.thread_time()
+        return None
+
+
+def _busy_s() -> float:
+    """Seconds this thread has been running or runnable (on a CPU, or waiting in a run queue for one).
+
+    From :func:`schedstat`; where that is missing, CPU time only.
+    """
+    stat = schedstat()
+    return sum(stat) if stat else time.thread_time()
 
 
 def emulate_compute(seconds: float, cpu_overlap: bool | None = None) -> None:
@@ -322,8 +332,8 @@ def emulated_model(profile: Profile | str, param_scale: float = 1.0, compute_sca
     gen = torch.Generator().manual_seed(seed)
     cls = _layer_class()
     numels = layer_numels(p, param_scale)
-    layers = [cls(l.name, n, l.fwd_s * compute_scale, l.bwd_s * compute_scale, generator=gen)
-              for l, n in zip(p.layers, numels)]
+    layers = [cls(layer.name, n, layer.fwd_s * compute_scale, layer.bwd_s * compute_scale, generator=gen)
+              for layer, n in zip(p.layers, numels, strict=True)]
     model = torch.nn.Sequential(*layers)
     model.profile_name = p.name
     model.param_scale = param_scale
@@ -336,7 +346,6 @@ def synthetic_batch(rank: int = 0, step: int = 0, batch: int = DEFAULT_BATCH, wi
     torch = _torch()
     g = torch.Generator().manual_seed(10_007 * step + rank)
     return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
-
 
 
 # ------------------------------------------------------------------------------------- a small real model (CNN)
@@ -387,6 +396,7 @@ def synthetic_images(rank: int = 0, step: int = 0, batch: int = 32, classes: int
     labels = torch.randint(0, classes, (batch,), generator=g)
     images = patterns[labels] + noise * torch.randn(batch, 3, size, size, generator=g)
     return images, labels
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.models", description="balanced scales of the profiles")

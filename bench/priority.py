@@ -1,7 +1,7 @@
 """Training with tensor priorities: plain DDP vs application-level ordering vs the shim's priority levels with
 overlap, on emulated models (``bench.models``) over the namespace testbed, with an agent on every host.
 
-For each profile (ResNet-50, VGG-16, BERT-base by default) one set of workers (``bench.training``, one rank per
+For each profile (ResNet-50, VGG-16, BERT-base by default) one set of workers (``bench.worker training``, one rank per
 host) runs these modes interleaved, ``rounds`` times each in rotating order, so that they share the machine's
 noise:
 
@@ -40,9 +40,8 @@ import sys
 import tempfile
 import time
 
-from bench.workers import ScenarioError, machine_info, progress_printer, run_workers, show_figures, text_table
+from bench.workers import ScenarioError, machine_info, progress_printer, ratio, run_workers, show_figures, text_table
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILES = ("resnet50", "vgg16", "bert_base")
 MODES = ("compute", "ddp", "app_order", "shim_overlap")
 TARGET_VS_DDP = 0.8
@@ -56,16 +55,16 @@ def run_training(tb, ranks: list[int], port: int, profile: str, mode: str, iters
                  param_scale: float, compute_scale: float, workdir: str, tag: str, levels: int = 4,
                  sockets: dict[int, str] | None = None, job: str = "prio", timeout: float = 300.0,
                  extra: list[str] | None = None, ddp_registered: bool = False) -> dict:
-    """Run one ``bench.training`` worker per host in ``ranks`` (host indexes in rank order) and wait (bounded).
+    """Run one ``bench.worker training`` worker per host in ``ranks`` (host indexes in rank order) and wait (bounded).
 
-    ``mode`` may be a comma-separated list (see bench.training). ``sockets`` go to the shim modes; plain DDP
+    ``mode`` may be a comma-separated list (see bench.worker). ``sockets`` go to the shim modes; plain DDP
     registers its flows (all at level 0) only with ``ddp_registered``. Returns rank 0's result (``times_s``:
     per-iteration maxima over ranks) with ``by_rank`` (every rank's).
     """
     master = f"{tb.host(ranks[0]).ip}:{port}"
 
     def argv_of(rank: int, host, out: str) -> list[str]:
-        argv = [sys.executable, "-m", "bench.training", "--rank", str(rank), "--world", str(len(ranks)),
+        argv = [sys.executable, "-m", "bench.worker", "training", "--rank", str(rank), "--world", str(len(ranks)),
                 "--master", master, "--profile", profile, "--mode", mode, "--iters", str(iters),
                 "--warmup", str(warmup), "--param-scale", f"{param_scale:g}",
                 "--compute-scale", f"{compute_scale:g}", "--levels", str(levels), "--job", job,
@@ -81,10 +80,6 @@ def run_training(tb, ranks: list[int], port: int, profile: str, mode: str, iters
     res = dict(results[0])
     res["by_rank"] = results
     return res
-
-
-def _ratio(a, b):
-    return None if a is None or not b else a / b
 
 
 def passes(fig: dict) -> dict:
@@ -110,18 +105,7 @@ def run(profiles=PROFILES, rate: str = "200mbit", hosts: int = 2, iters: int | N
     ``app_order_vs_ddp``, the scales, per-iteration lists ``*_times_s``, phase medians and the shim's stats.
     ``bulk_streams`` > 0 adds iperf3 bulk host1<->host2 with that many streams per direction.
     """
-    from bench.agents import running_agents
-    from bench.bulk import bulk
-    from bench.models import (
-        DEFAULT_COMM_S,
-        balanced_scales,
-        compute_s,
-        dependency_bound,
-        gradient_bytes,
-        lower_bound_s,
-    )
-    from bench.models import comm_s as comm_time
-    from testbed import Testbed
+    from bench.models import DEFAULT_COMM_S
 
     if hosts < 2:
         raise ValueError("the benchmark needs at least 2 hosts")
@@ -131,90 +115,21 @@ def run(profiles=PROFILES, rate: str = "200mbit", hosts: int = 2, iters: int | N
     iters = iters or (3 if quick else 8)
     warmup = warmup if warmup is not None else (1 if quick else 2)
     rounds = rounds or (1 if quick else 3)
-    comm_target = comm_s or DEFAULT_COMM_S
     progress = progress or (lambda *a, **k: None)
     own_dir = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="tensorlane-priority-")
-    ranks = list(range(1, hosts + 1))
-    result: dict = {"rate": rate, "hosts": hosts, "ranks": len(ranks), "iters": iters, "warmup": warmup,
+    result: dict = {"rate": rate, "hosts": hosts, "ranks": hosts, "iters": iters, "warmup": warmup,
                     "rounds": rounds, "shim_bucket_mb": shim_bucket_mb, "partition_bytes": partition_bytes,
                     "levels": levels, "modes": list(modes), "bulk_streams": bulk_streams, "quick": quick,
-                    "comm_s_target": comm_target, "profiles": {},
+                    "comm_s_target": comm_s or DEFAULT_COMM_S, "profiles": {},
                     "targets": {"shim_vs_ddp_max": TARGET_VS_DDP, "shim_vs_lower_bound_max": TARGET_VS_LOWER_BOUND,
                                 "shim_below_app_order": True}}
     t_start = time.monotonic()
-    port = port_base
-    progress(f"testbed {name}: {hosts} hosts at {rate}, {len(ranks)} ranks; profiles {', '.join(profiles)}; "
+    progress(f"testbed {name}: {hosts} hosts at {rate}, {hosts} ranks; profiles {', '.join(profiles)}; "
              f"modes {', '.join(modes)} interleaved, {rounds} round(s) of {iters} timed iterations (+{warmup} warm-up)"
              + (f"; bulk h1<->h2 x{bulk_streams}" if bulk_streams else ""))
     try:
-        with contextlib.ExitStack() as stack:
-            tb = stack.enter_context(Testbed(hosts=hosts, rate=rate, name=name))
-            agents_dir = os.path.join(workdir, "agents")
-            os.makedirs(agents_dir, exist_ok=True)
-            agents = stack.enter_context(running_agents(tb, levels=max(levels, 1), workdir=agents_dir))
-            sockets = {i: a.socket for i, a in agents.items()}
-            b = None
-            if bulk_streams:
-                b = stack.enter_context(bulk(tb, [(1, 2, bulk_streams), (2, 1, bulk_streams)], seconds=3600))
-                time.sleep(settle_s)
-            link = tb.rate_bps
-            result["link_bps"] = link
-            for prof in profiles:
-                ps, cs = balanced_scales(prof, link, len(ranks), comm_target)
-                fig: dict = {"param_scale": ps, "compute_scale": cs,
-                             "gradient_bytes": gradient_bytes(prof, ps),
-                             "comm_s": comm_time(prof, len(ranks), link, ps),
-                             "compute_nominal_s": compute_s(prof, cs),
-                             "lower_bound_s": lower_bound_s(prof, len(ranks), link, ps, cs)}
-                dep = dependency_bound(prof, len(ranks), link, ps, cs)
-                fig.update(lower_bound_dep_s=dep["lower_bound_dep_s"], lower_bound_dep_layer=dep["layer"],
-                           lower_bound_dep_layer_name=dep["layer_name"],
-                           lower_bound_first_layer_s=dep["first_layer_s"])
-                result["profiles"][prof] = fig
-                progress(f"{prof}: param_scale {ps:g}, compute_scale {cs:g}: {fig['gradient_bytes'] / 1e6:.1f} MB "
-                         f"of gradients ({fig['comm_s']:.3f} s on the wire), compute {fig['compute_nominal_s']:.3f} s;"
-                         f" lower bound {fig['lower_bound_s']:.3f} s, dependency-aware "
-                         f"{fig['lower_bound_dep_s']:.3f} s (layer {dep['layer']}, {dep['layer_name']})")
-                port += 1
-                extra = ["--rounds", str(rounds)]
-                if shim_bucket_mb is not None:
-                    extra += ["--shim-bucket-cap-mb", f"{shim_bucket_mb / ps:g}"]
-                if partition_bytes is not None:
-                    extra += ["--partition-bytes", str(max(4, int(partition_bytes / ps)))]
-                r = run_training(tb, ranks, port, prof, ",".join(modes), iters, warmup, ps, cs, workdir, prof,
-                                 levels=levels, job=f"prio-{prof}", sockets=sockets,
-                                 ddp_registered=bool(bulk_streams), extra=extra,
-                                 timeout=120 + rounds * len(modes) * (iters + warmup + 2) * 6 * fig["lower_bound_s"])
-                for mode in modes:
-                    m = r["modes"][mode]
-                    key = KEY[mode]
-                    fig[key] = m["median_s"]
-                    fig[key[:-2] + "_times_s"] = m["times_s"]
-                    fig[f"{mode}_phases_s"] = m["phases_s"]
-                    fig[f"{mode}_late_wakeups_s"] = m["late_wakeups_s"]
-                    fig[f"{mode}_device_idle_s"] = m["device_idle_s"]
-                    if m.get("shim_stats"):
-                        fig[f"{mode}_stats"] = m["shim_stats"]
-                    ph = m["phases_s"]
-                    progress(f"  {mode:12s} median {m['median_s'] * 1000:6.0f} ms "
-                             f"({m['median_s'] / fig['lower_bound_s']:.2f}x lower bound; forward "
-                             f"{ph['forward'] * 1000:.0f}, backward {ph['backward'] * 1000:.0f}, step "
-                             f"{ph['step'] * 1000:.0f} ms; device idle fwd/bwd {m['device_idle_s']['forward'] * 1000:.0f}/"
-                             f"{m['device_idle_s']['backward'] * 1000:.0f}, late wake-ups "
-                             f"{sum(m['late_wakeups_s'].values()) * 1000:.0f} ms)")
-                if r.get("ddp_flows"):
-                    fig["ddp_registered"] = r["ddp_registered"]
-                fig["shim_vs_ddp"] = _ratio(fig.get("shim_s"), fig.get("ddp_s"))
-                fig["shim_vs_lower_bound"] = _ratio(fig.get("shim_s"), fig["lower_bound_s"])
-                fig["shim_vs_lower_bound_dep"] = _ratio(fig.get("shim_s"), fig["lower_bound_dep_s"])
-                fig["shim_vs_app_order"] = _ratio(fig.get("shim_s"), fig.get("app_order_s"))
-                fig["app_order_vs_ddp"] = _ratio(fig.get("app_order_s"), fig.get("ddp_s"))
-                fig["ddp_vs_lower_bound"] = _ratio(fig.get("ddp_s"), fig["lower_bound_s"])
-                fig["ddp_vs_lower_bound_dep"] = _ratio(fig.get("ddp_s"), fig["lower_bound_dep_s"])
-                fig["pass"] = passes(fig)
-            if b is not None and not b.alive():
-                raise ScenarioError("bulk traffic ended before the benchmark did")
+        _run_profiles(result, profiles, name, port_base, settle_s, workdir, progress)
     finally:
         if own_dir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -222,6 +137,106 @@ def run(profiles=PROFILES, rate: str = "200mbit", hosts: int = 2, iters: int | N
     result["machine"] = machine_info()
     result["pass"] = {p: f["pass"] for p, f in result["profiles"].items()}
     return result
+
+
+def _run_profiles(result: dict, profiles, name: str, port_base: int, settle_s: float, workdir: str,
+                  progress) -> None:
+    """Build the testbed (agents, optional bulk) of ``result``'s settings and measure each profile into
+    ``result["profiles"]``."""
+    from bench.agents import running_agents
+    from bench.bulk import bulk
+    from testbed import Testbed
+
+    streams = result["bulk_streams"]
+    with contextlib.ExitStack() as stack:
+        tb = stack.enter_context(Testbed(hosts=result["hosts"], rate=result["rate"], name=name))
+        agents_dir = os.path.join(workdir, "agents")
+        os.makedirs(agents_dir, exist_ok=True)
+        agents = stack.enter_context(running_agents(tb, levels=max(result["levels"], 1), workdir=agents_dir))
+        sockets = {i: a.socket for i, a in agents.items()}
+        b = None
+        if streams:
+            b = stack.enter_context(bulk(tb, [(1, 2, streams), (2, 1, streams)], seconds=3600))
+            time.sleep(settle_s)
+        result["link_bps"] = tb.rate_bps
+        for port, prof in enumerate(profiles, start=port_base + 1):
+            fig = scaled_figures(prof, tb.rate_bps, result["ranks"], result["comm_s_target"], progress)
+            result["profiles"][prof] = fig
+            r = _train_profile(tb, result, prof, fig, port, sockets, workdir)
+            _mode_figures(fig, r, result["modes"], progress)
+            if r.get("ddp_flows"):
+                fig["ddp_registered"] = r["ddp_registered"]
+            _ratios(fig)
+            fig["pass"] = passes(fig)
+        if b is not None and not b.alive():
+            raise ScenarioError("bulk traffic ended before the benchmark did")
+
+
+def scaled_figures(prof: str, link: float, ranks: int, comm_target: float, progress=None) -> dict:
+    """A profile's scales (``bench.models.balanced_scales``) and what follows from them: gradient bytes, times on
+    the wire and of compute, both lower bounds. Usage: ``scaled_figures("resnet50", 200e6, 2, 0.75)``"""
+    from bench.models import balanced_scales, compute_s, dependency_bound, gradient_bytes, lower_bound_s
+    from bench.models import comm_s as comm_time
+
+    ps, cs = balanced_scales(prof, link, ranks, comm_target)
+    fig: dict = {"param_scale": ps, "compute_scale": cs, "gradient_bytes": gradient_bytes(prof, ps),
+                 "comm_s": comm_time(prof, ranks, link, ps), "compute_nominal_s": compute_s(prof, cs),
+                 "lower_bound_s": lower_bound_s(prof, ranks, link, ps, cs)}
+    dep = dependency_bound(prof, ranks, link, ps, cs)
+    fig.update(lower_bound_dep_s=dep["lower_bound_dep_s"], lower_bound_dep_layer=dep["layer"],
+               lower_bound_dep_layer_name=dep["layer_name"], lower_bound_first_layer_s=dep["first_layer_s"])
+    if progress:
+        progress(f"{prof}: param_scale {ps:g}, compute_scale {cs:g}: {fig['gradient_bytes'] / 1e6:.1f} MB "
+                 f"of gradients ({fig['comm_s']:.3f} s on the wire), compute {fig['compute_nominal_s']:.3f} s;"
+                 f" lower bound {fig['lower_bound_s']:.3f} s, dependency-aware "
+                 f"{fig['lower_bound_dep_s']:.3f} s (layer {dep['layer']}, {dep['layer_name']})")
+    return fig
+
+
+def _train_profile(tb, result: dict, prof: str, fig: dict, port: int, sockets: dict, workdir: str) -> dict:
+    """One set of workers running every mode of ``result`` on profile ``prof`` (scales in ``fig``)."""
+    ps, rounds, modes = fig["param_scale"], result["rounds"], result["modes"]
+    extra = ["--rounds", str(rounds)]
+    if result["shim_bucket_mb"] is not None:
+        extra += ["--shim-bucket-cap-mb", f"{result['shim_bucket_mb'] / ps:g}"]
+    if result["partition_bytes"] is not None:
+        extra += ["--partition-bytes", str(max(4, int(result["partition_bytes"] / ps)))]
+    iters, warmup = result["iters"], result["warmup"]
+    return run_training(tb, list(range(1, result["hosts"] + 1)), port, prof, ",".join(modes), iters, warmup, ps,
+                        fig["compute_scale"], workdir, prof, levels=result["levels"], job=f"prio-{prof}",
+                        sockets=sockets, ddp_registered=bool(result["bulk_streams"]), extra=extra,
+                        timeout=120 + rounds * len(modes) * (iters + warmup + 2) * 6 * fig["lower_bound_s"])
+
+
+def _mode_figures(fig: dict, r: dict, modes, progress) -> None:
+    """Copy each mode's figures from the workers' result ``r`` to ``fig`` (``KEY[mode]`` and the lists)."""
+    for mode in modes:
+        m = r["modes"][mode]
+        key = KEY[mode]
+        fig[key] = m["median_s"]
+        fig[key[:-2] + "_times_s"] = m["times_s"]
+        fig[f"{mode}_phases_s"] = m["phases_s"]
+        fig[f"{mode}_late_wakeups_s"] = m["late_wakeups_s"]
+        fig[f"{mode}_device_idle_s"] = m["device_idle_s"]
+        if m.get("shim_stats"):
+            fig[f"{mode}_stats"] = m["shim_stats"]
+        ph, idle = m["phases_s"], m["device_idle_s"]
+        progress(f"  {mode:12s} median {m['median_s'] * 1000:6.0f} ms "
+                 f"({m['median_s'] / fig['lower_bound_s']:.2f}x lower bound; forward "
+                 f"{ph['forward'] * 1000:.0f}, backward {ph['backward'] * 1000:.0f}, step "
+                 f"{ph['step'] * 1000:.0f} ms; device idle fwd/bwd {idle['forward'] * 1000:.0f}/"
+                 f"{idle['backward'] * 1000:.0f}, late wake-ups "
+                 f"{sum(m['late_wakeups_s'].values()) * 1000:.0f} ms)")
+
+
+def _ratios(fig: dict) -> None:
+    """The ratios of one profile's figures (None where a figure is missing)."""
+    for key, a, b in (("shim_vs_ddp", "shim_s", "ddp_s"), ("shim_vs_lower_bound", "shim_s", "lower_bound_s"),
+                      ("shim_vs_lower_bound_dep", "shim_s", "lower_bound_dep_s"),
+                      ("shim_vs_app_order", "shim_s", "app_order_s"), ("app_order_vs_ddp", "app_order_s", "ddp_s"),
+                      ("ddp_vs_lower_bound", "ddp_s", "lower_bound_s"),
+                      ("ddp_vs_lower_bound_dep", "ddp_s", "lower_bound_dep_s")):
+        fig[key] = ratio(fig.get(a), fig.get(b))
 
 
 def format_table(result: dict) -> str:

@@ -16,28 +16,25 @@ batches, so the loss curves of the modes can be compared step by step:
 ``ddp_noclip``   plain DDP without clipping: the reference for ``shim_noclip``'s losses and time.
 
 Figures: the median iteration time per mode (the slowest rank per iteration, start to start, as in
-``bench.training``), ``shim_clip_vs_ddp`` and ``shim_noclip_vs_ddp``; the per-step losses of every run (per rank
+``bench.worker training``), ``shim_clip_vs_ddp`` and ``shim_noclip_vs_ddp``; the per-step losses of every run (per rank
 and the mean over ranks); ``loss.shim_clip_vs_ddp``: the largest relative difference per step between the shim
 with clipping and plain DDP (over ranks and rounds; equal data, init and 2 ranks: it should be 0 or ~1e-7).
 
 Usage: ``python -m bench realtrain --json results/realtrain.json [--quick]`` (root: it builds network namespaces);
-``python -m bench.realtrain worker ...`` is the per-rank worker the benchmark starts.
+the per-rank worker it starts is ``python -m bench.worker realtrain ...`` (``bench.worker``).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
-from bench.workers import (ScenarioError, jsonable, machine_info, progress_printer, run_workers, show_figures,
-                           text_table)
+from bench.workers import ScenarioError, machine_info, progress_printer, ratio, run_workers, show_figures, text_table
 
 MODES = ("compute", "ddp", "shim_clip", "ddp_noclip", "shim_noclip")
 ALL_MODES = MODES
@@ -48,160 +45,6 @@ KEY = {"compute": "compute_s", "ddp": "ddp_s", "shim_clip": "shim_clip_s", "shim
 DEFAULTS = {"rate": "100mbit", "width": 48, "batch": 32, "lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4,
             "warmup_steps": 5, "max_norm": 1.0, "levels": 4, "shim_bucket_mb": 2.0, "streams": 4, "seed": 0}
 LOSS_TOLERANCE = 1e-6   # the largest relative loss difference shim (clip) vs DDP the report calls "met"
-
-
-# ------------------------------------------------------------------------------------------------------- worker
-
-def worker_args(argv) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.realtrain worker", description="one rank of bench.realtrain")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--master", required=True, metavar="ADDR:PORT")
-    p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2, help="untimed iterations before the timed ones")
-    p.add_argument("--width", type=int, default=DEFAULTS["width"])
-    p.add_argument("--batch", type=int, default=DEFAULTS["batch"])
-    p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
-    p.add_argument("--momentum", type=float, default=DEFAULTS["momentum"])
-    p.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
-    p.add_argument("--warmup-steps", type=int, default=DEFAULTS["warmup_steps"], help="linear LR warm-up")
-    p.add_argument("--max-norm", type=float, default=DEFAULTS["max_norm"], help="clip_grad_norm_ bound")
-    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
-    p.add_argument("--levels", type=int, default=DEFAULTS["levels"])
-    p.add_argument("--shim-bucket-mb", type=float, default=DEFAULTS["shim_bucket_mb"],
-                   help="DDP bucket size in the shim modes (plain DDP keeps its default 25 MB)")
-    p.add_argument("--agent-socket", default=None)
-    p.add_argument("--job", default="realtrain")
-    p.add_argument("--ifname", default=None)
-    p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--json", required=True)
-    return p.parse_args(argv)
-
-
-def worker(argv) -> int:
-    """One rank: every mode ``rounds`` times (rotating), losses and iteration times of each run, to ``--json``."""
-    args = worker_args(argv)
-    from bench.workers import use_interface, write_json
-
-    ifname = use_interface(args.ifname)
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from bench.models import small_cnn, synthetic_images
-
-    torch.set_num_threads(1)
-    modes = [m for m in args.modes.split(",") if m]
-    steps = args.warmup + args.iters + 1   # the last one is not timed: it absorbs the previous one's communication
-    batches = [synthetic_images(args.rank, s, args.batch, seed=args.seed) for s in range(steps)]
-    addr, port = args.master.rsplit(":", 1)
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=args.rank, world_size=args.world,
-                            timeout=timedelta(seconds=args.timeout))
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
-    # warm the process up (oneDNN's bf16 primitives, the allocator) so that the first mode does not pay for it
-    warm = small_cnn(args.width, seed=args.seed + 1)
-    for s in range(2):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            torch.nn.functional.cross_entropy(warm(batches[s][0]), batches[s][1]).backward()
-    del warm
-
-    def run_mode(mode: str):
-        """One run of ``mode``: its record, and its final parameters (flat)."""
-        clip = mode in CLIP_MODES
-        net = small_cnn(args.width, seed=args.seed)
-        params = list(net.parameters())
-        if mode != "compute":
-            cap = args.shim_bucket_mb if mode in SHIM_MODES else 25.0
-            # forward_sync_buffers=False: no BatchNorm-buffer broadcast on the default group before every forward
-            # (the shim registers its own groups' flows only; under bulk that broadcast would sit in the lowest
-            # class). Training mode normalises with batch statistics, so the losses do not depend on it.
-            net = DDP(net, bucket_cap_mb=cap, forward_sync_buffers=False)
-        opt = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-        handle = None
-        if mode in SHIM_MODES:
-            from tensorlane import shim
-
-            handle = shim.attach(net, opt, levels=args.levels, agent_socket=args.agent_socket,
-                                 job=f"{args.job}-{mode}")
-        rec = {"losses": [], "grad_norms": [], "lrs": [], "forward": [], "backward": [], "step": [], "cpu_s": [],
-               "cpu_wait_s": []}
-        starts = []
-        try:
-            dist.barrier()
-            for s in range(steps):
-                x, y = batches[s]
-                c0 = _sched()
-                t0 = time.perf_counter()
-                starts.append(t0)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = torch.nn.functional.cross_entropy(net(x), y)
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-                norm = torch.nn.utils.clip_grad_norm_(params, args.max_norm) if clip else None
-                rec["lrs"].append(opt.param_groups[0]["lr"])
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
-                t3 = time.perf_counter()
-                c1 = _sched()
-                rec["losses"].append(loss.item())
-                rec["grad_norms"].append(None if norm is None else norm.item())
-                if args.warmup <= s < steps - 1:
-                    rec["cpu_s"].append(c1[0] - c0[0])
-                    rec["cpu_wait_s"].append(c1[1] - c0[1])
-                    rec["forward"].append(t1 - t0)
-                    rec["backward"].append(t2 - t1)
-                    rec["step"].append(t3 - t2)
-            if handle is not None:
-                handle.flush()
-            end = time.perf_counter()
-            rec["local_times_s"] = [b - a for a, b in itertools.pairwise(starts[args.warmup:])]
-            rec["span_s"] = end - starts[args.warmup]
-            if handle is not None:
-                st = handle.stats()
-                rec["shim_mode"] = st.get("mode")
-                rec["mode_reason"] = st.get("mode_reason")
-                rec["shim_stats"] = jsonable(st)
-        finally:
-            if handle is not None:
-                handle.close()
-        if mode != "compute":
-            dist.barrier()
-        return rec, torch.cat([p.detach().reshape(-1) for p in params])
-
-    for r in range(args.rounds):
-        k = r % len(modes)
-        finals = {}
-        for mode in modes[k:] + modes[:k]:
-            rec, finals[mode] = run_mode(mode)
-            runs[mode].append(rec)
-        for mode, flat in finals.items():   # against plain DDP on the same loop (clipping or not), this round
-            ref = finals.get("ddp" if mode in CLIP_MODES else "ddp_noclip")
-            if mode != "compute" and ref is not None:
-                runs[mode][-1]["param_max_abs_diff_vs_ddp"] = float((flat - ref).abs().max())
-    dist.destroy_process_group()
-    write_json(args.json, {"rank": args.rank, "world": args.world, "runs": runs, "mode_order": modes,
-                           "rounds": args.rounds, "iters": args.iters, "warmup": args.warmup, "steps": steps,
-                           "ifname": ifname, "params": sum(p.numel() for p in small_cnn(args.width).parameters()),
-                           "end_time": time.time()})
-    return 0
-
-
-def _sched() -> tuple[float, float]:
-    """This thread's seconds on a CPU and waiting in a run queue for one (/proc/thread-self/schedstat; zeros
-    where it is missing): the wait shows how much of an iteration other processes took."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as fh:
-            run_ns, wait_ns = fh.read().split()[:2]
-        return int(run_ns) / 1e9, int(wait_ns) / 1e9
-    except (OSError, ValueError):
-        return 0.0, 0.0
-
-
 
 
 # ----------------------------------------------------------------------------------------------------- analysis
@@ -279,82 +122,106 @@ def run(quick: bool = False, rate: str = DEFAULTS["rate"], iters: int | None = N
         seed: int = DEFAULTS["seed"], name: str = "tr", progress=print, port: int = 29700, settle_s: float = 2.0,
         workdir: str | None = None) -> dict:
     """Run the benchmark on a fresh 2-host testbed ``name``; return the figures (module docstring)."""
+    unknown = set(modes) - set(ALL_MODES)
+    if unknown:
+        raise ValueError(f"unknown mode(s) {sorted(unknown)}; modes are {', '.join(ALL_MODES)}")
+    cfg = {"modes": list(modes), "rounds": rounds or (1 if quick else 3), "iters": iters or (3 if quick else 10),
+           "warmup": warmup if warmup is not None else (1 if quick else 2), "width": width, "batch": batch,
+           "lr": lr, "warmup_steps": warmup_steps, "max_norm": max_norm, "seed": seed, "levels": levels,
+           "shim_bucket_mb": shim_bucket_mb}
+    progress = progress or (lambda *a, **k: None)
+    own_dir = workdir is None
+    workdir = workdir or tempfile.mkdtemp(prefix="tensorlane-realtrain-")
+    result = _header(cfg, rate, quick, streams)
+    t_start = time.monotonic()
+    progress(f"testbed {name}: 2 hosts at {rate}; small CNN width {width} ({result['model']['params'] / 1e6:.2f} M "
+             f"parameters, {result['model']['gradient_bytes'] / 1e6:.1f} MB of gradients), batch {batch} per rank, "
+             f"bf16 autocast; modes {', '.join(modes)} interleaved, {cfg['rounds']} round(s) of {cfg['iters']} timed "
+             f"iterations (+{cfg['warmup']} warm-up); bulk h1<->h2 x{streams} each way, agents on both hosts")
+    try:
+        results = _measure(result, cfg, name, rate, port, settle_s, workdir)
+    finally:
+        if own_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    _figures(result, results, modes)
+    result["elapsed_s"] = time.monotonic() - t_start
+    result["machine"] = machine_info()
+    return result
+
+
+def _header(cfg: dict, rate: str, quick: bool, streams: int) -> dict:
+    """The figures' description of the run (before it starts): settings, model, training, targets."""
+    params = _count_params(cfg["width"])
+    return {"hosts": 2, "ranks": 2, "rate": rate, "iters": cfg["iters"], "warmup": cfg["warmup"],
+            "rounds": cfg["rounds"], "steps": cfg["warmup"] + cfg["iters"] + 1, "modes_run": cfg["modes"],
+            "quick": quick, "bulk_streams": streams, "bulk_pairs": [(1, 2, streams), (2, 1, streams)],
+            "levels": cfg["levels"], "shim_bucket_mb": cfg["shim_bucket_mb"],
+            "model": {"kind": "small_cnn", "width": cfg["width"], "params": params, "gradient_bytes": 4 * params,
+                      "batch_per_rank": cfg["batch"], "image": [3, 32, 32], "classes": 10},
+            "train": {"optimizer": "SGD", "lr": cfg["lr"], "momentum": DEFAULTS["momentum"],
+                      "weight_decay": DEFAULTS["weight_decay"], "schedule": "LambdaLR linear warm-up",
+                      "warmup_steps": cfg["warmup_steps"], "max_norm": cfg["max_norm"], "autocast": "cpu bfloat16",
+                      "seed": cfg["seed"], "ddp_bucket_mb": 25.0, "forward_sync_buffers": False},
+            "targets": {"loss_max_rel_diff_max": LOSS_TOLERANCE}}
+
+
+def worker_argv(cfg: dict, master: str, socket: str, rank: int, ifname: str, out: str) -> list[str]:
+    """The command line of one rank's worker (``python -m bench.worker realtrain``) for the settings ``cfg``."""
+    return [sys.executable, "-m", "bench.worker", "realtrain", "--rank", str(rank), "--world", "2",
+            "--master", master, "--modes", ",".join(cfg["modes"]), "--rounds", str(cfg["rounds"]), "--iters",
+            str(cfg["iters"]), "--warmup", str(cfg["warmup"]), "--width", str(cfg["width"]), "--batch",
+            str(cfg["batch"]), "--lr", f"{cfg['lr']:g}", "--warmup-steps", str(cfg["warmup_steps"]), "--max-norm",
+            f"{cfg['max_norm']:g}", "--seed", str(cfg["seed"]), "--levels", str(cfg["levels"]), "--shim-bucket-mb",
+            f"{cfg['shim_bucket_mb']:g}", "--agent-socket", socket, "--job", "realtrain", "--ifname", ifname,
+            "--json", out]
+
+
+def _measure(result: dict, cfg: dict, name: str, rate: str, port: int, settle_s: float, workdir: str) -> list[dict]:
+    """Build the testbed, agents and bulk, run the workers; every rank's JSON (link and bulk figures to ``result``)."""
     from bench.agents import running_agents
     from bench.bulk import bulk
     from tensorlane.policies.model import CostModel
     from testbed import Testbed
 
-    unknown = set(modes) - set(ALL_MODES)
-    if unknown:
-        raise ValueError(f"unknown mode(s) {sorted(unknown)}; modes are {', '.join(ALL_MODES)}")
-    iters = iters or (3 if quick else 10)
-    warmup = warmup if warmup is not None else (1 if quick else 2)
-    rounds = rounds or (1 if quick else 3)
-    progress = progress or (lambda *a, **k: None)
-    own_dir = workdir is None
-    workdir = workdir or tempfile.mkdtemp(prefix="tensorlane-realtrain-")
-    ranks = [1, 2]
-    pairs = [(1, 2, streams), (2, 1, streams)]
-    params = _count_params(width)
-    result: dict = {"hosts": 2, "ranks": 2, "rate": rate, "iters": iters, "warmup": warmup, "rounds": rounds,
-                    "steps": warmup + iters + 1, "modes_run": list(modes), "quick": quick, "bulk_streams": streams,
-                    "bulk_pairs": pairs, "levels": levels, "shim_bucket_mb": shim_bucket_mb,
-                    "model": {"kind": "small_cnn", "width": width, "params": params, "gradient_bytes": 4 * params,
-                              "batch_per_rank": batch, "image": [3, 32, 32], "classes": 10},
-                    "train": {"optimizer": "SGD", "lr": lr, "momentum": DEFAULTS["momentum"],
-                              "weight_decay": DEFAULTS["weight_decay"], "schedule": "LambdaLR linear warm-up",
-                              "warmup_steps": warmup_steps, "max_norm": max_norm, "autocast": "cpu bfloat16",
-                              "seed": seed, "ddp_bucket_mb": 25.0, "forward_sync_buffers": False},
-                    "targets": {"loss_max_rel_diff_max": LOSS_TOLERANCE}}
-    t_start = time.monotonic()
-    progress(f"testbed {name}: 2 hosts at {rate}; small CNN width {width} ({params / 1e6:.2f} M parameters, "
-             f"{4 * params / 1e6:.1f} MB of gradients), batch {batch} per rank, bf16 autocast; modes "
-             f"{', '.join(modes)} interleaved, {rounds} round(s) of {iters} timed iterations (+{warmup} warm-up); "
-             f"bulk h1<->h2 x{streams} each way, agents on both hosts")
-    try:
-        with contextlib.ExitStack() as stack:
-            tb = stack.enter_context(Testbed(hosts=2, rate=rate, name=name))
-            link = tb.rate_bps
-            result["link_bps"] = link
-            result["comm_s"] = CostModel(2, link).wire_bits(4 * params) / link
-            agents_dir = os.path.join(workdir, "agents")
-            os.makedirs(agents_dir, exist_ok=True)
-            agents = stack.enter_context(running_agents(tb, levels=levels, workdir=agents_dir))
-            sockets = {i: a.socket for i, a in agents.items()}
-            b = stack.enter_context(bulk(tb, pairs, seconds=3600))
-            time.sleep(settle_s)
-            master = f"{tb.host(1).ip}:{port}"
+    pairs = result["bulk_pairs"]
+    with contextlib.ExitStack() as stack:
+        tb = stack.enter_context(Testbed(hosts=2, rate=rate, name=name))
+        link = tb.rate_bps
+        result["link_bps"] = link
+        result["comm_s"] = CostModel(2, link).wire_bits(result["model"]["gradient_bytes"]) / link
+        agents_dir = os.path.join(workdir, "agents")
+        os.makedirs(agents_dir, exist_ok=True)
+        agents = stack.enter_context(running_agents(tb, levels=cfg["levels"], workdir=agents_dir))
+        b = stack.enter_context(bulk(tb, pairs, seconds=3600))
+        time.sleep(settle_s)
+        master = f"{tb.host(1).ip}:{port}"
 
-            def argv_of(rank: int, host, out: str) -> list[str]:
-                return [sys.executable, "-m", "bench.realtrain", "worker", "--rank", str(rank), "--world", "2",
-                        "--master", master, "--modes", ",".join(modes), "--rounds", str(rounds), "--iters",
-                        str(iters), "--warmup", str(warmup), "--width", str(width), "--batch", str(batch),
-                        "--lr", f"{lr:g}", "--warmup-steps", str(warmup_steps), "--max-norm", f"{max_norm:g}",
-                        "--seed", str(seed), "--levels", str(levels), "--shim-bucket-mb", f"{shim_bucket_mb:g}",
-                        "--agent-socket", sockets[host.index], "--job", "realtrain", "--ifname", host.ifname,
-                        "--json", out]
+        def argv_of(rank: int, host, out: str) -> list[str]:
+            return worker_argv(cfg, master, agents[host.index].socket, rank, host.ifname, out)
 
-            t0 = time.time()
-            budget = 180 + rounds * len(modes) * (iters + warmup + 1) * 8.0
-            results = run_workers(tb, ranks, argv_of, workdir, "realtrain", budget)
-            t1 = time.time()
-            if not b.alive():
-                raise ScenarioError("bulk traffic ended before the benchmark did")
-            bulk_results = b.stop()
-            with contextlib.suppress(Exception):
-                result["bulk_bps"] = {f"h{a}->h{c}": res.mean_bps_wall(t0 + 1, t1)
-                                      for (a, c, _), res in zip(pairs, bulk_results)}
-    finally:
-        if own_dir:
-            shutil.rmtree(workdir, ignore_errors=True)
+        t0 = time.time()
+        budget = 180 + cfg["rounds"] * len(cfg["modes"]) * (cfg["iters"] + cfg["warmup"] + 1) * 8.0
+        results = run_workers(tb, [1, 2], argv_of, workdir, "realtrain", budget)
+        t1 = time.time()
+        if not b.alive():
+            raise ScenarioError("bulk traffic ended before the benchmark did")
+        bulk_results = b.stop()
+        with contextlib.suppress(Exception):
+            result["bulk_bps"] = {f"h{a}->h{c}": res.mean_bps_wall(t0 + 1, t1)
+                                  for (a, c, _), res in zip(pairs, bulk_results, strict=False)}
+    return results
+
+
+def _figures(result: dict, results: list[dict], modes) -> None:
+    """Add the merged per-mode figures, the ratios, the loss comparisons and ``pass`` to ``result``."""
     merged = merge(results, modes)
     result["modes"] = merged["modes"]
     for mode in modes:
         result[KEY[mode]] = merged["modes"][mode]["median_s"]
-    result["shim_clip_vs_ddp"] = _ratio(result.get("shim_clip_s"), result.get("ddp_s"))
-    result["shim_noclip_vs_ddp"] = _ratio(result.get("shim_noclip_s"), result.get("ddp_s"))
-    result["shim_clip_vs_noclip"] = _ratio(result.get("shim_clip_s"), result.get("shim_noclip_s"))
-    result["compute_vs_comm"] = _ratio(result.get("compute_s"), result.get("comm_s"))
+    result["shim_clip_vs_ddp"] = ratio(result.get("shim_clip_s"), result.get("ddp_s"))
+    result["shim_noclip_vs_ddp"] = ratio(result.get("shim_noclip_s"), result.get("ddp_s"))
+    result["shim_clip_vs_noclip"] = ratio(result.get("shim_clip_s"), result.get("shim_noclip_s"))
+    result["compute_vs_comm"] = ratio(result.get("compute_s"), result.get("comm_s"))
     runs_of = merged["runs_of"]
     result["loss"] = {"shim_clip_vs_ddp": loss_diff(runs_of, "shim_clip", "ddp"),
                       "shim_noclip_vs_ddp_noclip": loss_diff(runs_of, "shim_noclip", "ddp_noclip"),
@@ -364,9 +231,6 @@ def run(quick: bool = False, rate: str = DEFAULTS["rate"], iters: int | None = N
     result["shim_clip_mode"] = (result["modes"].get("shim_clip") or {}).get("shim_mode")
     result["shim_noclip_mode"] = (result["modes"].get("shim_noclip") or {}).get("shim_mode")
     result["pass"] = {"loss_equal": None if lc is None else lc["max"] <= LOSS_TOLERANCE}
-    result["elapsed_s"] = time.monotonic() - t_start
-    result["machine"] = machine_info()
-    return result
 
 
 def _count_params(width: int) -> int:
@@ -374,10 +238,6 @@ def _count_params(width: int) -> int:
     w, c = width, 10
     convs = [(3, w), (w, 2 * w), (2 * w, 2 * w), (2 * w, 4 * w), (4 * w, 4 * w), (4 * w, 8 * w)]
     return sum(9 * a * o + 2 * o for a, o in convs) + 8 * w * c + c
-
-
-def _ratio(a, b):
-    return None if a is None or not b else a / b
 
 
 def format_table(result: dict) -> str:
@@ -394,7 +254,8 @@ def format_table(result: dict) -> str:
         modes = sorted(set(x for x in m.get("shim_mode") or [] if x)) if mode in SHIM_MODES else []
         rows.append((mode, ms(m.get("median_s")),
                      "-" if mode == "compute" or ddp is None else f"{m['median_s'] / ddp:.2f}x",
-                     f"{ms(m.get('cpu_s'))} / {ms(m.get('cpu_wait_s'))}", ",".join(modes) or "-", f"{m['losses'][0][-1]:.4f}" if m.get("losses") else "-",
+                     f"{ms(m.get('cpu_s'))} / {ms(m.get('cpu_wait_s'))}", ",".join(modes) or "-",
+                     f"{m['losses'][0][-1]:.4f}" if m.get("losses") else "-",
                      "-" if ld is None else f"max rel diff {ld['max']:.2g} ({ld['exact_steps']}/{ld['steps']} exact)"))
     lines = text_table(rows)
     lines.append(f"communication per iteration at link rate {result.get('comm_s', 0) * 1000:.0f} ms "
@@ -411,9 +272,6 @@ def format_table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["worker"]:
-        return worker(argv[1:])
     p = argparse.ArgumentParser(prog="python -m bench realtrain", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="FILE", help="write every figure here")
     p.add_argument("--plot", metavar="PNG",

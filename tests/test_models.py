@@ -29,7 +29,7 @@ def test_shapes_follow_the_profile_and_param_scale():
     m = emulated_model("resnet50", param_scale=5)
     prof = load_profile("resnet50")
     assert isinstance(m, torch.nn.Sequential) and len(m) == len(prof.layers)
-    for mod, layer in zip(m, prof.layers):
+    for mod, layer in zip(m, prof.layers, strict=True):
         params = list(mod.parameters())
         assert len(params) == 1 and params[0].dtype == torch.float32 and params[0].dim() == 1
         assert params[0].numel() == max(1, round(layer.params_bytes / 4 / 5))
@@ -42,8 +42,8 @@ def test_shapes_follow_the_profile_and_param_scale():
 
 def test_init_is_deterministic_from_the_seed():
     a, b, c = (emulated_model(TINY, seed=s) for s in (3, 3, 4))
-    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
-    assert not all(torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters()))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters(), strict=True))
 
 
 def test_gradient_flows_to_every_parameter_and_is_deterministic():
@@ -59,7 +59,7 @@ def test_gradient_flows_to_every_parameter_and_is_deterministic():
             assert p.grad is not None and p.grad.shape == p.shape
             assert torch.isfinite(p.grad).all() and (p.grad != 0).all()
         grads.append([p.grad.clone() for p in m.parameters()])
-    assert all(torch.equal(g, h) for g, h in zip(*grads))
+    assert all(torch.equal(g, h) for g, h in zip(*grads, strict=True))
     # the output depends on the parameters: an SGD step changes it
     m = emulated_model(TINY, compute_scale=0.0, seed=1)
     x, t = synthetic_batch(0, 0)

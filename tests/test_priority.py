@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-
 import random
+import shutil
 
 import pytest
 
@@ -44,7 +43,7 @@ def test_dependency_bound_below_every_simulated_schedule():
     bound, on random chains; on ResNet-50 (bench.priority's scales) the best one meets it within 0.1%."""
     from bench.models import layer_numels
     from tensorlane.policies.model import load_profile
-    from tensorlane.policies.planner import compare
+    from tensorlane.policies.papers.compare import compare
 
     rng = random.Random(12)
     for _ in range(25):
@@ -58,8 +57,8 @@ def test_dependency_bound_below_every_simulated_schedule():
         assert bound >= lower_bound_s(p, 2, rate)
     ps, cs = 5.0, 10.416   # ResNet-50 as bench.priority scales it
     prof = load_profile("resnet50")
-    scaled = Profile("resnet50", tuple(Layer(l.name, 4 * n, l.fwd_s * cs, l.bwd_s * cs)
-                                       for l, n in zip(prof.layers, layer_numels(prof, ps))))
+    scaled = Profile("resnet50", tuple(Layer(layer.name, 4 * n, layer.fwd_s * cs, layer.bwd_s * cs)
+                                       for layer, n in zip(prof.layers, layer_numels(prof, ps), strict=True)))
     best = min(pl.predicted_iter_s for pl in compare(scaled, 2, 200e6, latency_s=0.0, alpha_s=0.0))
     assert best == pytest.approx(dependency_bound("resnet50", 2, 200e6, ps, cs)["lower_bound_dep_s"], rel=1e-3)
 

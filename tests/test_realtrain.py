@@ -83,7 +83,8 @@ def test_report_rows_and_plot(tmp_path):
 
     d = {"hosts": 2, "rate": "200mbit", "link_bps": 2e8, "iters": 10, "rounds": 3, "steps": 13, "quick": False,
          "bulk_streams": 4, "comm_s": 0.367, "compute_s": 0.45, "ddp_s": 1.8, "shim_clip_s": 0.9,
-         "shim_noclip_s": 0.7, "ddp_noclip_s": 1.75, "model": {"params": 2295114, "gradient_bytes": 9180456, "batch_per_rank": 32},
+         "shim_noclip_s": 0.7, "ddp_noclip_s": 1.75,
+         "model": {"params": 2295114, "gradient_bytes": 9180456, "batch_per_rank": 32},
          "train": {"warmup_steps": 5, "max_norm": 1.0}, "targets": {"loss_max_rel_diff_max": 1e-6},
          "loss": {"shim_clip_vs_ddp": {"per_step": [0.0] * 13, "max": 0.0, "exact_steps": 13, "steps": 13}},
          "modes": {"compute": {"median_s": 0.45}, "ddp": {"median_s": 1.8, "losses": [[2.3, 2.1, 1.9]]},
