@@ -1,11 +1,12 @@
-"""Benchmarks of tensorlane on the namespace testbed: a gloo all-reduce worker (``bench.allreduce``), iperf3 bulk
-traffic (``bench.bulk``), agents per testbed host (``bench.agents``) and the contention scenario of the demo
-(``bench.contention``).
+"""Benchmarks of tensorlane on the namespace testbed: one distributed worker (``bench.worker``: a bare gloo
+all-reduce, a training loop, a real CNN), iperf3 bulk traffic (``bench.bulk``), agents per testbed host
+(``bench.agents``) and the scenarios that use them (``bench.contention``, ``bench.priority``, ...).
 
 ``python -m bench NAME [ARGS]`` calls ``main([NAME, *ARGS])``: ``python -m bench contention --json out.json``.
 With ``--json FILE``, the file is stamped afterwards with ``benchmark`` (NAME) and ``machine``
 (``bench.workers.machine_info()``) where the benchmark did not record them itself, so that ``bench.report`` can
-say what each figure was measured on. ``python -m bench.report`` turns the files into the README's table.
+say what each figure was measured on. ``python -m bench.report`` turns the files into the results page
+(results/README.md).
 """
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ import sys
 
 BENCHMARKS = {
     "contention": ("bench.contention", "all-reduce alone, under bulk with FIFO NICs, and under bulk with agents"),
-    "allreduce": ("bench.allreduce", "one gloo all-reduce worker (run one per rank)"),
-    "priority": ("bench.priority", "training: plain DDP vs application order vs the shim's priorities (emulated models)"),
+    "priority": ("bench.priority",
+                 "training: plain DDP vs application order vs the shim's priorities (emulated models)"),
     "jobs": ("bench.jobs", "several jobs sharing hosts: JCT under FIFO, static priority and rotation"),
     "control-plane": ("bench.control_plane", "registration latency, memory and throughput at 0/1k/10k flows; soak"),
     "shim-overhead": ("bench.overhead", "step time of the shim against plain DDP when the link is not the bottleneck"),
-    "realtrain": ("bench.realtrain", "a real CNN (bf16, LR warm-up, clipping) under bulk: plain DDP vs the shim, loss curves and step times"),
-    "validate": ("bench.validate", "issue 4: the execution model's predicted vs measured iteration time, and the planner's choice"),
+    "realtrain": ("bench.realtrain", "a real CNN (bf16, LR warm-up, clipping) under bulk: plain DDP vs the shim, "
+                                     "loss curves and step times"),
+    "validate": ("bench.validate", "issue 4: the execution model's predicted vs measured iteration time, and the "
+                                   "planner's choice"),
     "classifier": ("bench.classifier", "per-packet cost of nft map vs u32 filters vs SO_PRIORITY, by flow count"),
 }
 
@@ -72,6 +75,7 @@ def stamp(path: str, name: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m bench NAME [ARGS]``: run benchmark NAME's ``main(ARGS)`` and stamp its ``--json`` file."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
         out = sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m bench NAME [ARGS...]   (NAME --help for its options)\n\nbenchmarks:", file=out)
         for name, (_, text) in BENCHMARKS.items():
             print(f"  {name:14s} {text}", file=out)
-        print("\nthe README's performance table: python -m bench.report (docs/benchmarks.md)", file=out)
+        print("\nthe results page (results/README.md): python -m bench.report (docs/benchmarks.md)", file=out)
         return 0 if out is sys.stdout else 2
     path = json_path(argv[1:])
     mtime = os.path.getmtime(path) if path and os.path.exists(path) else None

@@ -144,6 +144,8 @@ def running_agents(tb, levels: int = 4, hosts=None, backend: str = "auto", ready
                    stop_timeout: float = 10.0, workdir: str | None = None, config_extra: dict | None = None,
                    env: dict | None = None):
     """Run one agent per testbed host (``hosts``: indexes, default all); yields ``{index: RunningAgent}``.
+    Their configs and logs go to ``workdir`` (created if missing; default: a temporary directory, removed after a
+    clean stop).
 
     Raises AgentStartError when an agent does not come up, or (when the body itself raised nothing) when one did
     not exit cleanly on SIGTERM.
@@ -151,6 +153,7 @@ def running_agents(tb, levels: int = 4, hosts=None, backend: str = "auto", ready
     indexes = list(hosts) if hosts is not None else list(range(1, len(tb.hosts) + 1))
     own_dir = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix=f"tensorlane-agents-{getattr(tb, 'name', 'tb')}-")
+    os.makedirs(workdir, exist_ok=True)
     run_env = repo_env(env)
     agents: dict[int, RunningAgent] = {}
     failed = False

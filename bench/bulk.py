@@ -62,6 +62,7 @@ class IperfResult:
 
     @property
     def bps(self) -> float:
+        """The receiver's average when iperf3 reported it, else the sender's."""
         return self.received_bps if self.received_bps is not None else self.sent_bps
 
 
@@ -131,6 +132,7 @@ class IperfClient:
 
     def __init__(self, host, server_ip: str, port: int = DEFAULT_PORT, seconds: float = 10, streams: int = 1,
                  interval: float = 0.5, extra: list[str] | None = None):
+        """Start ``iperf3 -c server_ip`` on ``host`` now (JSON output, intervals of ``interval`` s)."""
         self.host, self.server_ip, self.port, self.streams, self.seconds = host, server_ip, port, streams, seconds
         argv = ["iperf3", "-c", server_ip, "-p", str(port), "-t", f"{seconds:g}", "-P", str(streams),
                 "-i", f"{interval:g}", "-J"] + list(extra or [])
@@ -147,6 +149,7 @@ class IperfClient:
                 self.proc.send_signal(signal.SIGINT)
 
     def _collect(self, timeout: float) -> IperfResult:
+        """Wait (bounded) for the client's output and parse it; BulkError (client killed) if it does not end."""
         try:
             out, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -195,6 +198,7 @@ class Bulk:
     """Several iperf3 client/server pairs started together (see ``bulk``)."""
 
     def __init__(self, clients: list[IperfClient], pairs: list[tuple[int, int, int]]):
+        """The running ``clients``, one per ``(src, dst, streams)`` of ``pairs``."""
         self.clients, self.pairs = clients, pairs
         self.results: list[IperfResult] | None = None
 
@@ -213,6 +217,7 @@ class Bulk:
         return self.results
 
     def alive(self) -> bool:
+        """Whether every client is still running."""
         return all(c.proc.poll() is None for c in self.clients)
 
 

@@ -77,6 +77,7 @@ class BenchError(RuntimeError):
 # ---- small helpers ----------------------------------------------------------------------------------------
 
 def _sh(argv: list[str], timeout: float = CMD_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``argv`` (bounded, output captured); BenchError on a timeout or, with ``check``, a failure."""
     try:
         proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout, env=repo_env(),
                               cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
@@ -105,6 +106,7 @@ def flow_keys(n: int):
 
 
 def _classids() -> tuple[list[int], int]:
+    """The agent's HTB class id per level, and its default class id."""
     from tensorlane.agent.kernel.qdisc import HtbBackend
 
     backend = HtbBackend(levels=LEVELS, link_rate_bps=LINK_RATE_BPS)
@@ -112,6 +114,7 @@ def _classids() -> tuple[list[int], int]:
 
 
 def _fmt_class(h: int) -> str:
+    """A tc handle as tc prints it (``7a1:10``)."""
     from tensorlane.agent.kernel.qdisc import fmt_handle
 
     return fmt_handle(h)
@@ -184,11 +187,13 @@ def _child_setup(args) -> dict:
 
 
 def _pin(cpu: int) -> None:
+    """Pin this process to ``cpu`` (-1: leave it)."""
     if cpu >= 0:
         os.sched_setaffinity(0, {cpu})
 
 
 def _cpu_s() -> float:
+    """User + system CPU seconds of this process so far."""
     import resource
 
     ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -335,6 +340,7 @@ class Pair:
         self.close()
 
     def _build(self) -> None:
+        """Create the namespaces, the veth pair, the addresses; bring the links up."""
         for ns in (self.a, self.b):
             _sh(["ip", "netns", "add", ns])
             self.created.append(ns)
@@ -345,6 +351,7 @@ class Pair:
             _sh(["ip", "-n", ns, "link", "set", ifname, "up"])
 
     def popen(self, argv: list[str], **kw) -> subprocess.Popen:
+        """Start ``argv`` (text pipes), to be killed by ``close``."""
         proc = subprocess.Popen(argv, env=repo_env(), cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
         self.procs.append(proc)
@@ -358,6 +365,7 @@ class Pair:
                                       re.MULTILINE | re.DOTALL)}
 
     def close(self) -> None:
+        """Kill every process started here and delete the namespaces (signals deferred meanwhile)."""
         with _signals_deferred():
             for proc in self.procs:
                 stop_process(proc, signal.SIGKILL)
@@ -378,6 +386,7 @@ def _delete_netns(ns: str) -> None:
 
 @contextlib.contextmanager
 def _signals_deferred():
+    """Ignore SIGINT and SIGTERM while the body runs (clean-up is not cut short); a no-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -402,6 +411,7 @@ def remove_stale_namespaces() -> list[str]:
 
 
 def _read_json_result(proc: subprocess.Popen, what: str, timeout: float) -> dict:
+    """The last JSON line a child printed (bounded wait); BenchError, child killed, if it fails or hangs."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -414,6 +424,7 @@ def _read_json_result(proc: subprocess.Popen, what: str, timeout: float) -> dict
 
 
 def _wait_ready(proc: subprocess.Popen, what: str, timeout: float = 15.0) -> None:
+    """Wait (bounded) for the child's "ready" line; BenchError with its stderr, child killed, if it does not come."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
@@ -473,6 +484,7 @@ def measure(mech: str, n: int | None, seconds: float, cpu: int = -1, gso: bool =
 # ---- the run ----------------------------------------------------------------------------------------------
 
 def configurations(quick: bool, n_nft=None, n_u32=None) -> list[tuple[str, int | None]]:
+    """Every (mechanism, N) to measure: the two without a classifier, then nft-map and u32-linear per N."""
     ns = QUICK_N if quick else FULL_N
     nft_ns = tuple(n_nft) if n_nft else ns["nft-map"]
     u32_ns = tuple(n_u32) if n_u32 else ns["u32-linear"]
@@ -481,6 +493,7 @@ def configurations(quick: bool, n_nft=None, n_u32=None) -> list[tuple[str, int |
 
 
 def _default_cpu() -> int:
+    """The CPU sender and sink are pinned to by default: the last one this process may use."""
     cpus = sorted(os.sched_getaffinity(0))
     return cpus[-1]
 
@@ -556,6 +569,7 @@ def run(quick: bool = False, rounds: int | None = None, seconds: float | None = 
 
 
 def format_table(result: dict) -> str:
+    """The end-of-run table: per (mechanism, N) the median rate, its ratio to ``none``, the extra ns per packet."""
     header = (f"{'mechanism':12s} {'N':>6s} {'Gbit/s':>7s} {'x none':>7s} {'+ns/pkt':>8s} {'cpu ns/pkt':>10s} "
               f"{'setup s':>7s}  class")
     lines = [header]
@@ -573,6 +587,7 @@ def format_table(result: dict) -> str:
 
 
 def _children(argv: list[str]) -> int:
+    """``python -m bench.classifier _setup|_sink|_send ARGS``: one child's job, its JSON result on stdout."""
     p = argparse.ArgumentParser(prog=f"python -m bench.classifier {argv[0]}")
     sub = argv[0]
     if sub == "_setup":
@@ -609,10 +624,12 @@ def _children(argv: list[str]) -> int:
 
 
 def _ints(text: str) -> list[int]:
+    """``"1,1000"`` as ``[1, 1000]``."""
     return [int(x) for x in text.split(",") if x.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.classifier [--quick] [--json FILE]`` (or a child's sub-command): run, print the table."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0].startswith("_"):
         return _children(argv)

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
 import time
 
-from tensorlane.client import AgentClient, AgentError, AgentUnavailable
 from bench.agents import running_agents
 from bench.bulk import iperf_server, run_client
+from tensorlane.client import AgentClient, AgentError, AgentUnavailable
 from testbed import Testbed
 
 BATCH = 500  # flows per request: under the 64 KiB message limit
@@ -38,6 +39,7 @@ def fill(path: str, target: int, have: int) -> None:
 
 
 def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank, no interpolation). Usage: ``percentile(lat, 0.99)``"""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
@@ -57,6 +59,7 @@ def latency_ms(path: str, rounds: int) -> list[float]:
 
 
 def agent_rss(pid: int) -> int:
+    """The resident memory of process ``pid`` in bytes (0 if /proc does not say)."""
     with open(f"/proc/{pid}/status") as fh:
         for line in fh:
             if line.startswith("VmRSS:"):
@@ -71,8 +74,6 @@ def kernel_objects(host, pid: int) -> dict:
         out = host.run(["nft", "-j", "list", "map", "inet", "tensorlane", f"flows{fam}"]).stdout
         elems += len(json.loads(out)["nftables"][1]["map"].get("elem", []))
     classes = host.run(["tc", "class", "show", "dev", "eth0"]).stdout.count("class ")
-    import os
-
     return {"map_elements": elems, "tc_classes": classes, "agent_fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
@@ -160,6 +161,7 @@ def run(sizes=(0, 1000, 10000), rounds: int = 400, iperf_s: float = 5, clients: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m bench control-plane [--quick] [--json FILE]``: run, print the table; 1 on errors or leftovers."""
     p = argparse.ArgumentParser(prog="python -m bench control-plane", description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--quick", action="store_true")
@@ -174,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     s = res["soak"]
     print(f"soak: {s['clients']} clients x {s['seconds']:g} s: {s['operations']} ops ({s['ops_per_s']:.0f}/s), "
           f"{s['errors']} errors, register p99 {s['register_p99_ms']:.1f} ms, agent RSS "
-          f"{s['rss_before'] / 2**20:.1f} -> {s['rss_after'] / 2**20:.1f} MB, baseline restored: {s['baseline_restored']}")
+          f"{s['rss_before'] / 2**20:.1f} -> {s['rss_after'] / 2**20:.1f} MB, baseline restored: "
+          f"{s['baseline_restored']}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=2)

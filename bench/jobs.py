@@ -2,9 +2,9 @@
 agent's job policy (agent/jobs.py, docs/jobs.md).
 
 On one namespace testbed (2 hosts at 200 Mbit/s by default), N training jobs start together: each is plain DDP
-(``bench.training --mode ddp``, gloo) over an emulated model, one rank per host, a fixed number of iterations, its
-flows registered with the host's agent at level 0 under its own job id. Three phases, one after another on the
-same testbed, each with fresh agents:
+(``bench.worker training --mode ddp``, gloo) over an emulated model, one rank per host, a fixed number of
+iterations, its flows registered with the host's agent at level 0 under its own job id. Three phases, one after
+another on the same testbed, each with fresh agents:
 
 ``fifo``    agents with ``job_policy = "none"``: every job's flows at level 0, one queue, FIFO between jobs;
 ``static``  ``job_policy = "static"``, ``job_priority`` job 0 first, then job 1, ... (TensorLights TLsOne);
@@ -30,27 +30,29 @@ run for hours. The quick mode (the smoke test) uses 4 iterations of a smaller mo
 
 Usage: ``python -m bench.jobs --json out.json [--quick]`` (root: it builds network namespaces), or
 ``run(quick=True)`` from Python. The workers are ``python -m bench.jobs worker --ready F --go F -- TRAINING-ARGS``
-(``bench.training.main`` with a barrier across jobs before the timed iterations).
+(``bench.worker``'s ``training`` with a barrier across jobs before the timed iterations).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 from bench.workers import (
     REPO_ROOT,
     ScenarioError,
+    cli,
+    needs_root,
     progress_printer,
     ratio,
     reap_workers,
+    scratch_dir,
     show_figures,
     tail,
     text_table,
@@ -88,11 +90,12 @@ def _wait_for_go(ready: str, go: str, timeout: float) -> None:
 
 
 def worker(argv: list[str]) -> int:
-    """``worker --ready FILE --go FILE [--timeout S] -- TRAINING-ARGS``: run ``bench.training.main(TRAINING-ARGS)``
-    with one change: the job's first ``dist.barrier()`` (the one before its timed iterations, after rendezvous,
-    DDP's set-up and the registration of its flows) is followed by a barrier across *all* jobs: create ``--ready``,
-    wait (bounded) for ``--go`` and sleep until the start time written in it. Set-up (seconds for DDP on this
-    machine) is then outside every job's completion time, and all jobs start their iterations at one instant."""
+    """``worker --ready FILE --go FILE [--timeout S] -- TRAINING-ARGS``: run
+    ``bench.worker.training_main(TRAINING-ARGS)`` with one change: the job's first ``dist.barrier()`` (the one
+    before its timed iterations, after rendezvous, DDP's set-up and the registration of its flows) is followed by a
+    barrier across *all* jobs: create ``--ready``, wait (bounded) for ``--go`` and sleep until the start time written
+    in it. Set-up (seconds for DDP on this machine) is then outside every job's completion time, and all jobs start
+    their iterations at one instant."""
     p = argparse.ArgumentParser(prog="python -m bench.jobs worker")
     p.add_argument("--ready", required=True)
     p.add_argument("--go", required=True)
@@ -102,7 +105,7 @@ def worker(argv: list[str]) -> int:
     rest = args.training[1:] if args.training[:1] == ["--"] else args.training
     import torch.distributed as dist
 
-    import bench.training
+    from bench.worker import training_main
 
     real_barrier = dist.barrier
     first = [True]
@@ -115,7 +118,7 @@ def worker(argv: list[str]) -> int:
         return out
 
     dist.barrier = barrier
-    return bench.training.main(rest)
+    return training_main(rest)
 
 
 # ---- one phase: N jobs at once -----------------------------------------------------------------------------------
@@ -126,8 +129,8 @@ def job_ids(n: int, name: str) -> list[str]:
 
 
 def _training_argv(tb, job: dict, rank: int, index: int, json_path: str, sockets, timeout: float) -> list[str]:
-    """``bench.training`` arguments of ``job``'s rank ``rank`` on testbed host ``index`` (plain DDP, gloo, its flows
-    registered at level 0 with the host's agent when ``sockets`` has one)."""
+    """``bench.worker training`` arguments of ``job``'s rank ``rank`` on testbed host ``index`` (plain DDP, gloo,
+    its flows registered at level 0 with the host's agent when ``sockets`` has one)."""
     host = tb.host(index)
     argv = ["--rank", str(rank), "--world", "2", "--master", f"{tb.host(1).ip}:{job['port']}",
             "--profile", job["profile"], "--mode", "ddp", "--iters", str(job["iters"]),
@@ -167,7 +170,7 @@ def _await_ready(procs: list, tag: str, ready_timeout: float) -> None:
             if proc.poll() is not None:
                 raise ScenarioError(f"{tag}: {jid} rank {rank} on {host.name} exited {proc.returncode} before "
                                     "the common start (worker() holds each job at its first dist.barrier(), "
-                                    f"the one bench.training calls before its timed iterations); log:\n"
+                                    f"the one bench.worker training calls before its timed iterations); log:\n"
                                     f"{tail(log.name)}")
         if time.monotonic() > deadline:
             raise ScenarioError(f"{tag}: workers not ready after {ready_timeout:g} s (set-up)")
@@ -242,7 +245,6 @@ def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels:
     if phase == "rotate":
         extra["rotate_epoch_s"] = epoch_s
     adir = os.path.join(workdir, f"agents-{tag}")
-    os.makedirs(adir, exist_ok=True)
     timeout = 120 + 6 * len(specs) * max(s["iters"] * max(s["comm_s"], s["compute_s"]) for s in specs)
     tcp0 = [tcp_counters(h) for h in tb.hosts]
     with running_agents(tb, levels=levels, workdir=adir, config_extra=extra) as agents:
@@ -254,7 +256,7 @@ def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels:
         raise ScenarioError(f"{tag}: flows not registered with the agents: {', '.join(unregistered)}")
     return {"jct_s": [r["jct_s"][j] for j in ids], "end_s": [r["end_s"][j] for j in ids],
             "median_iter_s": [max(x["modes"]["ddp"]["median_s"] for x in r["results"][j]) for j in ids],
-            "tcp": {k: sum(b.get(k, 0) - a.get(k, 0) for a, b in zip(tcp0, tcp1)) for k in tcp1[0]},
+            "tcp": {k: sum(b.get(k, 0) - a.get(k, 0) for a, b in zip(tcp0, tcp1, strict=True)) for k in tcp1[0]},
             "order_changes": status["job_policy"].get("changes")}
 
 
@@ -298,6 +300,70 @@ def machine() -> dict:
             "mem_gib": mem, "loadavg": list(os.getloadavg())}
 
 
+def job_specs(n: int, name: str, profiles, link_bps: float, comm_target: float, compute_ratio: float, iters: int,
+              warmup: int) -> list[dict]:
+    """The ``n`` jobs of one job count: job i gets profile i mod k, scaled so that its all-reduce of all gradients
+    takes ~``comm_target`` s on the link alone, compute ``compute_ratio`` x that (``bench.models``)."""
+    from bench.models import balanced_scales, compute_s, gradient_bytes
+    from bench.models import comm_s as comm_time
+
+    specs = []
+    for i, jid in enumerate(job_ids(n, name)):
+        prof = profiles[i % len(profiles)]
+        ps, cs = balanced_scales(prof, link_bps, 2, comm_target)
+        cs = round(cs * compute_ratio, 4)
+        specs.append({"id": jid, "profile": prof, "param_scale": ps, "compute_scale": cs, "iters": iters,
+                      "warmup": warmup, "gradient_bytes": gradient_bytes(prof, ps),
+                      "comm_s": comm_time(prof, 2, link_bps, ps), "compute_s": compute_s(prof, cs)})
+    return specs
+
+
+def _count_figures(specs: list[dict], iters: int) -> dict:
+    """The figures of one job count before any phase ran: the jobs, their models and the two bounds."""
+    models = [{k: s[k] for k in ("profile", "param_scale", "compute_scale", "gradient_bytes", "comm_s", "compute_s")}
+              for s in specs]
+    return {"jobs": [s["id"] for s in specs], "models": models,
+            "link_bound_s": iters * sum(s["comm_s"] for s in specs),
+            "alone_bound_s": iters * max(max(s["comm_s"], s["compute_s"]) for s in specs)}
+
+
+def run_count(tb, specs: list[dict], phases, reps: int, workdir: str, levels: int, epoch_s: float, ports,
+              progress) -> dict:
+    """Every phase ``reps`` times (order rotating per repetition) for the jobs of ``specs``, each phase on fresh
+    ports (``ports``: an iterator); returns the job count's figures, summarised."""
+    n = len(specs)
+    fig = _count_figures(specs, specs[0]["iters"])
+    per_rep: dict[str, list[list[float]]] = {p: [] for p in phases}
+    for rep in range(reps):
+        k = rep % len(phases)
+        for phase in list(phases[k:]) + list(phases[:k]):
+            for spec in specs:
+                spec["port"] = next(ports)
+            ph = run_phase(tb, phase, specs, f"n{n}-{phase}-{rep}", workdir, levels, epoch_s)
+            per_rep[phase].append(ph["jct_s"])
+            for key in ("end_s", "median_iter_s", "tcp", "order_changes"):
+                fig.setdefault(f"{phase}_{key}", []).append(ph[key])
+            jct = ph["jct_s"]
+            progress(f"  {phase:6s} JCT " + ", ".join(f"{j:.1f}" for j in jct) + f" s (avg "
+                     f"{statistics.fmean(jct):.1f}, worst {max(jct):.1f}); TCP retransmission "
+                     f"timeouts {ph['tcp'].get('TCPTimeouts')}, retransmitted segments "
+                     f"{ph['tcp'].get('RetransSegs')}")
+    for phase in phases:
+        fig[f"{phase}_jct_s"] = [statistics.fmean(col) for col in zip(*per_rep[phase], strict=True)]
+        if reps > 1:
+            fig[f"{phase}_jct_reps_s"] = per_rep[phase]
+    return summarise(fig, phases)
+
+
+def _check(jobs_counts, phases) -> None:
+    """ValueError unless ``phases`` is a non-empty subset of the known phases and every job count is positive."""
+    unknown = set(phases) - set(PHASES) - set(OPTIONAL_PHASES)
+    if unknown or not phases:
+        raise ValueError(f"phases must be a subset of {', '.join(PHASES + OPTIONAL_PHASES)}, not {phases!r}")
+    if not jobs_counts or any(n < 1 for n in jobs_counts):
+        raise ValueError(f"jobs_counts must be positive numbers of jobs, not {jobs_counts!r}")
+
+
 def run(jobs_counts=(2, 4), quick: bool = False, name: str = "tj", rate: str = "200mbit", iters: int | None = None,
         warmup: int = 0, profiles=("resnet50",), comm_s: float | None = None, compute_ratio: float = 1.0,
         epoch_s: float | None = None, levels: int = 4, phases=PHASES, reps: int = 1, progress=print,
@@ -305,23 +371,15 @@ def run(jobs_counts=(2, 4), quick: bool = False, name: str = "tj", rate: str = "
     """Run the benchmark on a fresh 2-host testbed ``name``; return ``{"runs": {"2": figures, "4": ...}, ...}``.
 
     ``reps`` > 1 repeats every phase (phase order rotating from one repetition to the next) and takes each job's
-    mean JCT over the repetitions.
+    mean JCT over the repetitions. Usage: ``run(jobs_counts=(2,), quick=True)``
     """
-    from bench.models import balanced_scales, compute_s, gradient_bytes
-    from bench.models import comm_s as comm_time
     from testbed import Testbed
 
-    unknown = set(phases) - set(PHASES) - set(OPTIONAL_PHASES)
-    if unknown or not phases:
-        raise ValueError(f"phases must be a subset of {', '.join(PHASES + OPTIONAL_PHASES)}, not {phases!r}")
-    if not jobs_counts or any(n < 1 for n in jobs_counts):
-        raise ValueError(f"jobs_counts must be positive numbers of jobs, not {jobs_counts!r}")
+    _check(jobs_counts, phases)
     iters = iters or (QUICK_ITERS if quick else DEFAULT_ITERS)
     epoch_s = epoch_s or (QUICK_EPOCH_S if quick else DEFAULT_EPOCH_S)
     comm_target = comm_s or (0.3 if quick else 0.75)
     progress = progress or (lambda *a, **k: None)
-    own_dir = workdir is None
-    workdir = workdir or tempfile.mkdtemp(prefix="tensorlane-jobs-")
     result: dict = {"rate": rate, "hosts": 2, "ranks_per_job": 2, "iters": iters, "warmup": warmup, "reps": reps,
                     "profiles": list(profiles), "comm_s_target": comm_target, "compute_ratio": compute_ratio,
                     "epoch_s": epoch_s, "levels": levels, "phases": list(phases), "quick": quick,
@@ -331,64 +389,26 @@ def run(jobs_counts=(2, 4), quick: bool = False, name: str = "tj", rate: str = "
     progress(f"testbed {name}: 2 hosts at {rate}; {', '.join(map(str, jobs_counts))} jobs of {iters} iterations "
              f"({', '.join(profiles)}, comm ~{comm_target:g} s, compute x{compute_ratio:g}); phases "
              f"{', '.join(phases)}; rotation epoch {epoch_s:g} s")
-    port = port_base
-    try:
-        with Testbed(hosts=2, rate=rate, name=name) as tb:
-            link = tb.rate_bps
-            result["link_bps"] = link
-            for n in jobs_counts:
-                ids = job_ids(n, name)
-                specs = []
-                for i, jid in enumerate(ids):
-                    prof = profiles[i % len(profiles)]
-                    ps, cs = balanced_scales(prof, link, 2, comm_target)
-                    cs = round(cs * compute_ratio, 4)
-                    specs.append({"id": jid, "profile": prof, "param_scale": ps, "compute_scale": cs,
-                                  "iters": iters, "warmup": warmup, "gradient_bytes": gradient_bytes(prof, ps),
-                                  "comm_s": comm_time(prof, 2, link, ps), "compute_s": compute_s(prof, cs)})
-                fig: dict = {"jobs": ids, "models": [{k: s[k] for k in ("profile", "param_scale", "compute_scale",
-                                                                        "gradient_bytes", "comm_s", "compute_s")}
-                                                     for s in specs],
-                             "link_bound_s": iters * sum(s["comm_s"] for s in specs),
-                             "alone_bound_s": iters * max(max(s["comm_s"], s["compute_s"]) for s in specs)}
-                progress(f"{n} jobs: each {specs[0]['gradient_bytes'] / 1e6:.1f} MB of gradients per iteration "
-                         f"({specs[0]['comm_s']:.2f} s on the link), compute {specs[0]['compute_s']:.2f} s; all "
-                         f"jobs' bytes need {fig['link_bound_s']:.1f} s of the link")
-                per_rep: dict[str, list[list[float]]] = {p: [] for p in phases}
-                for rep in range(reps):
-                    k = rep % len(phases)
-                    for phase in list(phases[k:]) + list(phases[:k]):
-                        for spec in specs:
-                            port += 1
-                            spec["port"] = port
-                        ph = run_phase(tb, phase, specs, f"n{n}-{phase}-{rep}", workdir, levels, epoch_s)
-                        per_rep[phase].append(ph["jct_s"])
-                        for key in ("end_s", "median_iter_s", "tcp", "order_changes"):
-                            fig.setdefault(f"{phase}_{key}", []).append(ph[key])
-                        jct = ph["jct_s"]
-                        progress(f"  {phase:6s} JCT " + ", ".join(f"{j:.1f}" for j in jct) + f" s (avg "
-                                 f"{statistics.fmean(jct):.1f}, worst {max(jct):.1f}); TCP retransmission "
-                                 f"timeouts {ph['tcp'].get('TCPTimeouts')}, retransmitted segments "
-                                 f"{ph['tcp'].get('RetransSegs')}")
-                for phase in phases:
-                    fig[f"{phase}_jct_s"] = [statistics.fmean(col) for col in zip(*per_rep[phase])]
-                    if reps > 1:
-                        fig[f"{phase}_jct_reps_s"] = per_rep[phase]
-                summarise(fig, phases)
-                result["runs"][str(n)] = fig
-                pv = fig["pass"]
-                progress(f"{n} jobs: rotate/FIFO avg {_fmt(fig.get('rotate_vs_fifo_avg'))}, worst "
-                         f"{_fmt(fig.get('rotate_worst_vs_fifo_worst'))}; static/FIFO avg "
-                         f"{_fmt(fig.get('static_vs_fifo_avg'))}; pass {pv['all']}")
-    finally:
-        if own_dir:
-            shutil.rmtree(workdir, ignore_errors=True)
+    ports = itertools.count(port_base + 1)
+    with scratch_dir(workdir, "tensorlane-jobs-") as workdir, Testbed(hosts=2, rate=rate, name=name) as tb:
+        result["link_bps"] = tb.rate_bps
+        for n in jobs_counts:
+            specs = job_specs(n, name, profiles, tb.rate_bps, comm_target, compute_ratio, iters, warmup)
+            progress(f"{n} jobs: each {specs[0]['gradient_bytes'] / 1e6:.1f} MB of gradients per iteration "
+                     f"({specs[0]['comm_s']:.2f} s on the link), compute {specs[0]['compute_s']:.2f} s; all "
+                     f"jobs' bytes need {iters * sum(s['comm_s'] for s in specs):.1f} s of the link")
+            fig = result["runs"][str(n)] = run_count(tb, specs, phases, reps, workdir, levels, epoch_s, ports,
+                                                     progress)
+            progress(f"{n} jobs: rotate/FIFO avg {_fmt(fig.get('rotate_vs_fifo_avg'))}, worst "
+                     f"{_fmt(fig.get('rotate_worst_vs_fifo_worst'))}; static/FIFO avg "
+                     f"{_fmt(fig.get('static_vs_fifo_avg'))}; pass {fig['pass']['all']}")
     result["elapsed_s"] = time.monotonic() - t_start
     result["pass"] = {k: f["pass"] for k, f in result["runs"].items()}
     return result
 
 
 def _fmt(v) -> str:
+    """A ratio with two decimals, "-" for None."""
     return "-" if v is None else f"{v:.2f}"
 
 
@@ -416,6 +436,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
+    """``python -m bench jobs [--quick] [--json FILE] ...`` (or ``worker ...``): run, print the table."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["worker"]:
         return worker(argv[1:])
@@ -439,8 +460,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=1, help="repetitions of every phase (mean JCT per job)")
     p.add_argument("--name", default="tj", help="testbed name (namespaces NAME-h1, NAME-h2, NAME-sw)")
     args = p.parse_args(argv)
-    if os.geteuid() != 0:
-        print("tensorlane: the jobs benchmark builds network namespaces: run it as root", file=sys.stderr)
+    if needs_root("the jobs benchmark"):
         return 2
     result = run(jobs_counts=tuple(int(x) for x in args.jobs.split(",") if x), quick=args.quick, name=args.name,
                  rate=args.rate, iters=args.iters, warmup=args.warmup,
@@ -452,7 +472,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)
+    cli(main)

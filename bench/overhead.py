@@ -8,7 +8,7 @@ moves far less than 10 Gbit/s (it is CPU-bound), so the shaping never limits: th
 framework (autograd, DDP's reducer, gloo's copies and sockets) and, in the shim modes, the shim's own work
 (hooks, pieces, one process group per level, per-layer optimizer steps, the agent link).
 
-One set of workers (``bench.training``, one rank per host) runs these modes interleaved, ``rounds`` times each in
+One set of workers (``bench.worker training``, one rank per host) runs these modes interleaved, ``rounds`` times each in
 rotating order, so that they share the machine's noise:
 
 ``ddp``           plain DDP (gloo), flows not registered (a job on a host without tensorlane);
@@ -36,15 +36,11 @@ Usage: ``python -m bench shim-overhead --json out.json [--quick]`` (root: it bui
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import shutil
 import statistics
-import sys
-import tempfile
 import time
 
-from bench.workers import machine_info, progress_printer, show_figures, text_table
+from bench.workers import cli, machine_info, needs_root, progress_printer, ratio, scratch_dir, show_figures, text_table
 
 TARGET_RATIO = 1.05
 RATE = "10gbit"           # the testbed's highest rate (testbed.topology.MAX_RATE_BPS): the link never limits
@@ -53,10 +49,6 @@ PARAM_SCALE = 50.0        # 2.0 MB of gradients: the step is compute + framework
 COMPUTE_SCALE = 1.0       # the profile's nominal compute, 79 ms per iteration
 MODES = ("ddp", "shim", "shim_overlap")
 KEY = {"ddp": "ddp_s", "shim": "shim_hook_s", "shim_overlap": "shim_s"}
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b
 
 
 def per_round(times: list[float], iters: int) -> list[float]:
@@ -71,6 +63,45 @@ def passes(result: dict) -> dict:
             "ratio_hook": None if h is None else h <= TARGET_RATIO}
 
 
+def _check(hosts: int, modes) -> None:
+    """ValueError unless there are 2+ hosts and ``modes`` are known and include the reference, ``ddp``."""
+    if hosts < 2:
+        raise ValueError("the benchmark needs at least 2 hosts")
+    if unknown := set(modes) - set(KEY):
+        raise ValueError(f"unknown mode(s) {sorted(unknown)}; modes are {', '.join(KEY)}")
+    if "ddp" not in modes:
+        raise ValueError("mode ddp is the reference: it must be among the modes")
+
+
+def record_modes(result: dict, r: dict, modes, iters: int, progress) -> None:
+    """Copy each mode's figures from the workers' merged result ``r`` into ``result`` (``KEY[mode]`` names them)."""
+    for mode in modes:
+        m = r["modes"][mode]
+        key = KEY[mode]
+        result[key] = m["median_s"]
+        result[key[:-2] + "_times_s"] = m["times_s"]
+        result[key[:-2] + "_mean_s"] = m["mean_s"]
+        result[key[:-2] + "_rounds_s"] = per_round(m["times_s"], iters)
+        result[f"{mode}_phases_s"] = m["phases_s"]
+        if m.get("shim_stats"):
+            result[f"{mode}_stats"] = m["shim_stats"]
+        ph = m["phases_s"]
+        progress(f"  {mode:12s} median {m['median_s'] * 1000:6.1f} ms (forward {ph['forward'] * 1000:.1f}, "
+                 f"backward {ph['backward'] * 1000:.1f}, step {ph['step'] * 1000:.1f} ms)")
+
+
+def add_ratios(result: dict) -> dict:
+    """The shim's step time over plain DDP's, overall (``ratio``, ``ratio_hook``) and per round; then ``pass``."""
+    result["ratio"] = ratio(result.get("shim_s"), result.get("ddp_s"))
+    result["ratio_hook"] = ratio(result.get("shim_hook_s"), result.get("ddp_s"))
+    ddp_rounds = result.get("ddp_rounds_s") or []
+    for key, out in (("shim_rounds_s", "ratio_rounds"), ("shim_hook_rounds_s", "ratio_hook_rounds")):
+        if result.get(key):
+            result[out] = [a / b for a, b in zip(result[key], ddp_rounds, strict=False) if b]
+    result["pass"] = passes(result)
+    return result
+
+
 def run(quick: bool = False, rate: str = RATE, hosts: int = 2, iters: int | None = None, warmup: int | None = None,
         rounds: int | None = None, profile: str = PROFILE, param_scale: float = PARAM_SCALE,
         compute_scale: float = COMPUTE_SCALE, levels: int = 4, modes=MODES, progress=print, name: str = "to",
@@ -78,26 +109,19 @@ def run(quick: bool = False, rate: str = RATE, hosts: int = 2, iters: int | None
     """Run the benchmark on a fresh testbed ``name``; return the figures (see the module docstring).
 
     Quick: 1 round of 3 timed iterations (+1 warm-up) per mode; full: 5 rounds of 10 (+2 warm-up).
+    Usage: ``run(quick=True)``
     """
     from bench.agents import running_agents
     from bench.models import compute_s, gradient_bytes
     from bench.priority import run_training
     from testbed import Testbed
 
-    if hosts < 2:
-        raise ValueError("the benchmark needs at least 2 hosts")
-    if unknown := set(modes) - set(KEY):
-        raise ValueError(f"unknown mode(s) {sorted(unknown)}; modes are {', '.join(KEY)}")
-    if "ddp" not in modes:
-        raise ValueError("mode ddp is the reference: it must be among the modes")
+    _check(hosts, modes)
     iters = iters or (3 if quick else 10)
     warmup = warmup if warmup is not None else (1 if quick else 2)
     rounds = rounds or (1 if quick else 5)
     progress = progress or (lambda *a, **k: None)
-    own_dir = workdir is None
-    workdir = workdir or tempfile.mkdtemp(prefix="tensorlane-overhead-")
-    ranks = list(range(1, hosts + 1))
-    result: dict = {"benchmark": "shim-overhead", "rate": rate, "hosts": hosts, "ranks": len(ranks),
+    result: dict = {"benchmark": "shim-overhead", "rate": rate, "hosts": hosts, "ranks": hosts,
                     "profile": profile, "param_scale": param_scale, "compute_scale": compute_scale,
                     "gradient_bytes": gradient_bytes(profile, param_scale),
                     "compute_nominal_s": compute_s(profile, compute_scale), "levels": levels, "modes": list(modes),
@@ -111,44 +135,17 @@ def run(quick: bool = False, rate: str = RATE, hosts: int = 2, iters: int | None
              f"({result['gradient_bytes'] / 1e6:.1f} MB of gradients), compute_scale {compute_scale:g} "
              f"({result['compute_nominal_s'] * 1000:.0f} ms); modes {', '.join(modes)} interleaved, {rounds} "
              f"round(s) of {iters} timed iterations (+{warmup} warm-up)")
-    try:
-        with contextlib.ExitStack() as stack:
-            tb = stack.enter_context(Testbed(hosts=hosts, rate=rate, name=name))
-            result["link_bps"] = tb.rate_bps
-            agents_dir = os.path.join(workdir, "agents")
-            os.makedirs(agents_dir, exist_ok=True)
-            agents = stack.enter_context(running_agents(tb, levels=levels, workdir=agents_dir))
-            sockets = {i: a.socket for i, a in agents.items()}
-            per_iter_bound = 2.0 + 4 * result["compute_nominal_s"]
-            timeout = 120 + rounds * len(modes) * (iters + warmup + 2) * per_iter_bound
-            r = run_training(tb, ranks, port_base + 1, profile, ",".join(modes), iters, warmup, param_scale,
-                             compute_scale, workdir, "overhead", levels=levels, sockets=sockets, job="overhead",
-                             timeout=timeout, extra=["--rounds", str(rounds)])
-            for mode in modes:
-                m = r["modes"][mode]
-                key = KEY[mode]
-                result[key] = m["median_s"]
-                result[key[:-2] + "_times_s"] = m["times_s"]
-                result[key[:-2] + "_mean_s"] = m["mean_s"]
-                result[key[:-2] + "_rounds_s"] = per_round(m["times_s"], iters)
-                result[f"{mode}_phases_s"] = m["phases_s"]
-                if m.get("shim_stats"):
-                    result[f"{mode}_stats"] = m["shim_stats"]
-                ph = m["phases_s"]
-                progress(f"  {mode:12s} median {m['median_s'] * 1000:6.1f} ms (forward {ph['forward'] * 1000:.1f}, "
-                         f"backward {ph['backward'] * 1000:.1f}, step {ph['step'] * 1000:.1f} ms)")
-    finally:
-        if own_dir:
-            shutil.rmtree(workdir, ignore_errors=True)
-    result["ratio"] = _ratio(result.get("shim_s"), result.get("ddp_s"))
-    result["ratio_hook"] = _ratio(result.get("shim_hook_s"), result.get("ddp_s"))
-    ddp_rounds = result.get("ddp_rounds_s") or []
-    for key, out in (("shim_rounds_s", "ratio_rounds"), ("shim_hook_rounds_s", "ratio_hook_rounds")):
-        if result.get(key):
-            result[out] = [a / b for a, b in zip(result[key], ddp_rounds) if b]
+    with scratch_dir(workdir, "tensorlane-overhead-") as workdir, Testbed(hosts=hosts, rate=rate, name=name) as tb, \
+            running_agents(tb, levels=levels, workdir=os.path.join(workdir, "agents")) as agents:
+        result["link_bps"] = tb.rate_bps
+        timeout = 120 + rounds * len(modes) * (iters + warmup + 2) * (2.0 + 4 * result["compute_nominal_s"])
+        r = run_training(tb, list(range(1, hosts + 1)), port_base + 1, profile, ",".join(modes), iters, warmup,
+                         param_scale, compute_scale, workdir, "overhead", levels=levels,
+                         sockets={i: a.socket for i, a in agents.items()}, job="overhead", timeout=timeout,
+                         extra=["--rounds", str(rounds)])
+        record_modes(result, r, modes, iters, progress)
     result["elapsed_s"] = time.monotonic() - t_start
-    result["pass"] = passes(result)
-    return result
+    return add_ratios(result)
 
 
 def format_table(result: dict) -> str:
@@ -175,6 +172,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
+    """``python -m bench shim-overhead [--quick] [--json FILE] ...``: run, print the table."""
     p = argparse.ArgumentParser(prog="python -m bench shim-overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="FILE", help="write every figure here")
     p.add_argument("--quick", action="store_true", help="1 round of 3 iterations (what the tests run)")
@@ -190,8 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(KEY))
     p.add_argument("--name", default="to", help="testbed name (namespaces NAME-h1.., NAME-sw)")
     args = p.parse_args(argv)
-    if os.geteuid() != 0:
-        print("tensorlane: the shim-overhead benchmark builds network namespaces: run it as root", file=sys.stderr)
+    if needs_root("the shim-overhead benchmark"):
         return 2
     try:
         result = run(quick=args.quick, rate=args.rate, hosts=args.hosts, iters=args.iters, warmup=args.warmup,
@@ -205,7 +202,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)
+    cli(main)

@@ -3,7 +3,7 @@ against the other candidates it considered.
 
 On one fresh testbed (``NAME-h1``.., 2 hosts at 200 Mbit/s, an agent with 5 levels on each host):
 
-1. **Calibration** (before any training, its own worker set: ``bench.training --mode calibrate``): uncontended
+1. **Calibration** (before any training, its own worker set: ``bench.worker training --mode calibrate``): uncontended
    all-reduces of 4 KiB, 1 MiB and 4 MiB give the per-operation startup alpha and the link's payload rate
    (``policies.execution.fit_alpha_beta``); the same workers measure the host's cost of issuing one asynchronous
    all-reduce, the wake-up of a waiting thread, the compute lost per all-reduce completing with a Python callback
@@ -15,13 +15,13 @@ On one fresh testbed (``NAME-h1``.., 2 hosts at 200 Mbit/s, an agent with 5 leve
 3. **Measuring**: per profile one worker set runs, interleaved in rotating order for ``rounds`` rounds:
    ``compute`` (the realised compute floor), ``ddp``, ``app_order`` (the shim on one level), ``shim_overlap``
    (layer order on 4 levels; ``bench.priority``'s 5 MB buckets), and the planner's chosen configuration plus up to
-   ``candidates`` others it considered (``bench.training --configs``).
+   ``candidates`` others it considered (``bench.worker training --configs``).
 4. **Predicting**: every measured configuration is predicted by ``policies.execution`` from the calibration of
    step 1 and the profile with its compute scaled to the compute measured in step 3 (compute median / nominal:
    the issue allows measured per-layer times).
 
 Measured figures are medians over the steady-state iterations of all rounds, per iteration the slowest rank's
-time (``bench.training``): each round's first timed iteration follows ``flush()`` and is left out (its forward
+time (``bench.worker training``): each round's first timed iteration follows ``flush()`` and is left out (its forward
 waits for nothing, in the overlap modes).
 
 Result: ``result["profiles"][name][policy] = {"predicted_s", "measured_s", "error", "within_15pct"}`` (policy:
@@ -35,16 +35,12 @@ Usage: ``python -m bench.validate --json validate.json [--quick]`` (root: it bui
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import shutil
 import statistics
-import sys
-import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
-from bench.workers import progress_printer, show_figures
+from bench.workers import cli, needs_root, progress_printer, scratch_dir, show_figures
 
 PROFILES = ("resnet50", "vgg16", "bert_base")
 POLICIES = ("ddp", "app_order", "shim_overlap")
@@ -71,7 +67,8 @@ def emulated_profile(name: str, param_scale: float, compute_scale: float, comput
     from tensorlane.policies.model import Profile, load_profile, scaled
 
     p = load_profile(name)
-    layers = tuple(replace(l, params_bytes=4 * n) for l, n in zip(p.layers, layer_numels(p, param_scale)))
+    layers = tuple(replace(layer, params_bytes=4 * n)
+                   for layer, n in zip(p.layers, layer_numels(p, param_scale), strict=True))
     return scaled(Profile(p.name, layers), compute_scale * compute_factor)
 
 
@@ -96,6 +93,7 @@ def calibration_costs(cal: dict, ranks: int) -> dict:
 
 
 def _cost_host(costs: dict, ranks: int):
+    """The calibrated ``(CostModel, HostCosts)`` of ``policies.execution`` for ``ranks`` ranks."""
     from tensorlane.policies.execution import HostCosts
     from tensorlane.policies.model import CostModel
 
@@ -105,7 +103,8 @@ def _cost_host(costs: dict, ranks: int):
 
 
 def setting_of(policy: str, param_scale: float) -> dict:
-    """The shim/DDP setting of a fixed policy, as in ``bench.training`` (bucket sizes in bytes of the emulated model).
+    """The shim/DDP setting of a fixed policy, as in ``bench.worker training`` (bucket sizes in bytes of the emulated
+    model).
 
     Usage: ``setting_of("shim_overlap", 5)``
     """
@@ -163,6 +162,7 @@ def pick_candidates(plan, others: int) -> list:
 
 
 def _same(setting: dict, c) -> bool:
+    """Whether ``setting`` is the shim configuration of planner candidate ``c``."""
     return setting.get("kind") == "shim" and (setting["policy"], setting["levels"], setting["partition_bytes"],
                                               setting["bucket_bytes"]) == (c.policy, c.levels, c.partition_bytes,
                                                                            c.bucket_bytes)
@@ -187,6 +187,150 @@ def judge(predicted: float, measured: float) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- runner
 
+@dataclass
+class _Bench:
+    """What every step of one validation run shares: the testbed, its ranks and agents, the run's sizes and (after
+    step 1) the calibrated costs."""
+
+    tb: object
+    ranks: list[int]
+    workdir: str
+    sockets: dict[int, str]
+    rounds: int
+    iters: int
+    warmup: int
+    comm_target: float
+    progress: object
+    costs: dict = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        """The number of ranks."""
+        return len(self.ranks)
+
+
+def calibrate(b: _Bench, port: int, profile: str) -> dict:
+    """Step 1: the calibration worker set on ``profile``'s emulated model; sets ``b.costs`` and returns them with
+    the worker's raw measurements under ``raw``."""
+    from bench.models import balanced_scales
+    from bench.priority import run_training
+
+    link = b.tb.rate_bps
+    ps0, cs0 = balanced_scales(profile, link, b.n, b.comm_target)
+    r = run_training(b.tb, b.ranks, port, profile, "calibrate", 1, 0, ps0, cs0, b.workdir, "calibrate",
+                     levels=AGENT_LEVELS, job="val-cal", timeout=180)
+    cal = r["modes"]["calibrate"]["calibration"]
+    b.costs = costs = calibration_costs(cal, b.n)
+    b.progress(f"calibration: alpha {costs['alpha_s'] * 1e3:.2f} ms, link {costs['link_bps'] / 1e6:.1f} Mbit/s "
+               f"payload ({costs['link_bps'] / link:.3f} of nominal), launch "
+               f"{costs['launch_s'] * 1e6:.0f} us, wake {costs['wake_s'] * 1e6:.0f} us, callback stall "
+               f"{costs['callback_s'] * 1e6:.0f} us, copy "
+               f"{costs['copy_bps'] / 1e9:.2f} GB/s")
+    return {**costs, "raw": cal}
+
+
+def plan(b: _Bench, prof: str, ps: float, base_profile, others: int):
+    """Step 2: ``plan_shim`` on the emulated model (nominal compute, calibrated network and host); returns the plan,
+    the candidates to measure (the chosen one first) and the ``--configs`` of those no fixed policy measures."""
+    from tensorlane.policies.planner import plan_shim
+
+    t0 = time.perf_counter()
+    shim_plan = plan_shim(base_profile, b.n, b.costs["link_bps"], levels_max=AGENT_LEVELS,
+                          bucket_bytes=tuple(int(mb / ps * MiB) for mb in BUCKET_CANDIDATES_MB),
+                          partitions=tuple(None if p is None else int(p / ps) for p in PARTITION_CANDIDATES),
+                          alpha_s=b.costs["alpha_s"], host=_cost_host(b.costs, b.n)[1], payload_fraction=1.0)
+    plan_s = time.perf_counter() - t0
+    picks = pick_candidates(shim_plan, others)
+    b.progress(f"{prof}: plan_shim chose {shim_plan.label} (predicted {shim_plan.predicted_iter_s * 1e3:.0f} ms, "
+               f"{len(shim_plan.candidates)} candidates, {plan_s * 1e3:.0f} ms); measuring "
+               + ", ".join(c.label for c in picks))
+    configs: dict[str, dict] = {}
+    for k, c in enumerate(picks):
+        if any(_same(setting_of(p, ps), c) for p in POLICIES if p != "ddp"):
+            continue  # measured anyway as app_order / shim_overlap
+        configs[f"cand{k}"] = {"base": "shim_overlap", "levels": c.levels, "policy": c.policy,
+                               "partition_bytes": c.partition_bytes, "bucket_cap_mb": c.bucket_bytes / MiB}
+    return shim_plan, picks, configs
+
+
+def measure(b: _Bench, port: int, prof: str, ps: float, cs: float, modes: list[str], configs: dict,
+            lb: float) -> tuple[dict, dict]:
+    """Step 3: one worker set runs ``modes`` interleaved; returns the steady-state median per mode and the record
+    of each mode (``result["measured"][prof]``)."""
+    import json
+
+    from bench.priority import run_training
+
+    extra = ["--rounds", str(b.rounds), "--shim-bucket-cap-mb", f"{SHIM_BUCKET_MB / ps:g}"]
+    if configs:
+        extra += ["--configs", json.dumps(configs)]
+    b.progress(f"{prof}: param_scale {ps:g}, compute_scale {cs:g}, lower bound {lb:.3f} s; modes "
+               + ",".join(modes))
+    r = run_training(b.tb, b.ranks, port, prof, ",".join(modes), b.iters, b.warmup, ps, cs, b.workdir, prof,
+                     levels=SHIM_LEVELS, job=f"val-{prof}", sockets=b.sockets, extra=extra,
+                     timeout=180 + b.rounds * len(modes) * (b.iters + b.warmup + 3) * 6 * lb)
+    med = {m: steady_median(r["modes"][m]["times_s"], b.iters) for m in modes}
+    keys = ("times_s", "shim_stats", "phases_s", "device_idle_s", "device_idle_per_iter_s", "local_times_s")
+    record = {m: {"median_s": med[m], "median_all_s": r["modes"][m]["median_s"],
+                  **{k: r["modes"][m].get(k) for k in keys}} for m in modes}
+    return med, record
+
+
+def _candidate_row(b: _Bench, c, mode: str, chosen: bool, profile_f, measured_s: float) -> dict:
+    """One measured planner candidate: its label, mode, planned seconds, and predicted (measured compute) vs
+    measured."""
+    return {"label": c.label, "mode": mode, "planned_s": c.predicted_iter_s, "ops": c.ops, "chosen": chosen,
+            **judge(predict(candidate_setting(c), profile_f, b.costs, b.n), measured_s)}
+
+
+def planner_figures(b: _Bench, shim_plan, picks: list, configs: dict, ps: float, profile_f, med: dict) -> dict:
+    """Step 4 for the planner: every measured candidate (and app_order / shim_overlap when the planner considered
+    them) predicted and judged; the chosen one against the best measured."""
+    fixed = [p for p in POLICIES if p != "ddp"]
+    rows = []
+    for k, c in enumerate(picks):
+        mode = f"cand{k}" if f"cand{k}" in configs else next(p for p in fixed if _same(setting_of(p, ps), c))
+        rows.append(_candidate_row(b, c, mode, k == 0, profile_f, med[mode]))
+    for pol in ("app_order", "shim_overlap"):  # measured anyway: compare them too when considered
+        c = next((c for c in shim_plan.candidates if _same(setting_of(pol, ps), c)), None)
+        if c is not None and all(row["mode"] != pol for row in rows):
+            rows.append(_candidate_row(b, c, pol, False, profile_f, med[pol]))
+    best = min(rows, key=lambda row: row["measured_s"])
+    chosen = rows[0]
+    ratio = chosen["measured_s"] / best["measured_s"]
+    for row in rows:
+        b.progress(f"  {row['label']:32s} measured {row['measured_s'] * 1e3:6.0f} ms, predicted "
+                   f"{row['predicted_s'] * 1e3:6.0f} ms" + ("  <- chosen" if row["chosen"] else ""))
+    b.progress(f"  planner: chosen / best measured = {ratio:.3f}")
+    return {"chosen": chosen["label"], "chosen_s": chosen["measured_s"], "best": best["label"],
+            "best_s": best["measured_s"], "ratio": ratio, "within_5pct": ratio <= 1 + PLANNER_TOLERANCE,
+            "candidates": rows, "considered": len(shim_plan.candidates)}
+
+
+def validate_profile(b: _Bench, result: dict, prof: str, port: int, with_planner: bool, others: int) -> None:
+    """Steps 2-4 for one profile: plan (``with_planner``), measure, predict; the figures go into ``result``."""
+    from bench.models import balanced_scales, compute_s, lower_bound_s
+
+    ps, cs = balanced_scales(prof, b.tb.rate_bps, b.n, b.comm_target)
+    nominal = compute_s(prof, cs)
+    shim_plan, picks, configs = plan(b, prof, ps, emulated_profile(prof, ps, cs), others) if with_planner \
+        else (None, [], {})
+    modes = ["compute", *POLICIES, *configs]
+    lb = lower_bound_s(prof, b.n, b.tb.rate_bps, ps, cs)
+    med, result["measured"][prof] = measure(b, port, prof, ps, cs, modes, configs, lb)
+    factor = med["compute"] / nominal
+    profile_f = emulated_profile(prof, ps, cs, factor)
+    figs: dict = {"param_scale": ps, "compute_scale": cs, "compute_nominal_s": nominal,
+                  "compute_s": med["compute"], "compute_factor": factor, "lower_bound_s": lb}
+    for pol in POLICIES:
+        figs[pol] = judge(predict(setting_of(pol, ps), profile_f, b.costs, b.n), med[pol])
+        b.progress(f"  {pol:13s} measured {med[pol] * 1e3:6.0f} ms, predicted "
+                   f"{figs[pol]['predicted_s'] * 1e3:6.0f} ms ({figs[pol]['error']:+.1%})")
+    result["profiles"][prof] = figs
+    if shim_plan is not None:
+        result["planner"][prof] = planner_figures(b, shim_plan, picks, configs, ps, profile_f, med)
+
+
 def run(profiles=PROFILES, quick: bool = False, rate: str = "200mbit", hosts: int = 2, rounds: int | None = None,
         iters: int | None = None, warmup: int | None = None, candidates: int | None = None,
         planner_profiles=None, name: str = "tv", progress=print, port_base: int = 29700,
@@ -199,9 +343,7 @@ def run(profiles=PROFILES, quick: bool = False, rate: str = "200mbit", hosts: in
     Usage: ``run(profiles=("resnet50",), quick=True)``
     """
     from bench.agents import running_agents
-    from bench.models import DEFAULT_COMM_S, balanced_scales, compute_s, lower_bound_s
-    from bench.priority import run_training
-    from tensorlane.policies.planner import plan_shim
+    from bench.models import DEFAULT_COMM_S
     from testbed import Testbed
 
     if hosts < 2:
@@ -213,130 +355,21 @@ def run(profiles=PROFILES, quick: bool = False, rate: str = "200mbit", hosts: in
     planner_profiles = tuple(profiles if planner_profiles is None else planner_profiles)
     comm_target = comm_s or DEFAULT_COMM_S
     progress = progress or (lambda *a, **k: None)
-    own_dir = workdir is None
-    workdir = workdir or tempfile.mkdtemp(prefix="tensorlane-validate-")
-    ranks = list(range(1, hosts + 1))
-    n = len(ranks)
-    result: dict = {"rate": rate, "hosts": hosts, "ranks": n, "rounds": rounds, "iters": iters, "warmup": warmup,
+    result: dict = {"rate": rate, "hosts": hosts, "ranks": hosts, "rounds": rounds, "iters": iters, "warmup": warmup,
                     "quick": quick, "comm_s_target": comm_target, "agent_levels": AGENT_LEVELS,
                     "tolerance": TOLERANCE, "planner_tolerance": PLANNER_TOLERANCE, "profiles": {}, "planner": {},
                     "measured": {}}
     t_start = time.monotonic()
-    port = port_base
     progress(f"testbed {name}: {hosts} hosts at {rate}; profiles {', '.join(profiles)}; {rounds} round(s) of "
              f"{iters} timed iterations (+{warmup} warm-up); planner candidates measured: chosen + {others}")
-    try:
-        with contextlib.ExitStack() as stack:
-            tb = stack.enter_context(Testbed(hosts=hosts, rate=rate, name=name))
-            agents_dir = os.path.join(workdir, "agents")
-            os.makedirs(agents_dir, exist_ok=True)
-            agents = stack.enter_context(running_agents(tb, levels=AGENT_LEVELS, workdir=agents_dir))
-            sockets = {i: a.socket for i, a in agents.items()}
-            link_nominal = tb.rate_bps
-            result["link_bps_nominal"] = link_nominal
-
-            # 1. calibration
-            ps0, cs0 = balanced_scales(profiles[0], link_nominal, n, comm_target)
-            r = run_training(tb, ranks, port, profiles[0], "calibrate", 1, 0, ps0, cs0, workdir, "calibrate",
-                             levels=AGENT_LEVELS, job="val-cal", timeout=180)
-            cal = r["modes"]["calibrate"]["calibration"]
-            costs = calibration_costs(cal, n)
-            result["calibration"] = {**costs, "raw": cal}
-            progress(f"calibration: alpha {costs['alpha_s'] * 1e3:.2f} ms, link {costs['link_bps'] / 1e6:.1f} Mbit/s "
-                     f"payload ({costs['link_bps'] / link_nominal:.3f} of nominal), launch "
-                     f"{costs['launch_s'] * 1e6:.0f} us, wake {costs['wake_s'] * 1e6:.0f} us, callback stall "
-                     f"{costs['callback_s'] * 1e6:.0f} us, copy "
-                     f"{costs['copy_bps'] / 1e9:.2f} GB/s")
-            _, host = _cost_host(costs, n)
-
-            for prof in profiles:
-                port += 1
-                ps, cs = balanced_scales(prof, link_nominal, n, comm_target)
-                nominal = compute_s(prof, cs)
-                base_profile = emulated_profile(prof, ps, cs)
-                modes = ["compute", *POLICIES]
-                configs: dict[str, dict] = {}
-                picks: list = []
-                plan = None
-                if prof in planner_profiles:
-                    # 2. planning (nominal compute, calibrated network and host)
-                    t0 = time.perf_counter()
-                    plan = plan_shim(base_profile, n, costs["link_bps"], levels_max=AGENT_LEVELS,
-                                     bucket_bytes=tuple(int(mb / ps * MiB) for mb in BUCKET_CANDIDATES_MB),
-                                     partitions=tuple(None if p is None else int(p / ps)
-                                                      for p in PARTITION_CANDIDATES),
-                                     alpha_s=costs["alpha_s"], host=host, payload_fraction=1.0)
-                    plan_s = time.perf_counter() - t0
-                    picks = pick_candidates(plan, others)
-                    progress(f"{prof}: plan_shim chose {plan.label} (predicted {plan.predicted_iter_s * 1e3:.0f} ms, "
-                             f"{len(plan.candidates)} candidates, {plan_s * 1e3:.0f} ms); measuring "
-                             + ", ".join(c.label for c in picks))
-                    for k, c in enumerate(picks):
-                        if any(_same(setting_of(p, ps), c) for p in POLICIES if p != "ddp"):
-                            continue  # measured anyway as app_order / shim_overlap
-                        configs[f"cand{k}"] = {"base": "shim_overlap", "levels": c.levels, "policy": c.policy,
-                                               "partition_bytes": c.partition_bytes,
-                                               "bucket_cap_mb": c.bucket_bytes / MiB}
-                    modes += list(configs)
-                # 3. measuring
-                import json
-
-                extra = ["--rounds", str(rounds), "--shim-bucket-cap-mb", f"{SHIM_BUCKET_MB / ps:g}"]
-                if configs:
-                    extra += ["--configs", json.dumps(configs)]
-                lb = lower_bound_s(prof, n, link_nominal, ps, cs)
-                progress(f"{prof}: param_scale {ps:g}, compute_scale {cs:g}, lower bound {lb:.3f} s; modes "
-                         + ",".join(modes))
-                r = run_training(tb, ranks, port, prof, ",".join(modes), iters, warmup, ps, cs, workdir, prof,
-                                 levels=SHIM_LEVELS, job=f"val-{prof}", sockets=sockets, extra=extra,
-                                 timeout=180 + rounds * len(modes) * (iters + warmup + 3) * 6 * lb)
-                med = {m: steady_median(r["modes"][m]["times_s"], iters) for m in modes}
-                factor = med["compute"] / nominal
-                profile_f = emulated_profile(prof, ps, cs, factor)
-                result["measured"][prof] = {m: {"median_s": med[m], "median_all_s": r["modes"][m]["median_s"],
-                                                "times_s": r["modes"][m]["times_s"],
-                                                "shim_stats": r["modes"][m].get("shim_stats"),
-                                                "phases_s": r["modes"][m]["phases_s"],
-                                                "device_idle_s": r["modes"][m]["device_idle_s"],
-                                                "device_idle_per_iter_s": r["modes"][m].get("device_idle_per_iter_s"),
-                                                "local_times_s": r["modes"][m].get("local_times_s")}
-                                            for m in modes}
-                # 4. predicting
-                figs: dict = {"param_scale": ps, "compute_scale": cs, "compute_nominal_s": nominal,
-                              "compute_s": med["compute"], "compute_factor": factor, "lower_bound_s": lb}
-                for pol in POLICIES:
-                    figs[pol] = judge(predict(setting_of(pol, ps), profile_f, costs, n), med[pol])
-                    progress(f"  {pol:13s} measured {med[pol] * 1e3:6.0f} ms, predicted "
-                             f"{figs[pol]['predicted_s'] * 1e3:6.0f} ms ({figs[pol]['error']:+.1%})")
-                result["profiles"][prof] = figs
-                if plan is not None:
-                    rows = []
-                    for k, c in enumerate(picks):
-                        mode = f"cand{k}" if f"cand{k}" in configs else next(
-                            p for p in POLICIES if p != "ddp" and _same(setting_of(p, ps), c))
-                        rows.append({"label": c.label, "mode": mode, "planned_s": c.predicted_iter_s, "ops": c.ops,
-                                     "chosen": k == 0, **judge(predict(candidate_setting(c), profile_f, costs, n),
-                                                               med[mode])})
-                    for pol in ("app_order", "shim_overlap"):  # measured anyway: compare them too when considered
-                        c = next((c for c in plan.candidates if _same(setting_of(pol, ps), c)), None)
-                        if c is not None and all(row["mode"] != pol for row in rows):
-                            rows.append({"label": c.label, "mode": pol, "planned_s": c.predicted_iter_s, "ops": c.ops,
-                                         "chosen": False, **judge(predict(candidate_setting(c), profile_f, costs, n),
-                                                                  med[pol])})
-                    best = min(rows, key=lambda row: row["measured_s"])
-                    chosen = rows[0]
-                    ratio = chosen["measured_s"] / best["measured_s"]
-                    result["planner"][prof] = {"chosen": chosen["label"], "chosen_s": chosen["measured_s"],
-                                               "best": best["label"], "best_s": best["measured_s"], "ratio": ratio,
-                                               "within_5pct": ratio <= 1 + PLANNER_TOLERANCE, "candidates": rows,
-                                               "considered": len(plan.candidates)}
-                    for row in rows:
-                        progress(f"  {row['label']:32s} measured {row['measured_s'] * 1e3:6.0f} ms, predicted "
-                                 f"{row['predicted_s'] * 1e3:6.0f} ms" + ("  <- chosen" if row["chosen"] else ""))
-                    progress(f"  planner: chosen / best measured = {ratio:.3f}")
-    finally:
-        if own_dir:
-            shutil.rmtree(workdir, ignore_errors=True)
+    with scratch_dir(workdir, "tensorlane-validate-") as workdir, Testbed(hosts=hosts, rate=rate, name=name) as tb, \
+            running_agents(tb, levels=AGENT_LEVELS, workdir=os.path.join(workdir, "agents")) as agents:
+        result["link_bps_nominal"] = tb.rate_bps
+        b = _Bench(tb, list(range(1, hosts + 1)), workdir, {i: a.socket for i, a in agents.items()}, rounds,
+                   iters, warmup, comm_target, progress)
+        result["calibration"] = calibrate(b, port_base, profiles[0])
+        for k, prof in enumerate(profiles, start=1):
+            validate_profile(b, result, prof, port_base + k, prof in planner_profiles, others)
     result["elapsed_s"] = time.monotonic() - t_start
     result["pass"] = {"predictions": all(f[p]["within_15pct"] for f in result["profiles"].values() for p in POLICIES),
                       "planner": all(v["within_5pct"] for v in result["planner"].values())}
@@ -344,7 +377,8 @@ def run(profiles=PROFILES, quick: bool = False, rate: str = "200mbit", hosts: in
 
 
 NAMES = {"resnet50": "ResNet-50", "vgg16": "VGG-16", "bert_base": "BERT-base"}
-POLICY_NAMES = {"ddp": "plain DDP", "app_order": "shim, 1 level (app order)", "shim_overlap": "shim, layer order, 4 levels"}
+POLICY_NAMES = {"ddp": "plain DDP", "app_order": "shim, 1 level (app order)",
+                "shim_overlap": "shim, layer order, 4 levels"}
 
 
 def format_table(result: dict) -> str:
@@ -364,9 +398,11 @@ def format_table(result: dict) -> str:
             for row in pl["candidates"]:
                 mark = " **(chosen)**" if row["chosen"] else ""
                 best = " (best)" if row["label"] == pl["best"] else ""
-                lines.append(f"| {NAMES.get(prof, prof)} | `{row['label']}`{mark}{best} | {row['planned_s'] * 1e3:.0f} ms"
-                             f" | {row['measured_s'] * 1e3:.0f} ms | {row['predicted_s'] * 1e3:.0f} ms |")
-        lines += ["", "| profile | chosen | measured | best measured | chosen / best (<= 1.05) |", "|---|---|---:|---|---:|"]
+                lines.append(f"| {NAMES.get(prof, prof)} | `{row['label']}`{mark}{best} | "
+                             f"{row['planned_s'] * 1e3:.0f} ms | {row['measured_s'] * 1e3:.0f} ms | "
+                             f"{row['predicted_s'] * 1e3:.0f} ms |")
+        lines += ["", "| profile | chosen | measured | best measured | chosen / best (<= 1.05) |",
+                  "|---|---|---:|---|---:|"]
         for prof, pl in result["planner"].items():
             lines.append(f"| {NAMES.get(prof, prof)} | `{pl['chosen']}` | {pl['chosen_s'] * 1e3:.0f} ms | "
                          f"`{pl['best']}` {pl['best_s'] * 1e3:.0f} ms | {pl['ratio']:.3f} "
@@ -382,6 +418,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
+    """``python -m bench validate [--quick] [--json FILE] ...``: run, print the tables."""
     p = argparse.ArgumentParser(prog="python -m bench validate", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="FILE", help="write every figure here")
     p.add_argument("--quick", action="store_true", help="one round of 3 iterations, one other candidate")
@@ -398,8 +435,7 @@ def main(argv=None) -> int:
     p.add_argument("--comm-s", type=float, default=None, help="seconds of communication the scales aim at (0.75)")
     p.add_argument("--name", default="tv", help="testbed name (namespaces NAME-h1.., NAME-sw)")
     args = p.parse_args(argv)
-    if os.geteuid() != 0:
-        print("tensorlane: the validation builds network namespaces: run it as root", file=sys.stderr)
+    if needs_root("the validation"):
         return 2
     profiles = tuple(x for x in args.profiles.split(",") if x)
     planner = None if args.planner_profiles is None else tuple(x for x in args.planner_profiles.split(",") if x)
@@ -411,7 +447,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)
+    cli(main)

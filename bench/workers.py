@@ -5,9 +5,13 @@ Usage: ``results = run_workers(tb, [1, 2], lambda rank, host, out: argv, workdir
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
+import sys
+import tempfile
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -163,6 +167,41 @@ def write_json(path: str, obj, rank: int | None = None) -> str:
         json.dump(obj, fh, indent=1)
     os.replace(tmp, path)
     return path
+
+
+@contextlib.contextmanager
+def scratch_dir(workdir: str | None, prefix: str):
+    """Yield ``workdir`` (kept), or a fresh temporary directory named ``prefix...`` that is removed on exit.
+
+    Usage: ``with scratch_dir(workdir, "tensorlane-jobs-") as workdir: ...``
+    """
+    if workdir is not None:
+        yield workdir
+        return
+    path = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def needs_root(what: str) -> bool:
+    """True, after saying so on stderr, when this process is not root (``what`` builds network namespaces).
+
+    Usage: ``if needs_root("the jobs benchmark"): return 2``
+    """
+    if os.geteuid() == 0:
+        return False
+    print(f"tensorlane: {what} builds network namespaces: run it as root", file=sys.stderr)
+    return True
+
+
+def cli(main) -> None:
+    """Exit with ``main()``'s status (130 on Ctrl-C). Usage: ``if __name__ == "__main__": cli(main)``"""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 def show_figures(table: str, result: dict, json_path: str | None) -> None:

@@ -13,6 +13,8 @@ Two shapes are used (see docs/testbed.md):
 """
 from __future__ import annotations
 
+import contextlib
+
 ETH_P_IP = 0x0800
 SWITCH_QUEUES = 8
 MTU = 1500
@@ -96,10 +98,8 @@ def install_fifo(ipr, index: int, rate_bps: int) -> None:
 
 def _delete_root(ipr, index: int) -> None:
     """Delete the root qdisc of link ``index`` if it has one that can be deleted (a fresh veth has noqueue)."""
-    try:
+    with contextlib.suppress(Exception):  # ENOENT/EINVAL on the default qdisc: nothing to delete
         ipr.tc("del", index=index, parent=0xFFFFFFFF)
-    except Exception:  # noqa: BLE001 - ENOENT/EINVAL on the default qdisc: nothing to delete
-        pass
 
 
 def queue_stats(ipr, index: int) -> dict[int, dict[str, int]]:

@@ -59,6 +59,7 @@ def send(dst: str, port: int, sport: int, pps: float, seconds: float, size: int 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m testbed.udpprobe recv|send ...``: one end of a UDP probe, its JSON result on stdout."""
     p = argparse.ArgumentParser(prog="python -m testbed.udpprobe")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("recv")

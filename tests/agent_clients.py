@@ -1,9 +1,11 @@
-"""Helpers shared by the tests that talk to a real agent as other users and from other namespaces."""
+"""Helpers shared by the tests that talk to a real agent as other users and from other namespaces, and by the
+benchmarks' smoke tests that build a testbed."""
 from __future__ import annotations
 
 import ctypes
 import json
 import os
+import shutil
 import socket
 
 CLONE_NEWNET = 0x40000000
@@ -34,3 +36,10 @@ def enter_netns(name: str) -> None:
             raise OSError(ctypes.get_errno(), f"setns {name}")
     finally:
         os.close(fd)
+
+
+def require_netns_tools() -> None:
+    """Fail (never skip) unless this is root with ip, tc and nft: what the netns tests and smoke runs need."""
+    assert os.geteuid() == 0, "the netns tests need root (network namespaces, tc, nftables): run them as root"
+    for tool in ("ip", "tc", "nft"):
+        assert shutil.which(tool), f"{tool} is missing: run scripts/bootstrap"

@@ -4,10 +4,9 @@ rotation through the agents' job policy). Checks that every figure is there and 
 from __future__ import annotations
 
 import math
-import os
-import shutil
 
 import pytest
+from agent_clients import require_netns_tools
 
 from bench.jobs import PHASES, format_table, passes, summarise
 
@@ -30,9 +29,7 @@ def test_summary_and_targets_by_hand():
 @pytest.mark.torch
 @pytest.mark.timeout(240)
 def test_jobs_quick_smoke():
-    assert os.geteuid() == 0, "the netns tests need root (network namespaces, tc, nftables): run them as root"
-    for tool in ("ip", "tc", "nft"):
-        assert shutil.which(tool), f"{tool} is missing: run scripts/bootstrap"
+    require_netns_tools()
     import torch  # noqa: F401  (required: a missing torch fails the test)
 
     from bench.jobs import run

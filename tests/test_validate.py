@@ -4,10 +4,9 @@ machine is noisy: docs/policies.md has the figures of a full run)."""
 from __future__ import annotations
 
 import math
-import os
-import shutil
 
 import pytest
+from agent_clients import require_netns_tools
 
 from bench.validate import (
     POLICIES,
@@ -77,9 +76,7 @@ def test_format_table() -> None:
 @pytest.mark.torch
 @pytest.mark.timeout(300)
 def test_validate_quick_smoke():
-    assert os.geteuid() == 0, "the netns tests need root (network namespaces, tc, nftables): run them as root"
-    for tool in ("ip", "tc", "nft"):
-        assert shutil.which(tool), f"{tool} is missing: run scripts/bootstrap"
+    require_netns_tools()
     import torch  # noqa: F401  (required: a missing torch fails the test)
 
     from bench.validate import run
