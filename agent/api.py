@@ -26,17 +26,16 @@ log = logging.getLogger("tensorlane.api")
 
 
 class Api:
-    """Dispatches parsed requests; keeps per-outcome counters for the metrics."""
+    """Dispatches parsed requests; tells ``observers`` (the metrics) each request's outcome and duration."""
 
     def __init__(self, cfg, table, reconciler, backend: str):
+        """An api over ``table`` and ``reconciler`` (the kernel), configured by ``cfg``."""
         self.cfg = cfg
         self.table = table
         self.rec = reconciler
         self.backend = backend
         self.started = time.time()
         self.instance = uuid.uuid4().hex  # lets clients notice a restarted agent and register again
-        self.outcomes: dict[tuple[str, str], int] = {}
-        self.latencies: list[float] = []
         # Called as observer(op, outcome, seconds) after every request (metrics subscribe here).
         self.observers: list = []
         self.reports = JobReports()  # communication time reported by the shims (op "report"), for the metrics
@@ -65,22 +64,18 @@ class Api:
         except Exception as exc:  # noqa: BLE001 - the agent must answer and stay up
             log.exception("internal error in %s", op)
             reply, outcome = protocol.error(rid, "internal", f"{type(exc).__name__}: {exc}"), "internal"
-        self.outcomes[(op, outcome)] = self.outcomes.get((op, outcome), 0) + 1
         elapsed = time.perf_counter() - t0
-        if op in ("register", "unregister"):
-            self.latencies.append(elapsed)
-            del self.latencies[:-10_000]
         for observe in self.observers:
             observe(op, outcome, elapsed)
         return reply
 
     def record(self, op: str, outcome: str) -> None:
         """Count an outcome decided outside ``handle`` (e.g. a connection refused by the server)."""
-        self.outcomes[(op, outcome)] = self.outcomes.get((op, outcome), 0) + 1
         for observe in self.observers:
             observe(op, outcome, 0.0)
 
     def _op_hello(self, req, peer) -> dict:
+        """Who answers: version, interface, levels, and an id of this agent's run."""
         return {"version": VERSION, "interface": self.cfg.interface, "levels": self.cfg.levels,
                 "instance": self.instance}
 
@@ -104,6 +99,7 @@ class Api:
         return len(shifted)
 
     def _op_register(self, req, peer) -> dict:
+        """Register flows at a level, after the access, namespace and ownership checks."""
         pid = uid = None
         floor = 0
         if peer is not None:
@@ -145,11 +141,13 @@ class Api:
                 "are plain clients; those with their own network namespace are refused")
 
     def _op_unregister(self, req, peer) -> dict:
+        """Unregister a job's flows (all of them when none are named); another user's flows are refused."""
         removed = self.table.unregister(req.job, req.flows, uid=None if peer is None else peer.uid)
         self._push([], [], removed)
         return {"job": req.job, "removed": len(removed)}
 
     def _op_report(self, req, peer) -> dict:
+        """Fold a shim's cumulative per-level counters into the job's metrics."""
         bad = [lvl for lvl, *_ in req.counters if lvl >= self.cfg.levels]
         if bad:
             raise ProtocolError("bad_level", f"level {bad[0]} out of range 0..{self.cfg.levels - 1}")
@@ -157,12 +155,14 @@ class Api:
         return {"job": req.job, "levels": len(req.counters), "counted_as": counted_as}
 
     def _op_list(self, req, peer) -> dict:
+        """The registered flows (of one job, if given), with their effective levels."""
         level_of = self.table.level_of
         flows = [{**k.as_dict(), "job": e.job, "level": level_of(e), "requested_level": e.level, "rank": e.rank}
                  for k, e in sorted(self.table.flows.items()) if req.job is None or e.job == req.job]
         return {"flows": flows}
 
     def _op_status(self, req, peer) -> dict:
+        """The agent, its classes with their kernel counters, flows, jobs and reconcile counters."""
         from tensorlane.agent.kernel import (
             tcstats,  # local: status is rare, keep the hot path lean
         )

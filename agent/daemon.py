@@ -32,10 +32,12 @@ class StartupError(RuntimeError):
 
 
 def state_path(cfg: Config) -> Path:
+    """The state file of ``cfg.interface``: the record of the tree the agent replaced."""
     return Path(cfg.state_dir) / f"agent-{cfg.interface}.json"
 
 
 def _load_state(cfg: Config) -> dict | None:
+    """The state a previous agent left (None: none); a corrupt file stops the start."""
     try:
         return json.loads(state_path(cfg).read_text())
     except FileNotFoundError:
@@ -45,6 +47,7 @@ def _load_state(cfg: Config) -> dict | None:
 
 
 def _save_state(cfg: Config, state: dict) -> None:
+    """Write the state file atomically (a temporary file, then a rename)."""
     path = state_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -98,6 +101,7 @@ def restore_interface(cfg: Config, ipr: IPRoute, ifindex: int, snap: snapshot.Sn
 
 
 def _serve(cfg: Config, api: Api, rec: Reconciler, table: FlowTable) -> None:
+    """Serve the API socket and reconcile every ``reconcile_interval_s`` until SIGTERM/SIGINT."""
     stop = threading.Event()
     gc.collect()
     gc.freeze()  # what start-up allocated (pyroute2, scapy, prometheus) is never scanned again: no long pauses

@@ -13,6 +13,7 @@ class RefusalLog:
     the next line of that reason, or by ``flush`` once ``every_s`` has passed without one."""
 
     def __init__(self, logger: logging.Logger, every_s: float = 10.0, clock=time.monotonic):
+        """Log through ``logger``, at most one line per reason per ``every_s`` seconds of ``clock``."""
         self.log = logger
         self.every_s = every_s
         self.clock = clock

@@ -25,6 +25,7 @@ Usage: ``Server(api, "/run/tensorlane/agent.sock", 0o660).serve(stop, 5.0, perio
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import grp
 import logging
@@ -40,23 +41,12 @@ from dataclasses import dataclass, field
 from tensorlane.agent import protocol
 from tensorlane.agent.api import Api
 from tensorlane.agent.logs import RefusalLog  # noqa: F401  (re-exported: agent.server.RefusalLog)
+from tensorlane.agent.metrics.connections import REFUSALS  # what the server refuses, as the metrics count it
 from tensorlane.agent.peers import Peer, credentials
 
 log = logging.getLogger("tensorlane.server")
 SWEEP_S = 0.5
 READ, WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
-
-# What the server refuses or closes, as (op, outcome) of ``api.record``; agent/metrics/connections.py counts them.
-REFUSALS = {
-    "busy": "connect",               # max_connections reached (or all but the reserve, for other users)
-    "forbidden": "connect",          # the peer is not allowed to use the agent
-    "user_limit": "connect",         # the peer's uid holds max_connections_per_user connections
-    "rate_limited": "request",       # more than rate_limit_per_s requests on one connection
-    "user_rate_limited": "request",  # held back (not refused): its uid's requests_per_user_per_s were used up
-    "too_large": "request",          # a line over protocol.MAX_MESSAGE_BYTES (the connection is closed)
-    "idle_closed": "connection",     # no request for idle_timeout_s
-    "unread_output": "connection",   # more than MAX_PENDING_OUTPUT of replies the client does not read
-}
 
 
 @dataclass
@@ -71,6 +61,8 @@ class _User:
 
 @dataclass(eq=False)
 class _Conn:
+    """One client connection: its peer, its request bucket and idle clock, its buffers and selector state."""
+
     sock: socket.socket
     peer: Peer
     tokens: float
@@ -110,6 +102,8 @@ class Server:
     LOG_EVERY_S = 10.0
 
     def __init__(self, api: Api, path: str, mode: int, group: str | None = None):
+        """Bind the socket at ``path`` (``mode``, ``group``) with the limits of ``api.cfg``; raises the open-file
+        limit to fit them."""
         cfg = api.cfg
         self.api = api
         self.path = path
@@ -196,6 +190,7 @@ class Server:
 
     # -- connections ----------------------------------------------------------------------------------
     def _accept(self) -> None:
+        """Accept up to ACCEPT_BATCH waiting connections; at the open-file limit, stop listening for 0.1 s."""
         for _ in range(self.ACCEPT_BATCH):
             try:
                 sock, _ = self.listener.accept()
@@ -215,6 +210,7 @@ class Server:
         return peer.uid in (0, self.euid) or (bool(self.trusted) and peer.user in self.trusted)
 
     def _admit(self, sock: socket.socket) -> None:
+        """Admit a new connection, or refuse it (busy, forbidden, user_limit) with an error line."""
         try:
             peer = credentials(sock)
         except OSError:
@@ -246,6 +242,7 @@ class Server:
         self._watch(conn)
 
     def _refuse(self, sock: socket.socket, peer: Peer, code: str, message: str) -> None:
+        """Count and log the refusal, send its error line if the socket takes it, close."""
         self._count(code, logging.WARNING, "refused connection from pid %d uid %d: %s: %s", peer.pid, peer.uid, code,
                     message)
         try:
@@ -256,10 +253,12 @@ class Server:
         sock.close()
 
     def _count(self, reason: str, level: int, msg: str, *args) -> None:
+        """Record a refusal for the metrics (``REFUSALS``) and note it in the rate-limited log."""
         self.api.record(REFUSALS[reason], reason)
         self.refusals.note(reason, level, msg, *args)
 
     def _close(self, conn: _Conn) -> None:
+        """Close ``conn`` once: unregister it and give its slot back."""
         if conn.closed:
             return
         conn.closed = True
@@ -285,11 +284,9 @@ class Server:
             self._count("idle_closed", logging.INFO, "closed idle connection of pid %d uid %d after %.1f s",
                         conn.peer.pid, conn.peer.uid, now - conn.last)
             if not conn.outbuf:  # tell a client that reads why; one that does not read just sees the close
-                try:
+                with contextlib.suppress(OSError):
                     conn.sock.send(protocol.error(None, "idle_timeout", f"no request for {self.idle_s:g} s "
                                                   "(idle_timeout_s): connection closed"))
-                except OSError:
-                    pass
             self._close(conn)
 
     def _forget_users(self, now: float) -> None:
@@ -312,6 +309,7 @@ class Server:
         conn.events = want
 
     def _io(self, conn: _Conn, events: int) -> None:
+        """Write what is pending, read what arrived; queue complete request lines."""
         if events & WRITE:
             self._flush(conn)
         if events & READ and not conn.closed and not conn.queued:
@@ -333,6 +331,7 @@ class Server:
         self._watch(conn)
 
     def _queue(self, conn: _Conn) -> None:
+        """Put ``conn`` in its uid's queue of connections with requests (held if the uid is held)."""
         conn.queued = True
         uid = conn.peer.uid
         if uid in self.held:
@@ -341,16 +340,19 @@ class Server:
             self.ready.setdefault(uid, deque()).append(conn)
 
     def _release_held(self, now: float) -> None:
+        """Move the uids whose bucket has a token again back to the ready queues."""
         for uid, until in list(self.held_until.items()):
             if now >= until:
                 del self.held_until[uid]
                 self.ready[uid] = self.held.pop(uid)
 
     def _touch(self, conn: _Conn) -> None:
+        """Restart ``conn``'s idle clock (the connections are kept oldest-first)."""
         conn.last = time.monotonic()
         self.conns.move_to_end(conn.sock)
 
     def _too_large(self, conn: _Conn) -> None:
+        """A request line over MAX_MESSAGE_BYTES: count it, answer ``too_large`` and close."""
         self._count("too_large", logging.WARNING, "closed connection of pid %d uid %d: a message over %d bytes",
                     conn.peer.pid, conn.peer.uid, protocol.MAX_MESSAGE_BYTES)
         conn.outbuf += protocol.error(None, "too_large", f"message exceeds {protocol.MAX_MESSAGE_BYTES} bytes")
@@ -407,6 +409,7 @@ class Server:
                     conn.peer.user, self.user_rate)
 
     def _answer_one(self, conn: _Conn) -> None:
+        """Answer ``conn``'s first request line, or refuse it when the connection is over ``rate_limit_per_s``."""
         line, conn.inbuf = conn.inbuf.split(b"\n", 1)
         self._touch(conn)
         now = time.monotonic()
@@ -422,6 +425,7 @@ class Server:
         self._flush(conn)
 
     def _flush(self, conn: _Conn) -> None:
+        """Send what the socket takes; close a client with more than MAX_PENDING_OUTPUT unread."""
         if conn.closed:
             return
         if conn.outbuf:
@@ -462,15 +466,18 @@ class Server:
             self._unwatch(pid)
 
     def _unwatch(self, pid: int) -> None:
+        """Stop watching the owner ``pid`` (close its pidfd)."""
         fd = self.watched.pop(pid)
         self.sel.unregister(fd)
         os.close(fd)
 
     def _owner_exited(self, pid: int) -> None:
+        """The owner ``pid`` exited: drop its flows."""
         self._unwatch(pid)
         self.api.drop_owner(pid)
 
     def close(self) -> None:
+        """Close every connection and the listener, remove the socket file, flush the refusal log."""
         self.refusals.flush(force=True)
         for conn in list(self.conns.values()):
             self._close(conn)
@@ -478,7 +485,5 @@ class Server:
             self._unwatch(pid)
         self.sel.close()
         self.listener.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass

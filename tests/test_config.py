@@ -1,13 +1,32 @@
 """Configuration is validated before the agent touches the kernel; every error names its field."""
+import dataclasses
+import re
+from pathlib import Path
+
 import pytest
 
-from tensorlane.agent.config import ConfigError, from_dict, load_config, parse_rate
+from tensorlane.agent.config import Config, ConfigError, from_dict, load_config, parse_rate
+
+TEMPLATE = Path(__file__).parent.parent / "ansible" / "roles" / "tensorlane" / "templates" / "agent.toml.j2"
 
 
 def test_minimal_config_has_defaults():
     cfg = from_dict({"interface": "eth0"})
     assert cfg.levels == 4 and cfg.dscp == (46, 34, 26, 18)
     assert cfg.backend == "auto" and cfg.take_over_root is False and cfg.link_rate_bps is None
+
+
+def test_every_default_is_the_config_dataclass_one():
+    assert dataclasses.asdict(from_dict({"interface": "eth0"})) == dataclasses.asdict(Config(interface="eth0"))
+
+
+def test_known_settings_are_the_dataclass_fields_and_the_ansible_template_writes_only_those():
+    known = {f.name for f in dataclasses.fields(Config)} - {"link_rate_bps"} | {"link_rate"}
+    with pytest.raises(ConfigError) as err:
+        from_dict({"interface": "eth0", "colour": "blue"})
+    assert str(err.value).endswith(f"unknown setting (known: {', '.join(sorted(known))})")
+    written = set(re.findall(r"^([a-z_]+) = ", TEMPLATE.read_text(), re.M))
+    assert written and written <= known, sorted(written - known)
 
 
 def test_fairness_limits_defaults_and_values():

@@ -3,6 +3,7 @@ report op end to end, the shim's reporter, the HTTP endpoints, and the names lin
 The namespace and Prometheus tests are in test_metrics_prometheus.py."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -21,9 +22,10 @@ from tensorlane.agent import protocol
 from tensorlane.agent.api import Api
 from tensorlane.agent.config import from_dict
 from tensorlane.agent.kernel.qdisc import HtbBackend
-from tensorlane.agent.metrics import Health, make_registry, start_metrics_server
+from tensorlane.agent.metrics import Health, make_registry, names, start_metrics_server
 from tensorlane.agent.metrics import base as metrics_base
 from tensorlane.agent.metrics import flows as metrics_flows
+from tensorlane.agent.metrics.api import BUCKETS
 from tensorlane.agent.metrics.jobs import OTHER, JobReports
 from tensorlane.agent.reconcile import ReconcileStats
 from tensorlane.agent.state import FlowTable
@@ -117,17 +119,25 @@ def test_exposition_passes_promtool_lint_and_has_no_reserved_labels(kernel):
     lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
     assert lint.returncode == 0 and not lint.stdout.strip() and not lint.stderr.strip(), \
         (lint.stdout + lint.stderr).decode()
-    names = set()
+    exported = set()
     for fam in text_string_to_metric_families(text.decode()):
-        names.add(fam.name)
-        assert fam.name.startswith("tensorlane_"), fam.name
+        exported.add(fam.name)
+        assert fam.name.startswith(("tensorlane_", "process_", "python_")), fam.name
         for s in fam.samples:
             assert not {"job", "instance"} & set(s.labels), f"{s.name} uses a label Prometheus reserves"
     assert {"tensorlane_class_info", "tensorlane_class_sent_bytes", "tensorlane_class_inversion_bytes",
             "tensorlane_class_queue_delay_seconds", "tensorlane_registered_flows", "tensorlane_api_requests",
             "tensorlane_api_request_duration_seconds", "tensorlane_reconcile_errors", "tensorlane_backend_info",
             "tensorlane_build_info", "tensorlane_job_allreduce_seconds",
-            "tensorlane_link_rate_bytes_per_second", "tensorlane_agent_connections_refused"} <= names
+            "tensorlane_link_rate_bytes_per_second", "tensorlane_agent_connections_refused"} <= exported
+
+
+def test_every_exported_name_is_declared_once_in_the_names_module(kernel):
+    declared = [m.name for m in names.ALL]
+    assert len(declared) == len(set(declared)) and all(n.startswith("tensorlane_") for n in declared)
+    registry, _ = make_registry(fake_api())
+    exported = {fam.name for fam in registry.collect() if fam.name.startswith("tensorlane_")}  # as names.py has them
+    assert len(exported) > 30 and exported <= set(declared), sorted(exported - set(declared))
 
 
 # --- classes, contention ----------------------------------------------------------------------------------------
@@ -191,7 +201,10 @@ def test_queue_delay_is_backlog_ahead_over_link_rate(kernel):
     kernel.classes[DEFAULT]["backlog_bytes"] = 1_000_000
     registry, _ = make_registry(api)
     s = scrape(registry)
-    delay = lambda c: value(s, "tensorlane_class_queue_delay_seconds", **{"class": c})
+
+    def delay(c):
+        return value(s, "tensorlane_class_queue_delay_seconds", **{"class": c})
+
     assert delay("7a1:10") == pytest.approx(0.001)
     assert delay("7a1:11") == pytest.approx(0.001)
     assert delay("7a1:12") == pytest.approx(0.003)
@@ -249,6 +262,9 @@ def test_request_outcomes_and_latency_histogram(kernel):
     buckets = sorted((float(dict(lab)["le"]), v) for (n, lab), v in s.items()
                      if n == "tensorlane_api_request_duration_seconds_bucket" and dict(lab)["op"] == "register")
     assert [v for _, v in buckets] == sorted(v for _, v in buckets)       # cumulative
+    assert [b for b, _ in buckets] == [*BUCKETS, float("inf")]             # 100 us ... 2.5 s
+    assert value(s, "tensorlane_api_request_duration_seconds_count", op="unregister") == 0  # every op from zero
+    assert not [n for n, _ in s if n.endswith("_created")]                 # no extra series per instrument
 
 
 def test_reconcile_counters(kernel):
@@ -447,6 +463,10 @@ def test_http_server_serves_metrics_and_health(kernel):
         base = f"http://{server.address}"
         code, body = get(base + "/metrics")
         assert code == 200 and b"tensorlane_class_sent_bytes_total" in body
+        exported = {s.name for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+        assert {"process_resident_memory_bytes", "process_virtual_memory_bytes", "process_cpu_seconds_total",
+                "process_start_time_seconds", "process_open_fds", "process_max_fds", "python_info",
+                "python_gc_collections_total"} <= exported  # prometheus_client's standard collectors
         code, body = get(base + "/healthz")
         assert code == 200 and json.loads(body)["status"] == "ok"
         assert get(base + "/nope")[0] == 404
@@ -511,7 +531,7 @@ def test_refusals_are_counted_by_reason_every_reason_from_zero(kernel):
     from tensorlane.agent.metrics.connections import REASONS
     from tensorlane.agent.server import REFUSALS
 
-    assert REASONS == {(op, reason): reason for reason, op in REFUSALS.items()}  # the two tables agree
+    assert {(op, reason): reason for reason, op in REFUSALS.items()} == REASONS  # the two tables agree
     api = fake_api()
     registry, _ = make_registry(api)
     s = scrape(registry)
@@ -581,10 +601,8 @@ def connect(path: str) -> tuple[socket.socket, dict]:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(5)
     s.connect(path)
-    try:
+    with contextlib.suppress(BrokenPipeError):  # refused: the reply is waiting
         s.sendall(b'{"op":"hello"}\n')
-    except BrokenPipeError:  # refused: the reply is waiting
-        pass
     return s, json.loads(s.makefile("rb").readline())
 
 

@@ -17,11 +17,12 @@ import argparse
 import json
 import math
 import os
-import tempfile
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -162,7 +163,7 @@ def test_prometheus_scrapes_agents_and_every_panel_returns_data(tmp_path):
                 t_start = time.time()
                 procs = start_workers(tb, workdir, {i: agents[i].socket for i in (1, 2)}, steps=STEPS)
                 try:
-                    for proc, log in procs:
+                    for proc, _ in procs:
                         proc.wait(timeout=120)
                 finally:
                     for proc, log in procs:
@@ -170,7 +171,7 @@ def test_prometheus_scrapes_agents_and_every_panel_returns_data(tmp_path):
                             proc.kill()
                             proc.wait(timeout=5)
                         log.close()
-                logs = [open(log.name, errors="replace").read()[-3000:] for _, log in procs]
+                logs = [Path(log.name).read_text(errors="replace")[-3000:] for _, log in procs]
                 assert [p.returncode for p, _ in procs] == [0, 0], "\n---\n".join(logs)
                 progress("training done")
                 time.sleep(3)                      # bulk alone again; the last reports get scraped
@@ -185,12 +186,13 @@ def test_prometheus_scrapes_agents_and_every_panel_returns_data(tmp_path):
             raise
         finally:
             prom.stop()
-        worker = [json.loads(open(os.path.join(workdir, f"w{r}.json")).read()) for r in (0, 1)]
+        worker = [json.loads(Path(workdir, f"w{r}.json").read_text()) for r in (0, 1)]
         assert all(w["report"]["sent"] >= 2 for w in worker), worker  # a report may time out on a busy machine
     progress("done")  # about 50 s on an idle 2-core machine
 
 
 def check_prometheus(prom: Prometheus, build, start: float, end: float, tb) -> None:
+    """The rules load and evaluate, every dashboard panel has data over the run, and the data tells the run."""
     # every rule loaded and evaluated without error
     groups = prom.call([{"path": "/api/v1/rules"}])[0]["data"]["groups"]
     rules = [r for g in groups for r in g["rules"]]
@@ -203,7 +205,7 @@ def check_prometheus(prom: Prometheus, build, start: float, end: float, tb) -> N
               for title, ref, expr in build.queries(build.DASHBOARDS[name]())]
     results = prom.call([range_req(build.expand(expr), start, end) for *_, expr in panels])
     empty = []
-    for (name, title, ref, expr), res in zip(panels, results):
+    for (name, title, ref, expr), res in zip(panels, results, strict=True):
         assert res.get("status") == "success", f"{name} {title} {ref}: {res.get('error')}\n{expr}"
         if finite_points(res) == 0:
             empty.append(f"{name}: {title} ({ref})")
@@ -241,17 +243,11 @@ def check_prometheus(prom: Prometheus, build, start: float, end: float, tb) -> N
     assert {s["metric"]["instance"] for s in recorded} >= {h1, h2}, recorded  # a recording rule, live
 
 
-def plot(prom: Prometheus, start: float, end: float, tb) -> None:
-    """The fleet dashboard's main panels for the run, as one PNG (docs/img/metrics-testbed.png)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    h1 = f"{tb.host(1).ip}:9477"
-    sel = f'instance="{h1}"'
+def plot_views(tb) -> list[tuple[str, str, str, str, bool]]:
+    """The panels of the picture: (title, unit, legend, PromQL, stacked)."""
+    sel = f'instance="{tb.host(1).ip}:9477"'
     level = f" * on (instance, device, class) group_left (level) tensorlane_class_info{{{sel}}}"
-    views = [
+    return [
         ("Link share, host 1, by class", "percent", "level {level}",
          f"100 * rate(tensorlane_class_sent_bytes_total{{{sel}}}[3s]){level}"
          f" / on (instance, device) group_left () tensorlane_link_rate_bytes_per_second", True),
@@ -270,29 +266,44 @@ def plot(prom: Prometheus, start: float, end: float, tb) -> None:
          "sum by (level) (tensorlane_registered_flows * on (instance, device, class) group_left (level) "
          "tensorlane_class_info)", False),
     ]
+
+
+def draw_series(ax, series: list[dict], legend: str, stacked: bool, start: float) -> None:
+    """One panel's series (a range query's result) on ``ax``: stacked areas or lines, seconds since ``start``."""
+    def label(s):
+        return legend.format(**{k: s["metric"].get(k, "") for k in ("level", "instance")})
+
+    if stacked:
+        grid = sorted({float(t) for s in series for t, _ in s["values"]})
+        ys = []
+        for s in series:
+            vals = {float(t): float(v) for t, v in s["values"]}
+            ys.append([vals.get(t, 0.0) if math.isfinite(vals.get(t, 0.0)) else 0.0 for t in grid])
+        if grid:
+            ax.stackplot([t - start for t in grid], *ys, labels=[label(s) for s in series])
+        return
+    for s in series:
+        pts = [(float(t) - start, float(v)) for t, v in s["values"] if math.isfinite(float(v))]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), label=label(s))
+
+
+def plot(prom: Prometheus, start: float, end: float, tb) -> None:
+    """The fleet dashboard's main panels for the run, as one PNG (docs/img/metrics-testbed.png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    views = plot_views(tb)
     results = prom.call([range_req(expr, start, end, 0.5) for *_, expr, _ in views])
     flows = results[-1]["data"]["result"]
     trained = sorted(float(t) - start for s in flows for t, v in s["values"] if float(v) > 0)
     fig, axes = plt.subplots(3, 2, figsize=(13, 10), constrained_layout=True)
-    for ax, (title, unit, legend, _, stacked), res in zip(axes.flat, views, results):
+    for ax, (title, unit, legend, _, stacked), res in zip(axes.flat, views, results, strict=False):
         assert res.get("status") == "success", res
         series = sorted(res["data"]["result"], key=lambda s: json.dumps(s["metric"], sort_keys=True))
-        if stacked:
-            grid = sorted({float(t) for s in series for t, _ in s["values"]})
-            ys = []
-            for s in series:
-                vals = {float(t): float(v) for t, v in s["values"]}
-                ys.append([vals.get(t, 0.0) if math.isfinite(vals.get(t, 0.0)) else 0.0 for t in grid])
-            if grid:
-                ax.stackplot([t - start for t in grid], *ys,
-                             labels=[legend.format(**{k: s["metric"].get(k, "") for k in ("level", "instance")})
-                                     for s in series])
-        else:
-            for s in series:
-                pts = [(float(t) - start, float(v)) for t, v in s["values"] if math.isfinite(float(v))]
-                if pts:
-                    ax.plot(*zip(*pts), label=legend.format(**{k: s["metric"].get(k, "")
-                                                                for k in ("level", "instance")}))
+        draw_series(ax, series, legend, stacked, start)
         if trained:
             ax.axvspan(trained[0], trained[-1], color="grey", alpha=0.12, lw=0)
         ax.set_xlim(0, end - start)

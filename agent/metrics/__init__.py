@@ -1,11 +1,13 @@
 """Prometheus metrics of the agent, read from the kernel and the agent's state at scrape time (no polling thread).
 
+Every ``tensorlane_*`` name, help text and label set is declared once, in ``agent/metrics/names.py``.
 One small module per source of data, all of the same shape (``agent/metrics/base.py``): ``build``,
 ``classes`` (tc class counters), ``contention`` (priority inversion, queueing delay), ``flows`` (registered
 flows, nftables marks), ``api`` (request outcomes and latency), ``connections`` (the socket server's refusals
 by reason, open connections), ``reconcile``, ``jobs`` (communication time reported by the shims). Every scrape
 also reports, per source, ``tensorlane_scrape_collector_success`` and ``tensorlane_scrape_collector_duration_seconds``:
-a failing source does not fail the scrape. Names and meanings: docs/metrics.md.
+a failing source does not fail the scrape. The registry also has prometheus_client's standard collectors:
+``process_*`` (memory, CPU, open files), ``python_info`` and ``python_gc_*``. Meanings: docs/metrics.md.
 
 HTTP (one thread per request, started by ``start_metrics_server``): ``/metrics``; ``/healthz`` (200 while the
 agent's main loop runs its reconcile passes, 503 when it has not for ``3 x reconcile_interval_s``, at least
@@ -24,10 +26,10 @@ import time
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import GCCollector, PlatformCollector, ProcessCollector, make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from tensorlane.agent.metrics import names
 from tensorlane.agent.metrics.api import ApiSource
 from tensorlane.agent.metrics.base import Scrape, Source
 from tensorlane.agent.metrics.build import BuildSource
@@ -49,16 +51,15 @@ class AgentCollector(Collector):
     """Runs every source on one shared Scrape; a source that raises is reported (success 0) and skipped."""
 
     def __init__(self, api, sources: list[Source]):
+        """Collects ``sources`` (instances, already subscribed) for ``api``."""
         self.api = api
         self.sources = sources
         self._logged: set[str] = set()
 
     def collect(self):
+        """Every source's families on one Scrape, then each source's success and duration."""
         scrape = Scrape(self.api)
-        success = GaugeMetricFamily("tensorlane_scrape_collector_success",
-                                    "Whether the metrics source succeeded in this scrape", labels=["collector"])
-        duration = GaugeMetricFamily("tensorlane_scrape_collector_duration_seconds",
-                                     "Time the metrics source took in this scrape", labels=["collector"])
+        success, duration = names.SCRAPE_COLLECTOR_SUCCESS.gauge(), names.SCRAPE_COLLECTOR_DURATION.gauge()
         for src in self.sources:
             t0 = time.perf_counter()
             try:
@@ -80,6 +81,8 @@ class Health:
     """``check()`` -> (HTTP status, body): unhealthy when the reconcile pass count stopped moving."""
 
     def __init__(self, api, stall_after_s: float | None = None, clock=time.monotonic):
+        """Watch ``api.rec.stats``; stalled after ``stall_after_s`` (default: 3 x reconcile_interval_s, at least
+        15 s)."""
         self.api = api
         self.stall_after_s = stall_after_s or max(15.0, 3 * float(api.cfg.reconcile_interval_s))
         self.clock = clock
@@ -90,6 +93,7 @@ class Health:
         self._last_failed = False
 
     def check(self) -> tuple[int, dict]:
+        """(200 or 503, the JSON body): whether a reconcile pass was seen within ``stall_after_s``."""
         st, now = self.api.rec.stats, self.clock()
         with self._lock:
             if st.passes != self._passes:
@@ -106,10 +110,13 @@ class Health:
 
 
 def make_registry(api, sources=SOURCES) -> tuple[CollectorRegistry, AgentCollector]:
-    """A fresh registry with the agent's collector (subscribes the api source to ``api.observers``)."""
+    """A fresh registry with the agent's collector (subscribes the api source to ``api.observers``) and
+    prometheus_client's standard process, platform and garbage collector collectors."""
     registry = CollectorRegistry()
     collector = AgentCollector(api, [cls(api) for cls in sources])
     registry.register(collector)
+    for standard in (ProcessCollector, PlatformCollector, GCCollector):
+        standard(registry=registry)
     return registry, collector
 
 
@@ -118,6 +125,7 @@ def make_app(registry: CollectorRegistry, health: Health):
     metrics_app = make_wsgi_app(registry)
 
     def app(environ, start_response):
+        """Route one request."""
         path = environ.get("PATH_INFO") or "/"
         if path == "/metrics":
             return metrics_app(environ, start_response)
@@ -137,11 +145,15 @@ def make_app(registry: CollectorRegistry, health: Health):
 
 
 class _Handler(WSGIRequestHandler):
-    def log_message(self, *args):  # no access log on the agent's stderr
-        pass
+    """The request handler, without an access log."""
+
+    def log_message(self, *args):
+        """No access log on the agent's stderr."""
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """One daemon thread per request; the address may be reused at once."""
+
     daemon_threads = True
     allow_reuse_address = True
 
@@ -150,6 +162,7 @@ class MetricsServer:
     """The running HTTP server: ``registry``, ``collector``, ``health``, ``address``, ``close()``."""
 
     def __init__(self, address: str, api, sources=SOURCES):
+        """Bind ``address`` (IPv4, ``[IPv6]`` or a host name) and serve in a daemon thread."""
         host, _, port = address.rpartition(":")
         host = host.strip("[]") or "0.0.0.0"
         self.registry, self.collector = make_registry(api, sources)
@@ -167,6 +180,7 @@ class MetricsServer:
         self.thread.start()
 
     def close(self) -> None:
+        """Stop serving and close the socket (waits up to 5 s for the thread)."""
         self.httpd.shutdown()
         self.httpd.server_close()
         self.thread.join(timeout=5)

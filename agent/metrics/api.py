@@ -22,9 +22,12 @@ BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1
 
 
 class ApiSource(Source):
+    """Requests by op and outcome, and their latency, counted as they happen."""
+
     name = "api"
 
     def __init__(self, api):
+        """The instruments, every op at zero; subscribes to ``api.observers``."""
         super().__init__(api)
         self.requests = names.API_REQUESTS.instrument(Counter)
         self.duration = names.API_REQUEST_DURATION.instrument(Histogram, buckets=BUCKETS)
@@ -34,10 +37,12 @@ class ApiSource(Source):
         api.observers.append(self.observe)
 
     def observe(self, op: str, outcome: str, seconds: float) -> None:
+        """Count one request (or an outcome decided by the server); time it if it was a request."""
         self.requests.labels(op, outcome).inc()
         if op in OPS or op == "invalid":
             self.duration.labels(op).observe(seconds)
 
     def collect(self, scrape):
+        """The two instruments' families."""
         yield from without_created(self.requests)
         yield from without_created(self.duration)

@@ -37,6 +37,7 @@ def class_label(spec) -> str:
 
 
 def level_label(spec) -> str:
+    """The ``level`` label of a leaf: its level, or ``default`` for the default class."""
     return "default" if spec.level is None else str(spec.level)
 
 
@@ -44,6 +45,7 @@ class Scrape:
     """What one scrape reads, read at most once: ``classes()`` (kernel counters per class id), ``leaves()``."""
 
     def __init__(self, api):
+        """A scrape of ``api``'s interface, at this moment; nothing is read yet."""
         self.api = api
         self.device = api.cfg.interface
         self.monotonic = time.monotonic()
@@ -82,7 +84,9 @@ class Source:
     name = "source"
 
     def __init__(self, api):
+        """A source reading ``api`` (the agent's Api: config, table, reconciler)."""
         self.api = api
 
     def collect(self, scrape: Scrape) -> Iterable[Metric]:  # pragma: no cover - abstract
+        """The source's metric families, read now (through ``scrape``'s shared readings)."""
         raise NotImplementedError

@@ -9,27 +9,27 @@ from __future__ import annotations
 
 import platform
 
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
-
+from tensorlane.agent.metrics import names
 from tensorlane.agent.metrics.base import Source
 
 
 class BuildSource(Source):
+    """Version, backend, levels and start time of the agent."""
+
     name = "build"
 
     def collect(self, scrape):
+        """The agent's info and configuration gauges (no kernel reads)."""
         from tensorlane.agent.api import VERSION
 
         api, dev = self.api, scrape.device
-        build = InfoMetricFamily("tensorlane_build", "Version of the running agent")
+        build = names.BUILD.info()
         build.add_metric([], {"version": VERSION, "python_version": platform.python_version()})
         yield build
-        backend = InfoMetricFamily("tensorlane_backend", "Kernel queueing backend in use", labels=["device"])
+        backend = names.BACKEND.info()
         backend.add_metric([dev], {"backend": api.backend})
         yield backend
-        levels = GaugeMetricFamily("tensorlane_priority_levels", "Priority levels the agent manages",
-                                   labels=["device"])
+        levels = names.PRIORITY_LEVELS.gauge()
         levels.add_metric([dev], api.cfg.levels)
         yield levels
-        yield GaugeMetricFamily("tensorlane_agent_start_time_seconds", "Unix time the agent started serving",
-                                value=api.started)
+        yield names.AGENT_START_TIME.gauge(api.started)

@@ -7,43 +7,34 @@ treats as a counter reset. Byte counters are 64-bit.
 """
 from __future__ import annotations
 
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    InfoMetricFamily,
-)
+from tensorlane.agent.metrics import names
+from tensorlane.agent.metrics.base import Source, class_label, level_label, link_rate_bps
 
-from tensorlane.agent.metrics.base import (
-    Source,
-    class_label,
-    level_label,
-    link_rate_bps,
-)
-
-COUNTERS = (  # (metric base name, tcstats key, help)
-    ("tensorlane_class_sent_bytes", "bytes", "Bytes sent by the class"),
-    ("tensorlane_class_sent_packets", "packets", "Packets sent by the class (32-bit kernel counter)"),
-    ("tensorlane_class_dropped_packets", "drops", "Packets dropped by the class's queue"),
-    ("tensorlane_class_overlimits", "overlimits", "Times the class was throttled by its rate (HTB overlimits)"),
-    ("tensorlane_class_requeues", "requeues", "Packets requeued by the class"),
+COUNTERS = (  # (metric, tcstats key)
+    (names.CLASS_SENT_BYTES, "bytes"),
+    (names.CLASS_SENT_PACKETS, "packets"),
+    (names.CLASS_DROPPED_PACKETS, "drops"),
+    (names.CLASS_OVERLIMITS, "overlimits"),
+    (names.CLASS_REQUEUES, "requeues"),
 )
 GAUGES = (
-    ("tensorlane_class_backlog_bytes", "backlog_bytes", "Bytes queued in the class now"),
-    ("tensorlane_class_backlog_packets", "backlog_packets", "Packets queued in the class now"),
+    (names.CLASS_BACKLOG_BYTES, "backlog_bytes"),
+    (names.CLASS_BACKLOG_PACKETS, "backlog_packets"),
 )
-LABELS = ["device", "class"]
 
 
 class ClassesSource(Source):
+    """The kernel's counters of every leaf class, their info and the link rate."""
+
     name = "classes"
 
     def collect(self, scrape):
+        """Info of every leaf class; its counters and backlog unless the class is missing in the kernel (drift)."""
         api, dev = self.api, scrape.device
         stats = scrape.classes()
-        info = InfoMetricFamily("tensorlane_class", "Level, DSCP and HTB/prio priority of each queue of the agent",
-                                labels=LABELS)
-        counters = [(CounterMetricFamily(n, h, labels=LABELS), k) for n, k, h in COUNTERS]
-        gauges = [(GaugeMetricFamily(n, h, labels=LABELS), k) for n, k, h in GAUGES]
+        info = names.CLASS.info()
+        counters = [(metric.counter(), key) for metric, key in COUNTERS]
+        gauges = [(metric.gauge(), key) for metric, key in GAUGES]
         for spec in scrape.leaves():
             cls = class_label(spec)
             dscp = "unchanged" if spec.level is None else str(api.cfg.dscp[spec.level])
@@ -58,8 +49,6 @@ class ClassesSource(Source):
             yield fam
         rate = link_rate_bps(api)
         if rate:
-            link = GaugeMetricFamily("tensorlane_link_rate_bytes_per_second",
-                                     "Rate the agent's queues are served at (htb: the configured link_rate)",
-                                     labels=["device"])
+            link = names.LINK_RATE.gauge()
             link.add_metric([dev], rate / 8)
             yield link

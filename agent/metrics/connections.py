@@ -1,9 +1,9 @@
 """The socket server's fairness limits at work: what it refused or closed, by reason, and who holds connections.
 
 Fed by ``api.observers`` like the api source: the server records each refusal as ``api.record(op, reason)`` with
-op ``connect``, ``request`` or ``connection`` (agent/server.py, ``REFUSALS``); every reason starts at zero. The
-open connections are read from the server (``api.server``) at scrape time; without a server (a fake api) they
-are left out.
+op ``connect``, ``request`` or ``connection`` (``REFUSALS`` below, which the server uses); every reason starts
+at zero. The open connections are read from the server (``api.server``) at scrape time; without a server (a fake
+api) they are left out.
 
 - ``tensorlane_agent_connections_refused_total{reason}``: connections refused (``busy``, ``user_limit``,
   ``forbidden``), requests refused by a rate limit (``rate_limited`` per connection, ``user_rate_limited`` per
@@ -16,60 +16,59 @@ are left out.
 """
 from __future__ import annotations
 
-import threading
+from prometheus_client import Counter
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from tensorlane.agent.metrics import names
+from tensorlane.agent.metrics.base import Source, without_created
 
-from tensorlane.agent.metrics.base import Source
-
-# (op, outcome) of api.record -> reason label; the same table as agent/server.py's REFUSALS (kept here so that the
-# metrics do not import the server).
-REASONS = {
-    ("connect", "busy"): "busy", ("connect", "forbidden"): "forbidden", ("connect", "user_limit"): "user_limit",
-    ("request", "rate_limited"): "rate_limited", ("request", "user_rate_limited"): "user_rate_limited",
-    ("request", "too_large"): "too_large", ("connection", "idle_closed"): "idle_closed",
-    ("connection", "unread_output"): "unread_output",
+# What the socket server (agent/server.py) refuses or closes, as reason -> op of ``api.record(op, reason)``.
+# Declared here, not in the server, so that the metrics do not import the server (which imports the api).
+REFUSALS = {
+    "busy": "connect",               # max_connections reached (or all but the reserve, for other users)
+    "forbidden": "connect",          # the peer is not allowed to use the agent
+    "user_limit": "connect",         # the peer's uid holds max_connections_per_user connections
+    "rate_limited": "request",       # more than rate_limit_per_s requests on one connection
+    "user_rate_limited": "request",  # held back (not refused): its uid's requests_per_user_per_s were used up
+    "too_large": "request",          # a line over protocol.MAX_MESSAGE_BYTES (the connection is closed)
+    "idle_closed": "connection",     # no request for idle_timeout_s
+    "unread_output": "connection",   # more than MAX_PENDING_OUTPUT of replies the client does not read
 }
+REASONS = {(op, reason): reason for reason, op in REFUSALS.items()}  # (op, outcome) of api.record -> reason label
+LIMITS = ("max_connections", "reserved_connections", "max_connections_per_user")
 
 
 class ConnectionsSource(Source):
+    """The socket server's refusals by reason (counted as they happen) and its connections now."""
+
     name = "connections"
 
     def __init__(self, api):
+        """The refusal counter, every reason at zero; subscribes to ``api.observers``."""
         super().__init__(api)
-        self._lock = threading.Lock()
-        self._refused = {reason: 0 for reason in REASONS.values()}
+        self.refused = names.CONNECTIONS_REFUSED.instrument(Counter)
+        for reason in REFUSALS:  # every reason starts at zero
+            self.refused.labels(reason)
         api.observers.append(self.observe)
 
     def observe(self, op: str, outcome: str, seconds: float) -> None:
+        """Count the outcomes that are refusals of the server (``REASONS``)."""
         reason = REASONS.get((op, outcome))
         if reason is not None:
-            with self._lock:
-                self._refused[reason] += 1
+            self.refused.labels(reason).inc()
 
     def collect(self, scrape):
-        with self._lock:
-            refused = dict(self._refused)
-        fam = CounterMetricFamily("tensorlane_agent_connections_refused",
-                                  "Connections refused or closed and requests refused by the socket server's "
-                                  "limits, by reason", labels=["reason"])
-        for reason, n in sorted(refused.items()):
-            fam.add_metric([reason], n)
-        yield fam
+        """Refusals; with a server, its open connections, users at their limit and the limits."""
+        yield from without_created(self.refused)
         server = getattr(self.api, "server", None)
         if server is None:
             return
         counts = server.connection_counts()
-        conns = GaugeMetricFamily("tensorlane_agent_connections", "Open API connections, privileged (root, the "
-                                  "agent's user, trusted_users) or not", labels=["kind"])
+        conns = names.CONNECTIONS.gauge()
         conns.add_metric(["privileged"], counts["privileged"])
         conns.add_metric(["user"], counts["user"])
         yield conns
-        yield GaugeMetricFamily("tensorlane_agent_users_at_connection_limit",
-                                "Users holding max_connections_per_user connections now",
-                                value=counts["users_at_limit"])
-        limits = GaugeMetricFamily("tensorlane_agent_connection_limit", "The socket server's connection limits "
-                                   "(configuration)", labels=["limit"])
-        for name in ("max_connections", "reserved_connections", "max_connections_per_user"):
+        yield names.USERS_AT_CONNECTION_LIMIT.gauge(counts["users_at_limit"])
+        limits = names.CONNECTION_LIMIT.gauge()
+        for name in LIMITS:
             limits.add_metric([name], counts[name])
         yield limits

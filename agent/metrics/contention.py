@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
+from tensorlane.agent.metrics import names
 from tensorlane.agent.metrics.base import Source, class_label, link_rate_bps
-
-LABELS = ["device", "class"]
 
 
 class ContentionSource(Source):
+    """Priority inversion and queueing delay, estimated from the class counters of successive scrapes."""
+
     name = "contention"
 
     def __init__(self, api):
+        """No scrape seen yet: the first one only records the counters."""
         super().__init__(api)
         self._lock = threading.Lock()
         self._prev: dict[int, tuple[int, int]] | None = None  # classid -> (bytes, backlog_bytes)
@@ -54,22 +54,17 @@ class ContentionSource(Source):
             return dict(self._inversion)
 
     def collect(self, scrape):
+        """The inversion totals (updated with this scrape) and the queueing delay of each class."""
         dev, leaves, stats = scrape.device, scrape.leaves(), scrape.classes()
         totals = self.observe(leaves, stats)
-        inversion = CounterMetricFamily(
-            "tensorlane_class_inversion_bytes",
-            "Bytes the class sent between two scrapes at both of which a more urgent class had a backlog "
-            "(priority inversion estimate, see docs/metrics.md)", labels=LABELS)
+        inversion = names.CLASS_INVERSION_BYTES.counter()
         for spec in leaves:
             inversion.add_metric([dev, class_label(spec)], totals.get(spec.classid, 0))
         yield inversion
         rate = link_rate_bps(self.api)
         if not rate:
             return
-        delay = GaugeMetricFamily(
-            "tensorlane_class_queue_delay_seconds",
-            "Queueing delay a packet entering the class now would see: backlog of this and more urgent classes "
-            "over the link rate (exact for the top class, a lower bound below it)", labels=LABELS)
+        delay = names.CLASS_QUEUE_DELAY.gauge()
         ahead = 0
         for spec in leaves:  # most urgent first
             ahead += stats.get(spec.classid, {}).get("backlog_bytes", 0)

@@ -11,9 +11,8 @@
 """
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
 from tensorlane.agent.kernel import nft as nftables
+from tensorlane.agent.metrics import names
 from tensorlane.agent.metrics.base import Source, class_label
 
 MAX_JOBS = 32
@@ -48,9 +47,12 @@ def marked_counters(levels: list[int]) -> dict[int, dict[str, int]]:
 
 
 class FlowsSource(Source):
+    """The FlowTable's flows and jobs, and the nftables chains' marking counters."""
+
     name = "flows"
 
     def collect(self, scrape):
+        """Flows by class and job (capped), jobs, and the bytes and packets marked per level."""
         dev = scrape.device
         leaves = scrape.leaves()
         by_level = {spec.level: class_label(spec) for spec in leaves if spec.level is not None}
@@ -61,21 +63,16 @@ class FlowsSource(Source):
             lvl = level_of(e)
             key = (by_level.get(lvl, str(lvl)), e.job)
             counts[key] = counts.get(key, 0) + 1
-        flows = GaugeMetricFamily("tensorlane_registered_flows", "Flows registered with the agent now",
-                                  labels=["device", "class", "training_job"])
+        flows = names.REGISTERED_FLOWS.gauge()
         for (cls, job), n in sorted(cap_jobs(counts).items()):
             flows.add_metric([dev, cls, job], n)
         yield flows
-        jobs = GaugeMetricFamily("tensorlane_registered_jobs", "Training jobs with at least one registered flow",
-                                 labels=["device"])
+        jobs = names.REGISTERED_JOBS.gauge()
         jobs.add_metric([dev], len({e.job for e in entries}))
         yield jobs
 
         marks = marked_counters(sorted(by_level))
-        mb = CounterMetricFamily("tensorlane_class_marked_bytes", "Bytes marked (DSCP and class) by the level's "
-                                 "nftables chain", labels=["device", "class"])
-        mp = CounterMetricFamily("tensorlane_class_marked_packets", "Packets marked (DSCP and class) by the "
-                                 "level's nftables chain", labels=["device", "class"])
+        mb, mp = names.CLASS_MARKED_BYTES.counter(), names.CLASS_MARKED_PACKETS.counter()
         for level, cls in sorted(by_level.items()):
             c = marks.get(level, {})
             mb.add_metric([dev, cls], c.get("bytes", 0))

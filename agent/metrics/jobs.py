@@ -22,8 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
+from tensorlane.agent.metrics import names
 from tensorlane.agent.metrics.base import Source
 
 MAX_JOBS = 32
@@ -41,6 +40,7 @@ class JobReports:
 
     def __init__(self, max_jobs: int = MAX_JOBS, max_sessions: int = MAX_SESSIONS, ttl_s: float = JOB_TTL_S,
                  clock=time.monotonic):
+        """Empty totals, with the bounds on jobs and sessions, the jobs' time to live and a clock."""
         self.max_jobs, self.max_sessions, self.ttl_s, self.clock = max_jobs, max_sessions, ttl_s, clock
         self._lock = threading.Lock()
         self._totals: dict[str, dict[int, list]] = {}  # job -> level -> [allreduces, bytes, comm_s]
@@ -57,8 +57,8 @@ class JobReports:
             totals = self._totals.setdefault(target, {})
             for level, cur in levels.items():
                 prev = last.get(level, (0, 0, 0.0))
-                reset = any(c < p for c, p in zip(cur, prev))
-                delta = cur if reset else tuple(c - p for c, p in zip(cur, prev))
+                reset = any(c < p for c, p in zip(cur, prev, strict=True))
+                delta = cur if reset else tuple(c - p for c, p in zip(cur, prev, strict=True))
                 acc = totals.setdefault(level, [0, 0, 0.0])
                 for i, d in enumerate(delta):
                     acc[i] += d
@@ -70,9 +70,11 @@ class JobReports:
             return target
 
     def _real_jobs(self) -> list[str]:
+        """The jobs with their own series (not ``_other``)."""
         return [j for j in self._totals if j != OTHER]
 
     def _expire(self, now: float) -> None:
+        """Forget the jobs (and their sessions) without a report for ``ttl_s``."""
         for job in [j for j, t in self._seen.items() if now - t > self.ttl_s]:
             self._seen.pop(job, None)
             self._totals.pop(job, None)
@@ -87,24 +89,18 @@ class JobReports:
 
 
 class JobsSource(Source):
+    """The shims' reported communication time, from ``api.reports`` (a JobReports)."""
+
     name = "jobs"
 
     def collect(self, scrape):
+        """Per-(job, level) counters of the jobs with series now, and how many jobs."""
         reports = getattr(self.api, "reports", None)
         snap = reports.snapshot() if reports is not None else {}
-        labels = ["training_job", "level"]
-        fams = [
-            CounterMetricFamily("tensorlane_job_allreduces", "All-reduce pieces completed, reported by the job's "
-                                "shims on this host", labels=labels),
-            CounterMetricFamily("tensorlane_job_allreduce_bytes", "Bytes all-reduced, reported by the job's shims "
-                                "on this host", labels=labels),
-            CounterMetricFamily("tensorlane_job_allreduce_seconds", "Seconds from launch to completion, summed "
-                                "over all-reduce pieces, reported by the job's shims on this host", labels=labels),
-        ]
+        fams = [m.counter() for m in (names.JOB_ALLREDUCES, names.JOB_ALLREDUCE_BYTES, names.JOB_ALLREDUCE_SECONDS)]
         for job, levels in sorted(snap.items()):
             for level, values in sorted(levels.items()):
-                for fam, value in zip(fams, values):
+                for fam, value in zip(fams, values, strict=True):  # FIELDS: allreduces, bytes, comm_s
                     fam.add_metric([job, str(level)], value)
         yield from fams
-        yield GaugeMetricFamily("tensorlane_reporting_jobs", "Training jobs whose shims reported here recently",
-                                value=len(snap))
+        yield names.REPORTING_JOBS.gauge(len(snap))

@@ -7,20 +7,20 @@
 """
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily
-
+from tensorlane.agent.metrics import names
 from tensorlane.agent.metrics.base import Source
 
 
 class ReconcileSource(Source):
+    """The reconciler's pass, repair and error counters."""
+
     name = "reconcile"
 
     def collect(self, scrape):
+        """One counter each, read from ``api.rec.stats``."""
         st = self.api.rec.stats
-        for name, value, text in (
-                ("tensorlane_reconcile_passes", st.passes, "Full reconcile passes"),
-                ("tensorlane_reconcile_repairs", st.repairs, "Kernel map entries repaired by reconcile passes"),
-                ("tensorlane_reconcile_errors", st.errors, "Reconcile passes that failed")):
-            fam = CounterMetricFamily(name, text, labels=["device"])
+        for metric, value in ((names.RECONCILE_PASSES, st.passes), (names.RECONCILE_REPAIRS, st.repairs),
+                              (names.RECONCILE_ERRORS, st.errors)):
+            fam = metric.counter()
             fam.add_metric([scrape.device], value)
             yield fam
