@@ -119,8 +119,10 @@ def test_version_is_stated_once():
     from tensorlane.agent import api
 
     assert version == api.VERSION
-    defaults = (REPO / "ansible" / "roles" / "tensorlane" / "defaults" / "main.yml").read_text()
-    assert f'tensorlane_version: "{version}"' in defaults
+    role = REPO / "ansible" / "roles" / "tensorlane"
+    assert f'tensorlane_version: "{version}"' in (role / "defaults" / "main.yml").read_text()
+    spec = (role / "meta" / "argument_specs.yml").read_text()
+    assert f'default: "{version}"' in spec.split("tensorlane_version:", 1)[1].split("\n\n", 1)[0]
 
 
 @pytest.fixture(scope="module")
