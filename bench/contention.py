@@ -1,9 +1,9 @@
 """The contention scenario of the demo: data-parallel work between two hosts, alone, under bulk traffic with
 plain FIFO NICs, and under the same bulk with tensorlane's agents, in one run on one namespace testbed.
 
-Two workloads: ``allreduce`` (``python -m bench contention``: a bare gloo all-reduce, ``bench.allreduce``) and
-``training`` (``python -m bench.demo``: a real training loop through the shim, ``bench.training`` in mode
-``shim_overlap``: an emulated ResNet-50 trained by DDP with ``shim.attach(ddp, optimizer, levels=4)``). With
+Two workloads: ``allreduce`` (``python -m bench contention``: a bare gloo all-reduce, ``bench.worker allreduce``)
+and ``training`` (``python -m bench.demo``: a real training loop through the shim, ``bench.worker training`` in
+mode ``shim_overlap``: an emulated ResNet-50 trained by DDP with ``shim.attach(ddp, optimizer, levels=4)``). With
 ``training`` the figures are median iteration times; in the phases without agents the shim finds no agent,
 warns once and trains unprioritised, which is exactly what a job sees on a host without tensorlane.
 
@@ -18,22 +18,34 @@ Phases (all on the same testbed, one after another):
    (the agent must be work-conserving).
 
 Targets (the issue's): agent median <= 1.10 x uncontended, FIFO median >= 2 x uncontended in the same run, bulk
->= 80 % of the link once training stops.
+>= 80 % of the link once training stops. ``python -m bench contention`` exits 1 when one is missed; the demo
+(``bench.demo``) runs the same scenario with its own defaults and never judges.
 
-Usage: ``python -m bench.contention --json out.json [--quick]`` (root: it builds network namespaces), or
-``run(quick=True)`` from Python; ``python -m bench.demo`` and ``python -m bench contention`` call ``main``.
+Usage: ``python -m bench contention --json out.json [--quick]`` (root: it builds network namespaces), or
+``run(quick=True)`` from Python.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from bench.bulk import bulk
-from bench.workers import ScenarioError, machine_info, progress_printer, run_workers, show_figures, text_table
+from bench.workers import (
+    ScenarioError,
+    machine_info,
+    needs_root,
+    progress_printer,
+    ratio,
+    run_workers,
+    show_figures,
+    text_table,
+)
 
 TARGET_AGENT_RATIO = 1.10
 TARGET_FIFO_RATIO = 2.0
@@ -46,14 +58,14 @@ TRAINING_PROFILE = "resnet50"
 def run_allreduce(tb, ranks: list[int], port: int, size_mb: float, iters: int, workdir: str, tag: str,
                   warmup: int = 1, sockets: dict[int, str] | None = None, job: str = "demo", level: int = 0,
                   timeout: float = 150.0) -> dict:
-    """Run one ``bench.allreduce`` worker per host in ``ranks`` (host indexes, rank order) and wait (bounded).
+    """Run one ``bench.worker allreduce`` worker per host in ``ranks`` (host indexes, rank order) and wait (bounded).
 
     Returns rank 0's result (its ``times_s`` are the per-iteration maxima over ranks) with ``flows_by_rank``.
     """
     master = f"{tb.host(ranks[0]).ip}:{port}"
 
     def argv_of(rank: int, host, out: str) -> list[str]:
-        argv = [sys.executable, "-m", "bench.allreduce", "--rank", str(rank), "--world", str(len(ranks)),
+        argv = [sys.executable, "-m", "bench.worker", "allreduce", "--rank", str(rank), "--world", str(len(ranks)),
                 "--master", master, "--size-mb", f"{size_mb:g}", "--iters", str(iters), "--warmup", str(warmup),
                 "--ifname", host.ifname, "--json", out, "--timeout", str(int(timeout))]
         if sockets and host.index in sockets:
@@ -90,21 +102,155 @@ def run_shim_training(tb, ranks: list[int], port: int, iters: int, workdir: str,
             "param_scale": ps, "compute_scale": cs, "lower_bound_s": r.get("lower_bound_s")}
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b
+@dataclasses.dataclass
+class Scenario:
+    """One run's state: the testbed, what to run on it, the figures so far (``result``) and the last port used."""
+
+    tb: object
+    result: dict
+    pairs: list
+    workdir: str
+    iters: int
+    port: int
+    progress: Callable[[str], None]
+    settle_s: float = 2.0
+    after_s: float = 4.0
+    size_mb: float = 10.0
+    comm_s: float | None = None
+
+    @property
+    def workload(self) -> str:
+        return self.result["workload"]
+
+    def step(self, tag: str, sockets: dict[int, str] | None = None) -> dict:
+        """Run the workload host1<->host2 on a fresh port; record ``{tag}_s`` and ``{tag}_times_s``."""
+        self.port += 1
+        if self.workload == "training":
+            r = run_shim_training(self.tb, [1, 2], self.port, self.iters, self.workdir, tag, sockets=sockets,
+                                  profile=self.result["profile"], comm_s=self.comm_s)
+            self.result[f"{tag}_shim_stats"] = r["shim_stats"]
+            for key in ("lower_bound_s", "param_scale", "compute_scale"):
+                self.result.setdefault(key, r[key])
+        else:
+            r = run_allreduce(self.tb, [1, 2], self.port, self.size_mb, self.iters, self.workdir, tag,
+                              sockets=sockets)
+        self.result[f"{tag}_times_s"] = r["times_s"]
+        self.result[f"{tag}_s"] = r["median_s"]
+        return r
+
+    def bulk_rates(self, results, t0: float, t1: float | None = None) -> dict:
+        """Each bulk direction's mean throughput (bit/s) between wall-clock times ``t0`` and ``t1``."""
+        return {f"h{a}->h{b}": res.mean_bps_wall(t0, t1) for (a, b, _), res in zip(self.pairs, results, strict=True)}
+
+    def step_under_bulk(self, tag: str, sockets: dict[int, str] | None = None, linger_s: float = 0.0):
+        """Start the bulk, let it ramp up, run :meth:`step`; keep the bulk ``linger_s`` more seconds alone.
+
+        Returns ``(step result, bulk results, t0, t1)`` (``t0``, ``t1``: wall-clock start and end of the step).
+        """
+        with bulk(self.tb, self.pairs, seconds=300) as b:
+            time.sleep(self.settle_s)
+            t0 = time.time()
+            r = self.step(tag, sockets=sockets)
+            t1 = time.time()
+            if linger_s:
+                self.progress(f"  {tag} median {r['median_s'] * 1000:.0f} ms; {self.workload} stopped, bulk alone "
+                              f"for {linger_s:g} s")
+                time.sleep(linger_s)
+            if not b.alive():
+                raise ScenarioError(f"{tag}: bulk traffic ended before the {self.workload} was done")
+            return r, b.stop(), t0, t1
+
+
+def phase_uncontended(sc: Scenario) -> None:
+    """Phase 1: the workload alone."""
+    sc.progress(f"phase 1/3 uncontended: {sc.workload} alone")
+    r = sc.step("uncontended")
+    sc.progress(f"  uncontended median {r['median_s'] * 1000:.0f} ms")
+
+
+def phase_fifo(sc: Scenario) -> None:
+    """Phase 2: the workload under bulk, every NIC the testbed's FIFO; records ``bulk_fifo_bps``."""
+    sc.progress(f"phase 2/3 fifo: {sc.workload} under bulk, FIFO NICs (bulk ramps up for {sc.settle_s:g} s)")
+    r, results, t0, t1 = sc.step_under_bulk("fifo")
+    sc.result["bulk_fifo_bps"] = sc.bulk_rates(results, t0 + 0.5, t1)
+    sc.progress(f"  fifo median {r['median_s'] * 1000:.0f} ms; bulk meanwhile {_fmt_rates(sc.result['bulk_fifo_bps'])}")
+
+
+def phase_agent(sc: Scenario) -> None:
+    """Phase 3: agents on every host, the same bulk, the workload's flows registered; then the bulk alone.
+
+    Records ``agent_flows``, ``agent_registered``, ``bulk_agent_bps``, ``bulk_after_bps`` and ``bulk_after_ratio``.
+    """
+    from bench.agents import running_agents
+
+    training = sc.workload == "training"
+    flows = "the shim registers its flows at levels 0-3" if training else "all-reduce flows registered at level 0"
+    sc.progress(f"phase 3/3 agent: agents on every host, same bulk, {flows}")
+    agents_dir = os.path.join(sc.workdir, "agents")
+    os.makedirs(agents_dir, exist_ok=True)
+    with running_agents(sc.tb, workdir=agents_dir) as agents:
+        sockets = {i: a.socket for i, a in agents.items()}
+        r, results, t0, t_end = sc.step_under_bulk("agent", sockets=sockets, linger_s=1.0 + sc.after_s)
+    record_registration(sc.result, r, training, sc.progress)
+    sc.result["bulk_agent_bps"] = sc.bulk_rates(results, t0 + 0.5, t_end)
+    sc.result["bulk_after_bps"] = sc.bulk_rates(results, t_end + 1.0)
+    sc.result["bulk_after_ratio"] = min(sc.result["bulk_after_bps"].values()) / sc.tb.rate_bps
+    sc.progress(f"  bulk during {sc.workload} {_fmt_rates(sc.result['bulk_agent_bps'])}; after "
+                f"{_fmt_rates(sc.result['bulk_after_bps'])} = {sc.result['bulk_after_ratio']:.0%} of the link")
+
+
+def record_registration(result: dict, r: dict, training: bool, progress) -> None:
+    """Record the agent phase's registered flows (``agent_flows``, ``agent_registered``); warn if any is missing."""
+    if training:
+        stats = r["shim_stats"] or {}
+        result["agent_registered"] = [bool(stats.get("agent", {}).get("registrations"))]
+        result["agent_flows"] = stats.get("flows")
+    else:
+        result["agent_flows"] = r["flows_by_rank"]
+        result["agent_registered"] = r["registered_by_rank"]
+    if not all(result["agent_registered"]):
+        progress(f"  WARNING: flows not registered: {r.get('agent_errors') or r.get('shim_stats')}")
+
+
+PHASE_STEPS = {"uncontended": phase_uncontended, "fifo": phase_fifo, "agent": phase_agent}
+
+
+def new_result(hosts: int, rate: str, workload: str, iters: int, streams: int, pairs: list, quick: bool,
+               size_mb: float, profile: str) -> dict:
+    """The figures' dict before any phase ran: the run's settings and the targets."""
+    result: dict = {"hosts": hosts, "rate": rate, "workload": workload, "iters": iters, "streams": streams,
+                    "bulk_pairs": pairs, "quick": quick, "targets": {
+                        "agent_ratio_max": TARGET_AGENT_RATIO, "fifo_ratio_min": TARGET_FIFO_RATIO,
+                        "bulk_after_ratio_min": TARGET_BULK_AFTER}}
+    if workload == "training":
+        result["profile"] = profile
+    else:
+        result["size_mb"] = size_mb
+    return result
+
+
+def describe(result: dict, name: str) -> str:
+    """The run's first progress line: testbed, workload, iterations and bulk."""
+    if result["workload"] == "training":
+        what = f"{result['profile']} (emulated) trained through the shim host1<->host2"
+    else:
+        what = f"all-reduce of {result['size_mb']:g} MiB host1<->host2"
+    return (f"testbed {name}: {result['hosts']} hosts at {result['rate']}; {what}, {result['iters']} timed iterations "
+            f"per phase; bulk {', '.join(f'h{a}->h{b} x{s}' for a, b, s in result['bulk_pairs'])}")
 
 
 def run(hosts: int = 3, rate: str = "200mbit", size_mb: float = 10, iters: int | None = None, progress=print,
         quick: bool = False, name: str = "tw", streams: int = 4, phases=PHASES, settle_s: float = 2.0,
         after_s: float | None = None, port_base: int = 29500, workdir: str | None = None,
-        workload: str = "allreduce", profile: str = TRAINING_PROFILE) -> dict:
+        workload: str = "allreduce", profile: str = TRAINING_PROFILE, comm_s: float | None = None) -> dict:
     """Run the scenario on a fresh testbed ``name`` and return the figures (see the module docstring).
 
     ``workload``: ``allreduce`` (a bare all-reduce of ``size_mb``) or ``training`` (``profile`` trained through the
-    shim; ``size_mb`` unused). Keys: ``uncontended_s``, ``fifo_s``, ``agent_s`` (median seconds of one all-reduce
-    or one training iteration), ``agent_ratio`` and
-    ``fifo_ratio`` (over uncontended), ``bulk_after_ratio`` (bulk throughput / link after training stopped, the
-    lowest over the bulk directions), per-iteration lists ``*_times_s``, bulk throughputs, flows, targets.
+    shim, its communication scaled to about ``comm_s`` seconds per iteration; ``size_mb`` unused). Keys:
+    ``uncontended_s``, ``fifo_s``, ``agent_s`` (median seconds of one all-reduce or one training iteration),
+    ``agent_ratio`` and ``fifo_ratio`` (over uncontended), ``bulk_after_ratio`` (bulk throughput / link after
+    training stopped, the lowest over the bulk directions), per-iteration lists ``*_times_s``, bulk throughputs,
+    flows, targets. Usage: ``run(rate="100mbit", quick=True, progress=print)``
     """
     from testbed import Testbed
 
@@ -114,108 +260,26 @@ def run(hosts: int = 3, rate: str = "200mbit", size_mb: float = 10, iters: int |
         raise ValueError(f"workload must be one of {WORKLOADS}, not {workload!r}")
     training = workload == "training"
     iters = iters or ((4 if quick else 8) if training else (6 if quick else 10))
-    after_s = after_s if after_s is not None else (3.0 if quick else 4.0)
     own_dir = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="tensorlane-contention-")
     progress = progress or (lambda *a, **k: None)
     pairs = [(1, 2, streams), (2, 1, streams)]
-    result: dict = {"hosts": hosts, "rate": rate, "workload": workload, "iters": iters, "streams": streams,
-                    "bulk_pairs": pairs, "quick": quick, "targets": {
-                        "agent_ratio_max": TARGET_AGENT_RATIO, "fifo_ratio_min": TARGET_FIFO_RATIO,
-                        "bulk_after_ratio_min": TARGET_BULK_AFTER}}
+    result = new_result(hosts, rate, workload, iters, streams, pairs, quick, size_mb, profile)
     t_start = time.monotonic()
-    if training:
-        result["profile"] = profile
-        what = f"{profile} (emulated) trained through the shim host1<->host2"
-    else:
-        result["size_mb"] = size_mb
-        what = f"all-reduce of {size_mb:g} MiB host1<->host2"
-    progress(f"testbed {name}: {hosts} hosts at {rate}; {what}, "
-             f"{iters} timed iterations per phase; bulk {', '.join(f'h{a}->h{b} x{s}' for a, b, s in pairs)}")
+    progress(describe(result, name))
     try:
         with Testbed(hosts=hosts, rate=rate, name=name) as tb:
-            link = tb.rate_bps
-            result["link_bps"] = link
-            port = port_base
-
-            def allreduce(tag, sockets=None):
-                nonlocal port
-                port += 1
-                if training:
-                    r = run_shim_training(tb, [1, 2], port, iters, workdir, tag, sockets=sockets,
-                                          profile=profile, comm_s=0.4 if quick else None)
-                    result[f"{tag}_shim_stats"] = r["shim_stats"]
-                    result.setdefault("lower_bound_s", r["lower_bound_s"])
-                    result.setdefault("param_scale", r["param_scale"])
-                    result.setdefault("compute_scale", r["compute_scale"])
-                else:
-                    r = run_allreduce(tb, [1, 2], port, size_mb, iters, workdir, tag, sockets=sockets)
-                result[f"{tag}_times_s"] = r["times_s"]
-                result[f"{tag}_s"] = r["median_s"]
-                return r
-
-            def bulk_rates(results, t0, t1=None):
-                return {f"h{a}->h{b}": res.mean_bps_wall(t0, t1) for (a, b, _), res in zip(pairs, results)}
-
-            if "uncontended" in phases:
-                progress(f"phase 1/3 uncontended: {workload} alone")
-                r = allreduce("uncontended")
-                progress(f"  uncontended median {r['median_s'] * 1000:.0f} ms")
-
-            if "fifo" in phases:
-                progress(f"phase 2/3 fifo: {workload} under bulk, FIFO NICs (bulk ramps up for {settle_s:g} s)")
-                with bulk(tb, pairs, seconds=300) as b:
-                    time.sleep(settle_s)
-                    t0 = time.time()
-                    r = allreduce("fifo")
-                    t1 = time.time()
-                    if not b.alive():
-                        raise ScenarioError(f"fifo: bulk traffic ended before the {workload} did")
-                    results = b.stop()
-                result["bulk_fifo_bps"] = bulk_rates(results, t0 + 0.5, t1)
-                progress(f"  fifo median {r['median_s'] * 1000:.0f} ms; bulk meanwhile "
-                         f"{_fmt_rates(result['bulk_fifo_bps'])}")
-
-            if "agent" in phases:
-                from bench.agents import running_agents
-
-                progress("phase 3/3 agent: agents on every host, same bulk, "
-                         + ("the shim registers its flows at levels 0-3" if training
-                            else "all-reduce flows registered at level 0"))
-                agents_dir = os.path.join(workdir, "agents")
-                os.makedirs(agents_dir, exist_ok=True)
-                with running_agents(tb, workdir=agents_dir) as agents:
-                    sockets = {i: a.socket for i, a in agents.items()}
-                    with bulk(tb, pairs, seconds=300) as b:
-                        time.sleep(settle_s)
-                        t0 = time.time()
-                        r = allreduce("agent", sockets=sockets)
-                        t_end = time.time()
-                        if training:
-                            agent_stats = (r["shim_stats"] or {}).get("agent", {})
-                            result["agent_registered"] = [bool(agent_stats.get("registrations"))]
-                            result["agent_flows"] = (r["shim_stats"] or {}).get("flows")
-                        else:
-                            result["agent_flows"] = r["flows_by_rank"]
-                            result["agent_registered"] = r["registered_by_rank"]
-                        if not all(result["agent_registered"]):
-                            progress(f"  WARNING: flows not registered: {r.get('agent_errors') or r.get('shim_stats')}")
-                        progress(f"  agent median {r['median_s'] * 1000:.0f} ms; training stopped, bulk alone "
-                                 f"for {after_s + 1:g} s")
-                        time.sleep(1.0 + after_s)
-                        if not b.alive():
-                            raise ScenarioError("agent: bulk traffic ended early")
-                        results = b.stop()
-                    result["bulk_agent_bps"] = bulk_rates(results, t0 + 0.5, t_end)
-                    result["bulk_after_bps"] = bulk_rates(results, t_end + 1.0)
-                    result["bulk_after_ratio"] = min(result["bulk_after_bps"].values()) / link
-                    progress(f"  bulk during training {_fmt_rates(result['bulk_agent_bps'])}; after "
-                             f"{_fmt_rates(result['bulk_after_bps'])} = {result['bulk_after_ratio']:.0%} of the link")
+            result["link_bps"] = tb.rate_bps
+            sc = Scenario(tb, result, pairs, workdir, iters, port_base, progress, settle_s=settle_s,
+                          after_s=after_s if after_s is not None else (3.0 if quick else 4.0), size_mb=size_mb,
+                          comm_s=comm_s or (0.4 if quick else None))
+            for phase in (p for p in PHASES if p in phases):
+                PHASE_STEPS[phase](sc)
     finally:
         if own_dir:
             shutil.rmtree(workdir, ignore_errors=True)
-    result["agent_ratio"] = _ratio(result.get("agent_s"), result.get("uncontended_s"))
-    result["fifo_ratio"] = _ratio(result.get("fifo_s"), result.get("uncontended_s"))
+    result["agent_ratio"] = ratio(result.get("agent_s"), result.get("uncontended_s"))
+    result["fifo_ratio"] = ratio(result.get("fifo_s"), result.get("uncontended_s"))
     result["elapsed_s"] = time.monotonic() - t_start
     result["machine"] = machine_info()
     result["pass"] = passes(result)
@@ -258,32 +322,44 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="tensorlane {demo,bench contention}", description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", metavar="FILE", help="write every figure here")
+def scenario_parser(prog: str, description: str, rate: str = "200mbit", streams: int = 4,
+                    workload: str = "allreduce", json_default: str | None = None) -> argparse.ArgumentParser:
+    """The options of the scenario, with the defaults of its caller (``bench contention`` or ``bench.demo``)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--json", metavar="FILE", default=json_default, help="write every figure here")
     p.add_argument("--quick", action="store_true", help="fewer iterations (what the tests run)")
     p.add_argument("--hosts", type=int, default=3)
-    p.add_argument("--rate", default="200mbit")
-    p.add_argument("--size-mb", type=float, default=10.0)
-    p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--streams", type=int, default=4, help="iperf3 streams per bulk direction")
+    p.add_argument("--rate", default=rate, help=f"every link's rate (default {rate})")
+    p.add_argument("--size-mb", type=float, default=10.0, help="the all-reduce's size (--workload allreduce)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations per phase")
+    p.add_argument("--streams", type=int, default=streams, help=f"iperf3 streams per direction (default {streams})")
     p.add_argument("--name", default="tw", help="testbed name (namespaces NAME-h1.., NAME-sw)")
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
-    p.add_argument("--workload", choices=WORKLOADS, default="allreduce",
+    p.add_argument("--workload", choices=WORKLOADS, default=workload,
                    help="a bare all-reduce, or a training loop through the shim (what `python -m bench.demo` runs)")
     p.add_argument("--profile", default=TRAINING_PROFILE, help="the emulated model of --workload training")
-    args = p.parse_args(argv)
+    p.add_argument("--comm-s", type=float, default=None,
+                   help="--workload training: the model scaled to this many seconds of communication per iteration")
+    return p
+
+
+def run_args(p: argparse.ArgumentParser, args: argparse.Namespace, progress) -> dict:
+    """:func:`run` with the options parsed by ``p`` (a :func:`scenario_parser`); an unknown phase is a usage error."""
     phases = tuple(x.strip() for x in args.phases.split(",") if x.strip())
     if unknown := set(phases) - set(PHASES):
         p.error(f"unknown phase(s) {sorted(unknown)}")
-    if os.geteuid() != 0:
-        print("tensorlane: the contention scenario builds network namespaces: run it as root", file=sys.stderr)
-        return 2
-    progress = progress_printer()
+    return run(hosts=args.hosts, rate=args.rate, size_mb=args.size_mb, iters=args.iters, progress=progress,
+               quick=args.quick, name=args.name, streams=args.streams, phases=phases, workload=args.workload,
+               profile=args.profile, comm_s=args.comm_s)
 
-    result = run(hosts=args.hosts, rate=args.rate, size_mb=args.size_mb, iters=args.iters, progress=progress,
-                 quick=args.quick, name=args.name, streams=args.streams, phases=phases, workload=args.workload,
-                 profile=args.profile)
+
+def main(argv=None) -> int:
+    """``python -m bench contention``: run the scenario, print its table; exit 1 when a target is missed."""
+    p = scenario_parser("python -m bench contention", __doc__.split("\n\n")[0])
+    args = p.parse_args(argv)
+    if needs_root("the contention scenario"):
+        return 2
+    result = run_args(p, args, progress_printer())
     show_figures(format_table(result), result, args.json)
     return 0 if all(v is not False for v in result["pass"].values()) else 1
 
