@@ -4,7 +4,14 @@
   inversion, top-class queueing delay, all-reduce time by job and level, flows, agent health.
 - ``tensorlane-host.json``: one host (``$instance``) in detail.
 
-Every panel queries the data source chosen in the ``datasource`` variable (``${datasource}``) and has a unit.
+Both follow the rules of Grafana's dashboard linter (grafana/dashboard-linter; tests/test_dashboards.py mirrors
+them): every panel queries the data source chosen in the ``datasource`` variable (``${datasource}``), has a unit
+and a description, and selects ``job=~"$job"`` and ``instance=~"$instance"``; ``job`` and ``instance`` are
+multi-select query variables whose "All" is ``.+``; every rate uses ``$__rate_interval``; the dashboards are not
+editable (they are provisioned from these files). The variables list only series of tensorlane's metrics, and
+the queries of metrics every exporter has (``up``, ``process_*``) also require a scrape job named
+``tensorlane*``, so "All" never reaches the other targets of a shared Prometheus. The fleet dashboard links to
+the host dashboard (a dashboard link keeping the selection, and a data link on every per-host series).
 Panels use the agent's metrics directly (docs/metrics.md), so they work without the recording rules of
 ``rules.yml``; those serve the alerts.
 
@@ -41,6 +48,9 @@ def with_level(expr: str) -> str:
 
 
 RATE = "[$__rate_interval]"
+TENSORLANE_JOBS = 'job=~"tensorlane.*"'  # the scrape jobs of tensorlane agents (docs/metrics.md)
+DEFAULT = 'level="default"'
+HOST_URL = "/d/tensorlane-host/tensorlane-host"
 LEVEL0 = 'level="0"'
 REGISTER = 'op="register"'
 
@@ -66,11 +76,14 @@ class Layout:
 
     def add(self, title: str, unit: str, targets: list[tuple[str, str]], description: str, w: int = 12,
             stack: bool = False, min_zero: bool = True) -> None:
+        """A time series panel of ``targets`` (``(expr, legend)``); series with an instance link to its host."""
         if self.x + w > 24:
             self.x, self.y = 0, self.y + 8
         custom = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 30 if stack else 10, "showPoints": "never",
                   "spanNulls": False, "stacking": {"mode": "normal" if stack else "none", "group": "A"}}
         defaults = {"unit": unit, "custom": custom}
+        if any("{{instance}}" in legend for _, legend in targets):
+            defaults["links"] = [host_link("${__field.labels.instance}")]
         if min_zero:
             defaults["min"] = 0
         self.panels.append({
@@ -87,30 +100,39 @@ class Layout:
             self.x, self.y = 0, self.y + 8
 
 
-def _variables(instance_multi: bool) -> list[dict]:
-    def query_var(name: str, label: str, query: str, multi: bool) -> dict:
-        return {"name": name, "label": label, "type": "query", "datasource": DS, "definition": query,
-                "query": {"query": query, "refId": f"{name}-var"}, "refresh": 2, "sort": 1,
-                "multi": multi, "includeAll": multi, "allValue": ".+" if multi else None,
-                "current": {"text": "All", "value": "$__all"} if multi else {}, "hide": 0, "regex": "",
-                "options": []}
+def host_link(instance: str) -> dict:
+    """A Grafana data link to the host dashboard for ``instance`` (a value or a Grafana variable), keeping the
+    time range, the data source and the scrape job selection."""
+    keep = "${job:queryparam}&${datasource:queryparam}&${__url_time_range}"
+    return {"title": f"Host {instance}", "targetBlank": False, "url": f"{HOST_URL}?var-instance={instance}&{keep}"}
 
+
+def query_var(name: str, query: str) -> dict:
+    """A multi-select Prometheus query variable whose "All" is ``.+`` (the linter's rule for job and instance)."""
+    return {"name": name, "label": name.replace("_", " ").title(), "type": "query", "datasource": DS,
+            "definition": query, "query": {"query": query, "refId": f"{name}-var"}, "refresh": 2, "sort": 1,
+            "multi": True, "includeAll": True, "allValue": ".+", "current": {"text": "All", "value": "$__all"},
+            "hide": 0, "regex": "", "options": []}
+
+
+def _variables() -> list[dict]:
+    """The data source, then ``job`` and ``instance`` (only tensorlane agents'), then ``training_job``."""
     return [
         {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
          "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},
-        query_var("job", "Scrape job", "label_values(tensorlane_build_info, job)", True),
-        query_var("instance", "Host", 'label_values(tensorlane_build_info{job=~"$job"}, instance)', instance_multi),
-        query_var("training_job", "Training job", 'label_values(tensorlane_job_allreduces_total{job=~"$job"}, '
-                  'training_job)', True),
+        query_var("job", "label_values(tensorlane_build_info, job)"),
+        query_var("instance", 'label_values(tensorlane_build_info{job=~"$job"}, instance)'),
+        query_var("training_job", 'label_values(tensorlane_job_allreduces_total{job=~"$job"}, training_job)'),
     ]
 
 
-def _dashboard(uid: str, title: str, description: str, panels: list[dict], instance_multi: bool) -> dict:
+def _dashboard(uid: str, title: str, description: str, panels: list[dict], links: list[dict]) -> dict:
+    """The dashboard around ``panels``: provisioned, so not editable in Grafana."""
     return {
-        "uid": uid, "title": title, "description": description, "tags": ["tensorlane"], "editable": True,
+        "uid": uid, "title": title, "description": description, "tags": ["tensorlane"], "editable": False,
         "schemaVersion": 39, "version": 1, "time": {"from": "now-1h", "to": "now"}, "refresh": "30s",
-        "timezone": "", "graphTooltip": 1, "links": [], "annotations": {"list": []},
-        "templating": {"list": _variables(instance_multi)}, "panels": panels,
+        "timezone": "", "graphTooltip": 1, "links": links, "annotations": {"list": []},
+        "templating": {"list": _variables()}, "panels": panels,
         "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "type": "datasource",
                       "pluginId": "prometheus", "pluginName": "Prometheus"}],
     }
@@ -142,12 +164,47 @@ def allreduce_mean(by: str) -> str:
             f"/ sum by ({by}) (rate(tensorlane_job_allreduces_total{sel(jobs=True)}{RATE}))")
 
 
+def borrowed() -> str:
+    """Packets per second each class sent on tokens borrowed from the link (above its own tiny HTB rate)."""
+    return with_level(f"rate(tensorlane_class_borrows_total{sel()}{RATE})")
+
+
+def default_waiting() -> str:
+    """Times per second HTB held the default class back (overlimits): unregistered traffic waiting."""
+    return (f"rate(tensorlane_class_overlimits_total{sel()}{RATE})\n"
+            f"* on (instance, device, class) group_left (level) tensorlane_class_info{sel(DEFAULT)}")
+
+
+def link(title: str, url: str, tooltip: str) -> dict:
+    """A dashboard link to ``url`` that keeps the time range and the variables (data source, job, instance)."""
+    return {"title": title, "type": "link", "url": url, "tooltip": tooltip, "icon": "dashboard",
+            "includeVars": True, "keepTime": True, "asDropdown": False, "targetBlank": False, "tags": []}
+
+
 def register_latency(q: float) -> str:
     return (f"histogram_quantile({q}, sum by (le) (rate(tensorlane_api_request_duration_seconds_bucket"
             f"{sel(REGISTER)}{RATE})))")
 
 
 # --- dashboards ---------------------------------------------------------------------------------------------
+
+
+def borrowing_panel(lay, who: str) -> None:
+    """The panel that shows priority at work in HTB: each level borrowing while the default class waits."""
+    lay.add("HTB borrowing by level, default class waiting", "pps",
+            [(borrowed(), f"{who}level {{{{level}}}} borrowed"),
+             (default_waiting(), f"{who}default class held back")],
+            "Packets per second each class sent on tokens borrowed from the link (HTB borrows: every level's "
+            "own rate is tiny, so a busy level borrows nearly all it sends), and times per second HTB held the "
+            "default class back (overlimits) while the levels took the link.")
+
+
+def process_panels(lay, who: str) -> None:
+    """The agent's own CPU and memory (prometheus_client's ``process_*`` metrics)."""
+    lay.add("Agent CPU", "percentunit", [(f"rate(process_cpu_seconds_total{sel(TENSORLANE_JOBS)}{RATE})", f"{who}cpu")],
+            "CPU time the agent process used per second (1 = one core).")
+    lay.add("Agent memory", "bytes", [(f"process_resident_memory_bytes{sel(TENSORLANE_JOBS)}", f"{who}resident")],
+            "Resident memory of the agent process.")
 
 
 def training_job_panels(lay, reporters: str) -> None:
@@ -183,9 +240,10 @@ def fleet() -> dict:
             [(with_level(f"rate(tensorlane_class_dropped_packets_total{sel()}{RATE})"),
               "{{instance}} level {{level}}")],
             "Packets dropped by each class's queue (tail drop).")
+    borrowing_panel(lay, "{{instance}} ")
     lay.row("Agents")
-    lay.add("Agents up", "short", [(f"up{sel()}", "{{instance}}")],
-            "1 when Prometheus scraped the agent's /metrics.")
+    lay.add("Agents up", "short", [(f"up{sel(TENSORLANE_JOBS)}", "{{instance}}")],
+            "1 when Prometheus scraped the agent's /metrics (scrape jobs named tensorlane* only).")
     lay.add("Registration latency", "s", [(register_latency(0.5), "p50"), (register_latency(0.99), "p99")],
             "Time the agents took to answer register requests (including the nftables transaction).")
     lay.add("API requests by op and outcome", "reqps",
@@ -195,9 +253,10 @@ def fleet() -> dict:
             [(f"sum by (instance) (rate(tensorlane_reconcile_passes_total{sel()}{RATE}))", "{{instance}} passes"),
              (f"sum by (instance) (rate(tensorlane_reconcile_errors_total{sel()}{RATE}))", "{{instance}} errors")],
             "Full reconcile passes per second (flat at zero: the agent's main loop is stuck) and failed passes.")
+    process_panels(lay, "{{instance}} ")
     return _dashboard("tensorlane-fleet", "tensorlane / fleet",
                       "Network priority of data-parallel training across hosts (tensorlane agents).", lay.panels,
-                      instance_multi=True)
+                      [link("Host detail", HOST_URL, "The selected hosts in detail (tensorlane / host)")])
 
 
 def host() -> dict:
@@ -222,6 +281,12 @@ def host() -> dict:
             [(with_level(f"rate(tensorlane_class_dropped_packets_total{sel()}{RATE})"), "drops level {{level}}"),
              (with_level(f"rate(tensorlane_class_overlimits_total{sel()}{RATE})"), "overlimits level {{level}}")],
             "Packets dropped by the class's queue; times HTB throttled the class.")
+    borrowing_panel(lay, "")
+    lay.add("HTB tokens by class", "s",
+            [(with_level(f"tensorlane_class_tokens_seconds{sel()}"), "tokens level {{level}}"),
+             (with_level(f"tensorlane_class_ctokens_seconds{sel()}"), "ctokens level {{level}}")],
+            "Time each class may still send at its rate (tokens) and at its ceil (ctokens) before it must "
+            "borrow or wait; below zero the class is in debt.", min_zero=False)
     lay.add("Marked bytes by class", "Bps",
             [(with_level(f"rate(tensorlane_class_marked_bytes_total{sel()}{RATE})"), "{{device}} level {{level}}")],
             "Bytes of registered flows the level's nftables chain marked (DSCP and class).")
@@ -244,9 +309,10 @@ def host() -> dict:
     lay.add("Metrics sources", "bool",
             [(f"tensorlane_scrape_collector_success{sel()}", "{{collector}}")],
             "Whether each metrics source of the agent succeeded in the last scrape.", min_zero=False)
+    process_panels(lay, "{{instance}} ")
     return _dashboard("tensorlane-host", "tensorlane / host",
                       "One host's tensorlane agent: queues, contention, jobs, agent health.", lay.panels,
-                      instance_multi=False)
+                      [link("Fleet", "/d/tensorlane-fleet/tensorlane-fleet", "Every host (tensorlane / fleet)")])
 
 
 DASHBOARDS = {"tensorlane-fleet.json": fleet, "tensorlane-host.json": host}

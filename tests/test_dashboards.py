@@ -1,7 +1,10 @@
 """The Grafana dashboards and Prometheus rules in dashboards/: the committed JSON is what dashboards/build.py makes,
-every panel has a unit and the ${datasource} variable, every query parses and names only metrics the agent
-exports, and the rules pass `promtool check rules` and `promtool test rules` (a test case per rule). Evaluating
-the panels against a live Prometheus is in test_metrics_prometheus.py."""
+the dashboards pass the rules of Grafana's dashboard linter (grafana/dashboard-linter, mirrored here: datasource
+variable, multi-select job and instance with "All" = .+, job and instance matchers, $__rate_interval, units,
+descriptions, not editable), "All" stays within tensorlane's scrape jobs, the fleet links to the host, every
+query parses and names only metrics the agent exports, and the rules pass `promtool check rules` and `promtool
+test rules` (a test case per rule), each alert with a runbook section. Evaluating the panels against a live
+Prometheus is in test_metrics_prometheus.py."""
 from __future__ import annotations
 
 import re
@@ -18,6 +21,10 @@ from dashboards import build
 
 DASHBOARDS = Path(build.__file__).resolve().parent
 DASHBOARD_NAMES = sorted(build.DASHBOARDS)
+RUNBOOK = DASHBOARDS.parent / "docs" / "runbook.md"
+# Grafana units the panels may use (a subset of Grafana's unit ids; the linter's panel-units-rule checks ids)
+UNITS = {"percentunit", "bytes", "s", "short", "pps", "Bps", "reqps", "ops", "bool"}
+SELECTOR = re.compile(r"\b((?:tensorlane|process)_[a-z0-9_]+|up)\b(\{[^}]*\})?")
 
 
 def promtool() -> str:
@@ -58,6 +65,54 @@ def test_every_panel_has_a_unit_and_uses_the_datasource_variable(name):
     for v in dash["templating"]["list"]:
         if v["type"] == "query":
             assert v["datasource"]["uid"] == "${datasource}", v["name"]
+
+
+@pytest.mark.parametrize("name", DASHBOARD_NAMES)
+def test_dashboard_follows_the_linter_rules(name):
+    """template-datasource/job/instance, on-time-change-reload, uneditable, panel title/description/units,
+    target job/instance matchers and rate interval (grafana/dashboard-linter)."""
+    dash = load(name)
+    assert dash["editable"] is False, "provisioned dashboards are not editable"
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    for var in ("job", "instance"):
+        v = variables[var]
+        assert v["type"] == "query" and v["datasource"]["uid"] == "${datasource}", var
+        assert v["label"] == var.title() and v["multi"] and v["includeAll"] and v["allValue"] == ".+", var
+        assert v["refresh"] == 2, var  # reload on time range change
+        assert "tensorlane_build_info" in v["query"]["query"], var  # values: tensorlane agents only
+    for p in build.panels(dash):
+        assert p["title"] and p["description"], p["title"]
+        assert p["fieldConfig"]["defaults"]["unit"] in UNITS, p["title"]
+        for t in p["targets"]:
+            for window in re.findall(r"\[([^\]]+)\]", t["expr"]):
+                assert window == "$__rate_interval", f"{p['title']}: [{window}]"
+            for metric, matchers in SELECTOR.findall(t["expr"]):
+                assert 'job=~"$job"' in matchers and 'instance=~"$instance"' in matchers, f"{p['title']}: {metric}"
+                if not metric.startswith("tensorlane_"):  # every exporter has it: tensorlane's jobs only
+                    assert 'job=~"tensorlane.*"' in matchers, f"{p['title']}: {metric}"
+
+
+def test_fleet_links_to_the_host_dashboard():
+    fleet, host = load("tensorlane-fleet.json"), load("tensorlane-host.json")
+    url = f"/d/{host['uid']}/"
+    assert any(link["url"].startswith(url) and link["includeVars"] and link["keepTime"] for link in fleet["links"])
+    per_host = [p for p in build.panels(fleet) if any("{{instance}}" in t["legendFormat"] for t in p["targets"])]
+    assert len(per_host) >= 6
+    for p in per_host:
+        links = p["fieldConfig"]["defaults"]["links"]
+        assert any(link["url"].startswith(url) and "var-instance=${__field.labels.instance}" in link["url"]
+                   for link in links), p["title"]
+    assert any(link["url"].startswith(f"/d/{fleet['uid']}/") for link in host["links"])
+
+
+@pytest.mark.parametrize("name", DASHBOARD_NAMES)
+def test_borrowing_and_process_panels(name):
+    """Each level borrowing while the default class waits; the agent's own process_* metrics."""
+    by_title = {p["title"]: p for p in build.panels(load(name))}
+    exprs = " ".join(t["expr"] for t in by_title["HTB borrowing by level, default class waiting"]["targets"])
+    assert "tensorlane_class_borrows_total" in exprs and 'level="default"' in exprs
+    assert "process_cpu_seconds_total" in by_title["Agent CPU"]["targets"][0]["expr"]
+    assert "process_resident_memory_bytes" in by_title["Agent memory"]["targets"][0]["expr"]
 
 
 def test_fleet_dashboard_shows_what_the_issue_asks_for():
@@ -101,7 +156,7 @@ def test_queries_and_rules_name_only_metrics_the_agent_exports(kernel):  # noqa:
     used = set()
     for name in DASHBOARD_NAMES:
         for _, _, expr in build.queries(load(name)):
-            used |= set(re.findall(r"\b(tensorlane_[a-z0-9_]+)", expr))
+            used |= set(re.findall(r"\b((?:tensorlane|process)_[a-z0-9_]+)", expr))
     rules = (DASHBOARDS / "rules.yml").read_text()
     used |= set(re.findall(r"\b(tensorlane_[a-z0-9_]+)", rules))
     assert used and not used - exported, f"not exported by the agent: {sorted(used - exported)}"
@@ -129,3 +184,15 @@ def test_every_rule_has_a_test_case():
     for wanted in ("TensorlanePriorityInversion", "TensorlaneAgentDown", "TensorlaneReconcileFailing",
                    "TensorlaneTopClassQueueDelayHigh"):
         assert wanted in alerts
+
+
+def test_every_alert_has_a_runbook_section():
+    import yaml
+
+    rules = yaml.safe_load((DASHBOARDS / "rules.yml").read_text())
+    alerts = [r for g in rules["groups"] for r in g["rules"] if "alert" in r]
+    sections = {h.strip().lower() for h in re.findall(r"^## (.+)$", RUNBOOK.read_text(), re.M)}
+    for a in alerts:
+        url = a["annotations"].get("runbook_url", "")
+        assert url == f"docs/runbook.md#{a['alert'].lower()}", a["alert"]
+        assert a["alert"].lower() in sections, f"docs/runbook.md has no section {a['alert']}"

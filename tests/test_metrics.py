@@ -8,6 +8,7 @@ import json
 import shutil
 import socket
 import socketserver
+import struct
 import subprocess
 import threading
 import time
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tensorlane.agent import protocol
 from tensorlane.agent.api import Api
 from tensorlane.agent.config import from_dict
+from tensorlane.agent.kernel import tcstats
 from tensorlane.agent.kernel.qdisc import HtbBackend
 from tensorlane.agent.metrics import Health, make_registry, names, start_metrics_server
 from tensorlane.agent.metrics import base as metrics_base
@@ -58,8 +60,9 @@ class Kernel:
 
 
 def zero(**kw) -> dict:
+    """An HTB class's counters as ``tcstats.class_stats`` has them, all zero but ``kw``."""
     return {"bytes": 0, "packets": 0, "drops": 0, "overlimits": 0, "requeues": 0, "backlog_bytes": 0,
-            "backlog_packets": 0, **kw}
+            "backlog_packets": 0, "lends": 0, "borrows": 0, "tokens": 0.0, "ctokens": 0.0, **kw}
 
 
 @pytest.fixture
@@ -129,7 +132,9 @@ def test_exposition_passes_promtool_lint_and_has_no_reserved_labels(kernel):
             "tensorlane_class_queue_delay_seconds", "tensorlane_registered_flows", "tensorlane_api_requests",
             "tensorlane_api_request_duration_seconds", "tensorlane_reconcile_errors", "tensorlane_backend_info",
             "tensorlane_build_info", "tensorlane_job_allreduce_seconds",
-            "tensorlane_link_rate_bytes_per_second", "tensorlane_agent_connections_refused"} <= exported
+            "tensorlane_link_rate_bytes_per_second", "tensorlane_agent_connections_refused",
+            "tensorlane_class_lends", "tensorlane_class_borrows", "tensorlane_class_tokens_seconds",
+            "tensorlane_class_ctokens_seconds", "process_cpu_seconds", "process_resident_memory_bytes"} <= exported
 
 
 def test_every_exported_name_is_declared_once_in_the_names_module(kernel):
@@ -155,6 +160,17 @@ def test_class_counters_info_and_link_rate(kernel):
     assert value(s, "tensorlane_class_requeues_total", **{"class": "7a1:10"}) == 3
     assert value(s, "tensorlane_class_backlog_bytes", **{"class": "7a1:10"}) == 1514
     assert value(s, "tensorlane_class_backlog_packets", **{"class": "7a1:10"}) == 1
+    kernel.classes[DEFAULT] = zero(packets=2**40, lends=7, borrows=293, tokens=-0.064, ctokens=0.001)
+    s = scrape(registry)
+    assert value(s, "tensorlane_class_sent_packets_total", **{"class": "7a1:14"}) == 2**40  # no 32-bit wrap
+    assert value(s, "tensorlane_class_lends_total", **{"class": "7a1:14"}) == 7
+    assert value(s, "tensorlane_class_borrows_total", **{"class": "7a1:14"}) == 293
+    assert value(s, "tensorlane_class_tokens_seconds", **{"class": "7a1:14"}) == -0.064
+    assert value(s, "tensorlane_class_ctokens_seconds", **{"class": "7a1:14"}) == 0.001
+    kernel.classes = {cid: {k: v for k, v in zero().items() if k not in tcstats.HTB_KEYS} for cid in kernel.classes}
+    s = scrape(registry)  # prio classes: no HTB statistics, the other counters as before
+    assert not [n for n, _ in s if "lends" in n or "borrows" in n or "tokens" in n]
+    assert value(s, "tensorlane_class_sent_packets_total", **{"class": "7a1:14"}) == 0
     info = {dict(lab)["class"]: dict(lab) for (n, lab) in s if n == "tensorlane_class_info"}
     assert info["7a1:10"] == {"device": "eth0", "class": "7a1:10", "level": "0", "dscp": "46", "prio": "0"}
     assert info["7a1:14"]["level"] == "default" and info["7a1:14"]["dscp"] == "unchanged"
@@ -162,6 +178,40 @@ def test_class_counters_info_and_link_rate(kernel):
     assert value(s, "tensorlane_link_rate_bytes_per_second", device="eth0") == RATE_BPS / 8
     assert value(s, "tensorlane_backend_info", backend="htb", device="eth0") == 1
     assert value(s, "tensorlane_priority_levels") == 4
+
+
+class Attr:
+    """A decoded netlink attribute as pyroute2 gives it: its message buffer, offset, length and decoded parts."""
+
+    def __init__(self, data: bytes, attrs: dict):
+        self.data, self.offset, self.length, self.attrs = data, 0, len(data), attrs
+
+    def get_attr(self, name):
+        return self.attrs.get(name)
+
+
+def stats2(*nested: tuple[int, bytes]) -> bytes:
+    """A TCA_STATS2 attribute's bytes holding the ``(type, payload)`` attributes, each padded to 4 bytes."""
+    body = b"".join(struct.pack("HH", 4 + len(p), t) + p + bytes(-len(p) % 4) for t, p in nested)
+    return struct.pack("HH", 4 + len(body), 7) + body
+
+
+def test_tcstats_prefers_the_64_bit_packet_count_and_decodes_htb_xstats():
+    basic = struct.pack("QI", 5 * 2**32, 7) + bytes(4)
+    htb = {"lends": 1, "borrows": 2, "giants": 0, "tokens": 1000, "ctokens": -500}
+    queue = {"qlen": 1, "backlog": 1514, "drops": 3, "requeues": 0, "overlimits": 4}
+    big = Attr(stats2((1, basic), (6, b""), (8, struct.pack("Q", 2**32 + 7)), (4, bytes(20))),
+               {"TCA_STATS_BASIC": {"bytes": 5 * 2**32, "packets": 7}, "TCA_STATS_QUEUE": queue,
+                "TCA_STATS_APP": htb})
+    got = tcstats.decode(big)
+    assert got["packets"] == 2**32 + 7 and got["bytes"] == 5 * 2**32
+    assert (got["lends"], got["borrows"]) == (1, 2)
+    assert got["tokens"] == pytest.approx(64e-6) and got["ctokens"] == pytest.approx(-32e-6)
+    assert (got["drops"], got["overlimits"], got["backlog_bytes"], got["backlog_packets"]) == (3, 4, 1514, 1)
+    small = Attr(stats2((1, basic)), {"TCA_STATS_BASIC": {"bytes": 10, "packets": 7}})  # prio: no xstats, no PKT64
+    got = tcstats.decode(small)
+    assert got["packets"] == 7 and not set(tcstats.HTB_KEYS) & set(got)
+    assert tcstats.decode(None)["packets"] == 0
 
 
 def test_inversion_counts_lower_class_bytes_only_while_an_urgent_class_stays_backlogged(kernel):

@@ -9,6 +9,9 @@ the testbed's switch every second; the test talks to it through a small client r
 and host 2 run the training job (2 ranks, ``shim.attach`` with 3 levels and ``shim.report``) and bulk iperf3
 in both directions (unregistered: the default class).
 
+A second, smaller test reads a real HTB tree's counters (64-bit packets, lend/borrow, tokens) from the kernel in
+a namespace of its own.
+
 Run as a script with ``--worker`` it is that training worker (see ``worker``).
 """
 from __future__ import annotations
@@ -241,6 +244,62 @@ def check_prometheus(prom: Prometheus, build, start: float, end: float, tb) -> N
     share = {s["metric"]["instance"]: float(s["value"][1]) for s in bulk_share}
     assert share.get(h1, 0) > 0.8 and share.get(h2, 0) > 0.8, share   # bulk fills the link when training idles
     assert {s["metric"]["instance"] for s in recorded} >= {h1, h2}, recorded  # a recording rule, live
+    check_htb_and_process(prom, end, h1, h2)
+
+
+def check_htb_and_process(prom: Prometheus, end: float, h1: str, h2: str) -> None:
+    """The scrapes carry HTB's borrow statistics and tokens, the packet counters and the agents' process_*."""
+    queries = ['tensorlane_class_borrows_total * on (instance, device, class) group_left (level) '
+               'tensorlane_class_info{level="default"}',
+               "count by (instance) (tensorlane_class_tokens_seconds) and count by (instance) "
+               "(tensorlane_class_sent_packets_total)",
+               'process_resident_memory_bytes{job="tensorlane"} > 0 and on (instance) process_cpu_seconds_total > 0']
+    borrows, tokens, process = (r["data"]["result"] for r in prom.call(
+        [{"path": "/api/v1/query", "params": {"query": q, "time": f"{end:.3f}"}} for q in queries]))
+    borrowed = {s["metric"]["instance"]: float(s["value"][1]) for s in borrows}
+    assert borrowed.get(h1, 0) > 0 and borrowed.get(h2, 0) > 0, borrowed  # bulk borrows the link above its rate
+    assert len(tokens) == 3 and len(process) == 3, (tokens, process)  # every agent: HTB tokens, process_*
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(60)
+def test_htb_counters_from_the_kernel():
+    """A real HTB tree of the agent (3 levels) on a veth in a namespace of its own; 300 frames of 1000 bytes sent
+    through the default class at once: its tiny rate lends a few, the link lends the rest (borrows)."""
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", HTB_PROBE], capture_output=True, text=True,
+                         timeout=50, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr
+    stats = {int(k): v for k, v in json.loads(out.stdout).items()}
+    from tensorlane.agent.kernel.qdisc import HtbBackend
+
+    backend = HtbBackend(3, 200_000_000)
+    default = stats[backend.default.classid]
+    assert default["packets"] == 300 and default["bytes"] == 300_000
+    assert default["lends"] + default["borrows"] == 300 and default["borrows"] > 250, default
+    assert default["tokens"] < 0 < default["overlimits"], default  # in debt on its own rate, throttled
+    for spec in backend.classes:  # idle levels: a full bucket of their burst at their tiny rate, nothing sent
+        idle = stats[spec.classid]
+        assert idle["packets"] == idle["lends"] == idle["borrows"] == 0 and idle["tokens"] > 0.1, idle
+
+
+HTB_PROBE = r"""
+import json, socket, subprocess
+from pyroute2 import IPRoute
+from tensorlane.agent.kernel import tcstats
+from tensorlane.agent.kernel.qdisc import HtbBackend
+
+subprocess.run("ip link add tl0 type veth peer name tl1 && ip link set tl1 up && ip link set tl0 up", shell=True,
+               check=True)
+with IPRoute() as ipr:
+    index = ipr.link_lookup(ifname="tl0")[0]
+    HtbBackend(3, 200_000_000).apply(ipr, index)
+    with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as s:  # through the qdisc, unclassified: default
+        s.bind(("tl0", 0))
+        frame = b"\xff" * 6 + b"\x02\x00\x00\x00\x00\x01" + b"\x88\xb5" + bytes(986)
+        for _ in range(300):
+            s.send(frame)
+    print(json.dumps(tcstats.class_stats(ipr, index)))
+"""
 
 
 def plot_views(tb) -> list[tuple[str, str, str, str, bool]]:

@@ -1,9 +1,9 @@
 """tc class counters of the managed interface: one series per leaf class (one per level, and the default class).
 
 Level, DSCP and HTB prio are labels of ``tensorlane_class_info`` only; join them where needed
-(``* on (instance, device, class) group_left (level) tensorlane_class_info``). Packet counters are the kernel's
-32-bit ones (pyroute2 decodes no 64-bit packet counter): they wrap after 2^32 packets, which Prometheus' rate()
-treats as a counter reset. Byte counters are 64-bit.
+(``* on (instance, device, class) group_left (level) tensorlane_class_info``). Byte and packet counters are
+64-bit (``agent/kernel/tcstats.py`` decodes ``TCA_STATS_PKT64``). HTB classes add their lend/borrow counters (the
+kernel's 32-bit ones: a wrap is a counter reset to rate()) and token buckets; prio classes have none.
 """
 from __future__ import annotations
 
@@ -16,10 +16,14 @@ COUNTERS = (  # (metric, tcstats key)
     (names.CLASS_DROPPED_PACKETS, "drops"),
     (names.CLASS_OVERLIMITS, "overlimits"),
     (names.CLASS_REQUEUES, "requeues"),
+    (names.CLASS_LENDS, "lends"),
+    (names.CLASS_BORROWS, "borrows"),
 )
 GAUGES = (
     (names.CLASS_BACKLOG_BYTES, "backlog_bytes"),
     (names.CLASS_BACKLOG_PACKETS, "backlog_packets"),
+    (names.CLASS_TOKENS, "tokens"),
+    (names.CLASS_CTOKENS, "ctokens"),
 )
 
 
@@ -29,7 +33,8 @@ class ClassesSource(Source):
     name = "classes"
 
     def collect(self, scrape):
-        """Info of every leaf class; its counters and backlog unless the class is missing in the kernel (drift)."""
+        """Info of every leaf class; its counters, backlog and HTB statistics unless the class is missing in the
+        kernel (drift)."""
         api, dev = self.api, scrape.device
         stats = scrape.classes()
         info = names.CLASS.info()
@@ -43,7 +48,8 @@ class ClassesSource(Source):
             if s is None:  # the class is missing (drift): no counters, the reconciler puts it back
                 continue
             for fam, key in (*counters, *gauges):
-                fam.add_metric([dev, cls], s.get(key, 0))
+                if key in s:  # HTB's lends/borrows/tokens exist for HTB classes only
+                    fam.add_metric([dev, cls], s[key])
         yield info
         for fam, _ in (*counters, *gauges):
             yield fam

@@ -53,8 +53,8 @@ AGENT_START_TIME = Name("tensorlane_agent_start_time_seconds", "Unix time the ag
 # classes.py (info: level, dscp, prio)
 CLASS = Name("tensorlane_class", "Level, DSCP and HTB/prio priority of each queue of the agent", DEVICE_CLASS)
 CLASS_SENT_BYTES = Name("tensorlane_class_sent_bytes", "Bytes sent by the class", DEVICE_CLASS)
-CLASS_SENT_PACKETS = Name("tensorlane_class_sent_packets", "Packets sent by the class (32-bit kernel counter)",
-                          DEVICE_CLASS)
+CLASS_SENT_PACKETS = Name("tensorlane_class_sent_packets", "Packets sent by the class (64-bit when the kernel "
+                          "reports TCA_STATS_PKT64)", DEVICE_CLASS)
 CLASS_DROPPED_PACKETS = Name("tensorlane_class_dropped_packets", "Packets dropped by the class's queue",
                              DEVICE_CLASS)
 CLASS_OVERLIMITS = Name("tensorlane_class_overlimits", "Times the class was throttled by its rate (HTB overlimits)",
@@ -62,6 +62,17 @@ CLASS_OVERLIMITS = Name("tensorlane_class_overlimits", "Times the class was thro
 CLASS_REQUEUES = Name("tensorlane_class_requeues", "Packets requeued by the class", DEVICE_CLASS)
 CLASS_BACKLOG_BYTES = Name("tensorlane_class_backlog_bytes", "Bytes queued in the class now", DEVICE_CLASS)
 CLASS_BACKLOG_PACKETS = Name("tensorlane_class_backlog_packets", "Packets queued in the class now", DEVICE_CLASS)
+CLASS_LENDS = Name("tensorlane_class_lends",
+                   "Packets the HTB class sent within its own rate (HTB lends, 32-bit kernel counter)", DEVICE_CLASS)
+CLASS_BORROWS = Name("tensorlane_class_borrows",
+                     "Packets the HTB class sent with tokens borrowed from its parent, above its own rate "
+                     "(HTB borrows, 32-bit kernel counter)", DEVICE_CLASS)
+CLASS_TOKENS = Name("tensorlane_class_tokens_seconds",
+                    "Time the HTB class may still send at its rate before it must borrow (negative: in debt)",
+                    DEVICE_CLASS)
+CLASS_CTOKENS = Name("tensorlane_class_ctokens_seconds",
+                     "Time the HTB class may still send at its ceil before it must wait (negative: in debt)",
+                     DEVICE_CLASS)
 LINK_RATE = Name("tensorlane_link_rate_bytes_per_second",
                  "Rate the agent's queues are served at (htb: the configured link_rate)", DEVICE)
 
