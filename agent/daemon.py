@@ -1,7 +1,8 @@
 """The agent's life cycle: check everything, record the interface, take it over, serve, and give it back.
 
 Start-up refuses bad configuration before touching the kernel. The interface's previous tc tree is saved to the
-state directory before anything changes, so that SIGTERM (or a restarted agent after SIGKILL) restores it.
+state directory before anything changes, so that SIGTERM (or a restarted agent after SIGKILL) restores it. The
+service manager is told when the agent is ready and, from each reconcile pass, that it is alive (agent/notify.py).
 Usage: ``sys.exit(run(load_config(path)))``
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tensorlane.agent.api import Api
 from tensorlane.agent.config import Config, ConfigError
 from tensorlane.agent.kernel import detect, snapshot
 from tensorlane.agent.kernel.qdisc import fmt_handle, make_backend
+from tensorlane.agent.notify import Notifier
 from tensorlane.agent.reconcile import Reconciler
 from tensorlane.agent.server import Server
 from tensorlane.agent.state import FlowTable
@@ -100,8 +102,9 @@ def restore_interface(cfg: Config, ipr: IPRoute, ifindex: int, snap: snapshot.Sn
     return warnings
 
 
-def _serve(cfg: Config, api: Api, rec: Reconciler, table: FlowTable) -> None:
-    """Serve the API socket and reconcile every ``reconcile_interval_s`` until SIGTERM/SIGINT."""
+def _serve(cfg: Config, api: Api, rec: Reconciler, table: FlowTable, notifier: Notifier) -> None:
+    """Serve the API socket and reconcile every ``reconcile_interval_s`` until SIGTERM/SIGINT; readiness is told
+    once the socket listens, and each reconcile pass feeds the watchdog."""
     stop = threading.Event()
     gc.collect()
     gc.freeze()  # what start-up allocated (pyroute2, scapy, prometheus) is never scanned again: no long pauses
@@ -109,9 +112,19 @@ def _serve(cfg: Config, api: Api, rec: Reconciler, table: FlowTable) -> None:
         signal.signal(sig, lambda *_: stop.set())
     server = Server(api, cfg.socket, cfg.socket_mode, cfg.socket_group)
     log.info("listening on %s", cfg.socket)
+    if notifier.watchdog_s is not None and notifier.watchdog_s < 2 * cfg.reconcile_interval_s:
+        log.warning("the watchdog period (%.1f s) is less than twice reconcile_interval_s (%.1f s): a healthy agent "
+                    "may be restarted", notifier.watchdog_s, cfg.reconcile_interval_s)
+    notifier.ready(f"managing {cfg.interface}")
+
+    def periodic() -> None:
+        rec.reconcile(table)
+        notifier.watchdog()
+
     try:
-        server.serve(stop, cfg.reconcile_interval_s, lambda: rec.reconcile(table))
+        server.serve(stop, cfg.reconcile_interval_s, periodic)
     finally:
+        notifier.stopping()
         server.close()
 
 
@@ -134,7 +147,7 @@ def run(cfg: Config) -> int:
             if cfg.metrics_address:
                 from tensorlane.agent.metrics import start_metrics_server
                 start_metrics_server(cfg.metrics_address, api)
-            _serve(cfg, api, rec, table)
+            _serve(cfg, api, rec, table, Notifier())
         finally:
             restore_interface(cfg, ipr, ifindex, snap, rec)
             log.info("restored %s", cfg.interface)

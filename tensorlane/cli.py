@@ -18,21 +18,20 @@ from tensorlane.client import DEFAULT_SOCKET, AgentClient, AgentError, AgentUnav
 def _agent(args) -> int:
     from tensorlane.agent.config import ConfigError, from_dict, load_config
     from tensorlane.agent.daemon import StartupError, run
+    from tensorlane.agent.logs import configure_logging, journal_prefix
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("pyroute2").setLevel(logging.WARNING)
-    logging.getLogger("asyncio").setLevel(logging.WARNING)
+    configure_logging(args.log_level)
+    err = journal_prefix(logging.ERROR)
     flags = {"interface": args.interface, "socket": args.socket, "metrics_address": args.metrics_address}
     try:
         cfg = load_config(args.config, flags) if args.config else from_dict({k: v for k, v in flags.items() if v})
     except ConfigError as exc:
-        print(f"tensorlane agent: {exc}", file=sys.stderr)
+        print(f"{err}tensorlane agent: {exc}", file=sys.stderr)
         return 2
     try:
         return run(cfg)
     except (ConfigError, StartupError) as exc:
-        print(f"tensorlane agent: {exc}", file=sys.stderr)
+        print(f"{err}tensorlane agent: {exc}", file=sys.stderr)
         return 2
 
 

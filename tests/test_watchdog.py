@@ -1,0 +1,236 @@
+"""Supervision of the agent: sd_notify messages on a real datagram socket, journald priorities, the systemd unit
+(``systemd-analyze verify``), and the no-systemd watchdog of tensorlane-agentctl restarting a stalled (SIGSTOP)
+agent in a testbed namespace, with the interface's tree the agent's while it runs and restored after the stop."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from bench.agents import agent_config, render_config
+from tensorlane.agent import notify
+from tensorlane.agent.logs import JournalFormatter, journal_prefix, stderr_is_journal, syslog_priority
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEMPLATES = os.path.join(REPO_ROOT, "ansible", "roles", "tensorlane", "templates")
+DEFAULTS = os.path.join(REPO_ROOT, "ansible", "roles", "tensorlane", "defaults", "main.yml")
+VENV = os.path.dirname(os.path.dirname(sys.executable))
+ANSIBLE = os.path.join(VENV, "bin", "ansible")
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _datagram_socket(address) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(address)
+    sock.settimeout(2)
+    return sock
+
+
+def test_notify_ready_watchdog_and_stopping_on_a_path_socket(tmp_path):
+    path = str(tmp_path / "notify.sock")
+    heartbeat = tmp_path / "agent.heartbeat"
+    clock = FakeClock()
+    env = {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "4000000", "WATCHDOG_PID": str(os.getpid()),
+           notify.HEARTBEAT_ENV: str(heartbeat)}
+    with _datagram_socket(path) as sock:
+        n = notify.Notifier(env, clock=clock)
+        assert n.watchdog_s == 4.0
+        n.ready("managing eth0")
+        assert sock.recv(4096) == b"READY=1\nSTATUS=managing eth0"
+        assert sock.recv(4096) == b"WATCHDOG=1"
+        assert heartbeat.exists()
+        clock.now += 1.0
+        n.watchdog()  # less than half the period since the last: no message, but the heartbeat is touched
+        clock.now += 1.0
+        n.watchdog()
+        assert sock.recv(4096) == b"WATCHDOG=1"
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            sock.recv(4096)
+        n.stopping()
+        assert sock.recv(4096) == b"STOPPING=1\nSTATUS=restoring the interface"
+    assert heartbeat.read_text() == "stopping\n"
+
+
+def test_notify_abstract_address_and_absent_manager(tmp_path):
+    name = f"tensorlane-test-{os.getpid()}"
+    with _datagram_socket("\0" + name) as sock:
+        n = notify.Notifier({"NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"})
+        assert n.watchdog_s is None  # the watchdog is meant for another process
+        assert n.send("READY=1")
+        assert sock.recv(4096) == b"READY=1"
+    quiet = notify.Notifier({})
+    assert not quiet.send("READY=1") and quiet.watchdog_s is None
+    quiet.ready()
+    quiet.watchdog()
+    quiet.stopping()  # nothing to tell, nothing raised
+    gone = notify.Notifier({"NOTIFY_SOCKET": str(tmp_path / "missing.sock")})
+    assert not gone.send("READY=1") and gone.failed
+
+
+def test_journal_priorities(tmp_path):
+    assert [syslog_priority(lv) for lv in (logging.CRITICAL, logging.ERROR, logging.WARNING, logging.INFO,
+                                           logging.DEBUG)] == [2, 3, 4, 6, 7]
+    record = logging.LogRecord("tensorlane.agent", logging.WARNING, __file__, 1, "one\ntwo %d", (2,), None)
+    assert JournalFormatter("%(levelname)s %(name)s: %(message)s").format(record) == \
+        "<4>WARNING tensorlane.agent: one\n<4>two 2"
+    with open(tmp_path / "stream", "w") as stream:
+        st = os.fstat(stream.fileno())
+        assert stderr_is_journal(stream, {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
+        assert not stderr_is_journal(stream, {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino + 1}"})
+        assert not stderr_is_journal(stream, {})
+        assert journal_prefix(logging.ERROR, stream) == ("<3>" if stderr_is_journal(stream) else "")
+
+
+def render(template: str, dest: str, mode: str = "0755", **overrides) -> str:
+    """Render a template of the role with its defaults and ``overrides`` (ansible's template module, locally)."""
+    extra = {"ansible_python_interpreter": sys.executable, **overrides}
+    subprocess.run([ANSIBLE, "localhost", "-c", "local", "-i", "localhost,", "-m", "ansible.builtin.template",
+                    "-a", f"src={os.path.join(TEMPLATES, template)} dest={dest} mode={mode}", "-e", f"@{DEFAULTS}",
+                    "-e", json.dumps(extra)], check=True, capture_output=True, text=True, timeout=120)
+    return dest
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_unit_passes_systemd_analyze_verify(tmp_path):
+    unit = render("tensorlane-agent.service.j2", str(tmp_path / "tensorlane-agent.service"), mode="0644",
+                  tensorlane_venv=VENV, tensorlane_config_file=str(tmp_path / "agent.toml"),
+                  tensorlane_socket_group="root")
+    with open(unit) as fh:
+        text = fh.read()
+    for line in ("Type=notify", "WatchdogSec=30", "LimitNOFILE=3072", "TimeoutStartSec=30", "RestartSec=5"):
+        assert f"\n{line}\n" in text, text
+    proc = subprocess.run(["systemd-analyze", "verify", unit], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tensorlane-agent.service" not in proc.stderr, proc.stderr  # no warning about the unit itself
+
+
+# --- the no-systemd watchdog in a testbed namespace ------------------------------------------------------------
+def tc_dump(host) -> str:
+    """The interface's qdiscs, classes and filters (no statistics)."""
+    return "\n".join(host.run(["tc", what, "show", "dev", "eth0"]).stdout for what in ("qdisc", "class", "filter"))
+
+
+def nft_tables(host) -> str:
+    """The namespace's nftables tables."""
+    return host.run(["nft", "list", "tables"]).stdout
+
+
+WATCHDOG_S = 3
+RESTART_PAUSE_S = 1
+
+
+def _read_pid(path: str) -> int | None:
+    try:
+        return int(open(path).read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait(what, timeout: float, step: float = 0.1):
+    """Poll ``what()`` until it returns something true, at most ``timeout`` s; returns it (or the last falsy)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = what()
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(step)
+
+
+def _serves(host, socket_path: str, pidfile: str, old_pid: int):
+    """The agent's new pid once a new agent answers ``status``, else None."""
+    pid = _read_pid(pidfile)
+    if pid is None or pid == old_pid:
+        return None
+    ok = host.run([os.path.join(VENV, "bin", "tensorlane"), "status", "--socket", socket_path], check=False,
+                  timeout=10).returncode == 0
+    return pid if ok else None
+
+
+@pytest.mark.netns
+def test_agentctl_watchdog_restarts_a_stalled_agent():
+    from testbed import Testbed
+
+    workdir = tempfile.mkdtemp(prefix="tensorlane-twd-")
+    run_dir = os.path.join(workdir, "run")
+    paths = {"ctl": os.path.join(workdir, "tensorlane-agentctl"), "config": os.path.join(workdir, "agent.toml"),
+             "socket": os.path.join(run_dir, "agent.sock"), "pid": os.path.join(run_dir, "agent.pid"),
+             "log": os.path.join(workdir, "agent.log")}
+    try:
+        with Testbed(hosts=1, rate="100mbit", name="twd") as tb:
+            h1 = tb.host(1)
+            h1.run(["ip", "link", "set", "lo", "up"], timeout=10)
+            with open(paths["config"], "w") as fh:
+                fh.write(render_config(agent_config(tb, h1, socket=paths["socket"], state_dir=run_dir,
+                                                    reconcile_interval_s=0.5)))
+            render("tensorlane-agentctl.j2", paths["ctl"], tensorlane_venv=VENV, tensorlane_config_file=paths["config"],
+                   tensorlane_run_dir=run_dir, tensorlane_log_file=paths["log"], tensorlane_watchdog_s=WATCHDOG_S,
+                   tensorlane_restart_pause_s=RESTART_PAUSE_S, tensorlane_start_timeout_s=20,
+                   tensorlane_stop_timeout_s=20)
+            before, tables_before = tc_dump(h1), nft_tables(h1)
+            try:
+                _stall_and_recover(h1, paths)
+                assert "tensorlane" in nft_tables(h1)
+            finally:
+                stop = h1.run([paths["ctl"], "stop"], check=False, timeout=60)
+            assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr + _log(paths)
+            assert tc_dump(h1) == before and nft_tables(h1) == tables_before, _log(paths)
+            assert not os.path.exists(os.path.join(run_dir, "agent-eth0.json"))
+            assert h1.run([paths["ctl"], "status"], check=False, timeout=10).returncode == 3
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _log(paths: dict) -> str:
+    try:
+        return "\nlog:\n" + open(paths["log"]).read()[-4000:]
+    except OSError:
+        return ""
+
+
+def _stall_and_recover(host, paths: dict) -> None:
+    """Start the agent under the supervisor, SIGSTOP it, and check the watchdog replaces it in time with the same
+    tree on the interface."""
+    start = host.run([paths["ctl"], "start"], check=False, timeout=60)
+    assert start.returncode == 0 and "started" in start.stdout, start.stdout + start.stderr + _log(paths)
+    old = _read_pid(paths["pid"])
+    time.sleep(1.0)  # a few reconcile passes: heartbeats
+    during = tc_dump(host)
+    assert "qdisc htb 7a1: root" in during, during
+    os.kill(old, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        # The heartbeat is read with one-second resolution and polled every 0.5 s: allow 2.5 s beyond the timeout.
+        gone = _wait(lambda: not os.path.exists(f"/proc/{old}"), WATCHDOG_S + 2.5)
+        killed_after = time.monotonic() - stopped_at
+        assert gone, f"the stalled agent {old} still exists {killed_after:.1f} s after SIGSTOP" + _log(paths)
+        new = _wait(lambda: _serves(host, paths["socket"], paths["pid"], old), 30, step=0.2)
+        back_after = time.monotonic() - stopped_at
+        assert new, f"no new agent answers {back_after:.1f} s after SIGSTOP" + _log(paths)
+    finally:
+        if os.path.exists(f"/proc/{old}"):
+            os.kill(old, signal.SIGCONT)
+    assert tc_dump(host) == during, _log(paths)  # the new agent adopted the tree: the interface is as it was
+    with open(paths["log"]) as fh:
+        log = fh.read()
+    assert f"watchdog: no heartbeat from pid {old}" in log and "adopting the tree" in log, log[-4000:]
+    print(f"stalled agent killed {killed_after:.1f} s after SIGSTOP (watchdog {WATCHDOG_S} s), a new agent "
+          f"answered after {back_after:.1f} s")
