@@ -28,7 +28,8 @@ from tensorlane.agent.kernel.sockdiag import SockDiag
 from tensorlane.flows import FlowKey, parse_proc_net_tcp, socket_inodes
 
 TCP_ESTABLISHED = 0x01
-EXACT_LOOKUPS_MAX = 256  # above this many TCP flows in one request, one read of the tables is cheaper
+EXACT_LOOKUPS_MAX = 256  # up to this many TCP flows, exact lookups whatever the tables hold
+ROWS_PER_LOOKUP = 3  # one exact lookup (~12 us) costs about what 3 rows of the text tables do (~4 us each)
 _DIAG = SockDiag()  # the agent's namespace: a socket of another one is never found
 _TABLES = (("tcp", "tcp", False), ("tcp6", "tcp", True), ("udp", "udp", False), ("udp6", "udp", True))
 
@@ -65,6 +66,28 @@ def agent_sockets(inodes: set[int] | None = None, proc: str = "self",
             if inode:  # 0: TIME_WAIT and other orphans, owned by no process
                 out[inode] = (proto, str(laddr), lport, str(raddr), rport, state)
     return out
+
+
+def tcp_rows(proc: str = "self") -> int:
+    """How many rows the TCP tables of the agent's namespace hold now: sockets in use and in TIME_WAIT, from
+    ``/proc/self/net/sockstat{,6}`` (a few counters, not a walk of the tables). ``proc`` is for tests."""
+    total = 0
+    for name in ("sockstat", "sockstat6"):
+        try:
+            with open(f"/proc/{proc}/net/{name}") as fh:
+                lines = [line.split() for line in fh if line.startswith(("TCP:", "TCP6:"))]
+        except FileNotFoundError:  # no IPv6 in this kernel
+            continue
+        for f in lines:
+            total += sum(int(f[i + 1]) for i in range(1, len(f) - 1, 2) if f[i] in ("inuse", "tw"))
+    return total
+
+
+def lookups_cheaper(count: int) -> bool:
+    """Whether ``count`` exact sock_diag lookups cost less than one read of the namespace's TCP tables: always
+    up to ``EXACT_LOOKUPS_MAX``, beyond that while the tables hold ``ROWS_PER_LOOKUP`` rows per flow or more (on a
+    busy host a sweep's cost then grows with the registered flows, never with the host's sockets)."""
+    return count <= EXACT_LOOKUPS_MAX or count * ROWS_PER_LOOKUP <= tcp_rows()
 
 
 def inodes_of(pid: int) -> set[int]:
@@ -122,21 +145,18 @@ def _unowned(flows: Iterable[FlowKey], sockets: list[Socket]) -> list[FlowKey]:
 
 
 def _tcp_unowned(flows: list[FlowKey], inodes: set[int]) -> list[FlowKey]:
-    """TCP flows not held by a socket among ``inodes``, by one exact sock_diag lookup each (raises OSError when
-    the kernel cannot answer)."""
-    out = []
-    for k in flows:
-        found = _DIAG.tcp(k.src, k.sport, k.dst, k.dport)
-        if found is None or found[0] != TCP_ESTABLISHED or found[1] not in inodes:
-            out.append(k)
-    return out
+    """TCP flows not held by a socket among ``inodes``, by one exact sock_diag lookup each, sent in batches (raises
+    OSError when the kernel cannot answer)."""
+    found = _DIAG.tcp_many([(k.src, k.sport, k.dst, k.dport) for k in flows]) if flows else []
+    return [k for k, f in zip(flows, found, strict=True)
+            if f is None or f[0] != TCP_ESTABLISHED or f[1] not in inodes]
 
 
 def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | None = None) -> list[FlowKey]:
     """The flows among ``flows`` that process ``pid`` does not own in the agent's network namespace (all of them
     if the process is gone). TCP flows are looked up one by one in the kernel (sock_diag: a hash lookup, about
-    10 us) when there are at most ``EXACT_LOOKUPS_MAX``; otherwise, and for UDP, the namespace's tables are read
-    (milliseconds: the kernel walks its whole hash table)."""
+    10 us) when that is cheaper (``lookups_cheaper``); otherwise, and for UDP, the namespace's tables are read
+    (milliseconds: the kernel walks its whole hash table and prints every socket)."""
     flows = list(flows)
     try:
         inodes = inodes_of(pid)
@@ -144,7 +164,7 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
         return flows
     if table is None:
         tcp = [k for k in flows if k.proto == "tcp"]
-        if tcp and len(tcp) <= EXACT_LOOKUPS_MAX:
+        if tcp and lookups_cheaper(len(tcp)):
             try:
                 foreign = _tcp_unowned(tcp, inodes)
             except OSError:  # no sock_diag here: read the tables
@@ -161,8 +181,9 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
 
 def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]]) -> list[FlowKey]:
     """For the periodic sweep: every flow of ``owners`` (pid -> its flows) whose owner no longer holds its socket
-    in the agent's namespace (closed, or the process is gone). Up to ``EXACT_LOOKUPS_MAX`` TCP flows are looked
-    up one by one; beyond that the namespace's tables are read once for all owners."""
+    in the agent's namespace (closed, or the process is gone). Each owner's ``/proc/PID/fd`` is read once; the
+    TCP flows are looked up one by one while that is cheaper (``lookups_cheaper``), else the namespace's tables
+    are read once for all owners: the cost never grows with owners x sockets."""
     gone: list[FlowKey] = []
     held: dict[int, set[int]] = {}
     for pid, flows in owners.items():
@@ -174,7 +195,7 @@ def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]]) -> list[FlowKey
         return gone
     flows_of = {pid: list(owners[pid]) for pid in held}
     tcp_count = sum(k.proto == "tcp" for fl in flows_of.values() for k in fl)
-    if tcp_count <= EXACT_LOOKUPS_MAX:  # few flows: exact lookups, and the UDP tables only if needed
+    if lookups_cheaper(tcp_count):  # exact lookups, and the UDP tables only if needed
         try:
             exact = {pid: _tcp_unowned([k for k in fl if k.proto == "tcp"], held[pid]) for pid, fl in flows_of.items()}
         except OSError:

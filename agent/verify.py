@@ -1,6 +1,7 @@
 """`tensorlane verify`: capture on the wire and check each registered flow's DSCP and queue.
 
-The DSCP is read from captured packets (scapy, on the managed interface, after the qdisc). The queue is checked
+The DSCP is read from captured packets (scapy, on the managed interface, after the qdisc, through a raw packet
+socket: no libpcap or tcpdump, so it runs on a minimal host). The queue is checked
 through the class counters: each level's class must have sent at least the bytes the capture saw for that
 level's flows during the window. Usage: ``report = verify("/run/tensorlane/agent.sock", seconds=5)``
 """
@@ -54,8 +55,9 @@ def verify(socket_path: str, seconds: float, interface: str | None = None) -> di
                 d = _dscp(pkt)
                 s["dscp"][d] = s["dscp"].get(d, 0) + 1
 
-        sniff(iface=iface, timeout=seconds, prn=on_packet, store=False,
-              filter="ip or ip6")
+        # No BPF filter: scapy compiles one through libpcap, which a minimal host lacks; ``_key`` skips what is not
+        # IP (ARP, LLDP: a few frames), so the capture needs only a raw packet socket.
+        sniff(iface=iface, timeout=seconds, prn=on_packet, store=False)
         after = agent.status()
     dscp_of = {c["level"]: c.get("dscp") for c in before["classes"]}
     class_of = {c["level"]: c["class"] for c in before["classes"]}

@@ -238,3 +238,23 @@ def test_sock_diag_finds_a_tcp_socket_by_its_5_tuple():
                 assert diag.tcp("127.0.0.1", sport6, "127.0.0.1", port) == (1, os.fstat(c6.fileno()).st_ino)
                 assert diag.tcp("127.0.0.1", sport, "127.0.0.2", port) is None
     diag.close()
+
+
+def test_sweep_chooses_lookups_by_the_namespaces_socket_count(monkeypatch):
+    """``tcp_rows`` counts this namespace's TCP sockets (sockstat, no table walk); beyond EXACT_LOOKUPS_MAX flows
+    the exact lookups are kept while the tables hold ROWS_PER_LOOKUP rows per flow, so that on a busy host the
+    sweep's cost follows the registered flows, not the host's sockets."""
+    from tensorlane.agent import ownership
+
+    before = ownership.tcp_rows()
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        pairs = [(socket.create_connection(srv.getsockname()), srv.accept()[0]) for _ in range(50)]
+        assert ownership.tcp_rows() >= before + 50  # 100 opened: slack for other processes here
+        for c, s in pairs:
+            c.close()
+            s.close()
+    assert ownership.lookups_cheaper(ownership.EXACT_LOOKUPS_MAX)
+    monkeypatch.setattr(ownership, "tcp_rows", lambda proc="self": 20000)
+    assert ownership.lookups_cheaper(20000 // ownership.ROWS_PER_LOOKUP)
+    monkeypatch.setattr(ownership, "tcp_rows", lambda proc="self": 300)
+    assert not ownership.lookups_cheaper(ownership.EXACT_LOOKUPS_MAX + 1)

@@ -7,20 +7,22 @@ network namespace, so a socket of another namespace is never found. Usage::
 
     diag = SockDiag()
     found = diag.tcp("198.18.0.1", 41000, "198.18.0.2", 29500)   # (state, inode) or None
+    many = diag.tcp_many([("198.18.0.1", 41000, "198.18.0.2", 29500), ...])   # batched, in order
 """
 from __future__ import annotations
 
 import errno
-import ipaddress
 import itertools
 import socket
 import struct
+from collections.abc import Iterator, Sequence
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
 NLM_F_REQUEST = 1
 NLMSG_ERROR = 2
 INET_DIAG_NOCOOKIE = 0xFFFFFFFF
+BATCH = 64  # requests per send: their answers (about 1 KiB each with overhead) fit the receive buffer
 _HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
 _REQ = struct.Struct("=BBBBI")  # inet_diag_req_v2 head: family, protocol, ext, pad, states
 _ID = struct.Struct(">HH16s16s")  # inet_diag_sockid head: sport, dport (big-endian), src, dst
@@ -29,8 +31,32 @@ _MSG_STATE = _HDR.size + 1  # inet_diag_msg: family, state, ...
 _MSG_INODE = _HDR.size + 4 + 48 + 16  # ... after timer, retrans, the sockid, expires, rqueue, wqueue, uid
 
 
-def _addr16(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bytes:
-    return addr.packed.ljust(16, b"\0")
+def _request(seq: int, src: str, sport: int, dst: str, dport: int) -> bytes:
+    """One exact SOCK_DIAG_BY_FAMILY request (TCP, any state) for a 5-tuple of address strings."""
+    family = socket.AF_INET6 if ":" in src else socket.AF_INET
+    body = (_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF)
+            + _ID.pack(sport, dport, socket.inet_pton(family, src), socket.inet_pton(family, dst))
+            + _ID_TAIL.pack(0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE))
+    return _HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq, 0) + body
+
+
+def _answers(data: bytes) -> Iterator[tuple[int, tuple[int, int] | None]]:
+    """``(seq, (state, inode) or None)`` of each netlink message in ``data``; OSError for a kernel error other
+    than "no such socket" or an unexpected message."""
+    pos = 0
+    while pos + _HDR.size <= len(data):
+        length, kind, _flags, seq, _pid = _HDR.unpack_from(data, pos)
+        msg = data[pos:pos + length]
+        pos += max(_HDR.size, (length + 3) & ~3)
+        if kind == NLMSG_ERROR:
+            code = -struct.unpack_from("=i", msg, _HDR.size)[0]
+            if code not in (errno.ENOENT, 0):
+                raise OSError(code, f"sock_diag: {errno.errorcode.get(code, code)}")
+            yield seq, None
+        elif kind != SOCK_DIAG_BY_FAMILY or length < _MSG_INODE + 4:
+            raise OSError(errno.EPROTO, f"sock_diag: unexpected answer type {kind}")
+        else:
+            yield seq, (msg[_MSG_STATE], struct.unpack_from("=I", msg, _MSG_INODE)[0])
 
 
 class SockDiag:
@@ -52,33 +78,36 @@ class SockDiag:
         """``(state, inode)`` of the TCP socket whose local end is ``src:sport`` and remote end ``dst:dport``, or
         None if this namespace has none. An IPv4 flow is also looked for as a dual-stack (v4-mapped) socket.
         Raises OSError when the kernel cannot answer (no sock_diag): the caller falls back to the tables."""
-        s, d = ipaddress.ip_address(src), ipaddress.ip_address(dst)
-        found = self._lookup(socket.AF_INET if s.version == 4 else socket.AF_INET6, s, sport, d, dport)
-        if found is None and s.version == 4:
-            s6, d6 = (ipaddress.IPv6Address("::ffff:" + str(a)) for a in (s, d))
-            found = self._lookup(socket.AF_INET6, s6, sport, d6, dport)
+        return self.tcp_many([(src, sport, dst, dport)])[0]
+
+    def tcp_many(self, flows: Sequence[tuple[str, int, str, int]]) -> list[tuple[int, int] | None]:
+        """``tcp`` for each ``(src, sport, dst, dport)`` of ``flows``, in order: up to ``BATCH`` requests go out in
+        one send and their answers are matched by sequence number (a sweep of hundreds of flows makes a few
+        system calls per flow less). Usage: ``diag.tcp_many([("10.0.0.1", 41000, "10.0.0.2", 29500)])``"""
+        found = self._lookup_many(flows)
+        retry = [i for i, f in enumerate(found) if f is None and ":" not in flows[i][0]]
+        if retry:
+            mapped = [(f"::ffff:{s}", sport, f"::ffff:{d}", dport) for s, sport, d, dport in (flows[i] for i in retry)]
+            for i, f in zip(retry, self._lookup_many(mapped), strict=True):
+                found[i] = f
         return found
 
-    def _lookup(self, family: int, src, sport: int, dst, dport: int) -> tuple[int, int] | None:
-        seq = next(self._seq)
-        body = (_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF)
-                + _ID.pack(sport, dport, _addr16(src), _addr16(dst))
-                + _ID_TAIL.pack(0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE))
+    def _lookup_many(self, addrs: Sequence[tuple[str, int, str, int]]) -> list[tuple[int, int] | None]:
+        out: list[tuple[int, int] | None] = [None] * len(addrs)
         sock = self._socket()
-        sock.send(_HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq, 0) + body)
-        while True:
-            data = sock.recv(65536)
-            length, kind, _flags, got_seq, _pid = _HDR.unpack_from(data)
-            if got_seq != seq:  # a late answer to an earlier request that timed out
-                continue
-            if kind == NLMSG_ERROR:
-                code = -struct.unpack_from("=i", data, _HDR.size)[0]
-                if code in (errno.ENOENT, 0):
-                    return None
-                raise OSError(code, f"sock_diag: {errno.errorcode.get(code, code)}")
-            if kind != SOCK_DIAG_BY_FAMILY or length < _MSG_INODE + 4:
-                raise OSError(errno.EPROTO, f"sock_diag: unexpected answer type {kind}")
-            return data[_MSG_STATE], struct.unpack_from("=I", data, _MSG_INODE)[0]
+        for first in range(0, len(addrs), BATCH):
+            waiting: dict[int, int] = {}
+            requests = []
+            for i in range(first, min(first + BATCH, len(addrs))):
+                seq = next(self._seq)
+                waiting[seq] = i
+                requests.append(_request(seq, *addrs[i]))
+            sock.send(b"".join(requests))
+            while waiting:
+                for seq, result in _answers(sock.recv(65536)):
+                    if seq in waiting:  # else a late answer to an earlier request that timed out
+                        out[waiting.pop(seq)] = result
+        return out
 
     def close(self) -> None:
         if self._sock is not None:

@@ -17,8 +17,14 @@ unshare --net -- sh -c '
     done
     nft add table inet tensorlane_probe >/dev/null 2>&1 && echo "nftables yes"
 ' 2>&1 | sed 's/^unshare: /probe_error unshare: /'
-if v=$("$python" -c 'import sys, venv, ensurepip; print(sys.version.split()[0]); sys.exit(sys.version_info < (3, 11))' 2>&1)
-then echo "python $v"; else echo "python_error $v" | tr '\n' ' '; echo; fi
+# The agent reads its config with tomllib (Python 3.11); the role builds its virtualenv with venv and ensurepip.
+if ! v=$("$python" -c 'import sys; print(sys.version.split()[0])' 2>&1); then
+    echo "python_error cannot run it: $v" | tr '\n' ' '; echo
+elif ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo "python_error it is Python $v, older than 3.11 (the agent needs tomllib)"
+elif ! e=$("$python" -c 'import venv, ensurepip' 2>&1); then
+    echo "python_error Python $v lacks venv or ensurepip: $e" | tr '\n' ' '; echo
+else echo "python $v"; fi
 if [ -n "$group" ]; then
     if getent group "$group" >/dev/null; then echo "group ok"; else echo "group_error no group $group"; fi
 fi
