@@ -298,7 +298,22 @@ def rows_control_plane(d: dict) -> list[Row]:
             row = Row("control-plane", f"iperf3 through the host queue, {label} vs 0", fmt_bps(f.get("throughput_bps")),
                       f"0 flows {fmt_bps(zero.get('throughput_bps'))}", fmt_x(f.get("throughput_ratio")))
             rows.append(judged(row, f.get("throughput_ratio"), ">=", 0.90) if size == "10000" else row)
-    return rows
+    return rows + rows_busy_host(d.get("busy_host"))
+
+
+def rows_busy_host(b) -> list[Row]:
+    """The busy host (issue 15): agent CPU (target <= 5 % of a core) and register p99 (<= 5 ms) with 20,000
+    sockets open and 8 owners; no row when the run did not include it."""
+    if not isinstance(b, dict):
+        return []
+    setup = f"{b.get('sockets', '-'):,} sockets, {b.get('owners', '-')} owners" if isinstance(
+        b.get("sockets"), int) else "busy host"
+    cpu = num(b.get("agent_cpu_ratio"))
+    row = Row("control-plane", f"agent CPU, {setup}", "-" if cpu is None else f"{100 * cpu:.1f} % of a core",
+              f"over {b.get('window_s', '-')} s")
+    p99 = Row("control-plane", f"register p99, {setup}", fmt_ms(b.get("register_p99_ms")),
+              f"same host without the sockets {fmt_ms(b.get('quiet_register_p99_ms'))}")
+    return [judged(row, cpu, "<=", 0.05), judged(p99, b.get("register_p99_ms"), "<=", 5, " ms")]
 
 
 def _int(text) -> int | None:

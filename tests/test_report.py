@@ -334,3 +334,13 @@ def test_priority_dependency_bound_recorded_or_derived(tmp_path):
     for prof, (ps, cs) in {"resnet50": (5.0, 10.416), "vgg16": (30.0, 2.484), "bert_base": (23.0, 3.55)}.items():
         b = dependency_bound(prof, 2, 200e6, ps, cs)
         assert b["lower_bound_dep_s"] >= max(b["plain_s"], b["first_layer_s"]) - 1e-12
+
+
+def test_busy_host_rows():
+    """``busy_host`` (issue 15) adds two judged rows to control-plane's; a file without it adds none."""
+    busy = {"sockets": 20000, "owners": 8, "window_s": 60, "agent_cpu_ratio": 0.07, "register_p99_ms": 3.2,
+            "quiet_register_p99_ms": 2.9}
+    cpu, p99 = report.rows_busy_host(busy)
+    assert "20,000 sockets, 8 owners" in cpu.figure and cpu.ours == "7.0 % of a core" and cpu.missed
+    assert p99.ours == "3.20 ms" and p99.result == "met"
+    assert report.rows_busy_host(None) == [] and len(report.rows_control_plane({"busy_host": busy})) >= 2
