@@ -288,8 +288,9 @@ from pyroute2 import IPRoute
 from tensorlane.agent.kernel import tcstats
 from tensorlane.agent.kernel.qdisc import HtbBackend
 
-subprocess.run("ip link add tl0 type veth peer name tl1 && ip link set tl1 up && ip link set tl0 up", shell=True,
-               check=True)
+# no IPv6 on the pair: its neighbour discovery and MLD packets would go through the default class too
+subprocess.run("ip link add tl0 type veth peer name tl1 && sysctl -qw net.ipv6.conf.tl0.disable_ipv6=1 "
+               "net.ipv6.conf.tl1.disable_ipv6=1 && ip link set tl1 up && ip link set tl0 up", shell=True, check=True)
 with IPRoute() as ipr:
     index = ipr.link_lookup(ifname="tl0")[0]
     HtbBackend(3, 200_000_000).apply(ipr, index)
