@@ -144,12 +144,16 @@ def _unowned(flows: Iterable[FlowKey], sockets: list[Socket]) -> list[FlowKey]:
     return [k for k in flows if not _owns(k, index.get((k.proto, k.sport), ()))]
 
 
-def _tcp_unowned(flows: list[FlowKey], inodes: set[int]) -> list[FlowKey]:
-    """TCP flows not held by a socket among ``inodes``, by one exact sock_diag lookup each, sent in batches (raises
-    OSError when the kernel cannot answer)."""
-    found = _DIAG.tcp_many([(k.src, k.sport, k.dst, k.dport) for k in flows]) if flows else []
-    return [k for k, f in zip(flows, found, strict=True)
-            if f is None or f[0] != TCP_ESTABLISHED or f[1] not in inodes]
+def _tcp_unowned(flows_of: Mapping[int, list[FlowKey]], held: Mapping[int, set[int]]) -> dict[int, list[FlowKey]]:
+    """For each pid of ``flows_of``, its TCP flows not held by a socket among ``held[pid]``: one exact sock_diag
+    lookup per flow, all owners' lookups sent together in batches (raises OSError when the kernel cannot answer)."""
+    pairs = [(pid, k) for pid, fl in flows_of.items() for k in fl if k.proto == "tcp"]
+    found = _DIAG.tcp_many([(k.src, k.sport, k.dst, k.dport) for _, k in pairs]) if pairs else []
+    out: dict[int, list[FlowKey]] = {pid: [] for pid in flows_of}
+    for (pid, k), f in zip(pairs, found, strict=True):
+        if f is None or f[0] != TCP_ESTABLISHED or f[1] not in held[pid]:
+            out[pid].append(k)
+    return out
 
 
 def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | None = None) -> list[FlowKey]:
@@ -166,7 +170,7 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
         tcp = [k for k in flows if k.proto == "tcp"]
         if tcp and lookups_cheaper(len(tcp)):
             try:
-                foreign = _tcp_unowned(tcp, inodes)
+                foreign = _tcp_unowned({pid: tcp}, {pid: inodes})[pid]
             except OSError:  # no sock_diag here: read the tables
                 pass
             else:
@@ -197,7 +201,7 @@ def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]]) -> list[FlowKey
     tcp_count = sum(k.proto == "tcp" for fl in flows_of.values() for k in fl)
     if lookups_cheaper(tcp_count):  # exact lookups, and the UDP tables only if needed
         try:
-            exact = {pid: _tcp_unowned([k for k in fl if k.proto == "tcp"], held[pid]) for pid, fl in flows_of.items()}
+            exact = _tcp_unowned(flows_of, held)
         except OSError:
             pass
         else:
