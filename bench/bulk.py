@@ -21,8 +21,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from bench.workers import REPO_ROOT, repo_env, stop_process
-from tensorlane.client import AgentClient, AgentError, AgentUnavailable
+from bench.workers import REPO_ROOT, register_flows, repo_env, stop_process, unregister_flows
 from tensorlane.flows import own_tcp_flows
 
 DEFAULT_PORT = 5301
@@ -296,12 +295,7 @@ def send(dst: str, port: int, nbytes: int, agent_socket: str | None = None, job:
         sport = sock.getsockname()[1]
         flows = [f for f in own_tcp_flows(remote_filter=dst) if (f["sport"], f["dport"]) == (sport, port)]
         if agent_socket:
-            try:
-                with AgentClient(agent_socket) as agent:
-                    agent.register(job, level=level, flows=flows)
-                registered = True
-            except (AgentUnavailable, AgentError) as exc:
-                error = str(exc)
+            registered, error = register_flows(agent_socket, job, level, flows)
         block = memoryview(b"\0" * (1 << 20))
         t0 = time.perf_counter()
         for start in range(0, nbytes, len(block)):
@@ -309,8 +303,7 @@ def send(dst: str, port: int, nbytes: int, agent_socket: str | None = None, job:
         ack = sock.recv(1)
         seconds = time.perf_counter() - t0
         if registered:
-            with contextlib.suppress(Exception), AgentClient(agent_socket) as agent:
-                agent.unregister(job, flows=flows)
+            unregister_flows(agent_socket, job, flows)
     return {"flows": flows, "registered": registered, "agent_error": error, "bytes": nbytes, "acked": ack == b"k",
             "seconds": seconds, "goodput_bps": nbytes * 8 / seconds if seconds > 0 else None}
 

@@ -88,7 +88,7 @@ import sys
 import time
 from datetime import timedelta
 
-from bench.workers import jsonable, use_interface, write_json
+from bench.workers import jsonable, register_flows, unregister_flows, use_interface, write_json
 
 MB = 1024 * 1024
 
@@ -194,38 +194,6 @@ def job_flows(before: list[dict], master_port: int, keep_store: bool = False) ->
             if keep_store or master_port not in (f["dport"], f["sport"])]
 
 
-def register_flows(socket_path: str, job: str, level: int, rank: int, flows: list[dict]) -> tuple[bool, str | None]:
-    """Register ``flows`` with the agent; never raises (training goes on without the agent).
-
-    Returns ``(registered, error)``. Usage: ``ok, err = register_flows(sock, "demo", 0, args.rank, flows)``
-    """
-    from tensorlane.client import AgentClient, AgentError, AgentUnavailable
-
-    if not flows:
-        return False, "no flows found"
-    try:
-        with AgentClient(socket_path) as agent:
-            agent.register(job, level=level, flows=flows, rank=rank)
-        return True, None
-    except AgentUnavailable as exc:
-        _warn(f"agent unavailable, flows not prioritised: {exc}")
-        return False, str(exc)
-    except AgentError as exc:
-        _warn(f"agent refused the flows: {exc}")
-        return False, str(exc)
-
-
-def unregister_flows(socket_path: str, job: str, flows: list[dict]) -> None:
-    """Unregister ``flows`` of ``job`` from the agent; never raises (a failure is warned about)."""
-    from tensorlane.client import AgentClient, AgentError, AgentUnavailable
-
-    try:
-        with AgentClient(socket_path) as agent:
-            agent.unregister(job, flows=flows)
-    except (AgentUnavailable, AgentError) as exc:
-        _warn(f"could not unregister the flows: {exc}")
-
-
 # ---------------------------------------------------------------------------------------------------- allreduce
 
 def allreduce_args(argv=None) -> argparse.Namespace:
@@ -294,12 +262,12 @@ def allreduce_main(argv=None) -> int:
     flows = job_flows(before, args.master[1], keep_store=args.world == 1)
     registered, agent_error = False, None
     if args.agent_socket:
-        registered, agent_error = register_flows(args.agent_socket, args.job, args.level, args.rank, flows)
+        registered, agent_error = register_flows(args.agent_socket, args.job, args.level, flows, args.rank, _warn)
     try:
         local, collective = _timed(allreduce, args.iters)
     finally:
         if registered:
-            unregister_flows(args.agent_socket, args.job, flows)
+            unregister_flows(args.agent_socket, args.job, flows, _warn)
     dist.destroy_process_group()
     result = {
         "rank": args.rank, "world": args.world, "size_bytes": numel * 4, "groups": args.groups,
@@ -638,7 +606,7 @@ class TrainingWorker:
             return
         self.ddp_flows = job_flows(self.before, args.master[1])
         self.ddp_registered, self.agent_error = register_flows(args.agent_socket, args.job, args.ddp_level,
-                                                               args.rank, self.ddp_flows)
+                                                               self.ddp_flows, args.rank, _warn)
 
     def timed(self, net, opt, handle, rec: dict) -> None:
         """After a barrier, ``iters + 1`` iterations back to back; their start-to-start times go to ``rec``."""
@@ -697,7 +665,7 @@ class TrainingWorker:
                     self.run_mode(mode)
         finally:
             if self.ddp_registered:
-                unregister_flows(self.args.agent_socket, self.args.job, self.ddp_flows)
+                unregister_flows(self.args.agent_socket, self.args.job, self.ddp_flows, _warn)
 
     def mode_summary(self, mode: str) -> dict:
         """One mode's figures in the JSON (``modes[mode]``)."""

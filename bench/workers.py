@@ -13,6 +13,8 @@ import subprocess
 import sys
 import tempfile
 
+from tensorlane.client import AgentClient, AgentError, AgentUnavailable
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -256,3 +258,36 @@ def jsonable(obj):
 def ratio(a: float | None, b: float | None) -> float | None:
     """``a / b``, or None when either is missing or ``b`` is zero (a figure that could not be measured)."""
     return None if a is None or not b else a / b
+
+
+def register_flows(socket_path: str, job: str, level: int, flows: list[dict], rank: int | None = None,
+                   warn=None) -> tuple[bool, str | None]:
+    """Register ``flows`` of ``job`` at ``level`` with the agent; never raises (the workload goes on without the
+    agent). Returns ``(registered, error)``; ``warn(text)``, when given, is told why it failed.
+
+    Usage: ``ok, err = register_flows(sock, "demo", 0, flows, rank=0, warn=print)``
+    """
+    if not flows:
+        return False, "no flows found"
+    try:
+        with AgentClient(socket_path) as agent:
+            agent.register(job, level=level, flows=flows, rank=rank)
+        return True, None
+    except AgentUnavailable as exc:
+        if warn:
+            warn(f"agent unavailable, flows not prioritised: {exc}")
+        return False, str(exc)
+    except AgentError as exc:
+        if warn:
+            warn(f"agent refused the flows: {exc}")
+        return False, str(exc)
+
+
+def unregister_flows(socket_path: str, job: str, flows: list[dict], warn=None) -> None:
+    """Unregister ``flows`` of ``job`` from the agent; never raises (``warn(text)``, when given, hears a failure)."""
+    try:
+        with AgentClient(socket_path) as agent:
+            agent.unregister(job, flows=flows)
+    except (AgentUnavailable, AgentError) as exc:
+        if warn:
+            warn(f"could not unregister the flows: {exc}")
