@@ -43,6 +43,23 @@ def test_probe_finds_what_this_kernel_has():
     assert {"htb", "pfifo"} <= found  # the brief's measured facts for these machines; prio is absent here
 
 
+@pytest.mark.netns
+def test_probe_removes_namespaces_of_dead_probers():
+    """A probe namespace left by an agent killed while probing goes at the next probe; a live one's stays."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its PID now names no process
+    stale, live = f"{detect.PROBE_PREFIX}{dead.pid}", f"{detect.PROBE_PREFIX}1"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    subprocess.run(["ip", "netns", "add", live], check=True)
+    try:
+        detect.probe_qdiscs(("pfifo",))
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split()
+        assert stale not in names and live in names
+    finally:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 def test_prio_backend_requests():
     ipr, backend = RecordingIPRoute(), PrioBackend(levels=3)
     backend.apply(ipr, 7)

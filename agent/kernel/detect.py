@@ -13,9 +13,29 @@ from pyroute2 import IPRoute, netns
 _PROBE_ARGS = {"htb": {"default": 0x10}, "prio": {"bands": 3, "priomap": [1] * 16}, "pfifo": {"limit": 10}}
 
 
+PROBE_PREFIX = "tlprobe"
+NETNS_DIR = Path("/run/netns")
+
+
+def remove_stale_probes() -> list[str]:
+    """Remove the probe namespaces of agents that died while probing (SIGKILL in that window leaves
+    ``tlprobe<PID>`` behind): those whose PID no longer runs. Returns their names."""
+    stale = []
+    for path in NETNS_DIR.glob(f"{PROBE_PREFIX}*"):
+        pid = path.name[len(PROBE_PREFIX):]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            try:
+                netns.remove(path.name)
+                stale.append(path.name)
+            except OSError:  # removed by someone else meanwhile
+                continue
+    return stale
+
+
 def probe_qdiscs(kinds: tuple[str, ...] = ("prio", "htb", "pfifo")) -> set[str]:
-    """Return the subset of ``kinds`` that this kernel can instantiate."""
-    name = f"tlprobe{os.getpid()}"
+    """Return the subset of ``kinds`` that this kernel can instantiate (stale probe namespaces removed first)."""
+    remove_stale_probes()
+    name = f"{PROBE_PREFIX}{os.getpid()}"
     found: set[str] = set()
     netns.create(name)
     try:
