@@ -84,22 +84,33 @@ class AgentClient:
         self.connect()
         rid = next(self._ids)
         line = json.dumps({"op": op, "id": rid, **fields}, separators=(",", ":")).encode() + b"\n"
+        send_error = None
         try:
             self._sock.sendall(line)
-            while b"\n" not in self._buf:
-                chunk = self._sock.recv(65536)
-                if not chunk:
-                    raise OSError("agent closed the connection")
-                self._buf += chunk
         except OSError as exc:
-            self.close()
-            raise AgentUnavailable(f"agent at {self.path}: {exc}") from None
+            # The agent may refuse a connection (forbidden, busy, user_limit) and close it before this request
+            # is written: its error line is then already here to read, and says more than "Broken pipe".
+            send_error = exc
+        self._read_line(send_error)
         reply_line, self._buf = self._buf.split(b"\n", 1)
         reply = json.loads(reply_line)
         if not reply.get("ok"):
             err = reply.get("error") or {}
             raise AgentError(err.get("code", "error"), err.get("message", "unknown error"))
         return reply["result"]
+
+    def _read_line(self, send_error: OSError | None) -> None:
+        """Read until ``self._buf`` holds a whole reply line, or raise AgentUnavailable (with ``send_error`` when
+        sending failed and the agent left no line)."""
+        try:
+            while b"\n" not in self._buf:
+                chunk = self._sock.recv(65536)
+                if not chunk:
+                    raise send_error or OSError("agent closed the connection")
+                self._buf += chunk
+        except OSError as exc:
+            self.close()
+            raise AgentUnavailable(f"agent at {self.path}: {send_error or exc}") from None
 
     def register(self, job: str, level: int, flows: list[dict], rank: int | None = None) -> dict:
         """Register ``flows`` (dicts with proto, src, sport, dst, dport) of ``job`` at ``level``."""

@@ -78,7 +78,7 @@ def test_unknown_users_are_refused_by_peer_credentials(agent):
 
     reply, pid = in_child(as_daemon_user, uid=1)  # uid 1 (daemon) is not allowed
     os.waitpid(pid, 0)
-    assert reply["ok"] is False and reply["error"]["code"] == "forbidden", reply
+    assert reply.get("ok") is False and reply["error"]["code"] == "forbidden", reply
     assert "not allowed" in reply["error"]["message"]
 
 

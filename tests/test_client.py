@@ -1,0 +1,56 @@
+"""The agent client (tensorlane/client.py) against a plain Unix listener: a connection the agent refuses and
+closes before the request is written still raises the agent's error (forbidden, busy), not "Broken pipe"."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+
+import pytest
+
+from tensorlane.client import AgentClient, AgentError, AgentUnavailable
+
+
+def refusing_listener(path: str, line: bytes | None) -> threading.Thread:
+    """Accept one connection, send ``line`` (if any) and close it at once, as the agent's ``_refuse`` does."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+
+    def serve():
+        with srv:
+            conn, _ = srv.accept()
+            with conn:
+                if line is not None:
+                    conn.sendall(line)
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("code", ["forbidden", "busy"])
+def test_refusal_before_the_request_is_written(tmp_path, code):
+    path = str(tmp_path / "agent.sock")
+    line = json.dumps({"ok": False, "id": None, "error": {"code": code, "message": f"{code} for test"}}).encode()
+    server = refusing_listener(path, line + b"\n")
+    client = AgentClient(path, timeout=2.0).connect()
+    server.join(2.0)  # the listener has sent its line and closed: the request's write now fails (EPIPE)
+    assert not server.is_alive()
+    with pytest.raises(AgentError) as err:
+        client.request("status")
+    assert err.value.code == code and f"{code} for test" in str(err.value)
+
+
+def test_close_without_a_line_is_unavailable(tmp_path):
+    path = str(tmp_path / "agent.sock")
+    server = refusing_listener(path, None)
+    client = AgentClient(path, timeout=2.0).connect()
+    server.join(2.0)
+    with pytest.raises(AgentUnavailable, match=str(path)):
+        client.request("status")
+
+
+def test_no_agent_is_unavailable(tmp_path):
+    with pytest.raises(AgentUnavailable, match="no agent at"):
+        AgentClient(os.fspath(tmp_path / "absent.sock")).connect()
