@@ -75,8 +75,8 @@ class Api:
             observe(op, outcome, 0.0)
 
     def _op_hello(self, req, peer) -> dict:
-        """Who answers: version, interface, levels, and an id of this agent's run."""
-        return {"version": VERSION, "interface": self.cfg.interface, "levels": self.cfg.levels,
+        """Who answers: version, managed interfaces, levels, and an id of this agent's run."""
+        return {"version": VERSION, "interfaces": list(self.rec.interfaces), "levels": self.cfg.levels,
                 "instance": self.instance}
 
     def _push(self, added: list, moved: list, removed: list) -> None:
@@ -155,38 +155,70 @@ class Api:
         return {"job": req.job, "levels": len(req.counters), "counted_as": counted_as}
 
     def _op_list(self, req, peer) -> dict:
-        """The registered flows (of one job, if given), with their effective levels."""
+        """The registered flows (of one job, if given), with their effective levels and the managed interface
+        each leaves through now ("" when it is routed through none: such a flow is not prioritised)."""
         level_of = self.table.level_of
-        flows = [{**k.as_dict(), "job": e.job, "level": level_of(e), "requested_level": e.level, "rank": e.rank}
-                 for k, e in sorted(self.table.flows.items()) if req.job is None or e.job == req.job]
+        chosen = [(k, e) for k, e in sorted(self.table.flows.items()) if req.job is None or e.job == req.job]
+        egress = self.rec.egress([k for k, _ in chosen])
+        flows = [{**k.as_dict(), "job": e.job, "level": level_of(e), "requested_level": e.level, "rank": e.rank,
+                  "interface": egress[k]} for k, e in chosen]
         return {"flows": flows}
 
     def _op_status(self, req, peer) -> dict:
-        """The agent, its classes with their kernel counters, flows, jobs and reconcile counters."""
+        """The agent; per managed interface its queue devices and flows; per device its classes' kernel
+        counters; per level those counters summed over the devices, with flows and marks; jobs; reconciling."""
         from tensorlane.agent.kernel import (
             tcstats,  # local: status is rare, keep the hot path lean
         )
 
-        classes = tcstats.class_stats(self.rec.ipr, self.rec.ifindex)
+        devices = [{"device": d.name, "serves": d.serves, "link_rate_bps": getattr(d.backend, "rate", None),
+                    "classes": self._device_classes(tcstats.class_stats(self.rec.ipr, d.index))}
+                   for d in self.rec.devices]
+        rates = [d["link_rate_bps"] for d in devices]
+        return {
+            "version": VERSION, "interfaces": self._interfaces(), "backend": self.backend,
+            "link_rate_bps": sum(rates) if all(rates) else None, "uptime_s": round(time.time() - self.started, 3),
+            "flows": len(self.table.flows), "jobs": self.table.jobs(), "job_policy": self.jobs.describe(),
+            "classes": self._levels(devices), "devices": devices,
+            "reconcile": {"passes": self.rec.stats.passes, "repairs": self.rec.stats.repairs,
+                          "errors": self.rec.stats.errors, "last_error": self.rec.stats.last_error},
+        }
+
+    def _device_classes(self, stats: dict[int, dict]) -> list[dict]:
+        """One device's leaf classes with their kernel counters."""
+        return [{"level": spec.level, "class": fmt_handle(spec.classid), "prio": spec.prio,
+                 **stats.get(spec.classid, {})} for spec in self.rec.backend.leaves()]
+
+    def _interfaces(self) -> list[dict]:
+        """Each managed interface, the devices that carry its queues and how many flows leave through it now;
+        flows routed through none of them are counted under the name ""."""
+        egress = self.rec.egress(list(self.table.flows))
+        counts: dict[str, int] = {}
+        for name in egress.values():
+            counts[name] = counts.get(name, 0) + 1
+        out = [{"name": name, "queues": [d.name for d in self.rec.devices if d.serves == name],
+                "flows": counts.get(name, 0)} for name in self.rec.interfaces]
+        if counts.get(""):
+            out.append({"name": "", "queues": [], "flows": counts[""]})
+        return out
+
+    def _levels(self, devices: list[dict]) -> list[dict]:
+        """Per leaf class: its counters summed over the devices (token buckets only with one device), the
+        level's DSCP, registered flows and what its nftables chain marked."""
         marks = self.rec.counters()
         by_level = self.table.by_level()
         levels = []
-        for spec in self.rec.backend.leaves():
-            stats = classes.get(spec.classid, {})
-            entry = {"level": spec.level, "class": fmt_handle(spec.classid), "prio": spec.prio, **stats}
+        for i, spec in enumerate(self.rec.backend.leaves()):
+            rows = [d["classes"][i] for d in devices]
+            entry = dict(rows[0]) if len(rows) == 1 else {
+                **{k: rows[0][k] for k in ("level", "class", "prio")},
+                **{k: sum(r.get(k, 0) for r in rows) for k in _summed_keys(rows)}}
             if spec.level is not None:
                 entry |= {"dscp": self.cfg.dscp[spec.level], "flows": len(by_level[spec.level]),
                           "marked_bytes": marks.get(spec.level, {}).get("bytes", 0),
                           "marked_packets": marks.get(spec.level, {}).get("packets", 0)}
             levels.append(entry)
-        return {
-            "version": VERSION, "interface": self.cfg.interface, "backend": self.backend,
-            "link_rate_bps": getattr(self.rec.backend, "rate", None), "uptime_s": round(time.time() - self.started, 3),
-            "flows": len(self.table.flows), "jobs": self.table.jobs(), "job_policy": self.jobs.describe(),
-            "classes": levels,
-            "reconcile": {"passes": self.rec.stats.passes, "repairs": self.rec.stats.repairs,
-                          "errors": self.rec.stats.errors, "last_error": self.rec.stats.last_error},
-        }
+        return levels
 
     def drop_owner(self, pid: int) -> int:
         """The process ``pid`` exited: remove the flows it owned. Returns how many."""
@@ -210,3 +242,9 @@ class Api:
             self.record("socket_closed", "removed")
             log.info("removed %d flows whose sockets were closed", len(gone))
         return len(gone)
+
+
+def _summed_keys(rows: list[dict]) -> list[str]:
+    """The counters of class rows that add up over devices (token buckets do not)."""
+    keys = {k for r in rows for k in r} - {"level", "class", "prio", "tokens", "ctokens"}
+    return sorted(keys)

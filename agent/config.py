@@ -4,6 +4,7 @@ Every error names the field it is about. Usage: ``cfg = load_config("/etc/tensor
 """
 from __future__ import annotations
 
+import ipaddress
 import re
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
@@ -45,12 +46,13 @@ class Config:
     ``link_rate_bps``).
     """
 
-    interface: str
+    interfaces: tuple[str, ...] = ()  # empty: those routed to training_subnets (TOML: also ``interface = "eth0"``)
+    training_subnets: tuple[str, ...] = ()
     socket: str = DEFAULT_SOCKET
     socket_mode: int = 0o660
     metrics_address: str = "127.0.0.1:9477"
     backend: str = "auto"
-    link_rate_bps: int | None = field(default=None, metadata={"key": "link_rate"})
+    link_rate_bps: int | dict | None = field(default=None, metadata={"key": "link_rate"})  # or {device: bits/s}
     levels: int = 4
     dscp: tuple[int, ...] = field(default_factory=lambda: dscp_table(Config.levels))  # the default levels' table
     take_over_root: bool = False
@@ -75,12 +77,21 @@ class Config:
     requests_per_user_per_s: float = 200.0
     idle_timeout_s: float = 60.0
 
+    def rate_of(self, *devices: str) -> int | None:
+        """The configured link rate of the first of ``devices`` that has one (a queue device, then the interface
+        it serves); None when the config gives none (the driver's speed is used)."""
+        if not isinstance(self.link_rate_bps, dict):
+            return self.link_rate_bps
+        return next((self.link_rate_bps[d] for d in devices if d in self.link_rate_bps), None)
+
 
 _KEYS = {f.metadata.get("key", f.name): f for f in fields(Config)}  # TOML key -> field
+ALIASES = {"interface": "interfaces"}  # TOML keys that set a field another way: ``interface = "eth0"``
+MAX_INTERFACES = 16
 
 
 def _default(key: str):
-    """The Config default of the setting ``key`` (a fresh one for a mutable default); None for ``interface``."""
+    """The Config default of the setting ``key`` (a fresh one for a mutable default)."""
     f = _KEYS[key]
     if f.default_factory is not MISSING:
         return f.default_factory()
@@ -178,9 +189,9 @@ def _check_keys(raw) -> None:
     """Refuse anything but a table of known settings."""
     if not isinstance(raw, dict):
         raise ConfigError("<root>", "expected a table of settings")
-    unknown = sorted(set(raw) - set(_KEYS))
+    unknown = sorted(set(raw) - set(_KEYS) - set(ALIASES))
     if unknown:
-        raise ConfigError(unknown[0], f"unknown setting (known: {', '.join(sorted(_KEYS))})")
+        raise ConfigError(unknown[0], f"unknown setting (known: {', '.join(sorted({*_KEYS, *ALIASES}))})")
 
 
 def _dscp(raw: dict, levels) -> tuple[int, ...]:
@@ -202,19 +213,71 @@ def _dscp(raw: dict, levels) -> tuple[int, ...]:
         raise ConfigError("dscp", str(exc)) from None
 
 
+def _ifname(name: str, value) -> str:
+    """A network interface name (1-15 characters, no '/', no spaces), or ConfigError about ``name``."""
+    if not isinstance(value, str) or not value or len(value) > 15 or "/" in value or value.split() != [value]:
+        raise ConfigError(name, f"expected a network interface name, got {value!r}")
+    return value
+
+
+def _subnets(raw: dict) -> tuple[str, ...]:
+    """``training_subnets``: networks in CIDR notation, normalised (``198.18.0.0/15``)."""
+    value = _want(raw, "training_subnets", list)
+    out = []
+    for net in value:
+        try:
+            out.append(str(ipaddress.ip_network(net, strict=False)))
+        except (TypeError, ValueError):
+            raise ConfigError("training_subnets", f"expected networks such as '10.0.0.0/8', got {net!r}") from None
+    return tuple(out)
+
+
+def _interfaces(raw: dict) -> dict:
+    """``interface`` (one), ``interfaces`` (a list, or "auto" with ``training_subnets``): which to manage."""
+    if "interface" in raw and "interfaces" in raw:
+        raise ConfigError("interface", "set either interface or interfaces, not both")
+    subnets = _subnets(raw)
+    if "interface" in raw:
+        names = (_ifname("interface", raw["interface"]),)
+    elif raw.get("interfaces") == "auto":
+        if not subnets:
+            raise ConfigError("interfaces", 'interfaces = "auto" needs training_subnets (the networks the training '
+                                            "traffic goes to): the agent manages every interface routed to them")
+        return {"interfaces": (), "training_subnets": subnets}
+    elif "interfaces" in raw:
+        value = raw["interfaces"]
+        if not isinstance(value, list) or not 1 <= len(value) <= MAX_INTERFACES:
+            raise ConfigError("interfaces", f'expected a list of 1..{MAX_INTERFACES} interface names or "auto", '
+                                            f"got {value!r}")
+        names = tuple(_ifname("interfaces", v) for v in value)
+        if len(set(names)) != len(names):
+            raise ConfigError("interfaces", f"an interface is named twice in {list(names)}")
+    else:
+        raise ConfigError("interface", 'required: the egress interface to manage (interface = "eth0"), several '
+                                       '(interfaces = ["eth0", "eth1"]), or interfaces = "auto" with '
+                                       "training_subnets")
+    if subnets:
+        raise ConfigError("training_subnets", 'only used with interfaces = "auto"')
+    return {"interfaces": names, "training_subnets": ()}
+
+
+def _link_rates(raw: dict) -> int | dict | None:
+    """``link_rate``: one rate for every device, or a table ``{device: rate}`` (absent devices: the driver's)."""
+    value = raw.get("link_rate")
+    if not isinstance(value, dict):
+        return None if value is None else parse_rate(value)
+    return {_ifname("link_rate", dev): parse_rate(rate) for dev, rate in value.items()}
+
+
 def _queues(raw: dict) -> dict:
-    """The interface and its queues: ``interface``, ``backend``, ``levels``, ``dscp``, ``link_rate``."""
-    iface = _want(raw, "interface", str)
-    if not iface or len(iface) > 15 or "/" in iface or iface.strip() != iface:
-        raise ConfigError("interface", f"expected a network interface name, got {iface!r}")
+    """The interfaces and their queues: ``interface(s)``, ``backend``, ``levels``, ``dscp``, ``link_rate``."""
+    ifaces = _interfaces(raw)
     backend = _want(raw, "backend", str)
     if backend not in BACKENDS:
         raise ConfigError("backend", f"expected one of {', '.join(BACKENDS)}, got {backend!r}")
     levels = _want(raw, "levels", int)
     table = _dscp(raw, levels)
-    link_rate = raw.get("link_rate")
-    return {"interface": iface, "backend": backend, "levels": levels, "dscp": table,
-            "link_rate_bps": None if link_rate is None else parse_rate(link_rate)}
+    return ifaces | {"backend": backend, "levels": levels, "dscp": table, "link_rate_bps": _link_rates(raw)}
 
 
 def _endpoints(raw: dict) -> dict:
@@ -287,5 +350,9 @@ def load_config(path: str, overrides: dict | None = None) -> Config:
         raise ConfigError("<file>", f"no config file at {path}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("<file>", f"{path} is not valid TOML: {exc}") from None
-    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if "interface" in overrides:  # the command line's one interface replaces the file's choice
+        for key in ("interfaces", "training_subnets"):
+            raw.pop(key, None)
+    raw.update(overrides)
     return from_dict(raw)

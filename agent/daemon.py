@@ -1,7 +1,8 @@
-"""The agent's life cycle: check everything, record the interface, take it over, serve, and give it back.
+"""The agent's life cycle: check everything, record each queue device, take them over, serve, give them back.
 
-Start-up refuses bad configuration before touching the kernel. The interface's previous tc tree is saved to the
-state directory before anything changes, so that SIGTERM (or a restarted agent after SIGKILL) restores it. The
+Start-up refuses bad configuration before touching the kernel (agent/kernel/links.py finds the interfaces and the
+devices that carry their queues). Each device's previous tc tree is saved to the state directory before it
+changes, so that SIGTERM (or a restarted agent after SIGKILL) restores it. The
 service manager is told when the agent is ready and, from each reconcile pass, that it is alive (agent/notify.py).
 Usage: ``sys.exit(run(load_config(path)))``
 """
@@ -13,16 +14,17 @@ import logging
 import os
 import signal
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from pyroute2 import IPRoute
 
 from tensorlane.agent.api import Api
 from tensorlane.agent.config import Config, ConfigError
-from tensorlane.agent.kernel import detect, snapshot
-from tensorlane.agent.kernel.qdisc import fmt_handle, make_backend
+from tensorlane.agent.kernel import detect, links, snapshot
+from tensorlane.agent.kernel.qdisc import MAJOR, fmt_handle, handle, make_backend
 from tensorlane.agent.notify import Notifier
-from tensorlane.agent.reconcile import Reconciler
+from tensorlane.agent.reconcile import Device, Reconciler
 from tensorlane.agent.server import Server
 from tensorlane.agent.state import FlowTable
 
@@ -33,76 +35,112 @@ class StartupError(RuntimeError):
     """The agent cannot start; nothing on the host was changed."""
 
 
-def state_path(cfg: Config) -> Path:
-    """The state file of ``cfg.interface``: the record of the tree the agent replaced."""
-    return Path(cfg.state_dir) / f"agent-{cfg.interface}.json"
+@dataclass
+class Takeover:
+    """A queue device the agent will manage: its tree's backend, the record of its previous tree, and whether
+    that tree was left by a previous agent of ours (adopted: nothing to delete first)."""
+
+    link: links.Link
+    serves: str  # the managed interface whose queues it carries (itself, or its bond)
+    backend: object
+    snap: snapshot.Snapshot
+    adopted: bool
+
+    def device(self) -> Device:
+        return Device(self.link.name, self.link.index, self.backend, self.serves)
 
 
-def _load_state(cfg: Config) -> dict | None:
-    """The state a previous agent left (None: none); a corrupt file stops the start."""
+def state_path(cfg: Config, device: str) -> Path:
+    """The state file of queue device ``device``: the record of the tree the agent replaced there."""
+    return Path(cfg.state_dir) / f"agent-{device}.json"
+
+
+def _load_state(cfg: Config, device: str) -> dict | None:
+    """The state a previous agent left for ``device`` (None: none); a corrupt file stops the start."""
+    path = state_path(cfg, device)
     try:
-        return json.loads(state_path(cfg).read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except ValueError as exc:
-        raise StartupError(f"state file {state_path(cfg)} is corrupt ({exc}); inspect it and remove it") from None
+        raise StartupError(f"state file {path} is corrupt ({exc}); inspect it and remove it") from None
 
 
-def _save_state(cfg: Config, state: dict) -> None:
+def _save_state(cfg: Config, device: str, state: dict) -> None:
     """Write the state file atomically (a temporary file, then a rename)."""
-    path = state_path(cfg)
+    path = state_path(cfg, device)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state))
     os.replace(tmp, path)
 
 
-def prepare(cfg: Config, ipr: IPRoute) -> tuple[object, int, snapshot.Snapshot, str]:
-    """All checks, no changes: returns (backend, ifindex, snapshot of the previous tree, backend kind)."""
-    found = ipr.link_lookup(ifname=cfg.interface)
-    if not found:
-        raise ConfigError("interface", f"no interface named {cfg.interface!r} in this network namespace")
-    ifindex = found[0]
+def _choose_kind(cfg: Config) -> str:
+    """The backend kind, one for every device (so that one flow map serves them all)."""
     try:
-        kind = detect.choose_backend(cfg.backend, detect.probe_qdiscs(("prio", "htb")),
+        return detect.choose_backend(cfg.backend, detect.probe_qdiscs(("prio", "htb")),
                                      cfg.link_rate_bps is not None)
     except ValueError as exc:
         raise ConfigError("backend", str(exc)) from None
-    rate = cfg.link_rate_bps or detect.interface_speed_bps(cfg.interface)
+
+
+def _prepare_device(cfg: Config, ipr: IPRoute, link: links.Link, serves: str, kind: str) -> Takeover:
+    """The checks of one queue device, no changes: its rate, a previous agent's tree to adopt, or the tree to
+    record and whether it may be replaced."""
+    rate = cfg.rate_of(link.name, serves) or detect.interface_speed_bps(link.name)
     if kind == "htb" and rate is None:
-        raise ConfigError("link_rate", f"{cfg.interface} reports no speed; set link_rate for the htb backend")
+        raise ConfigError("link_rate", f"{link.name} reports no speed; set link_rate for the htb backend (one "
+                                       f"rate, or a table such as link_rate = {{ {link.name} = \"25gbit\" }})")
     backend = make_backend(kind, cfg.levels, rate, cfg.queue_limit_packets)
-    previous = _load_state(cfg)
-    if previous and previous.get("ifindex") == ifindex and backend.owns(ipr, ifindex):
+    previous = _load_state(cfg, link.name)
+    if previous and previous.get("ifindex") == link.index and backend.owns(ipr, link.index):
         log.warning("adopting the tree left by a previous agent on %s; keeping its record of the original",
-                    cfg.interface)
-        return backend, ifindex, snapshot.Snapshot.from_json(previous["snapshot"]), kind
+                    link.name)
+        return Takeover(link, serves, backend, snapshot.Snapshot.from_json(previous["snapshot"]), True)
     if previous:
         log.warning("state file %s describes a tree that is gone; recording the interface afresh",
-                    state_path(cfg))
-    snap = snapshot.capture(ipr, cfg.interface, ifindex)
+                    state_path(cfg, link.name))
+    snap = snapshot.capture(ipr, link.name, link.index)
     root = snap.root
-    if backend.owns(ipr, ifindex):
-        raise StartupError(f"{cfg.interface} has a tensorlane root qdisc but no state file in {cfg.state_dir}: "
+    if backend.owns(ipr, link.index):
+        raise StartupError(f"{link.name} has a tensorlane root qdisc but no state file in {cfg.state_dir}: "
                            "another agent may manage it; stop it or remove the qdisc")
     if not snap.root_is_default and not cfg.take_over_root:
-        raise StartupError(f"{cfg.interface} has a root qdisc '{root.kind}' (handle {fmt_handle(root.handle)}) "
+        raise StartupError(f"{link.name} has a root qdisc '{root.kind}' (handle {fmt_handle(root.handle)}) "
                            "that tensorlane did not create; refusing to replace it (set take_over_root = true "
                            "to replace it and restore it on exit)")
-    return backend, ifindex, snap, kind
+    return Takeover(link, serves, backend, snap, False)
 
 
-def restore_interface(cfg: Config, ipr: IPRoute, ifindex: int, snap: snapshot.Snapshot, rec) -> list[str]:
-    """Remove everything the agent added and put the previous tree back; clears the state file."""
-    rec.teardown()
-    warnings = snapshot.restore(snap, ipr)
+def prepare(cfg: Config, ipr: IPRoute) -> tuple[str, list[links.Egress], list[Takeover]]:
+    """All checks, no changes: the backend kind, the managed interfaces and a Takeover per queue device."""
+    try:
+        egress = links.resolve(ipr, cfg.interfaces, cfg.training_subnets)
+    except links.LinkError as exc:
+        raise ConfigError("interface" if len(cfg.interfaces) == 1 else "interfaces", str(exc)) from None
+    kind = _choose_kind(cfg)
+    return kind, egress, [_prepare_device(cfg, ipr, q, eg.name, kind) for eg in egress for q in eg.queues]
+
+
+def take_over(cfg: Config, ipr: IPRoute, t: Takeover) -> None:
+    """Record ``t``'s previous tree in its state file, then replace its root qdisc with the backend's tree."""
+    _save_state(cfg, t.link.name, {"ifindex": t.link.index, "interface": t.link.name, "serves": t.serves,
+                                   "backend": t.backend.kind, "pid": os.getpid(), "snapshot": t.snap.to_json()})
+    if not t.snap.root_is_default and not t.adopted:
+        ipr.tc("del", index=t.link.index, parent=snapshot.TC_H_ROOT)
+    t.backend.apply(ipr, t.link.index)
+
+
+def restore_device(cfg: Config, ipr: IPRoute, t: Takeover) -> list[str]:
+    """Put ``t``'s previous tree back and clear its state file. Returns warnings."""
+    warnings = snapshot.restore(t.snap, ipr)
     for w in warnings:
-        log.warning("restore: %s", w)
-    state_path(cfg).unlink(missing_ok=True)
+        log.warning("restore %s: %s", t.link.name, w)
+    state_path(cfg, t.link.name).unlink(missing_ok=True)
     return warnings
 
 
-def _serve(cfg: Config, api: Api, rec: Reconciler, table: FlowTable, notifier: Notifier) -> None:
+def _serve(cfg: Config, api: Api, rec: Reconciler, table: FlowTable, notifier: Notifier, managing: str) -> None:
     """Serve the API socket and reconcile every ``reconcile_interval_s`` until SIGTERM/SIGINT; readiness is told
     once the socket listens, and each reconcile pass feeds the watchdog."""
     stop = threading.Event()
@@ -115,7 +153,7 @@ def _serve(cfg: Config, api: Api, rec: Reconciler, table: FlowTable, notifier: N
     if notifier.watchdog_s is not None and notifier.watchdog_s < 2 * cfg.reconcile_interval_s:
         log.warning("the watchdog period (%.1f s) is less than twice reconcile_interval_s (%.1f s): a healthy agent "
                     "may be restarted", notifier.watchdog_s, cfg.reconcile_interval_s)
-    notifier.ready(f"managing {cfg.interface}")
+    notifier.ready(f"managing {managing}")
 
     def periodic() -> None:
         rec.reconcile(table)
@@ -128,27 +166,74 @@ def _serve(cfg: Config, api: Api, rec: Reconciler, table: FlowTable, notifier: N
         server.close()
 
 
-def run(cfg: Config) -> int:
-    """Run the agent in the foreground until SIGTERM/SIGINT. Returns the process exit status."""
-    with IPRoute() as ipr:
-        backend, ifindex, snap, kind = prepare(cfg, ipr)
-        _save_state(cfg, {"ifindex": ifindex, "interface": cfg.interface, "backend": kind,
-                          "snapshot": snap.to_json()})
-        table = FlowTable(cfg.levels, cfg.max_flows)
-        rec = Reconciler(backend, cfg.dscp, cfg.interface, ifindex, ipr)
+def _has_our_root(ipr: IPRoute, index: int) -> bool:
+    """Whether the device's root qdisc is a tensorlane one (handle ``7a1:``)."""
+    return any(q["parent"] == snapshot.TC_H_ROOT and q["handle"] == handle(MAJOR) for q in ipr.get_qdiscs(index=index))
+
+
+def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str]:
+    """Restore the devices a previous agent of ours left taken over (killed) that this configuration no longer
+    manages, so that removing an interface from the config never leaves it taken over. A state file whose agent
+    still runs (another agent sharing ``state_dir``) is left alone. Returns the devices restored."""
+    mine = {t.link.name for t in plan}
+    restored = []
+    for path in sorted(Path(cfg.state_dir).glob("agent-*.json")):
+        name = path.name[len("agent-"):-len(".json")]
+        if name in mine:
+            continue
         try:
-            if not snap.root_is_default and not backend.owns(ipr, ifindex):
-                ipr.tc("del", index=ifindex, parent=snapshot.TC_H_ROOT)
+            state = json.loads(path.read_text())
+            pid = int(state["pid"])
+            snap = snapshot.Snapshot.from_json(state["snapshot"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not ours to judge (an older agent's file without a pid, or unreadable): left as it is
+        if pid != os.getpid() and Path(f"/proc/{pid}").exists():
+            continue
+        found = ipr.link_lookup(ifname=name)
+        if found and found[0] == state.get("ifindex") and _has_our_root(ipr, found[0]):
+            log.warning("%s was left taken over by an agent that is gone and is no longer configured: restoring it",
+                        name)
+            for w in snapshot.restore(snap, ipr):
+                log.warning("restore %s: %s", name, w)
+            restored.append(name)
+        path.unlink(missing_ok=True)
+    return restored
+
+
+def _describe(egress: list[links.Egress]) -> str:
+    """``eth0, bond0 (queues on eth2, eth3)``: the managed interfaces for the log."""
+    return ", ".join(eg.name if [q.name for q in eg.queues] == [eg.name] else
+                     f"{eg.name} (queues on {', '.join(q.name for q in eg.queues)})" for eg in egress)
+
+
+def run(cfg: Config) -> int:
+    """Run the agent in the foreground until SIGTERM/SIGINT. Returns the process exit status.
+
+    Every device is checked before any is changed; devices are taken over one by one, and every device touched
+    is restored on the way out, whatever stopped the agent.
+    """
+    with IPRoute() as ipr:
+        kind, egress, plan = prepare(cfg, ipr)
+        table = FlowTable(cfg.levels, cfg.max_flows)
+        rec = Reconciler([t.device() for t in plan], cfg.dscp, {eg.name: eg.index for eg in egress}, ipr)
+        restore_orphans(cfg, ipr, plan)
+        touched: list[Takeover] = []
+        try:
+            for t in plan:
+                touched.append(t)
+                take_over(cfg, ipr, t)
             rec.install()
             rec.reconcile(table)  # drops flow entries a previous agent left behind
-            log.info("managing %s with the %s backend: %d levels, DSCP %s", cfg.interface, kind, cfg.levels,
+            log.info("managing %s with the %s backend: %d levels, DSCP %s", _describe(egress), kind, cfg.levels,
                      list(cfg.dscp))
             api = Api(cfg, table, rec, kind)
             if cfg.metrics_address:
                 from tensorlane.agent.metrics import start_metrics_server
                 start_metrics_server(cfg.metrics_address, api)
-            _serve(cfg, api, rec, table, Notifier())
+            _serve(cfg, api, rec, table, Notifier(), _describe(egress))
         finally:
-            restore_interface(cfg, ipr, ifindex, snap, rec)
-            log.info("restored %s", cfg.interface)
+            rec.teardown()
+            for t in reversed(touched):
+                restore_device(cfg, ipr, t)
+            log.info("restored %s", ", ".join(t.link.name for t in touched) or "nothing")
     return 0

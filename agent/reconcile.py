@@ -4,13 +4,16 @@ Incremental changes (a registration, or the flows a job-order change moves) go o
 full pass compares the kernel's maps with the FlowTable and repairs any drift (run periodically and after any
 failed change). The kernel gets each flow's *effective* level (``FlowTable.effective_level``: the level asked
 for, or what the job policy makes of it).
-Usage: ``rec = Reconciler(backend, dscp, ifname, ifindex, ipr); rec.install(); rec.apply(table, added, moved, removed)``
+Every queue device gets the same class layout (one backend kind, the same class ids), each at its own rate, so
+one flow map serves every managed interface.
+Usage: ``rec = Reconciler([Device("eth0", 2, backend)], dscp, {"eth0": 2}, ipr); rec.install()``
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
+from tensorlane.agent.kernel import links
 from tensorlane.agent.kernel import nft as nftables
 from tensorlane.agent.state import FlowTable
 from tensorlane.flows import FlowKey
@@ -26,25 +29,41 @@ class ReconcileStats:
     last_error: str = ""
 
 
-class Reconciler:
-    """Owns the kernel objects of one managed interface."""
+@dataclass(frozen=True)
+class Device:
+    """A device that carries queues: its name, index, the backend object of its tree and the managed interface
+    it serves (itself, or the bond it is a member of)."""
 
-    def __init__(self, backend, dscp: tuple[int, ...], ifname: str, ifindex: int, ipr, nft=None):
-        self.backend = backend
+    name: str
+    index: int
+    backend: object
+    serves: str = ""
+
+
+class Reconciler:
+    """Owns the kernel objects of the managed interfaces: a queue tree per device, one nftables table."""
+
+    def __init__(self, devices: list[Device], dscp: tuple[int, ...], interfaces: dict[str, int], ipr, nft=None):
+        """``devices`` carry the queues of ``interfaces`` (name -> index: what is matched as output interface)."""
+        self.devices = list(devices)
+        self.backend = self.devices[0].backend  # the class layout, the same on every device
         self.dscp = dscp
-        self.ifname = ifname
-        self.ifindex = ifindex
+        self.interfaces = dict(interfaces)
         self.ipr = ipr
         self.nft = nft or nftables.Nft()
         self.stats = ReconcileStats()
 
     def _table_commands(self) -> list[dict]:
         classids = [self.backend.classid(lvl) for lvl in range(self.backend.levels)]
-        return nftables.table_commands(self.ifname, classids, list(self.dscp))
+        return nftables.table_commands(list(self.interfaces), classids, list(self.dscp))
+
+    def _apply_trees(self) -> None:
+        for dev in self.devices:
+            dev.backend.apply(self.ipr, dev.index)
 
     def install(self) -> None:
-        """Create (or update in place) the qdisc tree and the nftables table, keeping registered elements."""
-        self.backend.apply(self.ipr, self.ifindex)
+        """Create (or update in place) the qdisc trees and the nftables table, keeping registered elements."""
+        self._apply_trees()
         self.nft.run(self._table_commands())
 
     def apply(self, table: FlowTable, added: list[FlowKey], moved: list[FlowKey], removed: list[FlowKey]) -> None:
@@ -64,10 +83,10 @@ class Reconciler:
             self.reconcile(table)
 
     def reconcile(self, table: FlowTable) -> int:
-        """Full pass: qdisc tree in place, table present, map elements equal to ``table``. Returns repairs."""
+        """Full pass: qdisc trees in place, table present, map elements equal to ``table``. Returns repairs."""
         self.stats.passes += 1
         try:
-            self.backend.apply(self.ipr, self.ifindex)
+            self._apply_trees()
             listing = nftables.list_table(self.nft)
             if listing is None or not self._table_complete(listing):
                 self.nft.run(self._table_commands())
@@ -96,6 +115,13 @@ class Reconciler:
         want_chains = {"egress", *(nftables.level_chain(lvl) for lvl in range(self.backend.levels))}
         rules = sum(1 for i in listing.get("nftables", []) if "rule" in i)
         return want_chains <= chains and {"flows4", "flows6"} <= maps and rules == 2 * len(want_chains)
+
+    def egress(self, keys, ipr=None) -> dict[FlowKey, str]:
+        """The managed interface each flow leaves through now (a route lookup per address pair; "" for a flow
+        routed elsewhere, which the agent does not mark). ``ipr``: a netlink socket of the caller's thread."""
+        pairs = {(k.src, k.dst) for k in keys}
+        by_pair = links.egress_of(ipr or self.ipr, sorted(pairs), {i: n for n, i in self.interfaces.items()})
+        return {k: by_pair[(k.src, k.dst)] for k in keys}
 
     def counters(self) -> dict[int, dict[str, int]]:
         """Per-level packet and byte counters of the marking chains."""

@@ -42,7 +42,8 @@ def verify(socket_path: str, seconds: float, interface: str | None = None) -> di
     with AgentClient(socket_path) as agent:
         flows = agent.list()["flows"]
         before = agent.status()
-        iface = interface or before["interface"]
+        # The managed interfaces (a bond, not its members: each packet is seen once, marked).
+        iface = interface or [i["name"] for i in before["interfaces"] if i["name"]]
         want = {FlowKey(f["proto"], f["src"], f["sport"], f["dst"], f["dport"]): f for f in flows}
         seen: dict[FlowKey, dict] = {}
 
@@ -93,7 +94,8 @@ def verify(socket_path: str, seconds: float, interface: str | None = None) -> di
 
 def format_report(report: dict) -> str:
     """The table `tensorlane verify` prints."""
-    lines = [f"capture on {report['interface']} for {report['seconds']}s",
+    where = report["interface"] if isinstance(report["interface"], str) else ", ".join(report["interface"])
+    lines = [f"capture on {where} for {report['seconds']}s",
              f"{'flow':<52} {'job':<12} {'lvl':>3} {'queue':>7} {'dscp want':>9} {'seen':>8} {'pkts':>7}  verdict"]
     for r in report["flows"]:
         flow = f"{r['proto']} {r['src']}:{r['sport']} -> {r['dst']}:{r['dport']}"

@@ -55,6 +55,8 @@ def agent_config(tb, host, levels: int = 4, backend: str = "auto", **extra) -> d
         "levels": levels,
         "backend": backend,
     }
+    if "interfaces" in extra:  # several interfaces (or "auto") instead of the host's one
+        del fields["interface"]
     fields.update(extra)
     return fields
 

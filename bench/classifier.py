@@ -174,7 +174,7 @@ def _child_setup(args) -> dict:
         t0 = time.monotonic()
         ctx = nft.Nft()
         try:
-            ctx.run(nft.table_commands(args.ifname, classids, list(DSCP)))
+            ctx.run(nft.table_commands([args.ifname], classids, list(DSCP)))
             items = [(k, LEVEL if (k.sport, k.dport) == (CPORT, PORT) else i % LEVELS)
                      for i, k in enumerate(flow_keys(args.n))]
             for start in range(0, len(items), 5000):

@@ -43,8 +43,11 @@ def sel(*extra: str, jobs: bool = False) -> str:
 
 
 def with_level(expr: str) -> str:
-    """Add the class's ``level`` label (from ``tensorlane_class_info``) to a per-class expression."""
-    return f"({expr}) * on (instance, device, class) group_left (level) tensorlane_class_info{sel()}"
+    """Add the class's ``level`` label (from ``tensorlane_class_info``) to a per-class expression. The join
+    ignores ``device``: a class id means the same level on every device of an agent, and agent-wide series
+    (marks, flows) carry the agent's interfaces as ``device``, which no queue device has."""
+    return (f"({expr}) * on (instance, class) group_left (level) "
+            f"group by (instance, class, level) (tensorlane_class_info{sel()})")
 
 
 RATE = "[$__rate_interval]"

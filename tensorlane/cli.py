@@ -37,8 +37,12 @@ def _agent(args) -> int:
 
 def format_status(st: dict) -> str:
     """Render a status reply as the table `tensorlane status` prints."""
-    lines = [f"interface {st['interface']}  backend {st['backend']}  link {st.get('link_rate_bps') or '-'} bit/s  "
-             f"flows {st['flows']}  jobs {len(st['jobs'])}  uptime {st['uptime_s']:.0f}s",
+    ifaces = ", ".join(f"{i['name'] or '(routed elsewhere)'}: {i['flows']} flows"
+                       + (f" (queues on {', '.join(i['queues'])})" if i["queues"] not in ([i["name"]], []) else "")
+                       for i in st["interfaces"])
+    lines = [f"backend {st['backend']}  link {st.get('link_rate_bps') or '-'} bit/s  flows {st['flows']}  "
+             f"jobs {len(st['jobs'])}  uptime {st['uptime_s']:.0f}s",
+             f"interfaces {ifaces}",
              f"{'level':>7} {'class':>8} {'dscp':>4} {'flows':>6} {'sent_bytes':>14} {'marked_bytes':>14} "
              f"{'drops':>7} {'backlog_B':>10}"]
     for c in st["classes"]:
@@ -46,6 +50,10 @@ def format_status(st: dict) -> str:
         lines.append(f"{level:>7} {c['class']:>8} {c.get('dscp', '-'):>4} {c.get('flows', '-'):>6} "
                      f"{c.get('bytes', 0):>14} {c.get('marked_bytes', '-'):>14} {c.get('drops', 0):>7} "
                      f"{c.get('backlog_bytes', 0):>10}")
+    if len(st.get("devices", [])) > 1:
+        for d in st["devices"]:
+            sent = "  ".join(f"{c['class']} {c.get('bytes', 0)}" for c in d["classes"])
+            lines.append(f"device {d['device']} ({d.get('link_rate_bps') or '-'} bit/s): sent bytes {sent}")
     rec = st["reconcile"]
     lines.append(f"reconcile: {rec['passes']} passes, {rec['repairs']} repairs, {rec['errors']} errors"
                  + (f" (last: {rec['last_error']})" if rec["last_error"] else ""))
@@ -95,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="capture traffic and check each registered flow's DSCP and queue")
     v.add_argument("--socket", default=DEFAULT_SOCKET)
     v.add_argument("--seconds", type=float, default=5.0)
-    v.add_argument("--interface", help="capture here instead of the agent's interface")
+    v.add_argument("--interface", help="capture here instead of on the agent's interfaces")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=_verify)
     return p

@@ -89,10 +89,11 @@ def test_prio_backend_nftables_side_for_real():
     try:
         code = (
             "from tests.test_backends import RecordingIPRoute\n"
-            "from tensorlane.agent.kernel.qdisc import PrioBackend\nfrom agent.reconcile import Reconciler\n"
-            "from tensorlane.agent.state import FlowTable\nfrom agent.protocol import FlowKey\n"
-            "import json\nfrom agent.kernel.nft import list_table\n"
-            "rec = Reconciler(PrioBackend(3), (46, 34, 26), 'lo', 1, RecordingIPRoute())\n"
+            "from tensorlane.agent.kernel.qdisc import PrioBackend\n"
+            "from tensorlane.agent.reconcile import Device, Reconciler\n"
+            "from tensorlane.agent.state import FlowTable\nfrom tensorlane.flows import FlowKey\n"
+            "import json\nfrom tensorlane.agent.kernel.nft import list_table\n"
+            "rec = Reconciler([Device('lo', 1, PrioBackend(3))], (46, 34, 26), {'lo': 1}, RecordingIPRoute())\n"
             "rec.install(); t = FlowTable(3)\n"
             "k = FlowKey('tcp', '198.18.0.1', 1, '198.18.0.2', 2); t.register('j', 2, (k,))\n"
             "rec.apply(t, [k], [], []); print(json.dumps(list_table(rec.nft)))\n"

@@ -17,11 +17,11 @@ def test_minimal_config_has_defaults():
 
 
 def test_every_default_is_the_config_dataclass_one():
-    assert dataclasses.asdict(from_dict({"interface": "eth0"})) == dataclasses.asdict(Config(interface="eth0"))
+    assert dataclasses.asdict(from_dict({"interface": "eth0"})) == dataclasses.asdict(Config(interfaces=("eth0",)))
 
 
 def test_known_settings_are_the_dataclass_fields_and_the_ansible_template_writes_only_those():
-    known = {f.name for f in dataclasses.fields(Config)} - {"link_rate_bps"} | {"link_rate"}
+    known = {f.name for f in dataclasses.fields(Config)} - {"link_rate_bps"} | {"link_rate", "interface"}
     with pytest.raises(ConfigError) as err:
         from_dict({"interface": "eth0", "colour": "blue"})
     assert str(err.value).endswith(f"unknown setting (known: {', '.join(sorted(known))})")
@@ -49,6 +49,17 @@ def test_parse_rate(text, bps):
 
 @pytest.mark.parametrize("raw,field", [
     ({}, "interface"),
+    ({"interface": "eth0", "interfaces": ["eth1"]}, "interface"),
+    ({"interfaces": []}, "interfaces"),
+    ({"interfaces": "eth0"}, "interfaces"),
+    ({"interfaces": ["eth0", "eth0"]}, "interfaces"),
+    ({"interfaces": ["eth0", "bad name"]}, "interfaces"),
+    ({"interfaces": "auto"}, "interfaces"),  # auto needs training_subnets
+    ({"interfaces": "auto", "training_subnets": ["10.0.0.0/33"]}, "training_subnets"),
+    ({"interfaces": "auto", "training_subnets": "10.0.0.0/8"}, "training_subnets"),
+    ({"interface": "eth0", "training_subnets": ["10.0.0.0/8"]}, "training_subnets"),  # only with auto
+    ({"interface": "eth0", "link_rate": {"eth0": "fast"}}, "link_rate"),
+    ({"interface": "eth0", "link_rate": {"bad/name": "1gbit"}}, "link_rate"),
     ({"interface": "this-name-is-too-long"}, "interface"),
     ({"interface": "eth0", "backend": "cbq"}, "backend"),
     ({"interface": "eth0", "levels": 0}, "levels"),
@@ -88,7 +99,10 @@ def test_load_file_and_overrides(tmp_path):
     path = tmp_path / "agent.toml"
     path.write_text('interface = "eth0"\nlink_rate = "1gbit"\nlevels = 2\n[dscp]\n0 = "EF"\n1 = "AF31"\n')
     cfg = load_config(str(path), {"interface": "eth1", "socket": None})
-    assert cfg.interface == "eth1" and cfg.link_rate_bps == 10**9 and cfg.dscp == (46, 26)
+    assert cfg.interfaces == ("eth1",) and cfg.link_rate_bps == 10**9 and cfg.dscp == (46, 26)
+    path.write_text('interfaces = "auto"\ntraining_subnets = ["10.0.0.0/8"]\n')
+    cfg = load_config(str(path), {"interface": "eth1"})  # the command line's interface replaces the file's choice
+    assert cfg.interfaces == ("eth1",) and cfg.training_subnets == ()
 
 
 def test_load_reports_bad_toml_and_missing_file(tmp_path):
@@ -98,3 +112,13 @@ def test_load_reports_bad_toml_and_missing_file(tmp_path):
         load_config(str(path))
     with pytest.raises(ConfigError, match="no config file"):
         load_config(str(tmp_path / "absent.toml"))
+
+
+def test_several_interfaces_and_rates_per_device():
+    cfg = from_dict({"interfaces": ["eth0", "bond0"], "link_rate": {"eth0": "25gbit", "eth2": "100gbit"}})
+    assert cfg.interfaces == ("eth0", "bond0") and cfg.training_subnets == ()
+    assert cfg.rate_of("eth0") == 25 * 10**9 and cfg.rate_of("eth2", "bond0") == 10**11
+    assert cfg.rate_of("eth3", "bond0") is None  # not configured: the driver's speed
+    assert from_dict({"interface": "eth0", "link_rate": "1gbit"}).rate_of("anything") == 10**9
+    auto = from_dict({"interfaces": "auto", "training_subnets": ["198.18.0.7/15", "fd00::/8"]})
+    assert auto.interfaces == () and auto.training_subnets == ("198.18.0.0/15", "fd00::/8")

@@ -209,7 +209,7 @@ def test_agent_config_written_by_bench_is_valid(tmp_path):
     path = tmp_path / "a.toml"
     path.write_text(render_config(fields))
     cfg = load_config(str(path))
-    assert cfg.interface == "eth0" and cfg.link_rate_bps == tb.rate_bps == 100_000_000 and cfg.take_over_root
+    assert cfg.interfaces == ("eth0",) and cfg.link_rate_bps == tb.rate_bps == 100_000_000 and cfg.take_over_root
     assert cfg.socket == "/run/tensorlane/tw-h2/agent.sock" and cfg.state_dir == "/run/tensorlane/tw-h2"
     assert cfg.metrics_address == "127.0.0.1:9477"
 

@@ -15,7 +15,7 @@ from tensorlane.agent.config import ConfigError, from_dict
 from tensorlane.agent.jobs import JobScheduler
 from tensorlane.agent.kernel.qdisc import HtbBackend
 from tensorlane.agent.peers import Peer
-from tensorlane.agent.reconcile import ReconcileStats
+from tensorlane.agent.reconcile import Device, ReconcileStats
 from tensorlane.agent.state import FlowTable
 from tensorlane.flows import FlowKey
 from tensorlane.policies.jobs import banded_level, hashed_rotation_order, job_bands, job_order, rotation_epoch
@@ -27,7 +27,8 @@ class RecordingRec:
     def __init__(self, levels: int = 4):
         self.backend = HtbBackend(levels, 200_000_000)
         self.stats = ReconcileStats()
-        self.ifindex = 7
+        self.devices = [Device("eth0", 7, self.backend, "eth0")]
+        self.interfaces = {"eth0": 7}
         self.ipr = None
         self.calls: list[tuple[list, list, list]] = []
         self.kernel: dict[FlowKey, int] = {}  # what the kernel's map would hold
@@ -40,6 +41,9 @@ class RecordingRec:
         for k in (*added, *moved):
             assert k not in self.kernel, f"{k} added twice"
             self.kernel[k] = table.effective_level(k)
+
+    def egress(self, keys, ipr=None) -> dict:
+        return dict.fromkeys(keys, "eth0")
 
     def counters(self) -> dict:
         return {}

@@ -29,7 +29,7 @@ from tensorlane.agent.metrics import base as metrics_base
 from tensorlane.agent.metrics import flows as metrics_flows
 from tensorlane.agent.metrics.api import BUCKETS
 from tensorlane.agent.metrics.jobs import OTHER, JobReports
-from tensorlane.agent.reconcile import ReconcileStats
+from tensorlane.agent.reconcile import Device, ReconcileStats
 from tensorlane.agent.state import FlowTable
 from tensorlane.shim.report import Reporter
 from tensorlane.shim.report import start as start_reporter
@@ -44,7 +44,11 @@ class FakeRec:
     def __init__(self, levels: int = 4):
         self.backend = HtbBackend(levels, RATE_BPS)
         self.stats = ReconcileStats()
-        self.ifindex = 7
+        self.devices = [Device("eth0", 7, self.backend, "eth0")]
+        self.interfaces = {"eth0": 7}
+
+    def egress(self, keys, ipr=None) -> dict:
+        return dict.fromkeys(keys, "eth0")
 
     def apply(self, table, added, moved, removed) -> None:
         pass
@@ -69,7 +73,7 @@ def zero(**kw) -> dict:
 def kernel(monkeypatch) -> Kernel:
     k = Kernel()
 
-    def classes(self):
+    def classes(self, device):
         if k.fail:
             raise OSError("netlink says no")
         return {cid: dict(v) for cid, v in k.classes.items()}

@@ -188,7 +188,7 @@ def test_agent_runs_from_the_wheel_without_torch(wheel, tmp_path):
                     break
                 time.sleep(0.2)
             assert status is not None and status.returncode == 0, (status and status.stderr, agent.poll())
-            assert '"interface": "eth0"' in status.stdout
+            assert '"name": "eth0"' in status.stdout
         finally:
             agent.terminate()
             try:

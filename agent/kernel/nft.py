@@ -1,7 +1,7 @@
 """nftables through libnftables' JSON API (ctypes; the same library the `nft` tool and python3-nftables use).
 
 The agent's table ``inet tensorlane`` holds one verdict map per IP family keyed by the flow 5-tuple. A packet
-leaving the managed interface is looked up once (a hash lookup: cost does not grow with the number of flows)
+leaving a managed interface is looked up once (a hash lookup: cost does not grow with the number of flows)
 and jumps to its level's chain, which sets ``meta priority`` (the tc class) and the DSCP, and counts.
 Usage: ``nft = Nft(); nft.run([{"add": {"table": {...}}}])``
 """
@@ -94,7 +94,7 @@ def _level_rules(level: int, priority: int, dscp: int) -> list[dict]:
     return rules
 
 
-def _lookup_rule(ifname: str, family: int) -> dict:
+def _lookup_rule(ifnames: list[str], family: int) -> dict:
     proto = "ip" if family == 4 else "ip6"
     key = {"concat": [
         {"payload": {"protocol": proto, "field": "saddr"}}, {"payload": {"protocol": proto, "field": "daddr"}},
@@ -102,16 +102,18 @@ def _lookup_rule(ifname: str, family: int) -> dict:
         {"payload": {"protocol": "th", "field": "sport"}}, {"payload": {"protocol": "th", "field": "dport"}},
     ]}
     return {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": "egress", "expr": [
-        {"match": {"op": "==", "left": {"meta": {"key": "oifname"}}, "right": ifname}},
+        {"match": {"op": "==", "left": {"meta": {"key": "oifname"}},
+                   "right": ifnames[0] if len(ifnames) == 1 else {"set": list(ifnames)}}},
         {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": "ipv4" if family == 4 else "ipv6"}},
         {"vmap": {"key": key, "data": f"@flows{family}"}},
     ]}}}
 
 
-def table_commands(ifname: str, classids: list[int], dscp: list[int]) -> list[dict]:
+def table_commands(ifnames: list[str], classids: list[int], dscp: list[int]) -> list[dict]:
     """Commands that create or update the table's chains and maps in place, keeping the maps' elements.
 
-    ``classids[level]`` is the tc class the level's packets enter; ``dscp[level]`` their DSCP.
+    A packet leaving through any of ``ifnames`` is looked up; ``classids[level]`` is the tc class the level's
+    packets enter (the same on every managed device), ``dscp[level]`` their DSCP.
     """
     cmds: list[dict] = [{"add": {"table": {"family": FAMILY, "name": TABLE}}}]
     for fam in (4, 6):
@@ -124,7 +126,7 @@ def table_commands(ifname: str, classids: list[int], dscp: list[int]) -> list[di
     cmds.append({"add": {"chain": {"family": FAMILY, "table": TABLE, "name": "egress", "type": "filter",
                                    "hook": "postrouting", "prio": -150, "policy": "accept"}}})
     cmds.append({"flush": {"chain": {"family": FAMILY, "table": TABLE, "name": "egress"}}})
-    cmds.extend(_lookup_rule(ifname, fam) for fam in (4, 6))
+    cmds.extend(_lookup_rule(ifnames, fam) for fam in (4, 6))
     return cmds
 
 

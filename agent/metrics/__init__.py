@@ -100,7 +100,7 @@ class Health:
                 self._last_failed = st.errors != self._errors
                 self._passes, self._errors, self._changed = st.passes, st.errors, now
             idle = now - self._changed
-            body = {"status": "ok", "interface": self.api.cfg.interface, "backend": self.api.backend,
+            body = {"status": "ok", "interfaces": list(self.api.rec.interfaces), "backend": self.api.backend,
                     "seconds_since_reconcile": round(idle, 3), "last_reconcile_failed": self._last_failed,
                     "flows": len(self.api.table.flows)}
         if idle > self.stall_after_s:

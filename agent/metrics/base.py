@@ -21,14 +21,15 @@ from tensorlane.agent.kernel import tcstats
 from tensorlane.agent.kernel.qdisc import fmt_handle
 
 
-def link_rate_bps(api) -> int | None:
-    """The rate the agent shapes to (htb), else the configured or driver-reported link rate; None if unknown."""
-    rate = getattr(api.rec.backend, "rate", None) or api.cfg.link_rate_bps
+def link_rate_bps(api, device) -> int | None:
+    """The rate the agent shapes ``device`` (a reconcile Device) to (htb), else its configured or driver-reported
+    link rate; None if unknown."""
+    rate = getattr(device.backend, "rate", None) or api.cfg.rate_of(device.name, device.serves)
     if rate:
         return int(rate)
     from tensorlane.agent.kernel import detect
 
-    return detect.interface_speed_bps(api.cfg.interface)
+    return detect.interface_speed_bps(device.name)
 
 
 def class_label(spec) -> str:
@@ -42,32 +43,39 @@ def level_label(spec) -> str:
 
 
 class Scrape:
-    """What one scrape reads, read at most once: ``classes()`` (kernel counters per class id), ``leaves()``."""
+    """What one scrape reads, read at most once: ``classes(device)`` (kernel counters per class id), ``leaves()``.
+
+    ``device`` is the label of the agent-wide series (flows, jobs, marks, reconciling): the managed interfaces'
+    names joined by "," (one interface: its name). Per-device series are labelled with each queue device.
+    """
 
     def __init__(self, api):
-        """A scrape of ``api``'s interface, at this moment; nothing is read yet."""
+        """A scrape of ``api``'s devices, at this moment; nothing is read yet."""
         self.api = api
-        self.device = api.cfg.interface
+        self.device = ",".join(api.rec.interfaces)
+        self.devices = list(api.rec.devices)
         self.monotonic = time.monotonic()
-        self._classes: dict[int, dict[str, int]] | None = None
+        self._classes: dict[str, dict[int, dict[str, int]]] | None = None
         self._leaves: list | None = None
 
     def leaves(self) -> list:
-        """The backend's leaf classes (ClassSpec: level, classid, prio), most urgent first."""
+        """The backend's leaf classes (ClassSpec: level, classid, prio), most urgent first (the same on every
+        device)."""
         if self._leaves is None:
             self._leaves = sorted(self.api.rec.backend.leaves(), key=lambda s: s.prio)
         return self._leaves
 
-    def classes(self) -> dict[int, dict[str, int]]:
-        """``{classid: {bytes, packets, drops, overlimits, requeues, backlog_bytes, backlog_packets}}``.
+    def classes(self, device: str) -> dict[int, dict[str, int]]:
+        """``{classid: {bytes, packets, drops, overlimits, requeues, backlog_bytes, backlog_packets}}`` of the
+        queue device named ``device``.
 
         A fresh netlink socket in this thread (pyroute2's sync IPRoute is not shared across threads); the
-        agent runs in the host's network namespace, so this is the managed interface's namespace.
+        agent runs in the host's network namespace, so this is the managed devices' namespace.
         """
         if self._classes is None:
             with IPRoute() as ipr:
-                self._classes = tcstats.class_stats(ipr, self.api.rec.ifindex)
-        return self._classes
+                self._classes = {d.name: tcstats.class_stats(ipr, d.index) for d in self.devices}
+        return self._classes.get(device, {})
 
 
 def without_created(instrument) -> Iterable[Metric]:

@@ -22,14 +22,14 @@ class BuildSource(Source):
         """The agent's info and configuration gauges (no kernel reads)."""
         from tensorlane.agent.api import VERSION
 
-        api, dev = self.api, scrape.device
+        api = self.api
         build = names.BUILD.info()
         build.add_metric([], {"version": VERSION, "python_version": platform.python_version()})
         yield build
-        backend = names.BACKEND.info()
-        backend.add_metric([dev], {"backend": api.backend})
+        backend, levels = names.BACKEND.info(), names.PRIORITY_LEVELS.gauge()
+        for device in scrape.devices:  # one series per queue device
+            backend.add_metric([device.name], {"backend": api.backend})
+            levels.add_metric([device.name], api.cfg.levels)
         yield backend
-        levels = names.PRIORITY_LEVELS.gauge()
-        levels.add_metric([dev], api.cfg.levels)
         yield levels
         yield names.AGENT_START_TIME.gauge(api.started)

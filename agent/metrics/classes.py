@@ -1,4 +1,5 @@
-"""tc class counters of the managed interface: one series per leaf class (one per level, and the default class).
+"""tc class counters of each queue device: one series per device and leaf class (one per level, and the default
+class); ``device`` is where the queue is (a bond's members, not the bond).
 
 Level, DSCP and HTB prio are labels of ``tensorlane_class_info`` only; join them where needed
 (``* on (instance, device, class) group_left (level) tensorlane_class_info``). Byte and packet counters are
@@ -33,28 +34,30 @@ class ClassesSource(Source):
     name = "classes"
 
     def collect(self, scrape):
-        """Info of every leaf class; its counters, backlog and HTB statistics unless the class is missing in the
-        kernel (drift)."""
-        api, dev = self.api, scrape.device
-        stats = scrape.classes()
+        """Info of every leaf class of every queue device; its counters, backlog and HTB statistics unless the
+        class is missing in the kernel (drift); each device's link rate."""
+        api = self.api
         info = names.CLASS.info()
         counters = [(metric.counter(), key) for metric, key in COUNTERS]
         gauges = [(metric.gauge(), key) for metric, key in GAUGES]
-        for spec in scrape.leaves():
-            cls = class_label(spec)
-            dscp = "unchanged" if spec.level is None else str(api.cfg.dscp[spec.level])
-            info.add_metric([dev, cls], {"level": level_label(spec), "dscp": dscp, "prio": str(spec.prio)})
-            s = stats.get(spec.classid)
-            if s is None:  # the class is missing (drift): no counters, the reconciler puts it back
-                continue
-            for fam, key in (*counters, *gauges):
-                if key in s:  # HTB's lends/borrows/tokens exist for HTB classes only
-                    fam.add_metric([dev, cls], s[key])
+        link = names.LINK_RATE.gauge()
+        for device in scrape.devices:
+            dev, stats = device.name, scrape.classes(device.name)
+            for spec in scrape.leaves():
+                cls = class_label(spec)
+                dscp = "unchanged" if spec.level is None else str(api.cfg.dscp[spec.level])
+                info.add_metric([dev, cls], {"level": level_label(spec), "dscp": dscp, "prio": str(spec.prio)})
+                s = stats.get(spec.classid)
+                if s is None:  # the class is missing (drift): no counters, the reconciler puts it back
+                    continue
+                for fam, key in (*counters, *gauges):
+                    if key in s:  # HTB's lends/borrows/tokens exist for HTB classes only
+                        fam.add_metric([dev, cls], s[key])
+            rate = link_rate_bps(api, device)
+            if rate:
+                link.add_metric([dev], rate / 8)
         yield info
         for fam, _ in (*counters, *gauges):
             yield fam
-        rate = link_rate_bps(api)
-        if rate:
-            link = names.LINK_RATE.gauge()
-            link.add_metric([dev], rate / 8)
+        if link.samples:
             yield link

@@ -31,15 +31,17 @@ class ContentionSource(Source):
         """No scrape seen yet: the first one only records the counters."""
         super().__init__(api)
         self._lock = threading.Lock()
-        self._prev: dict[int, tuple[int, int]] | None = None  # classid -> (bytes, backlog_bytes)
-        self._inversion: dict[int, int] = {}
+        self._prev: dict[str, dict[int, tuple[int, int]]] = {}  # device -> classid -> (bytes, backlog_bytes)
+        self._inversion: dict[str, dict[int, int]] = {}
 
-    def observe(self, leaves, stats: dict[int, dict[str, int]]) -> dict[int, int]:
-        """Fold one reading of the class counters into the inversion totals; return them (classid -> bytes)."""
+    def observe(self, leaves, stats: dict[int, dict[str, int]], device: str = "") -> dict[int, int]:
+        """Fold one reading of ``device``'s class counters into its inversion totals; return them
+        (classid -> bytes)."""
         now = {s.classid: (stats[s.classid]["bytes"], stats[s.classid]["backlog_bytes"])
                for s in leaves if s.classid in stats}
         with self._lock:
-            prev = self._prev
+            prev = self._prev.get(device)
+            inversion = self._inversion.setdefault(device, {})
             if prev is not None:
                 for spec in leaves:
                     if spec.classid not in now or spec.classid not in prev:
@@ -49,24 +51,26 @@ class ContentionSource(Source):
                         for u in leaves)
                     sent = now[spec.classid][0] - prev[spec.classid][0]
                     if urgent_waiting and sent > 0:
-                        self._inversion[spec.classid] = self._inversion.get(spec.classid, 0) + sent
-            self._prev = now
-            return dict(self._inversion)
+                        inversion[spec.classid] = inversion.get(spec.classid, 0) + sent
+            self._prev[device] = now
+            return dict(inversion)
 
     def collect(self, scrape):
-        """The inversion totals (updated with this scrape) and the queueing delay of each class."""
-        dev, leaves, stats = scrape.device, scrape.leaves(), scrape.classes()
-        totals = self.observe(leaves, stats)
+        """The inversion totals (updated with this scrape) and the queueing delay of each class of each queue
+        device."""
+        leaves = scrape.leaves()
         inversion = names.CLASS_INVERSION_BYTES.counter()
-        for spec in leaves:
-            inversion.add_metric([dev, class_label(spec)], totals.get(spec.classid, 0))
-        yield inversion
-        rate = link_rate_bps(self.api)
-        if not rate:
-            return
         delay = names.CLASS_QUEUE_DELAY.gauge()
-        ahead = 0
-        for spec in leaves:  # most urgent first
-            ahead += stats.get(spec.classid, {}).get("backlog_bytes", 0)
-            delay.add_metric([dev, class_label(spec)], ahead * 8 / rate)
-        yield delay
+        for device in scrape.devices:
+            dev, stats = device.name, scrape.classes(device.name)
+            totals = self.observe(leaves, stats, dev)
+            for spec in leaves:
+                inversion.add_metric([dev, class_label(spec)], totals.get(spec.classid, 0))
+            rate = link_rate_bps(self.api, device)
+            ahead = 0
+            for spec in leaves if rate else ():  # most urgent first; none when the rate is unknown
+                ahead += stats.get(spec.classid, {}).get("backlog_bytes", 0)
+                delay.add_metric([dev, class_label(spec)], ahead * 8 / rate)
+        yield inversion
+        if delay.samples:
+            yield delay

@@ -1,0 +1,85 @@
+"""Which interfaces the agent manages and where their queues go (agent/kernel/links.py), on netlink messages as
+pyroute2 decodes them. This kernel has no bonding, team or VLAN driver, so the bond case is tested here on the
+messages a bond and its members produce; the plain case also runs for real (tests/test_multi_nic.py)."""
+from __future__ import annotations
+
+import pytest
+
+from tensorlane.agent.kernel.links import LinkError, queue_links, read_links, resolve, routed_interfaces
+
+
+class Msg(dict):
+    """A decoded netlink message: header fields as items, attributes through ``get_attr``."""
+
+    def __init__(self, attrs: dict, **fields):
+        super().__init__(fields)
+        self.attrs = attrs
+
+    def get_attr(self, name):
+        return self.attrs.get(name)
+
+
+def link_msg(index: int, name: str, kind: str = "", master: int | None = None) -> Msg:
+    info = Msg({"IFLA_INFO_KIND": kind}) if kind else None
+    return Msg({"IFLA_IFNAME": name, "IFLA_LINKINFO": info, "IFLA_MASTER": master}, index=index)
+
+
+def route(dst: str | None, dst_len: int, oif: int | None = None, hops: tuple[int, ...] = (), family: int = 2,
+          rtype: int = 1) -> Msg:
+    return Msg({"RTA_DST": dst, "RTA_OIF": oif, "RTA_MULTIPATH": [{"oif": h} for h in hops] or None},
+               family=family, dst_len=dst_len, type=rtype)
+
+
+class FakeIPRoute:
+    def __init__(self, links, routes=()):
+        self.links, self.routes = links, list(routes)
+
+    def get_links(self):
+        return self.links
+
+    def get_routes(self):
+        return self.routes
+
+
+HOST = [link_msg(1, "lo"), link_msg(2, "eth0"), link_msg(3, "eth1"), link_msg(4, "eth2", master=6),
+        link_msg(5, "eth3", master=6), link_msg(6, "bond0", "bond"), link_msg(7, "br0", "bridge"),
+        link_msg(8, "bond1", "bond")]
+LINKS = read_links(FakeIPRoute(HOST))
+
+
+def test_a_bond_queues_on_its_members_a_nic_on_itself():
+    assert [q.name for q in queue_links(LINKS["bond0"], LINKS)] == ["eth2", "eth3"]
+    assert [q.name for q in queue_links(LINKS["eth0"], LINKS)] == ["eth0"]
+    assert [q.name for q in queue_links(LINKS["br0"], LINKS)] == ["br0"]  # a bridge queues on itself
+    with pytest.raises(LinkError, match="bond1 is a bond with no members"):
+        queue_links(LINKS["bond1"], LINKS)
+
+
+def test_resolve_names_and_refuses_what_cannot_be_managed():
+    ipr = FakeIPRoute(HOST)
+    egress = resolve(ipr, ("eth0", "bond0"), ())
+    assert [(e.name, e.index, [q.name for q in e.queues]) for e in egress] == [
+        ("eth0", 2, ["eth0"]), ("bond0", 6, ["eth2", "eth3"])]
+    with pytest.raises(LinkError, match="no interface named 'eth9'"):
+        resolve(ipr, ("eth0", "eth9"), ())
+    with pytest.raises(LinkError, match="eth2 carries the queues of both bond0 and eth2"):
+        resolve(ipr, ("bond0", "eth2"), ())
+
+
+def test_interfaces_routed_to_the_training_subnets():
+    routes = [
+        route(None, 0, oif=2),                      # default route via eth0
+        route("198.18.0.0", 24, oif=3),             # rail 1
+        route("198.19.0.0", 24, hops=(6, 3)),       # rail 2: multipath over bond0 and eth1
+        route("127.0.0.0", 8, oif=1),               # loopback never counts
+        route("198.18.0.1", 32, oif=3, rtype=2),    # a local route: not unicast
+        route("fd00::", 8, oif=2, family=10),
+    ]
+    assert routed_interfaces(routes, ("198.18.0.0/15",), LINKS) == ["eth1", "bond0"]
+    assert routed_interfaces(routes, ("10.0.0.0/8",), LINKS) == ["eth0"]  # only the default route covers it
+    assert routed_interfaces(routes, ("fd00:1::/32",), LINKS) == ["eth0"]
+    assert routed_interfaces(routes, ("127.0.0.0/8",), LINKS) == []
+    ipr = FakeIPRoute(HOST, routes)
+    assert [e.name for e in resolve(ipr, (), ("198.19.0.0/16",))] == ["eth1", "bond0"]
+    with pytest.raises(LinkError, match="no interface has a route to the training subnets 172.16.0.0/12"):
+        resolve(FakeIPRoute(HOST, routes[1:]), (), ("172.16.0.0/12",))
