@@ -6,8 +6,11 @@
     tl-h2 [eth0 198.18.0.2/24] ==veth== [p2]-+- br0   (namespace tl-sw)
     tl-hN [eth0 198.18.0.N/24] ==veth== [pN]-+
 
-Switch port pI egress: HTB at RATE, 8 strict-priority queues, queue = DSCP >> 3 (testbed.switch). Host eth0
-egress (``shape_hosts=True``): HTB at RATE, one FIFO class. See docs/testbed.md.
+With ``segments=2`` every host also has ``eth1`` at 198.19.0.{i}/24 on a second bridge ``br1`` of the same switch
+namespace, through port ``p{i}s1`` (two rails: the segments are not connected to each other).
+
+Switch port egress: HTB at RATE, 8 strict-priority queues, queue = DSCP >> 3 (testbed.switch). Host NIC egress
+(``shape_hosts=True``): HTB at RATE, one FIFO class. See docs/testbed.md.
 
 Usage::
 
@@ -16,7 +19,8 @@ Usage::
         tb.host(1).run(["iperf3", "-c", tb.host(2).ip, "-t", "3"])
         print(tb.switch_port_stats(2))
 
-CLI: ``python -m testbed up --hosts 3 --rate 200mbit --name tl`` / ``down --name tl`` / ``down --all`` / ``list``.
+CLI: ``python -m testbed up --hosts 3 --rate 200mbit --name tl [--segments 2]`` / ``down --name tl`` /
+``down --all`` / ``list``.
 """
 from __future__ import annotations
 
@@ -36,11 +40,13 @@ from tensorlane import units
 from testbed import records, switch
 
 NETNS_DIR = "/run/netns"
-SUBNET = "198.18.0"
+SUBNETS = ("198.18.0", "198.19.0")  # segment s: 198.18.0.0/15 split into /24s, one per segment
+SUBNET = SUBNETS[0]
 PREFIXLEN = 24
-IFNAME = "eth0"
-BRIDGE = "br0"
+IFNAME = "eth0"  # segment 0; interface_name(s) in general
+BRIDGE = "br0"  # segment 0; bridge_name(s) in general
 MAX_HOSTS = 64
+MAX_SEGMENTS = len(SUBNETS)
 MIN_RATE_BPS = 1_000_000
 MAX_RATE_BPS = 10_000_000_000
 CMD_TIMEOUT_S = 10
@@ -86,6 +92,28 @@ def validate_name(name: str) -> str:
     if not isinstance(name, str) or not records.NAME_RE.fullmatch(name):
         raise ValueError(f"testbed name must be 1-8 characters of [a-z0-9], not {name!r}")
     return name
+
+
+def validate_segments(segments: int) -> int:
+    """Return ``segments`` if it is a valid segment count (1..MAX_SEGMENTS); raise ValueError otherwise."""
+    if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= MAX_SEGMENTS:
+        raise ValueError(f"segments must be an integer 1..{MAX_SEGMENTS}, not {segments!r}")
+    return segments
+
+
+def interface_name(segment: int) -> str:
+    """Name of a host's NIC on ``segment``: ``eth0``, ``eth1``."""
+    return f"eth{segment}"
+
+
+def bridge_name(segment: int) -> str:
+    """Name of the switch bridge of ``segment``: ``br0``, ``br1``."""
+    return f"br{segment}"
+
+
+def port_name(index: int, segment: int = 0) -> str:
+    """Name of the switch port toward host ``index`` on ``segment``: ``p{index}`` on 0, ``p{index}s{segment}`` else."""
+    return f"p{index}" if segment == 0 else f"p{index}s{segment}"
 
 
 def netns_exists(ns: str) -> bool:
@@ -189,14 +217,29 @@ def _signals_held() -> Iterator[None]:
 
 
 class Host:
-    """One emulated host: a network namespace with ``eth0`` at ``198.18.0.{index}/24`` on the switch."""
+    """One emulated host: a network namespace with ``eth{s}`` at ``198.{18+s}.0.{index}/24`` per switch segment s."""
 
-    def __init__(self, testbed: str, index: int):
-        """Describe host ``index`` (1-based) of testbed ``testbed``; creates nothing."""
+    def __init__(self, testbed: str, index: int, segments: int = 1):
+        """Describe host ``index`` (1-based) of testbed ``testbed`` with ``segments`` NICs; creates nothing."""
         self.index = index
         self.name = f"{testbed}-h{index}"
-        self.ip = f"{SUBNET}.{index}"
-        self.ifname = IFNAME
+        self.segments = validate_segments(segments)
+        self.ip = self.address(0)
+        self.ifname = self.interface(0)
+
+    def _segment(self, segment: int) -> int:
+        """Return ``segment`` if this host has a NIC on it; raise TestbedError otherwise."""
+        if isinstance(segment, bool) or not isinstance(segment, int) or not 0 <= segment < self.segments:
+            raise TestbedError(f"host {self.name} has segments 0..{self.segments - 1}, not {segment!r}")
+        return segment
+
+    def address(self, segment: int = 0) -> str:
+        """IPv4 address of this host's NIC on ``segment`` (``198.18.0.{i}`` on 0, ``198.19.0.{i}`` on 1)."""
+        return f"{SUBNETS[self._segment(segment)]}.{self.index}"
+
+    def interface(self, segment: int = 0) -> str:
+        """Name of this host's NIC on ``segment`` (``eth0``, ``eth1``)."""
+        return interface_name(self._segment(segment))
 
     def __repr__(self) -> str:
         """``Host(tl-h1, 198.18.0.1)``."""
@@ -230,22 +273,28 @@ class Testbed:
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, hosts: int = 3, rate: str = "200mbit", name: str = "tl", shape_hosts: bool = True):
-        """Validate the parameters (ValueError when wrong); nothing is created before ``up()``."""
+    def __init__(self, hosts: int = 3, rate: str = "200mbit", name: str = "tl", shape_hosts: bool = True,
+                 segments: int = 1):
+        """Validate the parameters (ValueError when wrong); nothing is created before ``up()``.
+
+        ``segments=2`` gives every host a second NIC ``eth1`` (198.19.0.{i}/24) on a second switch bridge.
+        """
         if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be an integer 1..{MAX_HOSTS}, not {hosts!r}")
         self.name = validate_name(name)
         self.rate = rate
         self.rate_bps = parse_rate(rate)
         self.shape_hosts = bool(shape_hosts)
+        self.segments = validate_segments(segments)
         self.switch_ns = f"{name}-sw"
-        self.hosts = [Host(name, i) for i in range(1, hosts + 1)]
+        self.hosts = [Host(name, i, self.segments) for i in range(1, hosts + 1)]
         self._created: list[str] = []
         self._token: str | None = None
 
     def __repr__(self) -> str:
-        """``Testbed(tl, 3 hosts, 200mbit)``."""
-        return f"Testbed({self.name}, {len(self.hosts)} hosts, {self.rate})"
+        """``Testbed(tl, 3 hosts, 200mbit)``, ``Testbed(tl, 3 hosts, 200mbit, 2 segments)``."""
+        extra = f", {self.segments} segments" if self.segments > 1 else ""
+        return f"Testbed({self.name}, {len(self.hosts)} hosts, {self.rate}{extra})"
 
     def __enter__(self) -> Testbed:
         """Build the testbed (``up``)."""
@@ -305,7 +354,8 @@ class Testbed:
         """Create the namespaces (recorded first), the bridge, the links and the qdiscs."""
         self._token = uuid.uuid4().hex
         record = {"name": self.name, "token": self._token, "pid": os.getpid(), "hosts": len(self.hosts),
-                  "rate": self.rate, "rate_bps": self.rate_bps, "created": time.time(), "netns": []}
+                  "segments": self.segments, "rate": self.rate, "rate_bps": self.rate_bps, "created": time.time(),
+                  "netns": []}
         with _signals_held():
             records.write_record(self.name, record)
         for ns in self.namespaces:
@@ -330,30 +380,42 @@ class Testbed:
         _ip(["netns", "exec", ns, "sh", "-c", _NO_IPV6])
 
     def _build_switch(self) -> None:
-        """In the switch namespace: ``lo`` up and bridge ``br0`` (no STP, forward delay 0) up."""
+        """In the switch namespace: ``lo`` up and one bridge per segment (``br0``, ``br1``; no STP, delay 0) up."""
         with _ipr(self.switch_ns) as ipr:
             ipr.link("set", index=_link_index(ipr, "lo", self.switch_ns), state="up")
-            ipr.link("add", ifname=BRIDGE, kind="bridge", br_stp_state=0, br_forward_delay=0)
-            ipr.link("set", index=_link_index(ipr, BRIDGE, self.switch_ns), state="up")
+            for segment in range(self.segments):
+                bridge = bridge_name(segment)
+                ipr.link("add", ifname=bridge, kind="bridge", br_stp_state=0, br_forward_delay=0)
+                ipr.link("set", index=_link_index(ipr, bridge, self.switch_ns), state="up")
 
     def _add_host(self, host: Host) -> None:
-        """Wire ``host``: veth eth0 (host ns) <-> p{i} (switch ns, on br0), address, shaping, links up."""
-        port = f"p{host.index}"
+        """Wire ``host``: per segment s a veth eth{s} (host ns) <-> its switch port (on br{s}), shaped and up."""
         with _ipr(host.name) as ipr:
             ipr.link("set", index=_link_index(ipr, "lo", host.name), state="up")
-            ipr.link("add", ifname=IFNAME, kind="veth", peer={"ifname": port, "net_ns_fd": self.switch_ns})
-            idx = _link_index(ipr, IFNAME, host.name)
-            ipr.link("set", index=idx, gso_max_segs=GSO_MAX_SEGS)
-            ipr.addr("add", index=idx, address=host.ip, prefixlen=PREFIXLEN)
-            if self.shape_hosts:
-                switch.install_fifo(ipr, idx, self.rate_bps)
-            ipr.link("set", index=idx, state="up")
+            for segment in range(self.segments):
+                self._add_nic(ipr, host, segment)
         with _ipr(self.switch_ns) as ipr:
-            pidx = _link_index(ipr, port, self.switch_ns)
-            ipr.link("set", index=pidx, gso_max_segs=GSO_MAX_SEGS)
-            ipr.link("set", index=pidx, master=_link_index(ipr, BRIDGE, self.switch_ns))
-            switch.install_strict_priority(ipr, pidx, self.rate_bps)
-            ipr.link("set", index=pidx, state="up")
+            for segment in range(self.segments):
+                self._add_switch_port(ipr, port_name(host.index, segment), bridge_name(segment))
+
+    def _add_nic(self, ipr: IPRoute, host: Host, segment: int) -> None:
+        """In ``host``'s namespace: create the veth of ``segment`` (peer into the switch), address, shaping, up."""
+        ifname, port = host.interface(segment), port_name(host.index, segment)
+        ipr.link("add", ifname=ifname, kind="veth", peer={"ifname": port, "net_ns_fd": self.switch_ns})
+        idx = _link_index(ipr, ifname, host.name)
+        ipr.link("set", index=idx, gso_max_segs=GSO_MAX_SEGS)
+        ipr.addr("add", index=idx, address=host.address(segment), prefixlen=PREFIXLEN)
+        if self.shape_hosts:
+            switch.install_fifo(ipr, idx, self.rate_bps)
+        ipr.link("set", index=idx, state="up")
+
+    def _add_switch_port(self, ipr: IPRoute, port: str, bridge: str) -> None:
+        """In the switch namespace: ``port`` onto ``bridge``, strict-priority queues at RATE, up."""
+        pidx = _link_index(ipr, port, self.switch_ns)
+        ipr.link("set", index=pidx, gso_max_segs=GSO_MAX_SEGS)
+        ipr.link("set", index=pidx, master=_link_index(ipr, bridge, self.switch_ns))
+        switch.install_strict_priority(ipr, pidx, self.rate_bps)
+        ipr.link("set", index=pidx, state="up")
 
     def _teardown(self) -> None:
         """Delete the namespaces this instance created, hosts first; then update or remove the record.
@@ -380,9 +442,17 @@ class Testbed:
         if errors:
             raise TestbedError(f"testbed {self.name}: could not remove: {'; '.join(errors)}")
 
-    def switch_port_stats(self, i: int) -> dict[int, dict[str, int]]:
-        """Counters of the switch port toward host ``i``: ``{queue 0..7: {bytes, packets, drops, backlog, qlen}}``."""
-        port = f"p{self.host(i).index}"
+    def switch_port(self, i: int, segment: int = 0) -> str:
+        """Name of the switch port toward host ``i`` on ``segment``: ``p{i}``, or ``p{i}s1`` on segment 1."""
+        host = self.host(i)
+        return port_name(host.index, host._segment(segment))
+
+    def switch_port_stats(self, i: int, segment: int = 0) -> dict[int, dict[str, int]]:
+        """Counters of the switch port toward host ``i`` on ``segment`` (0 = ``p{i}``, 1 = ``p{i}s1``).
+
+        Returns ``{queue 0..7: {bytes, packets, drops, backlog, qlen}}``.
+        """
+        port = self.switch_port(i, segment)
         with _ipr(self.switch_ns) as ipr:
             return switch.queue_stats(ipr, _link_index(ipr, port, self.switch_ns))
 
@@ -418,16 +488,20 @@ def down_by_name(name: str) -> list[str]:
 
 def _print_hosts(tb: Testbed) -> None:
     """Print the host table of a testbed that is up."""
-    print(f"testbed {tb.name} is up: {len(tb.hosts)} hosts, {tb.rate} per link, switch namespace {tb.switch_ns}")
-    print(f"{'host':>4}  {'netns':<10} {'if':<5} ip")
+    segs = f", {tb.segments} segments" if tb.segments > 1 else ""
+    print(f"testbed {tb.name} is up: {len(tb.hosts)} hosts{segs}, {tb.rate} per link, switch namespace {tb.switch_ns}")
+    print(f"{'host':>4}  {'netns':<10} {'if':<5} {'ip':<18} switch port")
     for h in tb.hosts:
-        print(f"{h.index:>4}  {h.name:<10} {h.ifname:<5} {h.ip}/{PREFIXLEN}")
+        for s in range(tb.segments):
+            print(f"{h.index:>4}  {h.name:<10} {h.interface(s):<5} {h.address(s) + '/' + str(PREFIXLEN):<18} "
+                  f"{tb.switch_port(h.index, s)}")
     print(f"run in a host: ip netns exec {tb.hosts[0].name} CMD; tear down: python -m testbed down --name {tb.name}")
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
     """``up``: build and leave the testbed up (SIGINT/SIGTERM during the build clean up)."""
-    tb = Testbed(hosts=args.hosts, rate=args.rate, name=args.name, shape_hosts=not args.no_shape_hosts)
+    tb = Testbed(hosts=args.hosts, rate=args.rate, name=args.name, shape_hosts=not args.no_shape_hosts,
+                 segments=args.segments)
 
     owner = os.getpid()
 
@@ -482,13 +556,14 @@ def _cmd_list(args: argparse.Namespace) -> int:  # noqa: ARG001
         rec = records.read_record(name) or {}
         listed = rec.get("netns", [])
         present = [ns for ns in listed if netns_exists(ns)]
-        print(f"{name}: {rec.get('hosts', '?')} hosts, {rec.get('rate', '?')}, pid {rec.get('pid', '?')}, "
+        segs = f", {rec['segments']} segments" if rec.get("segments", 1) != 1 else ""
+        print(f"{name}: {rec.get('hosts', '?')} hosts{segs}, {rec.get('rate', '?')}, pid {rec.get('pid', '?')}, "
               f"{len(present)}/{len(listed)} namespaces present: {' '.join(present)}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: ``up --hosts N --rate RATE [--name tl]``, ``down [--name tl | --all]``, ``list``."""
+    """CLI entry: ``up --hosts N --rate RATE [--name tl] [--segments 1|2]``, ``down [--name tl | --all]``, ``list``."""
     p = argparse.ArgumentParser(prog="testbed", description="tensorlane network-namespace testbed (root)")
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="build a testbed and leave it up")
@@ -496,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--rate", default="200mbit")
     up.add_argument("--name", default="tl")
     up.add_argument("--no-shape-hosts", action="store_true", help="leave the host NICs unshaped")
+    up.add_argument("--segments", type=int, default=1, choices=range(1, MAX_SEGMENTS + 1),
+                    help="switch segments: 2 gives every host a second NIC eth1 (198.19.0.i/24) on bridge br1")
     down = sub.add_parser("down", help="remove a testbed (only what its ownership record lists)")
     which = down.add_mutually_exclusive_group()
     which.add_argument("--name", default="tl")

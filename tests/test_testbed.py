@@ -1,6 +1,6 @@
 """Tests of the namespace testbed (testbed/). The netns tests need root, iproute2 and iperf3: they fail, never skip.
 
-Every testbed here uses a name of its own (tbt1..tbt9), so other sessions' testbeds ("tl", "ta", "tw"...) are
+Every testbed here uses a name of its own (tbt1..tbt10), so other sessions' testbeds ("tl", "ta", "tw"...) are
 never touched; every test removes what it made in a finally block.
 """
 from __future__ import annotations
@@ -128,7 +128,8 @@ def _iperf_pairs(tb: Testbed, flows: list[tuple[int, int, int, list[str]]], seco
 
 @pytest.mark.parametrize("kw", [{"hosts": 0}, {"hosts": 65}, {"hosts": "3"}, {"rate": "fast"}, {"rate": "10kbit"},
                                 {"rate": "20gbit"}, {"name": "TL"}, {"name": "toolongname"}, {"name": "t-1"},
-                                {"name": ""}])
+                                {"name": ""}, {"segments": 0}, {"segments": 3}, {"segments": True},
+                                {"segments": "2"}])
 def test_invalid_parameters_are_refused(kw):
     with pytest.raises(ValueError):
         Testbed(**kw)
@@ -145,6 +146,22 @@ def test_parse_rate_and_addressing():
     assert tb.rate_bps == 200_000_000
     with pytest.raises(TestbedError):
         tb.host(4)
+    assert tb.segments == 1 and tb.host(1).segments == 1 and tb.host(1).address(0) == "198.18.0.1"
+    with pytest.raises(TestbedError):
+        tb.host(1).address(1)
+
+
+def test_two_segment_addressing():
+    tb = Testbed(hosts=3, name="tbt0", segments=2)
+    h = tb.host(3)
+    assert h.segments == 2 and h.ip == h.address(0) == "198.18.0.3" and h.address(1) == "198.19.0.3"
+    assert h.ifname == h.interface(0) == "eth0" and h.interface(1) == "eth1"
+    assert tb.switch_port(3) == "p3" and tb.switch_port(3, segment=1) == "p3s1"
+    for bad in (2, -1, True):
+        with pytest.raises(TestbedError):
+            h.address(bad)
+        with pytest.raises(TestbedError):
+            tb.switch_port(3, segment=bad)
 
 
 # -- life cycle ---------------------------------------------------------------------------------------------------
@@ -257,7 +274,73 @@ def test_cli_sigint_during_up_cleans_up(netns_ok):
         _scrub("tbt9")
 
 
+@pytest.mark.netns
+def test_cli_up_two_segments(netns_ok, capsys):
+    try:
+        assert main(["up", "--hosts", "2", "--segments", "2", "--rate", RATE, "--name", "tbt10"]) == 0
+        out = capsys.readouterr().out
+        assert "198.18.0.2/24" in out and "198.19.0.2/24" in out and "p2s1" in out, out
+        assert records.read_record("tbt10")["segments"] == 2
+        assert main(["list"]) == 0
+        assert "tbt10: 2 hosts, 2 segments" in capsys.readouterr().out
+        assert main(["down", "--name", "tbt10"]) == 0
+        assert _ours("tbt10") == [] and records.read_record("tbt10") is None
+    finally:
+        _scrub("tbt10")
+
+
 # -- traffic ------------------------------------------------------------------------------------------------------
+
+
+def _link(host, ifname: str) -> dict:
+    """``ip -d -s -j link show dev ifname`` inside ``host``, as a dict (details and counters)."""
+    return json.loads(host.run(["ip", "-d", "-s", "-j", "link", "show", "dev", ifname]).stdout)[0]
+
+
+def _switch_links(tb: Testbed, *args: str) -> str:
+    """``ip -o link show ARGS`` in the switch namespace of ``tb``."""
+    return subprocess.run(["ip", "-n", tb.switch_ns, "-o", "link", "show", *args], capture_output=True, text=True,
+                          timeout=10, check=True).stdout
+
+
+def _ping(tb: Testbed, src: int, dst: str, count: int = 3) -> None:
+    """``count`` echoes from host ``src`` to address ``dst``, every one answered."""
+    out = tb.host(src).run([sys.executable, "-m", "testbed.ping", dst, "-c", str(count), "-W", "2", "-i", "0.05"],
+                           env=_env(), timeout=20)
+    assert f"{count} received" in out.stdout, out.stdout
+
+
+def _port_packets(tb: Testbed, i: int, segment: int) -> int:
+    """Packets the switch port toward host ``i`` on ``segment`` has sent, all queues."""
+    return sum(q["packets"] for q in tb.switch_port_stats(i, segment=segment).values())
+
+
+@pytest.mark.netns
+def test_two_segments_each_address_through_its_own_nic(make_testbed):
+    tb = make_testbed("tbt5", hosts=2, segments=2).up()
+    h1, h2 = tb.host(1), tb.host(2)
+    assert "198.19.0.2/24" in h2.run(["ip", "-o", "-4", "addr", "show", "dev", "eth1"]).stdout
+    on_br1 = _switch_links(tb, "master", "br1")
+    assert "p1s1@" in on_br1 and "p2s1@" in on_br1 and "p1@" not in on_br1
+    assert "htb" in subprocess.run(["tc", "-n", tb.switch_ns, "qdisc", "show", "dev", "p2s1"], capture_output=True,
+                                   text=True, timeout=10, check=True).stdout
+    for ifname in ("eth0", "eth1"):
+        link = _link(h1, ifname)
+        assert link["gso_max_segs"] == 1 and "htb" in h1.run(["tc", "qdisc", "show", "dev", ifname]).stdout
+    for segment in (0, 1):
+        count = 5
+        tx = [_link(h1, f"eth{s}")["stats64"]["tx"]["packets"] for s in (0, 1)]
+        port = [_port_packets(tb, 2, s) for s in (0, 1)]
+        _ping(tb, 1, h2.address(segment), count)
+        tx = [_link(h1, f"eth{s}")["stats64"]["tx"]["packets"] - tx[s] for s in (0, 1)]
+        port = [_port_packets(tb, 2, s) - port[s] for s in (0, 1)]
+        other = 1 - segment
+        assert tx[segment] >= count and tx[other] < count, (segment, tx)  # host1 sent on the NIC of that segment
+        assert port[segment] >= count and port[other] < count, (segment, port)  # through that segment's port
+    tb.down()
+    assert _ours("tbt5") == [] and records.read_record("tbt5") is None
+
+
 
 
 @pytest.mark.netns
@@ -273,6 +356,16 @@ def test_ping_between_hosts(tb3):
     after = tb3.switch_port_stats(2)
     sent = {q: after[q]["packets"] - before[q]["packets"] for q in range(8)}
     assert sent[0] >= 2 and sent[5] == 2, sent  # ARP and plain ICMP in queue 0, the EF echo requests in queue 5
+
+
+@pytest.mark.netns
+def test_one_segment_has_no_second_nic(tb3):
+    h = tb3.host(1)
+    assert h.run(["ip", "link", "show", "dev", "eth1"], check=False).returncode != 0
+    links = _switch_links(tb3)
+    assert "br0" in links and "br1" not in links and "p1s1" not in links
+    with pytest.raises(TestbedError):
+        tb3.switch_port_stats(1, segment=1)
 
 
 @pytest.mark.netns
