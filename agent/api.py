@@ -116,12 +116,25 @@ class Api:
                                         "in this agent's network namespace"
                                         + (f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""))
                 pid = peer.pid
-        added, moved = self.table.register(req.job, req.level, req.flows, req.rank, pid=pid, uid=uid, floor=floor)
+        had = set(self.table.runs.get(req.job, ()))
+        added, moved = self.table.register(req.job, req.level, req.flows, req.rank, pid=pid, uid=uid, floor=floor,
+                                           run=req.run)
         self._push(added, moved, [])
         level = self.table.effective_level(req.flows[0])  # one job, one requested level: one effective level
-        return {"job": req.job, "level": level, "requested_level": req.level, "added": len(added),
-                "moved": len(moved), "unchanged": len(req.flows) - len(added) - len(moved),
-                "dscp": self.cfg.dscp[level], "class": fmt_handle(self.rec.backend.classid(level))}
+        reply = {"job": req.job, "level": level, "requested_level": req.level, "added": len(added),
+                 "moved": len(moved), "unchanged": len(req.flows) - len(added) - len(moved),
+                 "dscp": self.cfg.dscp[level], "class": fmt_handle(self.rec.backend.classid(level))}
+        runs = self.table.runs.get(req.job, {})
+        if len(runs) > 1:
+            if req.run not in had:  # a new run joined a job id already in use: log once per run
+                self.record("job_id_conflict", "seen")
+                self.refusal_log.note("job id conflict", logging.WARNING,
+                                      "job id %r is used by %d runs on this host (%s): the agent treats them as "
+                                      "one job; give each job its own id", req.job, len(runs), ", ".join(sorted(runs)))
+            reply["conflict"] = (f"job id {req.job!r} is also used by another run on this host ({len(runs)} runs): "
+                                 "the agent treats them as one job (one band, one order); give each job its own id "
+                                 "(TENSORLANE_JOB, or torchrun --rdzv-id)")
+        return reply
 
     def _check_netns(self, peer) -> None:
         """Refuse a client whose network namespace is not the one this agent manages: its addresses and ports
@@ -179,6 +192,7 @@ class Api:
             "version": VERSION, "interfaces": self._interfaces(), "backend": self.backend,
             "link_rate_bps": sum(rates) if all(rates) else None, "uptime_s": round(time.time() - self.started, 3),
             "flows": len(self.table.flows), "jobs": self.table.jobs(), "job_policy": self.jobs.describe(),
+            "job_conflicts": self.table.conflicts(), "min_share": getattr(self.rec.backend, "min_share", 0.0),
             "classes": self._levels(devices), "devices": devices,
             "reconcile": {"passes": self.rec.stats.passes, "repairs": self.rec.stats.repairs,
                           "errors": self.rec.stats.errors, "last_error": self.rec.stats.last_error},

@@ -58,6 +58,7 @@ class Config:
     take_over_root: bool = False
     state_dir: str = "/run/tensorlane"
     queue_limit_packets: int = 1000
+    min_share: float = 0.01  # htb: the link's share guaranteed to every class (no RTO starvation); 0: strict
     reconcile_interval_s: float = 5.0
     socket_group: str | None = None
     allowed_users: tuple[str, ...] = ()
@@ -313,7 +314,11 @@ def _level_limits(raw: dict, levels: int) -> dict:
 
 def _service(raw: dict, levels: int) -> dict:
     """The main loop and the API's limits: queue length, reconcile interval, level limits, rates, flows."""
+    levels_and_default = levels + 1
     return {"queue_limit_packets": _integer(raw, "queue_limit_packets", 10, 100_000),
+            "min_share": _number(raw, "min_share", 0.0, round(0.5 / levels_and_default, 4),
+                                 f" (a fraction of the link for each of the {levels_and_default} classes; "
+                                 "together at most half of it)"),
             "reconcile_interval_s": _number(raw, "reconcile_interval_s", 0.1, 3600, " seconds"),
             "level_limits": _level_limits(raw, levels),
             "rate_limit_per_s": _number(raw, "rate_limit_per_s", 1, 1_000_000, " requests per second"),

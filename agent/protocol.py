@@ -41,6 +41,7 @@ class Request:
     rank: int | None = None
     flows: tuple[FlowKey, ...] = ()
     session: str | None = None
+    run: str | None = None  # register: one run of the job (the same on all its ranks), to tell two jobs apart
     counters: tuple[tuple[int, int, int, float], ...] = ()  # report: (level, allreduces, bytes, comm_s)
 
 
@@ -136,7 +137,7 @@ def parse_request(line: bytes | str) -> Request:
     if rid is not None and not isinstance(rid, (int, str)) or isinstance(rid, bool):
         raise ProtocolError("bad_request", "id must be a string or an integer")
     allowed = {"op", "id"} | {
-        "register": {"job", "level", "rank", "flows"}, "unregister": {"job", "flows"}, "list": {"job"},
+        "register": {"job", "level", "rank", "flows", "run"}, "unregister": {"job", "flows"}, "list": {"job"},
         "report": {"job", "session", "levels"},
     }.get(op, set())
     unknown = set(msg) - allowed
@@ -162,13 +163,17 @@ def parse_request(line: bytes | str) -> Request:
         if len(flows_raw) > MAX_FLOWS_PER_MESSAGE:
             raise ProtocolError("too_large", f"{len(flows_raw)} flows exceed {MAX_FLOWS_PER_MESSAGE} per message")
         flows = tuple(dict.fromkeys(parse_flow(f) for f in flows_raw))
+    run = msg.get("run")
+    if run is not None and (not isinstance(run, str) or not JOB_ID_RE.match(run)):
+        raise ProtocolError("bad_request", f"run must be {JOB_ID_RULE}; got {run!r}")
     session, counters = None, ()
     if op == "report":
         session = msg.get("session")
         if not isinstance(session, str) or not JOB_ID_RE.match(session):
             raise ProtocolError("bad_request", f"session must be {JOB_ID_RULE}; got {session!r}")
         counters = parse_counters(msg.get("levels"))
-    return Request(op=op, id=rid, job=job, level=level, rank=rank, flows=flows, session=session, counters=counters)
+    return Request(op=op, id=rid, job=job, level=level, rank=rank, flows=flows, session=session, run=run,
+                   counters=counters)
 
 
 def ok(rid, result: dict) -> bytes:

@@ -26,6 +26,7 @@ class FlowEntry(NamedTuple):
     uid: int | None = None  # the registering user
     registered_at: float = 0.0
     floor: int = 0  # the most urgent level the registering user may use (level_limits): bounds the effective level
+    run: str | None = None  # the run of the job that registered it (the shim's token): two runs = an id conflict
 
 
 def requested_level(entry: FlowEntry) -> int:
@@ -43,6 +44,7 @@ class FlowTable:
         self.flows: dict[FlowKey, FlowEntry] = {}
         self.by_pid: dict[int, set[FlowKey]] = {}
         self.by_job: dict[str, set[FlowKey]] = {}
+        self.runs: dict[str, dict[str, int]] = {}  # job -> run -> flows (flows registered with a run only)
         self.level_of = level_of  # entry -> effective level (a job policy replaces it: agent/jobs.py)
 
     def effective_level(self, key: FlowKey) -> int:
@@ -50,13 +52,14 @@ class FlowTable:
         return self.level_of(self.flows[key])
 
     def register(self, job: str, level: int, flows: tuple[FlowKey, ...], rank: int | None = None,
-                 pid: int | None = None, uid: int | None = None,
-                 floor: int = 0) -> tuple[list[FlowKey], list[FlowKey]]:
+                 pid: int | None = None, uid: int | None = None, floor: int = 0,
+                 run: str | None = None) -> tuple[list[FlowKey], list[FlowKey]]:
         """Add ``flows`` for ``job`` at ``level`` (moving the job's own flows that are at another level).
 
         ``floor``: the most urgent level the registering user may use; a job policy never puts the flows above
-        it. Returns (added, moved). Raises ProtocolError, changing nothing, when the level is out of range, a flow
-        belongs to another job, or the table would overflow.
+        it. ``run``: the run of the job registering (see ``conflicts``). Returns (added, moved). Raises
+        ProtocolError, changing nothing, when the level is out of range, a flow belongs to another job, or the
+        table would overflow.
         """
         if not 0 <= level < self.levels:
             raise ProtocolError("bad_level", f"level {level} out of range 0..{self.levels - 1}")
@@ -74,8 +77,11 @@ class FlowTable:
         now = time.time()
         for key in flows:
             self._forget_owner(key)
-            self.flows[key] = FlowEntry(job, level, rank, pid, uid, now, floor)
+            self.flows[key] = FlowEntry(job, level, rank, pid, uid, now, floor, run)
             self.by_job.setdefault(job, set()).add(key)
+            if run is not None:
+                runs = self.runs.setdefault(job, {})
+                runs[run] = runs.get(run, 0) + 1
             if pid is not None:
                 self.by_pid.setdefault(pid, set()).add(key)
         return added, moved
@@ -90,6 +96,13 @@ class FlowTable:
             keys.discard(key)
             if not keys:
                 del self.by_job[old.job]
+        if old.run is not None:
+            runs = self.runs[old.job]
+            runs[old.run] -= 1
+            if not runs[old.run]:
+                del runs[old.run]
+                if not runs:
+                    del self.runs[old.job]
         if old.pid is not None:
             keys = self.by_pid.get(old.pid)
             if keys is not None:
@@ -144,6 +157,11 @@ class FlowTable:
         for key, entry in self.flows.items():
             out[self.level_of(entry)].append(key)
         return out
+
+    def conflicts(self) -> dict[str, list[str]]:
+        """Job ids that two or more runs use on this host now (two jobs that picked the same id, e.g. the same
+        ``--rdzv-id``): ``{job: [runs]}``. The agent treats them as one job, so this must be visible."""
+        return {job: sorted(runs) for job, runs in self.runs.items() if len(runs) > 1}
 
     def jobs(self) -> dict[str, int]:
         """Number of flows per job."""

@@ -19,15 +19,19 @@ class AgentLink:
     """Desired registrations of this process, kept in sync with whatever agent instance is running."""
 
     def __init__(self, socket_path: str, job: str, rank: int | None = None, interval_s: float = 2.0,
-                 timeout_s: float = 0.5):
+                 timeout_s: float = 0.5, run: str | None = None):
+        """``run``: a token every rank of this run of the job shares (``agree_run``), so that the agent sees
+        another job that uses the same id as a conflict instead of merging the two silently."""
         self.socket_path = socket_path
         self.job = job
         self.rank = rank
+        self.run = run
+        self.conflict = ""  # the agent's message when another run uses this job id on the host
         self.timeout_s = timeout_s
         self.flows: dict[int, list[dict]] = {}
         self.counters = {"registrations": 0, "failures": 0, "refusals": 0, "reregistrations": 0}
         self.last_error = ""
-        self.link_bps: float | None = None  # the agent's interface rate (``status``), for the planner
+        self.link_bps: float | None = None  # the rate of the NIC the job's flows use (``status``), for the planner
         self._instance: str | None = None
         self._warned = False
         self._ever_registered = False
@@ -58,16 +62,20 @@ class AgentLink:
     def _register(self, agent: AgentClient, flows: dict[int, list[dict]]) -> None:
         for level, fl in sorted(flows.items()):
             for i in range(0, len(fl), MAX_FLOWS_PER_REQUEST):
-                agent.register(self.job, level, fl[i:i + MAX_FLOWS_PER_REQUEST], rank=self.rank)
+                reply = agent.register(self.job, level, fl[i:i + MAX_FLOWS_PER_REQUEST], rank=self.rank,
+                                       run=self.run)
+                if reply.get("conflict") and not self.conflict:
+                    self.conflict = reply["conflict"]
+                    log.warning("tensorlane: %s", self.conflict)
 
     def _register_all_if_new(self, agent: AgentClient) -> None:
         instance = agent.request("hello").get("instance")
         if instance == self._instance:
             return
-        if self.link_bps is None:
-            rate = agent.request("status").get("link_rate_bps")
-            self.link_bps = float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
         self._register(agent, self.flows)
+        if self.link_bps is None:
+            mine = agent.list(self.job)["flows"] if self.flows else []
+            self.link_bps = job_link_rate(agent.request("status"), mine)
         if self.flows:
             self.counters["registrations"] += 1
             self.counters["reregistrations"] += self._ever_registered
@@ -117,3 +125,18 @@ class AgentLink:
                         agent.unregister(self.job, flows[i:i + MAX_FLOWS_PER_REQUEST])
             except (AgentUnavailable, AgentError, OSError):
                 pass
+
+
+def job_link_rate(status: dict, flows: list[dict]) -> float | None:
+    """The rate of the link this job's flows leave through, from the agent's ``status`` and ``list`` replies: the
+    rate of the managed interface most of them use (a bond's: its members' sum), else the agent's only one;
+    None when unknown."""
+    by_iface: dict[str, float] = {}
+    for dev in status.get("devices", []):
+        rate = dev.get("link_rate_bps")
+        if isinstance(rate, (int, float)) and rate > 0:
+            by_iface[dev.get("serves", "")] = by_iface.get(dev.get("serves", ""), 0.0) + float(rate)
+    used = [f.get("interface") for f in flows if f.get("interface") in by_iface]
+    if used:
+        return by_iface[max(set(used), key=used.count)]
+    return next(iter(by_iface.values())) if len(by_iface) == 1 else None

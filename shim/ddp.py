@@ -642,12 +642,22 @@ def _priority_groups(levels: int, master_port: str | None) -> tuple[list, dict[i
     return groups, flows
 
 
+def agree_run(group=None) -> str:
+    """A token of this run of the job, the same on every rank (rank 0 draws it; a collective on ``group``). The
+    agent uses it to notice two jobs that use the same job id on one host. Usage: ``run = agree_run(groups[0])``
+    """
+    box = [f"run-{uuid.uuid4().hex[:16]}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return str(box[0])
+
+
 def _connect(levels: int, agent_socket: str | None, job: str | None) -> tuple[list, AgentLink, dict, str]:
-    """The collective part of starting: groups per level, the agreed job id, flows registered with the agent."""
+    """The collective part of starting: groups per level, the agreed job id and run, flows registered with the
+    agent."""
     groups, flows = _priority_groups(levels, os.environ.get("MASTER_PORT"))
     job = agree_job_id(job, group=groups[0])
     link = AgentLink(agent_socket or os.environ.get("TENSORLANE_AGENT_SOCKET", DEFAULT_SOCKET), job,
-                     rank=dist.get_rank())
+                     rank=dist.get_rank(), run=agree_run(group=groups[0]))
     for level, fl in flows.items():
         if fl:
             link.add(level, fl)

@@ -112,11 +112,15 @@ class AgentClient:
             self.close()
             raise AgentUnavailable(f"agent at {self.path}: {send_error or exc}") from None
 
-    def register(self, job: str, level: int, flows: list[dict], rank: int | None = None) -> dict:
-        """Register ``flows`` (dicts with proto, src, sport, dst, dport) of ``job`` at ``level``."""
+    def register(self, job: str, level: int, flows: list[dict], rank: int | None = None,
+                 run: str | None = None) -> dict:
+        """Register ``flows`` (dicts with proto, src, sport, dst, dport) of ``job`` at ``level``; ``run``: a token
+        all ranks of this run of the job share, so that the agent can tell another job with the same id apart."""
         fields = {"job": job, "level": level, "flows": flows}
         if rank is not None:
             fields["rank"] = rank
+        if run is not None:
+            fields["run"] = run
         return self.request("register", **fields)
 
     def unregister(self, job: str, flows: list[dict] | None = None) -> dict:

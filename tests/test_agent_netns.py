@@ -205,3 +205,28 @@ def test_unsupported_backend_stops_before_the_kernel(tb):
             with running_agents(tb, hosts=[1], backend="prio"):
                 pass
     assert tc_dump(h1) == before and "tensorlane" not in nft_tables(h1)
+
+
+def test_two_jobs_with_one_id_are_a_conflict_the_shim_and_metrics_show(tb):
+    from tensorlane.shim.agent_link import AgentLink
+
+    h1, h2 = tb.host(1), tb.host(2)
+    extra = {**TRUST, "job_policy": "rotate", "metrics_address": "127.0.0.1:9478"}
+    with running_agents(tb, levels=2, hosts=[1], config_extra=extra) as agents:
+        sock = agents[1].socket
+        links = [AgentLink(sock, "none", rank=0, interval_s=60, run=run) for run in ("run-a", "run-b")]
+        try:
+            links[0].add(0, [flow(h1, 43000, h2, 29500, "tcp")])
+            assert links[0].conflict == ""
+            links[1].add(0, [flow(h1, 43001, h2, 29501, "tcp")])
+            assert "job id 'none' is also used by another run" in links[1].conflict
+            assert agents[1].status()["job_conflicts"] == {"none": ["run-a", "run-b"]}
+            scrape = h1.run([sys.executable, "-c", "import urllib.request; print(urllib.request.urlopen("
+                             "'http://127.0.0.1:9478/metrics', timeout=5).read().decode())"]).stdout
+            assert 'tensorlane_job_id_conflicts{device="eth0"} 1.0' in scrape
+            assert links[0].link_bps == tb.rate_bps  # the rate of the NIC the job's flows leave through
+        finally:
+            for link in links:
+                link.close()
+        assert agents[1].status()["job_conflicts"] == {}
+        assert "is used by 2 runs on this host" in agents[1].stderr_tail()

@@ -5,6 +5,7 @@ jobs, and config errors that name their field."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -96,6 +97,23 @@ def test_policy_none_keeps_the_requested_level():
     assert listed(api) == {1: ("a", 2, 2), 2: ("b", 0, 0)}
     assert rec.kernel == {key(1): 2, key(2): 0}
     assert request(api, op="status")["job_policy"] == {"policy": "none", "order": [], "changes": 0, "bands": {}}
+
+
+def test_two_runs_with_one_job_id_are_a_visible_conflict(caplog):
+    api, rec = make_api(job_policy="rotate")
+    first = request(api, op="register", job="none", level=0, flows=[flow(1)], run="run-a")
+    again = request(api, op="register", job="none", level=0, flows=[flow(2)], run="run-a")  # the same run's rank
+    assert "conflict" not in first and "conflict" not in again
+    with caplog.at_level(logging.WARNING, logger="tensorlane.api"):
+        other = request(api, op="register", job="none", level=0, flows=[flow(3)], run="run-b")
+    assert "also used by another run on this host (2 runs)" in other["conflict"]
+    assert "job id 'none' is used by 2 runs on this host (run-a, run-b)" in caplog.text
+    assert request(api, op="status")["job_conflicts"] == {"none": ["run-a", "run-b"]}
+    request(api, op="register", job="solo", level=0, flows=[flow(4)])  # no run (an older client): no conflict
+    request(api, op="unregister", job="none", flows=[flow(3)])
+    assert request(api, op="status")["job_conflicts"] == {}  # run-b's flows gone: one run left
+    with pytest.raises(AssertionError, match="bad_request"):
+        request(api, op="register", job="x", level=0, flows=[flow(5)], run="no spaces")
 
 
 def test_static_bands_move_other_jobs_in_the_same_change():

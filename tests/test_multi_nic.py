@@ -14,6 +14,7 @@ import time
 import pytest
 
 from bench.agents import AgentStartError, running_agents
+from tensorlane.shim.agent_link import AgentLink
 from testbed import Testbed
 
 pytestmark = pytest.mark.netns
@@ -62,7 +63,8 @@ def test_two_jobs_on_two_nics_each_marked_and_queued_on_its_own(tb):
     tables_before = h1.run(["nft", "list", "tables"]).stdout
     a = {"proto": "udp", "src": h1.address(0), "sport": 41000, "dst": h2.address(0), "dport": 42000}
     b = {"proto": "udp", "src": h1.address(1), "sport": 41001, "dst": h2.address(1), "dport": 42001}
-    with running_agents(tb, levels=3, hosts=[1], backend="htb", config_extra=BOTH) as agents:
+    rates = {**BOTH, "link_rate": {"eth0": "100mbit", "eth1": "50mbit"}}  # a slower second rail
+    with running_agents(tb, levels=3, hosts=[1], backend="htb", config_extra=rates) as agents:
         agent = agents[1]
         for dev in ("eth0", "eth1"):
             assert "qdisc htb 7a1: root" in tc_dump(h1, dev)
@@ -72,6 +74,15 @@ def test_two_jobs_on_two_nics_each_marked_and_queued_on_its_own(tb):
             listed = {f["job"]: f["interface"] for f in c.list()["flows"]}
             st0 = c.status()
         assert listed == {"rail0": "eth0", "rail1": "eth1"}
+        assert {d["device"]: d["link_rate_bps"] for d in st0["devices"]} == {"eth0": 10**8, "eth1": 5 * 10**7}
+        link = AgentLink(agent.socket, "rail1", rank=0, interval_s=60)
+        try:
+            link.add(2, [b])  # the shim's view: the rate of the NIC its job's flows leave through
+            assert link.link_bps == 5 * 10**7
+        finally:
+            link.close()
+        with agent.client() as c:
+            c.register("rail1", 2, [b])  # the link's close withdrew it
         assert [(i["name"], i["queues"], i["flows"]) for i in st0["interfaces"]] == [
             ("eth0", ["eth0"], 1), ("eth1", ["eth1"], 1)]
         verify = h1.popen(PY + ["tensorlane", "verify", "--socket", agent.socket, "--seconds", "4", "--json"],

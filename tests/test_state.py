@@ -28,3 +28,15 @@ def test_refusals_change_nothing():
         with pytest.raises(ProtocolError):
             call()
         assert list(t.flows) == [A] and t.flows[A].job == "j"
+
+
+def test_runs_of_a_job_are_counted_and_conflicts_listed():
+    t = FlowTable(levels=2)
+    t.register("j", 0, (A,), run="r1")
+    assert t.conflicts() == {} and t.runs == {"j": {"r1": 1}}
+    t.register("j", 1, (B,), run="r2")
+    assert t.conflicts() == {"j": ["r1", "r2"]}
+    t.register("j", 0, (B,), run="r1")  # re-registered by the other run: counted once, under it
+    assert t.runs == {"j": {"r1": 2}} and t.conflicts() == {}
+    t.drop([A, B])
+    assert t.runs == {} and t.by_job == {}

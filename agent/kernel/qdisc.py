@@ -5,9 +5,12 @@ qdisc puts the packet straight into that class (no tc filter). Unregistered traf
 below every level.
 
 - ``htb`` (works on every kernel that has HTB): one parent class at the link rate; one child class per level with
-  a tiny guaranteed rate, ceil = link rate and HTB ``prio`` = level, so the most urgent backlogged class borrows
-  first (strict priority) and any class may use the whole link when the others are idle (work-conserving).
-  It shapes at the link rate, so the queue forms here and not in the NIC.
+  a small guaranteed rate (``min_share`` of the link), ceil = link rate and HTB ``prio`` = level, so the most
+  urgent backlogged class borrows first (priority) and any class may use the whole link when the others are idle
+  (work-conserving). The guarantee keeps a lower class's TCP flows ACK-clocked while a higher class is busy, so
+  they never sit idle in a retransmission timeout (then back off exponentially) when the link frees up; with
+  ``min_share = 0`` the guarantee is tiny (link/1000) and priority is strict. It shapes at the link rate, so the
+  queue forms here and not in the NIC.
 - ``prio`` (when the kernel has sch_prio): one band per level plus a default band; no shaping, relies on the NIC
   (with BQL) to keep its own ring short.
 
@@ -45,12 +48,13 @@ class HtbBackend:
 
     kind = "htb"
 
-    def __init__(self, levels: int, link_rate_bps: int, queue_limit: int = 1000):
+    def __init__(self, levels: int, link_rate_bps: int, queue_limit: int = 1000, min_share: float = 0.0):
         if link_rate_bps is None:
             raise ValueError("the htb backend needs link_rate (the interface reports no speed)")
         self.levels = levels
         self.rate = link_rate_bps
         self.queue_limit = queue_limit
+        self.min_share = min_share
         self.root = handle(MAJOR)
         self.parent_class = handle(MAJOR, 1)
         self.classes = [ClassSpec(lvl, handle(MAJOR, 0x10 + lvl), lvl, handle(0x100 + lvl)) for lvl in range(levels)]
@@ -66,7 +70,11 @@ class HtbBackend:
         return max(rate_bps // 8 // 1000, 4 * MTU_BYTES)  # 1 ms of the rate, at least a few packets
 
     def _guaranteed(self) -> int:
-        return max(8_000, min(100_000, self.rate // 1000))  # tiny, so that `prio` decides (TensorLights)
+        """Each leaf's guaranteed rate: ``min_share`` of the link, or (0) a tiny one so that `prio` alone decides
+        (TensorLights)."""
+        if self.min_share > 0:
+            return max(8_000, int(self.rate * self.min_share))
+        return max(8_000, min(100_000, self.rate // 1000))
 
     def apply(self, ipr, index: int) -> None:
         """Create the tree, or bring an existing one of ours to the desired parameters in place."""
@@ -97,8 +105,9 @@ class PrioBackend:
 
     kind = "prio"
 
-    def __init__(self, levels: int, link_rate_bps: int | None = None, queue_limit: int = 1000):
-        self.levels = levels
+    def __init__(self, levels: int, link_rate_bps: int | None = None, queue_limit: int = 1000,
+                 min_share: float = 0.0):
+        self.levels = levels  # min_share: sch_prio is strict, it has no guarantee to give (ets would)
         self.queue_limit = queue_limit
         self.root = handle(MAJOR)
         # sch_prio maps skb->priority MAJOR:minor straight to band minor-1.
@@ -128,10 +137,11 @@ class PrioBackend:
                    for q in ipr.get_qdiscs(index=index))
 
 
-def make_backend(kind: str, levels: int, link_rate_bps: int | None, queue_limit: int = 1000):
+def make_backend(kind: str, levels: int, link_rate_bps: int | None, queue_limit: int = 1000,
+                 min_share: float = 0.0):
     """Return the backend object for ``kind`` ("htb" or "prio")."""
     if kind == "htb":
-        return HtbBackend(levels, link_rate_bps, queue_limit)
+        return HtbBackend(levels, link_rate_bps, queue_limit, min_share)
     if kind == "prio":
-        return PrioBackend(levels, link_rate_bps, queue_limit)
+        return PrioBackend(levels, link_rate_bps, queue_limit, min_share)
     raise ValueError(f"unknown backend {kind!r}")

@@ -5,6 +5,7 @@
   ``training_job="_other"`` (a job id must start with a letter or digit, so no real job has that name).
   The label is ``training_job``, not ``job``, which Prometheus reserves for the scrape job.
 - ``tensorlane_registered_jobs{device}``: jobs with at least one flow (not capped).
+- ``tensorlane_job_id_conflicts{device}``: job ids used by two or more runs (the shim's ``run`` token) now.
 - ``tensorlane_class_marked_bytes_total`` / ``_packets_total{device,class}``: what each level's nftables chain
   marked (set DSCP and class); the default class has none. Read through a libnftables context of this scrape's
   own (the agent's context belongs to its main thread).
@@ -70,6 +71,13 @@ class FlowsSource(Source):
         jobs = names.REGISTERED_JOBS.gauge()
         jobs.add_metric([dev], len({e.job for e in entries}))
         yield jobs
+        runs: dict[str, set[str]] = {}
+        for e in entries:
+            if e.run is not None:
+                runs.setdefault(e.job, set()).add(e.run)
+        conflicts = names.JOB_ID_CONFLICTS.gauge()
+        conflicts.add_metric([dev], sum(len(r) > 1 for r in runs.values()))
+        yield conflicts
 
         marks = marked_counters(sorted(by_level))
         mb, mp = names.CLASS_MARKED_BYTES.counter(), names.CLASS_MARKED_PACKETS.counter()

@@ -90,6 +90,8 @@ CLASS_QUEUE_DELAY = Name(
 REGISTERED_FLOWS = Name("tensorlane_registered_flows", "Flows registered with the agent now",
                         ("device", "class", "training_job"))
 REGISTERED_JOBS = Name("tensorlane_registered_jobs", "Training jobs with at least one registered flow", DEVICE)
+JOB_ID_CONFLICTS = Name("tensorlane_job_id_conflicts",
+                        "Job ids that two or more runs (different jobs) use on this host now", DEVICE)
 CLASS_MARKED_BYTES = Name("tensorlane_class_marked_bytes",
                           "Bytes marked (DSCP and class) by the level's nftables chain", DEVICE_CLASS)
 CLASS_MARKED_PACKETS = Name("tensorlane_class_marked_packets",
