@@ -170,9 +170,11 @@ def recap(output: str) -> dict[str, dict[str, int]]:
             for m in RECAP_RE.finditer(output)}
 
 
-def _inventory(fleet_root: str, hosts: list, key: str, wheel: str, wheelhouse: str, rate: str) -> dict:
+def _inventory(fleet_root: str, hosts: list, key: str, wheel: str, wheelhouse: str, rate: str,
+               host_vars: dict | None = None) -> dict:
+    host_vars = host_vars or {}
     return {"tensorlane": {
-        "hosts": {h.name: {"ansible_host": h.ip} for h in hosts},
+        "hosts": {h.name: {"ansible_host": h.ip, **host_vars.get(h.name, {})} for h in hosts},
         "vars": {
             "ansible_user": "root",
             "ansible_become": False,  # already root; the play asks for become (sudo is not installed here)
@@ -185,7 +187,7 @@ def _inventory(fleet_root: str, hosts: list, key: str, wheel: str, wheelhouse: s
             "fleet_root": fleet_root,
             "tensorlane_install_os_packages": False,
             "tensorlane_service_manager": "none",
-            "tensorlane_interface": "eth0",
+            # tensorlane_interfaces: the role's default, [eth0]; a host's own in host_vars.
             "tensorlane_link_rate": rate,
             "tensorlane_take_over_root": True,  # the testbed's emulated NIC has a root HTB of its own
             "tensorlane_wheel": wheel,
@@ -216,8 +218,9 @@ def _wait_ssh(controller, host, timeout: float) -> None:
 
 
 def start(tb: Testbed, workdir: str, managed: list[int] | None = None, controller: int | None = None,
-          wheel: str | None = None, wheelhouse: str | None = None) -> Fleet:
+          wheel: str | None = None, wheelhouse: str | None = None, host_vars: dict | None = None) -> Fleet:
     """sshd in every managed host of ``tb`` (default: all but the last), keys, inventory; returns the Fleet.
+    ``host_vars``: inventory variables of single hosts, ``{host name: {variable: value}}``.
 
     Call ``stop(fleet)`` afterwards (the sshds are also ended by the testbed's teardown, which kills every
     process left in its namespaces).
@@ -240,7 +243,7 @@ def start(tb: Testbed, workdir: str, managed: list[int] | None = None, controlle
     hosts = [tb.host(i) for i in managed]
     inventory = os.path.join(workdir, "inventory.yml")
     with open(inventory, "w") as fh:  # JSON is YAML
-        json.dump(_inventory(fleet_root, hosts, key, wheel, wheelhouse, tb.rate), fh, indent=2)
+        json.dump(_inventory(fleet_root, hosts, key, wheel, wheelhouse, tb.rate, host_vars), fh, indent=2)
     env = dict(os.environ)
     env.update({
         "ANSIBLE_CONFIG": os.path.join(HERE, "ansible.cfg"),

@@ -1,10 +1,15 @@
 """The Ansible role (ansible/): ansible-lint's production profile, and a real deployment to three emulated hosts.
 
-The hosts are testbed namespaces ``tan-h1..3``, each with its own sshd; ``ansible-playbook`` runs in a fourth
-host namespace (the controller) and reaches them with the ssh connection plugin (ansible/fleet_testbed.py).
-The test checks that the first run changes every host and the second changes nothing, that each agent answers on
-its metrics endpoint and queues and marks a registered flow, and that the uninstall play leaves each host's
+The hosts are testbed namespaces ``tan-h1..3`` with two NICs each (eth0, eth1) and their own sshd;
+``ansible-playbook`` runs in a fourth host namespace (the controller) and reaches them with the ssh connection
+plugin (ansible/fleet_testbed.py). h1 names both NICs (``tensorlane_interfaces``, a rate per device), h2 one with
+the older ``tensorlane_interface``, h3 finds both by their routes (``auto``). The test checks that the first run
+changes every host and the second changes nothing, that each agent answers on its metrics endpoint, manages the
+interfaces it was given and queues and marks a registered flow, and that the uninstall play leaves each host's
 qdiscs, classes, filters and nftables tables exactly as they were before the deployment.
+
+Without a network: the role's defaults, argument spec and docs/deploy.md agree; the config template renders each
+way of naming interfaces and link rates into a file the agent reads back; preflight refuses conflicting settings.
 """
 from __future__ import annotations
 
@@ -16,16 +21,23 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 
 import pytest
+import yaml
 
+from tensorlane.agent.config import from_dict, parse_rate
 from testbed import Testbed
 
 pytestmark = pytest.mark.netns
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ANSIBLE_DIR = os.path.join(REPO_ROOT, "ansible")
+ROLE = os.path.join(ANSIBLE_DIR, "roles", "tensorlane")
+DEFAULTS = os.path.join(ROLE, "defaults", "main.yml")
 RATE = "100mbit"
+RATE_ETH1 = "50mbit"  # h1's second NIC, by a per-device tensorlane_link_rate
+DEVICES = ("eth0", "eth1")
 
 
 def _load_fleet():
@@ -48,10 +60,10 @@ def _tool(name: str) -> str:
 
 
 def host_state(host) -> str:
-    """What the uninstall must give back: the interface's qdiscs, classes and filters, and the nftables tables."""
+    """What the uninstall must give back: each NIC's qdiscs, classes and filters, and the nftables tables."""
+    argvs = [["tc", what, "show", "dev", dev] for dev in DEVICES for what in ("qdisc", "class", "filter")]
     return "\n".join(f"$ {' '.join(argv)}\n" + host.run(argv, timeout=10).stdout
-                     for argv in (["tc", "qdisc", "show", "dev", "eth0"], ["tc", "class", "show", "dev", "eth0"],
-                                  ["tc", "filter", "show", "dev", "eth0"], ["nft", "list", "tables"]))
+                     for argv in [*argvs, ["nft", "list", "tables"]])
 
 
 def _playbook(fleet, name: str, *args: str, hosts=None) -> tuple[dict, str]:
@@ -120,12 +132,135 @@ def udp_through_agent(fleet, sender, receiver, sport: int, dport: int, level: in
     return {"sent": json.loads(sent.stdout), **got}
 
 
-def agent_classes(fleet, host) -> dict:
+def agent_status(fleet, host) -> dict:
     venv_python = os.path.join(fleet.host_root(host), "opt", "venv", "bin", "python")
     sock = os.path.join(fleet.host_root(host), "run", "agent.sock")
     out = subprocess.run([venv_python, "-m", "tensorlane.cli", "status", "--socket", sock, "--json"],
                          capture_output=True, text=True, timeout=15, check=True).stdout
-    return {c["class"]: c for c in json.loads(out)["classes"]}
+    return json.loads(out)
+
+
+def agent_classes(fleet, host) -> dict:
+    """The classes' counters, summed over the agent's queue devices."""
+    return {c["class"]: c for c in agent_status(fleet, host)["classes"]}
+
+
+# --- without a network: defaults, argument spec and docs; the config template; preflight refusals -------------
+def _ansible_env(tmp_path) -> dict:
+    return dict(os.environ, ANSIBLE_CONFIG=os.path.join(ANSIBLE_DIR, "ansible.cfg"),
+                ANSIBLE_ROLES_PATH=os.path.join(ANSIBLE_DIR, "roles"), ANSIBLE_HOME=str(tmp_path / "ansible-home"),
+                ANSIBLE_LOCAL_TEMP=str(tmp_path / "ansible-tmp"), ANSIBLE_NOCOLOR="1", ANSIBLE_RETRY_FILES_ENABLED="0")
+
+
+def render(tmp_path, src: str, name: str, **overrides) -> str:
+    """The text of ``src`` (a path) rendered by ansible's template module, locally, with the role's defaults and
+    ``overrides`` (as extra variables, over the defaults)."""
+    dest = tmp_path / name
+    extra = {"ansible_python_interpreter": sys.executable, **overrides}
+    proc = subprocess.run([_tool("ansible"), "localhost", "-c", "local", "-i", "localhost,", "-m",
+                           "ansible.builtin.template", "-a", f"src={src} dest={dest} mode=0644", "-e", f"@{DEFAULTS}",
+                           "-e", json.dumps(extra)], capture_output=True, text=True, timeout=120, check=False,
+                          env=_ansible_env(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return dest.read_text()
+
+
+def _spec_options() -> dict:
+    with open(os.path.join(ROLE, "meta", "argument_specs.yml")) as fh:
+        specs = yaml.safe_load(fh)["argument_specs"]
+    assert specs["uninstall"]["options"] == specs["main"]["options"]
+    return specs["main"]["options"]
+
+
+def _documented_defaults() -> dict[str, str]:
+    """docs/deploy.md's variables table: ``{variable: its default column}`` (a row naming two, ``a` / `b``, with two
+    defaults or one for both, gives each its own)."""
+    with open(os.path.join(REPO_ROOT, "docs", "deploy.md")) as fh:
+        rows = [line.split("|")[1:3] for line in fh if line.startswith("| `tensorlane_")]
+    out = {}
+    for names, default in rows:
+        names = [n.strip().strip("`") for n in names.split(" / ")]
+        defaults = [d.strip().strip("`") for d in default.split(" / ")]
+        out |= dict(zip(names, defaults if len(defaults) == len(names) else defaults[:1] * len(names), strict=True))
+    return out
+
+
+def test_defaults_argument_spec_and_docs_agree(tmp_path):
+    """Each variable has one default, in defaults/main.yml; the argument spec states it as the defaults render
+    (templated ones with nothing else set), and docs/deploy.md's table lists every variable with that default (or
+    the template it comes from). A variable without a default (the older tensorlane_interface) has none anywhere."""
+    with open(DEFAULTS) as fh:
+        raw = yaml.safe_load(fh)
+    options = _spec_options()
+    with_default = {k for k, v in options.items() if "default" in v}
+    assert set(raw) == with_default, f"defaults only: {set(raw) - with_default}, spec only: {with_default - set(raw)}"
+    names = sorted(options)
+    template = tmp_path / "vars.j2"
+    template.write_text("{{ dict(__names | zip(query('ansible.builtin.vars', *__names))) | to_json }}")
+    rendered = json.loads(render(tmp_path, str(template), "vars.json", __names=sorted(raw)))
+    wrong = {k: (options[k]["default"], rendered[k]) for k in sorted(raw) if options[k]["default"] != rendered[k]}
+    assert not wrong, f"argument spec default != rendered default: {wrong}"
+    documented = _documented_defaults()
+    assert set(names) <= set(documented), f"not in docs/deploy.md's table: {sorted(set(names) - set(documented))}"
+    for name in names:
+        text = documented[name]
+        if name not in raw:
+            assert text in ("", "unset", "-"), f"{name} has no default, docs/deploy.md says {text!r}"
+        elif not text.startswith("...") and text != raw[name]:  # "...": a path given in full on the row already
+            value = yaml.safe_load(text)
+            assert value in (raw[name], rendered[name]), f"{name}: docs/deploy.md says {text!r}, default {raw[name]!r}"
+
+
+RENDER_CASES = {
+    "two NICs, a rate each": ({"tensorlane_interfaces": ["eth0", "eth1"],
+                               "tensorlane_link_rate": {"eth0": "25gbit", "eth1": "100gbit"}},
+                              ("eth0", "eth1"), (), {"eth0": 25 * 10**9, "eth1": 100 * 10**9}),
+    "older tensorlane_interface": ({"tensorlane_interface": "ens1f0", "tensorlane_link_rate": "25gbit"},
+                                   ("ens1f0",), (), 25 * 10**9),
+    "auto": ({"tensorlane_interfaces": "auto", "tensorlane_training_subnets": ["10.1.0.0/16", "fd00:10::/64"]},
+             (), ("10.1.0.0/16", "fd00:10::/64"), None),
+    "defaults": ({}, ("eth0",), (), None),
+}
+
+
+@pytest.mark.parametrize("case", list(RENDER_CASES))
+def test_config_template_renders_interfaces_and_link_rates(tmp_path, case):
+    """agent.toml.j2 writes the interfaces (one as ``interface``, as before), the subnets with auto, and one link
+    rate or an inline table of them; the agent's own parser reads back what was asked for."""
+    overrides, interfaces, subnets, rates = RENDER_CASES[case]
+    text = render(tmp_path, os.path.join(ROLE, "templates", "agent.toml.j2"), "agent.toml", **overrides)
+    cfg = from_dict(tomllib.loads(text))
+    assert (cfg.interfaces, cfg.training_subnets, cfg.link_rate_bps) == (interfaces, subnets, rates), text
+    if isinstance(rates, dict):
+        assert 'link_rate = { "eth0" = "25gbit", "eth1" = "100gbit" }' in text.splitlines(), text
+        assert cfg.rate_of("eth1") == 100 * 10**9 and cfg.rate_of("eth2") is None
+    if len(interfaces) == 1:
+        assert f'interface = "{interfaces[0]}"' in text.splitlines(), text  # what the role wrote before
+
+
+REFUSALS = {
+    "both": ({"tensorlane_interface": "eth0", "tensorlane_interfaces": ["eth0", "eth1"]},
+             "sets both tensorlane_interfaces"),
+    "auto without subnets": ({"tensorlane_interfaces": "auto"}, "tensorlane_interfaces: auto needs "
+                                                                 "tensorlane_training_subnets"),
+    "subnets without auto": ({"tensorlane_interfaces": ["eth0"], "tensorlane_training_subnets": ["10.0.0.0/8"]},
+                             "tensorlane_training_subnets is used only with tensorlane_interfaces: auto"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_preflight_refuses_conflicting_interface_settings(tmp_path, case):
+    """The role's first checks stop the play on this machine (nothing installed, nothing probed) and say why."""
+    overrides, message = REFUSALS[case]
+    play = tmp_path / "play.yml"
+    play.write_text("- name: Preflight only\n  hosts: localhost\n  gather_facts: false\n  roles: [tensorlane]\n")
+    extra = {"ansible_python_interpreter": sys.executable, "tensorlane_install_os_packages": False, **overrides}
+    proc = subprocess.run([_tool("ansible-playbook"), "-i", "localhost,", "-c", "local", str(play), "--tags",
+                           "tensorlane_preflight", "-e", json.dumps(extra)], capture_output=True, text=True,
+                          timeout=120, check=False, env=_ansible_env(tmp_path))
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0 and message in out, out[-3000:]
+    assert "Probe the host" not in out, out[-3000:]
 
 
 def test_ansible_lint_production_profile():
@@ -145,22 +280,41 @@ def test_deploy_is_idempotent_enforces_and_uninstall_restores():
         pytest.fail(str(exc))
     workdir = tempfile.mkdtemp(prefix="tan-")  # short: the agents' socket paths lie under it
     try:
-        with Testbed(hosts=4, rate=RATE, name="tan") as tb, \
-                fleet_testbed.running_fleet(tb, workdir, managed=[1, 2, 3], controller=4) as fleet:
+        tb = Testbed(hosts=4, rate=RATE, name="tan", segments=2)
+        host_vars = {  # h2 keeps the group's settings, with the older variable
+            tb.host(1).name: {"tensorlane_interfaces": ["eth0", "eth1"],
+                              "tensorlane_link_rate": {"eth0": RATE, "eth1": RATE_ETH1}},
+            tb.host(2).name: {"tensorlane_interface": "eth0"},
+            tb.host(3).name: {"tensorlane_interfaces": "auto", "tensorlane_training_subnets": ["198.18.0.0/15"]},
+        }
+        managed = {tb.host(1).name: DEVICES, tb.host(2).name: ("eth0",), tb.host(3).name: DEVICES}
+        with tb, fleet_testbed.running_fleet(tb, workdir, managed=[1, 2, 3], controller=4,
+                                             host_vars=host_vars) as fleet:
             before = {h.name: host_state(h) for h in fleet.managed}
 
             first, out = _playbook(fleet, "site.yml")
             assert all(s["changed"] > 0 for s in first.values()), out[-4000:]
 
             for h in fleet.managed:
-                tc = h.run(["tc", "class", "show", "dev", "eth0"]).stdout
-                assert "class htb 7a1:10" in tc and "class htb 7a1:14" in tc, tc  # 4 levels + default class
+                for dev in DEVICES:
+                    tc = h.run(["tc", "class", "show", "dev", dev]).stdout
+                    if dev in managed[h.name]:
+                        assert "class htb 7a1:10" in tc and "class htb 7a1:14" in tc, tc  # 4 levels + default
+                    else:
+                        assert "7a1:" not in tc, f"{h.name} {dev} is not to be managed:\n{tc}"
+                status = agent_status(fleet, h)
+                assert sorted(i["name"] for i in status["interfaces"] if i["name"]) == list(managed[h.name]), status
+                states = sorted(f for f in os.listdir(os.path.join(fleet.host_root(h), "run"))
+                                if f.startswith("agent-") and f.endswith(".json"))
+                assert states == [f"agent-{dev}.json" for dev in managed[h.name]], states  # a record per device
                 assert "table inet tensorlane" in h.run(["nft", "list", "tables"]).stdout
                 metrics = fleet.controller.run([sys.executable, "-c", FETCH, f"http://{h.ip}:9477/metrics"],
                                                timeout=15).stdout
                 assert "tensorlane_" in metrics, metrics[:2000]
 
             h1, h2 = fleet.managed[0], fleet.managed[1]
+            rates = {d["device"]: d["link_rate_bps"] for d in agent_status(fleet, h1)["devices"]}
+            assert rates == {"eth0": parse_rate(RATE), "eth1": parse_rate(RATE_ETH1)}, rates  # per device
             before_classes = agent_classes(fleet, h1)
             marked = udp_through_agent(fleet, h1, h2, 9301, 9300, level=0)
             plain = udp_through_agent(fleet, h1, h2, 9302, 9300, level=-1, seconds=0.5)
@@ -181,9 +335,10 @@ def test_deploy_is_idempotent_enforces_and_uninstall_restores():
             third, out = _playbook(fleet, "site.yml", "--limit", h1.name, "-e", "tensorlane_levels=3", hosts=[h1])
             with open(pid_file) as fh:
                 new_pid = fh.read().strip()
-            tc = h1.run(["tc", "class", "show", "dev", "eth0"]).stdout
             assert third[h1.name]["changed"] >= 2 and new_pid != pid, out[-4000:]
-            assert "class htb 7a1:13" in tc and "class htb 7a1:14" not in tc, tc  # 3 levels + default class
+            for dev in DEVICES:
+                tc = h1.run(["tc", "class", "show", "dev", dev]).stdout
+                assert "class htb 7a1:13" in tc and "class htb 7a1:14" not in tc, tc  # 3 levels + default class
 
             _, out = _playbook(fleet, "uninstall.yml")
             after = {h.name: host_state(h) for h in fleet.managed}
