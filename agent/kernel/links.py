@@ -68,14 +68,14 @@ def queue_links(link: Link, links: dict[str, Link]) -> tuple[Link, ...]:
     return members
 
 
-def _networks(msg) -> list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, list[int]]]:
+def _route(msg) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, list[int]]:
     """(destination network, output interface indexes) of one route message (multipath: every next hop)."""
     family = 4 if msg["family"] == 2 else 6
     dst = msg.get_attr("RTA_DST") or ("0.0.0.0" if family == 4 else "::")
     net = ipaddress.ip_network(f"{dst}/{msg['dst_len']}", strict=False)
     oifs = [msg.get_attr("RTA_OIF")] if msg.get_attr("RTA_OIF") else []
     oifs += [hop["oif"] for hop in (msg.get_attr("RTA_MULTIPATH") or [])]
-    return [(net, oifs)]
+    return net, oifs
 
 
 def routed_interfaces(routes, subnets: tuple[str, ...], links: dict[str, Link]) -> list[str]:
@@ -89,8 +89,8 @@ def routed_interfaces(routes, subnets: tuple[str, ...], links: dict[str, Link]) 
     wanted = [ipaddress.ip_network(s, strict=False) for s in subnets]
     found: set[int] = set()
     for want in wanted:
-        hits = [(net, oifs) for msg in routes if msg["type"] == RTN_UNICAST for net, oifs in _networks(msg)
-                if net.version == want.version and net.overlaps(want)]
+        unicast = (_route(msg) for msg in routes if msg["type"] == RTN_UNICAST)
+        hits = [(net, oifs) for net, oifs in unicast if net.version == want.version and net.overlaps(want)]
         specific = [h for h in hits if h[0].prefixlen > 0]
         for _net, oifs in specific or hits:
             found.update(i for i in oifs if by_index.get(i) not in (None, "lo"))
