@@ -1,6 +1,7 @@
-"""bench.jobs: a quick smoke run on the namespace testbed (2 jobs sharing 2 hosts; FIFO, static priority and
-rotation through the agents' job policy). Checks that every figure is there and consistent; no timing assertions
-(the 2-core machine is noisy: docs/jobs.md has the figures of a full run)."""
+"""bench.jobs: the mixes' design (scales, communication fractions, fits_link, collides), the targets and the
+retransmission-timeout reading by hand, the report's jobs rows from a synthetic ``mixes`` file, and a quick smoke
+run on the namespace testbed (collide2: each job alone, FIFO and the three policies) that checks the JSON's shape;
+no timing assertions (the 2-core machine is noisy: docs/jobs.md has the figures of a full run)."""
 from __future__ import annotations
 
 import math
@@ -8,21 +9,120 @@ import math
 import pytest
 from agent_clients import require_netns_tools
 
-from bench.jobs import PHASES, format_table, passes, summarise
+from bench import report
+from bench.jobs import (
+    MIXES,
+    PHASES,
+    POLICIES,
+    RECOMMENDED,
+    TCPI_TOTAL_RTO,
+    TCPI_TOTAL_RTO_TIME,
+    agent_extra,
+    format_table,
+    mix_setup,
+    mix_specs,
+    mix_targets,
+    policy_block,
+    tcp_info_rto,
+)
+
+JOB_KEYS = {"job", "jct_s", "fifo_jct_s", "solo_jct_s", "rto"}
 
 
-def test_summary_and_targets_by_hand():
-    """Rotation 0.7x FIFO on average and no job worse: pass; one job worse: the per-job check fails."""
-    fig = summarise({"fifo_jct_s": [20.0, 22.0], "static_jct_s": [14.0, 23.0], "rotate_jct_s": [14.0, 15.4]})
-    assert fig["fifo_avg_s"] == 21.0 and fig["fifo_worst_s"] == 22.0 and fig["rotate_avg_s"] == pytest.approx(14.7)
-    assert fig["rotate_vs_fifo_avg"] == pytest.approx(0.7) and fig["rotate_worst_vs_fifo_worst"] == pytest.approx(0.7)
-    assert fig["pass"] == {"rotate_avg": True, "rotate_no_job_worse": True, "rotate_worst_not_worse": True,
-                           "all": True}
-    fig = summarise({"fifo_jct_s": [20.0, 22.0], "rotate_jct_s": [21.0, 8.0]})
-    p = fig["pass"]
-    assert p["rotate_avg"] and not p["rotate_no_job_worse"] and p["rotate_worst_not_worse"]
-    assert fig["pass"]["all"] is False
-    assert passes({})["all"] is None
+def test_mixes_design():
+    """Every job of a fitting mix communicates 30-60 % of its predicted solo iteration; collide2's two different
+    profiles share one period and start; the staggered mixes do not collide; stagger4 and oversub2 exceed the link."""
+    setups = {m: mix_setup(m, mix_specs(m, "tj", 200e6, 12), 2.0, None) for m in MIXES}
+    assert [m for m, s in setups.items() if s["collides"]] == ["collide2", "oversub2"]
+    assert {m for m, s in setups.items() if not s["fits_link"]} == {"stagger4", "oversub2"}
+    for m, s in setups.items():
+        assert s["recommended"] == RECOMMENDED and s["link_load"] == pytest.approx(
+            sum(j["comm_s"] / j["solo_iter_s"] for j in s["jobs"]))
+        assert s["fits_link"] == (s["link_load"] <= 1.0) and s["epoch_s"] >= 0.5
+        if m != "oversub2":
+            assert all(0.3 <= round(j["comm_fraction"], 2) <= 0.6 for j in s["jobs"]), (m, s["jobs"])
+    c = setups["collide2"]["jobs"]
+    assert c[0]["profile"] != c[1]["profile"] and c[0]["solo_iter_s"] == pytest.approx(c[1]["solo_iter_s"], rel=0.02)
+    assert c[0]["comm_fraction"] > c[1]["comm_fraction"] + 0.1 and c[1]["intensity"] > c[0]["intensity"]
+    assert len({j["offset_s"] for j in setups["stagger3"]["jobs"]}) == 3
+    o = setups["oversub2"]["jobs"]
+    assert o[0]["comm_s"] == pytest.approx(o[0]["compute_s"], rel=0.01) and o[0]["param_scale"] == o[1]["param_scale"]
+    extra = agent_extra("intensity", mix_specs("collide2", "tj", 200e6, 4), 2.4, None)
+    assert extra == {"job_policy": "intensity", "job_intensity": {"tj-collide2-j0": c[0]["intensity"],
+                                                                   "tj-collide2-j1": c[1]["intensity"]}}
+    assert agent_extra("static", mix_specs("collide2", "tj", 200e6, 4), 2.4, 0.0)["job_priority"] == {
+        "tj-collide2-j0": 0, "tj-collide2-j1": 1}
+    assert agent_extra("rotate", [], 2.4, 0.02) == {"job_policy": "rotate", "rotate_epoch_s": 2.4, "min_share": 0.02}
+
+
+def test_tcp_info_rto():
+    info = bytearray(256)
+    info[TCPI_TOTAL_RTO:TCPI_TOTAL_RTO + 2] = (7).to_bytes(2, "little")
+    info[TCPI_TOTAL_RTO_TIME:TCPI_TOTAL_RTO_TIME + 4] = (1234).to_bytes(4, "little")
+    assert tcp_info_rto(bytes(info)) == (7, 1234)
+    assert tcp_info_rto(bytes(info[:241])) == (None, None)        # an older kernel's shorter struct
+    assert tcp_info_rto(bytes(info[:242])) == (7, None)
+
+
+def _phase(jcts, rto=0):
+    return {"jobs": [{"jct_s": j, "end_s": j + 1, "median_iter_s": j / 10, "rto": rto, "rto_time_ms": 0,
+                      "rto_sockets": 2} for j in jcts], "tcp": {"TCPTimeouts": 0}, "order_changes": 1}
+
+
+def _mix(fits: bool, collides: bool, jcts: dict, solo=(8.0, 9.0)) -> dict:
+    ids = ["a", "b"]
+    fifo = jcts["fifo"]
+    pols = {p: policy_block(ids, [_phase(v)], fifo, list(solo)) for p, v in jcts.items()}
+    return {"fits_link": fits, "collides": collides, "recommended": "static", "policies": pols}
+
+
+def test_targets_by_hand():
+    """Fitting and colliding: static within 1.02 x FIFO and 1.15 x solo per job, 0.8 x FIFO on average."""
+    m = _mix(True, True, {"fifo": [10.0, 10.0], "static": [8.5, 7.5], "rotate": [11.0, 9.0]})
+    t = {x["name"]: x for x in mix_targets(m)}
+    assert set(t) == {"fits_vs_fifo", "fits_vs_solo", "collide_avg_vs_fifo"}
+    assert t["fits_vs_fifo"]["value"] == pytest.approx(0.85) and t["fits_vs_fifo"]["met"]
+    assert t["fits_vs_solo"]["value"] == pytest.approx(8.5 / 8) and t["fits_vs_solo"]["met"]
+    assert t["collide_avg_vs_fifo"]["value"] == pytest.approx(0.8) and t["collide_avg_vs_fifo"]["met"]
+    b = m["policies"]["rotate"]
+    assert b["jobs"][0]["vs_fifo"] == pytest.approx(1.1) and b["max_vs_fifo"] == pytest.approx(1.1)
+    assert set(b["jobs"][0]) >= JOB_KEYS and m["policies"]["fifo"]["jobs"][1]["vs_fifo"] == 1.0
+    # staggered, fitting: one job 3 % worse than FIFO misses; no colliding target
+    t = mix_targets(_mix(True, False, {"fifo": [10.0, 10.0], "static": [10.3, 9.0]}, solo=(9.5, 9.0)))
+    assert [(x["name"], x["met"]) for x in t] == [("fits_vs_fifo", False), ("fits_vs_solo", True)]
+    # oversubscribed (colliding or not): only "no job above 1.05 x FIFO under any policy"
+    t = mix_targets(_mix(False, True, {"fifo": [10.0, 10.0], "static": [7.0, 10.4], "rotate": [10.6, 9.0]}))
+    assert [(x["name"], x["met"]) for x in t] == [("oversub_vs_fifo", False)]
+    assert t[0]["value"] == pytest.approx(1.06)
+    # no FIFO or solo measured: nothing to judge
+    m = {"fits_link": True, "collides": True, "recommended": "static",
+         "policies": {"static": policy_block(["a", "b"], [_phase([1.0, 1.0])], None, None)}}
+    assert [x["met"] for x in mix_targets(m)] == [None, None, None]
+
+
+def test_report_rows_from_mixes():
+    """bench.report's jobs rows: the colliding mix's average first (the README's headline), per fitting mix its
+    largest per-job ratios, per oversubscribed mix the largest ratio over every policy."""
+    mixes = [dict(_mix(True, True, {"fifo": [10.0, 10.0], "static": [7.0, 8.0], "rotate": [9.0, 9.0],
+                                     "intensity": [8.0, 9.0]}), name="collide2"),
+             dict(_mix(False, True, {"fifo": [20.0, 20.0], "static": [15.0, 21.5]}), name="oversub2")]
+    for m in mixes:
+        m["targets"] = mix_targets(m)
+    d = {"mixes": mixes, "recommended": "static", "iters": 12, "reps": 1, "min_share": 0.01, "hosts": 2,
+         "rate": "200mbit"}
+    rows = report.rows_jobs(d)
+    head = rows[0]
+    assert head.figure.startswith("colliding mix (collide2): average JCT, static vs FIFO")
+    assert (head.ours, head.ratio, head.target, head.result) == ("7.50 s", "0.75", "<= 0.80", "met")
+    figures = {r.figure: r for r in rows}
+    r = figures["collide2: largest per-job JCT, static vs FIFO"]
+    assert r.ratio == "0.80" and r.result == "met"
+    r = figures["oversub2 (oversubscribed): largest per-job JCT vs FIFO, any policy"]
+    assert r.ratio == "1.07" and r.result == "**missed** by 0.02" and r.alternatives.startswith("static, job 1:")
+    r = figures["oversub2 (oversubscribed): average JCT, static vs FIFO"]
+    assert r.ratio == "0.91" and r.target == "none (informational)"
+    assert "min_share 0.01" in report.describe_setup("jobs", d)
+    assert report.rows_jobs({"mixes": []})[0].figure == "no mix in the file"
 
 
 @pytest.mark.netns
@@ -35,19 +135,31 @@ def test_jobs_quick_smoke():
     from bench.jobs import run
 
     lines = []
-    result = run(jobs_counts=(2,), quick=True, name="tj2", progress=lines.append, port_base=29950)
-    fig = result["runs"]["2"]
-    assert fig["jobs"] == ["tj2-j0", "tj2-j1"]
-    for phase in PHASES:
-        jct = fig[f"{phase}_jct_s"]
-        assert len(jct) == 2 and all(isinstance(x, float) and math.isfinite(x) and x > 0 for x in jct), (phase, jct)
-        assert fig[f"{phase}_avg_s"] == pytest.approx(sum(jct) / 2)
-        assert fig[f"{phase}_worst_s"] == max(jct)
-        assert fig[f"{phase}_end_s"][0][0] >= jct[0] * 0.99  # the end of the process comes after the last iteration
-    assert fig["rotate_vs_fifo_avg"] == pytest.approx(fig["rotate_avg_s"] / fig["fifo_avg_s"])
-    assert fig["rotate_worst_vs_fifo_worst"] == pytest.approx(fig["rotate_worst_s"] / fig["fifo_worst_s"])
-    assert set(fig["pass"]) == {"rotate_avg", "rotate_no_job_worse", "rotate_worst_not_worse", "all"}
-    assert fig["static_order_changes"][0] >= 1 and fig["rotate_order_changes"][0] >= 1  # the agents ordered jobs
-    assert fig["fifo_order_changes"][0] == 0
+    result = run(quick=True, name="tj2", progress=lines.append, port_base=29950)
     assert result["quick"] and result["iters"] == 4 and result["elapsed_s"] > 0 and result["machine"]["cpus"]
-    assert "FIFO" in format_table(result) and lines
+    assert result["min_share"] == 0.01 and result["min_share_passed"] is False
+    assert [m["name"] for m in result["mixes"]] == ["collide2"]
+    mix = result["mixes"][0]
+    assert mix["fits_link"] is True and mix["collides"] is True and mix["recommended"] == RECOMMENDED
+    assert set(mix["policies"]) == set(POLICIES) and result["policies"] == list(PHASES)
+    ids = [j["job"] for j in mix["jobs"]]
+    assert ids == ["tj2-collide2-j0", "tj2-collide2-j1"]
+    solo = [j["jct_s"] for j in mix["solo"]["jobs"]]
+    fifo = [j["jct_s"] for j in mix["policies"]["fifo"]["jobs"]]
+    for name, block in mix["policies"].items():
+        assert [j["job"] for j in block["jobs"]] == ids
+        for j, f, s in zip(block["jobs"], fifo, solo, strict=True):
+            assert set(j) >= JOB_KEYS, (name, j)
+            assert isinstance(j["jct_s"], float) and math.isfinite(j["jct_s"]) and j["jct_s"] > 0, (name, j)
+            assert j["fifo_jct_s"] == f and j["solo_jct_s"] == s
+            assert j["vs_fifo"] == pytest.approx(j["jct_s"] / f) and j["vs_solo"] == pytest.approx(j["jct_s"] / s)
+            # this kernel (6.18) reports tcpi_total_rto: an integer, read from each rank's connection(s)
+            assert isinstance(j["rto"], int) and j["rto"] >= 0 and j["rto_sockets"] >= 2, (name, j)
+            assert j["end_s"] >= j["jct_s"] * 0.99   # the end of the process comes after the last iteration
+        assert block["tcp"][0].keys() == {"RetransSegs", "TCPTimeouts"}
+    assert mix["policies"]["fifo"]["order_changes"] == [0]
+    assert all(mix["policies"][p]["order_changes"][0] >= 1 for p in ("static", "rotate", "intensity"))
+    assert {t["name"] for t in mix["targets"]} == {"fits_vs_fifo", "fits_vs_solo", "collide_avg_vs_fifo"}
+    assert all(isinstance(t["met"], bool) for t in mix["targets"]) and result["pass"] == {"collide2": mix["pass"]}
+    table = format_table(result)
+    assert "fifo" in table and "intensity" in table and "solo" in table and lines
