@@ -19,7 +19,7 @@ BENCHMARKS = {
     "contention": ("bench.contention", "all-reduce alone, under bulk with FIFO NICs, and under bulk with agents"),
     "priority": ("bench.priority",
                  "training: plain DDP vs application order vs the shim's priorities (emulated models)"),
-    "jobs": ("bench.jobs", "several jobs sharing hosts: JCT under FIFO, static priority and rotation"),
+    "jobs": ("bench.jobs", "mixes of jobs sharing hosts: JCT under FIFO, each job policy and alone"),
     "control-plane": ("bench.control_plane", "registration latency, memory and throughput at 0/1k/10k flows; soak"),
     "shim-overhead": ("bench.overhead", "step time of the shim against plain DDP when the link is not the bottleneck"),
     "realtrain": ("bench.realtrain", "a real CNN (bf16, LR warm-up, clipping) under bulk: plain DDP vs the shim, "
