@@ -36,7 +36,7 @@ def test_mixes_design():
     assert [m for m, s in setups.items() if s["collides"]] == ["collide2", "oversub2"]
     assert {m for m, s in setups.items() if not s["fits_link"]} == {"stagger4", "oversub2"}
     for m, s in setups.items():
-        assert s["recommended"] == RECOMMENDED and s["link_load"] == pytest.approx(
+        assert s["recommended"] == RECOMMENDED[s["kind"]] and s["link_load"] == pytest.approx(
             sum(j["comm_s"] / j["solo_iter_s"] for j in s["jobs"]))
         assert s["fits_link"] == (s["link_load"] <= 1.0) and s["epoch_s"] >= 0.5
         if m != "oversub2":
@@ -140,7 +140,7 @@ def test_jobs_quick_smoke():
     assert result["min_share"] == 0.01 and result["min_share_passed"] is False
     assert [m["name"] for m in result["mixes"]] == ["collide2"]
     mix = result["mixes"][0]
-    assert mix["fits_link"] is True and mix["collides"] is True and mix["recommended"] == RECOMMENDED
+    assert mix["fits_link"] is True and mix["collides"] is True and mix["recommended"] == "static"
     assert set(mix["policies"]) == set(POLICIES) and result["policies"] == list(PHASES)
     ids = [j["job"] for j in mix["jobs"]]
     assert ids == ["tj2-collide2-j0", "tj2-collide2-j1"]
