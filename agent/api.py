@@ -205,15 +205,15 @@ class Api:
 
     def _interfaces(self) -> list[dict]:
         """Each managed interface, the devices that carry its queues and how many flows leave through it now;
-        flows routed through none of them are counted under the name ""."""
+        flows routed through none of them are counted under the name "", those not looked up yet (many peers:
+        ``Reconciler.egress``) under null."""
         egress = self.rec.egress(list(self.table.flows))
-        counts: dict[str, int] = {}
+        counts: dict[str | None, int] = {}
         for name in egress.values():
             counts[name] = counts.get(name, 0) + 1
         out = [{"name": name, "queues": [d.name for d in self.rec.devices if d.serves == name],
                 "flows": counts.get(name, 0)} for name in self.rec.interfaces]
-        if counts.get(""):
-            out.append({"name": "", "queues": [], "flows": counts[""]})
+        out += [{"name": name, "queues": [], "flows": counts[name]} for name in ("", None) if counts.get(name)]
         return out
 
     def _levels(self, devices: list[dict]) -> list[dict]:

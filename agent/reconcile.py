@@ -11,6 +11,7 @@ Usage: ``rec = Reconciler([Device("eth0", 2, backend)], dscp, {"eth0": 2}, ipr);
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from tensorlane.agent.kernel import links
@@ -19,6 +20,9 @@ from tensorlane.agent.state import FlowTable
 from tensorlane.flows import FlowKey
 
 log = logging.getLogger("tensorlane.reconcile")
+EGRESS_TTL_S = 10.0  # a route lookup's answer is reused this long (routes rarely change; status and list are rare)
+EGRESS_LOOKUPS = 256  # new route lookups per call at most (pyroute2: about 0.35 ms each)
+EGRESS_CACHE_MAX = 65_536
 
 
 @dataclass
@@ -52,6 +56,7 @@ class Reconciler:
         self.ipr = ipr
         self.nft = nft or nftables.Nft()
         self.stats = ReconcileStats()
+        self._egress: dict[tuple[str, str], tuple[str, float]] = {}  # (src, dst) -> (interface, when looked up)
 
     def _table_commands(self) -> list[dict]:
         classids = [self.backend.classid(lvl) for lvl in range(self.backend.levels)]
@@ -116,12 +121,20 @@ class Reconciler:
         rules = sum(1 for i in listing.get("nftables", []) if "rule" in i)
         return want_chains <= chains and {"flows4", "flows6"} <= maps and rules == 2 * len(want_chains)
 
-    def egress(self, keys, ipr=None) -> dict[FlowKey, str]:
-        """The managed interface each flow leaves through now (a route lookup per address pair; "" for a flow
-        routed elsewhere, which the agent does not mark). ``ipr``: a netlink socket of the caller's thread."""
-        pairs = {(k.src, k.dst) for k in keys}
-        by_pair = links.egress_of(ipr or self.ipr, sorted(pairs), {i: n for n, i in self.interfaces.items()})
-        return {k: by_pair[(k.src, k.dst)] for k in keys}
+    def egress(self, keys, ipr=None) -> dict[FlowKey, str | None]:
+        """The managed interface each flow leaves through (a route lookup per address pair, remembered for
+        ``EGRESS_TTL_S``; "" for a flow routed elsewhere, which the agent does not mark; None for one not looked
+        up yet: at most ``EGRESS_LOOKUPS`` new lookups per call, about 0.35 ms each, so that a client cannot stall
+        the agent with many peers). ``ipr``: a netlink socket of the caller's thread."""
+        now = time.monotonic()
+        cache = self._egress
+        stale = sorted({(k.src, k.dst) for k in keys} - {p for p, (_, t) in cache.items() if now - t < EGRESS_TTL_S})
+        found = links.egress_of(ipr or self.ipr, stale[:EGRESS_LOOKUPS], {i: n for n, i in self.interfaces.items()})
+        if len(cache) + len(found) > EGRESS_CACHE_MAX:
+            for p in [p for p, (_, t) in cache.items() if now - t >= EGRESS_TTL_S] or list(cache):
+                del cache[p]
+        cache.update((p, (name, now)) for p, name in found.items())
+        return {k: cache.get((k.src, k.dst), (None, 0.0))[0] for k in keys}
 
     def counters(self) -> dict[int, dict[str, int]]:
         """Per-level packet and byte counters of the marking chains."""

@@ -37,7 +37,8 @@ def _agent(args) -> int:
 
 def format_status(st: dict) -> str:
     """Render a status reply as the table `tensorlane status` prints."""
-    ifaces = ", ".join(f"{i['name'] or '(routed elsewhere)'}: {i['flows']} flows"
+    unnamed = {"": "(routed elsewhere)", None: "(not looked up yet)"}
+    ifaces = ", ".join(f"{i['name'] or unnamed[i['name']]}: {i['flows']} flows"
                        + (f" (queues on {', '.join(i['queues'])})" if i["queues"] not in ([i["name"]], []) else "")
                        for i in st["interfaces"])
     lines = [f"backend {st['backend']}  link {st.get('link_rate_bps') or '-'} bit/s  flows {st['flows']}  "

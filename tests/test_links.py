@@ -83,3 +83,32 @@ def test_interfaces_routed_to_the_training_subnets():
     assert [e.name for e in resolve(ipr, (), ("198.19.0.0/16",))] == ["eth1", "bond0"]
     with pytest.raises(LinkError, match="no interface has a route to the training subnets 172.16.0.0/12"):
         resolve(FakeIPRoute(HOST, routes[1:]), (), ("172.16.0.0/12",))
+
+
+class RouteCounter:
+    """Answers ``route("get", dst=...)`` with interface 2 for 198.18.*, 3 otherwise; counts the lookups."""
+
+    def __init__(self):
+        self.lookups = 0
+
+    def route(self, cmd, dst, src):
+        self.lookups += 1
+        return [Msg({"RTA_OIF": 2 if dst.startswith("198.18.") else 3})]
+
+
+def test_egress_lookups_are_bounded_per_call_and_remembered():
+    from tensorlane.agent.kernel.qdisc import HtbBackend
+    from tensorlane.agent.reconcile import EGRESS_LOOKUPS, Device, Reconciler
+    from tensorlane.flows import FlowKey
+
+    ipr = RouteCounter()
+    rec = Reconciler([Device("eth0", 2, HtbBackend(2, 10**9), "eth0")], (46, 26), {"eth0": 2}, ipr, nft=object())
+    keys = [FlowKey("tcp", "198.18.0.1", 1000 + i, f"198.18.{i // 250}.{i % 250 + 1}", 29500) for i in range(300)]
+    keys.append(FlowKey("tcp", "198.18.0.1", 999, "10.0.0.1", 29500))  # routed through an unmanaged interface
+    first = rec.egress(keys)
+    assert ipr.lookups == EGRESS_LOOKUPS  # the rest waits for the next call: no client stalls the agent
+    assert list(first.values()).count(None) == len(keys) - EGRESS_LOOKUPS  # None: not looked up yet
+    second = rec.egress(keys)
+    assert ipr.lookups == len(keys) and second[keys[-1]] == "" and second[keys[0]] == "eth0"
+    rec.egress(keys)
+    assert ipr.lookups == len(keys)  # remembered: no new lookup within EGRESS_TTL_S
