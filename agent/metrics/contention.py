@@ -2,9 +2,9 @@
 
 - ``tensorlane_class_inversion_bytes_total{device,class}``: priority inversion, estimated. At each scrape, for
   each class C, the bytes C sent since the previous scrape are added if some more urgent class U (lower prio)
-  had a non-zero backlog both at the previous scrape and at this one. Under strict priority a backlogged U
-  should leave C nothing but its tiny HTB guarantee (about link/1000), so this counter growing by more than
-  that means lower-priority bytes went out while urgent bytes waited. It is an estimate from two instants, not
+  had a non-zero backlog both at the previous scrape and at this one. A backlogged U should leave C nothing but
+  its HTB guarantee (``min_share`` of the link, 1 % by default), so this counter growing by more than that means
+  lower-priority bytes went out while urgent bytes waited. It is an estimate from two instants, not
   a measurement: U's queue may have drained and refilled between the scrapes (counted although there was no
   inversion), or been backlogged only between them (missed). It gets sharper with shorter scrape intervals;
   several Prometheus servers scraping the same agent make the intervals shorter, not wrong. HTB's own
