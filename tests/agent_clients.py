@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import socket
 
@@ -46,3 +47,11 @@ def require_netns_tools() -> None:
     assert os.geteuid() == 0, "the netns tests need root (network namespaces, tc, nftables): run them as root"
     for tool in ("ip", "tc", "nft"):
         assert shutil.which(tool), f"{tool} is missing: run scripts/bootstrap"
+
+
+def tc_dump(host, dev: str = "eth0") -> str:
+    """``dev``'s qdiscs, classes and filters as tc prints them, without statistics: HTB's ``direct_packets_stat``, a
+    counter that ``tc qdisc show`` prints even without ``-s``, is left out (a packet sent while a tree is replaced
+    would make two identical trees differ)."""
+    out = "\n".join(host.run(["tc", what, "show", "dev", dev]).stdout for what in ("qdisc", "class", "filter"))
+    return re.sub(r" direct_packets_stat \d+", "", out)

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from agent_clients import tc_dump
 
 from bench.agents import AgentStartError, running_agents
 from testbed import Testbed
@@ -15,11 +16,6 @@ from testbed import Testbed
 pytestmark = pytest.mark.netns
 PY = [sys.executable, "-m"]
 TRUST = {"trusted_users": ["root"]}  # the test registers flows of its probe processes on their behalf
-
-
-def tc_dump(host) -> str:
-    """The interface's qdiscs, classes and filters as tc prints them (no statistics)."""
-    return "\n".join(host.run(["tc", what, "show", "dev", "eth0"]).stdout for what in ("qdisc", "class", "filter"))
 
 
 def nft_tables(host) -> str:

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from agent_clients import tc_dump
 
 from bench.agents import AgentStartError, running_agents
 from tensorlane.shim.agent_link import AgentLink
@@ -22,11 +23,6 @@ PY = [sys.executable, "-m"]
 SCRAPE = ("import urllib.request; "
           "print(urllib.request.urlopen('http://127.0.0.1:9479/metrics', timeout=5).read().decode())")
 BOTH = {"interfaces": ["eth0", "eth1"], "trusted_users": ["root"], "metrics_address": "127.0.0.1:9479"}
-
-
-def tc_dump(host, dev: str) -> str:
-    """``dev``'s qdiscs, classes and filters as tc prints them (no statistics)."""
-    return "\n".join(host.run(["tc", what, "show", "dev", dev]).stdout for what in ("qdisc", "class", "filter"))
 
 
 @pytest.fixture(scope="module")

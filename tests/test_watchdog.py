@@ -15,6 +15,7 @@ import tempfile
 import time
 
 import pytest
+from agent_clients import tc_dump
 
 from bench.agents import agent_config, render_config
 from tensorlane.agent import notify
@@ -124,11 +125,6 @@ def test_unit_passes_systemd_analyze_verify(tmp_path):
 
 
 # --- the no-systemd watchdog in a testbed namespace ------------------------------------------------------------
-def tc_dump(host) -> str:
-    """The interface's qdiscs, classes and filters (no statistics)."""
-    return "\n".join(host.run(["tc", what, "show", "dev", "eth0"]).stdout for what in ("qdisc", "class", "filter"))
-
-
 def nft_tables(host) -> str:
     """The namespace's nftables tables."""
     return host.run(["nft", "list", "tables"]).stdout
