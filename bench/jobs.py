@@ -742,7 +742,7 @@ def format_mix(mix: dict) -> str:
     rows = [head]
     blocks = list(mix["policies"].items()) + ([("solo", mix["solo"])] if mix.get("solo") else [])
     for name, b in blocks:
-        cells = [f"{j['jct_s']:.1f} s {_fmt(j.get('vs_fifo'))} {_fmt(j.get('vs_solo'))} {_fmt(j['rto'], '')}"
+        cells = [f"{j['jct_s']:.1f} s {_fmt(j.get('vs_fifo'))} {_fmt(j.get('vs_solo'))} {_fmt(j['rto'], '.3g')}"
                  for j in b["jobs"]]
         avg = statistics.fmean(j["jct_s"] for j in b["jobs"])
         rows.append((name + (" *" if name == mix["recommended"] else ""), *cells, f"{avg:.1f} s",
