@@ -131,12 +131,12 @@ def take_over(cfg: Config, ipr: IPRoute, t: Takeover) -> None:
     t.backend.apply(ipr, t.link.index)
 
 
-def restore_device(cfg: Config, ipr: IPRoute, t: Takeover) -> list[str]:
-    """Put ``t``'s previous tree back and clear its state file. Returns warnings."""
-    warnings = snapshot.restore(t.snap, ipr)
+def restore_device(cfg: Config, ipr: IPRoute, name: str, snap: snapshot.Snapshot) -> list[str]:
+    """Put device ``name``'s recorded tree ``snap`` back and clear its state file. Returns warnings."""
+    warnings = snapshot.restore(snap, ipr)
     for w in warnings:
-        log.warning("restore %s: %s", t.link.name, w)
-    state_path(cfg, t.link.name).unlink(missing_ok=True)
+        log.warning("restore %s: %s", name, w)
+    state_path(cfg, name).unlink(missing_ok=True)
     return warnings
 
 
@@ -193,8 +193,7 @@ def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str
         if found and found[0] == state.get("ifindex") and _has_our_root(ipr, found[0]):
             log.warning("%s was left taken over by an agent that is gone and is no longer configured: restoring it",
                         name)
-            for w in snapshot.restore(snap, ipr):
-                log.warning("restore %s: %s", name, w)
+            restore_device(cfg, ipr, name, snap)
             restored.append(name)
         path.unlink(missing_ok=True)
     return restored
@@ -234,6 +233,6 @@ def run(cfg: Config) -> int:
         finally:
             rec.teardown()
             for t in reversed(touched):
-                restore_device(cfg, ipr, t)
+                restore_device(cfg, ipr, t.link.name, t.snap)
             log.info("restored %s", ", ".join(t.link.name for t in touched) or "nothing")
     return 0

@@ -138,15 +138,10 @@ def job_socket_fds(before: list[dict], master_port: int) -> list[int]:
     """This process's file descriptors of its job's TCP connections: the established flows opened since ``before``
     less the rendezvous store's (``bench.worker.job_flows``, the flows the worker registers), found by inode."""
     from bench.worker import job_flows
-    from tensorlane.flows import FlowKey, flow_key, parse_proc_net_tcp
+    from tensorlane.flows import FlowKey, flow_key, parse_proc_net_tcp, socket_fds
 
     wanted = {flow_key(f) for f in job_flows(before, master_port)}
-    by_inode: dict[int, int] = {}
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{name}")
-            if target.startswith("socket:["):
-                by_inode.setdefault(int(target[8:-1]), int(name))
+    by_inode = socket_fds("self")
     fds = []
     for table, v6 in (("tcp", False), ("tcp6", True)):
         with contextlib.suppress(FileNotFoundError), open(f"/proc/self/net/{table}") as fh:

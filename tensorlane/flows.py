@@ -52,18 +52,24 @@ class FlowKey(NamedTuple):
 RemoteFilter = Callable[[dict], bool] | str | Iterable[str] | ipaddress.IPv4Network | ipaddress.IPv6Network | None
 
 
-def socket_inodes(pid: int | str) -> set[int]:
-    """Inodes of the sockets that process ``pid`` holds open (fds that vanish while we look are skipped)."""
+def socket_fds(pid: int | str) -> dict[int, int]:
+    """``{inode: fd}`` of the sockets that process ``pid`` holds open (its lowest fd per socket; fds that vanish
+    while we look are skipped)."""
     fd_dir = f"/proc/{pid}/fd"
-    inodes: set[int] = set()
-    for name in os.listdir(fd_dir):
+    fds: dict[int, int] = {}
+    for name in sorted(os.listdir(fd_dir), key=int):
         try:
             target = os.readlink(f"{fd_dir}/{name}")
         except OSError:  # closed meanwhile
             continue
         if target.startswith("socket:[") and target.endswith("]"):
-            inodes.add(int(target[8:-1]))
-    return inodes
+            fds.setdefault(int(target[8:-1]), int(name))
+    return fds
+
+
+def socket_inodes(pid: int | str) -> set[int]:
+    """Inodes of the sockets that process ``pid`` holds open (fds that vanish while we look are skipped)."""
+    return set(socket_fds(pid))
 
 
 def _addr4(hexaddr: str) -> ipaddress.IPv4Address:

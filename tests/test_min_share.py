@@ -12,19 +12,13 @@ import time
 import pytest
 
 from bench.agents import running_agents
+from bench.jobs import tcp_counters
 from testbed import Testbed
 
 pytestmark = pytest.mark.netns
 TRUST = {"trusted_users": ["root"]}
 PY = [sys.executable, "-m"]
 SECONDS = 5
-
-
-def tcp_timeouts(host) -> int:
-    """The namespace's TcpExt TCPTimeouts (retransmission timeouts) so far."""
-    lines = [ln.split() for ln in host.run(["cat", "/proc/net/netstat"]).stdout.splitlines()
-             if ln.startswith("TcpExt:")]
-    return int(dict(zip(lines[0][1:], lines[1][1:], strict=True))["TCPTimeouts"])
 
 
 def contend(tb, agent) -> dict:
@@ -40,10 +34,10 @@ def contend(tb, agent) -> dict:
                      stdout=subprocess.DEVNULL)
     try:
         time.sleep(1.0)  # the flood fills the level-0 queue first
-        rto0 = tcp_timeouts(h1)
+        rto0 = tcp_counters(h1)["TCPTimeouts"]
         tcp = h1.run(["iperf3", "-c", h2.ip, "-p", "5302", "--cport", "43101", "-t", str(SECONDS), "-J"],
                      timeout=SECONDS + 30)
-        rto = tcp_timeouts(h1) - rto0
+        rto = tcp_counters(h1)["TCPTimeouts"] - rto0
     finally:
         for p in (flood, server):
             if p.poll() is None:

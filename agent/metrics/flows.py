@@ -71,12 +71,8 @@ class FlowsSource(Source):
         jobs = names.REGISTERED_JOBS.gauge()
         jobs.add_metric([dev], len({e.job for e in entries}))
         yield jobs
-        runs: dict[str, set[str]] = {}
-        for e in entries:
-            if e.run is not None:
-                runs.setdefault(e.job, set()).add(e.run)
-        conflicts = names.JOB_ID_CONFLICTS.gauge()
-        conflicts.add_metric([dev], sum(len(r) > 1 for r in runs.values()))
+        conflicts = names.JOB_ID_CONFLICTS.gauge()  # FlowTable.conflicts(), counted on a copy (main thread writes)
+        conflicts.add_metric([dev], sum(len(r) > 1 for r in list(self.api.table.runs.values())))
         yield conflicts
 
         marks = marked_counters(sorted(by_level))
