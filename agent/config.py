@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from tensorlane import units
 from tensorlane.client import DEFAULT_SOCKET, JOB_ID_RE
-from tensorlane.policies.jobs import JOB_POLICIES
+from tensorlane.policies.jobs import JOB_POLICIES, ROTATING
 from tensorlane.policies.levels import dscp_table
 
 BACKENDS = ("auto", "htb", "prio")
@@ -154,8 +154,8 @@ def _job_policy(raw: dict) -> dict:
     if policy not in JOB_POLICIES:
         raise ConfigError("job_policy", f"expected one of {', '.join(JOB_POLICIES)}, got {policy!r}")
     epoch = _number(raw, "rotate_epoch_s", 0.5, 86400, " seconds")
-    if "rotate_epoch_s" in raw and policy != "rotate":
-        raise ConfigError("rotate_epoch_s", f"only used with job_policy = \"rotate\", not {policy!r}")
+    if "rotate_epoch_s" in raw and policy not in ROTATING:
+        raise ConfigError("rotate_epoch_s", f"only used with job_policy = \"rotate\" or \"alternate\", not {policy!r}")
     priority = _job_table(raw, "job_priority", int, -10**6, 10**6)
     if priority and policy != "static":
         raise ConfigError("job_priority", f"only used with job_policy = \"static\", not {policy!r}")

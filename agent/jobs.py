@@ -6,6 +6,8 @@ The FlowTable keeps the level each client asked for; this module derives the lev
 - ``"static"``: jobs ordered by ``job_priority`` (TensorLights' static priority);
 - ``"rotate"``: a fresh order every ``rotate_epoch_s`` of wall-clock time (TensorLights' rotation, by
   ``policies.jobs.hashed_rotation_order``);
+- ``"alternate"``: like ``"rotate"``, but every two jobs swap places every epoch pair, in strict turn
+  (``policies.jobs.alternating_rotation_order``);
 - ``"intensity"``: by ``job_intensity``, most GPU-intensive first (Crux).
 
 The jobs this agent sees (those with flows in its table) get contiguous bands of levels in that order, most urgent
@@ -29,7 +31,7 @@ import math
 import time
 
 from tensorlane.flows import FlowKey
-from tensorlane.policies.jobs import banded_level, job_bands, job_order, rotation_epoch
+from tensorlane.policies.jobs import ROTATING, banded_level, job_bands, job_order, rotation_epoch
 
 log = logging.getLogger("tensorlane.jobs")
 
@@ -61,20 +63,20 @@ class JobScheduler:
 
     def epoch_now(self, now: float | None = None) -> int | None:
         """The rotation epoch at wall-clock ``now`` (None unless the policy rotates)."""
-        if self.policy != "rotate":
+        if self.policy not in ROTATING:
             return None
         return rotation_epoch(self.clock() if now is None else now, self.epoch_s)
 
     def seconds_to_next_epoch(self, now: float | None = None) -> float | None:
         """Seconds until the next epoch boundary (None unless the policy rotates)."""
-        if self.policy != "rotate":
+        if self.policy not in ROTATING:
             return None
         now = self.clock() if now is None else now
         return max(0.0, (math.floor(now / self.epoch_s) + 1) * self.epoch_s - now)
 
     def epoch_due(self, now: float | None = None) -> bool:
         """Whether the epoch changed since the last ``update`` (cheap: one clock read)."""
-        return self.policy == "rotate" and self.epoch_now(now) != self.epoch
+        return self.policy in ROTATING and self.epoch_now(now) != self.epoch
 
     # -- recomputation ----------------------------------------------------------------------------------------
     def update(self, table, now: float | None = None) -> list[FlowKey]:
@@ -113,7 +115,7 @@ class JobScheduler:
         """What ``status`` shows: the policy, the epoch and the order and bands in force."""
         out = {"policy": self.policy, "order": list(self.order), "changes": self.changes,
                "bands": {job: {"first_level": b[0], "levels": b[1]} for job, b in self.bands.items()}}
-        if self.policy == "rotate":
+        if self.policy in ROTATING:
             out |= {"epoch_s": self.epoch_s, "epoch": self.epoch,
                     "next_epoch_in_s": round(self.seconds_to_next_epoch() or 0.0, 3)}
         return out

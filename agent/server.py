@@ -18,9 +18,9 @@ reason as outcome) and logged at most once per reason per ``LOG_EVERY_S``, with 
 last line.
 
 Processes that registered flows of their own sockets are watched with a pidfd: when one exits its flows go at
-once, and a sweep every ``SWEEP_S`` removes flows whose sockets were closed. With ``job_policy = "rotate"`` the
-loop also wakes at each epoch boundary of the wall clock and moves the flows whose effective level the new job
-order changes, in one nftables transaction (agent/jobs.py).
+once, and a sweep every ``SWEEP_S`` removes flows whose sockets were closed. With ``job_policy = "rotate"`` (or
+``"alternate"``) the loop also wakes at each epoch boundary of the wall clock and moves the flows whose effective
+level the new job order changes, in one nftables transaction (agent/jobs.py).
 Usage: ``Server(api, "/run/tensorlane/agent.sock", 0o660).serve(stop, 5.0, periodic)``
 """
 from __future__ import annotations

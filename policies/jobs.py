@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from tensorlane.policies.compress import compress_levels
 
-JOB_POLICIES = ("none", "static", "rotate", "intensity")
+JOB_POLICIES = ("none", "static", "rotate", "alternate", "intensity")
+ROTATING = ("rotate", "alternate")  # the policies whose order changes every epoch
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,20 @@ def hashed_rotation_order(job_ids: Sequence[str], epoch: int) -> tuple[str, ...]
     return tuple(sorted(ids, key=lambda j: (rotation_key(j, epoch), j)))
 
 
+def alternating_rotation_order(job_ids: Sequence[str], epoch: int) -> tuple[str, ...]:
+    """Rotation in strict turn without coordination: epochs ``2k`` and ``2k + 1`` take
+    ``hashed_rotation_order(job_ids, k)`` and its reverse, so every two jobs swap places every epoch pair and each
+    one precedes the other in exactly half of the epochs (the hashed rotation gives that only on average: in a run
+    of a few epochs one job can lead most of them).
+
+    The order of jobs a and b still depends only on a, b and the epoch (a reversed order keeps every pair's
+    agreement), so agents with different job sets agree on every pair they share. Usage:
+    ``alternating_rotation_order(["a", "b"], 7) == alternating_rotation_order(["a", "b"], 6)[::-1]``
+    """
+    order = hashed_rotation_order(job_ids, epoch // 2)
+    return order[::-1] if epoch % 2 else order
+
+
 def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: float = 20.0,
               priority: Mapping[str, int] | None = None,
               intensity: Mapping[str, float] | None = None) -> tuple[tuple[str, ...], tuple[float, ...]]:
@@ -89,6 +104,8 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
       rank after every listed one, all alike;
     - ``rotate``: ``hashed_rotation_order`` of epoch ``rotation_epoch(now_s, epoch_s)`` (TensorLights TLsRR
       without a shared job list), ranks 0, 1, 2, ...;
+    - ``alternate``: ``alternating_rotation_order`` of that epoch (every pair swaps every epoch pair), ranks as
+      ``rotate``;
     - ``intensity``: by ``intensity[job]`` descending (Crux's GPU intensity, computed elsewhere), ties share a
       band; jobs not listed count as intensity 0.
 
@@ -104,8 +121,9 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
         rank = {j: float(prio[j]) if j in prio else math.inf for j in ids}
         order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
         return order, tuple(rank[j] for j in order)
-    if policy == "rotate":
-        order = hashed_rotation_order(ids, rotation_epoch(now_s, epoch_s))
+    if policy in ROTATING:
+        rotation = hashed_rotation_order if policy == "rotate" else alternating_rotation_order
+        order = rotation(ids, rotation_epoch(now_s, epoch_s))
         return order, tuple(float(i) for i in range(len(order)))
     if policy == "intensity":
         inten = intensity or {}

@@ -19,7 +19,14 @@ from tensorlane.agent.peers import Peer
 from tensorlane.agent.reconcile import Device, ReconcileStats
 from tensorlane.agent.state import FlowTable
 from tensorlane.flows import FlowKey
-from tensorlane.policies.jobs import banded_level, hashed_rotation_order, job_bands, job_order, rotation_epoch
+from tensorlane.policies.jobs import (
+    alternating_rotation_order,
+    banded_level,
+    hashed_rotation_order,
+    job_bands,
+    job_order,
+    rotation_epoch,
+)
 
 
 class RecordingRec:
@@ -146,16 +153,17 @@ def test_unlisted_jobs_go_after_listed_ones_and_share_a_band():
     assert rec.kernel == {key(12): 0, key(10): 2, key(11): 2}
 
 
-def test_rotation_moves_every_changed_flow_at_an_epoch_boundary():
+@pytest.mark.parametrize("policy", ["rotate", "alternate"])
+def test_rotation_moves_every_changed_flow_at_an_epoch_boundary(policy):
     now = [0.0]
-    api, rec = make_api(clock=lambda: now[0], job_policy="rotate", rotate_epoch_s=2)
-    epoch = next(e for e in range(1, 100) if hashed_rotation_order(["p", "q"], e)
-                 != hashed_rotation_order(["p", "q"], e - 1))
+    api, rec = make_api(clock=lambda: now[0], job_policy=policy, rotate_epoch_s=2)
+    rotation = hashed_rotation_order if policy == "rotate" else alternating_rotation_order
+    epoch = next(e for e in range(1, 100) if rotation(["p", "q"], e) != rotation(["p", "q"], e - 1))
     now[0] = (epoch - 1) * 2.0 + 0.5
     assert api.rotate() == 0
     request(api, op="register", job="p", level=0, flows=[flow(1), flow(2)])
     request(api, op="register", job="q", level=0, flows=[flow(3)])
-    first, second = hashed_rotation_order(["p", "q"], epoch - 1)
+    first, second = rotation(["p", "q"], epoch - 1)
     port_of = {"p": [1, 2], "q": [3]}
     assert {rec.kernel[key(p)] for p in port_of[first]} == {0} and {rec.kernel[key(p)] for p in port_of[second]} == {2}
     assert not api.jobs.epoch_due() and api.jobs.seconds_to_next_epoch() == pytest.approx(1.5)
@@ -167,7 +175,7 @@ def test_rotation_moves_every_changed_flow_at_an_epoch_boundary():
     assert {rec.kernel[key(p)] for p in port_of[second]} == {0} and {rec.kernel[key(p)] for p in port_of[first]} == {2}
     assert not api.jobs.epoch_due() and api.rotate() == 0
     st = request(api, op="status")["job_policy"]
-    assert st["policy"] == "rotate" and st["epoch"] == epoch and st["order"] == [second, first]
+    assert st["policy"] == policy and st["epoch"] == epoch and st["order"] == [second, first]
 
 
 def test_the_user_level_limit_bounds_the_effective_level():
@@ -226,6 +234,8 @@ def test_good_job_config_defaults():
     assert (cfg.job_policy, cfg.rotate_epoch_s, cfg.job_priority, cfg.job_intensity) == ("none", 20.0, {}, {})
     cfg = from_dict({"interface": "eth0", "job_policy": "rotate", "rotate_epoch_s": 2})
     assert cfg.rotate_epoch_s == 2.0
+    cfg = from_dict({"interface": "eth0", "job_policy": "alternate", "rotate_epoch_s": 3})
+    assert (cfg.job_policy, cfg.rotate_epoch_s) == ("alternate", 3.0)
 
 
 # ---- against the kernel: agents in a testbed of their own --------------------------------------------------------

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tensorlane.policies.jobs import (
     JOB_POLICIES,
     Job,
+    alternating_rotation_order,
     banded_level,
     hashed_rotation_order,
     job_bands,
@@ -23,6 +24,7 @@ from tensorlane.policies.papers.crux import gpu_intensity, gpu_intensity_order, 
 from tensorlane.policies.papers.tensorlights import rotate_job_order, static_job_order
 
 JOBS = [Job("c", priority=1), Job("a", priority=1), Job("b", priority=0)]
+job_ids = st.lists(st.text("abcdefgh", min_size=1, max_size=3), min_size=0, max_size=8, unique=True)
 
 
 def test_static_order_by_hand() -> None:
@@ -110,6 +112,27 @@ def test_hashed_rotation_is_fair_and_rotates() -> None:
     assert len(orders) == 6  # every permutation occurs
 
 
+@settings(max_examples=100, deadline=None)
+@given(job_ids, st.integers(0, 10**9))
+def test_alternating_rotation_swaps_every_pair_every_epoch_pair(ids, k) -> None:
+    """In epochs 2k and 2k+1 every two jobs take both orders: each precedes the other in exactly half of the
+    epochs (the hashed rotation only on average: a job can lead several epochs in a row by chance)."""
+    even, odd = alternating_rotation_order(ids, 2 * k), alternating_rotation_order(ids, 2 * k + 1)
+    assert even == hashed_rotation_order(ids, k) and odd == even[::-1]
+    for a, b in itertools.combinations(ids, 2):
+        assert (even.index(a) < even.index(b)) != (odd.index(a) < odd.index(b))
+
+
+def test_alternating_rotation_leads_in_turn() -> None:
+    """Two jobs: over any 8 epochs from an even one, each leads exactly 4 (the hashed rotation: 2 to 6 of 8)."""
+    hashed = []
+    for start in range(0, 2000, 2):
+        leads = [alternating_rotation_order(["p", "q"], e)[0] for e in range(start, start + 8)]
+        assert leads.count("p") == 4
+        hashed.append([hashed_rotation_order(["p", "q"], e)[0] for e in range(start, start + 8)].count("p"))
+    assert min(hashed) <= 2 and max(hashed) >= 6
+
+
 def test_job_order_by_hand() -> None:
     ids = ["c", "a", "b", "d"]
     assert job_order("none", ids) == (("a", "b", "c", "d"), (0.0, 0.0, 0.0, 0.0))
@@ -121,7 +144,9 @@ def test_job_order_by_hand() -> None:
         ("d", "a", "b", "c"), (-3.0, -1.0, -1.0, 0.0))
     order, ranks = job_order("rotate", ids, now_s=41.0, epoch_s=20.0)
     assert order == hashed_rotation_order(ids, 2) and ranks == (0.0, 1.0, 2.0, 3.0)
-    assert set(JOB_POLICIES) == {"none", "static", "rotate", "intensity"}
+    order, ranks = job_order("alternate", ids, now_s=61.0, epoch_s=20.0)  # epoch 3: epoch pair 1, reversed
+    assert order == hashed_rotation_order(ids, 1)[::-1] and ranks == (0.0, 1.0, 2.0, 3.0)
+    assert set(JOB_POLICIES) == {"none", "static", "rotate", "alternate", "intensity"}
     with pytest.raises(ValueError, match="policy"):
         job_order("fair", ids)
     with pytest.raises(ValueError):
@@ -177,17 +202,14 @@ def test_bands_tile_the_levels_and_keep_the_order(jobs, prios, levels) -> None:
     assert effective == sorted(effective)
 
 
-job_ids = st.lists(st.text("abcdefgh", min_size=1, max_size=3), min_size=0, max_size=8, unique=True)
-
-
 @settings(max_examples=200, deadline=None)
-@given(job_ids, job_ids, st.integers(0, 10**9), st.integers(1, 5))
-def test_agents_with_different_job_sets_agree_on_shared_jobs(seen1, seen2, epoch, levels) -> None:
+@given(job_ids, job_ids, st.integers(0, 10**9), st.integers(1, 5), st.sampled_from(["rotate", "alternate"]))
+def test_agents_with_different_job_sets_agree_on_shared_jobs(seen1, seen2, epoch, levels, policy) -> None:
     """Two agents see different jobs (e.g. host 1 runs a, b, c; host 2 runs b, c, d): in every epoch they order
     each pair of shared jobs alike, and their effective levels for a shared pair are never inverted."""
     now = epoch * 20.0 + 3.0
-    o1, r1 = job_order("rotate", seen1, now_s=now, epoch_s=20.0)
-    o2, r2 = job_order("rotate", seen2, now_s=now, epoch_s=20.0)
+    o1, r1 = job_order(policy, seen1, now_s=now, epoch_s=20.0)
+    o2, r2 = job_order(policy, seen2, now_s=now, epoch_s=20.0)
     shared = set(seen1) & set(seen2)
     assert [j for j in o1 if j in shared] == [j for j in o2 if j in shared]
     b1, b2 = job_bands(o1, levels, r1), job_bands(o2, levels, r2)
