@@ -15,7 +15,9 @@ Mixes (:data:`MIXES`; periods and offsets are multiplied by ``time_scale``, 0.5 
 ``stagger2``  vgg16 (0.45 of 1.0 s) and resnet50 (0.4 of 1.5 s), the second 2 s later;
 ``stagger3``  resnet50 (0.3 of 1.2 s), vgg16 (0.3 of 1.0 s), bert_base (0.3 of 1.5 s), 1.5 s apart;
 ``stagger4``  stagger3's jobs (vgg16 at 0.35) plus resnet50 (0.35 of 0.9 s), 1 s apart: more than the link;
-``oversub2``  two identical resnet50 jobs, compute = communication (0.82 s each): more than the link.
+``oversub2``  two identical resnet50 jobs, compute = communication (0.82 s each): more than the link;
+``collide2e``, ``collide3`` (opt-in, not in :data:`DEFAULT_MIXES`): colliding variants, resnet50 (0.45) and
+              bert_base (0.42); resnet50, bert_base, vgg16 at 0.3 each; all at 1.2 s, released together.
 
 A job's ``param_scale`` is ``bench.models.balanced_scales(profile, rate, 2, fraction x period)[0]`` and its
 ``compute_scale`` is solved so that ``policies.execution.ddp_iteration`` (calibrated as ``bench.validate`` found
@@ -72,7 +74,7 @@ from bench.workers import (
     worker_env,
 )
 
-RECOMMENDED = {"colliding": "static", "staggered": "rotate", "oversubscribed": "rotate"}  # docs/jobs.md, measured
+RECOMMENDED = {"colliding": "static", "staggered": "levels", "oversubscribed": "levels"}  # docs/jobs.md, measured
 
 
 def mix_kind(fits_link: bool, collides: bool) -> str:
@@ -88,9 +90,13 @@ def recommended_policy(fits_link: bool, collides: bool) -> str:
     """The job policy docs/jobs.md recommends for a mix of this kind (:data:`RECOMMENDED`): the one its targets
     judge. Usage: ``recommended_policy(True, True) == "static"``"""
     return RECOMMENDED[mix_kind(fits_link, collides)]
-POLICIES = ("fifo", "static", "rotate", "intensity")
-PHASES = ("solo", *POLICIES)
-AGENT_POLICY = {"solo": "none", "fifo": "none", "static": "static", "rotate": "rotate", "intensity": "intensity"}
+POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "levels")
+SOLOS = ("solo", "solo_shim")
+PHASES = (*SOLOS, *POLICIES)
+AGENT_POLICY = {"solo": "none", "solo_shim": "none", "fifo": "none", "static": "static", "rotate": "rotate",
+                "alternate": "alternate", "intensity": "intensity", "levels": "none"}
+# what each job runs: plain DDP at one level, or DDP with the shim (overlap, the shim's levels in layer order)
+JOB_MODE = {"solo_shim": "shim_overlap", "levels": "shim_overlap"}
 # (profile, communication fraction of the period, period s, start offset s); None, None: compute = communication
 MIXES = {
     "collide2": [("resnet50", 0.5, 1.2, 0.0), ("bert_base", 0.35, 1.2, 0.0)],
@@ -99,7 +105,11 @@ MIXES = {
     "stagger4": [("resnet50", 0.3, 1.2, 0.0), ("vgg16", 0.35, 1.0, 1.0), ("bert_base", 0.3, 1.5, 2.0),
                  ("resnet50", 0.35, 0.9, 3.0)],
     "oversub2": [("resnet50", None, None, 0.0), ("resnet50", None, None, 0.0)],
+    # opt-in (--mixes): colliding variants that ask how much FIFO loses when the phases collide (docs/jobs.md)
+    "collide2e": [("resnet50", 0.45, 1.2, 0.0), ("bert_base", 0.42, 1.2, 0.0)],
+    "collide3": [("resnet50", 0.3, 1.2, 0.0), ("bert_base", 0.3, 1.2, 0.0), ("vgg16", 0.3, 1.2, 0.0)],
 }
+DEFAULT_MIXES = ("collide2", "stagger2", "stagger3", "stagger4", "oversub2")
 QUICK_MIXES = ("collide2",)
 # 100 Mbit/s, not 200: on this 2-core machine the kernel's work for 200 Mbit/s through veth, bridge and HTB takes
 # enough CPU to delay the emulated compute's wake-ups, so a favoured job missed its solo speed by 14 % for want of
@@ -335,11 +345,13 @@ def _training_argv(tb, job: dict, rank: int, index: int, json_path: str, sockets
     its flows registered at level 0 with the host's agent when ``sockets`` has one)."""
     host = tb.host(index)
     argv = ["--rank", str(rank), "--world", "2", "--master", f"{tb.host(1).ip}:{job['port']}",
-            "--profile", job["profile"], "--mode", "ddp", "--iters", str(job["iters"]),
+            "--profile", job["profile"], "--mode", job.get("mode", "ddp"), "--iters", str(job["iters"]),
             "--warmup", str(job["warmup"]), "--param-scale", f"{job['param_scale']:g}",
             "--compute-scale", f"{job['compute_scale']:g}", "--job", job["id"],
             "--ifname", host.ifname, "--link-rate", str(int(tb.rate_bps)),
             "--json", json_path, "--timeout", str(int(timeout))]
+    if job.get("mode", "ddp") != "ddp":
+        argv += ["--levels", str(job["levels"])]
     if sockets and index in sockets:
         argv += ["--agent-socket", sockets[index], "--ddp-level", "0"]
     return argv
@@ -433,16 +445,25 @@ def job_figures(run: dict) -> dict:
     and ``rto_time_ms`` (summed over ranks; None if a rank could not read them) and whether its flows were
     registered with the agents. ``rto_sockets``: how many connections the ranks read them from."""
     rs = run["results"]
+    mode = rs[0]["mode_order"][0]
 
     def total(key):
         vals = [r.get(key) for r in rs]
         return None if any(v is None for v in vals) else sum(vals)
 
-    return {"jct_s": max(r["modes"]["ddp"]["spans_s"][0] for r in rs),
+    return {"jct_s": max(r["modes"][mode]["spans_s"][0] for r in rs),
             "end_s": max(r["end_time"] for r in rs) - run["start"],
-            "median_iter_s": max(r["modes"]["ddp"]["median_s"] for r in rs),
+            "median_iter_s": max(r["modes"][mode]["median_s"] for r in rs),
             "rto": total("rto"), "rto_time_ms": total("rto_time_ms"), "rto_sockets": total("rto_sockets"),
-            "registered": all(r.get("ddp_registered") for r in rs)}
+            "registered": all(_registered(r, mode) for r in rs)}
+
+
+def _registered(result: dict, mode: str) -> bool:
+    """Whether a rank's flows went to its agent: plain DDP's (``ddp_registered``), or the shim's registrations."""
+    if mode == "ddp":
+        return bool(result.get("ddp_registered"))
+    agent = ((result["modes"][mode].get("shim_stats") or {}).get("agent") or {})
+    return agent.get("registrations", 0) > 0 and not agent.get("failures") and not agent.get("refusals")
 
 
 def tcp_counters(host) -> dict[str, int]:
@@ -462,7 +483,7 @@ def agent_extra(phase: str, specs: list[dict], epoch_s: float, min_share: float 
     extra: dict = {"job_policy": AGENT_POLICY[phase]}
     if phase == "static":
         extra["job_priority"] = {s["id"]: i for i, s in enumerate(specs)}
-    elif phase == "rotate":
+    elif phase in ("rotate", "alternate"):
         extra["rotate_epoch_s"] = epoch_s
     elif phase == "intensity":
         extra["job_intensity"] = {s["id"]: float(s["intensity"]) for s in specs}
@@ -486,6 +507,7 @@ def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels:
 
     adir = os.path.join(workdir, f"agents-{tag}")
     extra = agent_extra(phase, specs, epoch_s, min_share)
+    specs = [dict(s, mode=JOB_MODE.get(phase, "ddp"), levels=levels) for s in specs]
     tcp0 = [tcp_counters(h) for h in tb.hosts]
     with running_agents(tb, levels=levels, workdir=adir, config_extra=extra) as agents:
         runs = run_jobs(tb, specs, {i: a.socket for i, a in agents.items()}, workdir, tag, phase_timeout(specs),
@@ -511,9 +533,9 @@ def _mean(values: list):
     return statistics.fmean(values)
 
 
-def _solo_key(spec: dict) -> tuple:
+def _solo_key(spec: dict, phase: str = "solo") -> tuple:
     """Jobs with equal keys run alike alone: one solo run serves them all (in a mix and across mixes)."""
-    return (spec["profile"], spec["param_scale"], spec["compute_scale"], spec["iters"], spec["warmup"])
+    return (phase, spec["profile"], spec["param_scale"], spec["compute_scale"], spec["iters"], spec["warmup"])
 
 
 def policy_block(ids: list[str], runs: list[dict], fifo: list[float] | None, solo: list[float] | None) -> dict:
@@ -575,28 +597,29 @@ def _progress_phase(progress, mix: str, phase: str, ph: dict, ids: list[str]) ->
              f"retransmitted segments {ph['tcp'].get('RetransSegs')}")
 
 
-def _run_solo(ctx: dict, mix: str, specs: list[dict], rep: int) -> None:
-    """The solo phase of one repetition: every job of ``specs`` whose solo run is not yet in ``ctx["solo"]`` for
-    this repetition, one after the other; results go to ``ctx["solo"][key][rep]``."""
+def _run_solo(ctx: dict, mix: str, specs: list[dict], rep: int, phase: str = "solo") -> None:
+    """A solo phase (``solo``: plain DDP; ``solo_shim``: with the shim) of one repetition: every job of ``specs``
+    whose solo run is not yet in ``ctx["solo"]`` for this repetition, one after the other; results go to
+    ``ctx["solo"][key][rep]``."""
     todo = {}
     for s in specs:
-        if rep not in ctx["solo"].setdefault(_solo_key(s), {}):
-            todo.setdefault(_solo_key(s), s)
+        if rep not in ctx["solo"].setdefault(_solo_key(s, phase), {}):
+            todo.setdefault(_solo_key(s, phase), s)
     if not todo:
         return
     jobs = [dict(s, port=next(ctx["ports"]), offset_s=0.0) for s in todo.values()]
-    ph = run_phase(ctx["tb"], "solo", jobs, f"{mix}-solo-{rep}", ctx["workdir"], ctx["levels"], 1.0,
+    ph = run_phase(ctx["tb"], phase, jobs, f"{mix}-{phase}-{rep}", ctx["workdir"], ctx["levels"], 1.0,
                    ctx["min_share"])
-    _progress_phase(ctx["progress"], mix, "solo", ph, [j["id"] for j in jobs])
+    _progress_phase(ctx["progress"], mix, phase, ph, [j["id"] for j in jobs])
     for key, fig in zip(todo, ph["jobs"], strict=True):
         ctx["solo"][key][rep] = dict(fig, tcp=ph["tcp"], measured_in=mix)
 
 
-def _solo_block(ctx: dict, specs: list[dict], reps: int) -> dict:
-    """The mix's ``solo`` figures: per job the mean over repetitions of its solo run."""
+def _solo_block(ctx: dict, specs: list[dict], reps: int, phase: str = "solo") -> dict:
+    """The mix's ``solo`` (or ``solo_shim``) figures: per job the mean over repetitions of its solo run."""
     jobs = []
     for s in specs:
-        per = [ctx["solo"][_solo_key(s)][rep] for rep in range(reps)]
+        per = [ctx["solo"][_solo_key(s, phase)][rep] for rep in range(reps)]
         jobs.append({"job": s["id"], "jct_s": statistics.fmean(p["jct_s"] for p in per),
                      "median_iter_s": statistics.fmean(p["median_iter_s"] for p in per),
                      "rto": _mean([p["rto"] for p in per]), "rto_time_ms": _mean([p["rto_time_ms"] for p in per]),
@@ -605,17 +628,28 @@ def _solo_block(ctx: dict, specs: list[dict], reps: int) -> dict:
     return {"jobs": jobs}
 
 
+def _solo_for(policy: str, solo: dict | None, solo_shim: dict | None) -> list[float] | None:
+    """The solo JCTs a policy is judged against: each job alone with plain DDP; for the jobs that run the shim
+    (``levels``), the smaller of that and the job alone with the shim, so that the shim's own gain alone is not
+    counted as a gain of sharing."""
+    plain = [j["jct_s"] for j in solo["jobs"]] if solo else None
+    if JOB_MODE.get(policy, "ddp") == "ddp" or not solo_shim:
+        return plain
+    shim = [j["jct_s"] for j in solo_shim["jobs"]]
+    return shim if plain is None else [min(a, b) for a, b in zip(plain, shim, strict=True)]
+
+
 def run_mix(ctx: dict, mix: str, specs: list[dict], phases, reps: int) -> dict:
     """Every phase of ``mix`` ``reps`` times (order rotating per repetition, each on fresh ports), then the figures
     per policy (FIFO as ``fifo`` too), the solo figures, the measured link load and the targets."""
     out = mix_setup(mix, specs, ctx["epoch_factor"], ctx["epoch_s"])
     ids = [s["id"] for s in specs]
-    runs: dict[str, list[dict]] = {p: [] for p in phases if p != "solo"}
+    runs: dict[str, list[dict]] = {p: [] for p in phases if p not in SOLOS}
     for rep in range(reps):
         k = rep % len(phases)
         for phase in list(phases[k:]) + list(phases[:k]):
-            if phase == "solo":
-                _run_solo(ctx, mix, specs, rep)
+            if phase in SOLOS:
+                _run_solo(ctx, mix, specs, rep, phase)
                 continue
             jobs = [dict(s, port=next(ctx["ports"])) for s in specs]
             ph = run_phase(ctx["tb"], phase, jobs, f"{mix}-{phase}-{rep}", ctx["workdir"], ctx["levels"],
@@ -623,11 +657,11 @@ def run_mix(ctx: dict, mix: str, specs: list[dict], phases, reps: int) -> dict:
             _progress_phase(ctx["progress"], mix, phase, ph, ids)
             runs[phase].append(ph)
     solo = _solo_block(ctx, specs, reps) if "solo" in phases else None
-    solo_jct = [j["jct_s"] for j in solo["jobs"]] if solo else None
+    solo_shim = _solo_block(ctx, specs, reps, "solo_shim") if "solo_shim" in phases else None
     fifo_jct = ([statistics.fmean(r["jobs"][i]["jct_s"] for r in runs["fifo"]) for i in range(len(ids))]
                 if runs.get("fifo") else None)
-    out["policies"] = {p: policy_block(ids, rs, fifo_jct, solo_jct) for p, rs in runs.items()}
-    out["solo"] = solo
+    out["policies"] = {p: policy_block(ids, rs, fifo_jct, _solo_for(p, solo, solo_shim)) for p, rs in runs.items()}
+    out["solo"], out["solo_shim"] = solo, solo_shim
     if solo:
         out["link_load_measured"] = sum(s["comm_s"] / j["median_iter_s"] for s, j in zip(specs, solo["jobs"],
                                                                                         strict=True))
@@ -683,7 +717,7 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
     """
     from testbed import Testbed
 
-    mixes = tuple(mixes or (QUICK_MIXES if quick else MIXES))
+    mixes = tuple(mixes or (QUICK_MIXES if quick else DEFAULT_MIXES))
     phases = tuple(p for p in PHASES if p in policies)   # canonical order
     _check(mixes, tuple(policies))
     iters = iters or (QUICK_ITERS if quick else DEFAULT_ITERS)
@@ -735,7 +769,7 @@ def format_mix(mix: dict) -> str:
     head = ("policy", *(f"{s} ({j['profile']}) JCT xFIFO xsolo rto" for s, j in zip(short, mix["jobs"],
                                                                                  strict=True)), "avg", "avg xFIFO")
     rows = [head]
-    blocks = list(mix["policies"].items()) + ([("solo", mix["solo"])] if mix.get("solo") else [])
+    blocks = list(mix["policies"].items()) + [(s, mix[s]) for s in SOLOS if mix.get(s)]
     for name, b in blocks:
         cells = [f"{j['jct_s']:.1f} s {_fmt(j.get('vs_fifo'))} {_fmt(j.get('vs_solo'))} {_fmt(j['rto'], '.3g')}"
                  for j in b["jobs"]]
@@ -770,8 +804,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="FILE", help="write every figure here")
     p.add_argument("--quick", action="store_true",
                    help="the smoke test: collide2 only, periods halved, few iterations")
-    p.add_argument("--mixes", default=None, help=f"comma-separated subset of {','.join(MIXES)} (default all; "
-                                                 f"quick: {','.join(QUICK_MIXES)})")
+    p.add_argument("--mixes", default=None, help=f"comma-separated subset of {','.join(MIXES)} (default "
+                                                 f"{','.join(DEFAULT_MIXES)}; quick: {','.join(QUICK_MIXES)})")
     p.add_argument("--policies", default=",".join(PHASES),
                    help="comma-separated phases: solo (each job alone), fifo and the policies (default all)")
     p.add_argument("--iters", type=int, default=None,

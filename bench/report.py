@@ -245,7 +245,8 @@ def rows_jobs(d: dict) -> list[Row]:
     return rows_jobs_mixes(d) if "mixes" in d else rows_jobs_runs(d)
 
 
-JOBS_POLICY_NAMES = {"fifo": "FIFO", "static": "static", "rotate": "rotate", "intensity": "intensity"}
+JOBS_POLICY_NAMES = {"fifo": "FIFO", "static": "static", "rotate": "rotate", "alternate": "alternate",
+                    "intensity": "intensity", "levels": "levels"}
 
 
 def _mix_jobs(mix: dict, policy: str) -> list[dict]:

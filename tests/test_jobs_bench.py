@@ -11,12 +11,16 @@ from agent_clients import require_netns_tools
 
 from bench import report
 from bench.jobs import (
+    DEFAULT_MIXES,
+    JOB_MODE,
     MIXES,
     PHASES,
     POLICIES,
     RECOMMENDED,
     TCPI_TOTAL_RTO,
     TCPI_TOTAL_RTO_TIME,
+    _registered,
+    _solo_for,
     agent_extra,
     format_table,
     mix_setup,
@@ -33,7 +37,8 @@ def test_mixes_design():
     """Every job of a fitting mix communicates 30-60 % of its predicted solo iteration; collide2's two different
     profiles share one period and start; the staggered mixes do not collide; stagger4 and oversub2 exceed the link."""
     setups = {m: mix_setup(m, mix_specs(m, "tj", 200e6, 12), 2.0, None) for m in MIXES}
-    assert [m for m, s in setups.items() if s["collides"]] == ["collide2", "oversub2"]
+    assert set(DEFAULT_MIXES) < set(MIXES)
+    assert [m for m, s in setups.items() if s["collides"]] == ["collide2", "oversub2", "collide2e", "collide3"]
     assert {m for m, s in setups.items() if not s["fits_link"]} == {"stagger4", "oversub2"}
     for m, s in setups.items():
         assert s["recommended"] == RECOMMENDED[s["kind"]] and s["link_load"] == pytest.approx(
@@ -100,6 +105,26 @@ def test_targets_by_hand():
     assert [x["met"] for x in mix_targets(m)] == [None, None, None]
 
 
+def test_shim_jobs_are_judged_against_the_faster_solo():
+    """The ``levels`` phase runs every job with the shim: its solo JCT is the smaller of the job alone with plain
+    DDP and alone with the shim; the plain-DDP policies keep plain DDP's. A shim rank counts as registered only
+    when its agent link registered and never failed."""
+    solo = {"jobs": [{"jct_s": 10.0}, {"jct_s": 20.0}]}
+    shim = {"jobs": [{"jct_s": 9.0}, {"jct_s": 21.0}]}
+    assert _solo_for("levels", solo, shim) == [9.0, 20.0]
+    assert _solo_for("static", solo, shim) == [10.0, 20.0] and _solo_for("levels", solo, None) == [10.0, 20.0]
+    assert _solo_for("levels", None, shim) == [9.0, 21.0] and _solo_for("fifo", None, shim) is None
+    assert JOB_MODE["levels"] == JOB_MODE["solo_shim"] == "shim_overlap" and "fifo" not in JOB_MODE
+
+    def shim_result(**agent):
+        return {"modes": {"shim_overlap": {"shim_stats": {"agent": agent}}}}
+
+    assert _registered(shim_result(registrations=4, failures=0, refusals=0), "shim_overlap")
+    assert not _registered(shim_result(registrations=4, failures=1, refusals=0), "shim_overlap")
+    assert not _registered(shim_result(connected=False), "shim_overlap")
+    assert _registered({"ddp_registered": True}, "ddp") and not _registered({}, "ddp")
+
+
 def test_report_rows_from_mixes():
     """bench.report's jobs rows: the colliding mix's average first (the README's headline), per fitting mix its
     largest per-job ratios, per oversubscribed mix the largest ratio over every policy."""
@@ -145,10 +170,12 @@ def test_jobs_quick_smoke():
     ids = [j["job"] for j in mix["jobs"]]
     assert ids == ["tj2-collide2-j0", "tj2-collide2-j1"]
     solo = [j["jct_s"] for j in mix["solo"]["jobs"]]
+    solo_shim = [j["jct_s"] for j in mix["solo_shim"]["jobs"]]
     fifo = [j["jct_s"] for j in mix["policies"]["fifo"]["jobs"]]
     for name, block in mix["policies"].items():
         assert [j["job"] for j in block["jobs"]] == ids
-        for j, f, s in zip(block["jobs"], fifo, solo, strict=True):
+        judged = [min(a, b) for a, b in zip(solo, solo_shim, strict=True)] if name == "levels" else solo
+        for j, f, s in zip(block["jobs"], fifo, judged, strict=True):
             assert set(j) >= JOB_KEYS, (name, j)
             assert isinstance(j["jct_s"], float) and math.isfinite(j["jct_s"]) and j["jct_s"] > 0, (name, j)
             assert j["fifo_jct_s"] == f and j["solo_jct_s"] == s
