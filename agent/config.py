@@ -59,6 +59,7 @@ class Config:
     state_dir: str = "/run/tensorlane"
     queue_limit_packets: int = 1000
     min_share: float = 0.01  # htb: the link's share guaranteed to every class (no RTO starvation); 0: strict
+    ack_priority: bool = True  # pure ACKs of every registered flow in the most urgent class (no ACK starvation)
     reconcile_interval_s: float = 5.0
     socket_group: str | None = None
     allowed_users: tuple[str, ...] = ()
@@ -323,7 +324,8 @@ def _service(raw: dict, levels: int) -> dict:
             "level_limits": _level_limits(raw, levels),
             "rate_limit_per_s": _number(raw, "rate_limit_per_s", 1, 1_000_000, " requests per second"),
             "max_flows": _integer(raw, "max_flows", 1, 1_000_000),
-            "socket_group": _want(raw, "socket_group", str)}
+            "socket_group": _want(raw, "socket_group", str),
+            "ack_priority": _want(raw, "ack_priority", bool)}
 
 
 def _access(raw: dict) -> dict:

@@ -214,7 +214,8 @@ def run(cfg: Config) -> int:
     with IPRoute() as ipr:
         kind, egress, plan = prepare(cfg, ipr)
         table = FlowTable(cfg.levels, cfg.max_flows)
-        rec = Reconciler([t.device() for t in plan], cfg.dscp, {eg.name: eg.index for eg in egress}, ipr)
+        rec = Reconciler([t.device() for t in plan], cfg.dscp, {eg.name: eg.index for eg in egress}, ipr,
+                         ack_level=0 if cfg.ack_priority else None)
         restore_orphans(cfg, ipr, plan)
         touched: list[Takeover] = []
         try:

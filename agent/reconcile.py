@@ -47,11 +47,14 @@ class Device:
 class Reconciler:
     """Owns the kernel objects of the managed interfaces: a queue tree per device, one nftables table."""
 
-    def __init__(self, devices: list[Device], dscp: tuple[int, ...], interfaces: dict[str, int], ipr, nft=None):
-        """``devices`` carry the queues of ``interfaces`` (name -> index: what is matched as output interface)."""
+    def __init__(self, devices: list[Device], dscp: tuple[int, ...], interfaces: dict[str, int], ipr, nft=None,
+                 ack_level: int | None = 0):
+        """``devices`` carry the queues of ``interfaces`` (name -> index: what is matched as output interface);
+        pure ACKs of less urgent levels go to ``ack_level``'s class (None: each flow's ACKs at its own level)."""
         self.devices = list(devices)
         self.backend = self.devices[0].backend  # the class layout, the same on every device
         self.dscp = dscp
+        self.ack_level = ack_level
         self.interfaces = dict(interfaces)
         self.ipr = ipr
         self.nft = nft or nftables.Nft()
@@ -60,7 +63,7 @@ class Reconciler:
 
     def _table_commands(self) -> list[dict]:
         classids = [self.backend.classid(lvl) for lvl in range(self.backend.levels)]
-        return nftables.table_commands(list(self.interfaces), classids, list(self.dscp))
+        return nftables.table_commands(list(self.interfaces), classids, list(self.dscp), self.ack_level)
 
     def _apply_trees(self) -> None:
         for dev in self.devices:
@@ -119,7 +122,8 @@ class Reconciler:
         maps = {i["map"]["name"] for i in listing.get("nftables", []) if "map" in i}
         want_chains = {"egress", *(nftables.level_chain(lvl) for lvl in range(self.backend.levels))}
         rules = sum(1 for i in listing.get("nftables", []) if "rule" in i)
-        return want_chains <= chains and {"flows4", "flows6"} <= maps and rules == 2 * len(want_chains)
+        want_rules = sum(1 for c in self._table_commands() if "rule" in c.get("add", {}))
+        return want_chains <= chains and {"flows4", "flows6"} <= maps and rules == want_rules
 
     def egress(self, keys, ipr=None) -> dict[FlowKey, str | None]:
         """The managed interface each flow leaves through (a route lookup per address pair, remembered for

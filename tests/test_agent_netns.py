@@ -226,3 +226,56 @@ def test_two_jobs_with_one_id_are_a_conflict_the_shim_and_metrics_show(tb):
                 link.close()
         assert agents[1].status()["job_conflicts"] == {}
         assert "is used by 2 runs on this host" in agents[1].stderr_tail()
+
+
+RECV_TCP = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1); s.settimeout(20)
+c, _ = s.accept(); c.settimeout(20); n = 0
+while (b := c.recv(65536)):
+    n += len(b)
+print(n)
+"""
+SEND_TCP = """
+import socket, sys, time
+for _ in range(50):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", int(sys.argv[3]))); s.settimeout(20)
+    try:
+        s.connect((sys.argv[1], int(sys.argv[2]))); break
+    except ConnectionRefusedError:
+        s.close(); time.sleep(0.1)
+s.sendall(b"x" * int(sys.argv[4])); s.close()
+"""
+
+
+def tcp_push(sender, receiver, sport, dport, nbytes) -> int:
+    """Send ``nbytes`` over one TCP connection ``sender:sport -> receiver:dport``; the bytes the receiver got."""
+    recv = receiver.popen([sys.executable, "-c", RECV_TCP, str(dport)], stdout=subprocess.PIPE, text=True)
+    try:
+        sender.run([sys.executable, "-c", SEND_TCP, receiver.ip, str(dport), str(sport), str(nbytes)], timeout=30)
+        return int(recv.communicate(timeout=30)[0])
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+            recv.wait(5)
+
+
+@pytest.mark.parametrize("ack_priority", [True, False])
+def test_pure_acks_of_a_less_urgent_flow_go_to_the_most_urgent_class(tb, ack_priority):
+    """h1 receives 3 MB on a flow registered at level 2: what h1 sends on it is pure ACKs, which leave in level 0's
+    class (``ack_priority``, the default), or in level 2's with it off. Data itself keeps its level: h1 sending
+    on a registered flow is covered by test_registered_flow_is_marked_and_queued."""
+    h1, h2 = tb.host(1), tb.host(2)
+    port = 9300 if ack_priority else 9310
+    extra = {**TRUST, "ack_priority": ack_priority}
+    with running_agents(tb, levels=3, hosts=[1], backend="htb", config_extra=extra) as agents:
+        with agents[1].client() as agent:
+            agent.register("job-a", 2, [flow(h1, port, h2, port + 1, "tcp")], rank=0)
+            before = {c["class"]: c["bytes"] for c in agent.status()["classes"]}
+            assert tcp_push(h2, h1, port + 1, port, 3_000_000) == 3_000_000
+            after = {c["class"]: c["bytes"] for c in agent.status()["classes"]}
+    top, own = (after[c] - before[c] for c in ("7a1:10", "7a1:12"))
+    acks, other = (top, own) if ack_priority else (own, top)
+    assert 20_000 <= acks <= 300_000 and other <= 2_000, (top, own)  # ~1 ACK of ~66 B per 1-2 segments

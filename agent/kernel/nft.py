@@ -2,7 +2,11 @@
 
 The agent's table ``inet tensorlane`` holds one verdict map per IP family keyed by the flow 5-tuple. A packet
 leaving a managed interface is looked up once (a hash lookup: cost does not grow with the number of flows)
-and jumps to its level's chain, which sets ``meta priority`` (the tc class) and the DSCP, and counts.
+and jumps to its level's chain, which sets ``meta priority`` (the tc class) and the DSCP, and counts. In the
+chains of the less urgent levels a first rule sends the flows' pure ACKs (TCP, no SYN, FIN or RST, under
+:data:`ACK_MAX_BYTES`) to the most urgent level's class and DSCP instead: an ACK queued behind the class's own
+data, throttled to its guaranteed share while more urgent classes are busy, would stall the *other* direction's
+sender into a retransmission timeout (docs/agent.md, ``ack_priority``).
 Usage: ``nft = Nft(); nft.run([{"add": {"table": {...}}}])``
 """
 from __future__ import annotations
@@ -15,6 +19,7 @@ from tensorlane.flows import FlowKey
 
 TABLE = "tensorlane"
 FAMILY = "inet"
+ACK_MAX_BYTES = 128  # IP length of a pure ACK: 40 + 12 (timestamps) + up to 4 SACK blocks (36) = 88 for IPv6
 _OUTPUT_JSON = 1 << 4
 
 
@@ -80,17 +85,33 @@ def level_chain(level: int) -> str:
     return f"level{level}"
 
 
-def _level_rules(level: int, priority: int, dscp: int) -> list[dict]:
-    prio = f"{priority >> 16:x}:{priority & 0xFFFF:x}"
+def _prio(classid: int) -> str:
+    return f"{classid >> 16:x}:{classid & 0xFFFF:x}"
+
+
+def _pure_ack() -> list[dict]:
+    """Matches a TCP segment without SYN, FIN or RST whose IP length is under ACK_MAX_BYTES (a pure ACK)."""
+    return [{"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "tcp"}},
+            {"match": {"op": "!", "left": {"payload": {"protocol": "tcp", "field": "flags"}},
+                       "right": ["fin", "syn", "rst"]}},   # none of them set
+            {"match": {"op": "<", "left": {"meta": {"key": "length"}}, "right": ACK_MAX_BYTES}}]
+
+
+def _level_rules(level: int, priority: int, dscp: int, ack: tuple[int, int] | None = None) -> list[dict]:
+    """The rules of level ``level``'s chain: class ``priority`` and ``dscp``; pure ACKs first to ``ack``
+    (classid, dscp) when given."""
     rules = []
     for proto, nfproto in (("ip", "ipv4"), ("ip6", "ipv6")):
-        rules.append({"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": level_chain(level), "expr": [
-            {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": nfproto}},
-            {"mangle": {"key": {"meta": {"key": "priority"}}, "value": prio}},
-            {"mangle": {"key": {"payload": {"protocol": proto, "field": "dscp"}}, "value": dscp}},
-            {"counter": None},
-            {"accept": None},
-        ]}}})
+        family = {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": nfproto}}
+        marks = [(_pure_ack(), *ack)] if ack is not None else []
+        for match, classid, code in (*marks, ([], priority, dscp)):
+            rules.append({"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": level_chain(level), "expr": [
+                family, *match,
+                {"mangle": {"key": {"meta": {"key": "priority"}}, "value": _prio(classid)}},
+                {"mangle": {"key": {"payload": {"protocol": proto, "field": "dscp"}}, "value": code}},
+                {"counter": None},
+                {"accept": None},
+            ]}}})
     return rules
 
 
@@ -109,11 +130,13 @@ def _lookup_rule(ifnames: list[str], family: int) -> dict:
     ]}}}
 
 
-def table_commands(ifnames: list[str], classids: list[int], dscp: list[int]) -> list[dict]:
+def table_commands(ifnames: list[str], classids: list[int], dscp: list[int], ack_level: int | None = 0
+                   ) -> list[dict]:
     """Commands that create or update the table's chains and maps in place, keeping the maps' elements.
 
     A packet leaving through any of ``ifnames`` is looked up; ``classids[level]`` is the tc class the level's
-    packets enter (the same on every managed device), ``dscp[level]`` their DSCP.
+    packets enter (the same on every managed device), ``dscp[level]`` their DSCP. With ``ack_level`` (None: off),
+    the pure ACKs of less urgent levels go to that level's class and DSCP.
     """
     cmds: list[dict] = [{"add": {"table": {"family": FAMILY, "name": TABLE}}}]
     for fam in (4, 6):
@@ -122,7 +145,8 @@ def table_commands(ifnames: list[str], classids: list[int], dscp: list[int]) -> 
     for level in range(len(classids)):
         cmds.append({"add": {"chain": {"family": FAMILY, "table": TABLE, "name": level_chain(level)}}})
         cmds.append({"flush": {"chain": {"family": FAMILY, "table": TABLE, "name": level_chain(level)}}})
-        cmds.extend(_level_rules(level, classids[level], dscp[level]))
+        ack = None if ack_level is None or level <= ack_level else (classids[ack_level], dscp[ack_level])
+        cmds.extend(_level_rules(level, classids[level], dscp[level], ack))
     cmds.append({"add": {"chain": {"family": FAMILY, "table": TABLE, "name": "egress", "type": "filter",
                                    "hook": "postrouting", "prio": -150, "policy": "accept"}}})
     cmds.append({"flush": {"chain": {"family": FAMILY, "table": TABLE, "name": "egress"}}})
