@@ -478,8 +478,10 @@ def tcp_counters(host) -> dict[str, int]:
     return out
 
 
-def agent_extra(phase: str, specs: list[dict], epoch_s: float, min_share: float | None) -> dict:
-    """The agents' config fields of ``phase``: the job policy and its table or epoch; ``min_share`` if given."""
+def agent_extra(phase: str, specs: list[dict], epoch_s: float, min_share: float | None,
+                ack_priority: bool | None = None) -> dict:
+    """The agents' config fields of ``phase``: the job policy and its table or epoch; ``min_share`` and
+    ``ack_priority`` if given."""
     extra: dict = {"job_policy": AGENT_POLICY[phase]}
     if phase == "static":
         extra["job_priority"] = {s["id"]: i for i, s in enumerate(specs)}
@@ -489,6 +491,8 @@ def agent_extra(phase: str, specs: list[dict], epoch_s: float, min_share: float 
         extra["job_intensity"] = {s["id"]: float(s["intensity"]) for s in specs}
     if min_share is not None:
         extra["min_share"] = min_share
+    if ack_priority is not None:
+        extra["ack_priority"] = ack_priority
     return extra
 
 
@@ -499,14 +503,14 @@ def phase_timeout(specs: list[dict]) -> float:
 
 
 def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels: int, epoch_s: float,
-              min_share: float | None) -> dict:
+              min_share: float | None, ack_priority: bool | None = None) -> dict:
     """One phase: fresh agents with the phase's job policy on both hosts, then the jobs of ``specs`` (``solo``: one
     after the other, each alone); returns per job (``specs`` order) :func:`job_figures` as ``jobs``, the hosts'
     TCP counters over the phase (``tcp``) and the agent's ``order_changes``."""
     from bench.agents import running_agents
 
     adir = os.path.join(workdir, f"agents-{tag}")
-    extra = agent_extra(phase, specs, epoch_s, min_share)
+    extra = agent_extra(phase, specs, epoch_s, min_share, ack_priority)
     specs = [dict(s, mode=JOB_MODE.get(phase, "ddp"), levels=levels) for s in specs]
     tcp0 = [tcp_counters(h) for h in tb.hosts]
     with running_agents(tb, levels=levels, workdir=adir, config_extra=extra) as agents:
@@ -609,7 +613,7 @@ def _run_solo(ctx: dict, mix: str, specs: list[dict], rep: int, phase: str = "so
         return
     jobs = [dict(s, port=next(ctx["ports"]), offset_s=0.0) for s in todo.values()]
     ph = run_phase(ctx["tb"], phase, jobs, f"{mix}-{phase}-{rep}", ctx["workdir"], ctx["levels"], 1.0,
-                   ctx["min_share"])
+                   ctx["min_share"], ctx["ack_priority"])
     _progress_phase(ctx["progress"], mix, phase, ph, [j["id"] for j in jobs])
     for key, fig in zip(todo, ph["jobs"], strict=True):
         ctx["solo"][key][rep] = dict(fig, tcp=ph["tcp"], measured_in=mix)
@@ -653,7 +657,7 @@ def run_mix(ctx: dict, mix: str, specs: list[dict], phases, reps: int) -> dict:
                 continue
             jobs = [dict(s, port=next(ctx["ports"])) for s in specs]
             ph = run_phase(ctx["tb"], phase, jobs, f"{mix}-{phase}-{rep}", ctx["workdir"], ctx["levels"],
-                           out["epoch_s"], ctx["min_share"])
+                           out["epoch_s"], ctx["min_share"], ctx["ack_priority"])
             _progress_phase(ctx["progress"], mix, phase, ph, ids)
             runs[phase].append(ph)
     solo = _solo_block(ctx, specs, reps) if "solo" in phases else None
@@ -682,11 +686,11 @@ def machine() -> dict:
             "mem_gib": mem, "loadavg": list(os.getloadavg())}
 
 
-def agent_min_share() -> float:
-    """The agent's default ``min_share`` (its config's)."""
+def agent_default(name: str):
+    """The agent's default of config field ``name`` (its Config's). Usage: ``agent_default("min_share")``"""
     from tensorlane.agent.config import Config
 
-    return next(f.default for f in dataclasses.fields(Config) if f.name == "min_share")
+    return next(f.default for f in dataclasses.fields(Config) if f.name == name)
 
 
 def _check(mixes, phases) -> None:
@@ -708,11 +712,11 @@ def _describe_mix(setup: dict) -> str:
 def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_RATE, iters: int | None = None,
         warmup: int = DEFAULT_WARMUP, policies=PHASES, reps: int = 1, epoch_factor: float = DEFAULT_EPOCH_FACTOR,
         epoch_s: float | None = None, min_share: float | None = None, levels: int = 4, progress=print,
-        port_base: int = 29700, workdir: str | None = None) -> dict:
+        port_base: int = 29700, workdir: str | None = None, ack_priority: bool | None = None) -> dict:
     """Run the benchmark on a fresh 2-host testbed ``name``; return ``{"mixes": [...], ...}`` (docs/jobs.md).
 
     ``policies``: the phases (``solo`` and the policies, FIFO as ``fifo``); ``reps`` > 1 repeats every phase (order
-    rotating) and takes each job's mean JCT. ``min_share`` None: the agent's default (not passed).
+    rotating) and takes each job's mean JCT. ``min_share``, ``ack_priority`` None: the agent's default (not passed).
     Usage: ``run(quick=True)``
     """
     from testbed import Testbed
@@ -727,16 +731,20 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
                     "quick": quick, "time_scale": time_scale, "policies": list(phases),
                     "recommended": dict(RECOMMENDED),
                     "epoch_factor": epoch_factor, "epoch_s": epoch_s, "levels": levels,
-                    "min_share": agent_min_share() if min_share is None else min_share,
-                    "min_share_passed": min_share is not None, "machine": machine(), "targets": dict(TARGETS),
+                    "min_share": agent_default("min_share") if min_share is None else min_share,
+                    "min_share_passed": min_share is not None,
+                    "ack_priority": agent_default("ack_priority") if ack_priority is None else ack_priority,
+                    "ack_priority_passed": ack_priority is not None, "machine": machine(), "targets": dict(TARGETS),
                     "prediction": {"alpha_s": ALPHA_S, "compute_factor": COMPUTE_FACTOR}, "mixes": []}
     t_start = time.monotonic()
     progress(f"testbed {name}: 2 hosts at {rate}; mixes {', '.join(mixes)}; {iters} iterations per job; phases "
              f"{', '.join(phases)}; min_share {result['min_share']:g}"
-             + ("" if min_share is not None else " (the agent's default)"))
+             + ("" if min_share is not None else " (the agent's default)")
+             + f"; ack_priority {result['ack_priority']}")
     with scratch_dir(workdir, "tensorlane-jobs-") as workdir, Testbed(hosts=2, rate=rate, name=name) as tb:
         result["link_bps"] = tb.rate_bps
         ctx = {"tb": tb, "workdir": workdir, "levels": levels, "min_share": min_share, "progress": progress,
+               "ack_priority": ack_priority,
                "ports": itertools.count(port_base + 1), "epoch_factor": epoch_factor, "epoch_s": epoch_s,
                "solo": {}}
         for mix in mixes:
@@ -819,6 +827,8 @@ def main(argv=None) -> int:
     p.add_argument("--epoch-s", type=float, default=None, help="rotation epoch in seconds (overrides the factor)")
     p.add_argument("--min-share", type=float, default=None,
                    help="the agents' min_share (default: the agent's own default, not passed)")
+    p.add_argument("--ack-priority", choices=("on", "off"), default=None,
+                   help="the agents' ack_priority (default: the agent's own default, not passed)")
     p.add_argument("--rate", default=DEFAULT_RATE, help=f"the links' rate (default {DEFAULT_RATE}: see DEFAULT_RATE)")
     p.add_argument("--levels", type=int, default=4)
     p.add_argument("--name", default="tj", help="testbed name (namespaces NAME-h1, NAME-h2, NAME-sw)")
@@ -828,7 +838,8 @@ def main(argv=None) -> int:
     result = run(mixes=_split(args.mixes) if args.mixes else None, quick=args.quick, name=args.name, rate=args.rate,
                  iters=args.iters, warmup=args.warmup, policies=_split(args.policies), reps=args.reps,
                  epoch_factor=args.epoch_factor, epoch_s=args.epoch_s, min_share=args.min_share,
-                 levels=args.levels, progress=progress_printer())
+                 levels=args.levels, progress=progress_printer(),
+                 ack_priority=None if args.ack_priority is None else args.ack_priority == "on")
     show_figures(format_table(result), result, args.json)
     return 0
 
