@@ -273,6 +273,7 @@ def test_pure_acks_of_a_less_urgent_flow_go_to_the_most_urgent_class(tb, ack_pri
     with running_agents(tb, levels=3, hosts=[1], backend="htb", config_extra=extra) as agents:
         with agents[1].client() as agent:
             agent.register("job-a", 2, [flow(h1, port, h2, port + 1, "tcp")], rank=0)
+            assert agent.status()["ack_priority"] is ack_priority
             before = {c["class"]: c["bytes"] for c in agent.status()["classes"]}
             assert tcp_push(h2, h1, port + 1, port, 3_000_000) == 3_000_000
             after = {c["class"]: c["bytes"] for c in agent.status()["classes"]}
