@@ -27,10 +27,12 @@ every job has the same period (within 2 %) and the same start offset.
 
 Phases per mix, each with fresh agents and one release barrier (every rank sets up first -- imports, rendezvous,
 DDP's construction, the registration of its flows -- then waits for a go file that holds its start time):
-``solo`` (each job alone, one after the other in one phase: agents with ``job_policy = "none"``), ``fifo``
-(``none``: all jobs' flows at level 0, FIFO between jobs), ``static`` (``job_priority`` from the job order),
-``rotate`` (``rotate_epoch_s`` = ``epoch_factor`` x the longest predicted solo iteration) and ``intensity``
-(``job_intensity`` = each job's compute_s / comm_s, Crux's GPU intensity). Job ``i`` starts ``offset_s`` after the
+``solo`` (each job alone, one after the other in one phase: agents with ``job_policy = "none"``), ``solo_shim``
+(the same, every job with the shim), ``fifo`` (``none``: all jobs' flows at level 0, FIFO between jobs),
+``static`` (``job_priority`` from the job order), ``rotate`` and ``alternate`` (``rotate_epoch_s`` =
+``epoch_factor`` x the longest predicted solo iteration), ``intensity`` (``job_intensity`` = each job's
+compute_s / comm_s, Crux's GPU intensity) and ``levels`` (``none``, every job with the shim: overlap mode, its
+tensors on the shim's levels; judged against the faster of its two solo runs). Job ``i`` starts ``offset_s`` after the
 common release; its JCT runs from its own start to the end of its slowest rank's last iteration. Each rank reads,
 before it exits, ``tcpi_total_rto`` of its TCP connections to its peer (``rto``: retransmission timeouts, summed
 over the job's ranks; None on kernels older than 6.7).
