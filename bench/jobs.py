@@ -75,6 +75,7 @@ from bench.workers import (
     wait_worker,
     worker_env,
 )
+from tensorlane.policies.jobs import ROTATING
 
 RECOMMENDED = {"colliding": "static", "staggered": "levels", "oversubscribed": "levels"}  # docs/jobs.md, measured
 
@@ -345,14 +346,14 @@ class Rank:
 def _training_argv(tb, job: dict, rank: int, index: int, json_path: str, sockets, timeout: float) -> list[str]:
     """``bench.worker training`` arguments of ``job``'s rank ``rank`` on testbed host ``index`` (plain DDP, gloo,
     its flows registered at level 0 with the host's agent when ``sockets`` has one)."""
-    host = tb.host(index)
+    host, mode = tb.host(index), job.get("mode", "ddp")
     argv = ["--rank", str(rank), "--world", "2", "--master", f"{tb.host(1).ip}:{job['port']}",
-            "--profile", job["profile"], "--mode", job.get("mode", "ddp"), "--iters", str(job["iters"]),
+            "--profile", job["profile"], "--mode", mode, "--iters", str(job["iters"]),
             "--warmup", str(job["warmup"]), "--param-scale", f"{job['param_scale']:g}",
             "--compute-scale", f"{job['compute_scale']:g}", "--job", job["id"],
             "--ifname", host.ifname, "--link-rate", str(int(tb.rate_bps)),
             "--json", json_path, "--timeout", str(int(timeout))]
-    if job.get("mode", "ddp") != "ddp":
+    if mode != "ddp":
         argv += ["--levels", str(job["levels"])]
     if sockets and index in sockets:
         argv += ["--agent-socket", sockets[index], "--ddp-level", "0"]
@@ -480,22 +481,17 @@ def tcp_counters(host) -> dict[str, int]:
     return out
 
 
-def agent_extra(phase: str, specs: list[dict], epoch_s: float, min_share: float | None,
-                ack_priority: bool | None = None) -> dict:
-    """The agents' config fields of ``phase``: the job policy and its table or epoch; ``min_share`` and
-    ``ack_priority`` if given."""
+def agent_extra(phase: str, specs: list[dict], epoch_s: float, overrides: dict | None = None) -> dict:
+    """The agents' config fields of ``phase``: the job policy and its table or epoch, then ``overrides`` (the
+    fields the run passes to every agent: ``min_share``, ``ack_priority``)."""
     extra: dict = {"job_policy": AGENT_POLICY[phase]}
     if phase == "static":
         extra["job_priority"] = {s["id"]: i for i, s in enumerate(specs)}
-    elif phase in ("rotate", "alternate"):
+    elif AGENT_POLICY[phase] in ROTATING:
         extra["rotate_epoch_s"] = epoch_s
     elif phase == "intensity":
         extra["job_intensity"] = {s["id"]: float(s["intensity"]) for s in specs}
-    if min_share is not None:
-        extra["min_share"] = min_share
-    if ack_priority is not None:
-        extra["ack_priority"] = ack_priority
-    return extra
+    return extra | (overrides or {})
 
 
 def phase_timeout(specs: list[dict]) -> float:
@@ -505,14 +501,14 @@ def phase_timeout(specs: list[dict]) -> float:
 
 
 def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels: int, epoch_s: float,
-              min_share: float | None, ack_priority: bool | None = None) -> dict:
+              overrides: dict | None = None) -> dict:
     """One phase: fresh agents with the phase's job policy on both hosts, then the jobs of ``specs`` (``solo``: one
     after the other, each alone); returns per job (``specs`` order) :func:`job_figures` as ``jobs``, the hosts'
     TCP counters over the phase (``tcp``) and the agent's ``order_changes``."""
     from bench.agents import running_agents
 
     adir = os.path.join(workdir, f"agents-{tag}")
-    extra = agent_extra(phase, specs, epoch_s, min_share, ack_priority)
+    extra = agent_extra(phase, specs, epoch_s, overrides)
     specs = [dict(s, mode=JOB_MODE.get(phase, "ddp"), levels=levels) for s in specs]
     tcp0 = [tcp_counters(h) for h in tb.hosts]
     with running_agents(tb, levels=levels, workdir=adir, config_extra=extra) as agents:
@@ -615,7 +611,7 @@ def _run_solo(ctx: dict, mix: str, specs: list[dict], rep: int, phase: str = "so
         return
     jobs = [dict(s, port=next(ctx["ports"]), offset_s=0.0) for s in todo.values()]
     ph = run_phase(ctx["tb"], phase, jobs, f"{mix}-{phase}-{rep}", ctx["workdir"], ctx["levels"], 1.0,
-                   ctx["min_share"], ctx["ack_priority"])
+                   ctx["agent"])
     _progress_phase(ctx["progress"], mix, phase, ph, [j["id"] for j in jobs])
     for key, fig in zip(todo, ph["jobs"], strict=True):
         ctx["solo"][key][rep] = dict(fig, tcp=ph["tcp"], measured_in=mix)
@@ -659,7 +655,7 @@ def run_mix(ctx: dict, mix: str, specs: list[dict], phases, reps: int) -> dict:
                 continue
             jobs = [dict(s, port=next(ctx["ports"])) for s in specs]
             ph = run_phase(ctx["tb"], phase, jobs, f"{mix}-{phase}-{rep}", ctx["workdir"], ctx["levels"],
-                           out["epoch_s"], ctx["min_share"], ctx["ack_priority"])
+                           out["epoch_s"], ctx["agent"])
             _progress_phase(ctx["progress"], mix, phase, ph, ids)
             runs[phase].append(ph)
     solo = _solo_block(ctx, specs, reps) if "solo" in phases else None
@@ -745,8 +741,9 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
              + f"; ack_priority {result['ack_priority']}")
     with scratch_dir(workdir, "tensorlane-jobs-") as workdir, Testbed(hosts=2, rate=rate, name=name) as tb:
         result["link_bps"] = tb.rate_bps
-        ctx = {"tb": tb, "workdir": workdir, "levels": levels, "min_share": min_share, "progress": progress,
-               "ack_priority": ack_priority,
+        passed = {"min_share": min_share, "ack_priority": ack_priority}
+        ctx = {"tb": tb, "workdir": workdir, "levels": levels, "progress": progress,
+               "agent": {k: v for k, v in passed.items() if v is not None},
                "ports": itertools.count(port_base + 1), "epoch_factor": epoch_factor, "epoch_s": epoch_s,
                "solo": {}}
         for mix in mixes:
@@ -817,7 +814,8 @@ def main(argv=None) -> int:
     p.add_argument("--mixes", default=None, help=f"comma-separated subset of {','.join(MIXES)} (default "
                                                  f"{','.join(DEFAULT_MIXES)}; quick: {','.join(QUICK_MIXES)})")
     p.add_argument("--policies", default=",".join(PHASES),
-                   help="comma-separated phases: solo (each job alone), fifo and the policies (default all)")
+                   help="comma-separated phases: solo and solo_shim (each job alone, plain DDP and with the "
+                        "shim), fifo and the policies (default all)")
     p.add_argument("--iters", type=int, default=None,
                    help=f"iterations per job (default {DEFAULT_ITERS}, quick {QUICK_ITERS})")
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,

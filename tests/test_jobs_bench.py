@@ -55,9 +55,10 @@ def test_mixes_design():
     extra = agent_extra("intensity", mix_specs("collide2", "tj", 200e6, 4), 2.4, None)
     assert extra == {"job_policy": "intensity", "job_intensity": {"tj-collide2-j0": c[0]["intensity"],
                                                                    "tj-collide2-j1": c[1]["intensity"]}}
-    assert agent_extra("static", mix_specs("collide2", "tj", 200e6, 4), 2.4, 0.0)["job_priority"] == {
+    assert agent_extra("static", mix_specs("collide2", "tj", 200e6, 4), 2.4, {"min_share": 0.0})["job_priority"] == {
         "tj-collide2-j0": 0, "tj-collide2-j1": 1}
-    assert agent_extra("rotate", [], 2.4, 0.02) == {"job_policy": "rotate", "rotate_epoch_s": 2.4, "min_share": 0.02}
+    assert agent_extra("rotate", [], 2.4, {"min_share": 0.02}) == {"job_policy": "rotate", "rotate_epoch_s": 2.4,
+                                                                   "min_share": 0.02}
 
 
 def test_tcp_info_rto():

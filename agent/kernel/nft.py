@@ -101,10 +101,10 @@ def _level_rules(level: int, priority: int, dscp: int, ack: tuple[int, int] | No
     """The rules of level ``level``'s chain: class ``priority`` and ``dscp``; pure ACKs first to ``ack``
     (classid, dscp) when given."""
     rules = []
+    marks = ([(_pure_ack(), *ack)] if ack is not None else []) + [([], priority, dscp)]
     for proto, nfproto in (("ip", "ipv4"), ("ip6", "ipv6")):
         family = {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": nfproto}}
-        marks = [(_pure_ack(), *ack)] if ack is not None else []
-        for match, classid, code in (*marks, ([], priority, dscp)):
+        for match, classid, code in marks:
             rules.append({"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": level_chain(level), "expr": [
                 family, *match,
                 {"mangle": {"key": {"meta": {"key": "priority"}}, "value": _prio(classid)}},
