@@ -46,6 +46,7 @@ class Api:
         self.netns = netns_of("self")  # the network namespace this agent manages: ownership is decided in it
         table.level_of = self.jobs.level_of
         self.jobs.update(table)
+        reconciler.set_shares(self.jobs.shares)
 
     def handle(self, line: bytes, peer: Peer | None = None) -> bytes:
         """Answer one request line from ``peer`` (None: the agent itself) with one reply line; never raises."""
@@ -87,6 +88,7 @@ class Api:
             mine = set(added) | set(moved)
             moved = moved + [k for k in shifted if k not in mine]
         self.rec.apply(self.table, added, moved, removed)
+        self.rec.set_shares(self.jobs.shares)  # the jobs' guarantees follow the set of jobs (classes in place)
 
     def rotate(self) -> int:
         """At an epoch boundary (the server's timer): recompute the job order and move the flows whose effective

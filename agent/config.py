@@ -73,6 +73,7 @@ class Config:
     rotate_epoch_s: float = 20.0
     job_priority: dict = field(default_factory=dict)
     job_intensity: dict = field(default_factory=dict)
+    job_share: float = 0.2  # under a job policy: the link's share guaranteed to the jobs, in equal parts; 0: strict
     max_connections: int = 1024
     reserved_connections: int = 32
     max_connections_per_user: int = 64
@@ -149,8 +150,10 @@ def _job_table(raw: dict, name: str, kind: type, lo: float, hi: float) -> dict:
     return out
 
 
-def _job_policy(raw: dict) -> dict:
-    """The job policy fields (docs/jobs.md), validated; each table only with the policy that reads it."""
+def _job_policy(raw: dict, min_shares: float) -> dict:
+    """The job policy fields (docs/jobs.md), validated; each table only with the policy that reads it.
+    ``min_shares``: what every class's ``min_share`` together guarantees already (``job_share`` adds at most the
+    rest of the link)."""
     policy = _want(raw, "job_policy", str)
     if policy not in JOB_POLICIES:
         raise ConfigError("job_policy", f"expected one of {', '.join(JOB_POLICIES)}, got {policy!r}")
@@ -163,7 +166,14 @@ def _job_policy(raw: dict) -> dict:
     intensity = _job_table(raw, "job_intensity", float, 0.0, 1e12)
     if intensity and policy != "intensity":
         raise ConfigError("job_intensity", f"only used with job_policy = \"intensity\", not {policy!r}")
-    return {"job_policy": policy, "rotate_epoch_s": epoch, "job_priority": priority, "job_intensity": intensity}
+    top = min(0.95, round(1.0 - min_shares, 4))
+    share = _number(raw, "job_share", 0.0, top, f" (a fraction of the link, at most 0.95 and what the classes' "
+                                                 f"min_share leave: 1 - {round(min_shares, 4)})")
+    if "job_share" in raw and policy == "none":
+        raise ConfigError("job_share", "only used with a job policy (static, rotate, alternate, intensity), "
+                                       "not 'none'")
+    return {"job_policy": policy, "rotate_epoch_s": epoch, "job_priority": priority, "job_intensity": intensity,
+            "job_share": share}
 
 
 def _connection_limits(raw: dict) -> dict:
@@ -342,7 +352,7 @@ def from_dict(raw: dict) -> Config:
     values = _queues(raw)
     values |= _endpoints(raw)
     values |= _service(raw, values["levels"])
-    values |= _job_policy(raw)
+    values |= _job_policy(raw, values["min_share"] * (values["levels"] + 1))
     values |= _connection_limits(raw)
     values |= _access(raw)
     return Config(**values)

@@ -10,6 +10,10 @@ The FlowTable keeps the level each client asked for; this module derives the lev
   (``policies.jobs.alternating_rotation_order``);
 - ``"intensity"``: by ``job_intensity``, most GPU-intensive first (Crux).
 
+Under a policy, ``job_share`` of the link is guaranteed to the jobs in equal parts (``policies.jobs.job_shares``,
+each part on its band's most urgent level; ``shares``), so that an order never leaves a job with less than its part
+while it has bytes to send; 0 keeps the order strict (each level only ``min_share``).
+
 The jobs this agent sees (those with flows in its table) get contiguous bands of levels in that order, most urgent
 first (``policies.jobs.job_bands``), and a flow's effective level is the level its client asked for compressed into
 its job's band, never above its user's ``level_limits`` (``policies.jobs.banded_level``). The order is a pure
@@ -31,7 +35,7 @@ import math
 import time
 
 from tensorlane.flows import FlowKey
-from tensorlane.policies.jobs import ROTATING, banded_level, job_bands, job_order, rotation_epoch
+from tensorlane.policies.jobs import ROTATING, banded_level, job_bands, job_order, job_shares, rotation_epoch
 
 log = logging.getLogger("tensorlane.jobs")
 
@@ -45,12 +49,14 @@ class JobScheduler:
         self.epoch_s = float(getattr(cfg, "rotate_epoch_s", 20.0))
         self.priority = dict(getattr(cfg, "job_priority", {}) or {})
         self.intensity = dict(getattr(cfg, "job_intensity", {}) or {})
+        self.job_share = float(getattr(cfg, "job_share", 0.0))
         self.clock = clock
         self.enabled = self.policy != "none"
         self.jobs: frozenset[str] = frozenset()
         self.epoch: int | None = None
         self.order: tuple[str, ...] = ()
         self.bands: dict[str, tuple[int, int]] = {}
+        self.shares: dict[int, float] = {}  # level -> guaranteed share of the link (job_share among the jobs)
         self.changes = 0  # how many times the order or bands changed (status)
 
     # -- the derived level ------------------------------------------------------------------------------------
@@ -109,12 +115,15 @@ class JobScheduler:
             if epoch != self.epoch and epoch is not None:
                 log.info("epoch %d: job order %s", epoch, ", ".join(order) or "(no jobs)")
         self.jobs, self.epoch, self.order, self.bands = jobs, epoch, order, bands
+        self.shares = job_shares(bands, self.job_share)
         return sorted(shifted)
 
     def describe(self) -> dict:
         """What ``status`` shows: the policy, the epoch and the order and bands in force."""
         out = {"policy": self.policy, "order": list(self.order), "changes": self.changes,
-               "bands": {job: {"first_level": b[0], "levels": b[1]} for job, b in self.bands.items()}}
+               "bands": {job: {"first_level": b[0], "levels": b[1]} for job, b in self.bands.items()},
+               "job_share": self.job_share if self.enabled else 0.0,
+               "level_shares": {str(lvl): round(v, 6) for lvl, v in sorted(self.shares.items())}}
         if self.policy in ROTATING:
             out |= {"epoch_s": self.epoch_s, "epoch": self.epoch,
                     "next_epoch_in_s": round(self.seconds_to_next_epoch() or 0.0, 3)}

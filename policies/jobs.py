@@ -4,12 +4,13 @@ Every agent must compute the same job order from the same inputs without a coord
 function here is a pure function of its arguments, sorts with a total order, and breaks ties by job id.
 
 The agent (``agent/jobs.py``, docs/jobs.md) uses ``job_order`` (the order and rank of the jobs one agent sees, for
-policy ``none``, ``static``, ``rotate`` or ``intensity``), ``job_bands`` (each job's contiguous band of levels)
-and ``banded_level`` (a flow's effective level: its job's band, with the level the client asked for compressed
-inside). Rotation is ``hashed_rotation_order``: the relative order of two jobs depends only on those two ids and
-the epoch number, so agents that see different sets of jobs still agree on every pair they share (TensorLights'
-positional rotation, ``policies.papers.tensorlights.rotate_job_order``, does not). :class:`Job` is the job as the
-paper reproductions (``policies.papers.tensorlights``, ``policies.papers.crux``) see it.
+policy ``none``, ``static``, ``rotate``, ``alternate`` or ``intensity``), ``job_bands`` (each job's contiguous band
+of levels), ``banded_level`` (a flow's effective level: its job's band, with the level the client asked for
+compressed inside) and ``job_shares`` (the link's share guaranteed to each band, so that no order leaves a job
+less than its part). Rotation is ``hashed_rotation_order``: the relative order of two jobs depends only on those
+two ids and the epoch number, so agents that see different sets of jobs still agree on every pair they share
+(TensorLights' positional rotation, ``policies.papers.tensorlights.rotate_job_order``, does not). :class:`Job` is
+the job as the paper reproductions (``policies.papers.tensorlights``, ``policies.papers.crux``) see it.
 """
 from __future__ import annotations
 
@@ -170,3 +171,25 @@ def banded_level(band: tuple[int, int], requested: int, levels: int, floor: int 
     if not 0 <= requested < levels or width < 1 or first < 0 or first + width > levels:
         raise ValueError(f"level {requested} or band {band} outside 0..{levels - 1}")
     return max(first + requested * width // levels, floor)
+
+
+def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float) -> dict[int, float]:
+    """The link's share guaranteed to each level so that a job order never leaves a job with less than
+    ``job_share / n`` of the link while it has bytes to send (``n`` jobs in ``bands``): ``job_share`` split in equal
+    parts among the jobs, each part on its band's first (most urgent) level; jobs that share a band add their
+    parts up. Empty with fewer than two jobs or ``job_share = 0`` (strict order). The levels not named keep the
+    backend's ``min_share``.
+
+    Priority still decides whatever the guarantees leave: the most urgent job takes all the link the others do not
+    use, and with ``job_share`` near 1 a saturated link is shared about as under FIFO.
+    Usage: ``job_shares({"x": (0, 2), "y": (2, 2)}, 0.5) == {0: 0.25, 2: 0.25}``
+    """
+    if not 0.0 <= job_share < 1.0:
+        raise ValueError(f"job_share must be in [0, 1), not {job_share!r}")
+    if len(bands) < 2 or job_share == 0:
+        return {}
+    part = job_share / len(bands)
+    shares: dict[int, float] = {}
+    for first, _width in bands.values():
+        shares[first] = shares.get(first, 0.0) + part
+    return shares

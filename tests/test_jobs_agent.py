@@ -50,6 +50,10 @@ class RecordingRec:
             assert k not in self.kernel, f"{k} added twice"
             self.kernel[k] = table.effective_level(k)
 
+    def set_shares(self, shares) -> bool:
+        """The classes' guarantees the job policy asks for (the backend keeps them, no kernel)."""
+        return self.backend.set_shares(shares)
+
     def egress(self, keys, ipr=None) -> dict:
         return dict.fromkeys(keys, "eth0")
 
@@ -103,7 +107,8 @@ def test_policy_none_keeps_the_requested_level():
     assert r["level"] == r["requested_level"] == 2 and r["dscp"] == 26 and r["class"] == "7a1:12"
     assert listed(api) == {1: ("a", 2, 2), 2: ("b", 0, 0)}
     assert rec.kernel == {key(1): 2, key(2): 0}
-    assert request(api, op="status")["job_policy"] == {"policy": "none", "order": [], "changes": 0, "bands": {}}
+    assert request(api, op="status")["job_policy"] == {"policy": "none", "order": [], "changes": 0, "bands": {},
+                                                       "job_share": 0.0, "level_shares": {}}
 
 
 def test_two_runs_with_one_job_id_are_a_visible_conflict(caplog):
@@ -222,6 +227,12 @@ def test_full_reconcile_and_status_use_effective_levels():
     ({"job_policy": "rotate", "job_priority": {"a": 1}}, "job_priority"),
     ({"job_policy": "intensity", "job_intensity": {"a": -1.0}}, "job_intensity"),
     ({"job_policy": "static", "job_intensity": {"a": 1.0}}, "job_intensity"),
+    ({"job_share": 0.5}, "job_share"),                                          # without a job order: a mistake
+    ({"job_policy": "static", "job_share": -0.1}, "job_share"),
+    ({"job_policy": "static", "job_share": 0.96}, "job_share"),
+    ({"job_policy": "static", "job_share": "0.5"}, "job_share"),
+    ({"job_policy": "static", "job_share": float("nan")}, "job_share"),
+    ({"job_policy": "static", "min_share": 0.1, "job_share": 0.6}, "job_share"),  # 5 classes x 0.1 + 0.6 > 1
 ])
 def test_bad_job_config_names_the_field(fields, field):
     with pytest.raises(ConfigError) as info:
@@ -235,7 +246,27 @@ def test_good_job_config_defaults():
     cfg = from_dict({"interface": "eth0", "job_policy": "rotate", "rotate_epoch_s": 2})
     assert cfg.rotate_epoch_s == 2.0
     cfg = from_dict({"interface": "eth0", "job_policy": "alternate", "rotate_epoch_s": 3})
-    assert (cfg.job_policy, cfg.rotate_epoch_s) == ("alternate", 3.0)
+    assert (cfg.job_policy, cfg.rotate_epoch_s, cfg.job_share) == ("alternate", 3.0, 0.2)
+    assert from_dict({"interface": "eth0", "job_policy": "static", "job_share": 0.8}).job_share == 0.8
+
+
+def test_job_share_guarantees_follow_the_set_of_jobs():
+    """With ``job_share = 0.6`` each of n jobs is guaranteed 0.6 / n of the link on its band's first level while
+    there are two or more; alone, or after the others leave, the classes are back at ``min_share``."""
+    api, rec = make_api(job_policy="static", job_priority={"a": 0, "b": 1, "c": 2}, job_share=0.6)
+    mbit, base = 1_000_000, rec.backend.guaranteed(None)  # the default class: min_share's guarantee
+    request(api, op="register", job="a", level=0, flows=[flow(1)])
+    assert rec.backend.shares == {} and rec.backend.guaranteed(0) == base
+    request(api, op="register", job="b", level=0, flows=[flow(2)])
+    assert rec.backend.shares == {0: 0.3, 2: 0.3}
+    assert [rec.backend.guaranteed(lvl) for lvl in (0, 1, 2, 3, None)] == [60 * mbit, base, 60 * mbit, base, base]
+    request(api, op="register", job="c", level=0, flows=[flow(3)])
+    assert rec.backend.shares == pytest.approx({0: 0.2, 1: 0.2, 2: 0.2})  # bands 0, 1, 2-3
+    st = request(api, op="status")["job_policy"]
+    assert st["job_share"] == 0.6 and st["level_shares"] == {"0": 0.2, "1": 0.2, "2": 0.2}
+    request(api, op="unregister", job="b")
+    request(api, op="unregister", job="c")
+    assert rec.backend.shares == {} and rec.backend.guaranteed(0) == base
 
 
 # ---- against the kernel: agents in a testbed of their own --------------------------------------------------------

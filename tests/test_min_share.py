@@ -1,6 +1,7 @@
 """A lower class keeps its guaranteed share (``min_share``) while a higher one saturates the link: its TCP flow
 stays ACK-clocked and never sits in a retransmission timeout; with ``min_share = 0`` (strict priority) it gets
-only what the higher class leaves.
+only what the higher class leaves. Under a job order, ``job_share`` guarantees each job its part of the link,
+changing the classes' rates in place as jobs come and go.
 A UDP flood at level 0 and a real iperf3 TCP stream at level 2 on a namespace testbed, through a real agent."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from bench.agents import running_agents
 from bench.jobs import tcp_counters
+from tensorlane.units import parse_rate
 from testbed import Testbed
 
 pytestmark = pytest.mark.netns
@@ -21,13 +23,14 @@ PY = [sys.executable, "-m"]
 SECONDS = 5
 
 
-def contend(tb, agent) -> dict:
-    """A UDP flood above the link rate at level 0 and an iperf3 TCP stream at level 2, from host 1 to host 2 for
-    SECONDS at once: the TCP stream's bits/s and host 1's retransmission timeouts meanwhile."""
+def contend(tb, agent, tcp_level: int = 2) -> dict:
+    """A UDP flood above the link rate at level 0 (job "flood") and an iperf3 TCP stream at ``tcp_level`` (job
+    "tcp"), from host 1 to host 2 for SECONDS at once: the TCP stream's bits/s and host 1's retransmission timeouts
+    meanwhile."""
     h1, h2 = tb.host(1), tb.host(2)
     with agent.client() as c:
         c.register("flood", 0, [{"proto": "udp", "src": h1.ip, "sport": 43100, "dst": h2.ip, "dport": 43200}])
-        c.register("tcp", 2, [{"proto": "tcp", "src": h1.ip, "sport": 43101, "dst": h2.ip, "dport": 5302}])
+        c.register("tcp", tcp_level, [{"proto": "tcp", "src": h1.ip, "sport": 43101, "dst": h2.ip, "dport": 5302}])
     server = h2.popen(["iperf3", "-s", "-1", "-p", "5302"], stdout=subprocess.DEVNULL)
     flood = h1.popen(PY + ["testbed.udpprobe", "send", "--dst", h2.ip, "--port", "43200", "--sport", "43100",
                            "--pps", str(int(1.2 * tb.rate_bps / 8 / 1000)), "--seconds", str(SECONDS + 2)],
@@ -69,3 +72,40 @@ def test_strict_priority_gives_the_lower_class_only_leftovers(tb):
         got = contend(tb, agents[1])
     print(got)
     assert got["low_bps"] < 0.05 * tb.rate_bps, got  # the flood keeps the link
+
+
+def class_rates(host) -> dict[str, int]:
+    """``{class handle: guaranteed rate in bits/s}`` of host's eth0, as the kernel holds them."""
+    rates = {}  # tc prints "class htb 7a1:10 parent 7a1:1 leaf 100: prio 0 rate 25Mbit ceil ..." (no JSON for htb)
+    for line in host.run(["tc", "class", "show", "dev", "eth0"]).stdout.splitlines():
+        words = line.split()
+        if words[:2] == ["class", "htb"] and "rate" in words:
+            rates[words[2]] = parse_rate(words[words.index("rate") + 1])
+    return rates
+
+
+def test_a_job_order_leaves_every_job_its_part_of_job_share(tb):
+    """Job "flood" before job "tcp" (static), ``job_share = 0.5``: each job is guaranteed 25 % of the link on its
+    band's first level (levels 0 and 2 of 4), so the lower job's TCP stream keeps about a quarter of the link
+    against a flood above the link rate, where ``min_share`` alone gave it 1 % (above). The classes change in place:
+    the qdisc tree is the same one, and when the flood's job leaves, level 2 is back at ``min_share``."""
+    h1 = tb.host(1)
+    cfg = {**TRUST, "job_policy": "static", "job_priority": {"flood": 0, "tcp": 1}, "job_share": 0.5}
+    with running_agents(tb, levels=4, hosts=[1], backend="htb", config_extra=cfg) as agents:
+        tree = h1.run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
+        before = class_rates(h1)
+        got = contend(tb, agents[1], tcp_level=0)
+        during = class_rates(h1)
+        st = agents[1].status()
+        with agents[1].client() as c:
+            c.unregister("flood")
+        after = class_rates(h1)
+        assert h1.run(["tc", "qdisc", "show", "dev", "eth0"]).stdout == tree
+    print(got, during)
+    quarter, floor = 0.25 * tb.rate_bps, 0.01 * tb.rate_bps
+    assert st["job_policy"]["level_shares"] == {"0": 0.25, "2": 0.25}
+    assert before["7a1:10"] == before["7a1:12"] == after["7a1:12"] == pytest.approx(floor, rel=0.02)
+    assert during["7a1:10"] == during["7a1:12"] == pytest.approx(quarter, rel=0.02)
+    assert during["7a1:11"] == during["7a1:13"] == during["7a1:14"] == pytest.approx(floor, rel=0.02)
+    assert got["rto"] == 0, got
+    assert got["low_bps"] >= 0.7 * quarter, got

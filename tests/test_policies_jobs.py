@@ -17,6 +17,7 @@ from tensorlane.policies.jobs import (
     hashed_rotation_order,
     job_bands,
     job_order,
+    job_shares,
     rotation_epoch,
     rotation_key,
 )
@@ -200,6 +201,31 @@ def test_bands_tile_the_levels_and_keep_the_order(jobs, prios, levels) -> None:
     pairs = sorted((r, t, j) for j, r in zip(order, ranks, strict=True) for t in range(levels))
     effective = [banded_level(bands[j], t, levels) for _, t, j in pairs]
     assert effective == sorted(effective)
+
+
+def test_job_shares_by_hand() -> None:
+    assert job_shares({"x": (0, 2), "y": (2, 2)}, 0.5) == {0: 0.25, 2: 0.25}
+    assert job_shares({"a": (0, 1), "b": (1, 1), "c": (2, 2), "d": (2, 2)}, 0.8) == pytest.approx(
+        {0: 0.2, 1: 0.2, 2: 0.4})  # c and d share a band: their parts add up
+    assert job_shares({"x": (0, 4)}, 0.5) == {}  # one job: nothing to guarantee against
+    assert job_shares({"x": (0, 2), "y": (2, 2)}, 0.0) == {}  # strict order
+    for bad in (-0.1, 1.0, math.nan):
+        with pytest.raises(ValueError, match="job_share"):
+            job_shares({"x": (0, 2), "y": (2, 2)}, bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from("abcdefghij"), min_size=2, max_size=10, unique=True),
+       st.lists(st.integers(0, 3), min_size=10, max_size=10), st.integers(1, 5), st.floats(0.01, 0.95))
+def test_job_shares_give_every_job_its_part(jobs, prios, levels, share) -> None:
+    """The guarantees add up to ``job_share``, each on a band's first level, and every job's band holds at least
+    its equal part (more when jobs share the band)."""
+    order, ranks = job_order("static", jobs, priority=dict(zip("abcdefghij", prios, strict=True)))
+    bands = job_bands(order, levels, ranks)
+    shares = job_shares(bands, share)
+    assert sum(shares.values()) == pytest.approx(share)
+    assert set(shares) == {first for first, _ in bands.values()}
+    assert all(shares[bands[j][0]] >= share / len(jobs) - 1e-12 for j in jobs)
 
 
 @settings(max_examples=200, deadline=None)

@@ -9,8 +9,9 @@ below every level.
   urgent backlogged class borrows first (priority) and any class may use the whole link when the others are idle
   (work-conserving). The guarantee keeps a lower class's TCP flows ACK-clocked while a higher class is busy, so
   they never sit idle in a retransmission timeout (then back off exponentially) when the link frees up; with
-  ``min_share = 0`` the guarantee is tiny (link/1000) and priority is strict. It shapes at the link rate, so the
-  queue forms here and not in the NIC.
+  ``min_share = 0`` the guarantee is tiny (link/1000) and priority is strict. A job policy may raise the
+  guarantee of some levels (``set_shares``: ``job_share`` split among the jobs, ``policies.jobs.job_shares``);
+  the classes are changed in place. It shapes at the link rate, so the queue forms here and not in the NIC.
 - ``prio`` (when the kernel has sch_prio): one band per level plus a default band; no shaping, relies on the NIC
   (with BQL) to keep its own ring short.
 
@@ -55,6 +56,7 @@ class HtbBackend:
         self.rate = link_rate_bps
         self.queue_limit = queue_limit
         self.min_share = min_share
+        self.shares: dict[int, float] = {}  # level -> a larger guaranteed share of the link (the job policy's)
         self.root = handle(MAJOR)
         self.parent_class = handle(MAJOR, 1)
         self.classes = [ClassSpec(lvl, handle(MAJOR, 0x10 + lvl), lvl, handle(0x100 + lvl)) for lvl in range(levels)]
@@ -69,12 +71,25 @@ class HtbBackend:
     def _burst(self, rate_bps: int) -> int:
         return max(rate_bps // 8 // 1000, 4 * MTU_BYTES)  # 1 ms of the rate, at least a few packets
 
-    def _guaranteed(self) -> int:
-        """Each leaf's guaranteed rate: ``min_share`` of the link, or (0) a tiny one so that `prio` alone decides
-        (TensorLights)."""
+    def guaranteed(self, level: int | None) -> int:
+        """A leaf's guaranteed rate in bits/s: ``min_share`` of the link, or (0) a tiny one so that `prio` alone
+        decides (TensorLights); a level's share from ``set_shares`` when that is larger."""
         if self.min_share > 0:
-            return max(8_000, int(self.rate * self.min_share))
-        return max(8_000, min(100_000, self.rate // 1000))
+            base = max(8_000, int(self.rate * self.min_share))
+        else:
+            base = max(8_000, min(100_000, self.rate // 1000))
+        return max(base, int(self.rate * self.shares.get(level, 0.0))) if level is not None else base
+
+    def set_shares(self, shares: dict[int, float]) -> bool:
+        """Set the levels' guaranteed shares (``{level: share}``; the others keep ``min_share``); whether that
+        changed anything (then ``apply`` brings the classes to it, in place)."""
+        shares = {int(lvl): float(v) for lvl, v in shares.items()}
+        if any(not 0 <= lvl < self.levels or not 0.0 <= v < 1.0 for lvl, v in shares.items()):
+            raise ValueError(f"shares {shares} outside levels 0..{self.levels - 1} or [0, 1)")
+        if shares == self.shares:
+            return False
+        self.shares = shares
+        return True
 
     def apply(self, ipr, index: int) -> None:
         """Create the tree, or bring an existing one of ours to the desired parameters in place."""
@@ -83,13 +98,14 @@ class HtbBackend:
             ipr.tc("add", "htb", index=index, handle=self.root, default=self.default.classid & 0xFFFF,
                    r2q=10)
         burst, floor_burst = self._burst(self.rate), 4 * MTU_BYTES
-        rate, floor = self.rate // 8, self._guaranteed() // 8  # pyroute2 takes integer rates in bytes/s
+        rate = self.rate // 8  # pyroute2 takes integer rates in bytes/s
         ipr.tc("replace-class", "htb", index=index, handle=self.parent_class, parent=self.root,
                rate=rate, ceil=rate, burst=burst, cburst=burst, quantum=4 * MTU_BYTES)
         for spec in self.leaves():
+            floor = self.guaranteed(spec.level) // 8
             ipr.tc("replace-class", "htb", index=index, handle=spec.classid, parent=self.parent_class,
-                   rate=floor, ceil=rate, burst=floor_burst, cburst=burst, prio=spec.prio,
-                   quantum=4 * MTU_BYTES)
+                   rate=floor, ceil=rate, burst=max(floor_burst, self._burst(floor * 8)), cburst=burst,
+                   prio=spec.prio, quantum=4 * MTU_BYTES)
             if have.get(spec.leaf_handle) != "pfifo":
                 ipr.tc("replace", "pfifo", index=index, handle=spec.leaf_handle, parent=spec.classid,
                        limit=self.queue_limit)
@@ -119,6 +135,10 @@ class PrioBackend:
 
     def leaves(self) -> list[ClassSpec]:
         return [*self.classes, self.default]
+
+    def set_shares(self, shares: dict[int, float]) -> bool:
+        """sch_prio has no guarantee to give: nothing changes."""
+        return False
 
     def apply(self, ipr, index: int) -> None:
         have = {q["handle"]: q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index=index)}
