@@ -53,6 +53,9 @@ class FakeRec:
     def apply(self, table, added, moved, removed) -> None:
         pass
 
+    def set_shares(self, shares) -> bool:
+        return self.backend.set_shares(shares)
+
 
 class Kernel:
     """Stands in for the kernel's class counters and nftables marks (set ``classes`` / ``marks``)."""
@@ -138,7 +141,8 @@ def test_exposition_passes_promtool_lint_and_has_no_reserved_labels(kernel):
             "tensorlane_build_info", "tensorlane_job_allreduce_seconds",
             "tensorlane_link_rate_bytes_per_second", "tensorlane_agent_connections_refused",
             "tensorlane_class_lends", "tensorlane_class_borrows", "tensorlane_class_tokens_seconds",
-            "tensorlane_class_ctokens_seconds", "process_cpu_seconds", "process_resident_memory_bytes"} <= exported
+            "tensorlane_class_ctokens_seconds", "tensorlane_class_guaranteed_rate_bytes_per_second",
+            "process_cpu_seconds", "process_resident_memory_bytes"} <= exported
 
 
 def test_every_exported_name_is_declared_once_in_the_names_module(kernel):
@@ -180,6 +184,7 @@ def test_class_counters_info_and_link_rate(kernel):
     assert info["7a1:14"]["level"] == "default" and info["7a1:14"]["dscp"] == "unchanged"
     assert len(info) == 5
     assert value(s, "tensorlane_link_rate_bytes_per_second", device="eth0") == RATE_BPS / 8
+    assert value(s, "tensorlane_class_guaranteed_rate_bytes_per_second", **{"class": "7a1:14"}) == 100_000 / 8
     assert value(s, "tensorlane_backend_info", backend="htb", device="eth0") == 1
     assert value(s, "tensorlane_priority_levels") == 4
 
@@ -246,6 +251,48 @@ def test_inversion_counts_lower_class_bytes_only_while_an_urgent_class_stays_bac
     kernel.classes[DEFAULT]["bytes"] += 50
     s = scrape(registry)
     assert (inv(s, L0), inv(s, L1), inv(s, DEFAULT)) == (0, 0, 550)
+
+
+def test_inversion_leaves_out_a_job_share_guarantee():
+    """Under a job policy a lower job's level is guaranteed its part of ``job_share``: what it sends within that
+    rate while a more urgent class waits is by design, and only the bytes beyond it count."""
+    from tensorlane.agent.metrics.contention import ContentionSource, _beyond_min_share
+
+    backend = HtbBackend(4, RATE_BPS, min_share=0.01)
+    backend.set_shares({0: 0.1, 2: 0.1})  # two jobs, job_share 0.2: 20 Mbit/s = 2.5 MB/s each, beyond 2 Mbit/s
+    allowed = _beyond_min_share(backend, backend.leaves())
+    assert allowed == {L0: 2_250_000.0, L2: 2_250_000.0}  # bytes/s beyond min_share
+    src = ContentionSource(fake_api())
+    leaves = backend.leaves()
+    stats = {c.classid: {"bytes": 0, "backlog_bytes": 0} for c in leaves}
+    stats[L0]["backlog_bytes"] = 9000  # level 0 stays backlogged
+    src.observe(leaves, stats, "eth0", when=10.0, allowed_Bps=allowed)
+    stats = {c: dict(v) for c, v in stats.items()}
+    stats[L2]["bytes"] = 3_000_000   # 1 s: 2.25 MB within the guarantee, 0.75 MB beyond it
+    stats[DEFAULT]["bytes"] = 1_000  # no guarantee beyond min_share: counts whole
+    got = src.observe(leaves, stats, "eth0", when=11.0, allowed_Bps=allowed)
+    assert (got.get(L2), got.get(DEFAULT)) == (750_000, 1_000)
+    stats = {c: dict(v) for c, v in stats.items()}
+    stats[L2]["bytes"] += 2_000_000  # within the guarantee over the next second: nothing more
+    got = src.observe(leaves, stats, "eth0", when=12.0, allowed_Bps=allowed)
+    assert got.get(L2) == 750_000
+
+
+def test_guaranteed_rate_shows_the_jobs_parts(kernel):
+    """Under a job policy the first level of each job's band is guaranteed its part of ``job_share``."""
+    cfg = from_dict({"interface": "eth0", "link_rate": "200mbit", "job_policy": "static", "job_share": 0.5,
+                     "job_priority": {"job-a": 0, "job-b": 1}})
+    api = Api(cfg, FlowTable(4), FakeRec(4), "htb")
+    registry, _ = make_registry(api)
+    for i, job in enumerate(("job-a", "job-b")):
+        request(api, op="register", job=job, level=0, flows=[flow(i)])
+    s = scrape(registry)
+    rates = {c: value(s, "tensorlane_class_guaranteed_rate_bytes_per_second", **{"class": f"7a1:{c}"})
+             for c in (10, 11, 12, 13, 14)}
+    assert rates == {10: 0.25 * RATE_BPS / 8, 11: 12_500, 12: 0.25 * RATE_BPS / 8, 13: 12_500, 14: 12_500}
+    request(api, op="unregister", job="job-b")
+    s = scrape(registry)
+    assert value(s, "tensorlane_class_guaranteed_rate_bytes_per_second", **{"class": "7a1:10"}) == 12_500
 
 
 def test_queue_delay_is_backlog_ahead_over_link_rate(kernel):

@@ -4,7 +4,8 @@ class); ``device`` is where the queue is (a bond's members, not the bond).
 Level, DSCP and HTB prio are labels of ``tensorlane_class_info`` only; join them where needed
 (``* on (instance, device, class) group_left (level) tensorlane_class_info``). Byte and packet counters are
 64-bit (``agent/kernel/tcstats.py`` decodes ``TCA_STATS_PKT64``). HTB classes add their lend/borrow counters (the
-kernel's 32-bit ones: a wrap is a counter reset to rate()) and token buckets; prio classes have none.
+kernel's 32-bit ones: a wrap is a counter reset to rate()) and token buckets, and the rate each class is
+guaranteed (the agent's own setting: ``min_share``, or a job's part of ``job_share``); prio classes have none.
 """
 from __future__ import annotations
 
@@ -41,12 +42,16 @@ class ClassesSource(Source):
         counters = [(metric.counter(), key) for metric, key in COUNTERS]
         gauges = [(metric.gauge(), key) for metric, key in GAUGES]
         link = names.LINK_RATE.gauge()
+        guaranteed = names.CLASS_GUARANTEED_RATE.gauge()
         for device in scrape.devices:
             dev, stats = device.name, scrape.classes(device.name)
+            rate_of = getattr(device.backend, "guaranteed", None)  # htb only
             for spec in scrape.leaves():
                 cls = class_label(spec)
                 dscp = "unchanged" if spec.level is None else str(api.cfg.dscp[spec.level])
                 info.add_metric([dev, cls], {"level": level_label(spec), "dscp": dscp, "prio": str(spec.prio)})
+                if rate_of is not None:
+                    guaranteed.add_metric([dev, cls], rate_of(spec.level) / 8)
                 s = stats.get(spec.classid)
                 if s is None:  # the class is missing (drift): no counters, the reconciler puts it back
                     continue
@@ -61,3 +66,5 @@ class ClassesSource(Source):
             yield fam
         if link.samples:
             yield link
+        if guaranteed.samples:
+            yield guaranteed

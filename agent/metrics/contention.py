@@ -4,7 +4,9 @@
   each class C, the bytes C sent since the previous scrape are added if some more urgent class U (lower prio)
   had a non-zero backlog both at the previous scrape and at this one. A backlogged U should leave C nothing but
   its HTB guarantee (``min_share`` of the link, 1 % by default), so this counter growing by more than that means
-  lower-priority bytes went out while urgent bytes waited. It is an estimate from two instants, not
+  lower-priority bytes went out while urgent bytes waited. A class's guarantee beyond ``min_share`` (a job's
+  part of ``job_share`` under a job policy: docs/jobs.md) is by design too, and is not counted: C's bytes count
+  only beyond that rate over the interval. It is an estimate from two instants, not
   a measurement: U's queue may have drained and refilled between the scrapes (counted although there was no
   inversion), or been backlogged only between them (missed). It gets sharper with shorter scrape intervals;
   several Prometheus servers scraping the same agent make the intervals shorter, not wrong. HTB's own
@@ -17,6 +19,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from tensorlane.agent.metrics import names
 from tensorlane.agent.metrics.base import Source, class_label, link_rate_bps
@@ -32,15 +35,20 @@ class ContentionSource(Source):
         super().__init__(api)
         self._lock = threading.Lock()
         self._prev: dict[str, dict[int, tuple[int, int]]] = {}  # device -> classid -> (bytes, backlog_bytes)
+        self._when: dict[str, float] = {}  # device -> monotonic time of its previous reading
         self._inversion: dict[str, dict[int, int]] = {}
 
-    def observe(self, leaves, stats: dict[int, dict[str, int]], device: str = "") -> dict[int, int]:
-        """Fold one reading of ``device``'s class counters into its inversion totals; return them
-        (classid -> bytes)."""
+    def observe(self, leaves, stats: dict[int, dict[str, int]], device: str = "", when: float | None = None,
+                allowed_Bps: dict[int, float] | None = None) -> dict[int, int]:
+        """Fold one reading of ``device``'s class counters, taken at monotonic time ``when``, into its inversion
+        totals; return them (classid -> bytes). ``allowed_Bps``: per class, a guaranteed rate in bytes/s beyond
+        ``min_share`` whose bytes are by design (not counted)."""
+        when = time.monotonic() if when is None else when
+        allowed_Bps = allowed_Bps or {}
         now = {s.classid: (stats[s.classid]["bytes"], stats[s.classid]["backlog_bytes"])
                for s in leaves if s.classid in stats}
         with self._lock:
-            prev = self._prev.get(device)
+            prev, then = self._prev.get(device), self._when.get(device, when)
             inversion = self._inversion.setdefault(device, {})
             if prev is not None:
                 for spec in leaves:
@@ -50,9 +58,10 @@ class ContentionSource(Source):
                         u.prio < spec.prio and prev.get(u.classid, (0, 0))[1] > 0 and now.get(u.classid, (0, 0))[1] > 0
                         for u in leaves)
                     sent = now[spec.classid][0] - prev[spec.classid][0]
+                    sent -= int(allowed_Bps.get(spec.classid, 0.0) * max(0.0, when - then))
                     if urgent_waiting and sent > 0:
                         inversion[spec.classid] = inversion.get(spec.classid, 0) + sent
-            self._prev[device] = now
+            self._prev[device], self._when[device] = now, when
             return dict(inversion)
 
     def collect(self, scrape):
@@ -63,7 +72,7 @@ class ContentionSource(Source):
         delay = names.CLASS_QUEUE_DELAY.gauge()
         for device in scrape.devices:
             dev, stats = device.name, scrape.classes(device.name)
-            totals = self.observe(leaves, stats, dev)
+            totals = self.observe(leaves, stats, dev, scrape.monotonic, _beyond_min_share(device.backend, leaves))
             for spec in leaves:
                 inversion.add_metric([dev, class_label(spec)], totals.get(spec.classid, 0))
             rate = link_rate_bps(self.api, device)
@@ -74,3 +83,12 @@ class ContentionSource(Source):
         yield inversion
         if delay.samples:
             yield delay
+
+
+def _beyond_min_share(backend, leaves) -> dict[int, float]:
+    """Per class, its guaranteed rate beyond ``min_share`` (the job policy's ``job_share``), in bytes/s."""
+    guaranteed = getattr(backend, "guaranteed", None)
+    if guaranteed is None:  # a backend with no guarantees (prio)
+        return {}
+    base = guaranteed(None)
+    return {s.classid: (guaranteed(s.level) - base) / 8 for s in leaves if guaranteed(s.level) > base}
