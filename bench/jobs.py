@@ -483,7 +483,7 @@ def tcp_counters(host) -> dict[str, int]:
 
 def agent_extra(phase: str, specs: list[dict], epoch_s: float, overrides: dict | None = None) -> dict:
     """The agents' config fields of ``phase``: the job policy and its table or epoch, then ``overrides`` (the
-    fields the run passes to every agent: ``min_share``, ``ack_priority``)."""
+    fields the run passes to every agent: ``min_share``, ``ack_priority``; ``job_share`` only to a job policy's)."""
     extra: dict = {"job_policy": AGENT_POLICY[phase]}
     if phase == "static":
         extra["job_priority"] = {s["id"]: i for i, s in enumerate(specs)}
@@ -491,7 +491,10 @@ def agent_extra(phase: str, specs: list[dict], epoch_s: float, overrides: dict |
         extra["rotate_epoch_s"] = epoch_s
     elif phase == "intensity":
         extra["job_intensity"] = {s["id"]: float(s["intensity"]) for s in specs}
-    return extra | (overrides or {})
+    overrides = dict(overrides or {})
+    if extra["job_policy"] == "none":
+        overrides.pop("job_share", None)  # the agent refuses it without a job order
+    return extra | overrides
 
 
 def phase_timeout(specs: list[dict]) -> float:
@@ -710,11 +713,13 @@ def _describe_mix(setup: dict) -> str:
 def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_RATE, iters: int | None = None,
         warmup: int = DEFAULT_WARMUP, policies=PHASES, reps: int = 1, epoch_factor: float = DEFAULT_EPOCH_FACTOR,
         epoch_s: float | None = None, min_share: float | None = None, levels: int = 4, progress=print,
-        port_base: int = 29700, workdir: str | None = None, ack_priority: bool | None = None) -> dict:
+        port_base: int = 29700, workdir: str | None = None, ack_priority: bool | None = None,
+        job_share: float | None = None) -> dict:
     """Run the benchmark on a fresh 2-host testbed ``name``; return ``{"mixes": [...], ...}`` (docs/jobs.md).
 
     ``policies``: the phases (``solo`` and the policies, FIFO as ``fifo``); ``reps`` > 1 repeats every phase (order
-    rotating) and takes each job's mean JCT. ``min_share``, ``ack_priority`` None: the agent's default (not passed).
+    rotating) and takes each job's mean JCT. ``min_share``, ``ack_priority``, ``job_share`` None: the agent's
+    default (not passed; ``job_share`` goes only to the phases with a job order).
     Usage: ``run(quick=True)``
     """
     from testbed import Testbed
@@ -732,16 +737,18 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
                     "min_share": agent_default("min_share") if min_share is None else min_share,
                     "min_share_passed": min_share is not None,
                     "ack_priority": agent_default("ack_priority") if ack_priority is None else ack_priority,
-                    "ack_priority_passed": ack_priority is not None, "machine": machine(), "targets": dict(TARGETS),
+                    "ack_priority_passed": ack_priority is not None,
+                    "job_share": agent_default("job_share") if job_share is None else job_share,
+                    "job_share_passed": job_share is not None, "machine": machine(), "targets": dict(TARGETS),
                     "prediction": {"alpha_s": ALPHA_S, "compute_factor": COMPUTE_FACTOR}, "mixes": []}
     t_start = time.monotonic()
     progress(f"testbed {name}: 2 hosts at {rate}; mixes {', '.join(mixes)}; {iters} iterations per job; phases "
              f"{', '.join(phases)}; min_share {result['min_share']:g}"
              + ("" if min_share is not None else " (the agent's default)")
-             + f"; ack_priority {result['ack_priority']}")
+             + f"; ack_priority {result['ack_priority']}; job_share {result['job_share']:g}")
     with scratch_dir(workdir, "tensorlane-jobs-") as workdir, Testbed(hosts=2, rate=rate, name=name) as tb:
         result["link_bps"] = tb.rate_bps
-        passed = {"min_share": min_share, "ack_priority": ack_priority}
+        passed = {"min_share": min_share, "ack_priority": ack_priority, "job_share": job_share}
         ctx = {"tb": tb, "workdir": workdir, "levels": levels, "progress": progress,
                "agent": {k: v for k, v in passed.items() if v is not None},
                "ports": itertools.count(port_base + 1), "epoch_factor": epoch_factor, "epoch_s": epoch_s,
@@ -791,9 +798,11 @@ def format_mix(mix: dict) -> str:
 
 
 def format_table(result: dict) -> str:
-    """Every mix's table (:func:`format_mix`) and the agents' ``min_share``."""
+    """Every mix's table (:func:`format_mix`) and the agents' ``min_share`` and ``job_share``."""
     tail_line = (f"min_share {result['min_share']:g}" + ("" if result.get("min_share_passed") else
-                                                          " (the agent's default)"))
+                                                          " (the agent's default)")
+                 + f"; job_share {result.get('job_share', 0.0):g}" + ("" if result.get("job_share_passed") else
+                                                                     " (the agent's default)"))
     return "\n\n".join([*(format_mix(m) for m in result["mixes"]), tail_line])
 
 
@@ -827,6 +836,8 @@ def main(argv=None) -> int:
     p.add_argument("--epoch-s", type=float, default=None, help="rotation epoch in seconds (overrides the factor)")
     p.add_argument("--min-share", type=float, default=None,
                    help="the agents' min_share (default: the agent's own default, not passed)")
+    p.add_argument("--job-share", type=float, default=None,
+                   help="the agents' job_share in the phases with a job order (default: the agent's own, not passed)")
     p.add_argument("--ack-priority", choices=("on", "off"), default=None,
                    help="the agents' ack_priority (default: the agent's own default, not passed)")
     p.add_argument("--rate", default=DEFAULT_RATE, help=f"the links' rate (default {DEFAULT_RATE}: see DEFAULT_RATE)")
@@ -838,7 +849,7 @@ def main(argv=None) -> int:
     result = run(mixes=_split(args.mixes) if args.mixes else None, quick=args.quick, name=args.name, rate=args.rate,
                  iters=args.iters, warmup=args.warmup, policies=_split(args.policies), reps=args.reps,
                  epoch_factor=args.epoch_factor, epoch_s=args.epoch_s, min_share=args.min_share,
-                 levels=args.levels, progress=progress_printer(),
+                 levels=args.levels, progress=progress_printer(), job_share=args.job_share,
                  ack_priority=None if args.ack_priority is None else args.ack_priority == "on")
     show_figures(format_table(result), result, args.json)
     return 0

@@ -615,9 +615,11 @@ def describe_setup(name: str, d: dict) -> str:
             text += f"; iperf3 bulk {int(d['bulk_streams'])} streams each way (unregistered), agents on both hosts"
     if name == "jobs" and isinstance(d.get("mixes"), list):
         names = [m.get("name", DASH) for m in d["mixes"] if isinstance(m, dict)]
-        share = num(d.get("min_share"))
+        share, parts = num(d.get("min_share")), num(d.get("job_share"))
         text += (f"; mixes {', '.join(map(str, names)) or DASH}, one rank per host per job; agents' min_share "
                  f"{DASH if share is None else f'{share:g}'}" + ("" if d.get("min_share_passed") else " (default)"))
+        if parts is not None:  # files from before job_share have none
+            text += f", job_share {parts:g}" + ("" if d.get("job_share_passed") else " (default)")
     if name == "shim-overhead" and d.get("profile"):
         model = PROFILE_NAMES.get(d["profile"], d["profile"])
         text += (f" (the testbed's highest rate: not the bottleneck); emulated {model}, "

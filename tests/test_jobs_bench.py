@@ -59,6 +59,10 @@ def test_mixes_design():
         "tj-collide2-j0": 0, "tj-collide2-j1": 1}
     assert agent_extra("rotate", [], 2.4, {"min_share": 0.02}) == {"job_policy": "rotate", "rotate_epoch_s": 2.4,
                                                                    "min_share": 0.02}
+    # job_share only where there is a job order: the agent refuses it with job_policy = "none"
+    assert agent_extra("fifo", [], 2.4, {"job_share": 0.5, "min_share": 0.02}) == {"job_policy": "none",
+                                                                                  "min_share": 0.02}
+    assert agent_extra("alternate", [], 2.4, {"job_share": 0.5})["job_share"] == 0.5
 
 
 def test_tcp_info_rto():
@@ -164,6 +168,7 @@ def test_jobs_quick_smoke():
     result = run(quick=True, name="tj2", progress=lines.append, port_base=29950)
     assert result["quick"] and result["iters"] == 4 and result["elapsed_s"] > 0 and result["machine"]["cpus"]
     assert result["min_share"] == 0.01 and result["min_share_passed"] is False
+    assert result["job_share"] == 0.2 and result["job_share_passed"] is False
     assert [m["name"] for m in result["mixes"]] == ["collide2"]
     mix = result["mixes"][0]
     assert mix["fits_link"] is True and mix["collides"] is True and mix["recommended"] == "static"
