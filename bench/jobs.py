@@ -78,6 +78,16 @@ from bench.workers import (
 from tensorlane.policies.jobs import ROTATING
 
 RECOMMENDED = {"colliding": "static", "staggered": "levels", "oversubscribed": "levels"}  # docs/jobs.md, measured
+# The agent settings docs/jobs.md recommends per kind, beyond the defaults: on a link the jobs oversubscribe, large
+# guaranteed parts, so that no job order takes much from any job (the default's small parts keep the colliding
+# mix's interleaving); what the run passes (--job-share) wins.
+RECOMMENDED_AGENT = {"oversubscribed": {"job_share": 0.8}}
+
+
+def mix_agent(kind: str, passed: dict) -> dict:
+    """The agent settings a mix of ``kind`` runs with: :data:`RECOMMENDED_AGENT`'s for the kind, then what the run
+    passed (``passed`` wins). Usage: ``mix_agent("oversubscribed", {}) == {"job_share": 0.8}``"""
+    return {**RECOMMENDED_AGENT.get(kind, {}), **passed}
 
 
 def mix_kind(fits_link: bool, collides: bool) -> str:
@@ -648,6 +658,8 @@ def run_mix(ctx: dict, mix: str, specs: list[dict], phases, reps: int) -> dict:
     """Every phase of ``mix`` ``reps`` times (order rotating per repetition, each on fresh ports), then the figures
     per policy (FIFO as ``fifo`` too), the solo figures, the measured link load and the targets."""
     out = mix_setup(mix, specs, ctx["epoch_factor"], ctx["epoch_s"])
+    agent = mix_agent(out["kind"], ctx["agent"])
+    out["job_share"] = agent.get("job_share", agent_default("job_share"))
     ids = [s["id"] for s in specs]
     runs: dict[str, list[dict]] = {p: [] for p in phases if p not in SOLOS}
     for rep in range(reps):
@@ -658,7 +670,7 @@ def run_mix(ctx: dict, mix: str, specs: list[dict], phases, reps: int) -> dict:
                 continue
             jobs = [dict(s, port=next(ctx["ports"])) for s in specs]
             ph = run_phase(ctx["tb"], phase, jobs, f"{mix}-{phase}-{rep}", ctx["workdir"], ctx["levels"],
-                           out["epoch_s"], ctx["agent"])
+                           out["epoch_s"], agent)
             _progress_phase(ctx["progress"], mix, phase, ph, ids)
             runs[phase].append(ph)
     solo = _solo_block(ctx, specs, reps) if "solo" in phases else None
@@ -732,7 +744,7 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
     progress = progress or (lambda *a, **k: None)
     result: dict = {"rate": rate, "hosts": 2, "ranks_per_job": 2, "iters": iters, "warmup": warmup, "reps": reps,
                     "quick": quick, "time_scale": time_scale, "policies": list(phases),
-                    "recommended": dict(RECOMMENDED),
+                    "recommended": dict(RECOMMENDED), "recommended_agent": dict(RECOMMENDED_AGENT),
                     "epoch_factor": epoch_factor, "epoch_s": epoch_s, "levels": levels,
                     "min_share": agent_default("min_share") if min_share is None else min_share,
                     "min_share_passed": min_share is not None,
@@ -791,7 +803,8 @@ def format_mix(mix: dict) -> str:
         rows.append((name + (" *" if name == mix["recommended"] else ""), *cells, f"{avg:.1f} s",
                      _fmt(b.get("avg_vs_fifo"))))
     lines = [f"{mix['name']}: link load {mix['link_load']:.2f} (fits_link {mix['fits_link']}), collides "
-             f"{mix['collides']}, rotation epoch {mix['epoch_s']:g} s; * recommended"]
+             f"{mix['collides']}, rotation epoch {mix['epoch_s']:g} s, job_share {mix.get('job_share', 0.0):g}; "
+             "* recommended"]
     lines += text_table(rows)
     lines += [f"  target {t['text']}: {_fmt(t['value'])} {_verdict(t['met'])}" for t in mix["targets"]]
     return "\n".join(lines)
@@ -802,7 +815,10 @@ def format_table(result: dict) -> str:
     tail_line = (f"min_share {result['min_share']:g}" + ("" if result.get("min_share_passed") else
                                                           " (the agent's default)")
                  + f"; job_share {result.get('job_share', 0.0):g}" + ("" if result.get("job_share_passed") else
-                                                                     " (the agent's default)"))
+                                                                     " (the agent's default)")
+                 + "".join(f"; {kind} mixes: {', '.join(f'{k} {v:g}' for k, v in fields.items())} (recommended)"
+                           for kind, fields in ({} if result.get("job_share_passed") else
+                                                result.get("recommended_agent", {})).items()))
     return "\n\n".join([*(format_mix(m) for m in result["mixes"]), tail_line])
 
 

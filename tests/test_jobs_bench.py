@@ -23,6 +23,7 @@ from bench.jobs import (
     _solo_for,
     agent_extra,
     format_table,
+    mix_agent,
     mix_setup,
     mix_specs,
     mix_targets,
@@ -63,6 +64,14 @@ def test_mixes_design():
     assert agent_extra("fifo", [], 2.4, {"job_share": 0.5, "min_share": 0.02}) == {"job_policy": "none",
                                                                                   "min_share": 0.02}
     assert agent_extra("alternate", [], 2.4, {"job_share": 0.5})["job_share"] == 0.5
+
+
+def test_mix_agent_gives_oversubscribed_mixes_large_parts():
+    """docs/jobs.md recommends job_share 0.8 where the jobs oversubscribe the link; what the run passes wins."""
+    assert mix_agent("oversubscribed", {}) == {"job_share": 0.8}
+    assert mix_agent("oversubscribed", {"job_share": 0.3, "min_share": 0.02}) == {"job_share": 0.3, "min_share": 0.02}
+    assert mix_agent("colliding", {}) == {} and mix_agent("staggered", {"ack_priority": False}) == {
+        "ack_priority": False}
 
 
 def test_tcp_info_rto():
