@@ -58,6 +58,11 @@ def format_status(st: dict) -> str:
     rec = st["reconcile"]
     lines.append(f"reconcile: {rec['passes']} passes, {rec['repairs']} repairs, {rec['errors']} errors"
                  + (f" (last: {rec['last_error']})" if rec["last_error"] else ""))
+    jp = st.get("job_policy") or {}
+    if jp.get("policy", "none") != "none":
+        parts = ", ".join(f"level {lvl} {100 * v:g} %" for lvl, v in jp.get("level_shares", {}).items())
+        lines.append(f"job policy {jp['policy']}: order {', '.join(jp.get('order', [])) or '-'}; job_share "
+                     f"{jp.get('job_share', 0):g}" + (f" ({parts})" if parts else ""))
     for job, n in sorted(st["jobs"].items()):
         lines.append(f"job {job}: {n} flows")
     return "\n".join(lines)

@@ -269,6 +269,18 @@ def test_job_share_guarantees_follow_the_set_of_jobs():
     assert rec.backend.shares == {} and rec.backend.guaranteed(0) == base
 
 
+def test_status_table_shows_the_job_order_and_parts():
+    from tensorlane.cli import format_status
+
+    assert "job policy" not in format_status(request(make_api()[0], op="status"))  # policy none: no line
+    api, _ = make_api(job_policy="static", job_priority={"a": 0, "b": 1})
+    assert format_status(request(api, op="status")).endswith("\njob policy static: order -; job_share 0.2")
+    request(api, op="register", job="b", level=0, flows=[flow(1)])
+    request(api, op="register", job="a", level=0, flows=[flow(2)])
+    text = format_status(request(api, op="status"))
+    assert "job policy static: order a, b; job_share 0.2 (level 0 10 %, level 2 10 %)" in text, text
+
+
 # ---- against the kernel: agents in a testbed of their own --------------------------------------------------------
 
 EPOCH_S = 1.0
