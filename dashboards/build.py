@@ -232,7 +232,8 @@ def fleet() -> dict:
     lay.add("Priority inversion (share of link)", "percentunit",
             [(inversion_share(), "{{instance}} {{device}}")],
             "Bytes lower classes sent while a more urgent class had a backlog at two consecutive scrapes, over the "
-            "link rate (an estimate, see docs/metrics.md; HTB's tiny per-class guarantee is included).")
+            "link rate (an estimate, see docs/metrics.md; each class's min_share is included, a job's part of "
+            "job_share is not).")
     lay.add("Top-class queueing delay", "s", [(top_class_delay(), "{{instance}} {{device}}")],
             "Backlog of the level-0 class over the link rate: the wait of a level-0 packet entering now.")
     training_job_panels(lay, "the shims (all hosts)")
@@ -280,6 +281,12 @@ def host() -> dict:
             [(with_level(f"rate(tensorlane_class_inversion_bytes_total{sel()}{RATE})"),
               "{{device}} level {{level}}")],
             "Bytes per second the class sent while a more urgent class had a backlog (estimate, docs/metrics.md).")
+    lay.add("Guaranteed share by class", "percentunit",
+            [(f"{with_level(f'tensorlane_class_guaranteed_rate_bytes_per_second{sel()}')}\n"
+              f"/ on (instance, device) group_left () tensorlane_link_rate_bytes_per_second{sel()}",
+              "{{device}} level {{level}}")],
+            "The share of the link each class keeps while more urgent classes are busy: min_share, or under a job "
+            "policy a job's part of job_share on its band's first level (docs/jobs.md).")
     lay.add("Drops and overlimits by class", "pps",
             [(with_level(f"rate(tensorlane_class_dropped_packets_total{sel()}{RATE})"), "drops level {{level}}"),
              (with_level(f"rate(tensorlane_class_overlimits_total{sel()}{RATE})"), "overlimits level {{level}}")],
