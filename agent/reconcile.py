@@ -78,17 +78,15 @@ class Reconciler:
         """Give the levels in ``shares`` that guaranteed share of each device's link (the job policy's
         ``job_share``; the other levels keep ``min_share``): the classes are changed in place. A failure is counted
         and logged, and the next full pass applies the trees again. Returns whether anything changed."""
-        backends = {id(dev.backend): dev.backend for dev in self.devices}
-        moved = {key for key, backend in backends.items() if backend.set_shares(shares)}
-        changed = [dev for dev in self.devices if id(dev.backend) in moved]
-        for dev in changed:
-            try:
-                dev.backend.apply(self.ipr, dev.index)
-            except Exception as exc:  # noqa: BLE001 - the flows are marked either way; the pass repairs
-                self.stats.errors += 1
-                self.stats.last_error = f"guaranteed shares on {dev.name}: {exc}"
-                log.error("changing the guaranteed shares on %s: %s", dev.name, exc)
-        return bool(changed)
+        if not [dev for dev in self.devices if dev.backend.set_shares(shares)]:  # every device's, no short cut
+            return False
+        try:
+            self._apply_trees()
+        except Exception as exc:  # noqa: BLE001 - the flows are marked either way; the pass repairs
+            self.stats.errors += 1
+            self.stats.last_error = f"guaranteed shares: {exc}"
+            log.error("changing the guaranteed shares: %s", exc)
+        return True
 
     def apply(self, table: FlowTable, added: list[FlowKey], moved: list[FlowKey], removed: list[FlowKey]) -> None:
         """Push one change to the kernel as a single transaction; fall back to a full pass if it fails.

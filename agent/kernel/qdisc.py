@@ -82,7 +82,10 @@ class HtbBackend:
 
     def set_shares(self, shares: dict[int, float]) -> bool:
         """Set the levels' guaranteed shares (``{level: share}``; the others keep ``min_share``); whether that
-        changed anything (then ``apply`` brings the classes to it, in place)."""
+        changed anything (then ``apply`` brings the classes to it, in place). Cheap when nothing changed: the
+        agent asks after every request."""
+        if shares == self.shares:
+            return False
         shares = {int(lvl): float(v) for lvl, v in shares.items()}
         if any(not 0 <= lvl < self.levels or not 0.0 <= v < 1.0 for lvl, v in shares.items()):
             raise ValueError(f"shares {shares} outside levels 0..{self.levels - 1} or [0, 1)")

@@ -34,8 +34,8 @@ class ContentionSource(Source):
         """No scrape seen yet: the first one only records the counters."""
         super().__init__(api)
         self._lock = threading.Lock()
-        self._prev: dict[str, dict[int, tuple[int, int]]] = {}  # device -> classid -> (bytes, backlog_bytes)
-        self._when: dict[str, float] = {}  # device -> monotonic time of its previous reading
+        # device -> (monotonic time, {classid: (bytes, backlog_bytes)}) of its previous reading
+        self._prev: dict[str, tuple[float, dict[int, tuple[int, int]]]] = {}
         self._inversion: dict[str, dict[int, int]] = {}
 
     def observe(self, leaves, stats: dict[int, dict[str, int]], device: str = "", when: float | None = None,
@@ -48,7 +48,7 @@ class ContentionSource(Source):
         now = {s.classid: (stats[s.classid]["bytes"], stats[s.classid]["backlog_bytes"])
                for s in leaves if s.classid in stats}
         with self._lock:
-            prev, then = self._prev.get(device), self._when.get(device, when)
+            then, prev = self._prev.get(device, (when, None))
             inversion = self._inversion.setdefault(device, {})
             if prev is not None:
                 for spec in leaves:
@@ -61,7 +61,7 @@ class ContentionSource(Source):
                     sent -= int(allowed_Bps.get(spec.classid, 0.0) * max(0.0, when - then))
                     if urgent_waiting and sent > 0:
                         inversion[spec.classid] = inversion.get(spec.classid, 0) + sent
-            self._prev[device], self._when[device] = now, when
+            self._prev[device] = (when, now)
             return dict(inversion)
 
     def collect(self, scrape):
@@ -91,4 +91,5 @@ def _beyond_min_share(backend, leaves) -> dict[int, float]:
     if guaranteed is None:  # a backend with no guarantees (prio)
         return {}
     base = guaranteed(None)
-    return {s.classid: (guaranteed(s.level) - base) / 8 for s in leaves if guaranteed(s.level) > base}
+    beyond = {s.classid: guaranteed(s.level) - base for s in leaves}
+    return {classid: bps / 8 for classid, bps in beyond.items() if bps > 0}
