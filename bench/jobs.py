@@ -811,14 +811,12 @@ def format_mix(mix: dict) -> str:
 
 
 def format_table(result: dict) -> str:
-    """Every mix's table (:func:`format_mix`) and the agents' ``min_share`` and ``job_share``."""
+    """Every mix's table (:func:`format_mix`, its header with the mix's own ``job_share``) and the agents'
+    ``min_share`` and ``job_share``."""
     tail_line = (f"min_share {result['min_share']:g}" + ("" if result.get("min_share_passed") else
                                                           " (the agent's default)")
                  + f"; job_share {result.get('job_share', 0.0):g}" + ("" if result.get("job_share_passed") else
-                                                                     " (the agent's default)")
-                 + "".join(f"; {kind} mixes: {', '.join(f'{k} {v:g}' for k, v in fields.items())} (recommended)"
-                           for kind, fields in ({} if result.get("job_share_passed") else
-                                                result.get("recommended_agent", {})).items()))
+                                                                     " (the agent's default)"))
     return "\n\n".join([*(format_mix(m) for m in result["mixes"]), tail_line])
 
 

@@ -620,8 +620,11 @@ def describe_setup(name: str, d: dict) -> str:
                  f"{DASH if share is None else f'{share:g}'}" + ("" if d.get("min_share_passed") else " (default)"))
         if parts is not None:  # files from before job_share have none
             text += f", job_share {parts:g}" + ("" if d.get("job_share_passed") else " (default)")
-            for kind, fields in ({} if d.get("job_share_passed") else d.get("recommended_agent") or {}).items():
-                text += f", {kind} mixes {', '.join(f'{k} {v:g}' for k, v in fields.items())}"
+            other: dict[float, list[str]] = {}  # each mix records the job_share it ran with
+            for m in d["mixes"]:
+                if isinstance(m, dict) and num(m.get("job_share")) not in (None, parts):
+                    other.setdefault(num(m["job_share"]), []).append(str(m.get("name", DASH)))
+            text += "".join(f", {v:g} on {', '.join(ns)}" for v, ns in other.items())
     if name == "shim-overhead" and d.get("profile"):
         model = PROFILE_NAMES.get(d["profile"], d["profile"])
         text += (f" (the testbed's highest rate: not the bottleneck); emulated {model}, "
