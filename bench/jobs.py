@@ -110,7 +110,10 @@ AGENT_POLICY = {"solo": "none", "solo_shim": "none", "fifo": "none", "static": "
                 "alternate": "alternate", "intensity": "intensity", "levels": "none"}
 # what each job runs: plain DDP at one level, or DDP with the shim (overlap, the shim's levels in layer order)
 JOB_MODE = {"solo_shim": "shim_overlap", "levels": "shim_overlap"}
-# (profile, communication fraction of the period, period s, start offset s); None, None: compute = communication
+# (profile, communication fraction of the period, period s, start offset s[, DDP bucket MB of the full-size model]);
+# None, None: compute = communication. The bucket defaults to DDP's 25 MB; ONE_BUCKET_MB puts every gradient in one
+# bucket, reduced after backward ends: communication that cannot overlap with compute.
+ONE_BUCKET_MB = 1e6
 MIXES = {
     "collide2": [("resnet50", 0.5, 1.2, 0.0), ("bert_base", 0.35, 1.2, 0.0)],
     "stagger2": [("vgg16", 0.45, 1.0, 0.0), ("resnet50", 0.4, 1.5, 2.0)],
@@ -121,8 +124,11 @@ MIXES = {
     # opt-in (--mixes): colliding variants that ask how much FIFO loses when the phases collide (docs/jobs.md)
     "collide2e": [("resnet50", 0.45, 1.2, 0.0), ("bert_base", 0.42, 1.2, 0.0)],
     "collide3": [("resnet50", 0.3, 1.2, 0.0), ("bert_base", 0.3, 1.2, 0.0), ("vgg16", 0.3, 1.2, 0.0)],
+    # the CASSINI case with phases that block: each job reduces its gradients after backward (one bucket), so its
+    # communication is a phase of its own and FIFO's collisions lengthen every iteration by the other's bytes
+    "collide2x": [("resnet50", 0.45, 1.2, 0.0, ONE_BUCKET_MB), ("bert_base", 0.4, 1.2, 0.0, ONE_BUCKET_MB)],
 }
-DEFAULT_MIXES = ("collide2", "stagger2", "stagger3", "stagger4", "oversub2")
+DEFAULT_MIXES = ("collide2", "collide2x", "stagger2", "stagger3", "stagger4", "oversub2")
 QUICK_MIXES = ("collide2",)
 # 100 Mbit/s, not 200: on this 2-core machine the kernel's work for 200 Mbit/s through veth, bridge and HTB takes
 # enough CPU to delay the emulated compute's wake-ups, so a favoured job missed its solo speed by 14 % for want of
@@ -260,9 +266,11 @@ def worker(argv: list[str]) -> int:
 
 # ---- the mixes: jobs scaled to a period and a communication fraction ---------------------------------------------
 
-def predicted_iter_s(profile: str, param_scale: float, compute_scale: float, link_bps: float) -> float:
+def predicted_iter_s(profile: str, param_scale: float, compute_scale: float, link_bps: float,
+                     bucket_mb: float | None = None) -> float:
     """Plain DDP's iteration alone on the testbed as ``policies.execution.ddp_iteration`` predicts it (the
-    calibration of ``bench.validate``: payload rate, :data:`ALPHA_S`, :data:`COMPUTE_FACTOR`)."""
+    calibration of ``bench.validate``: payload rate, :data:`ALPHA_S`, :data:`COMPUTE_FACTOR`), with buckets of
+    ``bucket_mb`` MB of the full-size model (None: DDP's 25 MB)."""
     from bench.validate import DDP_BUCKET_MB, emulated_profile
     from tensorlane.policies.execution import TCP_PAYLOAD_FRACTION, HostCosts, ddp_iteration
     from tensorlane.policies.model import CostModel
@@ -270,19 +278,21 @@ def predicted_iter_s(profile: str, param_scale: float, compute_scale: float, lin
     prof = emulated_profile(profile, param_scale, compute_scale, COMPUTE_FACTOR)
     cost = CostModel(2, link_bps * TCP_PAYLOAD_FRACTION, 0.0, ALPHA_S)
     host = HostCosts(launch_s=3.3e-5, copy_bps=4e9, wake_s=7e-5)
-    return ddp_iteration(prof, cost, int(DDP_BUCKET_MB / param_scale * (1 << 20)), host=host).iter_s
+    mb = DDP_BUCKET_MB if bucket_mb is None else bucket_mb
+    return ddp_iteration(prof, cost, int(mb / param_scale * (1 << 20)), host=host).iter_s
 
 
-def compute_scale_for(profile: str, param_scale: float, period_s: float, link_bps: float) -> float:
+def compute_scale_for(profile: str, param_scale: float, period_s: float, link_bps: float,
+                      bucket_mb: float | None = None) -> float:
     """The compute scale whose predicted solo iteration (:func:`predicted_iter_s`) is ``period_s`` (bisection, 60
     steps); ValueError when even no compute is slower than that."""
     lo, hi = 1e-4, 1000.0
-    if predicted_iter_s(profile, param_scale, lo, link_bps) > period_s:
+    if predicted_iter_s(profile, param_scale, lo, link_bps, bucket_mb) > period_s:
         raise ValueError(f"{profile} at param_scale {param_scale:g}: no compute scale gives a {period_s:g} s "
                          "iteration (communication alone takes longer)")
     for _ in range(60):
         mid = (lo + hi) / 2
-        if predicted_iter_s(profile, param_scale, mid, link_bps) < period_s:
+        if predicted_iter_s(profile, param_scale, mid, link_bps, bucket_mb) < period_s:
             lo = mid
         else:
             hi = mid
@@ -290,21 +300,24 @@ def compute_scale_for(profile: str, param_scale: float, period_s: float, link_bp
 
 
 def job_spec(jid: str, design: tuple, link_bps: float, iters: int, warmup: int, time_scale: float) -> dict:
-    """One job of a mix from its design ``(profile, fraction, period_s, offset_s)`` (:data:`MIXES`): its scales,
-    gradient bytes, ``comm_s`` (all gradients at link rate), nominal ``compute_s``, predicted ``solo_iter_s``,
-    ``comm_fraction`` (comm_s / solo_iter_s), Crux's ``intensity`` (compute_s / comm_s) and its start offset."""
+    """One job of a mix from its design ``(profile, fraction, period_s, offset_s[, bucket_mb])`` (:data:`MIXES`):
+    its scales, gradient bytes, ``comm_s`` (all gradients at link rate), nominal ``compute_s``, predicted
+    ``solo_iter_s``, ``comm_fraction`` (comm_s / solo_iter_s), Crux's ``intensity`` (compute_s / comm_s), its start
+    offset and ``bucket_mb`` (DDP's bucket, MB of the full-size model; None: DDP's default)."""
     from bench.models import balanced_scales, compute_s, gradient_bytes
     from bench.models import comm_s as comm_time
 
-    profile, fraction, period, offset = design
+    profile, fraction, period, offset, *more = design
+    bucket_mb = more[0] if more else None
     if fraction is None:   # compute = communication (bench.models' balance)
         ps, cs = balanced_scales(profile, link_bps, 2, OVERSUB_COMM_S * time_scale)
     else:
         ps = balanced_scales(profile, link_bps, 2, fraction * period * time_scale)[0]
-        cs = compute_scale_for(profile, ps, period * time_scale, link_bps)
+        cs = compute_scale_for(profile, ps, period * time_scale, link_bps, bucket_mb)
     comm, compute = comm_time(profile, 2, link_bps, ps), compute_s(profile, cs)
-    solo = predicted_iter_s(profile, ps, cs, link_bps)
-    return {"id": jid, "profile": profile, "param_scale": ps, "compute_scale": cs, "iters": iters,
+    solo = predicted_iter_s(profile, ps, cs, link_bps, bucket_mb)
+    return {"id": jid, "profile": profile, "param_scale": ps, "compute_scale": cs, "bucket_mb": bucket_mb,
+            "iters": iters,
             "warmup": warmup, "gradient_bytes": gradient_bytes(profile, ps), "comm_s": comm, "compute_s": compute,
             "solo_iter_s": solo, "comm_fraction": comm / solo, "intensity": round(compute / comm, 3),
             "offset_s": offset * time_scale,
@@ -321,8 +334,8 @@ def mix_specs(mix: str, name: str, link_bps: float, iters: int, warmup: int = DE
 def mix_setup(mix: str, specs: list[dict], epoch_factor: float, epoch_s: float | None) -> dict:
     """A mix's set-up before any phase: its jobs, ``link_load`` (sum of comm fractions), ``fits_link``,
     ``collides``, the rotation ``epoch_s`` and the ``recommended`` policy."""
-    keys = ("profile", "param_scale", "compute_scale", "gradient_bytes", "comm_s", "compute_s", "solo_iter_s",
-            "comm_fraction", "intensity", "offset_s", "design")
+    keys = ("profile", "param_scale", "compute_scale", "bucket_mb", "gradient_bytes", "comm_s", "compute_s",
+            "solo_iter_s", "comm_fraction", "intensity", "offset_s", "design")
     load = sum(s["comm_fraction"] for s in specs)
     periods = [s["solo_iter_s"] for s in specs]
     same_period = max(periods) <= 1.02 * min(periods)
@@ -365,6 +378,8 @@ def _training_argv(tb, job: dict, rank: int, index: int, json_path: str, sockets
             "--json", json_path, "--timeout", str(int(timeout))]
     if mode != "ddp":
         argv += ["--levels", str(job["levels"])]
+    if job.get("bucket_mb") is not None:   # the design's DDP bucket (the shim's modes use the same)
+        argv += ["--bucket-cap-mb", f"{job['bucket_mb'] / job['param_scale']:g}"]
     if sockets and index in sockets:
         argv += ["--agent-socket", sockets[index], "--ddp-level", "0"]
     return argv
@@ -456,7 +471,9 @@ def job_figures(run: dict) -> dict:
     """One job's figures from its ranks' JSON (:func:`run_jobs`): ``jct_s`` (the slowest rank's time from the
     job's start to the end of its last iteration), ``end_s`` (its last process's end), ``median_iter_s``, ``rto``
     and ``rto_time_ms`` (summed over ranks; None if a rank could not read them) and whether its flows were
-    registered with the agents. ``rto_sockets``: how many connections the ranks read them from."""
+    registered with the agents. ``rto_sockets``: how many connections the ranks read them from.
+    ``compute_late_s``: the most any rank's emulated compute woke up late over its run (``bench.models``'
+    ``late_s``): time the machine's CPU, not the network, added to its iterations."""
     rs = run["results"]
     mode = rs[0]["mode_order"][0]
 
@@ -468,6 +485,7 @@ def job_figures(run: dict) -> dict:
             "end_s": max(r["end_time"] for r in rs) - run["start"],
             "median_iter_s": max(r["modes"][mode]["median_s"] for r in rs),
             "rto": total("rto"), "rto_time_ms": total("rto_time_ms"), "rto_sockets": total("rto_sockets"),
+            "compute_late_s": _max([(r.get("stream_stats") or {}).get("late_s") for r in rs]),
             "registered": all(_registered(r, mode) for r in rs)}
 
 
@@ -550,7 +568,8 @@ def _mean(values: list):
 
 def _solo_key(spec: dict, phase: str = "solo") -> tuple:
     """Jobs with equal keys run alike alone: one solo run serves them all (in a mix and across mixes)."""
-    return (phase, spec["profile"], spec["param_scale"], spec["compute_scale"], spec["iters"], spec["warmup"])
+    return (phase, spec["profile"], spec["param_scale"], spec["compute_scale"], spec.get("bucket_mb"), spec["iters"],
+            spec["warmup"])
 
 
 def policy_block(ids: list[str], runs: list[dict], fifo: list[float] | None, solo: list[float] | None) -> dict:
@@ -566,7 +585,8 @@ def policy_block(ids: list[str], runs: list[dict], fifo: list[float] | None, sol
                      "rto_time_ms": _mean([p["rto_time_ms"] for p in per]),
                      "rto_sockets": _mean([p["rto_sockets"] for p in per]), "vs_fifo": ratio(jct, f),
                      "vs_solo": ratio(jct, s), "median_iter_s": statistics.fmean(p["median_iter_s"] for p in per),
-                     "end_s": statistics.fmean(p["end_s"] for p in per), "jct_reps_s": [p["jct_s"] for p in per]})
+                     "end_s": statistics.fmean(p["end_s"] for p in per), "jct_reps_s": [p["jct_s"] for p in per],
+                     "compute_late_s": _mean([p.get("compute_late_s") for p in per])})
     avg = statistics.fmean(j["jct_s"] for j in jobs)
     fifo_avg = statistics.fmean(fifo) if fifo else None
     return {"jobs": jobs, "avg_jct_s": avg, "avg_vs_fifo": ratio(avg, fifo_avg),
@@ -606,7 +626,10 @@ def mix_targets(mix: dict) -> list[dict]:
 
 
 def _progress_phase(progress, mix: str, phase: str, ph: dict, ids: list[str]) -> None:
-    jobs = ", ".join(f"{jid.rsplit('-', 1)[-1]} {j['jct_s']:.1f} s (rto {j['rto']})" for jid, j in zip(
+    def late(j):
+        return "" if j.get("compute_late_s") is None else f", compute late {j['compute_late_s']:.2f} s"
+
+    jobs = ", ".join(f"{jid.rsplit('-', 1)[-1]} {j['jct_s']:.1f} s (rto {j['rto']}{late(j)})" for jid, j in zip(
         ids, ph["jobs"], strict=True))
     progress(f"  {mix} {phase:9s} JCT {jobs}; hosts' TCP timeouts {ph['tcp'].get('TCPTimeouts')}, "
              f"retransmitted segments {ph['tcp'].get('RetransSegs')}")
@@ -639,6 +662,7 @@ def _solo_block(ctx: dict, specs: list[dict], reps: int, phase: str = "solo") ->
                      "median_iter_s": statistics.fmean(p["median_iter_s"] for p in per),
                      "rto": _mean([p["rto"] for p in per]), "rto_time_ms": _mean([p["rto_time_ms"] for p in per]),
                      "rto_sockets": _mean([p["rto_sockets"] for p in per]), "jct_reps_s": [p["jct_s"] for p in per],
+                     "compute_late_s": _mean([p.get("compute_late_s") for p in per]),
                      "measured_in": per[0]["measured_in"]})
     return {"jobs": jobs}
 

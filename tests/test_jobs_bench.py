@@ -11,6 +11,7 @@ from agent_clients import require_netns_tools
 
 from bench import report
 from bench.jobs import (
+    COMPUTE_FACTOR,
     DEFAULT_MIXES,
     JOB_MODE,
     MIXES,
@@ -21,6 +22,7 @@ from bench.jobs import (
     TCPI_TOTAL_RTO_TIME,
     _registered,
     _solo_for,
+    _training_argv,
     agent_extra,
     format_table,
     mix_agent,
@@ -39,7 +41,8 @@ def test_mixes_design():
     profiles share one period and start; the staggered mixes do not collide; stagger4 and oversub2 exceed the link."""
     setups = {m: mix_setup(m, mix_specs(m, "tj", 200e6, 12), 2.0, None) for m in MIXES}
     assert set(DEFAULT_MIXES) < set(MIXES)
-    assert [m for m, s in setups.items() if s["collides"]] == ["collide2", "oversub2", "collide2e", "collide3"]
+    assert [m for m, s in setups.items() if s["collides"]] == ["collide2", "oversub2", "collide2e", "collide3",
+                                                               "collide2x"]
     assert {m for m, s in setups.items() if not s["fits_link"]} == {"stagger4", "oversub2"}
     for m, s in setups.items():
         assert s["recommended"] == RECOMMENDED[s["kind"]] and s["link_load"] == pytest.approx(
@@ -50,6 +53,13 @@ def test_mixes_design():
     c = setups["collide2"]["jobs"]
     assert c[0]["profile"] != c[1]["profile"] and c[0]["solo_iter_s"] == pytest.approx(c[1]["solo_iter_s"], rel=0.02)
     assert c[0]["comm_fraction"] > c[1]["comm_fraction"] + 0.1 and c[1]["intensity"] > c[0]["intensity"]
+    # collide2x: the same case with communication that cannot overlap (one bucket, reduced after backward): the
+    # predicted solo iteration is the emulated compute plus all of the communication; collide2's hides most of it
+    for j in setups["collide2x"]["jobs"]:
+        assert j["bucket_mb"] is not None
+        assert j["solo_iter_s"] == pytest.approx(j["compute_s"] * COMPUTE_FACTOR + j["comm_s"], rel=0.05), j
+    for j in c:
+        assert j["bucket_mb"] is None and j["solo_iter_s"] < 0.9 * (j["compute_s"] * COMPUTE_FACTOR + j["comm_s"])
     assert len({j["offset_s"] for j in setups["stagger3"]["jobs"]}) == 3
     o = setups["oversub2"]["jobs"]
     assert o[0]["comm_s"] == pytest.approx(o[0]["compute_s"], rel=0.01) and o[0]["param_scale"] == o[1]["param_scale"]
@@ -72,6 +82,19 @@ def test_mix_agent_gives_oversubscribed_mixes_large_parts():
     assert mix_agent("oversubscribed", {"job_share": 0.3, "min_share": 0.02}) == {"job_share": 0.3, "min_share": 0.02}
     assert mix_agent("colliding", {}) == {} and mix_agent("staggered", {"ack_priority": False}) == {
         "ack_priority": False}
+
+
+def test_a_designed_bucket_reaches_the_worker():
+    """A job whose design names a DDP bucket (MB of the full-size model) runs with ``--bucket-cap-mb`` of the
+    emulated model (divided by its param_scale); a job without one keeps the worker's default."""
+    from types import SimpleNamespace
+
+    host = SimpleNamespace(ip="198.18.0.1", ifname="eth0", name="h1")
+    tb = SimpleNamespace(host=lambda i: host, rate_bps=100e6)
+    x, plain = mix_specs("collide2x", "tj", 100e6, 4)[0], mix_specs("collide2", "tj", 100e6, 4)[0]
+    argv = _training_argv(tb, {**x, "port": 29700}, 0, 1, "out.json", None, 60)
+    assert float(argv[argv.index("--bucket-cap-mb") + 1]) == pytest.approx(x["bucket_mb"] / x["param_scale"], rel=1e-5)
+    assert "--bucket-cap-mb" not in _training_argv(tb, {**plain, "port": 29700}, 0, 1, "out.json", None, 60)
 
 
 def test_tcp_info_rto():
