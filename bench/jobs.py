@@ -12,6 +12,8 @@ Mixes (:data:`MIXES`; periods and offsets are multiplied by ``time_scale``, 0.5 
 
 ``collide2``  resnet50 (comm 0.5 of its period) and bert_base (0.35), both scaled to the same 1.2 s solo
               iteration, released together: their communication collides under FIFO (the CASSINI case);
+``collide2x`` the same case with communication that cannot overlap with compute: resnet50 (0.45) and bert_base
+              (0.4), each reducing all its gradients after backward (one DDP bucket, :data:`ONE_BUCKET_MB`);
 ``stagger2``  vgg16 (0.45 of 1.0 s) and resnet50 (0.4 of 1.5 s), the second 2 s later;
 ``stagger3``  resnet50 (0.3 of 1.2 s), vgg16 (0.3 of 1.0 s), bert_base (0.3 of 1.5 s), 1.5 s apart;
 ``stagger4``  stagger3's jobs (vgg16 at 0.35) plus resnet50 (0.35 of 0.9 s), 1 s apart: more than the link;
@@ -23,7 +25,8 @@ A job's ``param_scale`` is ``bench.models.balanced_scales(profile, rate, 2, frac
 ``compute_scale`` is solved so that ``policies.execution.ddp_iteration`` (calibrated as ``bench.validate`` found
 this testbed: :data:`ALPHA_S`, :data:`COMPUTE_FACTOR`) predicts the period as its solo iteration. Per mix:
 ``fits_link`` = sum over jobs of ``comm_s / solo_iteration_s`` <= 1 (predicted solo iterations), ``collides`` =
-every job has the same period (within 2 %) and the same start offset.
+every job has the same period (within 2 %) and the same start offset. A design's fifth entry, when given, is
+DDP's bucket in MB of the full-size model (the worker's ``--bucket-cap-mb`` divided by ``param_scale``).
 
 Phases per mix, each with fresh agents and one release barrier (every rank sets up first -- imports, rendezvous,
 DDP's construction, the registration of its flows -- then waits for a go file that holds its start time):
@@ -35,7 +38,8 @@ compute_s / comm_s, Crux's GPU intensity) and ``levels`` (``none``, every job wi
 tensors on the shim's levels; judged against the faster of its two solo runs). Job ``i`` starts ``offset_s`` after the
 common release; its JCT runs from its own start to the end of its slowest rank's last iteration. Each rank reads,
 before it exits, ``tcpi_total_rto`` of its TCP connections to its peer (``rto``: retransmission timeouts, summed
-over the job's ranks; None on kernels older than 6.7).
+over the job's ranks; None on kernels older than 6.7) and ``late_s`` of its emulated compute (``compute_late_s``:
+how late the sleeps woke up, the CPU's share of a JCT on this machine).
 
 Targets per mix (:data:`TARGETS`, for the policy :data:`RECOMMENDED` for the mix's kind): on a mix that fits the
 link, every job's JCT <= 1.02 x its FIFO JCT and <= 1.15 x its solo JCT; on the colliding mix the average JCT
