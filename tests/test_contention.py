@@ -182,11 +182,11 @@ def test_fabric_contention_switch_protects_registered_flow():
         assert delta(s1, s2, 5) < nbytes / 10, summary
         # Protected: most of the port, and well ahead of the same transfer unregistered, measured side by side.
         # Registered 0.95 x link on a quiet machine, 0.78-0.84 in loaded CI runs (the sender's TCP ramps while
-        # the bulk fills the gaps: the port is work-conserving); unregistered 19-42 Mbit/s (one flow among five in
+        # the bulk fills the gaps: the port is work-conserving); unregistered 19-50 Mbit/s (one flow among five in
         # one FIFO queue).
         assert reg["goodput_bps"] >= 0.65 * link, summary
         assert unreg["goodput_bps"] <= 0.75 * link, f"the bulk did not contend at the switch port: {summary}"
-        assert reg["goodput_bps"] >= 1.5 * unreg["goodput_bps"], summary  # 2.2-4.1x measured
+        assert reg["goodput_bps"] >= 1.3 * unreg["goodput_bps"], summary  # 1.9-4.7x measured
 
         # Every flow's DSCP, as captured in host3: 46 for the registered one, 0 for each bulk stream.
         cap_flow = cap["flows"][0]
