@@ -42,7 +42,7 @@ over the job's ranks; None on kernels older than 6.7) and ``late_s`` of its emul
 how late the sleeps woke up, the CPU's share of a JCT on this machine).
 
 Targets per mix (:data:`TARGETS`, for the policy :data:`RECOMMENDED` for the mix's kind): on a mix that fits the
-link, every job's JCT <= 1.02 x its FIFO JCT and <= 1.15 x its solo JCT; on the colliding mix the average JCT
+link, every job's JCT <= 1.02 x its FIFO JCT and <= 1.15 x its solo JCT; on a colliding mix the average JCT
 <= 0.80 x FIFO's; on a mix that does not fit, no job above 1.05 x its FIFO JCT under any policy (averages reported).
 
 Usage: ``python -m bench.jobs --json out.json [--quick] [--mixes collide2,...] [--policies fifo,static,...]``
@@ -321,8 +321,8 @@ def job_spec(jid: str, design: tuple, link_bps: float, iters: int, warmup: int, 
     comm, compute = comm_time(profile, 2, link_bps, ps), compute_s(profile, cs)
     solo = predicted_iter_s(profile, ps, cs, link_bps, bucket_mb)
     return {"id": jid, "profile": profile, "param_scale": ps, "compute_scale": cs, "bucket_mb": bucket_mb,
-            "iters": iters,
-            "warmup": warmup, "gradient_bytes": gradient_bytes(profile, ps), "comm_s": comm, "compute_s": compute,
+            "iters": iters, "warmup": warmup, "gradient_bytes": gradient_bytes(profile, ps), "comm_s": comm,
+            "compute_s": compute,
             "solo_iter_s": solo, "comm_fraction": comm / solo, "intensity": round(compute / comm, 3),
             "offset_s": offset * time_scale,
             "design": {"fraction": fraction, "period_s": None if period is None else period * time_scale}}
