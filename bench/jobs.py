@@ -38,8 +38,10 @@ compute_s / comm_s, Crux's GPU intensity) and ``levels`` (``none``, every job wi
 tensors on the shim's levels; judged against the faster of its two solo runs). Job ``i`` starts ``offset_s`` after the
 common release; its JCT runs from its own start to the end of its slowest rank's last iteration. Each rank reads,
 before it exits, ``tcpi_total_rto`` of its TCP connections to its peer (``rto``: retransmission timeouts, summed
-over the job's ranks; None on kernels older than 6.7) and ``late_s`` of its emulated compute (``compute_late_s``:
-how late the sleeps woke up, the CPU's share of a JCT on this machine).
+over the job's ranks; None on kernels older than 6.7), ``late_s`` of its emulated compute (``compute_late_s``:
+how late the sleeps woke up in all; the emulated device takes that back from the next kernel, so it gauges the
+machine's load and is not time added to the JCT) and, over the timed iterations, the seconds its threads spent on a
+CPU and in a run queue waiting for one (``cpu_s``, ``cpu_wait_s``).
 
 Targets per mix (:data:`TARGETS`, for the policy :data:`RECOMMENDED` for the mix's kind): on a mix that fits the
 link, every job's JCT <= 1.02 x its FIFO JCT and <= 1.15 x its solo JCT; on a colliding mix the average JCT
@@ -477,7 +479,9 @@ def job_figures(run: dict) -> dict:
     and ``rto_time_ms`` (summed over ranks; None if a rank could not read them) and whether its flows were
     registered with the agents. ``rto_sockets``: how many connections the ranks read them from.
     ``compute_late_s``: the most any rank's emulated compute woke up late over its run (``bench.models``'
-    ``late_s``): time the machine's CPU, not the network, added to its iterations."""
+    ``late_s``; taken back from the next kernel, so a gauge of the machine's load, not of time added).
+    ``cpu_s`` and ``cpu_wait_s``: its ranks' threads' seconds on a CPU and in a run queue over the timed
+    iterations (``bench.models.process_schedstat``), summed over ranks; None without schedstat."""
     rs = run["results"]
     mode = rs[0]["mode_order"][0]
 
@@ -485,11 +489,16 @@ def job_figures(run: dict) -> dict:
         vals = [r.get(key) for r in rs]
         return None if any(v is None for v in vals) else sum(vals)
 
+    def total_first(key):  # a timed span's figure, summed over the ranks
+        vals = [(r["modes"][mode].get(key) or [None])[0] for r in rs]
+        return None if any(v is None for v in vals) else sum(vals)
+
     return {"jct_s": max(r["modes"][mode]["spans_s"][0] for r in rs),
             "end_s": max(r["end_time"] for r in rs) - run["start"],
             "median_iter_s": max(r["modes"][mode]["median_s"] for r in rs),
             "rto": total("rto"), "rto_time_ms": total("rto_time_ms"), "rto_sockets": total("rto_sockets"),
             "compute_late_s": _max([(r.get("stream_stats") or {}).get("late_s") for r in rs]),
+            "cpu_s": total_first("cpu_spans_s"), "cpu_wait_s": total_first("cpu_wait_spans_s"),
             "registered": all(_registered(r, mode) for r in rs)}
 
 
@@ -590,7 +599,9 @@ def policy_block(ids: list[str], runs: list[dict], fifo: list[float] | None, sol
                      "rto_sockets": _mean([p["rto_sockets"] for p in per]), "vs_fifo": ratio(jct, f),
                      "vs_solo": ratio(jct, s), "median_iter_s": statistics.fmean(p["median_iter_s"] for p in per),
                      "end_s": statistics.fmean(p["end_s"] for p in per), "jct_reps_s": [p["jct_s"] for p in per],
-                     "compute_late_s": _mean([p.get("compute_late_s") for p in per])})
+                     "compute_late_s": _mean([p.get("compute_late_s") for p in per]),
+                     "cpu_s": _mean([p.get("cpu_s") for p in per]),
+                     "cpu_wait_s": _mean([p.get("cpu_wait_s") for p in per])})
     avg = statistics.fmean(j["jct_s"] for j in jobs)
     fifo_avg = statistics.fmean(fifo) if fifo else None
     return {"jobs": jobs, "avg_jct_s": avg, "avg_vs_fifo": ratio(avg, fifo_avg),
@@ -631,7 +642,10 @@ def mix_targets(mix: dict) -> list[dict]:
 
 def _progress_phase(progress, mix: str, phase: str, ph: dict, ids: list[str]) -> None:
     def late(j):
-        return "" if j.get("compute_late_s") is None else f", compute late {j['compute_late_s']:.2f} s"
+        out = "" if j.get("compute_late_s") is None else f", compute late {j['compute_late_s']:.2f} s"
+        if j.get("cpu_s") is not None:
+            out += f", CPU {j['cpu_s']:.1f} s, run queue {j['cpu_wait_s']:.2f} s"
+        return out
 
     jobs = ", ".join(f"{jid.rsplit('-', 1)[-1]} {j['jct_s']:.1f} s (rto {j['rto']}{late(j)})" for jid, j in zip(
         ids, ph["jobs"], strict=True))
@@ -667,7 +681,8 @@ def _solo_block(ctx: dict, specs: list[dict], reps: int, phase: str = "solo") ->
                      "rto": _mean([p["rto"] for p in per]), "rto_time_ms": _mean([p["rto_time_ms"] for p in per]),
                      "rto_sockets": _mean([p["rto_sockets"] for p in per]), "jct_reps_s": [p["jct_s"] for p in per],
                      "compute_late_s": _mean([p.get("compute_late_s") for p in per]),
-                     "measured_in": per[0]["measured_in"]})
+                     "cpu_s": _mean([p.get("cpu_s") for p in per]),
+                     "cpu_wait_s": _mean([p.get("cpu_wait_s") for p in per]), "measured_in": per[0]["measured_in"]})
     return {"jobs": jobs}
 
 
@@ -751,10 +766,10 @@ def _describe_mix(setup: dict) -> str:
 
 
 def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_RATE, iters: int | None = None,
-        warmup: int = DEFAULT_WARMUP, policies=PHASES, reps: int = 1, epoch_factor: float = DEFAULT_EPOCH_FACTOR,
-        epoch_s: float | None = None, min_share: float | None = None, levels: int = 4, progress=print,
-        port_base: int = 29700, workdir: str | None = None, ack_priority: bool | None = None,
-        job_share: float | None = None) -> dict:
+        warmup: int = DEFAULT_WARMUP, policies=PHASES, reps: int = 1,
+        epoch_factor: float = DEFAULT_EPOCH_FACTOR, epoch_s: float | None = None, min_share: float | None = None,
+        levels: int = 4, progress=print, port_base: int = 29700, workdir: str | None = None,
+        ack_priority: bool | None = None, job_share: float | None = None) -> dict:
     """Run the benchmark on a fresh 2-host testbed ``name``; return ``{"mixes": [...], ...}`` (docs/jobs.md).
 
     ``policies``: the phases (``solo`` and the policies, FIFO as ``fifo``); ``reps`` > 1 repeats every phase (order

@@ -207,6 +207,26 @@ def schedstat() -> tuple[float, float] | None:
         return None
 
 
+def process_schedstat() -> tuple[float, float] | None:
+    """:func:`schedstat` summed over this process's threads (/proc/self/task/*/schedstat): its seconds on a CPU
+    and in a run queue waiting for one, or None where that cannot be read. Threads that have exited are not
+    counted. Usage: ``run_s, wait_s = process_schedstat() or (0.0, 0.0)``
+    """
+    run = wait = 0.0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as fh:
+                run_ns, wait_ns = fh.read().split()[:2]
+        except (OSError, ValueError):
+            continue  # the thread exited meanwhile
+        run, wait = run + int(run_ns) / 1e9, wait + int(wait_ns) / 1e9
+    return run, wait
+
+
 def _busy_s() -> float:
     """Seconds this thread has been running or runnable (on a CPU, or waiting in a run queue for one).
 

@@ -291,7 +291,7 @@ DDP_DEFAULT_BUCKET_MB = 25.0
 CONFIG_FIELDS = ("base", "levels", "policy", "partition_bytes", "bucket_cap_mb", "layer_levels")
 CALIBRATION_SIZES = ((4096, 15), (1 << 20, 4), (4 << 20, 4))   # (bytes, repetitions) of the timed all-reduces
 RECORD_KEYS = ("times", "local", "forward", "backward", "step", "late_forward", "late_backward", "idle_forward",
-               "idle_backward", "stats", "spans", "calibration")
+               "idle_backward", "stats", "spans", "cpu_spans", "cpu_wait_spans", "calibration")
 
 
 def _parse_modes(text: str) -> list[str]:
@@ -617,6 +617,7 @@ class TrainingWorker:
         if self.distributed:
             dist.barrier()
         models.reset_stream()
+        cpu0 = models.process_schedstat()
         starts = []
         for i in range(self.args.iters + 1):
             starts.append(time.perf_counter())
@@ -624,6 +625,10 @@ class TrainingWorker:
         if handle is not None:
             handle.flush()
         rec["spans"].append(time.perf_counter() - starts[0])
+        cpu1 = models.process_schedstat()
+        if cpu0 and cpu1:  # the process's threads: seconds on a CPU, and in a run queue waiting for one
+            rec["cpu_spans"].append(cpu1[0] - cpu0[0])
+            rec["cpu_wait_spans"].append(cpu1[1] - cpu0[1])
         local = intervals(starts)
         rec["local"].extend(local)
         if self.distributed:
@@ -676,6 +681,7 @@ class TrainingWorker:
         return {
             "times_s": rec["times"], "local_times_s": rec["local"], "median_s": statistics.median(rec["times"]),
             "mean_s": statistics.fmean(rec["times"]), "spans_s": rec["spans"],
+            "cpu_spans_s": rec["cpu_spans"], "cpu_wait_spans_s": rec["cpu_wait_spans"],
             "phases_s": {k: statistics.median(rec[k]) for k in ("forward", "backward", "step")},
             "late_wakeups_s": {k: statistics.median(rec[f"late_{k}"]) for k in ("forward", "backward")},
             "device_idle_s": {k: statistics.median(rec[f"idle_{k}"]) for k in ("forward", "backward")},

@@ -138,3 +138,34 @@ def test_emulated_device_overlaps_own_cpu_work_but_not_waits():
     # ... unless the emulation is strict, and a wait that burns no CPU (an all-reduce) always leaves it idle
     assert span(lambda: busy(0.01), False) >= 0.12 + 0.05 * 0.9
     assert span(lambda: time.sleep(0.01), True) >= 0.12 + 0.05 * 0.9
+
+
+
+def test_process_schedstat_counts_every_thread():
+    """The jobs benchmark's ``cpu_s``: another live thread's CPU time counts in the process's figure (threads that
+    have exited do not: the benchmark reads it while its process groups' threads run)."""
+    import threading
+
+    from bench import models
+
+    spun, leave = threading.Event(), threading.Event()
+
+    def busy(seconds=0.05):
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < seconds:
+            pass
+        spun.set()
+        leave.wait(30)
+
+    before, own = models.process_schedstat(), models.schedstat()
+    worker = threading.Thread(target=busy)
+    worker.start()
+    try:
+        assert spun.wait(30)
+        after, own_after = models.process_schedstat(), models.schedstat()
+    finally:
+        leave.set()
+        worker.join(30)
+    assert before is not None and after is not None  # this kernel has schedstat (CI's too)
+    assert after[0] - before[0] >= 0.045 and after[1] >= before[1]
+    assert own_after[0] - own[0] < after[0] - before[0]  # the caller's own thread did not do that work
