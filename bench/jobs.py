@@ -35,8 +35,10 @@ DDP's construction, the registration of its flows -- then waits for a go file th
 ``static`` (``job_priority`` from the job order), ``rotate`` and ``alternate`` (``rotate_epoch_s`` =
 ``epoch_factor`` x the longest predicted solo iteration), ``intensity`` (``job_intensity`` = each job's
 compute_s / comm_s, Crux's GPU intensity) and ``levels`` (``none``, every job with the shim: overlap mode, its
-tensors on the shim's levels; judged against the faster of its two solo runs). Job ``i`` starts ``offset_s`` after the
-common release; its JCT runs from its own start to the end of its slowest rank's last iteration. Each rank reads,
+tensors on the shim's levels; judged against the faster of its two solo runs); opt-in, ``static_levels``
+(``static``'s order, every job with the shim as in ``levels``, its levels inside its job's band). Job ``i``
+starts ``offset_s`` after the common release; its JCT runs from its own start to the end of its slowest rank's last
+iteration. Each rank reads,
 before it exits, ``tcpi_total_rto`` of its TCP connections to its peer (``rto``: retransmission timeouts, summed
 over the job's ranks; None on kernels older than 6.7), ``late_s`` of its emulated compute (``compute_late_s``:
 how late the sleeps woke up in all; the emulated device takes that back from the next kernel, so it gauges the
@@ -110,12 +112,16 @@ def recommended_policy(fits_link: bool, collides: bool) -> str:
     judge. Usage: ``recommended_policy(True, True) == "static"``"""
     return RECOMMENDED[mix_kind(fits_link, collides)]
 POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "levels")
+# opt-in (--policies): ``static_levels``, static's job order with every job running the shim (its levels inside
+# its job's band)
+OPT_IN_POLICIES = ("static_levels",)
 SOLOS = ("solo", "solo_shim")
-PHASES = (*SOLOS, *POLICIES)
+DEFAULT_PHASES = (*SOLOS, *POLICIES)
+PHASES = (*DEFAULT_PHASES, *OPT_IN_POLICIES)
 AGENT_POLICY = {"solo": "none", "solo_shim": "none", "fifo": "none", "static": "static", "rotate": "rotate",
-                "alternate": "alternate", "intensity": "intensity", "levels": "none"}
+                "alternate": "alternate", "intensity": "intensity", "levels": "none", "static_levels": "static"}
 # what each job runs: plain DDP at one level, or DDP with the shim (overlap, the shim's levels in layer order)
-JOB_MODE = {"solo_shim": "shim_overlap", "levels": "shim_overlap"}
+JOB_MODE = {"solo_shim": "shim_overlap", "levels": "shim_overlap", "static_levels": "shim_overlap"}
 # (profile, communication fraction of the period, period s, start offset s[, DDP bucket MB of the full-size model]);
 # None, None: compute = communication. The bucket defaults to DDP's 25 MB; ONE_BUCKET_MB puts every gradient in one
 # bucket, reduced after backward ends: communication that cannot overlap with compute.
@@ -526,7 +532,7 @@ def agent_extra(phase: str, specs: list[dict], epoch_s: float, overrides: dict |
     """The agents' config fields of ``phase``: the job policy and its table or epoch, then ``overrides`` (the
     fields the run passes to every agent: ``min_share``, ``ack_priority``; ``job_share`` only to a job policy's)."""
     extra: dict = {"job_policy": AGENT_POLICY[phase]}
-    if phase == "static":
+    if extra["job_policy"] == "static":
         extra["job_priority"] = {s["id"]: i for i, s in enumerate(specs)}
     elif AGENT_POLICY[phase] in ROTATING:
         extra["rotate_epoch_s"] = epoch_s
@@ -766,7 +772,7 @@ def _describe_mix(setup: dict) -> str:
 
 
 def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_RATE, iters: int | None = None,
-        warmup: int = DEFAULT_WARMUP, policies=PHASES, reps: int = 1,
+        warmup: int = DEFAULT_WARMUP, policies=DEFAULT_PHASES, reps: int = 1,
         epoch_factor: float = DEFAULT_EPOCH_FACTOR, epoch_s: float | None = None, min_share: float | None = None,
         levels: int = 4, progress=print, port_base: int = 29700, workdir: str | None = None,
         ack_priority: bool | None = None, job_share: float | None = None) -> dict:
@@ -879,9 +885,10 @@ def main(argv=None) -> int:
                    help="the smoke test: collide2 only, periods halved, few iterations")
     p.add_argument("--mixes", default=None, help=f"comma-separated subset of {','.join(MIXES)} (default "
                                                  f"{','.join(DEFAULT_MIXES)}; quick: {','.join(QUICK_MIXES)})")
-    p.add_argument("--policies", default=",".join(PHASES),
+    p.add_argument("--policies", default=",".join(DEFAULT_PHASES),
                    help="comma-separated phases: solo and solo_shim (each job alone, plain DDP and with the "
-                        "shim), fifo and the policies (default all)")
+                        f"shim), fifo and the policies: {','.join(PHASES)} (default all but the opt-in "
+                        f"{','.join(OPT_IN_POLICIES)})")
     p.add_argument("--iters", type=int, default=None,
                    help=f"iterations per job (default {DEFAULT_ITERS}, quick {QUICK_ITERS})")
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,

@@ -13,8 +13,10 @@ from bench import report
 from bench.jobs import (
     COMPUTE_FACTOR,
     DEFAULT_MIXES,
+    DEFAULT_PHASES,
     JOB_MODE,
     MIXES,
+    OPT_IN_POLICIES,
     PHASES,
     POLICIES,
     RECOMMENDED,
@@ -74,6 +76,12 @@ def test_mixes_design():
     assert agent_extra("fifo", [], 2.4, {"job_share": 0.5, "min_share": 0.02}) == {"job_policy": "none",
                                                                                   "min_share": 0.02}
     assert agent_extra("alternate", [], 2.4, {"job_share": 0.5})["job_share"] == 0.5
+    # static_levels (opt-in): static's table, the jobs on the shim
+    both = agent_extra("static_levels", mix_specs("collide2", "tj", 200e6, 4), 2.4, {"job_share": 0.5})
+    assert both == {"job_policy": "static", "job_priority": {"tj-collide2-j0": 0, "tj-collide2-j1": 1},
+                    "job_share": 0.5}
+    assert JOB_MODE["static_levels"] == "shim_overlap" and set(OPT_IN_POLICIES).isdisjoint(DEFAULT_PHASES)
+    assert set(PHASES) == set(DEFAULT_PHASES) | set(OPT_IN_POLICIES)
 
 
 def test_mix_agent_gives_oversubscribed_mixes_large_parts():
@@ -151,6 +159,7 @@ def test_shim_jobs_are_judged_against_the_faster_solo():
     assert _solo_for("levels", solo, shim) == [9.0, 20.0]
     assert _solo_for("static", solo, shim) == [10.0, 20.0] and _solo_for("levels", solo, None) == [10.0, 20.0]
     assert _solo_for("levels", None, shim) == [9.0, 21.0] and _solo_for("fifo", None, shim) is None
+    assert _solo_for("static_levels", solo, shim) == [9.0, 20.0]
     assert JOB_MODE["levels"] == JOB_MODE["solo_shim"] == "shim_overlap" and "fifo" not in JOB_MODE
 
     def shim_result(**agent):
@@ -204,7 +213,7 @@ def test_jobs_quick_smoke():
     assert [m["name"] for m in result["mixes"]] == ["collide2"]
     mix = result["mixes"][0]
     assert mix["fits_link"] is True and mix["collides"] is True and mix["recommended"] == "static"
-    assert set(mix["policies"]) == set(POLICIES) and result["policies"] == list(PHASES)
+    assert set(mix["policies"]) == set(POLICIES) and result["policies"] == list(DEFAULT_PHASES)
     ids = [j["job"] for j in mix["jobs"]]
     assert ids == ["tj2-collide2-j0", "tj2-collide2-j1"]
     solo = [j["jct_s"] for j in mix["solo"]["jobs"]]
