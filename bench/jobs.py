@@ -38,12 +38,11 @@ compute_s / comm_s, Crux's GPU intensity) and ``levels`` (``none``, every job wi
 tensors on the shim's levels; judged against the faster of its two solo runs); opt-in, ``static_levels``
 (``static``'s order, every job with the shim as in ``levels``, its levels inside its job's band). Job ``i``
 starts ``offset_s`` after the common release; its JCT runs from its own start to the end of its slowest rank's last
-iteration. Each rank reads,
-before it exits, ``tcpi_total_rto`` of its TCP connections to its peer (``rto``: retransmission timeouts, summed
-over the job's ranks; None on kernels older than 6.7), ``late_s`` of its emulated compute (``compute_late_s``:
-how late the sleeps woke up in all; the emulated device takes that back from the next kernel, so it gauges the
-machine's load and is not time added to the JCT) and, over the timed iterations, the seconds its threads spent on a
-CPU and in a run queue waiting for one (``cpu_s``, ``cpu_wait_s``).
+iteration. Each rank reads, before it exits, ``tcpi_total_rto`` of its TCP connections to its peer (``rto``:
+retransmission timeouts, summed over the job's ranks; None on kernels older than 6.7), ``late_s`` of its emulated
+compute (``compute_late_s``: how late the sleeps woke up in all; the emulated device takes that back from the next
+kernel, so it gauges the machine's load and is not time added to the JCT) and, over the timed iterations, the
+seconds its threads spent on a CPU and in a run queue waiting for one (``cpu_s``, ``cpu_wait_s``).
 
 Targets per mix (:data:`TARGETS`, for the policy :data:`RECOMMENDED` for the mix's kind): on a mix that fits the
 link, every job's JCT <= 1.02 x its FIFO JCT and <= 1.15 x its solo JCT; on a colliding mix the average JCT
@@ -647,13 +646,13 @@ def mix_targets(mix: dict) -> list[dict]:
 
 
 def _progress_phase(progress, mix: str, phase: str, ph: dict, ids: list[str]) -> None:
-    def late(j):
+    def load(j):  # what the machine's CPU was doing meanwhile
         out = "" if j.get("compute_late_s") is None else f", compute late {j['compute_late_s']:.2f} s"
         if j.get("cpu_s") is not None:
             out += f", CPU {j['cpu_s']:.1f} s, run queue {j['cpu_wait_s']:.2f} s"
         return out
 
-    jobs = ", ".join(f"{jid.rsplit('-', 1)[-1]} {j['jct_s']:.1f} s (rto {j['rto']}{late(j)})" for jid, j in zip(
+    jobs = ", ".join(f"{jid.rsplit('-', 1)[-1]} {j['jct_s']:.1f} s (rto {j['rto']}{load(j)})" for jid, j in zip(
         ids, ph["jobs"], strict=True))
     progress(f"  {mix} {phase:9s} JCT {jobs}; hosts' TCP timeouts {ph['tcp'].get('TCPTimeouts')}, "
              f"retransmitted segments {ph['tcp'].get('RetransSegs')}")

@@ -140,7 +140,6 @@ def test_emulated_device_overlaps_own_cpu_work_but_not_waits():
     assert span(lambda: time.sleep(0.01), True) >= 0.12 + 0.05 * 0.9
 
 
-
 def test_process_schedstat_counts_every_thread():
     """The jobs benchmark's ``cpu_s``: another live thread's CPU time counts in the process's figure (threads that
     have exited do not: the benchmark reads it while its process groups' threads run)."""
