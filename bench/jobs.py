@@ -490,13 +490,14 @@ def job_figures(run: dict) -> dict:
     rs = run["results"]
     mode = rs[0]["mode_order"][0]
 
-    def total(key):
-        vals = [r.get(key) for r in rs]
+    def summed(vals):
         return None if any(v is None for v in vals) else sum(vals)
 
+    def total(key):
+        return summed([r.get(key) for r in rs])
+
     def total_first(key):  # a timed span's figure, summed over the ranks
-        vals = [(r["modes"][mode].get(key) or [None])[0] for r in rs]
-        return None if any(v is None for v in vals) else sum(vals)
+        return summed([(r["modes"][mode].get(key) or [None])[0] for r in rs])
 
     return {"jct_s": max(r["modes"][mode]["spans_s"][0] for r in rs),
             "end_s": max(r["end_time"] for r in rs) - run["start"],
@@ -533,9 +534,9 @@ def agent_extra(phase: str, specs: list[dict], epoch_s: float, overrides: dict |
     extra: dict = {"job_policy": AGENT_POLICY[phase]}
     if extra["job_policy"] == "static":
         extra["job_priority"] = {s["id"]: i for i, s in enumerate(specs)}
-    elif AGENT_POLICY[phase] in ROTATING:
+    elif extra["job_policy"] in ROTATING:
         extra["rotate_epoch_s"] = epoch_s
-    elif phase == "intensity":
+    elif extra["job_policy"] == "intensity":
         extra["job_intensity"] = {s["id"]: float(s["intensity"]) for s in specs}
     overrides = dict(overrides or {})
     if extra["job_policy"] == "none":
@@ -604,14 +605,20 @@ def policy_block(ids: list[str], runs: list[dict], fifo: list[float] | None, sol
                      "rto_sockets": _mean([p["rto_sockets"] for p in per]), "vs_fifo": ratio(jct, f),
                      "vs_solo": ratio(jct, s), "median_iter_s": statistics.fmean(p["median_iter_s"] for p in per),
                      "end_s": statistics.fmean(p["end_s"] for p in per), "jct_reps_s": [p["jct_s"] for p in per],
-                     "compute_late_s": _mean([p.get("compute_late_s") for p in per]),
-                     "cpu_s": _mean([p.get("cpu_s") for p in per]),
-                     "cpu_wait_s": _mean([p.get("cpu_wait_s") for p in per])})
+                     **_load_means(per)})
     avg = statistics.fmean(j["jct_s"] for j in jobs)
     fifo_avg = statistics.fmean(fifo) if fifo else None
     return {"jobs": jobs, "avg_jct_s": avg, "avg_vs_fifo": ratio(avg, fifo_avg),
             "max_vs_fifo": _max([j["vs_fifo"] for j in jobs]), "max_vs_solo": _max([j["vs_solo"] for j in jobs]),
             "tcp": [r["tcp"] for r in runs], "order_changes": [r["order_changes"] for r in runs]}
+
+
+LOAD_KEYS = ("compute_late_s", "cpu_s", "cpu_wait_s")  # what the machine's CPU was doing meanwhile
+
+
+def _load_means(per: list[dict]) -> dict:
+    """:data:`LOAD_KEYS` of one job, each the mean over its runs ``per`` (None where a run lacks it)."""
+    return {k: _mean([p.get(k) for p in per]) for k in LOAD_KEYS}
 
 
 def _max(values: list):
@@ -685,9 +692,7 @@ def _solo_block(ctx: dict, specs: list[dict], reps: int, phase: str = "solo") ->
                      "median_iter_s": statistics.fmean(p["median_iter_s"] for p in per),
                      "rto": _mean([p["rto"] for p in per]), "rto_time_ms": _mean([p["rto_time_ms"] for p in per]),
                      "rto_sockets": _mean([p["rto_sockets"] for p in per]), "jct_reps_s": [p["jct_s"] for p in per],
-                     "compute_late_s": _mean([p.get("compute_late_s") for p in per]),
-                     "cpu_s": _mean([p.get("cpu_s") for p in per]),
-                     "cpu_wait_s": _mean([p.get("cpu_wait_s") for p in per]), "measured_in": per[0]["measured_in"]})
+                     **_load_means(per), "measured_in": per[0]["measured_in"]})
     return {"jobs": jobs}
 
 

@@ -199,8 +199,13 @@ def schedstat() -> tuple[float, float] | None:
 
     Usage: ``run_s, wait_s = schedstat() or (0.0, 0.0)``
     """
+    return _read_schedstat("/proc/thread-self/schedstat")
+
+
+def _read_schedstat(path: str) -> tuple[float, float] | None:
+    """The first two fields of a schedstat file in seconds (on a CPU, waiting in a run queue), or None."""
     try:
-        with open("/proc/thread-self/schedstat", "rb") as fh:
+        with open(path, "rb") as fh:
             run_ns, wait_ns = fh.read().split()[:2]
         return int(run_ns) / 1e9, int(wait_ns) / 1e9
     except (OSError, ValueError):
@@ -212,19 +217,12 @@ def process_schedstat() -> tuple[float, float] | None:
     and in a run queue waiting for one, or None where that cannot be read. Threads that have exited are not
     counted. Usage: ``run_s, wait_s = process_schedstat() or (0.0, 0.0)``
     """
-    run = wait = 0.0
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return None
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat", "rb") as fh:
-                run_ns, wait_ns = fh.read().split()[:2]
-        except (OSError, ValueError):
-            continue  # the thread exited meanwhile
-        run, wait = run + int(run_ns) / 1e9, wait + int(wait_ns) / 1e9
-    return run, wait
+    stats = [st for tid in tasks if (st := _read_schedstat(f"/proc/self/task/{tid}/schedstat"))]  # None: exited
+    return sum(st[0] for st in stats), sum(st[1] for st in stats)
 
 
 def _busy_s() -> float:
