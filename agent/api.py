@@ -195,6 +195,7 @@ class Api:
             "link_rate_bps": sum(rates) if all(rates) else None, "uptime_s": round(time.time() - self.started, 3),
             "flows": len(self.table.flows), "jobs": self.table.jobs(), "job_policy": self.jobs.describe(),
             "job_conflicts": self.table.conflicts(), "min_share": getattr(self.rec.backend, "min_share", 0.0),
+            "min_rate_bps": getattr(self.rec.backend, "min_rate", 0),
             "ack_priority": getattr(self.rec, "ack_level", None) is not None,
             "classes": self._levels(devices), "devices": devices,
             "reconcile": {"passes": self.rec.stats.passes, "repairs": self.rec.stats.repairs,

@@ -59,6 +59,9 @@ class Config:
     state_dir: str = "/run/tensorlane"
     queue_limit_packets: int = 1000
     min_share: float = 0.01  # htb: the link's share guaranteed to every class (no RTO starvation); 0: strict
+    # htb: with min_share > 0, every class's guarantee is at least this many bits/s, where the link leaves room (at
+    # most half of it for all classes): what keeps a flow out of timeouts is an absolute rate; 0: min_share alone
+    min_rate_bps: int = field(default=2_500_000, metadata={"key": "min_rate"})
     ack_priority: bool = True  # pure ACKs of every registered flow in the most urgent class (no ACK starvation)
     reconcile_interval_s: float = 5.0
     socket_group: str | None = None
@@ -323,6 +326,16 @@ def _level_limits(raw: dict, levels: int) -> dict:
     return dict(limits)
 
 
+def _min_rate(raw: dict) -> int:
+    """``min_rate``: a rate ("2.5mbit", or bits/s as an int), or 0 for none."""
+    value = raw.get("min_rate", _default("min_rate"))
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError("min_rate", f"expected a rate such as \"2.5mbit\", bits/s or 0, got {value!r}")
+    return parse_rate(value, "min_rate")
+
+
 def _service(raw: dict, levels: int) -> dict:
     """The main loop and the API's limits: queue length, reconcile interval, level limits, rates, flows."""
     levels_and_default = levels + 1
@@ -330,6 +343,7 @@ def _service(raw: dict, levels: int) -> dict:
             "min_share": _number(raw, "min_share", 0.0, round(0.5 / levels_and_default, 4),
                                  f" (a fraction of the link for each of the {levels_and_default} classes; "
                                  "together at most half of it)"),
+            "min_rate_bps": _min_rate(raw),
             "reconcile_interval_s": _number(raw, "reconcile_interval_s", 0.1, 3600, " seconds"),
             "level_limits": _level_limits(raw, levels),
             "rate_limit_per_s": _number(raw, "rate_limit_per_s", 1, 1_000_000, " requests per second"),

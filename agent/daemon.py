@@ -91,7 +91,7 @@ def _prepare_device(cfg: Config, ipr: IPRoute, link: links.Link, serves: str, ki
     if kind == "htb" and rate is None:
         raise ConfigError("link_rate", f"{link.name} reports no speed; set link_rate for the htb backend (one "
                                        f"rate, or a table such as link_rate = {{ {link.name} = \"25gbit\" }})")
-    backend = make_backend(kind, cfg.levels, rate, cfg.queue_limit_packets, cfg.min_share)
+    backend = make_backend(kind, cfg.levels, rate, cfg.queue_limit_packets, cfg.min_share, cfg.min_rate_bps)
     previous = _load_state(cfg, link.name)
     if previous and previous.get("ifindex") == link.index and backend.owns(ipr, link.index):
         log.warning("adopting the tree left by a previous agent on %s; keeping its record of the original",

@@ -82,6 +82,21 @@ def test_htb_backend_classes():
         HtbBackend(levels=2, link_rate_bps=None)
 
 
+def test_htb_guarantee_is_min_share_raised_to_min_rate_within_what_the_link_leaves():
+    slow = HtbBackend(levels=4, link_rate_bps=50_000_000, min_share=0.01, min_rate=2_500_000)
+    assert slow.guaranteed(None) == slow.guaranteed(3) == 2_500_000  # 1 % of 50 Mbit/s is only 0.5 Mbit/s
+    fast = HtbBackend(levels=4, link_rate_bps=10**10, min_share=0.01, min_rate=2_500_000)
+    assert fast.guaranteed(None) == 10**8  # the fraction is the larger
+    assert HtbBackend(levels=4, link_rate_bps=50_000_000, min_share=0.0, min_rate=2_500_000).guaranteed(1) == 50_000
+    assert HtbBackend(levels=4, link_rate_bps=50_000_000, min_share=0.01).guaranteed(None) == 500_000  # no floor
+    tiny = HtbBackend(levels=4, link_rate_bps=10_000_000, min_share=0.01, min_rate=2_500_000)
+    assert tiny.guaranteed(None) == 1_000_000  # half of a 10 Mbit/s link over its 5 classes
+    slow.set_shares({0: 0.4, 2: 0.4})  # job shares: the floor takes only an equal part of what they leave
+    assert slow.guaranteed(0) == slow.guaranteed(2) == 20_000_000
+    assert sum(slow.guaranteed(s.level) for s in slow.leaves()) <= 50_000_000
+    assert slow.guaranteed(1) == slow.guaranteed(None) >= 0.01 * 50_000_000
+
+
 @pytest.mark.netns
 def test_prio_backend_nftables_side_for_real():
     ns = f"tlp{uuid.uuid4().hex[:6]}"

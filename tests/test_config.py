@@ -16,12 +16,18 @@ def test_minimal_config_has_defaults():
     assert cfg.backend == "auto" and cfg.take_over_root is False and cfg.link_rate_bps is None
 
 
+def test_min_rate_is_a_rate_or_zero():
+    assert from_dict({"interface": "eth0"}).min_rate_bps == 2_500_000
+    assert from_dict({"interface": "eth0", "min_rate": "1mbit"}).min_rate_bps == 1_000_000
+    assert from_dict({"interface": "eth0", "min_rate": 0}).min_rate_bps == 0
+
+
 def test_every_default_is_the_config_dataclass_one():
     assert dataclasses.asdict(from_dict({"interface": "eth0"})) == dataclasses.asdict(Config(interfaces=("eth0",)))
 
 
 def test_known_settings_are_the_dataclass_fields_and_the_ansible_template_writes_only_those():
-    known = {f.name for f in dataclasses.fields(Config)} - {"link_rate_bps"} | {"link_rate", "interface"}
+    known = {f.metadata.get("key", f.name) for f in dataclasses.fields(Config)} | {"interface"}
     with pytest.raises(ConfigError) as err:
         from_dict({"interface": "eth0", "colour": "blue"})
     assert str(err.value).endswith(f"unknown setting (known: {', '.join(sorted(known))})")
@@ -66,6 +72,9 @@ def test_parse_rate(text, bps):
     ({"interface": "eth0", "levels": 9}, "levels"),
     ({"interface": "eth0", "levels": True}, "levels"),
     ({"interface": "eth0", "link_rate": "fast"}, "link_rate"),
+    ({"interface": "eth0", "min_rate": "fast"}, "min_rate"),
+    ({"interface": "eth0", "min_rate": True}, "min_rate"),
+    ({"interface": "eth0", "min_rate": 1.5}, "min_rate"),
     ({"interface": "eth0", "dscp": {"0": 99}}, "dscp"),
     ({"interface": "eth0", "dscp": {"0": "XX"}}, "dscp"),
     ({"interface": "eth0", "levels": 2, "dscp": {"0": "AF41", "1": "AF41"}}, "dscp"),  # duplicate level queue

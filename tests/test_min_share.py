@@ -102,7 +102,8 @@ def test_a_job_order_leaves_every_job_its_part_of_job_share(tb):
         after = class_rates(h1)
         assert h1.run(["tc", "qdisc", "show", "dev", "eth0"]).stdout == tree
     print(got, during)
-    quarter, floor = 0.25 * tb.rate_bps, 0.01 * tb.rate_bps
+    quarter = 0.25 * tb.rate_bps
+    floor = max(0.01 * tb.rate_bps, st["min_rate_bps"])  # min_share, raised to min_rate (within the free half)
     assert st["job_policy"]["level_shares"] == {"0": 0.25, "2": 0.25}
     assert before["7a1:10"] == before["7a1:12"] == after["7a1:12"] == pytest.approx(floor, rel=0.02)
     assert during["7a1:10"] == during["7a1:12"] == pytest.approx(quarter, rel=0.02)

@@ -5,11 +5,14 @@ qdisc puts the packet straight into that class (no tc filter). Unregistered traf
 below every level.
 
 - ``htb`` (works on every kernel that has HTB): one parent class at the link rate; one child class per level with
-  a small guaranteed rate (``min_share`` of the link), ceil = link rate and HTB ``prio`` = level, so the most
+  a small guaranteed rate (``min_share`` of the link, at least ``min_rate``), ceil = link rate and HTB ``prio`` =
+  level, so the most
   urgent backlogged class borrows first (priority) and any class may use the whole link when the others are idle
   (work-conserving). The guarantee keeps a lower class's TCP flows ACK-clocked while a higher class is busy, so
-  they never sit idle in a retransmission timeout (then back off exponentially) when the link frees up; with
-  ``min_share = 0`` the guarantee is tiny (link/1000) and priority is strict. A job policy may raise the
+  they never sit idle in a retransmission timeout (then back off exponentially) when the link frees up. What keeps a
+  flow out of a timeout is an absolute rate (packets per minimum RTO), so on a slow link the fraction is raised to
+  ``min_rate``, within what the job shares and half the link leave to all classes; with ``min_share = 0`` the
+  guarantee is tiny (link/1000) and priority is strict. A job policy may raise the
   guarantee of some levels (``set_shares``: ``job_share`` split among the jobs, ``policies.jobs.job_shares``);
   the classes are changed in place. It shapes at the link rate, so the queue forms here and not in the NIC.
 - ``prio`` (when the kernel has sch_prio): one band per level plus a default band; no shaping, relies on the NIC
@@ -49,13 +52,15 @@ class HtbBackend:
 
     kind = "htb"
 
-    def __init__(self, levels: int, link_rate_bps: int, queue_limit: int = 1000, min_share: float = 0.0):
+    def __init__(self, levels: int, link_rate_bps: int, queue_limit: int = 1000, min_share: float = 0.0,
+                 min_rate: int = 0):
         if link_rate_bps is None:
             raise ValueError("the htb backend needs link_rate (the interface reports no speed)")
         self.levels = levels
         self.rate = link_rate_bps
         self.queue_limit = queue_limit
         self.min_share = min_share
+        self.min_rate = min_rate  # bits/s: every class's guarantee at least this, where the link leaves room
         self.shares: dict[int, float] = {}  # level -> a larger guaranteed share of the link (the job policy's)
         self.root = handle(MAJOR)
         self.parent_class = handle(MAJOR, 1)
@@ -72,13 +77,20 @@ class HtbBackend:
         return max(rate_bps // 8 // 1000, 4 * MTU_BYTES)  # 1 ms of the rate, at least a few packets
 
     def guaranteed(self, level: int | None) -> int:
-        """A leaf's guaranteed rate in bits/s: ``min_share`` of the link, or (0) a tiny one so that `prio` alone
-        decides (TensorLights); a level's share from ``set_shares`` when that is larger."""
+        """A leaf's guaranteed rate in bits/s: ``min_share`` of the link, raised to :meth:`floor`, or (0) a tiny one
+        so that `prio` alone decides (TensorLights); a level's share from ``set_shares`` when that is larger."""
         if self.min_share > 0:
-            base = max(8_000, int(self.rate * self.min_share))
+            base = max(8_000, int(self.rate * self.min_share), self.floor())
         else:
             base = max(8_000, min(100_000, self.rate // 1000))
         return max(base, int(self.rate * self.shares.get(level, 0.0))) if level is not None else base
+
+    def floor(self) -> int:
+        """``min_rate``, at most an equal part for every class of what the job shares leave, and of half the link:
+        all guarantees together never exceed the link. Usage: ``HtbBackend(4, 50_000_000, min_share=0.01,
+        min_rate=2_500_000).floor() == 2_500_000``"""
+        free = min(0.5, 1.0 - sum(self.shares.values()))
+        return max(0, min(self.min_rate, int(self.rate * free / len(self.leaves()))))
 
     def set_shares(self, shares: dict[int, float]) -> bool:
         """Set the levels' guaranteed shares (``{level: share}``; the others keep ``min_share``); whether that
@@ -125,8 +137,8 @@ class PrioBackend:
     kind = "prio"
 
     def __init__(self, levels: int, link_rate_bps: int | None = None, queue_limit: int = 1000,
-                 min_share: float = 0.0):
-        self.levels = levels  # min_share: sch_prio is strict, it has no guarantee to give (ets would)
+                 min_share: float = 0.0, min_rate: int = 0):
+        self.levels = levels  # min_share, min_rate: sch_prio is strict, it has no guarantee to give (ets would)
         self.queue_limit = queue_limit
         self.root = handle(MAJOR)
         # sch_prio maps skb->priority MAJOR:minor straight to band minor-1.
@@ -161,10 +173,10 @@ class PrioBackend:
 
 
 def make_backend(kind: str, levels: int, link_rate_bps: int | None, queue_limit: int = 1000,
-                 min_share: float = 0.0):
+                 min_share: float = 0.0, min_rate: int = 0):
     """Return the backend object for ``kind`` ("htb" or "prio")."""
     if kind == "htb":
-        return HtbBackend(levels, link_rate_bps, queue_limit, min_share)
+        return HtbBackend(levels, link_rate_bps, queue_limit, min_share, min_rate)
     if kind == "prio":
-        return PrioBackend(levels, link_rate_bps, queue_limit, min_share)
+        return PrioBackend(levels, link_rate_bps, queue_limit, min_share, min_rate)
     raise ValueError(f"unknown backend {kind!r}")

@@ -3,9 +3,9 @@
 - ``tensorlane_class_inversion_bytes_total{device,class}``: priority inversion, estimated. At each scrape, for
   each class C, the bytes C sent since the previous scrape are added if some more urgent class U (lower prio)
   had a non-zero backlog both at the previous scrape and at this one. A backlogged U should leave C nothing but
-  its HTB guarantee (``min_share`` of the link, 1 % by default), so this counter growing by more than that means
-  lower-priority bytes went out while urgent bytes waited. A class's guarantee beyond ``min_share`` (a job's
-  part of ``job_share`` under a job policy: docs/jobs.md) is by design too, and is not counted: C's bytes count
+  its HTB guarantee (``min_share`` of the link, 1 % by default, at least ``min_rate``), so this counter growing by
+  more than that means lower-priority bytes went out while urgent bytes waited. A class's guarantee beyond that (a
+  job's part of ``job_share`` under a job policy: docs/jobs.md) is by design too, and is not counted: C's bytes count
   only beyond that rate over the interval. It is an estimate from two instants, not
   a measurement: U's queue may have drained and refilled between the scrapes (counted although there was no
   inversion), or been backlogged only between them (missed). It gets sharper with shorter scrape intervals;

@@ -74,8 +74,8 @@ CLASS_CTOKENS = Name("tensorlane_class_ctokens_seconds",
                      "Time the HTB class may still send at its ceil before it must wait (negative: in debt)",
                      DEVICE_CLASS)
 CLASS_GUARANTEED_RATE = Name("tensorlane_class_guaranteed_rate_bytes_per_second",
-                             "Rate the HTB class keeps while more urgent classes are busy (min_share, or a job's "
-                             "part of job_share under a job policy)", DEVICE_CLASS)
+                             "Rate the HTB class keeps while more urgent classes are busy (min_share, at least "
+                             "min_rate, or a job's part of job_share under a job policy)", DEVICE_CLASS)
 LINK_RATE = Name("tensorlane_link_rate_bytes_per_second",
                  "Rate the agent's queues are served at (htb: the configured link_rate)", DEVICE)
 
