@@ -763,6 +763,13 @@ def agent_default(name: str):
     return next(f.default for f in dataclasses.fields(Config) if f.name == name)
 
 
+def _rate_bps(value: str | int) -> int:
+    """A ``min_rate`` in bits/s: 0, or a rate. Usage: ``_rate_bps("1mbit") == 1_000_000``"""
+    from tensorlane.units import parse_rate
+
+    return 0 if value in (0, "0") else parse_rate(value)
+
+
 def _check(mixes, phases) -> None:
     """ValueError unless ``mixes`` and ``phases`` are non-empty subsets of the known ones."""
     if not mixes or set(mixes) - set(MIXES):
@@ -783,12 +790,12 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
         warmup: int = DEFAULT_WARMUP, policies=DEFAULT_PHASES, reps: int = 1,
         epoch_factor: float = DEFAULT_EPOCH_FACTOR, epoch_s: float | None = None, min_share: float | None = None,
         levels: int = 4, progress=print, port_base: int = 29700, workdir: str | None = None,
-        ack_priority: bool | None = None, job_share: float | None = None) -> dict:
+        ack_priority: bool | None = None, job_share: float | None = None, min_rate: str | int | None = None) -> dict:
     """Run the benchmark on a fresh 2-host testbed ``name``; return ``{"mixes": [...], ...}`` (docs/jobs.md).
 
     ``policies``: the phases (``solo`` and the policies, FIFO as ``fifo``); ``reps`` > 1 repeats every phase (order
-    rotating) and takes each job's mean JCT. ``min_share``, ``ack_priority``, ``job_share`` None: the agent's
-    default (not passed; ``job_share`` goes only to the phases with a job order).
+    rotating) and takes each job's mean JCT. ``min_share``, ``min_rate`` (a rate, bits/s or 0), ``ack_priority``,
+    ``job_share`` None: the agent's default (not passed; ``job_share`` goes only to the phases with a job order).
     Usage: ``run(quick=True)``
     """
     from testbed import Testbed
@@ -805,6 +812,8 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
                     "epoch_factor": epoch_factor, "epoch_s": epoch_s, "levels": levels,
                     "min_share": agent_default("min_share") if min_share is None else min_share,
                     "min_share_passed": min_share is not None,
+                    "min_rate_bps": agent_default("min_rate_bps") if min_rate is None else _rate_bps(min_rate),
+                    "min_rate_passed": min_rate is not None,
                     "ack_priority": agent_default("ack_priority") if ack_priority is None else ack_priority,
                     "ack_priority_passed": ack_priority is not None,
                     "job_share": agent_default("job_share") if job_share is None else job_share,
@@ -814,10 +823,13 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
     progress(f"testbed {name}: 2 hosts at {rate}; mixes {', '.join(mixes)}; {iters} iterations per job; phases "
              f"{', '.join(phases)}; min_share {result['min_share']:g}"
              + ("" if min_share is not None else " (the agent's default)")
+             + f", min_rate {result['min_rate_bps'] / 1e6:g} Mbit/s"
+             + ("" if min_rate is not None else " (the agent's default)")
              + f"; ack_priority {result['ack_priority']}; job_share {result['job_share']:g}")
     with scratch_dir(workdir, "tensorlane-jobs-") as workdir, Testbed(hosts=2, rate=rate, name=name) as tb:
         result["link_bps"] = tb.rate_bps
-        passed = {"min_share": min_share, "ack_priority": ack_priority, "job_share": job_share}
+        passed = {"min_share": min_share, "min_rate": min_rate, "ack_priority": ack_priority,
+                  "job_share": job_share}
         ctx = {"tb": tb, "workdir": workdir, "levels": levels, "progress": progress,
                "agent": {k: v for k, v in passed.items() if v is not None},
                "ports": itertools.count(port_base + 1), "epoch_factor": epoch_factor, "epoch_s": epoch_s,
@@ -872,6 +884,8 @@ def format_table(result: dict) -> str:
     ``min_share`` and ``job_share``."""
     tail_line = (f"min_share {result['min_share']:g}" + ("" if result.get("min_share_passed") else
                                                           " (the agent's default)")
+                 + ("" if result.get("min_rate_bps") is None else f", min_rate {result['min_rate_bps'] / 1e6:g} Mbit/s"
+                    + ("" if result.get("min_rate_passed") else " (the agent's default)"))
                  + f"; job_share {result.get('job_share', 0.0):g}" + ("" if result.get("job_share_passed") else
                                                                      " (the agent's default)"))
     return "\n\n".join([*(format_mix(m) for m in result["mixes"]), tail_line])
@@ -908,6 +922,8 @@ def main(argv=None) -> int:
     p.add_argument("--epoch-s", type=float, default=None, help="rotation epoch in seconds (overrides the factor)")
     p.add_argument("--min-share", type=float, default=None,
                    help="the agents' min_share (default: the agent's own default, not passed)")
+    p.add_argument("--min-rate", default=None,
+                   help="the agents' min_rate: a rate such as 1mbit, or 0 (default: the agent's own, not passed)")
     p.add_argument("--job-share", type=float, default=None,
                    help="the agents' job_share in the phases with a job order (default: the agent's own, not passed)")
     p.add_argument("--ack-priority", choices=("on", "off"), default=None,
@@ -921,6 +937,7 @@ def main(argv=None) -> int:
     result = run(mixes=_split(args.mixes) if args.mixes else None, quick=args.quick, name=args.name, rate=args.rate,
                  iters=args.iters, warmup=args.warmup, policies=_split(args.policies), reps=args.reps,
                  epoch_factor=args.epoch_factor, epoch_s=args.epoch_s, min_share=args.min_share,
+                 min_rate=None if args.min_rate is None else (0 if args.min_rate == "0" else args.min_rate),
                  levels=args.levels, progress=progress_printer(), job_share=args.job_share,
                  ack_priority=None if args.ack_priority is None else args.ack_priority == "on")
     show_figures(format_table(result), result, args.json)
