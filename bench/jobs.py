@@ -144,10 +144,10 @@ QUICK_MIXES = ("collide2",)
 # 50 Mbit/s: on this 2-core machine the kernel's and gloo's work per byte (veth, bridge, HTB, the reduction) takes
 # CPU from the jobs, so at higher rates a favoured job misses its solo speed for want of CPU, not of link. collide2,
 # static: 18.6 s vs 16.3 s alone at 200 Mbit/s, 16.3 s vs 15.7 s at 100. collide2x, static: at 100 Mbit/s the
-# favoured job's iterations ran 5-10 % above its solo ones (each job's ranks 5-6 s on a CPU); at 50 Mbit/s, with half
-# the bytes in the same periods, it ran at its solo speed (2.5 s on a CPU), 0.76x FIFO on average over 2 repetitions
-# (results/jobs-collide2x-50mbit.json). The periods and fractions do not depend on the rate (bench.models scales
-# the gradients' bytes to it).
+# favoured job's median iteration was 3-10 % above its solo one in three runs (each job's ranks 5-7 s on a CPU); at
+# 50 Mbit/s, with half the bytes in the same periods, 0-4 % (about 3 s on a CPU), and static 0.76-0.77x FIFO in every
+# run (docs/jobs.md, "The link's rate and the CPU"). The periods and fractions do not depend on the rate
+# (bench.models scales the gradients' bytes to it).
 DEFAULT_RATE = "50mbit"
 OVERSUB_COMM_S = 0.75    # oversub2: bench.models' default balance, compute = communication
 TARGETS = {"fits_vs_fifo_max": 1.02, "fits_vs_solo_max": 1.15, "collide_avg_vs_fifo_max": 0.80,
