@@ -790,12 +790,14 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
         warmup: int = DEFAULT_WARMUP, policies=DEFAULT_PHASES, reps: int = 1,
         epoch_factor: float = DEFAULT_EPOCH_FACTOR, epoch_s: float | None = None, min_share: float | None = None,
         levels: int = 4, progress=print, port_base: int = 29700, workdir: str | None = None,
-        ack_priority: bool | None = None, job_share: float | None = None, min_rate: str | int | None = None) -> dict:
+        ack_priority: bool | None = None, job_share: float | None = None, min_rate: str | int | None = None,
+        queue_limit: int | None = None) -> dict:
     """Run the benchmark on a fresh 2-host testbed ``name``; return ``{"mixes": [...], ...}`` (docs/jobs.md).
 
     ``policies``: the phases (``solo`` and the policies, FIFO as ``fifo``); ``reps`` > 1 repeats every phase (order
-    rotating) and takes each job's mean JCT. ``min_share``, ``min_rate`` (a rate, bits/s or 0), ``ack_priority``,
-    ``job_share`` None: the agent's default (not passed; ``job_share`` goes only to the phases with a job order).
+    rotating) and takes each job's mean JCT. ``min_share``, ``min_rate`` (a rate, bits/s or 0), ``queue_limit``
+    (packets per class), ``ack_priority``, ``job_share`` None: the agent's default (not passed; ``job_share`` goes
+    only to the phases with a job order).
     Usage: ``run(quick=True)``
     """
     from testbed import Testbed
@@ -814,6 +816,9 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
                     "min_share_passed": min_share is not None,
                     "min_rate_bps": agent_default("min_rate_bps") if min_rate is None else _rate_bps(min_rate),
                     "min_rate_passed": min_rate is not None,
+                    "queue_limit_packets": (agent_default("queue_limit_packets") if queue_limit is None
+                                            else queue_limit),
+                    "queue_limit_passed": queue_limit is not None,
                     "ack_priority": agent_default("ack_priority") if ack_priority is None else ack_priority,
                     "ack_priority_passed": ack_priority is not None,
                     "job_share": agent_default("job_share") if job_share is None else job_share,
@@ -828,8 +833,8 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
              + f"; ack_priority {result['ack_priority']}; job_share {result['job_share']:g}")
     with scratch_dir(workdir, "tensorlane-jobs-") as workdir, Testbed(hosts=2, rate=rate, name=name) as tb:
         result["link_bps"] = tb.rate_bps
-        passed = {"min_share": min_share, "min_rate": min_rate, "ack_priority": ack_priority,
-                  "job_share": job_share}
+        passed = {"min_share": min_share, "min_rate": min_rate, "queue_limit_packets": queue_limit,
+                  "ack_priority": ack_priority, "job_share": job_share}
         ctx = {"tb": tb, "workdir": workdir, "levels": levels, "progress": progress,
                "agent": {k: v for k, v in passed.items() if v is not None},
                "ports": itertools.count(port_base + 1), "epoch_factor": epoch_factor, "epoch_s": epoch_s,
@@ -924,6 +929,8 @@ def main(argv=None) -> int:
                    help="the agents' min_share (default: the agent's own default, not passed)")
     p.add_argument("--min-rate", default=None,
                    help="the agents' min_rate: a rate such as 1mbit, or 0 (default: the agent's own, not passed)")
+    p.add_argument("--queue-limit", type=int, default=None,
+                   help="the agents' queue_limit_packets, per class (default: the agent's own, not passed)")
     p.add_argument("--job-share", type=float, default=None,
                    help="the agents' job_share in the phases with a job order (default: the agent's own, not passed)")
     p.add_argument("--ack-priority", choices=("on", "off"), default=None,
@@ -938,6 +945,7 @@ def main(argv=None) -> int:
                  iters=args.iters, warmup=args.warmup, policies=_split(args.policies), reps=args.reps,
                  epoch_factor=args.epoch_factor, epoch_s=args.epoch_s, min_share=args.min_share,
                  min_rate=None if args.min_rate is None else (0 if args.min_rate == "0" else args.min_rate),
+                 queue_limit=args.queue_limit,
                  levels=args.levels, progress=progress_printer(), job_share=args.job_share,
                  ack_priority=None if args.ack_priority is None else args.ack_priority == "on")
     show_figures(format_table(result), result, args.json)
