@@ -4,17 +4,16 @@ Both backends classify by ``skb->priority``: the nftables level chain sets it to
 qdisc puts the packet straight into that class (no tc filter). Unregistered traffic goes to the default class,
 below every level.
 
-- ``htb`` (works on every kernel that has HTB): one parent class at the link rate; one child class per level with
-  a small guaranteed rate (``min_share`` of the link, at least ``min_rate``), ceil = link rate and HTB ``prio`` =
-  level, so the most
-  urgent backlogged class borrows first (priority) and any class may use the whole link when the others are idle
-  (work-conserving). The guarantee keeps a lower class's TCP flows ACK-clocked while a higher class is busy, so
-  they never sit idle in a retransmission timeout (then back off exponentially) when the link frees up. What keeps a
-  flow out of a timeout is an absolute rate (packets per minimum RTO), so on a slow link the fraction is raised to
-  ``min_rate``, within what the job shares and half the link leave to all classes; with ``min_share = 0`` the
-  guarantee is tiny (link/1000) and priority is strict. A job policy may raise the
-  guarantee of some levels (``set_shares``: ``job_share`` split among the jobs, ``policies.jobs.job_shares``);
-  the classes are changed in place. It shapes at the link rate, so the queue forms here and not in the NIC.
+- ``htb`` (works on every kernel that has HTB): one parent class at the link rate; one child class per level with a
+  small guaranteed rate (``min_share`` of the link, at least ``min_rate``), ceil = link rate and HTB ``prio`` =
+  level, so the most urgent backlogged class borrows first (priority) and any class may use the whole link when the
+  others are idle (work-conserving). The guarantee keeps a lower class's TCP flows ACK-clocked while a higher class
+  is busy, so they never sit idle in a retransmission timeout (then back off exponentially) when the link frees up.
+  What keeps a flow out of a timeout is an absolute rate (packets per minimum RTO), so on a slow link the fraction
+  is raised to ``min_rate``, within what the job shares and half the link leave to all classes. With
+  ``min_share = 0`` the guarantee is tiny (link/1000) and priority is strict. A job policy may raise the guarantee
+  of some levels (``set_shares``: ``job_share`` split among the jobs, ``policies.jobs.job_shares``); the classes are
+  changed in place. It shapes at the link rate, so the queue forms here and not in the NIC.
 - ``prio`` (when the kernel has sch_prio): one band per level plus a default band; no shaping, relies on the NIC
   (with BQL) to keep its own ring short.
 
