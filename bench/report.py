@@ -619,8 +619,7 @@ def describe_setup(name: str, d: dict) -> str:
         text += (f"; mixes {', '.join(map(str, names)) or DASH}, one rank per host per job; agents' min_share "
                  f"{DASH if share is None else f'{share:g}'}" + ("" if d.get("min_share_passed") else " (default)"))
         if num(d.get("min_rate_bps")) is not None:  # files from before min_rate have none
-            text += (f", min_rate {num(d['min_rate_bps']) / 1e6:g} Mbit/s"
-                     + ("" if d.get("min_rate_passed") else " (default)"))
+            text += f", min_rate {num(d['min_rate_bps']) / 1e6:g} Mbit/s"  # defaults change: the value run with
         if parts is not None:  # files from before job_share have none
             text += f", job_share {parts:g}" + ("" if d.get("job_share_passed") else " (default)")
             other: dict[float, list[str]] = {}  # each mix records the job_share it ran with

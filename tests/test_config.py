@@ -17,7 +17,7 @@ def test_minimal_config_has_defaults():
 
 
 def test_min_rate_is_a_rate_or_zero():
-    assert from_dict({"interface": "eth0"}).min_rate_bps == 2_500_000
+    assert from_dict({"interface": "eth0"}).min_rate_bps == 0  # off: min_share alone
     assert from_dict({"interface": "eth0", "min_rate": "1mbit"}).min_rate_bps == 1_000_000
     assert from_dict({"interface": "eth0", "min_rate": 0}).min_rate_bps == 0
 
