@@ -328,8 +328,15 @@ def _level_limits(raw: dict, levels: int) -> dict:
 
 
 def _min_rate(raw: dict) -> int:
-    """``min_rate``: a rate ("2.5mbit", or bits/s as an int), or 0 for none."""
-    value = raw.get("min_rate", _default("min_rate"))
+    """``min_rate`` (:func:`parse_min_rate`), or its default."""
+    return parse_min_rate(raw.get("min_rate", _default("min_rate")))
+
+
+def parse_min_rate(value: int | str) -> int:
+    """A ``min_rate`` in bits/s: a rate ("2.5mbit", or bits/s as an int), or 0 for none.
+
+    Usage: ``parse_min_rate("1mbit") == 1_000_000`` and ``parse_min_rate(0) == 0``
+    """
     if isinstance(value, int) and not isinstance(value, bool) and value == 0:
         return 0
     if isinstance(value, bool) or not isinstance(value, (int, str)):

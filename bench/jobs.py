@@ -763,13 +763,6 @@ def agent_default(name: str):
     return next(f.default for f in dataclasses.fields(Config) if f.name == name)
 
 
-def _rate_bps(value: str | int) -> int:
-    """A ``min_rate`` in bits/s: 0, or a rate. Usage: ``_rate_bps("1mbit") == 1_000_000``"""
-    from tensorlane.units import parse_rate
-
-    return 0 if value in (0, "0") else parse_rate(value)
-
-
 def _check(mixes, phases) -> None:
     """ValueError unless ``mixes`` and ``phases`` are non-empty subsets of the known ones."""
     if not mixes or set(mixes) - set(MIXES):
@@ -800,6 +793,7 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
     only to the phases with a job order).
     Usage: ``run(quick=True)``
     """
+    from tensorlane.agent.config import parse_min_rate
     from testbed import Testbed
 
     mixes = tuple(mixes or (QUICK_MIXES if quick else DEFAULT_MIXES))
@@ -814,7 +808,7 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
                     "epoch_factor": epoch_factor, "epoch_s": epoch_s, "levels": levels,
                     "min_share": agent_default("min_share") if min_share is None else min_share,
                     "min_share_passed": min_share is not None,
-                    "min_rate_bps": agent_default("min_rate_bps") if min_rate is None else _rate_bps(min_rate),
+                    "min_rate_bps": agent_default("min_rate_bps") if min_rate is None else parse_min_rate(min_rate),
                     "min_rate_passed": min_rate is not None,
                     "queue_limit_packets": (agent_default("queue_limit_packets") if queue_limit is None
                                             else queue_limit),
