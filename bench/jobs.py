@@ -1,12 +1,13 @@
 """Jobs sharing hosts: job completion times of *mixes* of training jobs under FIFO and under the agent's job
 policies (``static``, ``rotate``, ``intensity``: agent/jobs.py, docs/jobs.md), against each job alone.
 
-On one namespace testbed (2 hosts at 50 Mbit/s by default: :data:`DEFAULT_RATE`) every mix runs its jobs side by
-side: each job is plain DDP (``bench.worker training --mode ddp``, gloo) over an emulated model (``bench.models``),
-one rank per host, a fixed number of iterations, its flows registered with its host's agent at level 0 under its own
-job id. The jobs of a mix differ in model size and iteration time, and each communicates for only part of its
-iteration (``comm_s`` = its gradients' all-reduce at link rate, 30-60 % of its solo iteration), so that priority can
-make them interleave: the favoured job communicates at full rate while the others compute (CASSINI, Crux, MLTCP).
+On one namespace testbed (2 hosts at 50 Mbit/s by default: :data:`DEFAULT_RATE`; 4 for ``spread4``) every mix runs its
+jobs side by side: each job is plain DDP (``bench.worker training --mode ddp``, gloo) over an emulated model
+(``bench.models``), one rank on each of its two hosts, a fixed number of iterations, its flows registered with its
+host's agent at level 0 under its own job id. The jobs of a mix differ in model size and iteration time, and each
+communicates for only part of its iteration (``comm_s`` = its gradients' all-reduce at link rate, 30-60 % of its solo
+iteration), so that priority can make them interleave: the favoured job communicates at full rate while the others
+compute (CASSINI, Crux, MLTCP).
 
 Mixes (:data:`MIXES`; periods and offsets are multiplied by ``time_scale``, 0.5 in the quick mode):
 
@@ -17,16 +18,18 @@ Mixes (:data:`MIXES`; periods and offsets are multiplied by ``time_scale``, 0.5 
 ``stagger2``  vgg16 (0.45 of 1.0 s) and resnet50 (0.4 of 1.5 s), the second 2 s later;
 ``stagger3``  resnet50 (0.3 of 1.2 s), vgg16 (0.3 of 1.0 s), bert_base (0.3 of 1.5 s), 1.5 s apart;
 ``stagger4``  stagger3's jobs (vgg16 at 0.35) plus resnet50 (0.35 of 0.9 s), 1 s apart: more than the link;
+``spread4``   four jobs (0.4-0.45 of 0.9-1.5 s, 1 s apart) on a ring of four hosts (:data:`MIX_HOSTS`): each
+              host's link carries two of them, within the link, and each host's agent sees only those two;
 ``oversub2``  two identical resnet50 jobs, compute = communication (0.82 s each): more than the link;
 ``collide2e``, ``collide3`` (opt-in, not in :data:`DEFAULT_MIXES`): colliding variants, resnet50 (0.45) and
               bert_base (0.42); resnet50, bert_base, vgg16 at 0.3 each; all at 1.2 s, released together.
 
 A job's ``param_scale`` is ``bench.models.balanced_scales(profile, rate, 2, fraction x period)[0]`` and its
-``compute_scale`` is solved so that ``policies.execution.ddp_iteration`` (calibrated as ``bench.validate`` found
-this testbed: :data:`ALPHA_S`, :data:`COMPUTE_FACTOR`) predicts the period as its solo iteration. Per mix:
-``fits_link`` = sum over jobs of ``comm_s / solo_iteration_s`` <= 1 (predicted solo iterations), ``collides`` =
-every job has the same period (within 2 %) and the same start offset. A design's fifth entry, when given, is
-DDP's bucket in MB of the full-size model (the worker's ``--bucket-cap-mb`` divided by ``param_scale``).
+``compute_scale`` is solved so that ``policies.execution.ddp_iteration`` (calibrated as ``bench.validate`` found this
+testbed: :data:`ALPHA_S`, :data:`COMPUTE_FACTOR`) predicts the period as its solo iteration. Per mix: ``fits_link`` =
+on every host's link, the sum over its jobs of ``comm_s / solo_iteration_s`` <= 1 (predicted solo iterations),
+``collides`` = every job has the same period (within 2 %) and the same start offset. A design's fifth entry, when
+given, is DDP's bucket in MB of the full-size model (the worker's ``--bucket-cap-mb`` divided by ``param_scale``).
 
 Phases per mix, each with fresh agents and one release barrier (every rank sets up first -- imports, rendezvous,
 DDP's construction, the registration of its flows -- then waits for a go file that holds its start time):
@@ -138,8 +141,14 @@ MIXES = {
     # the CASSINI case with phases that block: each job reduces its gradients after backward (one bucket), so its
     # communication is a phase of its own and FIFO's collisions lengthen every iteration by the other's bytes
     "collide2x": [("resnet50", 0.45, 1.2, 0.0, ONE_BUCKET_MB), ("bert_base", 0.4, 1.2, 0.0, ONE_BUCKET_MB)],
+    # four jobs spread over four hosts in a ring (MIX_HOSTS): every host, and so every link, carries two of them
+    "spread4": [("resnet50", 0.45, 1.2, 0.0), ("vgg16", 0.4, 1.0, 1.0), ("bert_base", 0.45, 1.5, 2.0),
+                ("resnet50", 0.4, 0.9, 3.0)],
 }
-DEFAULT_MIXES = ("collide2", "collide2x", "stagger2", "stagger3", "stagger4", "oversub2")
+# the testbed hosts of each job's two ranks (rank 0 first); a mix not listed runs every job on hosts 1 and 2
+MIX_HOSTS = {"spread4": ((1, 2), (2, 3), (3, 4), (4, 1))}
+DEFAULT_HOSTS = (1, 2)
+DEFAULT_MIXES = ("collide2", "collide2x", "stagger2", "stagger3", "stagger4", "spread4", "oversub2")
 QUICK_MIXES = ("collide2",)
 # 50 Mbit/s: on this 2-core machine the kernel's and gloo's work per byte (veth, bridge, HTB, the reduction) takes
 # CPU from the jobs, so at higher rates a favoured job misses its solo speed for want of CPU, not of link. collide2,
@@ -341,22 +350,43 @@ def job_spec(jid: str, design: tuple, link_bps: float, iters: int, warmup: int, 
 
 def mix_specs(mix: str, name: str, link_bps: float, iters: int, warmup: int = DEFAULT_WARMUP, time_scale: float = 1.0
               ) -> list[dict]:
-    """The jobs of ``mix`` (ids ``NAME-MIX-j0``, ...; job 0 has the highest static priority)."""
-    return [job_spec(f"{name}-{mix}-j{i}", design, link_bps, iters, warmup, time_scale)
+    """The jobs of ``mix`` (ids ``NAME-MIX-j0``, ...; job 0 has the highest static priority), each with the
+    ``hosts`` of its two ranks (:data:`MIX_HOSTS`)."""
+    placement = MIX_HOSTS.get(mix, (DEFAULT_HOSTS,) * len(MIXES[mix]))
+    return [dict(job_spec(f"{name}-{mix}-j{i}", design, link_bps, iters, warmup, time_scale), hosts=placement[i])
             for i, design in enumerate(MIXES[mix])]
 
 
+def link_loads(specs: list[dict], fractions: list[float] | None = None) -> dict[int, float]:
+    """Per testbed host, the sum of the communication fractions (default each job's predicted ``comm_fraction``)
+    of the jobs with a rank there: the load of that host's link, both ways (a 2-rank all-reduce sends as much as it
+    receives). Usage: ``max(link_loads(specs).values()) <= 1.0`` is ``fits_link``."""
+    loads: dict[int, float] = {}
+    for s, f in zip(specs, fractions or [s["comm_fraction"] for s in specs], strict=True):
+        for h in s["hosts"]:
+            loads[h] = loads.get(h, 0.0) + f
+    return dict(sorted(loads.items()))
+
+
+def mix_hosts(specs: list[dict]) -> list[int]:
+    """The testbed hosts a mix's jobs run on."""
+    return sorted({h for s in specs for h in s["hosts"]})
+
+
 def mix_setup(mix: str, specs: list[dict], epoch_factor: float, epoch_s: float | None) -> dict:
-    """A mix's set-up before any phase: its jobs, ``link_load`` (sum of comm fractions), ``fits_link``,
-    ``collides``, the rotation ``epoch_s`` and the ``recommended`` policy."""
+    """A mix's set-up before any phase: its jobs (with their ``hosts``), ``link_loads`` (per host, the sum of its
+    jobs' comm fractions), ``link_load`` (the largest), ``fits_link``, ``collides``, the rotation ``epoch_s`` and
+    the ``recommended`` policy."""
     keys = ("profile", "param_scale", "compute_scale", "bucket_mb", "gradient_bytes", "comm_s", "compute_s",
-            "solo_iter_s", "comm_fraction", "intensity", "offset_s", "design")
-    load = sum(s["comm_fraction"] for s in specs)
+            "solo_iter_s", "comm_fraction", "intensity", "offset_s", "design", "hosts")
+    loads = link_loads(specs)
+    load = max(loads.values())
     periods = [s["solo_iter_s"] for s in specs]
     same_period = max(periods) <= 1.02 * min(periods)
     collides = len(specs) > 1 and same_period and len({s["offset_s"] for s in specs}) == 1
     epoch = epoch_s or max(0.5, round(epoch_factor * max(periods), 1))
     return {"name": mix, "fits_link": load <= 1.0, "collides": collides, "link_load": load,
+            "link_loads": {str(h): v for h, v in loads.items()}, "hosts": mix_hosts(specs),
             "kind": mix_kind(load <= 1.0, collides), "recommended": recommended_policy(load <= 1.0, collides),
             "epoch_s": epoch, "iters": specs[0]["iters"],
             "jobs": [{"job": s["id"], **{k: s[k] for k in keys}} for s in specs]}
@@ -385,7 +415,8 @@ def _training_argv(tb, job: dict, rank: int, index: int, json_path: str, sockets
     """``bench.worker training`` arguments of ``job``'s rank ``rank`` on testbed host ``index`` (plain DDP, gloo,
     its flows registered at level 0 with the host's agent when ``sockets`` has one)."""
     host, mode = tb.host(index), job.get("mode", "ddp")
-    argv = ["--rank", str(rank), "--world", "2", "--master", f"{tb.host(1).ip}:{job['port']}",
+    master = tb.host(job.get("hosts", DEFAULT_HOSTS)[0])
+    argv = ["--rank", str(rank), "--world", "2", "--master", f"{master.ip}:{job['port']}",
             "--profile", job["profile"], "--mode", mode, "--iters", str(job["iters"]),
             "--warmup", str(job["warmup"]), "--param-scale", f"{job['param_scale']:g}",
             "--compute-scale", f"{job['compute_scale']:g}", "--job", job["id"],
@@ -402,14 +433,14 @@ def _training_argv(tb, job: dict, rank: int, index: int, json_path: str, sockets
 
 def _start_ranks(tb, jobs: list[dict], sockets, workdir: str, tag: str, timeout: float, wait_s: float,
                  ranks: list[Rank]) -> None:
-    """Start both ranks of every job (hosts 1 and 2) as ``worker`` processes, each job with its own go file;
+    """Start both ranks of every job (on its ``hosts``) as ``worker`` processes, each job with its own go file;
     append each to ``ranks`` as it starts. ``wait_s``: how long a worker may wait for its go file."""
     for job in jobs:
         go = os.path.join(workdir, f"{tag}-{job['id']}.go")
         for path in (go, go + ".tmp"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-        for rank, index in enumerate((1, 2)):
+        for rank, index in enumerate(job.get("hosts", DEFAULT_HOSTS)):
             host = tb.host(index)
             base = os.path.join(workdir, f"{tag}-{job['id']}-r{rank}")
             with contextlib.suppress(FileNotFoundError):
@@ -556,20 +587,23 @@ def phase_timeout(specs: list[dict]) -> float:
 
 def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels: int, epoch_s: float,
               overrides: dict | None = None) -> dict:
-    """One phase: fresh agents with the phase's job policy on both hosts, then the jobs of ``specs`` (``solo``: one
-    after the other, each alone); returns per job (``specs`` order) :func:`job_figures` as ``jobs``, the hosts'
-    TCP counters over the phase (``tcp``) and the agent's ``order_changes``."""
+    """One phase: fresh agents with the phase's job policy on the jobs' hosts, then the jobs of ``specs`` (the solo
+    phases, ``solo`` and ``solo_shim``: one after the other, each alone); returns per job (``specs`` order)
+    :func:`job_figures` as ``jobs``, the hosts' TCP counters over the phase (``tcp``) and the first host's agent's
+    ``order_changes``."""
     from bench.agents import running_agents
 
     adir = os.path.join(workdir, f"agents-{tag}")
     extra = agent_extra(phase, specs, epoch_s, overrides)
     specs = [dict(s, mode=JOB_MODE.get(phase, "ddp"), levels=levels) for s in specs]
-    tcp0 = [tcp_counters(h) for h in tb.hosts]
-    with running_agents(tb, levels=levels, workdir=adir, config_extra=extra) as agents:
+    indexes = mix_hosts([dict(s, hosts=s.get("hosts", DEFAULT_HOSTS)) for s in specs])
+    hosts = [tb.host(i) for i in indexes]
+    tcp0 = [tcp_counters(h) for h in hosts]
+    with running_agents(tb, levels=levels, hosts=indexes, workdir=adir, config_extra=extra) as agents:
         runs = run_jobs(tb, specs, {i: a.socket for i, a in agents.items()}, workdir, tag, phase_timeout(specs),
-                        sequential=phase == "solo")
-        status = agents[1].status()
-    tcp1 = [tcp_counters(h) for h in tb.hosts]
+                        sequential=phase in SOLOS)
+        status = agents[indexes[0]].status()
+    tcp1 = [tcp_counters(h) for h in hosts]
     jobs = [job_figures(runs[s["id"]]) for s in specs]
     unregistered = [s["id"] for s, j in zip(specs, jobs, strict=True) if not j["registered"]]
     if unregistered:
@@ -737,8 +771,8 @@ def run_mix(ctx: dict, mix: str, specs: list[dict], phases, reps: int) -> dict:
     out["policies"] = {p: policy_block(ids, rs, fifo_jct, _solo_for(p, solo, solo_shim)) for p, rs in runs.items()}
     out["solo"], out["solo_shim"] = solo, solo_shim
     if solo:
-        out["link_load_measured"] = sum(s["comm_s"] / j["median_iter_s"] for s, j in zip(specs, solo["jobs"],
-                                                                                        strict=True))
+        loads = link_loads(specs, [s["comm_s"] / j["median_iter_s"] for s, j in zip(specs, solo["jobs"], strict=True)])
+        out["link_load_measured"] = max(loads.values())
     out["targets"] = mix_targets(out)
     met = [t["met"] for t in out["targets"]]
     out["pass"] = None if not met or any(m is None for m in met) else all(met)
@@ -774,7 +808,7 @@ def _check(mixes, phases) -> None:
 def _describe_mix(setup: dict) -> str:
     jobs = "; ".join(f"{j['job'].rsplit('-', 1)[-1]} {j['profile']} comm {j['comm_s']:.2f} s of "
                      f"{j['solo_iter_s']:.2f} s ({j['comm_fraction']:.2f}), intensity {j['intensity']:g}, "
-                     f"+{j['offset_s']:g} s" for j in setup["jobs"])
+                     f"+{j['offset_s']:g} s, hosts {'-'.join(map(str, j['hosts']))}" for j in setup["jobs"])
     return (f"{setup['name']}: {jobs}; link load {setup['link_load']:.2f} (fits {setup['fits_link']}), collides "
             f"{setup['collides']}, epoch {setup['epoch_s']:g} s")
 
@@ -785,7 +819,8 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
         levels: int = 4, progress=print, port_base: int = 29700, workdir: str | None = None,
         ack_priority: bool | None = None, job_share: float | None = None, min_rate: str | int | None = None,
         queue_limit: int | None = None) -> dict:
-    """Run the benchmark on a fresh 2-host testbed ``name``; return ``{"mixes": [...], ...}`` (docs/jobs.md).
+    """Run the benchmark on a fresh testbed ``name`` (2 hosts; 4 with ``spread4``: :data:`MIX_HOSTS`); return
+    ``{"mixes": [...], ...}`` (docs/jobs.md).
 
     ``policies``: the phases (``solo`` and the policies, FIFO as ``fifo``); ``reps`` > 1 repeats every phase (order
     rotating) and takes each job's mean JCT. ``min_share``, ``min_rate`` (a rate, bits/s or 0), ``queue_limit``
@@ -802,7 +837,8 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
     iters = iters or (QUICK_ITERS if quick else DEFAULT_ITERS)
     time_scale = QUICK_TIME_SCALE if quick else 1.0
     progress = progress or (lambda *a, **k: None)
-    result: dict = {"rate": rate, "hosts": 2, "ranks_per_job": 2, "iters": iters, "warmup": warmup, "reps": reps,
+    n_hosts = max(h for m in mixes for pair in MIX_HOSTS.get(m, (DEFAULT_HOSTS,)) for h in pair)
+    result: dict = {"rate": rate, "hosts": n_hosts, "ranks_per_job": 2, "iters": iters, "warmup": warmup, "reps": reps,
                     "quick": quick, "time_scale": time_scale, "policies": list(phases),
                     "recommended": dict(RECOMMENDED), "recommended_agent": dict(RECOMMENDED_AGENT),
                     "epoch_factor": epoch_factor, "epoch_s": epoch_s, "levels": levels,
@@ -819,13 +855,13 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
                     "job_share_passed": job_share is not None, "machine": machine(), "targets": dict(TARGETS),
                     "prediction": {"alpha_s": ALPHA_S, "compute_factor": COMPUTE_FACTOR}, "mixes": []}
     t_start = time.monotonic()
-    progress(f"testbed {name}: 2 hosts at {rate}; mixes {', '.join(mixes)}; {iters} iterations per job; phases "
+    progress(f"testbed {name}: {n_hosts} hosts at {rate}; mixes {', '.join(mixes)}; {iters} iterations per job; phases "
              f"{', '.join(phases)}; min_share {result['min_share']:g}"
              + ("" if min_share is not None else " (the agent's default)")
              + f", min_rate {result['min_rate_bps'] / 1e6:g} Mbit/s"
              + ("" if min_rate is not None else " (the agent's default)")
              + f"; ack_priority {result['ack_priority']}; job_share {result['job_share']:g}")
-    with scratch_dir(workdir, "tensorlane-jobs-") as workdir, Testbed(hosts=2, rate=rate, name=name) as tb:
+    with scratch_dir(workdir, "tensorlane-jobs-") as workdir, Testbed(hosts=n_hosts, rate=rate, name=name) as tb:
         result["link_bps"] = tb.rate_bps
         passed = {"min_share": min_share, "min_rate": min_rate, "queue_limit_packets": queue_limit,
                   "ack_priority": ack_priority, "job_share": job_share}

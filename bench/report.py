@@ -603,6 +603,8 @@ def describe_setup(name: str, d: dict) -> str:
     hosts = num(d.get("hosts"))
     rate = fmt_bps(d.get("link_bps")) if num(d.get("link_bps")) else fmt_rate(d.get("rate"))
     text = f"{int(hosts)} hosts at {rate}" if hosts else f"links at {rate}"
+    if name == "jobs" and isinstance(d.get("mixes"), list):
+        text = f"{_jobs_hosts(d['mixes'])} at {rate}"
     if name == "realtrain":
         m = d.get("model") if isinstance(d.get("model"), dict) else {}
         tr = d.get("train") if isinstance(d.get("train"), dict) else {}
@@ -616,8 +618,9 @@ def describe_setup(name: str, d: dict) -> str:
     if name == "jobs" and isinstance(d.get("mixes"), list):
         names = [m.get("name", DASH) for m in d["mixes"] if isinstance(m, dict)]
         share, parts = num(d.get("min_share")), num(d.get("job_share"))
-        text += (f"; mixes {', '.join(map(str, names)) or DASH}, one rank per host per job; agents' min_share "
-                 f"{DASH if share is None else f'{share:g}'}" + ("" if d.get("min_share_passed") else " (default)"))
+        text += (f"; mixes {', '.join(map(str, names)) or DASH}, two ranks per job, each on its own host; agents' "
+                 f"min_share {DASH if share is None else f'{share:g}'}"
+                 + ("" if d.get("min_share_passed") else " (default)"))
         if num(d.get("min_rate_bps")) is not None:  # files from before min_rate have none
             text += f", min_rate {num(d['min_rate_bps']) / 1e6:g} Mbit/s"  # defaults change: the value run with
         if parts is not None:  # files from before job_share have none
@@ -632,6 +635,19 @@ def describe_setup(name: str, d: dict) -> str:
         text += (f" (the testbed's highest rate: not the bottleneck); emulated {model}, "
                  f"{fmt_bytes(d.get('gradient_bytes'))} of gradients, {fmt_s(d.get('compute_nominal_s'))} compute")
     return text
+
+
+def _jobs_hosts(mixes: list) -> str:
+    """How many hosts the jobs benchmark's mixes ran on: ``2 hosts``, ``2 hosts (4: spread4)``; files from before
+    the mixes named their hosts ran every mix on 2."""
+    count = {str(m.get("name", DASH)): len(m["hosts"]) if isinstance(m.get("hosts"), list) else 2
+             for m in mixes if isinstance(m, dict)}
+    common = max(set(count.values()), key=list(count.values()).count) if count else 2
+    other: dict[int, list[str]] = {}
+    for mix, n in count.items():
+        if n != common:
+            other.setdefault(n, []).append(mix)
+    return f"{common} hosts" + "".join(f" ({n}: {', '.join(ns)})" for n, ns in sorted(other.items()))
 
 
 def fmt_bytes(v) -> str:

@@ -4,7 +4,9 @@ run on the namespace testbed (collide2: each job alone, FIFO and the three polic
 no timing assertions (the 2-core machine is noisy: docs/jobs.md has the figures of a full run)."""
 from __future__ import annotations
 
+import contextlib
 import math
+from types import SimpleNamespace
 
 import pytest
 from agent_clients import require_netns_tools
@@ -20,6 +22,7 @@ from bench.jobs import (
     PHASES,
     POLICIES,
     RECOMMENDED,
+    SOLOS,
     TCPI_TOTAL_RTO,
     TCPI_TOTAL_RTO_TIME,
     _registered,
@@ -32,6 +35,7 @@ from bench.jobs import (
     mix_specs,
     mix_targets,
     policy_block,
+    run_phase,
     tcp_info_rto,
 )
 
@@ -47,8 +51,10 @@ def test_mixes_design():
                                                                "collide2x"]
     assert {m for m, s in setups.items() if not s["fits_link"]} == {"stagger4", "oversub2"}
     for m, s in setups.items():
-        assert s["recommended"] == RECOMMENDED[s["kind"]] and s["link_load"] == pytest.approx(
-            sum(j["comm_s"] / j["solo_iter_s"] for j in s["jobs"]))
+        per_host = {str(h): sum(j["comm_s"] / j["solo_iter_s"] for j in s["jobs"] if h in j["hosts"])
+                    for h in s["hosts"]}
+        assert s["link_loads"] == pytest.approx(per_host) and s["link_load"] == pytest.approx(max(per_host.values()))
+        assert s["recommended"] == RECOMMENDED[s["kind"]] and all(len(j["hosts"]) == 2 for j in s["jobs"])
         assert s["fits_link"] == (s["link_load"] <= 1.0) and s["epoch_s"] >= 0.5
         if m != "oversub2":
             assert all(0.3 <= round(j["comm_fraction"], 2) <= 0.6 for j in s["jobs"]), (m, s["jobs"])
@@ -63,6 +69,12 @@ def test_mixes_design():
     for j in c:
         assert j["bucket_mb"] is None and j["solo_iter_s"] < 0.9 * (j["compute_s"] * COMPUTE_FACTOR + j["comm_s"])
     assert len({j["offset_s"] for j in setups["stagger3"]["jobs"]}) == 3
+    # spread4: four jobs on a ring of four hosts, every host (and link) carrying two of them, within the link,
+    # where stagger4's four jobs on one link exceed it; every other mix runs on hosts 1 and 2
+    sp = setups["spread4"]
+    assert sp["hosts"] == [1, 2, 3, 4] and sp["fits_link"] and len(sp["jobs"]) == 4
+    assert all(sum(h in j["hosts"] for j in sp["jobs"]) == 2 for h in sp["hosts"])
+    assert setups["stagger4"]["hosts"] == [1, 2] and sp["link_load"] < setups["stagger4"]["link_load"] - 0.3
     o = setups["oversub2"]["jobs"]
     assert o[0]["comm_s"] == pytest.approx(o[0]["compute_s"], rel=0.01) and o[0]["param_scale"] == o[1]["param_scale"]
     extra = agent_extra("intensity", mix_specs("collide2", "tj", 200e6, 4), 2.4, None)
@@ -103,6 +115,46 @@ def test_a_designed_bucket_reaches_the_worker():
     argv = _training_argv(tb, {**x, "port": 29700}, 0, 1, "out.json", None, 60)
     assert float(argv[argv.index("--bucket-cap-mb") + 1]) == pytest.approx(x["bucket_mb"] / x["param_scale"], rel=1e-5)
     assert "--bucket-cap-mb" not in _training_argv(tb, {**plain, "port": 29700}, 0, 1, "out.json", None, 60)
+
+
+def test_a_job_rendezvous_at_its_first_host():
+    """A spread4 job on hosts 2 and 3 meets at host 2 (its rank 0), whichever host the rank runs on."""
+    from types import SimpleNamespace
+
+    hosts = {i: SimpleNamespace(ip=f"198.18.0.{i}", ifname="eth0", name=f"h{i}") for i in range(1, 5)}
+    tb = SimpleNamespace(host=hosts.__getitem__, rate_bps=50e6)
+    j1 = mix_specs("spread4", "tj", 50e6, 4)[1]
+    assert j1["hosts"] == (2, 3)
+    for rank, index in enumerate(j1["hosts"]):
+        argv = _training_argv(tb, {**j1, "port": 29701}, rank, index, "out.json", None, 60)
+        assert argv[argv.index("--master") + 1] == "198.18.0.2:29701"
+
+
+def test_solo_phases_run_each_job_alone(monkeypatch, tmp_path):
+    """Both solo phases (plain DDP and with the shim) release one job after the other, each alone; every other
+    phase releases the jobs together. (Until 2026-11-23 ``solo_shim`` ran a mix's jobs at once.)"""
+    import bench.agents
+    import bench.jobs
+
+    seen = {}
+
+    @contextlib.contextmanager
+    def agents(tb, **kw):
+        yield {i: SimpleNamespace(socket=f"/run/a{i}", status=lambda: {"job_policy": {}}) for i in kw["hosts"]}
+
+    def run_jobs(tb, specs, sockets, workdir, tag, timeout, sequential=False):
+        seen[tag] = sequential
+        return {s["id"]: {"start": 0.0, "results": []} for s in specs}
+
+    monkeypatch.setattr(bench.agents, "running_agents", agents)
+    monkeypatch.setattr(bench.jobs, "run_jobs", run_jobs)
+    monkeypatch.setattr(bench.jobs, "tcp_counters", lambda host: {})
+    monkeypatch.setattr(bench.jobs, "job_figures", lambda run: {"registered": True})
+    tb = SimpleNamespace(host=lambda i: f"h{i}")
+    specs = mix_specs("stagger2", "tj", 50e6, 4)
+    for phase in (*SOLOS, *POLICIES):
+        run_phase(tb, phase, specs, phase, str(tmp_path), 4, 3.0)
+    assert seen == {p: p in ("solo", "solo_shim") for p in (*SOLOS, *POLICIES)}
 
 
 def test_tcp_info_rto():
@@ -193,6 +245,9 @@ def test_report_rows_from_mixes():
     r = figures["oversub2 (oversubscribed): average JCT, static vs FIFO"]
     assert r.ratio == "0.91" and r.target == "none (informational)"
     assert "min_share 0.01" in report.describe_setup("jobs", d)
+    assert report.describe_setup("jobs", d).startswith("2 hosts at 200 Mbit/s")   # mixes without hosts: 2 each
+    mixes.append({"name": "spread4", "hosts": [1, 2, 3, 4]})
+    assert report.describe_setup("jobs", dict(d, hosts=4)).startswith("2 hosts (4: spread4) at 200 Mbit/s")
     assert report.rows_jobs({"mixes": []})[0].figure == "no mix in the file"
 
 
