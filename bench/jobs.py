@@ -354,10 +354,15 @@ def job_spec(jid: str, design: tuple, link_bps: float, iters: int, warmup: int, 
 def mix_specs(mix: str, name: str, link_bps: float, iters: int, warmup: int = DEFAULT_WARMUP, time_scale: float = 1.0
               ) -> list[dict]:
     """The jobs of ``mix`` (ids ``NAME-MIX-j0``, ...; job 0 has the highest static priority), each with the
-    ``hosts`` of its two ranks (:data:`MIX_HOSTS`)."""
-    placement = MIX_HOSTS.get(mix, (DEFAULT_HOSTS,) * len(MIXES[mix]))
-    return [dict(job_spec(f"{name}-{mix}-j{i}", design, link_bps, iters, warmup, time_scale), hosts=placement[i])
-            for i, design in enumerate(MIXES[mix])]
+    ``hosts`` of its two ranks (:func:`placement`)."""
+    return [dict(job_spec(f"{name}-{mix}-j{i}", design, link_bps, iters, warmup, time_scale), hosts=hosts)
+            for i, (design, hosts) in enumerate(zip(MIXES[mix], placement(mix), strict=True))]
+
+
+def placement(mix: str) -> tuple[tuple[int, int], ...]:
+    """The testbed hosts of each job's two ranks in ``mix`` (:data:`MIX_HOSTS`; else every job on
+    :data:`DEFAULT_HOSTS`). Usage: ``placement("spread4")[3] == (4, 1)``"""
+    return MIX_HOSTS.get(mix, (DEFAULT_HOSTS,) * len(MIXES[mix]))
 
 
 def link_loads(specs: list[dict], fractions: list[float] | None = None) -> dict[int, float]:
@@ -418,7 +423,7 @@ def _training_argv(tb, job: dict, rank: int, index: int, json_path: str, sockets
     """``bench.worker training`` arguments of ``job``'s rank ``rank`` on testbed host ``index`` (plain DDP, gloo,
     its flows registered at level 0 with the host's agent when ``sockets`` has one)."""
     host, mode = tb.host(index), job.get("mode", "ddp")
-    master = tb.host(job.get("hosts", DEFAULT_HOSTS)[0])
+    master = tb.host(job["hosts"][0])
     argv = ["--rank", str(rank), "--world", "2", "--master", f"{master.ip}:{job['port']}",
             "--profile", job["profile"], "--mode", mode, "--iters", str(job["iters"]),
             "--warmup", str(job["warmup"]), "--param-scale", f"{job['param_scale']:g}",
@@ -443,7 +448,7 @@ def _start_ranks(tb, jobs: list[dict], sockets, workdir: str, tag: str, timeout:
         for path in (go, go + ".tmp"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-        for rank, index in enumerate(job.get("hosts", DEFAULT_HOSTS)):
+        for rank, index in enumerate(job["hosts"]):
             host = tb.host(index)
             base = os.path.join(workdir, f"{tag}-{job['id']}-r{rank}")
             with contextlib.suppress(FileNotFoundError):
@@ -498,9 +503,9 @@ def _release(ranks: list[Rank], jobs: list[dict], tag: str, timeout: float, sequ
 def run_jobs(tb, jobs: list[dict], sockets: dict[int, str] | None, workdir: str, tag: str, timeout: float,
              sequential: bool = False, ready_timeout: float = 240.0) -> dict[str, dict]:
     """Start every rank of every job in ``jobs`` (dicts: id, profile, param_scale, compute_scale, iters, warmup,
-    port, offset_s), release them (:func:`_release`), wait for all (bounded) and return per job ``{start, results}``
-    (its ranks' JSON). Raises ScenarioError with the failing worker's log; every worker still running is killed
-    on the way out."""
+    port, offset_s, hosts), release them (:func:`_release`), wait for all (bounded) and return per job ``{start,
+    results}`` (its ranks' JSON). Raises ScenarioError with the failing worker's log; every worker still running is
+    killed on the way out."""
     ranks: list[Rank] = []
     wait_s = ready_timeout + 30 + (len(jobs) * (timeout + 10) if sequential else 0)
     try:
@@ -599,7 +604,7 @@ def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels:
     adir = os.path.join(workdir, f"agents-{tag}")
     extra = agent_extra(phase, specs, epoch_s, overrides)
     specs = [dict(s, mode=JOB_MODE.get(phase, "ddp"), levels=levels) for s in specs]
-    indexes = mix_hosts([dict(s, hosts=s.get("hosts", DEFAULT_HOSTS)) for s in specs])
+    indexes = mix_hosts(specs)
     hosts = [tb.host(i) for i in indexes]
     tcp0 = [tcp_counters(h) for h in hosts]
     with running_agents(tb, levels=levels, hosts=indexes, workdir=adir, config_extra=extra) as agents:
@@ -840,7 +845,7 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
     iters = iters or (QUICK_ITERS if quick else DEFAULT_ITERS)
     time_scale = QUICK_TIME_SCALE if quick else 1.0
     progress = progress or (lambda *a, **k: None)
-    n_hosts = max(h for m in mixes for pair in MIX_HOSTS.get(m, (DEFAULT_HOSTS,)) for h in pair)
+    n_hosts = max(h for m in mixes for pair in placement(m) for h in pair)
     result: dict = {"rate": rate, "hosts": n_hosts, "ranks_per_job": 2, "iters": iters, "warmup": warmup, "reps": reps,
                     "quick": quick, "time_scale": time_scale, "policies": list(phases),
                     "recommended": dict(RECOMMENDED), "recommended_agent": dict(RECOMMENDED_AGENT),

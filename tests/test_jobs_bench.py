@@ -107,8 +107,6 @@ def test_mix_agent_gives_oversubscribed_mixes_large_parts():
 def test_a_designed_bucket_reaches_the_worker():
     """A job whose design names a DDP bucket (MB of the full-size model) runs with ``--bucket-cap-mb`` of the
     emulated model (divided by its param_scale); a job without one keeps the worker's default."""
-    from types import SimpleNamespace
-
     host = SimpleNamespace(ip="198.18.0.1", ifname="eth0", name="h1")
     tb = SimpleNamespace(host=lambda i: host, rate_bps=100e6)
     x, plain = mix_specs("collide2x", "tj", 100e6, 4)[0], mix_specs("collide2", "tj", 100e6, 4)[0]
@@ -119,8 +117,6 @@ def test_a_designed_bucket_reaches_the_worker():
 
 def test_a_job_rendezvous_at_its_first_host():
     """A spread4 job on hosts 2 and 3 meets at host 2 (its rank 0), whichever host the rank runs on."""
-    from types import SimpleNamespace
-
     hosts = {i: SimpleNamespace(ip=f"198.18.0.{i}", ifname="eth0", name=f"h{i}") for i in range(1, 5)}
     tb = SimpleNamespace(host=hosts.__getitem__, rate_bps=50e6)
     j1 = mix_specs("spread4", "tj", 50e6, 4)[1]
