@@ -88,8 +88,9 @@ def test_demo_trains_through_the_shim_quick(tmp_path, capsys):
 
     out = tmp_path / "demo.json"
     code = demo.main(["--quick", "--iters", "2", "--name", "tdm", "--json", str(out)])
-    printed = capsys.readouterr().out
-    assert code == 0, printed
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert code == 0, printed + captured.err   # the demo says on stderr why the scenario could not run
     assert "median iteration" in printed and f"plot written to {tmp_path / 'demo.png'}" in printed, printed
     assert (tmp_path / "demo.png").read_bytes().startswith(b"\x89PNG")
     result = json.loads(out.read_text())
