@@ -8,7 +8,9 @@ The FlowTable keeps the level each client asked for; this module derives the lev
   ``policies.jobs.hashed_rotation_order``);
 - ``"alternate"``: like ``"rotate"``, but every two jobs swap places every epoch pair, in strict turn
   (``policies.jobs.alternating_rotation_order``);
-- ``"intensity"``: by ``job_intensity``, most GPU-intensive first (Crux).
+- ``"intensity"``: by ``job_intensity``, most GPU-intensive first (Crux);
+- ``"shortest"``: by the bytes one training step all-reduces, as the jobs' own shims report them (``step_bytes``
+  of op ``report``), fewest first: the job whose communication phase is shortest goes first.
 
 Under a policy, ``job_share`` of the link is guaranteed to the jobs in equal parts (``policies.jobs.job_shares``,
 each part on its band's most urgent level; ``shares``), so that an order never leaves a job with less than its part
@@ -17,8 +19,9 @@ while it has bytes to send; 0 keeps the order strict (each level only ``min_shar
 The jobs this agent sees (those with flows in its table) get contiguous bands of levels in that order, most urgent
 first (``policies.jobs.job_bands``), and a flow's effective level is the level its client asked for compressed into
 its job's band, never above its user's ``level_limits`` (``policies.jobs.banded_level``). The order is a pure
-function of the job ids, the wall-clock epoch number and the config: agents need no coordination, and agents with
-different job sets still agree on the relative order of every two jobs they share.
+function of the job ids, the wall-clock epoch number, the config and (``shortest``) the jobs' reported step bytes,
+which are the same on every rank of a job: agents need no coordination, and agents with different job sets still
+agree on the relative order of every two jobs they share.
 
 The scheduler caches the order and bands it last computed (derived state, never edited by anything else):
 ``update(table)`` recomputes them when the set of jobs or the epoch changed and returns the flows whose effective
@@ -49,12 +52,14 @@ class JobScheduler:
         self.epoch_s = float(getattr(cfg, "rotate_epoch_s", 20.0))
         self.priority = dict(getattr(cfg, "job_priority", {}) or {})
         self.intensity = dict(getattr(cfg, "job_intensity", {}) or {})
+        self.step_bytes: dict[str, int] = {}  # shortest: job -> bytes per training step its shims reported
         self.job_share = float(getattr(cfg, "job_share", 0.0))
         self.clock = clock
         self.enabled = self.policy != "none"
         self.jobs: frozenset[str] = frozenset()
         self.epoch: int | None = None
         self.order: tuple[str, ...] = ()
+        self.keys: tuple = ()  # shortest: the reported step bytes the order was computed from
         self.bands: dict[str, tuple[int, int]] = {}
         self.shares: dict[int, float] = {}  # level -> guaranteed share of the link (job_share among the jobs)
         self.changes = 0  # how many times the order or bands changed (status)
@@ -84,6 +89,21 @@ class JobScheduler:
         """Whether the epoch changed since the last ``update`` (cheap: one clock read)."""
         return self.policy in ROTATING and self.epoch_now(now) != self.epoch
 
+    # -- reported inputs ----------------------------------------------------------------------------------------
+    def report_step_bytes(self, job: str, step_bytes: int) -> bool:
+        """Take a job's reported bytes per training step (``shortest``); returns whether the order's input
+        changed, i.e. whether ``update`` must run. Other policies ignore it."""
+        if self.policy != "shortest" or self.step_bytes.get(job) == step_bytes:
+            return False
+        self.step_bytes[job] = step_bytes
+        return True
+
+    def _keys(self, jobs: frozenset[str]) -> tuple:
+        """The reported inputs of the jobs present (empty unless ``shortest``)."""
+        if self.policy != "shortest":
+            return ()
+        return tuple(sorted((j, self.step_bytes[j]) for j in jobs if j in self.step_bytes))
+
     # -- recomputation ----------------------------------------------------------------------------------------
     def update(self, table, now: float | None = None) -> list[FlowKey]:
         """Recompute the order and bands if the jobs in ``table`` or the epoch changed; return the flows (of jobs
@@ -93,11 +113,14 @@ class JobScheduler:
             return []
         jobs = frozenset(table.by_job)
         epoch = self.epoch_now(now)
-        if jobs == self.jobs and epoch == self.epoch and self.bands:
+        for gone in [j for j in self.step_bytes if j not in jobs]:  # bounded by the jobs present
+            del self.step_bytes[gone]
+        keys = self._keys(jobs)
+        if jobs == self.jobs and epoch == self.epoch and keys == self.keys and self.bands:
             return []
         now_s = 0.0 if epoch is None else epoch * self.epoch_s
         order, ranks = job_order(self.policy, sorted(jobs), now_s=now_s, epoch_s=self.epoch_s,
-                                 priority=self.priority, intensity=self.intensity)
+                                 priority=self.priority, intensity=self.intensity, step_bytes=dict(keys))
         bands = job_bands(order, self.levels, ranks)
         old = self.bands
         shifted: list[FlowKey] = []
@@ -114,7 +137,7 @@ class JobScheduler:
             self.changes += 1
             if epoch != self.epoch and epoch is not None:
                 log.info("epoch %d: job order %s", epoch, ", ".join(order) or "(no jobs)")
-        self.jobs, self.epoch, self.order, self.bands = jobs, epoch, order, bands
+        self.jobs, self.epoch, self.order, self.bands, self.keys = jobs, epoch, order, bands, keys
         self.shares = job_shares(bands, self.job_share)
         return sorted(shifted)
 
@@ -124,6 +147,8 @@ class JobScheduler:
                "bands": {job: {"first_level": b[0], "levels": b[1]} for job, b in self.bands.items()},
                "job_share": self.job_share if self.enabled else 0.0,
                "level_shares": {str(lvl): round(v, 6) for lvl, v in sorted(self.shares.items())}}
+        if self.policy == "shortest":
+            out["step_bytes"] = dict(self.keys)
         if self.policy in ROTATING:
             out |= {"epoch_s": self.epoch_s, "epoch": self.epoch,
                     "next_epoch_in_s": round(self.seconds_to_next_epoch() or 0.0, 3)}

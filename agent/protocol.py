@@ -43,6 +43,7 @@ class Request:
     session: str | None = None
     run: str | None = None  # register: one run of the job (the same on all its ranks), to tell two jobs apart
     counters: tuple[tuple[int, int, int, float], ...] = ()  # report: (level, allreduces, bytes, comm_s)
+    step_bytes: int | None = None  # report: bytes one training step all-reduces (job_policy "shortest")
 
 
 def _port(value, name: str) -> int:
@@ -138,7 +139,7 @@ def parse_request(line: bytes | str) -> Request:
         raise ProtocolError("bad_request", "id must be a string or an integer")
     allowed = {"op", "id"} | {
         "register": {"job", "level", "rank", "flows", "run"}, "unregister": {"job", "flows"}, "list": {"job"},
-        "report": {"job", "session", "levels"},
+        "report": {"job", "session", "levels", "step_bytes"},
     }.get(op, set())
     unknown = set(msg) - allowed
     if unknown:
@@ -166,14 +167,16 @@ def parse_request(line: bytes | str) -> Request:
     run = msg.get("run")
     if run is not None and (not isinstance(run, str) or not JOB_ID_RE.match(run)):
         raise ProtocolError("bad_request", f"run must be {JOB_ID_RULE}; got {run!r}")
-    session, counters = None, ()
+    session, counters, step_bytes = None, (), None
     if op == "report":
         session = msg.get("session")
         if not isinstance(session, str) or not JOB_ID_RE.match(session):
             raise ProtocolError("bad_request", f"session must be {JOB_ID_RULE}; got {session!r}")
         counters = parse_counters(msg.get("levels"))
+        if msg.get("step_bytes") is not None:
+            step_bytes = int(_count(msg, "step_bytes", int))
     return Request(op=op, id=rid, job=job, level=level, rank=rank, flows=flows, session=session, run=run,
-                   counters=counters)
+                   counters=counters, step_bytes=step_bytes)
 
 
 def ok(rid, result: dict) -> bytes:

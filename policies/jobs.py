@@ -4,10 +4,10 @@ Every agent must compute the same job order from the same inputs without a coord
 function here is a pure function of its arguments, sorts with a total order, and breaks ties by job id.
 
 The agent (``agent/jobs.py``, docs/jobs.md) uses ``job_order`` (the order and rank of the jobs one agent sees, for
-policy ``none``, ``static``, ``rotate``, ``alternate`` or ``intensity``), ``job_bands`` (each job's contiguous band
-of levels), ``banded_level`` (a flow's effective level: its job's band, with the level the client asked for
-compressed inside) and ``job_shares`` (the link's share guaranteed to each band, so that no order leaves a job
-less than its part). Rotation is ``hashed_rotation_order``: the relative order of two jobs depends only on those
+policy ``none``, ``static``, ``rotate``, ``alternate``, ``intensity`` or ``shortest``), ``job_bands`` (each job's
+contiguous band of levels), ``banded_level`` (a flow's effective level: its job's band, with the level the client
+asked for compressed inside) and ``job_shares`` (the link's share guaranteed to each band, so that no order leaves a
+job less than its part). Rotation is ``hashed_rotation_order``: the relative order of two jobs depends only on those
 two ids and the epoch number, so agents that see different sets of jobs still agree on every pair they share
 (TensorLights' positional rotation, ``policies.papers.tensorlights.rotate_job_order``, does not). :class:`Job` is
 the job as the paper reproductions (``policies.papers.tensorlights``, ``policies.papers.crux``) see it.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from tensorlane.policies.compress import compress_levels
 
-JOB_POLICIES = ("none", "static", "rotate", "alternate", "intensity")
+JOB_POLICIES = ("none", "static", "rotate", "alternate", "intensity", "shortest")
 ROTATING = ("rotate", "alternate")  # the policies whose order changes every epoch
 
 
@@ -96,7 +96,8 @@ def alternating_rotation_order(job_ids: Sequence[str], epoch: int) -> tuple[str,
 
 def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: float = 20.0,
               priority: Mapping[str, int] | None = None,
-              intensity: Mapping[str, float] | None = None) -> tuple[tuple[str, ...], tuple[float, ...]]:
+              intensity: Mapping[str, float] | None = None,
+              step_bytes: Mapping[str, int] | None = None) -> tuple[tuple[str, ...], tuple[float, ...]]:
     """The order of the jobs ``job_ids`` under ``policy`` (most urgent first) and each one's rank value
     (jobs with equal rank values share a band in ``job_bands``).
 
@@ -108,7 +109,11 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
     - ``alternate``: ``alternating_rotation_order`` of that epoch (every pair swaps every epoch pair), ranks as
       ``rotate``;
     - ``intensity``: by ``intensity[job]`` descending (Crux's GPU intensity, computed elsewhere), ties share a
-      band; jobs not listed count as intensity 0.
+      band; jobs not listed count as intensity 0;
+    - ``shortest``: by ``step_bytes[job]`` ascending, the bytes one training step of the job all-reduces as its own
+      shims report them (the job whose communication phase is shortest on any shared link first), ties share a
+      band; jobs without a report rank after every reported one, all alike. Every rank of a DDP job reduces the same
+      buckets, so agents that see two jobs' reports order them alike.
 
     Usage: ``job_order("static", ["b", "a", "c"], priority={"b": 0, "a": 1})``
     ``== (("b", "a", "c"), (0, 1, math.inf))``
@@ -131,6 +136,13 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
         rank = {j: -float(inten.get(j, 0.0)) + 0.0 for j in ids}
         if any(math.isnan(r) for r in rank.values()):
             raise ValueError("intensity must not be NaN")
+        order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
+        return order, tuple(rank[j] for j in order)
+    if policy == "shortest":
+        sizes = step_bytes or {}
+        rank = {j: float(sizes[j]) if j in sizes else math.inf for j in ids}
+        if any(math.isnan(r) or r < 0 for r in rank.values()):
+            raise ValueError("step_bytes must be non-negative numbers")
         order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
         return order, tuple(rank[j] for j in order)
     raise ValueError(f"policy must be one of {', '.join(JOB_POLICIES)}, not {policy!r}")

@@ -120,6 +120,8 @@ class ShimState:
     order_source: list | None = None  # comm_state() without module: parameters in hook order, to learn levels
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    step_bytes: int = 0  # bytes the last complete synchronized backward all-reduced (the same on every rank)
+    _step_acc: int = 0
 
     def __post_init__(self):
         if not self.counters:
@@ -137,12 +139,14 @@ class ShimState:
         if module is not None:
             _set_layer_levels(self, [p for p in module.parameters() if p.requires_grad], o.get("policy"))
 
-    def launch(self, buf: torch.Tensor, params: list) -> tuple[list, list, list]:
+    def launch(self, buf: torch.Tensor, params: list, last_bucket: bool = False) -> tuple[list, list, list]:
         """Start the all-reduce of ``buf`` (the concatenated grads of ``params``) piece by piece, by level.
 
         Pieces are launched most urgent first: by level, then by the forward position of their first parameter
         (a level's group runs its operations in launch order). Returns the futures and the pieces
-        ``(offset, length, level)`` and their ``(level, launch time)``, all in buffer order.
+        ``(offset, length, level)`` and their ``(level, launch time)``, all in buffer order. ``last_bucket``: this is
+        the backward's last bucket (its bytes so far become ``step_bytes``, reported to the agent at once when
+        they change).
         """
         numels = [p.numel() for p in params]
         last = len(self.groups) - 1
@@ -166,11 +170,17 @@ class ShimState:
             launched[i] = (level, time.perf_counter())
             futures[i] = dist.all_reduce(buf.narrow(0, offset, length), group=self.groups[level],
                                          async_op=True).get_future()
+        changed = False
         with self.lock:
             for _offset, length, level in pieces:
                 s = self.counters[level]
                 s.allreduces += 1
                 s.bytes += length * element
+            self._step_acc += buf.numel() * element
+            if last_bucket:
+                changed, self.step_bytes, self._step_acc = self._step_acc != self.step_bytes, self._step_acc, 0
+        if changed and self.reporter is not None:
+            self.reporter.wake()  # the agent's job order (job_policy "shortest") may depend on it
         return futures, pieces, launched
 
     def completed(self, launched: list, indexes) -> None:
@@ -190,6 +200,7 @@ class ShimState:
         link = self.link
         out = {"enabled": True, "mode": self.mode, "mode_reason": self.mode_reason, "job": self.job,
                "flows": {lvl: len(f) for lvl, f in self.flows.items()}, "levels": self.level_stats(),
+               "step_bytes": self.step_bytes,
                "agent": {"connected": False} if link is None else
                {"connected": link.connected, **link.counters, "last_error": link.last_error}}
         if self.deferred is not None:
@@ -249,7 +260,7 @@ def priority_hook(state: ShimState, bucket):
         _learn_order(state, bucket)
     buf = bucket.buffer()
     buf.div_(state.world)
-    futures, _, launched = state.launch(buf, bucket.parameters())
+    futures, _, launched = state.launch(buf, bucket.parameters(), bucket.is_last())
 
     def finished(_fut):  # one callback per bucket (DDP needs the bucket's future anyway)
         state.completed(launched, range(len(launched)))
@@ -332,7 +343,7 @@ def _launch_deferred(state: ShimState, bucket):
         else:  # stamped, but its module did not run forward: its gradient is final, take the step now
             _apply(state, p)
     buf = bucket.buffer().div(state.world)  # a copy, which the all-reduce owns until it completes
-    futures, pieces, launched = state.launch(buf, params)
+    futures, pieces, launched = state.launch(buf, params, bucket.is_last())
     pend, offset = ov.Pending(futures, buf, [], launched), 0
     for p in params:
         n = p.numel()

@@ -27,11 +27,13 @@ log = logging.getLogger("tensorlane.shim")
 
 
 class Reporter:
-    """Sends ``stats()`` (a list of ``{level, allreduces, bytes, comm_s}``) as op ``report`` for ``job``."""
+    """Sends ``stats()`` (a list of ``{level, allreduces, bytes, comm_s}``) as op ``report`` for ``job``, with
+    ``step_bytes()`` (the bytes of one training step's all-reduces; 0 or None: not known yet) when given."""
 
     def __init__(self, stats, socket_path: str, job: str, interval_s: float = 5.0, timeout_s: float = 0.25,
-                 session: str | None = None, start: bool = True):
+                 session: str | None = None, start: bool = True, step_bytes=None):
         self.stats = stats
+        self.step_bytes = step_bytes
         self.socket_path = socket_path
         self.job = job
         self.timeout_s = timeout_s
@@ -41,6 +43,7 @@ class Reporter:
         self.unsupported = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = None
         if start:
             self._thread = threading.Thread(target=self._run, args=(interval_s,), name="tensorlane-report",
@@ -61,9 +64,16 @@ class Reporter:
                 return False
             if not levels:
                 return False
+            extra = {}
+            try:
+                step = int(self.step_bytes() or 0) if self.step_bytes is not None else 0
+            except Exception:  # noqa: BLE001 - as above
+                step = 0
+            if step > 0:
+                extra["step_bytes"] = step
             try:
                 with AgentClient(self.socket_path, timeout=self.timeout_s) as agent:
-                    agent.request("report", job=self.job, session=self.session, levels=levels)
+                    agent.request("report", job=self.job, session=self.session, levels=levels, **extra)
             except AgentError as exc:
                 self.counters["refusals"] += 1
                 self.last_error = str(exc)
@@ -78,14 +88,23 @@ class Reporter:
             self.counters["sent"] += 1
             return True
 
+    def wake(self) -> None:
+        """Report now rather than at the next interval (the step's bytes changed); never blocks."""
+        self._wake.set()
+
     def _run(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
+        while not self._stop.is_set():
+            self._wake.wait(interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             self.report()
 
     def close(self) -> bool:
         """Stop the thread and send a last report (bounded). Idempotent; returns whether the last one was taken."""
         first = not self._stop.is_set()
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self.timeout_s * 4 + 1)
         return self.report() if first else False
@@ -97,4 +116,4 @@ def start(handle, interval_s: float = 5.0, timeout_s: float = 0.25) -> Reporter 
         return None
     link = handle.link
     return Reporter(lambda: handle.stats()["levels"], link.socket_path, link.job, interval_s=interval_s,
-                    timeout_s=timeout_s)
+                    timeout_s=timeout_s, step_bytes=lambda: handle.stats().get("step_bytes"))

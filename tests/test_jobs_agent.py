@@ -201,6 +201,42 @@ def test_intensity_policy_orders_by_configured_intensity():
     assert rec.kernel == {key(21): 0, key(20): 1, key(22): 2}
 
 
+def test_shortest_orders_by_the_jobs_reported_step_bytes():
+    """``shortest``: jobs without a report share one band; a job's report of its step bytes (by the user who
+    registered its flows, or root) moves the flows in one kernel change, fewest bytes first; another user's report
+    for the job, a report of a job with no flows here, and a report under another policy change nothing."""
+    api, rec = make_api(job_policy="shortest", check_ownership=False)  # made-up peers: no process or socket
+    alice, bob = Peer(pid=1, uid=1000, gid=1000), Peer(pid=2, uid=1001, gid=1001)
+    for port, job in ((1, "big"), (2, "small")):
+        request(api, alice, op="register", job=job, level=0, flows=[flow(port)])
+    assert rec.kernel == {key(1): 0, key(2): 0}  # no reports: one band for both
+    levels = [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.1}]
+    r = request(api, bob, op="report", job="small", session="s-bob", levels=levels, step_bytes=10)
+    assert r["step_bytes"].startswith("ignored: only the user") and rec.kernel == {key(1): 0, key(2): 0}
+    r = request(api, alice, op="report", job="ghost", session="s-g", levels=levels, step_bytes=10)
+    assert r["step_bytes"] == "ignored: the job has no flows registered on this host"
+    rec.calls.clear()
+    assert request(api, alice, op="report", job="big", session="s1", levels=levels, step_bytes=9000)[
+        "step_bytes"] == "taken"
+    assert rec.calls == [([], [key(2)], [])] and rec.kernel == {key(1): 0, key(2): 2}  # reported before unreported
+    rec.calls.clear()
+    request(api, None, op="report", job="small", session="s2", levels=levels, step_bytes=3000)
+    assert rec.calls == [([], sorted([key(1), key(2)]), [])] and rec.kernel == {key(1): 2, key(2): 0}
+    rec.calls.clear()
+    request(api, alice, op="report", job="small", session="s3", levels=levels, step_bytes=3000)  # the same again
+    assert rec.calls == []
+    st = request(api, op="status")["job_policy"]
+    assert st["order"] == ["small", "big"] and st["step_bytes"] == {"big": 9000, "small": 3000}
+    request(api, op="unregister", job="small")
+    assert api.jobs.step_bytes == {"big": 9000}  # forgotten with the job's last flow
+    other, _ = make_api(job_policy="static", job_priority={"a": 0})
+    request(other, op="register", job="a", level=0, flows=[flow(1)])
+    assert request(other, op="report", job="a", session="s", levels=levels, step_bytes=5)["step_bytes"] == (
+        "unused: job_policy is 'static'")
+    with pytest.raises(AssertionError, match="bad_request"):
+        request(api, op="report", job="big", session="s", levels=levels, step_bytes=-1)
+
+
 def test_full_reconcile_and_status_use_effective_levels():
     table = FlowTable(4)
     sched = JobScheduler(from_dict({"interface": "eth0", "job_policy": "static", "job_priority": {"a": 0, "b": 1}}))

@@ -510,6 +510,31 @@ def test_reporter_sends_cumulative_counters_and_a_last_report_at_close(tmp_path,
         server.close()
 
 
+def test_reporter_sends_step_bytes_at_once_when_woken(tmp_path, kernel):
+    """The shim wakes its reporter when a step's bytes change: the report goes out without waiting for the
+    interval, with ``step_bytes``; 0 (not known yet) is left out."""
+    api = fake_api(levels=2)
+    step = {"bytes": 0}
+    sent = []
+    handle = api.handle
+    api.handle = lambda line, peer=None: (sent.append(json.loads(line)), handle(line, peer))[1]
+    server = ApiOverSocket(str(tmp_path / "agent.sock"), api)
+    try:
+        rep = Reporter(lambda: [{"level": 0, "allreduces": 1, "bytes": 1, "comm_s": 0.1}],
+                       str(tmp_path / "agent.sock"), "job-w", interval_s=60, timeout_s=0.5,
+                       step_bytes=lambda: step["bytes"])
+        assert rep.report() and "step_bytes" not in sent[-1]
+        step["bytes"] = 4096
+        rep.wake()
+        deadline = time.monotonic() + 5
+        while rep.counters["sent"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rep.counters["sent"] == 2 and sent[-1]["step_bytes"] == 4096
+        rep.close()
+    finally:
+        server.close()
+
+
 def test_reporter_stops_asking_an_agent_without_the_report_op(tmp_path):
     class OldApi:
         def handle(self, line):

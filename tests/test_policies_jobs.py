@@ -147,7 +147,13 @@ def test_job_order_by_hand() -> None:
     assert order == hashed_rotation_order(ids, 2) and ranks == (0.0, 1.0, 2.0, 3.0)
     order, ranks = job_order("alternate", ids, now_s=61.0, epoch_s=20.0)  # epoch 3: epoch pair 1, reversed
     assert order == hashed_rotation_order(ids, 1)[::-1] and ranks == (0.0, 1.0, 2.0, 3.0)
-    assert set(JOB_POLICIES) == {"none", "static", "rotate", "alternate", "intensity"}
+    # shortest: fewest bytes per step first; equal sizes tie; jobs without a report after every reported one
+    assert job_order("shortest", ids, step_bytes={"d": 10, "b": 40, "a": 40}) == (
+        ("d", "a", "b", "c"), (10.0, 40.0, 40.0, math.inf))
+    assert job_order("shortest", ids) == (("a", "b", "c", "d"), (math.inf,) * 4)  # no reports: one band
+    with pytest.raises(ValueError, match="step_bytes"):
+        job_order("shortest", ids, step_bytes={"a": -1})
+    assert set(JOB_POLICIES) == {"none", "static", "rotate", "alternate", "intensity", "shortest"}
     with pytest.raises(ValueError, match="policy"):
         job_order("fair", ids)
     with pytest.raises(ValueError):
@@ -259,3 +265,25 @@ def test_position_rotation_disagrees_but_hashed_does_not() -> None:
         h1, h2 = hashed_rotation_order(["a", "b"], now), hashed_rotation_order(["a", "b", "c"], now)
         assert [j for j in h2 if j != "c"] == list(h1)
     assert found
+
+
+@settings(max_examples=200, deadline=None)
+@given(job_ids, job_ids, st.integers(1, 5), st.data())
+def test_agents_agree_on_shared_jobs_by_reported_step_bytes(seen1, seen2, levels, data) -> None:
+    """``shortest``: every rank of a job reports the same step bytes, so two agents that both have the reports of
+    two shared jobs order them alike, whatever other jobs (reported or not) each one sees."""
+    every = sorted(set(seen1) | set(seen2))
+    sizes = {j: data.draw(st.integers(0, 5)) * 1000 for j in every}
+    reported1 = {j: sizes[j] for j in seen1 if data.draw(st.booleans()) or j in seen2}
+    reported2 = {j: sizes[j] for j in seen2 if data.draw(st.booleans()) or j in seen1}
+    o1, r1 = job_order("shortest", seen1, step_bytes=reported1)
+    o2, r2 = job_order("shortest", seen2, step_bytes=reported2)
+    shared = set(seen1) & set(seen2)
+    b1, b2 = job_bands(o1, levels, r1), job_bands(o2, levels, r2)
+    for a in shared:
+        for b in shared:
+            assert (o1.index(a) < o1.index(b)) == (o2.index(a) < o2.index(b))
+            for t in range(levels):
+                l1a, l1b = banded_level(b1[a], t, levels), banded_level(b1[b], t, levels)
+                l2a, l2b = banded_level(b2[a], t, levels), banded_level(b2[b], t, levels)
+                assert not (l1a < l1b and l2a > l2b), (a, b, o1, o2)

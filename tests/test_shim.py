@@ -61,6 +61,9 @@ def test_same_parameters_as_ddp(tmp_path, nproc, optimizer):
         stats = json.loads((tmp_path / f"overlap-{rank}.json").read_text())
         assert stats["mode"] == "overlap" and stats["deferred_steps"] == 19, stats  # the first iteration probes
         assert [lvl["allreduces"] > 0 for lvl in stats["levels"]] == [True, True, True]  # every level was used
+        grads = sum(v.numel() * v.element_size() for v in ref.values())  # the model has parameters only
+        for mode in ("hook", "overlap"):  # one step's all-reduced bytes: every gradient once, on every rank
+            assert json.loads((tmp_path / f"{mode}-{rank}.json").read_text())["step_bytes"] == grads, mode
         assert json.loads((tmp_path / f"disabled-{rank}.json").read_text()) == {"enabled": False}
 
 
