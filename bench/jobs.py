@@ -37,7 +37,8 @@ DDP's construction, the registration of its flows -- then waits for a go file th
 (the same, every job with the shim), ``fifo`` (``none``: all jobs' flows at level 0, FIFO between jobs),
 ``static`` (``job_priority`` from the job order), ``rotate`` and ``alternate`` (``rotate_epoch_s`` =
 ``epoch_factor`` x the longest predicted solo iteration), ``intensity`` (``job_intensity`` = each job's
-compute_s / comm_s, Crux's GPU intensity) and ``levels`` (``none``, every job with the shim: overlap mode, its
+compute_s / comm_s, Crux's GPU intensity), ``shortest`` (no table: the jobs' shims, in hook mode at one level,
+report the bytes of one step, fewest first) and ``levels`` (``none``, every job with the shim: overlap mode, its
 tensors on the shim's levels; judged against the faster of its two solo runs); opt-in, ``static_levels``
 (``static``'s order, every job with the shim as in ``levels``, its levels inside its job's band). Job ``i``
 starts ``offset_s`` after the common release; its JCT runs from its own start to the end of its slowest rank's last
@@ -113,7 +114,7 @@ def recommended_policy(fits_link: bool, collides: bool) -> str:
     """The job policy docs/jobs.md recommends for a mix of this kind (:data:`RECOMMENDED`): the one its targets
     judge. Usage: ``recommended_policy(True, True) == "static"``"""
     return RECOMMENDED[mix_kind(fits_link, collides)]
-POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "levels")
+POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "shortest", "levels")
 # opt-in (--policies): ``static_levels``, static's job order with every job running the shim (its levels inside
 # its job's band)
 OPT_IN_POLICIES = ("static_levels",)
@@ -121,9 +122,14 @@ SOLOS = ("solo", "solo_shim")
 DEFAULT_PHASES = (*SOLOS, *POLICIES)
 PHASES = (*DEFAULT_PHASES, *OPT_IN_POLICIES)
 AGENT_POLICY = {"solo": "none", "solo_shim": "none", "fifo": "none", "static": "static", "rotate": "rotate",
-                "alternate": "alternate", "intensity": "intensity", "levels": "none", "static_levels": "static"}
-# what each job runs: plain DDP at one level, or DDP with the shim (overlap, the shim's levels in layer order)
-JOB_MODE = {"solo_shim": "shim_overlap", "levels": "shim_overlap", "static_levels": "shim_overlap"}
+                "alternate": "alternate", "intensity": "intensity", "shortest": "shortest", "levels": "none",
+                "static_levels": "static"}
+# what each job runs: plain DDP at one level, DDP with the shim (overlap, the shim's levels in layer order), or
+# (``shortest``) the shim in hook mode at one level: plain DDP's schedule, with the reports of its step bytes that
+# the agents order the jobs by
+JOB_MODE = {"solo_shim": "shim_overlap", "levels": "shim_overlap", "static_levels": "shim_overlap",
+            "shortest": "shim"}
+JOB_LEVELS = {"shortest": 1}  # the shim's levels where not the run's
 # (profile, communication fraction of the period, period s, start offset s[, DDP bucket MB of the full-size model]);
 # None, None: compute = communication. The bucket defaults to DDP's 25 MB; ONE_BUCKET_MB puts every gradient in one
 # bucket, reduced after backward ends: communication that cannot overlap with compute.
@@ -430,8 +436,8 @@ def _training_argv(tb, job: dict, rank: int, index: int, json_path: str, sockets
             "--compute-scale", f"{job['compute_scale']:g}", "--job", job["id"],
             "--ifname", host.ifname, "--link-rate", str(int(tb.rate_bps)),
             "--json", json_path, "--timeout", str(int(timeout))]
-    if mode != "ddp":
-        argv += ["--levels", str(job["levels"])]
+    if mode != "ddp":  # the shim registers under the job's own id, so that a job order knows it
+        argv += ["--levels", str(job["levels"]), "--shim-job", job["id"]]
     if job.get("bucket_mb") is not None:   # the design's DDP bucket (the shim's modes use the same)
         argv += ["--bucket-cap-mb", f"{job['bucket_mb'] / job['param_scale']:g}"]
     if sockets and index in sockets:
@@ -593,6 +599,35 @@ def phase_timeout(specs: list[dict]) -> float:
     return 120 + 6 * len(specs) * max((s["iters"] + 1) * max(s["comm_s"], s["compute_s"]) for s in specs)
 
 
+class OrderWatch:
+    """Reads an agent's job order once a second while a phase runs (a thread, stopped on exit): ``order`` is the
+    last one seen with all ``jobs`` of its host present (with ``step_bytes`` under ``shortest``), None if never."""
+
+    def __init__(self, agent, jobs: int, period_s: float = 1.0):
+        import threading
+
+        self.agent, self.jobs, self.period_s, self.order = agent, jobs, period_s, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="order-watch", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                jp = self.agent.status()["job_policy"]
+            except Exception:  # noqa: BLE001 - a missed reading is only a missed reading
+                continue
+            if len(jp.get("order", ())) >= self.jobs > 1:
+                self.order = {"order": jp["order"], **({"step_bytes": jp["step_bytes"]} if "step_bytes" in jp else {})}
+
+    def __enter__(self) -> OrderWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
 def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels: int, epoch_s: float,
               overrides: dict | None = None) -> dict:
     """One phase: fresh agents with the phase's job policy on the jobs' hosts, then the jobs of ``specs`` (the solo
@@ -603,11 +638,12 @@ def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels:
 
     adir = os.path.join(workdir, f"agents-{tag}")
     extra = agent_extra(phase, specs, epoch_s, overrides)
-    specs = [dict(s, mode=JOB_MODE.get(phase, "ddp"), levels=levels) for s in specs]
+    specs = [dict(s, mode=JOB_MODE.get(phase, "ddp"), levels=JOB_LEVELS.get(phase, levels)) for s in specs]
     indexes = mix_hosts(specs)
     hosts = [tb.host(i) for i in indexes]
     tcp0 = [tcp_counters(h) for h in hosts]
-    with running_agents(tb, levels=levels, hosts=indexes, workdir=adir, config_extra=extra) as agents:
+    with running_agents(tb, levels=levels, hosts=indexes, workdir=adir, config_extra=extra) as agents, \
+            OrderWatch(agents[indexes[0]], len([s for s in specs if indexes[0] in s["hosts"]])) as watch:
         runs = run_jobs(tb, specs, {i: a.socket for i, a in agents.items()}, workdir, tag, phase_timeout(specs),
                         sequential=phase in SOLOS)
         status = agents[indexes[0]].status()
@@ -616,7 +652,7 @@ def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels:
     unregistered = [s["id"] for s, j in zip(specs, jobs, strict=True) if not j["registered"]]
     if unregistered:
         raise ScenarioError(f"{tag}: flows not registered with the agents: {', '.join(unregistered)}")
-    return {"jobs": jobs, "order_changes": status["job_policy"].get("changes"),
+    return {"jobs": jobs, "order_changes": status["job_policy"].get("changes"), "order": watch.order,
             "tcp": {k: sum(b.get(k, 0) - a.get(k, 0) for a, b in zip(tcp0, tcp1, strict=True)) for k in tcp1[0]}}
 
 
@@ -656,7 +692,8 @@ def policy_block(ids: list[str], runs: list[dict], fifo: list[float] | None, sol
     fifo_avg = statistics.fmean(fifo) if fifo else None
     return {"jobs": jobs, "avg_jct_s": avg, "avg_vs_fifo": ratio(avg, fifo_avg),
             "max_vs_fifo": _max([j["vs_fifo"] for j in jobs]), "max_vs_solo": _max([j["vs_solo"] for j in jobs]),
-            "tcp": [r["tcp"] for r in runs], "order_changes": [r["order_changes"] for r in runs]}
+            "tcp": [r["tcp"] for r in runs], "order_changes": [r["order_changes"] for r in runs],
+            "orders": [r.get("order") for r in runs]}
 
 
 LOAD_KEYS = ("compute_late_s", "cpu_s", "cpu_wait_s")  # what the machine's CPU was doing meanwhile
@@ -743,11 +780,11 @@ def _solo_block(ctx: dict, specs: list[dict], reps: int, phase: str = "solo") ->
 
 
 def _solo_for(policy: str, solo: dict | None, solo_shim: dict | None) -> list[float] | None:
-    """The solo JCTs a policy is judged against: each job alone with plain DDP; for the jobs that run the shim
-    (``levels``), the smaller of that and the job alone with the shim, so that the shim's own gain alone is not
-    counted as a gain of sharing."""
+    """The solo JCTs a policy is judged against: each job alone with plain DDP; for the jobs that run the shim's
+    overlap (``levels``), the smaller of that and the job alone with the shim, so that the shim's own gain alone is
+    not counted as a gain of sharing (``shortest``'s hook mode at one level keeps plain DDP's schedule)."""
     plain = [j["jct_s"] for j in solo["jobs"]] if solo else None
-    if JOB_MODE.get(policy, "ddp") == "ddp" or not solo_shim:
+    if JOB_MODE.get(policy, "ddp") != "shim_overlap" or not solo_shim:
         return plain
     shim = [j["jct_s"] for j in solo_shim["jobs"]]
     return shim if plain is None else [min(a, b) for a, b in zip(plain, shim, strict=True)]

@@ -348,6 +348,8 @@ def _training_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition-bytes", type=int, default=None, help="the shim's partition size (default: its own)")
     p.add_argument("--ddp-level", type=int, default=0,
                    help="level of plain DDP's flows when --agent-socket is given (-1: leave them unregistered)")
+    p.add_argument("--shim-job", default=None,
+                   help="the job id the shim registers under (default: JOB-MODE, each mode a job of its own)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--link-rate", default=None, help="link rate (e.g. 200mbit): adds lower_bound_s to the JSON")
     p.add_argument("--seed", type=int, default=0)
@@ -550,7 +552,8 @@ class TrainingWorker:
         """``shim.attach`` for a shim mode (with ``layer_levels`` set on its state, if given); the handle."""
         from tensorlane import shim
 
-        kw = {"levels": st["levels"], "agent_socket": self.args.agent_socket, "job": f"{self.args.job}-{mode}",
+        kw = {"levels": st["levels"], "agent_socket": self.args.agent_socket,
+              "job": self.args.shim_job or f"{self.args.job}-{mode}",
               "policy": st["policy"]}
         if st["partition_bytes"] is not None:
             kw["partition_bytes"] = int(st["partition_bytes"])

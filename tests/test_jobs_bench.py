@@ -13,9 +13,11 @@ from agent_clients import require_netns_tools
 
 from bench import report
 from bench.jobs import (
+    AGENT_POLICY,
     COMPUTE_FACTOR,
     DEFAULT_MIXES,
     DEFAULT_PHASES,
+    JOB_LEVELS,
     JOB_MODE,
     MIXES,
     OPT_IN_POLICIES,
@@ -113,6 +115,20 @@ def test_a_designed_bucket_reaches_the_worker():
     argv = _training_argv(tb, {**x, "port": 29700}, 0, 1, "out.json", None, 60)
     assert float(argv[argv.index("--bucket-cap-mb") + 1]) == pytest.approx(x["bucket_mb"] / x["param_scale"], rel=1e-5)
     assert "--bucket-cap-mb" not in _training_argv(tb, {**plain, "port": 29700}, 0, 1, "out.json", None, 60)
+
+
+def test_a_shim_job_registers_under_the_jobs_own_id():
+    """With the shim, a worker registers its flows under the job's id (``--shim-job``), the id a job order's table
+    names; without it the worker would append its mode (``tj-collide2-j0-shim_overlap``), outside every table."""
+    host = SimpleNamespace(ip="198.18.0.1", ifname="eth0", name="h1")
+    tb = SimpleNamespace(host=lambda i: host, rate_bps=100e6)
+    spec = {**mix_specs("collide2", "tj", 100e6, 4)[0], "port": 29700}
+    for mode, levels in (("shim_overlap", 4), ("shim", 1)):
+        argv = _training_argv(tb, {**spec, "mode": mode, "levels": levels}, 0, 1, "out.json", None, 60)
+        assert argv[argv.index("--shim-job") + 1] == spec["id"] == "tj-collide2-j0"
+        assert argv[argv.index("--levels") + 1] == str(levels)
+    assert "--shim-job" not in _training_argv(tb, spec, 0, 1, "out.json", None, 60)
+    assert JOB_MODE["shortest"] == "shim" and JOB_LEVELS == {"shortest": 1} and AGENT_POLICY["shortest"] == "shortest"
 
 
 def test_a_job_rendezvous_at_its_first_host():
@@ -272,7 +288,8 @@ def test_jobs_quick_smoke():
     fifo = [j["jct_s"] for j in mix["policies"]["fifo"]["jobs"]]
     for name, block in mix["policies"].items():
         assert [j["job"] for j in block["jobs"]] == ids
-        judged = [min(a, b) for a, b in zip(solo, solo_shim, strict=True)] if name in JOB_MODE else solo
+        judged = [min(a, b) for a, b in zip(solo, solo_shim, strict=True)] \
+            if JOB_MODE.get(name) == "shim_overlap" else solo
         for j, f, s in zip(block["jobs"], fifo, judged, strict=True):
             assert set(j) >= JOB_KEYS, (name, j)
             assert isinstance(j["jct_s"], float) and math.isfinite(j["jct_s"]) and j["jct_s"] > 0, (name, j)
@@ -285,7 +302,12 @@ def test_jobs_quick_smoke():
             assert 0 < j["cpu_s"] < 2 * j["jct_s"] and j["cpu_wait_s"] >= 0, (name, j)
         assert block["tcp"][0].keys() == {"RetransSegs", "TCPTimeouts"}
     assert mix["policies"]["fifo"]["order_changes"] == [0]
-    assert all(mix["policies"][p]["order_changes"][0] >= 1 for p in ("static", "rotate", "intensity"))
+    assert all(mix["policies"][p]["order_changes"][0] >= 1 for p in ("static", "rotate", "intensity", "shortest"))
+    # shortest: the agent ordered the jobs by the step bytes their shims reported, the gradients' bytes exactly
+    seen = mix["policies"]["shortest"]["orders"][0]
+    assert seen["step_bytes"] == {j["job"]: j["gradient_bytes"] for j in mix["jobs"]}, seen
+    assert seen["order"] == sorted(ids, key=lambda j: seen["step_bytes"][j]), seen
+    assert mix["policies"]["static"]["orders"][0]["order"] == ids and mix["policies"]["fifo"]["orders"] == [None]
     assert {t["name"] for t in mix["targets"]} == {"fits_vs_fifo", "fits_vs_solo", "collide_avg_vs_fifo"}
     assert all(isinstance(t["met"], bool) for t in mix["targets"]) and result["pass"] == {"collide2": mix["pass"]}
     table = format_table(result)
