@@ -61,7 +61,9 @@ def format_status(st: dict) -> str:
     jp = st.get("job_policy") or {}
     if jp.get("policy", "none") != "none":
         parts = ", ".join(f"level {lvl} {100 * v:g} %" for lvl, v in jp.get("level_shares", {}).items())
-        lines.append(f"job policy {jp['policy']}: order {', '.join(jp.get('order', [])) or '-'}; job_share "
+        sizes = jp.get("step_bytes", {})  # shortest: what the jobs' shims reported
+        order = ", ".join(f"{j} ({sizes[j]} B/step)" if j in sizes else j for j in jp.get("order", []))
+        lines.append(f"job policy {jp['policy']}: order {order or '-'}; job_share "
                      f"{jp.get('job_share', 0):g}" + (f" ({parts})" if parts else ""))
     for job, n in sorted(st["jobs"].items()):
         lines.append(f"job {job}: {n} flows")

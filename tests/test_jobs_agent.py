@@ -315,6 +315,12 @@ def test_status_table_shows_the_job_order_and_parts():
     request(api, op="register", job="a", level=0, flows=[flow(2)])
     text = format_status(request(api, op="status"))
     assert "job policy static: order a, b; job_share 0.2 (level 0 10 %, level 2 10 %)" in text, text
+    api, _ = make_api(job_policy="shortest")
+    for port, job in ((1, "a"), (2, "b")):
+        request(api, op="register", job=job, level=0, flows=[flow(port)])
+    request(api, op="report", job="b", session="s", levels=[{"level": 0, "allreduces": 1, "bytes": 8, "comm_s": 0}],
+            step_bytes=4096)
+    assert "job policy shortest: order b (4096 B/step), a; job_share 0.2" in format_status(request(api, op="status"))
 
 
 # ---- against the kernel: agents in a testbed of their own --------------------------------------------------------
