@@ -125,11 +125,11 @@ AGENT_POLICY = {"solo": "none", "solo_shim": "none", "fifo": "none", "static": "
                 "alternate": "alternate", "intensity": "intensity", "shortest": "shortest", "levels": "none",
                 "static_levels": "static"}
 # what each job runs: plain DDP at one level, DDP with the shim (overlap, the shim's levels in layer order), or
-# (``shortest``) the shim in hook mode at one level: plain DDP's schedule, with the reports of its step bytes that
-# the agents order the jobs by
+# (``shortest``) the shim in hook mode at one level, unpartitioned: plain DDP's schedule (one all-reduce per DDP
+# bucket), with the reports of its step bytes that the agents order the jobs by
 JOB_MODE = {"solo_shim": "shim_overlap", "levels": "shim_overlap", "static_levels": "shim_overlap",
             "shortest": "shim"}
-JOB_LEVELS = {"shortest": 1}  # the shim's levels where not the run's
+JOB_SHIM = {"shortest": {"levels": 1, "shim_policy": "layer_order"}}  # the shim's settings where not the run's
 # (profile, communication fraction of the period, period s, start offset s[, DDP bucket MB of the full-size model]);
 # None, None: compute = communication. The bucket defaults to DDP's 25 MB; ONE_BUCKET_MB puts every gradient in one
 # bucket, reduced after backward ends: communication that cannot overlap with compute.
@@ -438,6 +438,8 @@ def _training_argv(tb, job: dict, rank: int, index: int, json_path: str, sockets
             "--json", json_path, "--timeout", str(int(timeout))]
     if mode != "ddp":  # the shim registers under the job's own id, so that a job order knows it
         argv += ["--levels", str(job["levels"]), "--shim-job", job["id"]]
+        if job.get("shim_policy"):  # else the worker's default, the planner
+            argv += ["--policy", job["shim_policy"]]
     if job.get("bucket_mb") is not None:   # the design's DDP bucket (the shim's modes use the same)
         argv += ["--bucket-cap-mb", f"{job['bucket_mb'] / job['param_scale']:g}"]
     if sockets and index in sockets:
@@ -638,7 +640,7 @@ def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels:
 
     adir = os.path.join(workdir, f"agents-{tag}")
     extra = agent_extra(phase, specs, epoch_s, overrides)
-    specs = [dict(s, mode=JOB_MODE.get(phase, "ddp"), levels=JOB_LEVELS.get(phase, levels)) for s in specs]
+    specs = [dict(s, mode=JOB_MODE.get(phase, "ddp"), levels=levels, **JOB_SHIM.get(phase, {})) for s in specs]
     indexes = mix_hosts(specs)
     hosts = [tb.host(i) for i in indexes]
     tcp0 = [tcp_counters(h) for h in hosts]

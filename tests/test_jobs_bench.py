@@ -17,8 +17,8 @@ from bench.jobs import (
     COMPUTE_FACTOR,
     DEFAULT_MIXES,
     DEFAULT_PHASES,
-    JOB_LEVELS,
     JOB_MODE,
+    JOB_SHIM,
     MIXES,
     OPT_IN_POLICIES,
     PHASES,
@@ -123,12 +123,15 @@ def test_a_shim_job_registers_under_the_jobs_own_id():
     host = SimpleNamespace(ip="198.18.0.1", ifname="eth0", name="h1")
     tb = SimpleNamespace(host=lambda i: host, rate_bps=100e6)
     spec = {**mix_specs("collide2", "tj", 100e6, 4)[0], "port": 29700}
-    for mode, levels in (("shim_overlap", 4), ("shim", 1)):
-        argv = _training_argv(tb, {**spec, "mode": mode, "levels": levels}, 0, 1, "out.json", None, 60)
+    for mode, shim in (("shim_overlap", {"levels": 4}), ("shim", JOB_SHIM["shortest"])):
+        argv = _training_argv(tb, {**spec, "mode": mode, **shim}, 0, 1, "out.json", None, 60)
         assert argv[argv.index("--shim-job") + 1] == spec["id"] == "tj-collide2-j0"
-        assert argv[argv.index("--levels") + 1] == str(levels)
+        assert argv[argv.index("--levels") + 1] == str(shim["levels"])
+        assert argv[argv.index("--policy") + 1] == "layer_order" if mode == "shim" else "--policy" not in argv
     assert "--shim-job" not in _training_argv(tb, spec, 0, 1, "out.json", None, 60)
-    assert JOB_MODE["shortest"] == "shim" and JOB_LEVELS == {"shortest": 1} and AGENT_POLICY["shortest"] == "shortest"
+    # shortest: one level, no partition (layer_order, not the planner): plain DDP's all-reduces, one per bucket
+    assert JOB_MODE["shortest"] == "shim" and AGENT_POLICY["shortest"] == "shortest"
+    assert JOB_SHIM == {"shortest": {"levels": 1, "shim_policy": "layer_order"}}
 
 
 def test_a_job_rendezvous_at_its_first_host():
