@@ -640,7 +640,7 @@ def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels:
 
     adir = os.path.join(workdir, f"agents-{tag}")
     extra = agent_extra(phase, specs, epoch_s, overrides)
-    specs = [dict(s, mode=JOB_MODE.get(phase, "ddp"), levels=levels, **JOB_SHIM.get(phase, {})) for s in specs]
+    specs = [{**s, "mode": JOB_MODE.get(phase, "ddp"), "levels": levels, **JOB_SHIM.get(phase, {})} for s in specs]
     indexes = mix_hosts(specs)
     hosts = [tb.host(i) for i in indexes]
     tcp0 = [tcp_counters(h) for h in hosts]

@@ -151,7 +151,7 @@ def test_solo_phases_run_each_job_alone(monkeypatch, tmp_path):
     import bench.agents
     import bench.jobs
 
-    seen = {}
+    seen, ran = {}, {}
 
     @contextlib.contextmanager
     def agents(tb, **kw):
@@ -159,6 +159,7 @@ def test_solo_phases_run_each_job_alone(monkeypatch, tmp_path):
 
     def run_jobs(tb, specs, sockets, workdir, tag, timeout, sequential=False):
         seen[tag] = sequential
+        ran[tag] = {(s["mode"], s["levels"], s.get("shim_policy")) for s in specs}
         return {s["id"]: {"start": 0.0, "results": []} for s in specs}
 
     monkeypatch.setattr(bench.agents, "running_agents", agents)
@@ -170,6 +171,9 @@ def test_solo_phases_run_each_job_alone(monkeypatch, tmp_path):
     for phase in (*SOLOS, *POLICIES):
         run_phase(tb, phase, specs, phase, str(tmp_path), 4, 3.0)
     assert seen == {p: p in ("solo", "solo_shim") for p in (*SOLOS, *POLICIES)}
+    # what every job of a phase runs: plain DDP, the shim's overlap on the run's levels, or shortest's hook mode
+    assert ran["fifo"] == {("ddp", 4, None)} and ran["levels"] == ran["solo_shim"] == {("shim_overlap", 4, None)}
+    assert ran["shortest"] == {("shim", 1, "layer_order")}
 
 
 def test_tcp_info_rto():
