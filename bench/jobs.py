@@ -40,7 +40,8 @@ DDP's construction, the registration of its flows -- then waits for a go file th
 compute_s / comm_s, Crux's GPU intensity), ``shortest`` (no table: the jobs' shims, in hook mode at one level,
 report the bytes of one step, fewest first) and ``levels`` (``none``, every job with the shim: overlap mode, its
 tensors on the shim's levels; judged against the faster of its two solo runs); opt-in, ``static_levels``
-(``static``'s order, every job with the shim as in ``levels``, its levels inside its job's band). Job ``i``
+(``static``'s order, every job with the shim as in ``levels``, its levels inside its job's band) and
+``intensity_hook`` (``intensity``'s table, the jobs as in ``shortest``). Job ``i``
 starts ``offset_s`` after the common release; its JCT runs from its own start to the end of its slowest rank's last
 iteration. Each rank reads, before it exits, ``tcpi_total_rto`` of its TCP connections to its peer (``rto``:
 retransmission timeouts, summed over the job's ranks; None on kernels older than 6.7), ``late_s`` of its emulated
@@ -116,20 +117,22 @@ def recommended_policy(fits_link: bool, collides: bool) -> str:
     return RECOMMENDED[mix_kind(fits_link, collides)]
 POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "shortest", "levels")
 # opt-in (--policies): ``static_levels``, static's job order with every job running the shim (its levels inside
-# its job's band)
-OPT_IN_POLICIES = ("static_levels",)
+# its job's band); ``intensity_hook``, intensity's table with shortest's jobs (the shim in hook mode at one level),
+# which tells the order's effect from the shim's where both orders agree
+OPT_IN_POLICIES = ("static_levels", "intensity_hook")
 SOLOS = ("solo", "solo_shim")
 DEFAULT_PHASES = (*SOLOS, *POLICIES)
 PHASES = (*DEFAULT_PHASES, *OPT_IN_POLICIES)
 AGENT_POLICY = {"solo": "none", "solo_shim": "none", "fifo": "none", "static": "static", "rotate": "rotate",
                 "alternate": "alternate", "intensity": "intensity", "shortest": "shortest", "levels": "none",
-                "static_levels": "static"}
+                "static_levels": "static", "intensity_hook": "intensity"}
 # what each job runs: plain DDP at one level, DDP with the shim (overlap, the shim's levels in layer order), or
 # (``shortest``) the shim in hook mode at one level, unpartitioned: plain DDP's schedule (one all-reduce per DDP
 # bucket), with the reports of its step bytes that the agents order the jobs by
 JOB_MODE = {"solo_shim": "shim_overlap", "levels": "shim_overlap", "static_levels": "shim_overlap",
-            "shortest": "shim"}
-JOB_SHIM = {"shortest": {"levels": 1, "shim_policy": "layer_order"}}  # the shim's settings where not the run's
+            "shortest": "shim", "intensity_hook": "shim"}
+HOOK_ONE_LEVEL = {"levels": 1, "shim_policy": "layer_order"}
+JOB_SHIM = {"shortest": HOOK_ONE_LEVEL, "intensity_hook": HOOK_ONE_LEVEL}  # the shim's settings where not the run's
 # (profile, communication fraction of the period, period s, start offset s[, DDP bucket MB of the full-size model]);
 # None, None: compute = communication. The bucket defaults to DDP's 25 MB; ONE_BUCKET_MB puts every gradient in one
 # bucket, reduced after backward ends: communication that cannot overlap with compute.

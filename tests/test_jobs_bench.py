@@ -95,6 +95,7 @@ def test_mixes_design():
     assert both == {"job_policy": "static", "job_priority": {"tj-collide2-j0": 0, "tj-collide2-j1": 1},
                     "job_share": 0.5}
     assert JOB_MODE["static_levels"] == "shim_overlap" and set(OPT_IN_POLICIES).isdisjoint(DEFAULT_PHASES)
+    assert JOB_MODE["intensity_hook"] == JOB_MODE["shortest"] and AGENT_POLICY["intensity_hook"] == "intensity"
     assert set(PHASES) == set(DEFAULT_PHASES) | set(OPT_IN_POLICIES)
 
 
@@ -131,7 +132,7 @@ def test_a_shim_job_registers_under_the_jobs_own_id():
     assert "--shim-job" not in _training_argv(tb, spec, 0, 1, "out.json", None, 60)
     # shortest: one level, no partition (layer_order, not the planner): plain DDP's all-reduces, one per bucket
     assert JOB_MODE["shortest"] == "shim" and AGENT_POLICY["shortest"] == "shortest"
-    assert JOB_SHIM == {"shortest": {"levels": 1, "shim_policy": "layer_order"}}
+    assert JOB_SHIM["shortest"] == JOB_SHIM["intensity_hook"] == {"levels": 1, "shim_policy": "layer_order"}
 
 
 def test_a_job_rendezvous_at_its_first_host():
