@@ -168,7 +168,8 @@ class Api:
         bad = [lvl for lvl, *_ in req.counters if lvl >= self.cfg.levels]
         if bad:
             raise ProtocolError("bad_level", f"level {bad[0]} out of range 0..{self.cfg.levels - 1}")
-        counted_as = self.reports.add(req.job, req.session, {lvl: tuple(c) for lvl, *c in req.counters})
+        counted_as = self.reports.add(req.job, req.session, {lvl: tuple(c) for lvl, *c in req.counters},
+                                      req.step_bytes)
         reply = {"job": req.job, "levels": len(req.counters), "counted_as": counted_as}
         if req.step_bytes is not None:
             reply["step_bytes"] = self._step_bytes(req, peer)

@@ -420,8 +420,9 @@ def test_report_op_feeds_the_job_counters(kernel):
     assert bad["error"]["code"] == "bad_level"
     request(api, **report_msg(levels=[{"level": 0, "allreduces": 6, "bytes": 6144, "comm_s": 0.75},
                                       {"level": 2, "allreduces": 1, "bytes": 10, "comm_s": 0.125}]))
-    request(api, **report_msg(session="s2"))  # a second process of the same job on this host
+    request(api, **report_msg(session="s2", step_bytes=8192))  # a second process of the same job on this host
     s = scrape(registry)
+    assert value(s, "tensorlane_job_step_bytes", training_job="job-a") == 8192
     assert value(s, "tensorlane_job_allreduces_total", training_job="job-a", level=0) == 10
     assert value(s, "tensorlane_job_allreduce_bytes_total", training_job="job-a", level=0) == 10240
     assert value(s, "tensorlane_job_allreduce_seconds_total", training_job="job-a", level=0) == 1.25
@@ -441,13 +442,15 @@ def test_job_reports_are_idempotent_survive_restarts_and_are_bounded():
     assert r.snapshot()["a"][0] == (6, 60, 3.0)
     assert r.add("b", "s2", {1: (1, 1, 1.0)}) == "b"
     assert r.add("c", "s3", {0: (4, 4, 4.0)}) == OTHER  # over max_jobs
-    assert r.add("d", "s4", {0: (1, 1, 1.0)}) == OTHER
+    assert r.add("d", "s4", {0: (1, 1, 1.0)}, step_bytes=7) == OTHER  # no step bytes for _other
+    r.add("a", "s1", {0: (6, 60, 3.0)}, step_bytes=4096)
+    assert r.step_bytes() == {"a": 4096}
     snap = r.snapshot()
     assert set(snap) == {"a", "b", OTHER} and snap[OTHER][0] == (5, 5, 5.0)
     now[0] = 50
     r.add("b", "s2", {1: (2, 2, 2.0)})
     now[0] = 120                                        # a and _other silent for more than ttl: forgotten
-    assert set(r.snapshot()) == {"b"}
+    assert set(r.snapshot()) == {"b"} and r.step_bytes() == {}  # a's step bytes forgotten with its series
     assert r.add("e", "s5", {0: (1, 1, 1.0)}) == "e"    # a slot is free again
     assert len(r._sessions) <= 3
 

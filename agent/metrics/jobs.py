@@ -10,6 +10,8 @@ went down (the process restarted with the same id) counts from zero.
 - ``tensorlane_job_allreduce_bytes_total{training_job,level}``
 - ``tensorlane_job_allreduce_seconds_total{training_job,level}``: rate(seconds) / rate(allreduces) is the mean
   time of one all-reduce piece; pieces of different levels overlap, so seconds can grow faster than wall time.
+- ``tensorlane_job_step_bytes{training_job}``: the bytes one training step all-reduces, as last reported (a gauge;
+  only for jobs whose shims send it).
 - ``tensorlane_reporting_jobs``: jobs with a series now.
 
 Cardinality: at most ``MAX_JOBS`` jobs have series; reports of further jobs are added to
@@ -45,10 +47,13 @@ class JobReports:
         self._lock = threading.Lock()
         self._totals: dict[str, dict[int, list]] = {}  # job -> level -> [allreduces, bytes, comm_s]
         self._seen: dict[str, float] = {}  # job -> last report (monotonic)
+        self._step: dict[str, int] = {}  # job -> bytes per training step, as last reported
         self._sessions: OrderedDict[tuple[str, str], dict[int, tuple]] = OrderedDict()  # LRU
 
-    def add(self, job: str, session: str, levels: dict[int, tuple[int, int, float]]) -> str:
-        """Fold one report in; return the job it was counted under (``job`` or ``_other``)."""
+    def add(self, job: str, session: str, levels: dict[int, tuple[int, int, float]],
+            step_bytes: int | None = None) -> str:
+        """Fold one report in (and its ``step_bytes``, when sent); return the job it was counted under (``job`` or
+        ``_other``)."""
         now = self.clock()
         with self._lock:
             self._expire(now)
@@ -67,6 +72,8 @@ class JobReports:
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
             self._seen[target] = now
+            if step_bytes is not None and target != OTHER:
+                self._step[target] = step_bytes
             return target
 
     def _real_jobs(self) -> list[str]:
@@ -78,6 +85,7 @@ class JobReports:
         for job in [j for j, t in self._seen.items() if now - t > self.ttl_s]:
             self._seen.pop(job, None)
             self._totals.pop(job, None)
+            self._step.pop(job, None)
             for key in [k for k in self._sessions if k[0] == job]:
                 del self._sessions[key]
 
@@ -86,6 +94,12 @@ class JobReports:
         with self._lock:
             self._expire(self.clock())
             return {job: {lvl: tuple(v) for lvl, v in levels.items()} for job, levels in self._totals.items()}
+
+    def step_bytes(self) -> dict[str, int]:
+        """``{job: bytes per training step}`` of the jobs with series now whose shims sent it."""
+        with self._lock:
+            self._expire(self.clock())
+            return dict(self._step)
 
 
 class JobsSource(Source):
@@ -103,4 +117,8 @@ class JobsSource(Source):
                 for fam, value in zip(fams, values, strict=True):  # FIELDS: allreduces, bytes, comm_s
                     fam.add_metric([job, str(level)], value)
         yield from fams
+        step = names.JOB_STEP_BYTES.gauge()
+        for job, value in sorted((reports.step_bytes() if reports is not None else {}).items()):
+            step.add_metric([job], value)
+        yield step
         yield names.REPORTING_JOBS.gauge(len(snap))

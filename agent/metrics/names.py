@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 DEVICE = ("device",)
 DEVICE_CLASS = ("device", "class")
 JOB_LEVEL = ("training_job", "level")
+JOB = ("training_job",)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,9 @@ JOB_ALLREDUCE_BYTES = Name("tensorlane_job_allreduce_bytes",
 JOB_ALLREDUCE_SECONDS = Name("tensorlane_job_allreduce_seconds",
                              "Seconds from launch to completion, summed over all-reduce pieces, reported by the "
                              "job's shims on this host", JOB_LEVEL)
+JOB_STEP_BYTES = Name("tensorlane_job_step_bytes",
+                      "Bytes one training step all-reduces, as the job's shims on this host last reported it "
+                      "(what job_policy shortest orders jobs by)", JOB)
 REPORTING_JOBS = Name("tensorlane_reporting_jobs", "Training jobs whose shims reported here recently")
 
 # __init__.py (AgentCollector: one series per source)
