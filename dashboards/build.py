@@ -220,6 +220,10 @@ def training_job_panels(lay, reporters: str) -> None:
             [(f"sum by (training_job, level) (rate(tensorlane_job_allreduce_bytes_total{sel(jobs=True)}{RATE}))",
               "{{training_job}} level {{level}}")],
             f"Bytes all-reduced per second, reported by {reporters}.")
+    lay.add("Bytes per training step by job", "bytes",
+            [(f"max by (training_job) (tensorlane_job_step_bytes{sel(jobs=True)})", "{{training_job}}")],
+            f"The bytes one training step all-reduces, reported by {reporters}: what job_policy \"shortest\" "
+            "orders jobs by (fewest first).")
 
 def fleet() -> dict:
     lay = Layout()
