@@ -90,7 +90,7 @@ class Api:
         self.rec.apply(self.table, added, moved, removed)
         self.rec.set_shares(self.jobs.shares)  # the jobs' guarantees follow the set of jobs (classes in place)
 
-    def rotate(self) -> int:
+    def reorder(self) -> int:
         """At an epoch boundary (the server's timer), or when a job's reported step bytes changed (``shortest``):
         recompute the job order and move the flows whose effective level changed, in one transaction. Returns how
         many moved."""
@@ -187,7 +187,7 @@ class Api:
         if peer is not None and peer.uid != 0 and peer.uid not in owners:
             return "ignored: only the user who registered the job's flows may report for it"
         if self.jobs.report_step_bytes(req.job, req.step_bytes):
-            self.rotate()
+            self.reorder()
         return "taken"
 
     def _op_list(self, req, peer) -> dict:

@@ -174,7 +174,7 @@ def parse_request(line: bytes | str) -> Request:
             raise ProtocolError("bad_request", f"session must be {JOB_ID_RULE}; got {session!r}")
         counters = parse_counters(msg.get("levels"))
         if msg.get("step_bytes") is not None:
-            step_bytes = int(_count(msg, "step_bytes", int))
+            step_bytes = _count(msg, "step_bytes", int)
     return Request(op=op, id=rid, job=job, level=level, rank=rank, flows=flows, session=session, run=run,
                    counters=counters, step_bytes=step_bytes)
 

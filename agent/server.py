@@ -172,7 +172,7 @@ class Server:
                 self._release_held(time.monotonic())
             self._work()
             if jobs.epoch_due():  # a new rotation epoch: a new job order
-                self.api.rotate()
+                self.api.reorder()
             now = time.monotonic()
             self._close_idle(now)
             if self.listen_again is not None and now >= self.listen_again:

@@ -70,6 +70,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 from bench.workers import (
@@ -609,8 +610,6 @@ class OrderWatch:
     last one seen with all ``jobs`` of its host present (with ``step_bytes`` under ``shortest``), None if never."""
 
     def __init__(self, agent, jobs: int, period_s: float = 1.0):
-        import threading
-
         self.agent, self.jobs, self.period_s, self.order = agent, jobs, period_s, None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="order-watch", daemon=True)

@@ -165,7 +165,7 @@ def test_rotation_moves_every_changed_flow_at_an_epoch_boundary(policy):
     rotation = hashed_rotation_order if policy == "rotate" else alternating_rotation_order
     epoch = next(e for e in range(1, 100) if rotation(["p", "q"], e) != rotation(["p", "q"], e - 1))
     now[0] = (epoch - 1) * 2.0 + 0.5
-    assert api.rotate() == 0
+    assert api.reorder() == 0
     request(api, op="register", job="p", level=0, flows=[flow(1), flow(2)])
     request(api, op="register", job="q", level=0, flows=[flow(3)])
     first, second = rotation(["p", "q"], epoch - 1)
@@ -175,10 +175,10 @@ def test_rotation_moves_every_changed_flow_at_an_epoch_boundary(policy):
     now[0] = epoch * 2.0 + 0.01
     assert api.jobs.epoch_due()
     rec.calls.clear()
-    assert api.rotate() == 3
+    assert api.reorder() == 3
     assert rec.calls == [([], [key(1), key(2), key(3)], [])]  # one transaction
     assert {rec.kernel[key(p)] for p in port_of[second]} == {0} and {rec.kernel[key(p)] for p in port_of[first]} == {2}
-    assert not api.jobs.epoch_due() and api.rotate() == 0
+    assert not api.jobs.epoch_due() and api.reorder() == 0
     st = request(api, op="status")["job_policy"]
     assert st["policy"] == policy and st["epoch"] == epoch and st["order"] == [second, first]
 
