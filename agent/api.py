@@ -91,7 +91,8 @@ class Api:
         self.rec.set_shares(self.jobs.shares)  # the jobs' guarantees follow the set of jobs (classes in place)
 
     def reorder(self) -> int:
-        """At an epoch boundary (the server's timer), or when a job's reported step bytes changed (``shortest``):
+        """At an epoch boundary (the server's timer), or when a job's reported inputs changed (``shortest``,
+        ``measured_intensity``):
         recompute the job order and move the flows whose effective level changed, in one transaction. Returns how
         many moved."""
         shifted = self.jobs.update(self.table)
@@ -99,7 +100,7 @@ class Api:
             self.rec.apply(self.table, [], shifted, [])
             self.record("job_order", "moved")
             log.info("job order changed: moved %d flows", len(shifted))
-        self.rec.set_shares(self.jobs.shares)  # ties can join or split bands (shortest): the parts follow
+        self.rec.set_shares(self.jobs.shares)  # ties can join or split bands (reported inputs): the parts follow
         return len(shifted)
 
     def _op_register(self, req, peer) -> dict:
@@ -169,26 +170,30 @@ class Api:
         if bad:
             raise ProtocolError("bad_level", f"level {bad[0]} out of range 0..{self.cfg.levels - 1}")
         counted_as = self.reports.add(req.job, req.session, {lvl: tuple(c) for lvl, *c in req.counters},
-                                      req.step_bytes)
+                                      req.step_bytes, req.compute_s)
         reply = {"job": req.job, "levels": len(req.counters), "counted_as": counted_as}
-        if req.step_bytes is not None:
-            reply["step_bytes"] = self._step_bytes(req, peer)
-        return reply
+        sent = {k: v for k, v in (("step_bytes", req.step_bytes), ("compute_s", req.compute_s)) if v is not None}
+        return reply | self._take_inputs(req.job, sent, peer)
 
-    def _step_bytes(self, req, peer) -> str:
-        """Take a report's bytes per training step into the job order (``shortest``) when the reporter may speak
-        for the job: the agent itself, root, or the user who registered the job's flows on this host (so that no
-        user reorders another user's job). Returns what became of it."""
-        if self.jobs.policy != "shortest":
-            return f"unused: job_policy is {self.jobs.policy!r}"
-        owners = {self.table.flows[k].uid for k in self.table.by_job.get(req.job, ())}
+    def _take_inputs(self, job: str, sent: dict, peer) -> dict[str, str]:
+        """Take a report's measured inputs (``step_bytes``, ``compute_s``) into the job order when the policy orders
+        by them and the reporter may speak for the job: the agent itself, root, or the user who registered the
+        job's flows on this host (so that no user reorders another user's job). Returns what became of each
+        input sent: ``taken``, ``unused: ...`` (the policy does not order by it) or ``ignored: ...``."""
+        used = self.jobs.inputs
+        unused = f"unused: job_policy is {self.jobs.policy!r}"
+        if not any(name in used for name in sent):
+            return dict.fromkeys(sent, unused)
+        owners = {self.table.flows[k].uid for k in self.table.by_job.get(job, ())}
         if not owners:
-            return "ignored: the job has no flows registered on this host"
-        if peer is not None and peer.uid != 0 and peer.uid not in owners:
-            return "ignored: only the user who registered the job's flows may report for it"
-        if self.jobs.report_step_bytes(req.job, req.step_bytes):
-            self.reorder()
-        return "taken"
+            why = "ignored: the job has no flows registered on this host"
+        elif peer is not None and peer.uid != 0 and peer.uid not in owners:
+            why = "ignored: only the user who registered the job's flows may report for it"
+        else:
+            why = "taken"
+            if self.jobs.report(job, **sent):
+                self.reorder()
+        return {name: why if name in used else unused for name in sent}
 
     def _op_list(self, req, peer) -> dict:
         """The registered flows (of one job, if given), with their effective levels and the managed interface

@@ -174,8 +174,7 @@ def _job_policy(raw: dict, min_shares: float) -> dict:
     share = _number(raw, "job_share", 0.0, top, f" (a fraction of the link, at most 0.95 and what the classes' "
                                                  f"min_share leave: 1 - {round(min_shares, 4)})")
     if "job_share" in raw and policy == "none":
-        raise ConfigError("job_share", "only used with a job policy (static, rotate, alternate, intensity, "
-                                       "shortest), not 'none'")
+        raise ConfigError("job_share", f"only used with a job policy ({', '.join(JOB_POLICIES[1:])}), not 'none'")
     return {"job_policy": policy, "rotate_epoch_s": epoch, "job_priority": priority, "job_intensity": intensity,
             "job_share": share}
 

@@ -11,6 +11,9 @@ The FlowTable keeps the level each client asked for; this module derives the lev
 - ``"intensity"``: by ``job_intensity``, most GPU-intensive first (Crux);
 - ``"shortest"``: by the bytes one training step all-reduces, as the jobs' own shims report them (``step_bytes``
   of op ``report``), fewest first: the job whose communication phase is shortest goes first.
+- ``"measured_intensity"``: by Crux's GPU intensity measured by the jobs themselves: the compute seconds of a
+  training step (``compute_s`` of op ``report``, agreed over the job's ranks) per byte it all-reduces
+  (``step_bytes``), most intense first.
 
 Under a policy, ``job_share`` of the link is guaranteed to the jobs in equal parts (``policies.jobs.job_shares``,
 each part on its band's most urgent level; ``shares``), so that an order never leaves a job with less than its part
@@ -19,9 +22,9 @@ while it has bytes to send; 0 keeps the order strict (each level only ``min_shar
 The jobs this agent sees (those with flows in its table) get contiguous bands of levels in that order, most urgent
 first (``policies.jobs.job_bands``), and a flow's effective level is the level its client asked for compressed into
 its job's band, never above its user's ``level_limits`` (``policies.jobs.banded_level``). The order is a pure
-function of the job ids, the wall-clock epoch number, the config and (``shortest``) the jobs' reported step bytes,
-which are the same on every rank of a job: agents need no coordination, and agents with different job sets still
-agree on the relative order of every two jobs they share.
+function of the job ids, the wall-clock epoch number, the config and (``shortest``, ``measured_intensity``) the
+jobs' reported inputs, which are the same on every rank of a job: agents need no coordination, and agents with
+different job sets still agree on the relative order of every two jobs they share.
 
 The scheduler caches the order and bands it last computed (derived state, never edited by anything else):
 ``update(table)`` recomputes them when the set of jobs or the epoch changed and returns the flows whose effective
@@ -38,7 +41,15 @@ import math
 import time
 
 from tensorlane.flows import FlowKey
-from tensorlane.policies.jobs import ROTATING, banded_level, job_bands, job_order, job_shares, rotation_epoch
+from tensorlane.policies.jobs import (
+    REPORTED,
+    ROTATING,
+    banded_level,
+    job_bands,
+    job_order,
+    job_shares,
+    rotation_epoch,
+)
 
 log = logging.getLogger("tensorlane.jobs")
 
@@ -52,14 +63,15 @@ class JobScheduler:
         self.epoch_s = float(getattr(cfg, "rotate_epoch_s", 20.0))
         self.priority = dict(getattr(cfg, "job_priority", {}) or {})
         self.intensity = dict(getattr(cfg, "job_intensity", {}) or {})
-        self.step_bytes: dict[str, int] = {}  # shortest: job -> bytes per training step its shims reported
+        self.inputs = REPORTED.get(self.policy, ())  # what the order takes from the shims' reports
+        self.reported: dict[str, dict[str, float]] = {}  # job -> {input: value} its shims reported (those inputs)
         self.job_share = float(getattr(cfg, "job_share", 0.0))
         self.clock = clock
         self.enabled = self.policy != "none"
         self.jobs: frozenset[str] = frozenset()
         self.epoch: int | None = None
         self.order: tuple[str, ...] = ()
-        self.keys: tuple = ()  # shortest: the reported step bytes the order was computed from
+        self.keys: tuple = ()  # the reported inputs the order was computed from: ((job, ((input, value), ...)), ...)
         self.bands: dict[str, tuple[int, int]] = {}
         self.shares: dict[int, float] = {}  # level -> guaranteed share of the link (job_share among the jobs)
         self.changes = 0  # how many times the order or bands changed (status)
@@ -90,19 +102,20 @@ class JobScheduler:
         return self.policy in ROTATING and self.epoch_now(now) != self.epoch
 
     # -- reported inputs ----------------------------------------------------------------------------------------
-    def report_step_bytes(self, job: str, step_bytes: int) -> bool:
-        """Take a job's reported bytes per training step (``shortest``); returns whether the order's input
-        changed, i.e. whether ``update`` must run. Other policies ignore it."""
-        if self.policy != "shortest" or self.step_bytes.get(job) == step_bytes:
+    def report(self, job: str, **values) -> bool:
+        """Take a job's reported inputs (``step_bytes=``, ``compute_s=``; None: not in this report) that the
+        policy orders by; returns whether the order's input changed, i.e. whether ``update`` must run. Inputs the
+        policy does not use are ignored."""
+        taken = {k: v for k, v in values.items() if k in self.inputs and v is not None}
+        now = self.reported.get(job, {})
+        if not taken or all(now.get(k) == v for k, v in taken.items()):
             return False
-        self.step_bytes[job] = step_bytes
+        self.reported[job] = now | taken
         return True
 
     def _keys(self, jobs: frozenset[str]) -> tuple:
-        """The reported inputs of the jobs present (empty unless ``shortest``)."""
-        if self.policy != "shortest":
-            return ()
-        return tuple(sorted((j, self.step_bytes[j]) for j in jobs if j in self.step_bytes))
+        """The reported inputs of the jobs present (empty unless the policy takes any)."""
+        return tuple(sorted((j, tuple(sorted(self.reported[j].items()))) for j in jobs if j in self.reported))
 
     # -- recomputation ----------------------------------------------------------------------------------------
     def update(self, table, now: float | None = None) -> list[FlowKey]:
@@ -113,14 +126,15 @@ class JobScheduler:
             return []
         jobs = frozenset(table.by_job)
         epoch = self.epoch_now(now)
-        for gone in [j for j in self.step_bytes if j not in jobs]:  # bounded by the jobs present
-            del self.step_bytes[gone]
+        for gone in [j for j in self.reported if j not in jobs]:  # bounded by the jobs present
+            del self.reported[gone]
         keys = self._keys(jobs)
         if jobs == self.jobs and epoch == self.epoch and keys == self.keys and self.bands:
             return []
         now_s = 0.0 if epoch is None else epoch * self.epoch_s
         order, ranks = job_order(self.policy, sorted(jobs), now_s=now_s, epoch_s=self.epoch_s,
-                                 priority=self.priority, intensity=self.intensity, step_bytes=dict(keys))
+                                 priority=self.priority, intensity=self.intensity,
+                                 **{name: self.inputs_of(name, keys) for name in self.inputs})
         bands = job_bands(order, self.levels, ranks)
         old = self.bands
         shifted: list[FlowKey] = []
@@ -141,14 +155,20 @@ class JobScheduler:
         self.shares = job_shares(bands, self.job_share)
         return sorted(shifted)
 
+    def inputs_of(self, name: str, keys: tuple | None = None) -> dict:
+        """One reported input (``step_bytes`` or ``compute_s``) of the jobs in the order in force (or in ``keys``):
+        ``{job: value}``."""
+        return {job: dict(values)[name] for job, values in (self.keys if keys is None else keys)
+                if name in dict(values)}
+
     def describe(self) -> dict:
         """What ``status`` shows: the policy, the epoch and the order and bands in force."""
         out = {"policy": self.policy, "order": list(self.order), "changes": self.changes,
                "bands": {job: {"first_level": b[0], "levels": b[1]} for job, b in self.bands.items()},
                "job_share": self.job_share if self.enabled else 0.0,
                "level_shares": {str(lvl): round(v, 6) for lvl, v in sorted(self.shares.items())}}
-        if self.policy == "shortest":
-            out["step_bytes"] = dict(self.keys)
+        for name in self.inputs:
+            out[name] = self.inputs_of(name)
         if self.policy in ROTATING:
             out |= {"epoch_s": self.epoch_s, "epoch": self.epoch,
                     "next_epoch_in_s": round(self.seconds_to_next_epoch() or 0.0, 3)}

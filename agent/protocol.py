@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from tensorlane.client import (
     JOB_ID_RE,
     JOB_ID_RULE,
+    MAX_COMPUTE_S,
     MAX_FLOWS_PER_MESSAGE,
     MAX_MESSAGE_BYTES,
     MAX_REPORT_LEVELS,
@@ -44,6 +45,7 @@ class Request:
     run: str | None = None  # register: one run of the job (the same on all its ranks), to tell two jobs apart
     counters: tuple[tuple[int, int, int, float], ...] = ()  # report: (level, allreduces, bytes, comm_s)
     step_bytes: int | None = None  # report: bytes one training step all-reduces (job_policy "shortest")
+    compute_s: float | None = None  # report: compute seconds per training step, agreed by the job's ranks
 
 
 def _port(value, name: str) -> int:
@@ -139,7 +141,7 @@ def parse_request(line: bytes | str) -> Request:
         raise ProtocolError("bad_request", "id must be a string or an integer")
     allowed = {"op", "id"} | {
         "register": {"job", "level", "rank", "flows", "run"}, "unregister": {"job", "flows"}, "list": {"job"},
-        "report": {"job", "session", "levels", "step_bytes"},
+        "report": {"job", "session", "levels", "step_bytes", "compute_s"},
     }.get(op, set())
     unknown = set(msg) - allowed
     if unknown:
@@ -167,7 +169,7 @@ def parse_request(line: bytes | str) -> Request:
     run = msg.get("run")
     if run is not None and (not isinstance(run, str) or not JOB_ID_RE.match(run)):
         raise ProtocolError("bad_request", f"run must be {JOB_ID_RULE}; got {run!r}")
-    session, counters, step_bytes = None, (), None
+    session, counters, step_bytes, compute_s = None, (), None, None
     if op == "report":
         session = msg.get("session")
         if not isinstance(session, str) or not JOB_ID_RE.match(session):
@@ -175,8 +177,13 @@ def parse_request(line: bytes | str) -> Request:
         counters = parse_counters(msg.get("levels"))
         if msg.get("step_bytes") is not None:
             step_bytes = _count(msg, "step_bytes", int)
+        if msg.get("compute_s") is not None:
+            compute_s = float(_count(msg, "compute_s", float))
+            if compute_s > MAX_COMPUTE_S:
+                raise ProtocolError("bad_request", f"compute_s must be at most {MAX_COMPUTE_S:g} seconds, "
+                                                   f"got {compute_s!r}")
     return Request(op=op, id=rid, job=job, level=level, rank=rank, flows=flows, session=session, run=run,
-                   counters=counters, step_bytes=step_bytes)
+                   counters=counters, step_bytes=step_bytes, compute_s=compute_s)
 
 
 def ok(rid, result: dict) -> bytes:

@@ -40,8 +40,10 @@ DDP's construction, the registration of its flows -- then waits for a go file th
 compute_s / comm_s, Crux's GPU intensity), ``shortest`` (no table: the jobs' shims, in hook mode at one level,
 report the bytes of one step, fewest first) and ``levels`` (``none``, every job with the shim: overlap mode, its
 tensors on the shim's levels; judged against the faster of its two solo runs); opt-in, ``static_levels``
-(``static``'s order, every job with the shim as in ``levels``, its levels inside its job's band) and
-``intensity_hook`` (``intensity``'s table, the jobs as in ``shortest``). Job ``i``
+(``static``'s order, every job with the shim as in ``levels``, its levels inside its job's band),
+``intensity_hook`` (``intensity``'s table, the jobs as in ``shortest``) and ``measured_intensity`` (no table: the
+jobs as in ``shortest`` report their step bytes and agreed compute time; 4 warm-up iterations instead of 1, so that
+the ranks' first agreement, at the end of their third step, is in before the release). Job ``i``
 starts ``offset_s`` after the common release; its JCT runs from its own start to the end of its slowest rank's last
 iteration. Each rank reads, before it exits, ``tcpi_total_rto`` of its TCP connections to its peer (``rto``:
 retransmission timeouts, summed over the job's ranks; None on kernels older than 6.7), ``late_s`` of its emulated
@@ -119,21 +121,23 @@ def recommended_policy(fits_link: bool, collides: bool) -> str:
 POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "shortest", "levels")
 # opt-in (--policies): ``static_levels``, static's job order with every job running the shim (its levels inside
 # its job's band); ``intensity_hook``, intensity's table with shortest's jobs (the shim in hook mode at one level),
-# which tells the order's effect from the shim's where both orders agree
-OPT_IN_POLICIES = ("static_levels", "intensity_hook")
+# which tells the order's effect from the shim's where both orders agree; ``measured_intensity``, Crux's intensity
+# from the jobs' own reports of compute time and step bytes (the jobs as in ``shortest``)
+OPT_IN_POLICIES = ("static_levels", "intensity_hook", "measured_intensity")
 SOLOS = ("solo", "solo_shim")
 DEFAULT_PHASES = (*SOLOS, *POLICIES)
 PHASES = (*DEFAULT_PHASES, *OPT_IN_POLICIES)
 AGENT_POLICY = {"solo": "none", "solo_shim": "none", "fifo": "none", "static": "static", "rotate": "rotate",
                 "alternate": "alternate", "intensity": "intensity", "shortest": "shortest", "levels": "none",
-                "static_levels": "static", "intensity_hook": "intensity"}
+                "static_levels": "static", "intensity_hook": "intensity", "measured_intensity": "measured_intensity"}
 # what each job runs: plain DDP at one level, DDP with the shim (overlap, the shim's levels in layer order), or
 # (``shortest``) the shim in hook mode at one level, unpartitioned: plain DDP's schedule (one all-reduce per DDP
 # bucket), with the reports of its step bytes that the agents order the jobs by
 JOB_MODE = {"solo_shim": "shim_overlap", "levels": "shim_overlap", "static_levels": "shim_overlap",
-            "shortest": "shim", "intensity_hook": "shim"}
+            "shortest": "shim", "intensity_hook": "shim", "measured_intensity": "shim"}
 HOOK_ONE_LEVEL = {"levels": 1, "shim_policy": "layer_order"}
-JOB_SHIM = {"shortest": HOOK_ONE_LEVEL, "intensity_hook": HOOK_ONE_LEVEL}  # the shim's settings where not the run's
+JOB_SHIM = {"shortest": HOOK_ONE_LEVEL, "intensity_hook": HOOK_ONE_LEVEL,  # the shim's settings where not the run's
+            "measured_intensity": {**HOOK_ONE_LEVEL, "warmup": 4}}  # (a real job's first steps are few of many)
 # (profile, communication fraction of the period, period s, start offset s[, DDP bucket MB of the full-size model]);
 # None, None: compute = communication. The bucket defaults to DDP's 25 MB; ONE_BUCKET_MB puts every gradient in one
 # bucket, reduced after backward ends: communication that cannot overlap with compute.
@@ -607,7 +611,8 @@ def phase_timeout(specs: list[dict]) -> float:
 
 class OrderWatch:
     """Reads an agent's job order once a second while a phase runs (a thread, stopped on exit): ``order`` is the
-    last one seen with all ``jobs`` of its host present (with ``step_bytes`` under ``shortest``), None if never."""
+    last one seen with all ``jobs`` of its host present (with the jobs' reported ``step_bytes`` and ``compute_s``
+    under ``shortest`` and ``measured_intensity``), None if never."""
 
     def __init__(self, agent, jobs: int, period_s: float = 1.0):
         self.agent, self.jobs, self.period_s, self.order = agent, jobs, period_s, None
@@ -621,7 +626,7 @@ class OrderWatch:
             except Exception:  # noqa: BLE001 - a missed reading is only a missed reading
                 continue
             if len(jp.get("order", ())) >= self.jobs > 1:
-                self.order = {"order": jp["order"], **({"step_bytes": jp["step_bytes"]} if "step_bytes" in jp else {})}
+                self.order = {"order": jp["order"], **{k: jp[k] for k in ("step_bytes", "compute_s") if k in jp}}
 
     def __enter__(self) -> OrderWatch:
         self._thread.start()

@@ -4,13 +4,15 @@ Every agent must compute the same job order from the same inputs without a coord
 function here is a pure function of its arguments, sorts with a total order, and breaks ties by job id.
 
 The agent (``agent/jobs.py``, docs/jobs.md) uses ``job_order`` (the order and rank of the jobs one agent sees, for
-policy ``none``, ``static``, ``rotate``, ``alternate``, ``intensity`` or ``shortest``), ``job_bands`` (each job's
-contiguous band of levels), ``banded_level`` (a flow's effective level: its job's band, with the level the client
-asked for compressed inside) and ``job_shares`` (the link's share guaranteed to each band, so that no order leaves a
-job less than its part). Rotation is ``hashed_rotation_order``: the relative order of two jobs depends only on those
-two ids and the epoch number, so agents that see different sets of jobs still agree on every pair they share
-(TensorLights' positional rotation, ``policies.papers.tensorlights.rotate_job_order``, does not). :class:`Job` is
-the job as the paper reproductions (``policies.papers.tensorlights``, ``policies.papers.crux``) see it.
+policy ``none``, ``static``, ``rotate``, ``alternate``, ``intensity``, ``shortest`` or ``measured_intensity``),
+``measured_intensity_rank`` (the order of Crux's ``policies.papers.crux.gpu_intensity`` from a job's reported
+compute time and bytes), ``job_bands`` (each job's contiguous band of levels), ``banded_level`` (a flow's effective
+level: its job's band, with the level the client asked for compressed inside) and ``job_shares`` (the link's share
+guaranteed to each band, so that no order leaves a job less than its part). Rotation is ``hashed_rotation_order``:
+the relative order of two jobs depends only on those two ids and the epoch number, so agents that see different sets
+of jobs still agree on every pair they share (TensorLights' positional rotation,
+``policies.papers.tensorlights.rotate_job_order``, does not). :class:`Job` is the job as the paper reproductions
+(``policies.papers.tensorlights``, ``policies.papers.crux``) see it.
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ from dataclasses import dataclass
 
 from tensorlane.policies.compress import compress_levels
 
-JOB_POLICIES = ("none", "static", "rotate", "alternate", "intensity", "shortest")
+JOB_POLICIES = ("none", "static", "rotate", "alternate", "intensity", "shortest", "measured_intensity")
 ROTATING = ("rotate", "alternate")  # the policies whose order changes every epoch
+REPORTED = {"shortest": ("step_bytes",), "measured_intensity": ("step_bytes", "compute_s")}  # inputs from the shims
+INTENSITY_STEP = 1.1  # measured_intensity: jobs whose intensities differ by less than one such factor may share a band
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,8 @@ def alternating_rotation_order(job_ids: Sequence[str], epoch: int) -> tuple[str,
 def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: float = 20.0,
               priority: Mapping[str, int] | None = None,
               intensity: Mapping[str, float] | None = None,
-              step_bytes: Mapping[str, int] | None = None) -> tuple[tuple[str, ...], tuple[float, ...]]:
+              step_bytes: Mapping[str, int] | None = None,
+              compute_s: Mapping[str, float] | None = None) -> tuple[tuple[str, ...], tuple[float, ...]]:
     """The order of the jobs ``job_ids`` under ``policy`` (most urgent first) and each one's rank value
     (jobs with equal rank values share a band in ``job_bands``).
 
@@ -113,7 +118,12 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
     - ``shortest``: by ``step_bytes[job]`` ascending, the bytes one training step of the job all-reduces as its own
       shims report them (the job whose communication phase is shortest on any shared link first), ties share a
       band; jobs without a report rank after every reported one, all alike. Every rank of a DDP job reduces the same
-      buckets, so agents that see two jobs' reports order them alike.
+      buckets, so agents that see two jobs' reports order them alike;
+    - ``measured_intensity``: by Crux's GPU intensity from the jobs' own reports, most intense first: a step's
+      compute seconds ``compute_s[job]`` (agreed over the job's ranks) per byte it all-reduces ``step_bytes[job]``
+      (``measured_intensity_rank``: the link's rate divides every job's transfer time alike, so it drops out of the
+      order); ranks are whole steps of ``INTENSITY_STEP`` (jobs within about 10 % of each other may share a band);
+      jobs without both reports rank after every reported one, all alike.
 
     Usage: ``job_order("static", ["b", "a", "c"], priority={"b": 0, "a": 1})``
     ``== (("b", "a", "c"), (0, 1, math.inf))``
@@ -145,7 +155,29 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
             raise ValueError("step_bytes must be non-negative numbers")
         order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
         return order, tuple(rank[j] for j in order)
+    if policy == "measured_intensity":
+        sizes, compute = step_bytes or {}, compute_s or {}
+        rank = {j: measured_intensity_rank(compute[j], sizes[j]) if j in sizes and j in compute else math.inf
+                for j in ids}
+        order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
+        return order, tuple(rank[j] for j in order)
     raise ValueError(f"policy must be one of {', '.join(JOB_POLICIES)}, not {policy!r}")
+
+
+def measured_intensity_rank(compute_s: float, step_bytes: int) -> float:
+    """The rank of a job under ``measured_intensity`` (smaller first): minus the number of whole ``INTENSITY_STEP``
+    factors in its compute seconds per all-reduced byte, so the most GPU-intensive job comes first and jobs whose
+    intensities differ by less than 10 % often share a band. ``inf`` (last) when either input is 0: nothing
+    measured yet. A pure function of the two reported numbers, which every rank of a job reports alike: two agents
+    rank a job alike whatever their link rates.
+
+    Usage: ``measured_intensity_rank(0.5, 10**6) < measured_intensity_rank(0.5, 4 * 10**6)``
+    """
+    if not (math.isfinite(compute_s) and compute_s >= 0 and step_bytes >= 0):
+        raise ValueError("compute_s and step_bytes must be non-negative and finite")
+    if compute_s == 0 or step_bytes == 0:
+        return math.inf
+    return -float(math.floor(math.log(compute_s / step_bytes) / math.log(INTENSITY_STEP)))
 
 
 def job_bands(order: Sequence[str], levels: int, ranks: Sequence[float] | None = None) -> dict[str, tuple[int, int]]:

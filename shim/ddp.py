@@ -42,6 +42,7 @@ from tensorlane.policies.cutting import parameter_levels, pieces_of
 from tensorlane.shim import overlap as ov
 from tensorlane.shim import report
 from tensorlane.shim.agent_link import AgentLink
+from tensorlane.shim.compute import ComputeClock
 from tensorlane.shim.report import Reporter
 
 log = logging.getLogger("tensorlane.shim")
@@ -121,7 +122,9 @@ class ShimState:
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     step_bytes: int = 0  # bytes the last complete synchronized backward all-reduced (the same on every rank)
+    clock: ComputeClock = field(default_factory=ComputeClock)  # a step's compute seconds, agreed over the ranks
     _step_acc: int = 0
+    _agreeing: tuple | None = None  # (work, tensor) of the clock's all-reduce in flight
 
     def __post_init__(self):
         if not self.counters:
@@ -144,9 +147,10 @@ class ShimState:
 
         Pieces are launched most urgent first: by level, then by the forward position of their first parameter
         (a level's group runs its operations in launch order). Returns the futures and the pieces
-        ``(offset, length, level)`` and their ``(level, launch time)``, all in buffer order. ``last_bucket``: this is
-        the backward's last bucket (its bytes so far become ``step_bytes``, reported to the agent at once when
-        they change).
+        ``(offset, length, level)`` and their ``(level, launch time, step)``, all in buffer order. ``last_bucket``:
+        this is the backward's last bucket (its bytes so far become ``step_bytes``, reported to the agent at once when
+        they change; the step's compute time goes to ``clock``, whose window's end launches the all-reduce that
+        agrees on it, after the step's own pieces, on the last level's group).
         """
         numels = [p.numel() for p in params]
         last = len(self.groups) - 1
@@ -167,7 +171,7 @@ class ShimState:
         element = buf.element_size()
         for i in sorted(range(len(pieces)), key=lambda i: (pieces[i][2], first[i], pieces[i][0])):
             offset, length, level = pieces[i]
-            launched[i] = (level, time.perf_counter())
+            launched[i] = (level, time.perf_counter(), self.clock.steps)
             futures[i] = dist.all_reduce(buf.narrow(0, offset, length), group=self.groups[level],
                                          async_op=True).get_future()
         changed = False
@@ -179,17 +183,40 @@ class ShimState:
             self._step_acc += buf.numel() * element
             if last_bucket:
                 changed, self.step_bytes, self._step_acc = self._step_acc != self.step_bytes, self._step_acc, 0
+                self.clock.step_end(time.perf_counter(), hook_waited=self.mode != "overlap")
+        if last_bucket:
+            changed = self._agree_compute() or changed
         if changed and self.reporter is not None:
-            self.reporter.wake()  # the agent's job order (job_policy "shortest") may depend on it
+            self.reporter.wake()  # the agent's job order (job_policy "shortest", "measured_intensity") may use it
         return futures, pieces, launched
+
+    def _agree_compute(self) -> bool:
+        """At a step's end: read the clock's all-reduce if it has completed (wait for it when the next window is
+        due), and launch the next one when this rank's window is full -- at the same step on every rank. Returns
+        whether the agreed compute time changed."""
+        changed = False
+        due = self.clock.window_due()
+        if self._agreeing is not None and (due or self._agreeing[0].is_completed()):
+            work, total = self._agreeing
+            work.wait()
+            self._agreeing = None
+            with self.lock:
+                changed = self.clock.agreed(int(total[0]), self.world)
+        if due:
+            with self.lock:
+                mine = self.clock.take_window()
+            total = torch.tensor([mine], dtype=torch.int64)
+            self._agreeing = (dist.all_reduce(total, group=self.groups[-1], async_op=True), total)
+        return changed
 
     def completed(self, launched: list, indexes) -> None:
         """Count the seconds from launch to now of the pieces ``indexes`` of ``launched`` (seen complete now)."""
         now = time.perf_counter()
         with self.lock:
             for i in indexes:
-                level, t0 = launched[i]
+                level, t0, step = launched[i]
                 self.counters[level].comm_s += now - t0
+                self.clock.completed(step, now)
 
     def level_stats(self) -> list[dict]:
         with self.lock:
@@ -200,7 +227,7 @@ class ShimState:
         link = self.link
         out = {"enabled": True, "mode": self.mode, "mode_reason": self.mode_reason, "job": self.job,
                "flows": {lvl: len(f) for lvl, f in self.flows.items()}, "levels": self.level_stats(),
-               "step_bytes": self.step_bytes,
+               "step_bytes": self.step_bytes, "compute_s": self.clock.compute_s,
                "agent": {"connected": False} if link is None else
                {"connected": link.connected, **link.counters, "last_error": link.last_error}}
         if self.deferred is not None:
@@ -372,8 +399,11 @@ def _apply(state: ShimState, param) -> bool:
         return False
     for p, _o, _n, covering in pend.params:
         if p is param:
+            t0 = time.perf_counter()
             for i in covering:
                 pend.futures[i].wait()
+            with state.lock:
+                state.clock.waited(time.perf_counter() - t0)  # not compute (shim.compute)
             break
     done = [fut.done() for fut in pend.futures]
     seen = [i for i, ok in enumerate(done) if ok and i not in pend.timed]

@@ -91,7 +91,7 @@ class Pending:
     futures: list
     buffer: torch.Tensor
     params: list
-    launched: list = field(default_factory=list)  # (level, launch time) of each piece, for the counters
+    launched: list = field(default_factory=list)  # (level, launch time, step) of each piece, for the counters
     applied: set = field(default_factory=set)  # id(param): step taken, or dropped
     timed: set = field(default_factory=set)  # pieces whose completion has been counted
     hparams: list | None = None

@@ -28,12 +28,15 @@ log = logging.getLogger("tensorlane.shim")
 
 class Reporter:
     """Sends ``stats()`` (a list of ``{level, allreduces, bytes, comm_s}``) as op ``report`` for ``job``, with
-    ``step_bytes()`` (the bytes of one training step's all-reduces; 0 or None: not known yet) when given."""
+    ``step_bytes()`` (the bytes of one training step's all-reduces) and ``compute_s()`` (a step's compute seconds,
+    agreed over the job's ranks) when given (0 or None: not known yet). An agent that refuses those two fields
+    (older than them) gets the counters alone from then on."""
 
     def __init__(self, stats, socket_path: str, job: str, interval_s: float = 5.0, timeout_s: float = 0.25,
-                 session: str | None = None, start: bool = True, step_bytes=None):
+                 session: str | None = None, start: bool = True, step_bytes=None, compute_s=None):
         self.stats = stats
-        self.step_bytes = step_bytes
+        self.inputs = {"step_bytes": (step_bytes, int), "compute_s": (compute_s, float)}
+        self.counters_only = False  # the agent refused the inputs' fields
         self.socket_path = socket_path
         self.job = job
         self.timeout_s = timeout_s
@@ -64,16 +67,18 @@ class Reporter:
                 return False
             if not levels:
                 return False
-            extra = {}
-            try:
-                step = int(self.step_bytes() or 0) if self.step_bytes is not None else 0
-            except Exception:  # noqa: BLE001 - as above
-                step = 0
-            if step > 0:
-                extra["step_bytes"] = step
+            extra = {} if self.counters_only else self._inputs()
             try:
                 with AgentClient(self.socket_path, timeout=self.timeout_s) as agent:
-                    agent.request("report", job=self.job, session=self.session, levels=levels, **extra)
+                    try:
+                        agent.request("report", job=self.job, session=self.session, levels=levels, **extra)
+                    except AgentError as exc:
+                        if not (extra and exc.code == "bad_request" and "unknown field" in str(exc)):
+                            raise
+                        self.counters_only = True  # an older agent: keep its metrics, without the inputs
+                        log.info("tensorlane: the agent at %s takes no %s: %s", self.socket_path,
+                                 " or ".join(extra), exc)
+                        agent.request("report", job=self.job, session=self.session, levels=levels)
             except AgentError as exc:
                 self.counters["refusals"] += 1
                 self.last_error = str(exc)
@@ -88,8 +93,20 @@ class Reporter:
             self.counters["sent"] += 1
             return True
 
+    def _inputs(self) -> dict:
+        """The job-order inputs known now (``step_bytes``, ``compute_s``), those above 0; never raises."""
+        out = {}
+        for name, (read, kind) in self.inputs.items():
+            try:
+                value = kind(read() or 0) if read is not None else 0
+            except Exception:  # noqa: BLE001 - reporting must never break training
+                value = 0
+            if value > 0:
+                out[name] = value
+        return out
+
     def wake(self) -> None:
-        """Report now rather than at the next interval (the step's bytes changed); never blocks."""
+        """Report now rather than at the next interval (the step's bytes or compute time changed); never blocks."""
         self._wake.set()
 
     def _run(self, interval_s: float) -> None:
@@ -116,4 +133,5 @@ def start(handle, interval_s: float = 5.0, timeout_s: float = 0.25) -> Reporter 
         return None
     link = handle.link
     return Reporter(lambda: handle.stats()["levels"], link.socket_path, link.job, interval_s=interval_s,
-                    timeout_s=timeout_s, step_bytes=lambda: handle.stats().get("step_bytes"))
+                    timeout_s=timeout_s, step_bytes=lambda: handle.stats().get("step_bytes"),
+                    compute_s=lambda: handle.stats().get("compute_s"))

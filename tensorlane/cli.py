@@ -61,8 +61,12 @@ def format_status(st: dict) -> str:
     jp = st.get("job_policy") or {}
     if jp.get("policy", "none") != "none":
         parts = ", ".join(f"level {lvl} {100 * v:g} %" for lvl, v in jp.get("level_shares", {}).items())
-        sizes = jp.get("step_bytes", {})  # shortest: what the jobs' shims reported
-        order = ", ".join(f"{j} ({sizes[j]} B/step)" if j in sizes else j for j in jp.get("order", []))
+        sizes = jp.get("step_bytes", {})  # shortest, measured_intensity: what the jobs' shims reported
+        compute = jp.get("compute_s", {})  # measured_intensity
+        said = {j: ", ".join(([f"{sizes[j]} B/step"] if j in sizes else [])
+                             + ([f"{compute[j]:.3g} s compute/step"] if j in compute else []))
+                for j in jp.get("order", [])}
+        order = ", ".join(f"{j} ({said[j]})" if said[j] else j for j in jp.get("order", []))
         lines.append(f"job policy {jp['policy']}: order {order or '-'}; job_share "
                      f"{jp.get('job_share', 0):g}" + (f" ({parts})" if parts else ""))
     for job, n in sorted(st["jobs"].items()):

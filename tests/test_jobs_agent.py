@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 
@@ -228,13 +229,41 @@ def test_shortest_orders_by_the_jobs_reported_step_bytes():
     st = request(api, op="status")["job_policy"]
     assert st["order"] == ["small", "big"] and st["step_bytes"] == {"big": 9000, "small": 3000}
     request(api, op="unregister", job="small")
-    assert api.jobs.step_bytes == {"big": 9000}  # forgotten with the job's last flow
+    assert api.jobs.reported == {"big": {"step_bytes": 9000}}  # forgotten with the job's last flow
     other, _ = make_api(job_policy="static", job_priority={"a": 0})
     request(other, op="register", job="a", level=0, flows=[flow(1)])
     assert request(other, op="report", job="a", session="s", levels=levels, step_bytes=5)["step_bytes"] == (
         "unused: job_policy is 'static'")
     with pytest.raises(AssertionError, match="bad_request"):
         request(api, op="report", job="big", session="s", levels=levels, step_bytes=-1)
+
+
+def test_measured_intensity_orders_by_reported_compute_per_byte():
+    """``measured_intensity``: a job ranks once both its step bytes and its agreed compute time are in (in one
+    report or two), most compute per byte first; ``compute_s`` alone, or under ``shortest``, is unused; a value
+    refused by the protocol changes nothing."""
+    api, rec = make_api(job_policy="measured_intensity", check_ownership=False)
+    for port, job in ((1, "light"), (2, "heavy")):
+        request(api, op="register", job=job, level=0, flows=[flow(port)])
+    levels = [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.1}]
+    r = request(api, op="report", job="light", session="s1", levels=levels, step_bytes=4 * 10**6, compute_s=0.2)
+    assert r["step_bytes"] == r["compute_s"] == "taken" and rec.kernel == {key(1): 0, key(2): 2}
+    request(api, op="report", job="heavy", session="s2", levels=levels, step_bytes=10**6)  # bytes alone: unranked
+    assert rec.kernel == {key(1): 0, key(2): 2}
+    rec.calls.clear()
+    request(api, op="report", job="heavy", session="s2", levels=levels, compute_s=0.2)  # 4x the compute per byte
+    assert rec.calls == [([], sorted([key(1), key(2)]), [])] and rec.kernel == {key(1): 2, key(2): 0}
+    st = request(api, op="status")["job_policy"]
+    assert st["order"] == ["heavy", "light"] and st["compute_s"] == {"heavy": 0.2, "light": 0.2}
+    assert st["step_bytes"] == {"heavy": 10**6, "light": 4 * 10**6}
+    for bad in (-1.0, math.inf, 1e9, "1"):
+        with pytest.raises(AssertionError, match="bad_request"):
+            request(api, op="report", job="heavy", session="s2", levels=levels, compute_s=bad)
+    assert rec.kernel == {key(1): 2, key(2): 0}
+    other, _ = make_api(job_policy="shortest")
+    request(other, op="register", job="a", level=0, flows=[flow(1)])
+    r = request(other, op="report", job="a", session="s", levels=levels, step_bytes=5, compute_s=0.1)
+    assert r["step_bytes"] == "taken" and r["compute_s"] == "unused: job_policy is 'shortest'"
 
 
 def test_full_reconcile_and_status_use_effective_levels():

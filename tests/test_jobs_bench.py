@@ -24,7 +24,6 @@ from bench.jobs import (
     PHASES,
     POLICIES,
     RECOMMENDED,
-    SOLOS,
     TCPI_TOTAL_RTO,
     TCPI_TOTAL_RTO_TIME,
     _registered,
@@ -152,7 +151,7 @@ def test_solo_phases_run_each_job_alone(monkeypatch, tmp_path):
     import bench.agents
     import bench.jobs
 
-    seen, ran = {}, {}
+    seen, ran, warmups = {}, {}, {}
 
     @contextlib.contextmanager
     def agents(tb, **kw):
@@ -161,6 +160,7 @@ def test_solo_phases_run_each_job_alone(monkeypatch, tmp_path):
     def run_jobs(tb, specs, sockets, workdir, tag, timeout, sequential=False):
         seen[tag] = sequential
         ran[tag] = {(s["mode"], s["levels"], s.get("shim_policy")) for s in specs}
+        warmups[tag] = {s["warmup"] for s in specs}
         return {s["id"]: {"start": 0.0, "results": []} for s in specs}
 
     monkeypatch.setattr(bench.agents, "running_agents", agents)
@@ -169,12 +169,14 @@ def test_solo_phases_run_each_job_alone(monkeypatch, tmp_path):
     monkeypatch.setattr(bench.jobs, "job_figures", lambda run: {"registered": True})
     tb = SimpleNamespace(host=lambda i: f"h{i}")
     specs = mix_specs("stagger2", "tj", 50e6, 4)
-    for phase in (*SOLOS, *POLICIES):
+    for phase in PHASES:
         run_phase(tb, phase, specs, phase, str(tmp_path), 4, 3.0)
-    assert seen == {p: p in ("solo", "solo_shim") for p in (*SOLOS, *POLICIES)}
+    assert seen == {p: p in ("solo", "solo_shim") for p in PHASES}
     # what every job of a phase runs: plain DDP, the shim's overlap on the run's levels, or shortest's hook mode
     assert ran["fifo"] == {("ddp", 4, None)} and ran["levels"] == ran["solo_shim"] == {("shim_overlap", 4, None)}
-    assert ran["shortest"] == {("shim", 1, "layer_order")}
+    assert ran["shortest"] == ran["measured_intensity"] == {("shim", 1, "layer_order")}
+    # measured_intensity's jobs warm up until their ranks' first agreement on a step's compute time is in
+    assert warmups["measured_intensity"] == {4} and warmups["shortest"] == {1}
 
 
 def test_tcp_info_rto():

@@ -420,9 +420,10 @@ def test_report_op_feeds_the_job_counters(kernel):
     assert bad["error"]["code"] == "bad_level"
     request(api, **report_msg(levels=[{"level": 0, "allreduces": 6, "bytes": 6144, "comm_s": 0.75},
                                       {"level": 2, "allreduces": 1, "bytes": 10, "comm_s": 0.125}]))
-    request(api, **report_msg(session="s2", step_bytes=8192))  # a second process of the same job on this host
+    request(api, **report_msg(session="s2", step_bytes=8192, compute_s=0.25))  # a second process of the job here
     s = scrape(registry)
     assert value(s, "tensorlane_job_step_bytes", training_job="job-a") == 8192
+    assert value(s, "tensorlane_job_step_compute_seconds", training_job="job-a") == 0.25
     assert value(s, "tensorlane_job_allreduces_total", training_job="job-a", level=0) == 10
     assert value(s, "tensorlane_job_allreduce_bytes_total", training_job="job-a", level=0) == 10240
     assert value(s, "tensorlane_job_allreduce_seconds_total", training_job="job-a", level=0) == 1.25
@@ -443,14 +444,14 @@ def test_job_reports_are_idempotent_survive_restarts_and_are_bounded():
     assert r.add("b", "s2", {1: (1, 1, 1.0)}) == "b"
     assert r.add("c", "s3", {0: (4, 4, 4.0)}) == OTHER  # over max_jobs
     assert r.add("d", "s4", {0: (1, 1, 1.0)}, step_bytes=7) == OTHER  # no step bytes for _other
-    r.add("a", "s1", {0: (6, 60, 3.0)}, step_bytes=4096)
-    assert r.step_bytes() == {"a": 4096}
+    r.add("a", "s1", {0: (6, 60, 3.0)}, step_bytes=4096, compute_s=0.5)
+    assert r.step_bytes() == {"a": 4096} and r.compute_seconds() == {"a": 0.5}
     snap = r.snapshot()
     assert set(snap) == {"a", "b", OTHER} and snap[OTHER][0] == (5, 5, 5.0)
     now[0] = 50
     r.add("b", "s2", {1: (2, 2, 2.0)})
     now[0] = 120                                        # a and _other silent for more than ttl: forgotten
-    assert set(r.snapshot()) == {"b"} and r.step_bytes() == {}  # a's step bytes forgotten with its series
+    assert set(r.snapshot()) == {"b"} and r.step_bytes() == {} == r.compute_seconds()  # forgotten with a's series
     assert r.add("e", "s5", {0: (1, 1, 1.0)}) == "e"    # a slot is free again
     assert len(r._sessions) <= 3
 
@@ -534,6 +535,30 @@ def test_reporter_sends_step_bytes_at_once_when_woken(tmp_path, kernel):
             time.sleep(0.01)
         assert rep.counters["sent"] == 2 and sent[-1]["step_bytes"] == 4096
         rep.close()
+    finally:
+        server.close()
+
+
+def test_reporter_sends_counters_alone_to_an_agent_without_the_inputs(tmp_path):
+    """An agent older than ``step_bytes`` and ``compute_s`` refuses them as unknown fields: the reporter sends the
+    counters alone, then and from then on, so the job's metrics go on."""
+    sent = []
+
+    class OldApi:
+        def handle(self, line):
+            msg = json.loads(line)
+            sent.append(msg)
+            if set(msg) - {"op", "id", "job", "session", "levels"}:
+                return protocol.error(msg.get("id"), "bad_request", "unknown field 'compute_s' for op report")
+            return protocol.ok(msg.get("id"), {"job": msg["job"]})
+
+    server = ApiOverSocket(str(tmp_path / "agent.sock"), OldApi())
+    try:
+        rep = Reporter(lambda: [{"level": 0, "allreduces": 1, "bytes": 1, "comm_s": 0.1}],
+                       str(tmp_path / "agent.sock"), "job-a", start=False, step_bytes=lambda: 64,
+                       compute_s=lambda: 0.5)
+        assert rep.report() and rep.counters_only and "compute_s" in sent[0] and "compute_s" not in sent[1]
+        assert rep.report() and len(sent) == 3 and "step_bytes" not in sent[2]
     finally:
         server.close()
 

@@ -18,6 +18,7 @@ from tensorlane.policies.jobs import (
     job_bands,
     job_order,
     job_shares,
+    measured_intensity_rank,
     rotation_epoch,
     rotation_key,
 )
@@ -153,7 +154,16 @@ def test_job_order_by_hand() -> None:
     assert job_order("shortest", ids) == (("a", "b", "c", "d"), (math.inf,) * 4)  # no reports: one band
     with pytest.raises(ValueError, match="step_bytes"):
         job_order("shortest", ids, step_bytes={"a": -1})
-    assert set(JOB_POLICIES) == {"none", "static", "rotate", "alternate", "intensity", "shortest"}
+    # measured_intensity: most compute per all-reduced byte first; within one INTENSITY_STEP a band may be shared;
+    # jobs without both reports after every reported one
+    order, ranks = job_order("measured_intensity", ids, step_bytes={"a": 10**6, "b": 4 * 10**6, "c": 10**6, "d": 1},
+                             compute_s={"a": 0.5, "b": 0.5, "c": 0.501})
+    assert order == ("a", "c", "b", "d") and ranks[0] == ranks[1] < ranks[2] < ranks[3] == math.inf
+    assert job_order("measured_intensity", ids)[1] == (math.inf,) * 4
+    with pytest.raises(ValueError, match="compute_s"):
+        job_order("measured_intensity", ids, step_bytes={"a": 1}, compute_s={"a": math.nan})
+    assert set(JOB_POLICIES) == {"none", "static", "rotate", "alternate", "intensity", "shortest",
+                                 "measured_intensity"}
     with pytest.raises(ValueError, match="policy"):
         job_order("fair", ids)
     with pytest.raises(ValueError):
@@ -280,6 +290,44 @@ def test_agents_agree_on_shared_jobs_by_reported_step_bytes(seen1, seen2, levels
     o2, r2 = job_order("shortest", seen2, step_bytes=reported2)
     shared = set(seen1) & set(seen2)
     b1, b2 = job_bands(o1, levels, r1), job_bands(o2, levels, r2)
+    for a in shared:
+        for b in shared:
+            assert (o1.index(a) < o1.index(b)) == (o2.index(a) < o2.index(b))
+            for t in range(levels):
+                l1a, l1b = banded_level(b1[a], t, levels), banded_level(b1[b], t, levels)
+                l2a, l2b = banded_level(b2[a], t, levels), banded_level(b2[b], t, levels)
+                assert not (l1a < l1b and l2a > l2b), (a, b, o1, o2)
+
+
+def test_measured_intensity_is_cruxs_intensity_without_the_link_rate() -> None:
+    """The rank is a function of compute seconds per byte only, so agents on links of any rate rank alike; it
+    follows Crux's GPU intensity (compute over the step's transfer time at a link rate) in the same direction."""
+    jobs = [(0.6, 3_750_000), (0.3, 3_750_000), (1.2, 30_000_000), (0.05, 100_000)]
+    for rate in (1e9, 50e6, 25e9):
+        by_intensity = [int(j) for j in gpu_intensity_order([Job(str(i), c, b, rate) for i, (c, b) in enumerate(jobs)])]
+        by_rank = sorted(range(len(jobs)), key=lambda i: measured_intensity_rank(*jobs[i]))
+        assert by_rank == by_intensity
+    assert measured_intensity_rank(0.0, 10) == math.inf and measured_intensity_rank(1.0, 0) == math.inf
+    with pytest.raises(ValueError):
+        measured_intensity_rank(-1.0, 10)
+
+
+@settings(max_examples=200, deadline=None)
+@given(job_ids, job_ids, st.integers(1, 5), st.data())
+def test_agents_agree_on_shared_jobs_by_measured_intensity(seen1, seen2, levels, data) -> None:
+    """``measured_intensity``: every rank of a job reports the same agreed compute time and step bytes, so two
+    agents with both shared jobs' reports order them alike, whatever other jobs each one sees."""
+    every = sorted(set(seen1) | set(seen2))
+    sizes = {j: data.draw(st.integers(1, 5)) * 10**6 for j in every}
+    compute = {j: data.draw(st.sampled_from([0.1, 0.25, 0.26, 0.5, 1.0])) for j in every}
+    kept1 = [j for j in seen1 if data.draw(st.booleans()) or j in seen2]
+    kept2 = [j for j in seen2 if data.draw(st.booleans()) or j in seen1]
+    o1, r1 = job_order("measured_intensity", seen1, step_bytes={j: sizes[j] for j in kept1},
+                       compute_s={j: compute[j] for j in kept1})
+    o2, r2 = job_order("measured_intensity", seen2, step_bytes={j: sizes[j] for j in kept2},
+                       compute_s={j: compute[j] for j in kept2})
+    b1, b2 = job_bands(o1, levels, r1), job_bands(o2, levels, r2)
+    shared = set(seen1) & set(seen2)
     for a in shared:
         for b in shared:
             assert (o1.index(a) < o1.index(b)) == (o2.index(a) < o2.index(b))

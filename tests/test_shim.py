@@ -64,7 +64,27 @@ def test_same_parameters_as_ddp(tmp_path, nproc, optimizer):
         grads = sum(v.numel() * v.element_size() for v in ref.values())  # the model has parameters only
         for mode in ("hook", "overlap"):  # one step's all-reduced bytes: every gradient once, on every rank
             assert json.loads((tmp_path / f"{mode}-{rank}.json").read_text())["step_bytes"] == grads, mode
+    for mode in ("hook", "overlap"):  # a step's compute time, agreed: the same number on every rank
+        agreed = {json.loads((tmp_path / f"{mode}-{rank}.json").read_text())["compute_s"] for rank in range(nproc)}
+        assert len(agreed) == 1 and agreed.pop() > 0, (mode, agreed)
         assert json.loads((tmp_path / f"disabled-{rank}.json").read_text()) == {"enabled": False}
+
+
+def test_compute_time_agreed_over_ranks(tmp_path):
+    """Each rank measures a step's compute (here mostly a 50 ms sleep after the optimizer step) less its waits for
+    the shim's all-reduces; the ranks agree on one value, in hook and overlap mode, and training still ends equal to
+    plain DDP."""
+    import json
+
+    import torch
+
+    run_torchrun(tmp_path, 2, "--steps", "12", "--modes", "ddp,hook,overlap", "--step-sleep", "0.05")
+    for mode in ("hook", "overlap"):
+        got = [json.loads((tmp_path / f"{mode}-{rank}.json").read_text())["compute_s"] for rank in range(2)]
+        assert got[0] == got[1] and 0.05 <= got[0] < 0.25, (mode, got)
+        for rank in range(2):
+            ref = torch.load(tmp_path / f"ddp-{rank}.pt")
+            assert max_rel_diff(torch.load(tmp_path / f"{mode}-{rank}.pt"), ref) <= 1e-5, (mode, rank)
 
 
 def test_partitioned_pieces_same_parameters(tmp_path):

@@ -12,6 +12,9 @@ went down (the process restarted with the same id) counts from zero.
   time of one all-reduce piece; pieces of different levels overlap, so seconds can grow faster than wall time.
 - ``tensorlane_job_step_bytes{training_job}``: the bytes one training step all-reduces, as last reported (a gauge;
   only for jobs whose shims send it).
+- ``tensorlane_job_step_compute_seconds{training_job}``: the compute seconds of one training step (the step less the
+  time its training thread waited for the shim's all-reduces, the median of a window of steps, agreed over the job's
+  ranks), as last reported (a gauge; only for jobs whose shims send it).
 - ``tensorlane_reporting_jobs``: jobs with a series now.
 
 Cardinality: at most ``MAX_JOBS`` jobs have series; reports of further jobs are added to
@@ -48,12 +51,13 @@ class JobReports:
         self._totals: dict[str, dict[int, list]] = {}  # job -> level -> [allreduces, bytes, comm_s]
         self._seen: dict[str, float] = {}  # job -> last report (monotonic)
         self._step: dict[str, int] = {}  # job -> bytes per training step, as last reported
+        self._compute: dict[str, float] = {}  # job -> compute seconds per training step, as last reported
         self._sessions: OrderedDict[tuple[str, str], dict[int, tuple]] = OrderedDict()  # LRU
 
     def add(self, job: str, session: str, levels: dict[int, tuple[int, int, float]],
-            step_bytes: int | None = None) -> str:
-        """Fold one report in (and its ``step_bytes``, when sent); return the job it was counted under (``job`` or
-        ``_other``)."""
+            step_bytes: int | None = None, compute_s: float | None = None) -> str:
+        """Fold one report in (and its ``step_bytes`` and ``compute_s``, when sent); return the job it was counted
+        under (``job`` or ``_other``)."""
         now = self.clock()
         with self._lock:
             self._expire(now)
@@ -74,6 +78,8 @@ class JobReports:
             self._seen[target] = now
             if step_bytes is not None and target != OTHER:
                 self._step[target] = step_bytes
+            if compute_s is not None and target != OTHER:
+                self._compute[target] = compute_s
             return target
 
     def _real_jobs(self) -> list[str]:
@@ -86,6 +92,7 @@ class JobReports:
             self._seen.pop(job, None)
             self._totals.pop(job, None)
             self._step.pop(job, None)
+            self._compute.pop(job, None)
             for key in [k for k in self._sessions if k[0] == job]:
                 del self._sessions[key]
 
@@ -100,6 +107,12 @@ class JobReports:
         with self._lock:
             self._expire(self.clock())
             return dict(self._step)
+
+    def compute_seconds(self) -> dict[str, float]:
+        """``{job: compute seconds per training step}`` of the jobs with series now whose shims sent it."""
+        with self._lock:
+            self._expire(self.clock())
+            return dict(self._compute)
 
 
 class JobsSource(Source):
@@ -121,4 +134,8 @@ class JobsSource(Source):
         for job, value in sorted((reports.step_bytes() if reports is not None else {}).items()):
             step.add_metric([job], value)
         yield step
+        compute = names.JOB_STEP_COMPUTE_SECONDS.gauge()
+        for job, value in sorted((reports.compute_seconds() if reports is not None else {}).items()):
+            compute.add_metric([job], value)
+        yield compute
         yield names.REPORTING_JOBS.gauge(len(snap))

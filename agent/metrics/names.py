@@ -135,6 +135,10 @@ JOB_ALLREDUCE_SECONDS = Name("tensorlane_job_allreduce_seconds",
 JOB_STEP_BYTES = Name("tensorlane_job_step_bytes",
                       "Bytes one training step all-reduces, as the job's shims on this host last reported it "
                       "(what job_policy shortest orders jobs by)", JOB)
+JOB_STEP_COMPUTE_SECONDS = Name("tensorlane_job_step_compute_seconds",
+                                "Compute seconds of one training step, agreed over the job's ranks, as its shims on "
+                                "this host last reported it (with the step bytes, what job_policy measured_intensity "
+                                "orders jobs by)", JOB)
 REPORTING_JOBS = Name("tensorlane_reporting_jobs", "Training jobs whose shims reported here recently")
 
 # __init__.py (AgentCollector: one series per source)
