@@ -224,6 +224,11 @@ def training_job_panels(lay, reporters: str) -> None:
             [(f"max by (training_job) (tensorlane_job_step_bytes{sel(jobs=True)})", "{{training_job}}")],
             f"The bytes one training step all-reduces, reported by {reporters}: what job_policy \"shortest\" "
             "orders jobs by (fewest first).")
+    lay.add("Compute seconds per training step by job", "s",
+            [(f"max by (training_job) (tensorlane_job_step_compute_seconds{sel(jobs=True)})", "{{training_job}}")],
+            f"A training step's compute time (the step less its waits for the all-reduces), agreed over the job's "
+            f"ranks, reported by {reporters}: with the bytes per step, what job_policy \"measured_intensity\" "
+            "orders jobs by (most compute per byte first).")
 
 def fleet() -> dict:
     lay = Layout()

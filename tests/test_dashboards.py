@@ -150,7 +150,8 @@ def test_queries_and_rules_name_only_metrics_the_agent_exports(kernel):  # noqa:
     registry, _ = make_registry(api)  # subscribes to the api's requests from now on
     request(api, op="register", job="a", level=0, flows=[flow(1)])
     request(api, op="report", job="a", session="s", levels=[{"level": 0, "allreduces": 1, "bytes": 1,
-                                                                 "comm_s": 0.1}], step_bytes=4096)
+                                                                 "comm_s": 0.1}], step_bytes=4096,
+            compute_s=0.5)
     text = generate_latest(registry).decode()
     exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
     used = set()
