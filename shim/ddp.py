@@ -25,6 +25,7 @@ Usage::
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import threading
@@ -49,6 +50,7 @@ log = logging.getLogger("tensorlane.shim")
 PLANNER_POLICIES = ("planner", "layer_order", "flat")
 _TRUE = ("1", "true", "yes", "on")
 PROBE_MAX_BACKWARDS = 16  # synchronized iterations without a step() seen before overlap mode gives up
+AGREE_TIMEOUT_S = 10.0  # close(): how long to wait for the compute time's all-reduce in flight before freeing groups
 
 
 def _disabled(disable: bool | None) -> bool:
@@ -254,6 +256,12 @@ class ShimState:
         """Stop reporting, withdraw the flows and free the per-level groups (for a state made by ``comm_state()``
         call it once training is over; ``Handle.close`` calls it). Idempotent."""
         self.closed = True
+        agreeing, self._agreeing = self._agreeing, None
+        if agreeing is not None:  # every rank launched it at the same step: it completes (not on a dead peer)
+            try:
+                agreeing[0].wait(timeout=datetime.timedelta(seconds=AGREE_TIMEOUT_S))
+            except RuntimeError as exc:
+                log.debug("tensorlane: the compute time's last all-reduce: %s", exc)
         if self.reporter is not None:
             self.reporter.close()
             self.reporter = None
