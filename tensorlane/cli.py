@@ -63,8 +63,11 @@ def format_status(st: dict) -> str:
         parts = ", ".join(f"level {lvl} {100 * v:g} %" for lvl, v in jp.get("level_shares", {}).items())
         sizes = jp.get("step_bytes", {})  # shortest, measured_intensity: what the jobs' shims reported
         compute = jp.get("compute_s", {})  # measured_intensity
+        rates = [d["link_rate_bps"] for d in st.get("devices", []) if d.get("link_rate_bps")]
         said = {j: ", ".join(([f"{sizes[j]} B/step"] if j in sizes else [])
-                             + ([f"{compute[j]:.3g} s compute/step"] if j in compute else []))
+                             + ([f"{compute[j]:.3g} s compute/step"] if j in compute else [])
+                             + ([f"intensity {_intensity(compute[j], sizes[j], min(rates)):.3g}"]
+                                if j in compute and j in sizes and rates else []))
                 for j in jp.get("order", [])}
         order = ", ".join(f"{j} ({said[j]})" if said[j] else j for j in jp.get("order", []))
         lines.append(f"job policy {jp['policy']}: order {order or '-'}; job_share "
@@ -72,6 +75,13 @@ def format_status(st: dict) -> str:
     for job, n in sorted(st["jobs"].items()):
         lines.append(f"job {job}: {n} flows")
     return "\n".join(lines)
+
+
+def _intensity(compute_s: float, step_bytes: int, link_bps: float) -> float:
+    """Crux's GPU intensity of a job on this host's slowest managed link (for ``status``)."""
+    from tensorlane.policies.papers.crux import Job, gpu_intensity
+
+    return gpu_intensity(Job("status", compute_s, step_bytes, link_bps))
 
 
 def _status(args) -> int:

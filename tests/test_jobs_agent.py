@@ -350,6 +350,12 @@ def test_status_table_shows_the_job_order_and_parts():
     request(api, op="report", job="b", session="s", levels=[{"level": 0, "allreduces": 1, "bytes": 8, "comm_s": 0}],
             step_bytes=4096)
     assert "job policy shortest: order b (4096 B/step), a; job_share 0.2" in format_status(request(api, op="status"))
+    api, _ = make_api(job_policy="measured_intensity")  # a 200 Mbit/s link: 2.5 MB take 0.1 s
+    request(api, op="register", job="a", level=0, flows=[flow(1)])
+    request(api, op="report", job="a", session="s", levels=[{"level": 0, "allreduces": 1, "bytes": 8, "comm_s": 0}],
+            step_bytes=2_500_000, compute_s=0.15)
+    text = format_status(request(api, op="status"))
+    assert "order a (2500000 B/step, 0.15 s compute/step, intensity 1.5)" in text, text
 
 
 # ---- against the kernel: agents in a testbed of their own --------------------------------------------------------
