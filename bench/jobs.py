@@ -38,12 +38,12 @@ DDP's construction, the registration of its flows -- then waits for a go file th
 ``static`` (``job_priority`` from the job order), ``rotate`` and ``alternate`` (``rotate_epoch_s`` =
 ``epoch_factor`` x the longest predicted solo iteration), ``intensity`` (``job_intensity`` = each job's
 compute_s / comm_s, Crux's GPU intensity), ``shortest`` (no table: the jobs' shims, in hook mode at one level,
-report the bytes of one step, fewest first) and ``levels`` (``none``, every job with the shim: overlap mode, its
-tensors on the shim's levels; judged against the faster of its two solo runs); opt-in, ``static_levels``
-(``static``'s order, every job with the shim as in ``levels``, its levels inside its job's band),
-``intensity_hook`` (``intensity``'s table, the jobs as in ``shortest``) and ``measured_intensity`` (no table: the
-jobs as in ``shortest`` report their step bytes and agreed compute time; 4 warm-up iterations instead of 1, so that
-the ranks' first agreement, at the end of their third step, is in before the release). Job ``i``
+report the bytes of one step, fewest first), ``measured_intensity`` (no table: the jobs as in ``shortest`` report
+their step bytes and agreed compute time, most compute per byte first; 4 warm-up iterations instead of 1, so that the
+ranks' first agreement, at the end of their third step, is in before the release) and ``levels`` (``none``, every
+job with the shim: overlap mode, its tensors on the shim's levels; judged against the faster of its two solo runs);
+opt-in, ``static_levels`` (``static``'s order, every job with the shim as in ``levels``, its levels inside its job's
+band) and ``intensity_hook`` (``intensity``'s table, the jobs as in ``shortest``). Job ``i``
 starts ``offset_s`` after the common release; its JCT runs from its own start to the end of its slowest rank's last
 iteration. Each rank reads, before it exits, ``tcpi_total_rto`` of its TCP connections to its peer (``rto``:
 retransmission timeouts, summed over the job's ranks; None on kernels older than 6.7), ``late_s`` of its emulated
@@ -118,12 +118,11 @@ def recommended_policy(fits_link: bool, collides: bool) -> str:
     """The job policy docs/jobs.md recommends for a mix of this kind (:data:`RECOMMENDED`): the one its targets
     judge. Usage: ``recommended_policy(True, True) == "static"``"""
     return RECOMMENDED[mix_kind(fits_link, collides)]
-POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "shortest", "levels")
+POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "shortest", "measured_intensity", "levels")
 # opt-in (--policies): ``static_levels``, static's job order with every job running the shim (its levels inside
 # its job's band); ``intensity_hook``, intensity's table with shortest's jobs (the shim in hook mode at one level),
-# which tells the order's effect from the shim's where both orders agree; ``measured_intensity``, Crux's intensity
-# from the jobs' own reports of compute time and step bytes (the jobs as in ``shortest``)
-OPT_IN_POLICIES = ("static_levels", "intensity_hook", "measured_intensity")
+# which tells the order's effect from the shim's where both orders agree
+OPT_IN_POLICIES = ("static_levels", "intensity_hook")
 SOLOS = ("solo", "solo_shim")
 DEFAULT_PHASES = (*SOLOS, *POLICIES)
 PHASES = (*DEFAULT_PHASES, *OPT_IN_POLICIES)

@@ -312,11 +312,16 @@ def test_jobs_quick_smoke():
             assert 0 < j["cpu_s"] < 2 * j["jct_s"] and j["cpu_wait_s"] >= 0, (name, j)
         assert block["tcp"][0].keys() == {"RetransSegs", "TCPTimeouts"}
     assert mix["policies"]["fifo"]["order_changes"] == [0]
-    assert all(mix["policies"][p]["order_changes"][0] >= 1 for p in ("static", "rotate", "intensity", "shortest"))
+    assert all(mix["policies"][p]["order_changes"][0] >= 1
+               for p in ("static", "rotate", "intensity", "shortest", "measured_intensity"))
     # shortest: the agent ordered the jobs by the step bytes their shims reported, the gradients' bytes exactly
     seen = mix["policies"]["shortest"]["orders"][0]
     assert seen["step_bytes"] == {j["job"]: j["gradient_bytes"] for j in mix["jobs"]}, seen
     assert seen["order"] == sorted(ids, key=lambda j: seen["step_bytes"][j]), seen
+    # measured_intensity: the jobs' agreed compute times and step bytes give intensity's order, with no table
+    seen = mix["policies"]["measured_intensity"]["orders"][0]
+    assert set(seen["compute_s"]) == set(ids) and all(v > 0 for v in seen["compute_s"].values()), seen
+    assert seen["order"] == mix["policies"]["intensity"]["orders"][0]["order"], seen
     assert mix["policies"]["static"]["orders"][0]["order"] == ids and mix["policies"]["fifo"]["orders"] == [None]
     assert {t["name"] for t in mix["targets"]} == {"fits_vs_fifo", "fits_vs_solo", "collide_avg_vs_fifo"}
     assert all(isinstance(t["met"], bool) for t in mix["targets"]) and result["pass"] == {"collide2": mix["pass"]}
