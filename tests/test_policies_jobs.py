@@ -277,6 +277,20 @@ def test_position_rotation_disagrees_but_hashed_does_not() -> None:
     assert found
 
 
+def assert_shared_pairs_agree(shared: set, levels: int, first: tuple, second: tuple) -> None:
+    """Two agents' ``(order, ranks)``: every two ``shared`` jobs in the same order, and no requested level of one
+    more urgent than the other's on one agent and less urgent on the other."""
+    (o1, r1), (o2, r2) = first, second
+    b1, b2 = job_bands(o1, levels, r1), job_bands(o2, levels, r2)
+    for a in shared:
+        for b in shared:
+            assert (o1.index(a) < o1.index(b)) == (o2.index(a) < o2.index(b))
+            for t in range(levels):
+                l1a, l1b = banded_level(b1[a], t, levels), banded_level(b1[b], t, levels)
+                l2a, l2b = banded_level(b2[a], t, levels), banded_level(b2[b], t, levels)
+                assert not (l1a < l1b and l2a > l2b), (a, b, o1, o2)
+
+
 @settings(max_examples=200, deadline=None)
 @given(job_ids, job_ids, st.integers(1, 5), st.data())
 def test_agents_agree_on_shared_jobs_by_reported_step_bytes(seen1, seen2, levels, data) -> None:
@@ -288,15 +302,7 @@ def test_agents_agree_on_shared_jobs_by_reported_step_bytes(seen1, seen2, levels
     reported2 = {j: sizes[j] for j in seen2 if data.draw(st.booleans()) or j in seen1}
     o1, r1 = job_order("shortest", seen1, step_bytes=reported1)
     o2, r2 = job_order("shortest", seen2, step_bytes=reported2)
-    shared = set(seen1) & set(seen2)
-    b1, b2 = job_bands(o1, levels, r1), job_bands(o2, levels, r2)
-    for a in shared:
-        for b in shared:
-            assert (o1.index(a) < o1.index(b)) == (o2.index(a) < o2.index(b))
-            for t in range(levels):
-                l1a, l1b = banded_level(b1[a], t, levels), banded_level(b1[b], t, levels)
-                l2a, l2b = banded_level(b2[a], t, levels), banded_level(b2[b], t, levels)
-                assert not (l1a < l1b and l2a > l2b), (a, b, o1, o2)
+    assert_shared_pairs_agree(set(seen1) & set(seen2), levels, (o1, r1), (o2, r2))
 
 
 def test_measured_intensity_is_cruxs_intensity_without_the_link_rate() -> None:
@@ -326,12 +332,4 @@ def test_agents_agree_on_shared_jobs_by_measured_intensity(seen1, seen2, levels,
                        compute_s={j: compute[j] for j in kept1})
     o2, r2 = job_order("measured_intensity", seen2, step_bytes={j: sizes[j] for j in kept2},
                        compute_s={j: compute[j] for j in kept2})
-    b1, b2 = job_bands(o1, levels, r1), job_bands(o2, levels, r2)
-    shared = set(seen1) & set(seen2)
-    for a in shared:
-        for b in shared:
-            assert (o1.index(a) < o1.index(b)) == (o2.index(a) < o2.index(b))
-            for t in range(levels):
-                l1a, l1b = banded_level(b1[a], t, levels), banded_level(b1[b], t, levels)
-                l2a, l2b = banded_level(b2[a], t, levels), banded_level(b2[b], t, levels)
-                assert not (l1a < l1b and l2a > l2b), (a, b, o1, o2)
+    assert_shared_pairs_agree(set(seen1) & set(seen2), levels, (o1, r1), (o2, r2))
