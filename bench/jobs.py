@@ -32,7 +32,8 @@ on every host's link, the sum over its jobs of ``comm_s / solo_iteration_s`` <= 
 given, is DDP's bucket in MB of the full-size model (the worker's ``--bucket-cap-mb`` divided by ``param_scale``).
 
 Phases per mix, each with fresh agents and one release barrier (every rank sets up first -- imports, rendezvous,
-DDP's construction, the registration of its flows -- then waits for a go file that holds its start time):
+DDP's construction, the shim's, the registration of its flows, the warm-up iterations -- then waits for a go file
+that holds its start time):
 ``solo`` (each job alone, one after the other in one phase: agents with ``job_policy = "none"``), ``solo_shim``
 (the same, every job with the shim), ``fifo`` (``none``: all jobs' flows at level 0, FIFO between jobs),
 ``static`` (``job_priority`` from the job order), ``rotate`` and ``alternate`` (``rotate_epoch_s`` =
@@ -259,6 +260,13 @@ def _wait_for_go(ready: str, go: str, timeout: float) -> None:
         time.sleep(delay)
 
 
+def releases(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``dist.barrier(*args, **kwargs)`` call is on the default group (``bench.worker``'s barrier before
+    the timed iterations), not on a group of the shim's. Usage: ``releases((), {}) and not releases((), {"group": g})``
+    """
+    return kwargs.get("group", args[0] if args else None) is None
+
+
 def _master_port(training: list[str]) -> int:
     """The port of ``--master ADDR:PORT`` in ``bench.worker training``'s arguments."""
     return int(training[training.index("--master") + 1].rpartition(":")[2])
@@ -266,9 +274,12 @@ def _master_port(training: list[str]) -> int:
 
 def worker(argv: list[str]) -> int:
     """``worker --ready FILE --go FILE [--timeout S] -- TRAINING-ARGS``: run
-    ``bench.worker.training_main(TRAINING-ARGS)`` with two changes. Its first ``dist.barrier()`` (the one before the
-    timed iterations, after rendezvous, DDP's set-up and the registration of its flows) is followed by a barrier
-    across all jobs: create ``--ready``, wait (bounded) for ``--go`` and sleep until the start time written in it.
+    ``bench.worker.training_main(TRAINING-ARGS)`` with two changes. Its first ``dist.barrier()`` on the default group
+    (the one before the timed iterations, after rendezvous, DDP's set-up, the shim's, the registration of the flows
+    and the warm-up iterations) is followed by a barrier across all jobs: create ``--ready``, wait (bounded) for
+    ``--go`` and sleep until the start time written in it. (The shim's own barriers, on its level groups, pass
+    through: until 2026-11-24 the first of them released the jobs, so that a shim job's set-up and warm-up ran after
+    the release.)
     Its ``dist.destroy_process_group()`` first reads ``tcpi_total_rto`` of its connections to its peer
     (:func:`socket_rto`), which then goes into its result JSON (``rto``, ``rto_time_ms``, ``rto_sockets``)."""
     p = argparse.ArgumentParser(prog="python -m bench.jobs worker")
@@ -289,7 +300,7 @@ def worker(argv: list[str]) -> int:
 
     def barrier(*a, **kw):
         out = real_barrier(*a, **kw)
-        if first[0]:
+        if first[0] and releases(a, kw):
             first[0] = False
             _wait_for_go(args.ready, args.go, args.timeout)
         return out

@@ -145,6 +145,39 @@ def test_a_job_rendezvous_at_its_first_host():
         assert argv[argv.index("--master") + 1] == "198.18.0.2:29701"
 
 
+def test_release_waits_for_the_default_groups_barrier(monkeypatch, tmp_path):
+    """A job is released at its barrier before the timed iterations (the default group's), after its set-up: the
+    shim's barriers on its level groups, during ``attach``, pass through. (Until 2026-11-24 the first barrier of any
+    group released the job, so that a shim job's set-up and warm-up ran after the release.)"""
+    import torch.distributed as dist
+
+    import bench.jobs
+    import bench.worker
+
+    calls = []
+    monkeypatch.setattr(dist, "barrier", lambda *a, **kw: calls.append(("barrier", kw.get("group"))))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **kw: None)
+    monkeypatch.setattr(bench.jobs, "_wait_for_go", lambda ready, go, timeout: calls.append(("go", None)))
+
+    def training_main(argv):
+        dist.barrier(group="level-0")  # the shim's, in attach
+        dist.barrier(group="level-1")
+        calls.append(("warm-up", None))
+        dist.barrier()  # the timed iterations' barrier
+        dist.barrier()
+        return 0
+
+    monkeypatch.setattr(bench.worker, "training_main", training_main)
+    monkeypatch.setattr(bench.worker, "write_result", bench.worker.write_result)  # worker() wraps it: undone below
+    try:
+        assert bench.jobs.worker(["--ready", str(tmp_path / "r"), "--go", str(tmp_path / "g"), "--",
+                                  "--master", "198.18.0.1:29700"]) == 0
+    finally:
+        monkeypatch.undo()
+    assert calls == [("barrier", "level-0"), ("barrier", "level-1"), ("warm-up", None), ("barrier", None),
+                     ("go", None), ("barrier", None)]
+
+
 def test_solo_phases_run_each_job_alone(monkeypatch, tmp_path):
     """Both solo phases (plain DDP and with the shim) release one job after the other, each alone; every other
     phase releases the jobs together. (Until 2026-11-23 ``solo_shim`` ran a mix's jobs at once.)"""
