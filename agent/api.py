@@ -21,6 +21,7 @@ from tensorlane.agent.metrics.jobs import JobReports
 from tensorlane.agent.ownership import netns_of, not_owned, not_owned_by_owners
 from tensorlane.agent.peers import AccessPolicy, Peer
 from tensorlane.agent.protocol import ProtocolError
+from tensorlane.policies.jobs import REPORTED_INPUTS
 
 log = logging.getLogger("tensorlane.api")
 
@@ -172,7 +173,7 @@ class Api:
         counted_as = self.reports.add(req.job, req.session, {lvl: tuple(c) for lvl, *c in req.counters},
                                       req.step_bytes, req.compute_s)
         reply = {"job": req.job, "levels": len(req.counters), "counted_as": counted_as}
-        sent = {k: v for k, v in (("step_bytes", req.step_bytes), ("compute_s", req.compute_s)) if v is not None}
+        sent = {k: getattr(req, k) for k in REPORTED_INPUTS if getattr(req, k) is not None}
         return reply | self._take_inputs(req.job, sent, peer)
 
     def _take_inputs(self, job: str, sent: dict, peer) -> dict[str, str]:

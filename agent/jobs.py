@@ -158,8 +158,7 @@ class JobScheduler:
     def inputs_of(self, name: str, keys: tuple | None = None) -> dict:
         """One reported input (``step_bytes`` or ``compute_s``) of the jobs in the order in force (or in ``keys``):
         ``{job: value}``."""
-        return {job: dict(values)[name] for job, values in (self.keys if keys is None else keys)
-                if name in dict(values)}
+        return {job: v[name] for job, values in (self.keys if keys is None else keys) if name in (v := dict(values))}
 
     def describe(self) -> dict:
         """What ``status`` shows: the policy, the epoch and the order and bands in force."""

@@ -91,7 +91,7 @@ from bench.workers import (
     wait_worker,
     worker_env,
 )
-from tensorlane.policies.jobs import ROTATING
+from tensorlane.policies.jobs import REPORTED_INPUTS, ROTATING
 
 RECOMMENDED = {"colliding": "static", "staggered": "levels", "oversubscribed": "levels"}  # docs/jobs.md, measured
 # The agent settings docs/jobs.md recommends per kind, beyond the defaults: on a link the jobs oversubscribe, large
@@ -636,7 +636,7 @@ class OrderWatch:
             except Exception:  # noqa: BLE001 - a missed reading is only a missed reading
                 continue
             if len(jp.get("order", ())) >= self.jobs > 1:
-                self.order = {"order": jp["order"], **{k: jp[k] for k in ("step_bytes", "compute_s") if k in jp}}
+                self.order = {"order": jp["order"], **{k: jp[k] for k in REPORTED_INPUTS if k in jp}}
 
     def __enter__(self) -> OrderWatch:
         self._thread.start()

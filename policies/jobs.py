@@ -26,6 +26,7 @@ from tensorlane.policies.compress import compress_levels
 JOB_POLICIES = ("none", "static", "rotate", "alternate", "intensity", "shortest", "measured_intensity")
 ROTATING = ("rotate", "alternate")  # the policies whose order changes every epoch
 REPORTED = {"shortest": ("step_bytes",), "measured_intensity": ("step_bytes", "compute_s")}  # inputs from the shims
+REPORTED_INPUTS = tuple(dict.fromkeys(name for names in REPORTED.values() for name in names))  # each once
 INTENSITY_STEP = 1.1  # measured_intensity: jobs whose intensities differ by less than one such factor may share a band
 
 

@@ -61,14 +61,8 @@ def format_status(st: dict) -> str:
     jp = st.get("job_policy") or {}
     if jp.get("policy", "none") != "none":
         parts = ", ".join(f"level {lvl} {100 * v:g} %" for lvl, v in jp.get("level_shares", {}).items())
-        sizes = jp.get("step_bytes", {})  # shortest, measured_intensity: what the jobs' shims reported
-        compute = jp.get("compute_s", {})  # measured_intensity
         rates = [d["link_rate_bps"] for d in st.get("devices", []) if d.get("link_rate_bps")]
-        said = {j: ", ".join(([f"{sizes[j]} B/step"] if j in sizes else [])
-                             + ([f"{compute[j]:.3g} s compute/step"] if j in compute else [])
-                             + ([f"intensity {_intensity(compute[j], sizes[j], min(rates)):.3g}"]
-                                if j in compute and j in sizes and rates else []))
-                for j in jp.get("order", [])}
+        said = {j: _reported(jp, j, min(rates, default=None)) for j in jp.get("order", [])}
         order = ", ".join(f"{j} ({said[j]})" if said[j] else j for j in jp.get("order", []))
         lines.append(f"job policy {jp['policy']}: order {order or '-'}; job_share "
                      f"{jp.get('job_share', 0):g}" + (f" ({parts})" if parts else ""))
@@ -77,11 +71,19 @@ def format_status(st: dict) -> str:
     return "\n".join(lines)
 
 
-def _intensity(compute_s: float, step_bytes: int, link_bps: float) -> float:
-    """Crux's GPU intensity of a job on this host's slowest managed link (for ``status``)."""
+def _reported(jp: dict, job: str, link_bps: float | None) -> str:
+    """What ``job``'s shims reported for the job order (``status.job_policy``: ``step_bytes`` under ``shortest``
+    and ``measured_intensity``, ``compute_s`` under the latter) and, with both and a link rate, Crux's GPU
+    intensity on this host's slowest managed link; "" when nothing."""
     from tensorlane.policies.papers.crux import Job, gpu_intensity
 
-    return gpu_intensity(Job("status", compute_s, step_bytes, link_bps))
+    size, compute = jp.get("step_bytes", {}).get(job), jp.get("compute_s", {}).get(job)
+    parts = [] if size is None else [f"{size} B/step"]
+    if compute is not None:
+        parts.append(f"{compute:.3g} s compute/step")
+        if size is not None and link_bps:
+            parts.append(f"intensity {gpu_intensity(Job('status', compute, size, link_bps)):.3g}")
+    return ", ".join(parts)
 
 
 def _status(args) -> int:
