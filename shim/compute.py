@@ -74,10 +74,12 @@ class ComputeClock:
         return len(self.samples) >= self.window
 
     def take_window(self) -> int:
-        """This window's median in whole microseconds (this rank's part of the all-reduce); starts the next
-        window, twice as long up to ``LAST_WINDOW``."""
+        """This window's lower median in whole microseconds (this rank's part of the all-reduce): of an even
+        window the smaller middle sample, so that one long pause between two steps (an evaluation, a checkpoint, a
+        barrier) does not become a two-step window's value; starts the next window, twice as long up to
+        ``LAST_WINDOW``."""
         ordered = sorted(self.samples)
-        median = ordered[len(ordered) // 2]
+        median = ordered[(len(ordered) - 1) // 2]
         self.samples, self.window = [], min(self.window * 2, LAST_WINDOW)
         return max(1, round(median * 1e6))
 
