@@ -245,8 +245,10 @@ def rows_jobs(d: dict) -> list[Row]:
     return rows_jobs_mixes(d) if "mixes" in d else rows_jobs_runs(d)
 
 
+# Every phase with the jobs together, in the order of the tables and plots (bench.jobs' phases)
 JOBS_POLICY_NAMES = {"fifo": "FIFO", "static": "static", "rotate": "rotate", "alternate": "alternate",
-                    "intensity": "intensity", "levels": "levels"}
+                     "intensity": "intensity", "shortest": "shortest", "measured_intensity": "measured intensity",
+                     "levels": "levels", "static_levels": "static levels", "intensity_hook": "intensity (hook)"}
 
 
 def _mix_jobs(mix: dict, policy: str) -> list[dict]:
@@ -306,7 +308,8 @@ def _mix_largest_row(mix: dict, rec: str, key: str, label: str, target: float) -
 def _mix_oversub_row(mix: dict, target: float) -> Row:
     """The largest per-job JCT ratio against FIFO under any policy (an oversubscribed mix)."""
     worst = None
-    for p in JOBS_POLICY_NAMES:
+    pols = mix.get("policies") if isinstance(mix.get("policies"), dict) else {}
+    for p in pols:  # every phase the run had, named here or not
         big = _largest(_mix_jobs(mix, p), "fifo_jct_s") if p != "fifo" else None
         if big is not None and (worst is None or big[1] > worst[2]):
             worst = (p, big[0], big[1])

@@ -299,6 +299,15 @@ def test_report_rows_from_mixes():
     assert r.ratio == "1.07" and r.result == "**missed** by 0.02" and r.alternatives.startswith("static, job 1:")
     r = figures["oversub2 (oversubscribed): average JCT, static vs FIFO"]
     assert r.ratio == "0.91" and r.target == "none (informational)"
+    # "any policy" is every phase in the file: the bench's own target counts them all, the report must too
+    mixes[1]["policies"]["measured_intensity"] = {"jobs": [{"jct_s": 20.0, "fifo_jct_s": 20.0},
+                                                           {"jct_s": 23.0, "fifo_jct_s": 20.0}]}
+    mixes[1]["policies"]["a_future_phase"] = {"jobs": [{"jct_s": 24.0, "fifo_jct_s": 20.0}]}
+    r = {r.figure: r for r in report.rows_jobs(d)}["oversub2 (oversubscribed): largest per-job JCT vs FIFO, any policy"]
+    assert r.ratio == "1.20" and r.alternatives.startswith("a_future_phase, job 0:")
+    del mixes[1]["policies"]["a_future_phase"]
+    r = {r.figure: r for r in report.rows_jobs(d)}["oversub2 (oversubscribed): largest per-job JCT vs FIFO, any policy"]
+    assert r.ratio == "1.15" and r.alternatives.startswith("measured_intensity, job 1:")
     assert "min_share 0.01" in report.describe_setup("jobs", d)
     assert report.describe_setup("jobs", d).startswith("2 hosts at 200 Mbit/s")   # mixes without hosts: 2 each
     mixes.append({"name": "spread4", "hosts": [1, 2, 3, 4]})
