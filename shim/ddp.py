@@ -331,6 +331,12 @@ def overlap_hook(state: ShimState, bucket):
     d = state.deferred
     if state.closed:
         return _plain_allreduce(state, bucket)
+    if state.mode != "hook" and _joining(state):
+        if state.mode == "overlap":  # every step so far was exact; the next one could not be
+            raise RuntimeError(f"tensorlane overlap mode: {ov.JOIN}. join() was entered after overlap mode had "
+                               "started; enter it around the whole loop from the first iteration (overlap mode "
+                               "then falls back to hook mode), or attach without the optimizer (hook mode).")
+        state.fallback(ov.JOIN)  # probing: this iteration runs as hook mode anyway
     if bucket.index() == 0 and state.mode == "probing" and d.probe.backwards > 0:
         _decide(state)  # a collective, at the same bucket of the same backward on every rank
     fut = priority_hook(state, bucket) if state.mode != "overlap" else _launch_deferred(state, bucket)
@@ -339,6 +345,13 @@ def overlap_hook(state: ShimState, bucket):
         probing = state.mode == "probing"
         ov.after_backward_callback(lambda: d.after_backward(params, probing))
     return fut
+
+
+def _joining(state: ShimState) -> bool:
+    """Whether the DDP model runs inside an enabled ``join()`` (``torch.distributed.algorithms.Join`` sets its
+    ``_join_config`` on every rank when the context is made)."""
+    cfg = getattr(state.options.get("ddp"), "_join_config", None)
+    return bool(getattr(cfg, "enable", False))
 
 
 def _decide(state: ShimState) -> None:
@@ -499,6 +512,7 @@ class Handle:
                 holders.setdefault(id(p), []).append(id(m))
         d = self.state.deferred = ov.Deferred(opt, holders)
         self.state.options["params"] = params
+        self.state.options["ddp"] = self.model  # overlap_hook checks for DDP's join()
         d.orig_step = opt.step
         self._own_step = opt.__dict__.get("step")  # an LR scheduler made before attach put its wrapper there
 

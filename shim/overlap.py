@@ -56,6 +56,8 @@ PER_PARAMETER_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in (
 GRADS_CHANGED = ("gradients were changed between backward() and optimizer.step() (gradient clipping, "
                  "GradScaler's unscale_/step, or code writing .grad): under DDP that acts on the averaged "
                  "gradient, which overlap mode only has later")
+JOIN = ("DDP's join() (uneven inputs): a rank that has joined runs DDP's all-reduces outside backward, and at the "
+        "end DDP broadcasts the last joiner's parameters, whose last step overlap mode has not taken yet")
 CLOSURE = ("optimizer.step(closure) runs forward and backward inside the step (LBFGS and similar), so the step "
            "cannot be deferred")
 

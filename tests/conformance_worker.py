@@ -364,6 +364,23 @@ def _no_sync_accumulation(ctx: Ctx):
         opt.zero_grad()
 
 
+@idiom("join_uneven")
+def _join_uneven(ctx: Ctx):
+    """Uneven inputs: rank r has ``steps - r`` batches, the loop inside ``model.join()`` (DDP shadows the joined
+    ranks' all-reduces with zeros, then broadcasts the last joiner's parameters)."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    with model.join():
+        for step in range(ctx.steps - ctx.rank):
+            x, y = ctx.images(step)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ctx.record("loss", loss.item())
+
+
 @idiom("frozen")
 def _frozen(ctx: Ctx):
     """The first conv frozen (requires_grad=False); the optimizer still holds every parameter."""

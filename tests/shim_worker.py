@@ -47,15 +47,21 @@ def train(mode: str, args, rank: int) -> tuple[dict, dict]:
                              agent_socket=args.agent_socket, partition_bytes=args.partition_bytes,
                              disable=(mode == "disabled"), link_bps=args.link_bps)
     loss_fn = nn.CrossEntropyLoss()
-    for step in range(args.steps):
+    steps = args.steps if args.join_after is None else args.steps - rank  # uneven inputs under join()
+    for step in range(steps):
+        if step == args.join_after:
+            joining = model.join()
+            joining.__enter__()
         x, y = batch(rank, step)
         loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
         time.sleep(args.step_sleep)
-        if step == args.steps // 2 and mode == "overlap":
+        if step == args.steps // 2 and mode == "overlap" and args.join_after is None:
             ckpt = {"model": model.state_dict(), "opt": opt.state_dict()}  # flushes pending updates first
             assert all(torch.equal(ckpt["model"][k], v) for k, v in model.state_dict().items())
+    if args.join_after is not None:
+        joining.__exit__(None, None, None)  # shadows the others' remaining steps, broadcasts the final model
     model.eval()
     with torch.no_grad():
         model(batch(rank, 999)[0])  # eval forward applies what is pending
@@ -76,12 +82,22 @@ def main() -> int:
     p.add_argument("--partition-bytes", type=int, default=None)
     p.add_argument("--link-bps", type=float, default=None, help="the planner's link rate (default: the agent's)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (longer runs)")
+    p.add_argument("--join-after", type=int, default=None,
+                   help="uneven inputs: rank r trains steps - r steps, those from this one on inside model.join(); "
+                        "a mode that raises writes OUT/mode-rank.err and the next mode runs")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     for mode in args.modes.split(","):
-        params, stats = train(mode, args, rank)
+        try:
+            params, stats = train(mode, args, rank)
+        except RuntimeError as exc:
+            if args.join_after is None:
+                raise
+            with open(os.path.join(args.out, f"{mode}-{rank}.err"), "w") as fh:
+                fh.write(str(exc))
+            continue
         torch.save(params, os.path.join(args.out, f"{mode}-{rank}.pt"))
         with open(os.path.join(args.out, f"{mode}-{rank}.json"), "w") as fh:
             json.dump(dict(stats, run_id=os.environ.get("TORCHELASTIC_RUN_ID")) if stats.get("enabled") else stats, fh)

@@ -46,7 +46,7 @@ BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 # Expected handle.stats()["mode"] of the overlap cells (the exact overlap design): gradients changed between
 # backward() and step(), or step(closure), fall back to hook mode with a reason; everything else overlaps.
-FALLS_BACK_TO_HOOK = ("clip_grad_norm", "clip_grad_value", "grad_scaler", "lbfgs")
+FALLS_BACK_TO_HOOK = ("clip_grad_norm", "clip_grad_value", "grad_scaler", "join_uneven", "lbfgs")
 STAYS_OVERLAP = tuple(n for n in MAIN + ["checkpoint_resume"] if n not in FALLS_BACK_TO_HOOK)
 
 CELLS = ([(idiom, mode, world) for world in WORLDS for idiom in MAIN for mode in SHIM_MODES]
