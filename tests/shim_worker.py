@@ -47,7 +47,7 @@ def train(mode: str, args, rank: int) -> tuple[dict, dict]:
                              agent_socket=args.agent_socket, partition_bytes=args.partition_bytes,
                              disable=(mode == "disabled"), link_bps=args.link_bps)
     loss_fn = nn.CrossEntropyLoss()
-    steps = args.steps if args.join_after is None else args.steps - rank  # uneven inputs under join()
+    steps = args.steps if args.join_after is None else args.steps - 4 * rank  # uneven inputs under join()
     for step in range(steps):
         if step == args.join_after:
             joining = model.join()
@@ -83,7 +83,7 @@ def main() -> int:
     p.add_argument("--link-bps", type=float, default=None, help="the planner's link rate (default: the agent's)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (longer runs)")
     p.add_argument("--join-after", type=int, default=None,
-                   help="uneven inputs: rank r trains steps - r steps, those from this one on inside model.join(); "
+                   help="uneven inputs: rank r trains steps - 4 r steps, those from this one on inside model.join(); "
                         "a mode that raises writes OUT/mode-rank.err and the next mode runs")
     args = p.parse_args()
     torch.set_num_threads(1)

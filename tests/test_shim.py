@@ -46,23 +46,26 @@ def max_rel_diff(a: dict, b: dict) -> float:
 
 
 def test_uneven_inputs_under_join(tmp_path):
-    """DDP's join() with uneven inputs (rank r trains 8 - r steps): hook mode is plain DDP's all-reduce, so the
-    joined ranks' shadow all-reduces match; overlap mode falls back to hook mode when the loop starts inside
-    join(), and refuses with a clear error (before any step differs) when join() is entered after overlap began."""
+    """DDP's join() with uneven inputs (rank r trains 12 - 4 r steps): hook mode is plain DDP's all-reduce, so the
+    joined ranks' shadow all-reduces match, the compute clock's agreement at step 9 included (ranks 1 and 2 have
+    joined by then); overlap mode falls back to hook mode when the loop starts inside join(), and refuses with a
+    clear error (before any step differs) when join() is entered after overlap began."""
     import json
 
     import torch
 
-    run_torchrun(tmp_path, 3, "--steps", "8", "--modes", "ddp,hook,overlap", "--join-after", "0")
+    run_torchrun(tmp_path, 3, "--steps", "12", "--modes", "ddp,hook,overlap", "--join-after", "0")
     for rank in range(3):
         ref = torch.load(tmp_path / f"ddp-{rank}.pt")
         for mode in ("hook", "overlap"):
             assert max_rel_diff(torch.load(tmp_path / f"{mode}-{rank}.pt"), ref) <= 1e-5, (mode, rank)
         stats = json.loads((tmp_path / f"overlap-{rank}.json").read_text())
         assert stats["mode"] == "hook" and "join()" in stats["mode_reason"], stats
+    agreed = {json.loads((tmp_path / f"hook-{rank}.json").read_text())["compute_s"] for rank in range(3)}
+    assert len(agreed) == 1 and None not in agreed, agreed  # one value on every rank, joined or not
     late = tmp_path / "late"
     late.mkdir()
-    run_torchrun(late, 2, "--steps", "8", "--modes", "overlap", "--join-after", "3")
+    run_torchrun(late, 2, "--steps", "12", "--modes", "overlap", "--join-after", "3")
     for rank in range(2):
         err = (late / f"overlap-{rank}.err").read_text()
         assert "join() was entered after overlap mode had started" in err, err
