@@ -161,9 +161,10 @@ def sgd(params, lr=0.05):
     return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-3)
 
 
-def plain_loop(ctx: Ctx, model, opt, sched=None, sched_every: int = 1, plateau_metrics=None) -> None:
-    """The textbook loop: forward, backward, step, (scheduler), zero_grad."""
-    for step in range(ctx.steps):
+def plain_loop(ctx: Ctx, model, opt, sched=None, sched_every: int = 1, plateau_metrics=None,
+               steps: int | None = None) -> None:
+    """The textbook loop: forward, backward, step, (scheduler), zero_grad; ``steps`` (default ``ctx.steps``)."""
+    for step in range(ctx.steps if steps is None else steps):
         x, y = ctx.images(step)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -372,13 +373,7 @@ def _join_uneven(ctx: Ctx):
     opt = sgd(model.parameters())
     ctx.attach(model, opt)
     with model.join():
-        for step in range(ctx.steps - ctx.rank):
-            x, y = ctx.images(step)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ctx.record("loss", loss.item())
+        plain_loop(ctx, model, opt, steps=ctx.steps - ctx.rank)
 
 
 @idiom("frozen")
