@@ -331,7 +331,7 @@ def overlap_hook(state: ShimState, bucket):
     d = state.deferred
     if state.closed:
         return _plain_allreduce(state, bucket)
-    if state.mode != "hook" and _joining(state):
+    if bucket.index() == 0 and state.mode != "hook" and _joining(state):  # DDP launches bucket 0 first
         if state.mode == "overlap":  # every step so far was exact; the next one could not be
             raise RuntimeError(f"tensorlane overlap mode: {ov.JOIN}. join() was entered after overlap mode had "
                                "started; enter it around the whole loop from the first iteration (overlap mode "

@@ -7,6 +7,7 @@ mode's final parameters (and a checkpoint round trip) to OUT/mode-rank.pt.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -48,20 +49,18 @@ def train(mode: str, args, rank: int) -> tuple[dict, dict]:
                              disable=(mode == "disabled"), link_bps=args.link_bps)
     loss_fn = nn.CrossEntropyLoss()
     steps = args.steps if args.join_after is None else args.steps - 4 * rank  # uneven inputs under join()
-    for step in range(steps):
-        if step == args.join_after:
-            joining = model.join()
-            joining.__enter__()
-        x, y = batch(rank, step)
-        loss_fn(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        time.sleep(args.step_sleep)
-        if step == args.steps // 2 and mode == "overlap" and args.join_after is None:
-            ckpt = {"model": model.state_dict(), "opt": opt.state_dict()}  # flushes pending updates first
-            assert all(torch.equal(ckpt["model"][k], v) for k, v in model.state_dict().items())
-    if args.join_after is not None:
-        joining.__exit__(None, None, None)  # shadows the others' remaining steps, broadcasts the final model
+    with contextlib.ExitStack() as joined:  # on leaving join(): the others' remaining steps shadowed, final broadcast
+        for step in range(steps):
+            if step == args.join_after:
+                joined.enter_context(model.join())
+            x, y = batch(rank, step)
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(args.step_sleep)
+            if step == args.steps // 2 and mode == "overlap" and args.join_after is None:
+                ckpt = {"model": model.state_dict(), "opt": opt.state_dict()}  # flushes pending updates first
+                assert all(torch.equal(ckpt["model"][k], v) for k, v in model.state_dict().items())
     model.eval()
     with torch.no_grad():
         model(batch(rank, 999)[0])  # eval forward applies what is pending
