@@ -22,7 +22,9 @@ Mixes (:data:`MIXES`; periods and offsets are multiplied by ``time_scale``, 0.5 
               host's link carries two of them, within the link, and each host's agent sees only those two;
 ``oversub2``  two identical resnet50 jobs, compute = communication (0.82 s each): more than the link;
 ``collide2e``, ``collide3`` (opt-in, not in :data:`DEFAULT_MIXES`): colliding variants, resnet50 (0.45) and
-              bert_base (0.42); resnet50, bert_base, vgg16 at 0.3 each; all at 1.2 s, released together.
+              bert_base (0.42); resnet50, bert_base, vgg16 at 0.3 each; all at 1.2 s, released together;
+``apart4``    (opt-in) spread4's jobs, each on its own two hosts (8 hosts): no link shared, so its loss against
+              alone is what eight ranks at once cost on this machine's CPUs.
 
 A job's ``param_scale`` is ``bench.models.balanced_scales(profile, rate, 2, fraction x period)[0]`` and its
 ``compute_scale`` is solved so that ``policies.execution.ddp_iteration`` (calibrated as ``bench.validate`` found this
@@ -158,9 +160,13 @@ MIXES = {
     # four jobs spread over four hosts in a ring (MIX_HOSTS): every host, and so every link, carries two of them
     "spread4": [("resnet50", 0.45, 1.2, 0.0), ("vgg16", 0.4, 1.0, 1.0), ("bert_base", 0.45, 1.5, 2.0),
                 ("resnet50", 0.4, 0.9, 3.0)],
+    # opt-in: spread4's jobs with no link shared (MIX_HOSTS): what running eight ranks at once costs on this
+    # machine's CPUs alone, the part of spread4's loss against alone that no order of the link can take back
+    "apart4": [("resnet50", 0.45, 1.2, 0.0), ("vgg16", 0.4, 1.0, 1.0), ("bert_base", 0.45, 1.5, 2.0),
+               ("resnet50", 0.4, 0.9, 3.0)],
 }
 # the testbed hosts of each job's two ranks (rank 0 first); a mix not listed runs every job on hosts 1 and 2
-MIX_HOSTS = {"spread4": ((1, 2), (2, 3), (3, 4), (4, 1))}
+MIX_HOSTS = {"spread4": ((1, 2), (2, 3), (3, 4), (4, 1)), "apart4": ((1, 2), (3, 4), (5, 6), (7, 8))}
 DEFAULT_HOSTS = (1, 2)
 # collide2x first: bench.report's headline is the first colliding mix that fits the link, and collide2x is the case
 # CASSINI models (communication a phase of its own); collide2's FIFO costs its jobs too little for any order to reach

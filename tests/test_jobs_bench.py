@@ -76,6 +76,10 @@ def test_mixes_design():
     assert sp["hosts"] == [1, 2, 3, 4] and sp["fits_link"] and len(sp["jobs"]) == 4
     assert all(sum(h in j["hosts"] for j in sp["jobs"]) == 2 for h in sp["hosts"])
     assert setups["stagger4"]["hosts"] == [1, 2] and sp["link_load"] < setups["stagger4"]["link_load"] - 0.3
+    # apart4: spread4's jobs with no link shared (its CPU control): one job per host, the same jobs
+    ap = setups["apart4"]
+    assert ap["hosts"] == list(range(1, 9)) and all(sum(h in j["hosts"] for j in ap["jobs"]) == 1 for h in ap["hosts"])
+    assert [j["design"] for j in ap["jobs"]] == [j["design"] for j in sp["jobs"]]
     o = setups["oversub2"]["jobs"]
     assert o[0]["comm_s"] == pytest.approx(o[0]["compute_s"], rel=0.01) and o[0]["param_scale"] == o[1]["param_scale"]
     extra = agent_extra("intensity", mix_specs("collide2", "tj", 200e6, 4), 2.4, None)
