@@ -234,6 +234,7 @@ class ShimState:
                {"connected": link.connected, **link.counters, "last_error": link.last_error}}
         if self.deferred is not None:
             out["overlap"] = {"steps_deferred": self.deferred.steps, "flushes": self.deferred.flushes,
+                              "flushed_on_use": self.deferred.flushed_on_use,
                               "early_parameters": len(self.deferred.early)}
         return out
 
@@ -436,12 +437,15 @@ def _apply(state: ShimState, param) -> bool:
     for p, _o, _n in ready:
         if p._version != pend.versions.get(id(p), p._version):
             raise RuntimeError(f"tensorlane overlap mode: a parameter (shape {tuple(p.shape)}) was changed in "
-                               "place between optimizer.step() and the next forward; under DDP that change "
+                               "place between optimizer.step() and the next forward, where the shim could not "
+                               "see it (another thread than the one that called step()); under DDP that change "
                                "comes after the update, which overlap mode has not applied yet. Call "
                                "handle.flush() after optimizer.step() before changing parameters, or use hook mode.")
     for p, _o, _n in ready:
         pend.applied.add(id(p))
         d.pending.pop(id(p), None)
+        if d.guard is not None and d.guard.armed:
+            d.guard.forget(p)
     ready = [r for r in ready if id(r[0]) not in pend.skip]
     if not ready:
         return False
@@ -485,6 +489,8 @@ class Handle:
         self._hooks: list = []
         self._step_attr = None  # the function put on optimizer.step (overlap mode)
         self._own_step = None  # what optimizer.step was as an instance attribute before that, if anything
+        self._zero_grad_attr = None  # the same for optimizer.zero_grad (overlap mode: the guard pauses there)
+        self._own_zero_grad = None
         self.closed = False
         self.plan: dict = {}  # what the default policy decided (shim.plan), in stats()["plan"]
         self._recorder = None  # shim.plan.Recorder while the first iteration is being measured
@@ -521,12 +527,22 @@ class Handle:
             return self._user_step(closure)
         step._wrapped_by_lr_sched = True  # LR schedulers made after attach leave it as it is
         opt.step = self._step_attr = step
-        self._hooks.append(root.register_forward_pre_hook(self._root_pre_forward))
+        self._own_zero_grad = opt.__dict__.get("zero_grad")
+        zero_grad_of = opt.zero_grad
+
+        def zero_grad(*args, **kwargs):  # touches .grad only: the guard need not see each of its operations
+            with d.guard.paused():
+                return zero_grad_of(*args, **kwargs)
+        opt.zero_grad = self._zero_grad_attr = zero_grad
+        d.guard = ov.UseGuard(self._flush_on_use)
+        hook = ov.ModuleHook  # a copy of a module (an EMA model, a snapshot) gets inert hooks, not the shim
+        self._hooks.append(self.model.register_forward_pre_hook(hook(self._disarm)))  # before DDP's own forward
+        self._hooks.append(root.register_forward_pre_hook(hook(self._root_pre_forward)))
         for m in owners:
-            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(m.register_forward_pre_hook(hook(self._pre_forward)))
         for p in params:
             self._hooks.append(p.register_hook(self._grad_seen(p)))
-        flush = self._flush_hook
+        flush = hook(self._flush_hook)
         for m in [self.model, *owners] if root in owners else [self.model, root, *owners]:
             self._hooks.append(m.register_state_dict_pre_hook(flush))
             self._hooks.append(m.register_load_state_dict_pre_hook(flush))
@@ -543,6 +559,24 @@ class Handle:
     def _flush_hook(self, *_args, **_kwargs) -> None:
         self.flush()
 
+    def _disarm(self, *_args) -> None:
+        """The model's forward begins: its pre-hooks apply the pending updates from here on."""
+        guard = self.state.deferred.guard
+        if guard is not None and guard.thread is not None:
+            guard.disarm()
+
+    def _flush_on_use(self) -> None:
+        """A parameter whose update is pending was used after step() (the guard saw it): apply every update first."""
+        d = self.state.deferred
+        self.flush()
+        d.flushed_on_use += 1
+        if d.flushed_on_use == 1:
+            warnings.warn("tensorlane overlap mode: a parameter was used between optimizer.step() and the next "
+                          "forward (an EMA of the weights, logging or changing them); the pending updates were "
+                          "applied first, as under DDP, so that iteration's all-reduces did not overlap the next "
+                          "forward (stats()['overlap']['flushed_on_use'] counts such iterations)",
+                          stacklevel=ov.user_stacklevel())
+
     def _user_step(self, closure=None):
         """The user's ``optimizer.step()``: stamps the pending updates in overlap mode (see shim.overlap)."""
         state, d = self.state, self.state.deferred
@@ -552,10 +586,13 @@ class Handle:
             d.probe_step(closure)
             return d.orig_step() if closure is None else d.orig_step(closure)
         d.stamp([p for g in self.optimizer.param_groups for p in g["params"]], closure)
+        if d.pending:
+            d.guard.arm([p for p in state.options["params"] if id(p) in d.pending])
         return None
 
     def _root_pre_forward(self, _module, _inputs) -> None:
         d = self.state.deferred
+        self._disarm()  # also when the inner module is called directly
         if self.state.mode == "overlap" and d.early:
             for p in self.state.options["params"]:
                 if id(p) in d.early:
@@ -574,6 +611,8 @@ class Handle:
         """Apply every update whose step() was called (overlap mode): call it before reading or changing
         parameters outside a forward pass. A no-op otherwise. Usage: ``opt.step(); handle.flush(); ema.update()``"""
         d = None if self.state is None else self.state.deferred
+        if d is not None and d.guard is not None and d.guard.thread is not None:
+            d.guard.disarm()
         if d is None or not d.pending:
             return
         applied = False
@@ -618,6 +657,11 @@ class Handle:
                 del self.optimizer.step  # the instance attribute; the class's step is back
             else:
                 self.optimizer.step = self._own_step
+        if self._zero_grad_attr is not None and self.optimizer.__dict__.get("zero_grad") is self._zero_grad_attr:
+            if self._own_zero_grad is None:
+                del self.optimizer.zero_grad
+            else:
+                self.optimizer.zero_grad = self._own_zero_grad
         self.state.close()
         self.closed = True
 

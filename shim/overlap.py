@@ -31,19 +31,27 @@ What overlap mode cannot reproduce, and how it is caught:
   framework that calls the optimizer's original ``step``); ``load_state_dict`` and ``state_dict`` of the model
   or the optimizer apply pending steps first.
 
-Code that *reads* parameters between ``step()`` and the next forward (an EMA of the weights, logging them) sees
-them before that iteration's update: call ``handle.flush()`` first. Code that reads ``.grad`` after
-``backward()`` sees this rank's own gradient (not the average) in overlap mode.
+Code that uses parameters between ``step()`` and the next forward (an EMA of the weights, logging their norms,
+clamping them) must see them updated, as under DDP. From a stamping ``step()`` until the next forward of the
+model, a :class:`UseGuard` (a ``TorchFunctionMode`` on the thread that called ``step()``) watches every torch
+operation: the first one that takes a parameter whose update is pending (or a view of its storage), other than
+reading its metadata (``.grad``, ``.shape``, ``numel()``, ...), first applies every pending update
+(``handle.flush()``), as if the step had been taken at ``step()``. Exact, at the cost of that iteration's overlap.
+Code that reads ``.grad`` after ``backward()`` sees this rank's own gradient (not the average) in overlap mode.
 
 Usage: ``deferred = Deferred(optimizer, holders)`` is made by ``shim.attach``; see shim/ddp.py.
 """
 from __future__ import annotations
 
+import bisect
+import contextlib
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 # torch.optim classes whose update of a parameter depends only on that parameter's gradient and state, so that
 # stepping a subset of the parameters at a time gives the same result as one step of all (exact classes only:
@@ -60,6 +68,17 @@ JOIN = ("DDP's join() (uneven inputs): a rank that has joined runs DDP's all-red
         "end DDP broadcasts the last joiner's parameters, whose last step overlap mode has not taken yet")
 CLOSURE = ("optimizer.step(closure) runs forward and backward inside the step (LBFGS and similar), so the step "
            "cannot be deferred")
+
+
+# what a torch operation may do with a parameter without using its values: its metadata, its gradient, hooks
+# (attribute names for the getters and setters of Tensor's properties, function names for the methods)
+METADATA = frozenset((
+    "grad", "_grad", "shape", "requires_grad", "dtype", "device", "is_leaf", "ndim", "_version", "is_cuda",
+    "is_cpu", "is_xpu", "is_mps", "is_meta", "layout", "grad_fn", "_grad_fn", "is_sparse", "is_sparse_csr",
+    "is_quantized", "is_mkldnn", "is_nested", "output_nr", "name", "_base", "_cdata", "itemsize", "nbytes",
+    "retains_grad", "_backward_hooks", "_post_accumulate_grad_hooks", "numel", "size", "dim", "__len__",
+    "data_ptr", "untyped_storage", "stride", "storage_offset", "is_contiguous", "element_size", "get_device",
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "__hash__"))
 
 
 def inner_optimizer(optimizer):
@@ -129,6 +148,8 @@ class Deferred:
         self.orig_step = None
         self.steps = 0  # step() calls stamped
         self.flushes = 0
+        self.guard: UseGuard | None = None  # set by Handle: watches parameter use between step() and forward
+        self.flushed_on_use = 0  # times the guard applied pending updates because a parameter was used
 
     # -- the user's optimizer.step() ----------------------------------------------------------------------
     def stamp(self, params: list, closure) -> None:
@@ -179,6 +200,153 @@ class Deferred:
                     self.early.add(id(p))
         self.probe.ran = set()
         self.got_grad.clear()  # in place: the gradient hooks hold this set
+
+
+def user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, from the caller of this function, of the first frame outside torch and
+    tensorlane: the line of the training loop that a warning concerns."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_code.co_filename.startswith(skip):
+        f, level = f.f_back, level + 1
+    return level
+
+
+def _span(t) -> tuple[int, int] | None:
+    """The bytes ``[start, end)`` of a tensor's storage (None when it has none: sparse, meta, empty)."""
+    try:
+        st = t.untyped_storage()
+        start = st.data_ptr()
+        return (start, start + st.nbytes()) if start else None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _tensors(args, kwargs):
+    """The tensors among a torch function's arguments, and in the lists and tuples among them (``_foreach_*``)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+
+
+def _function_name(func) -> str:
+    """A torch function's name; for a property's getter or setter, the property's."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class UseGuard(TorchFunctionMode):
+    """Overlap mode between a stamping ``step()`` and the next forward of the model: the first torch operation
+    that uses a watched parameter (or a tensor on its storage) beyond its metadata calls ``on_use()`` before it
+    runs (``Handle`` passes a flush: the pending updates are applied, as DDP's step would have done). Pushed on
+    the torch-function mode stack of the thread that called ``step()`` and left there, disarmed, until it can be
+    popped (at the next forward, ``flush()`` or ``close()``); a disarmed guard passes every operation through.
+
+    Usage: ``guard = UseGuard(handle.flush); guard.arm(params)`` after ``step()``; ``guard.disarm()`` at forward
+    """
+
+    def __init__(self, on_use):
+        super().__init__()
+        self.on_use = on_use
+        self.ids: set = set()
+        self.starts: list = []  # sorted storage starts of the watched parameters, and their ends
+        self.ends: list = []
+        self.armed = False
+        self.thread: int | None = None  # the thread whose mode stack holds the guard (None: on no stack)
+
+    def arm(self, params) -> None:
+        """Watch ``params`` from now on (pushing the guard on this thread's mode stack if it is not there)."""
+        self.ids = {id(p) for p in params}
+        spans = sorted(s for p in params if (s := _span(p)))
+        self.starts, self.ends = [a for a, _ in spans], [b for _, b in spans]
+        me = threading.get_ident()
+        if self.thread is None:
+            torch._C._push_on_torch_function_stack(self)
+            self.thread = me
+        self.armed = self.thread == me  # on another thread than the one holding it: not watched
+
+    def _on_top(self) -> bool:
+        n = torch._C._len_torch_function_stack()
+        return self.thread == threading.get_ident() and n > 0 and torch._C._get_function_stack_at(n - 1) is self
+
+    def disarm(self) -> None:
+        """Stop watching; pop the guard when it is on top of this thread's stack (not inside its own handler)."""
+        self.armed = False
+        self.ids, self.starts, self.ends = set(), [], []
+        if self._on_top():
+            torch._C._pop_torch_function_stack()
+            self.thread = None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Off the stack for a block that only touches metadata (``zero_grad``): no cost per operation there."""
+        if not self._on_top():
+            yield
+            return
+        torch._C._pop_torch_function_stack()
+        try:
+            yield
+        finally:
+            torch._C._push_on_torch_function_stack(self)
+
+    def forget(self, p) -> None:
+        """``p``'s update has been applied: its use no longer needs a flush."""
+        self.ids.discard(id(p))
+        span = _span(p)
+        i = bisect.bisect_left(self.starts, span[0]) if span else len(self.starts)
+        if i < len(self.starts) and self.starts[i] == span[0]:
+            del self.starts[i], self.ends[i]
+
+    def uses(self, args, kwargs) -> bool:
+        """Whether any tensor among the arguments is a watched parameter or lives on one's storage."""
+        for t in _tensors(args, kwargs):
+            if id(t) in self.ids:
+                return True
+            if self.starts:
+                try:
+                    ptr = t.data_ptr()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                i = bisect.bisect_right(self.starts, ptr) - 1
+                if i >= 0 and ptr < self.ends[i]:
+                    return True
+        return False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.armed and _function_name(func) not in METADATA and self.uses(args, kwargs):
+            self.armed = False
+            self.on_use()
+        return func(*args, **kwargs)
+
+
+class ModuleHook:
+    """A hook the shim puts on the user's modules and optimizer. A copy of them (``copy.deepcopy``: an EMA model
+    such as ``AveragedModel(model.module)``, a snapshot of the best model; pickling) is not the model being
+    trained: it gets an inert hook, not a copy of the shim (whose process groups cannot be copied).
+
+    Usage: ``module.register_forward_pre_hook(ModuleHook(handle._pre_forward))``
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn=None):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return None if self.fn is None else self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return ModuleHook()
+
+    def __reduce__(self):
+        return (ModuleHook, ())
 
 
 def _norms(grads: list) -> list | None:

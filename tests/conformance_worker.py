@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
 import json
 import os
@@ -46,6 +47,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tensorlane import shim  # noqa: E402
@@ -54,6 +56,7 @@ MODES = ("ddp", "hook", "overlap")
 IDIOMS: dict = {}  # name -> function(ctx); in the order they run
 CLIP_NORM = 0.05  # well under this model's gradient norm (about 1): clip_grad_norm_ really clips on every step
 CLIP_VALUE = 0.01  # well under the largest gradient element
+CLAMP = 0.1  # under the initial weights of the first layers (about 0.19): the clamp bites from the first step
 
 
 def idiom(name: str, **params):
@@ -524,6 +527,71 @@ def _lbfgs(ctx: Ctx):
             return loss
         loss = opt.step(closure)
         ctx.record("loss", loss.item())
+
+
+# -- parameters used between step() and the next forward ------------------------------------------------------------
+@idiom("ema_averaged_model")
+def _ema_averaged_model(ctx: Ctx):
+    """torch.optim.swa_utils.AveragedModel (an EMA of the weights, made before DDP as timm does) updated after
+    every step(); the EMA's parameters are compared too."""
+    net = convnet()
+    ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+    model = ctx.ddp(net)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        ema.update_parameters(model.module)
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+    for p in ema.module.parameters():
+        ctx.record("ema", p)
+
+
+@idiom("weight_clamp")
+def _weight_clamp(ctx: Ctx):
+    """Every parameter clamped in place after every step() (WGAN's weight clipping)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-CLAMP, CLAMP)
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+        ctx.record("clamped", sum(int((p.abs() >= CLAMP).sum()) for p in model.parameters()))
+
+
+@idiom("read_after_step")
+def _read_after_step(ctx: Ctx):
+    """Some iterations read parameters after step(): a weight norm logged every third step, a snapshot of the
+    model (copy.deepcopy of the module, after attach: its hooks are copied too) at half-time; the norms and the
+    snapshot's parameters are compared too."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    snapshot = None
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+        if step % 3 == 1:
+            ctx.record("weight_norm", model.module[-1].weight.norm().item())
+        if step == ctx.steps // 2:
+            snapshot = copy.deepcopy(model.module)
+    for p in snapshot.parameters():
+        ctx.record("snapshot", p)
 
 
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]

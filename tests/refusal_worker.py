@@ -1,7 +1,8 @@
 """Loops that overlap mode cannot reproduce once it has been chosen, run under torchrun: each must raise a clear
-error on every rank, where it can before any parameter differs from plain DDP's (and ``early_use``, which it
-can reproduce, must not). Writes OUT/SCENARIO-RANK.json with the error
-and the largest relative difference from DDP at that point (DDP after the same number of completed steps).
+error on every rank, where it can before any parameter differs from plain DDP's (and ``early_use`` and
+``param_write_later``, which it reproduces, must not). Writes OUT/SCENARIO-RANK.json with the error and the largest
+relative difference from DDP at that point (DDP after the same number of completed steps, :data:`SCENARIOS`; run
+as the loop of :data:`REFERENCE`).
 
     torchrun --standalone --nproc-per-node 2 tests/refusal_worker.py --out DIR
 """
@@ -11,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,11 @@ def batch(step: int):
     return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
 
 
+def clamp(w) -> None:
+    with torch.no_grad():
+        w.clamp_(-0.1, 0.1)
+
+
 def loop(scenario: str, shim_on: bool, steps: int):
     """Train ``steps`` iterations; returns (parameters, error text or None)."""
     model = DDP(Net(), bucket_cap_mb=0.0001)  # a bucket per parameter: c's step waits for c alone
@@ -68,9 +75,13 @@ def loop(scenario: str, shim_on: bool, steps: int):
                 opt.step()
             if scenario == "double_step" and late:
                 opt.step()
-            if scenario == "param_write_later" and late:
+            if scenario == "param_write_later" and late:  # seen by the shim's guard: updated first, exact
                 with torch.no_grad():
                     model.module.a.weight.clamp_(-0.1, 0.1)
+            if scenario == "param_write_thread" and late:  # another thread: the guard does not see it
+                writer = threading.Thread(target=clamp, args=(model.module.a.weight,))
+                writer.start()
+                writer.join()
             opt.zero_grad()
     except RuntimeError as exc:
         error = str(exc)
@@ -84,9 +95,12 @@ def loop(scenario: str, shim_on: bool, steps: int):
 
 # scenario -> the number of DDP steps the parameters must equal when the error is raised (None: the loop itself
 # already changed them around the shim before it could be seen)
-SCENARIOS = {"clip_later": LATE, "grad_write_later": LATE, "double_step": LATE, "require_overlap": 1,
-             "step_around_shim": None, "param_write_later": None, "stale_use": None,
-             "early_use": STEPS}  # c's parameters used outside c from the first iteration on: exact, no error
+SCENARIOS = {"clip_later": LATE, "grad_write_later": LATE, "require_overlap": 1,
+             "double_step": LATE + 1,  # the iteration's first step() is DDP's too: reading the parameters applies it
+             "step_around_shim": None, "param_write_thread": None, "stale_use": None,
+             "early_use": STEPS,  # c's parameters used outside c from the first iteration on: exact, no error
+             "param_write_later": STEPS}  # clamped after step(): the guard applies the update first, exact
+REFERENCE = {"double_step": "plain"}  # the DDP loop to compare with (default: the scenario's own)
 
 
 def main() -> int:
@@ -102,7 +116,7 @@ def main() -> int:
         exact = SCENARIOS[scenario]
         diff = None
         if exact is not None:
-            ref = loop(scenario, False, exact)[0]
+            ref = loop(REFERENCE.get(scenario, scenario), False, exact)[0]
             diff = max(float((params[k] - r).abs().max() / r.abs().max().clamp(min=1e-12)) for k, r in ref.items())
         with open(os.path.join(args.out, f"{scenario}-{rank}.json"), "w") as fh:
             json.dump({"error": error, "exact_steps": exact, "diff": diff}, fh)

@@ -190,6 +190,23 @@ def test_references_exercise_the_idioms(launches, world):
 
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 120)
 @pytest.mark.parametrize("world", WORLDS)
+def test_parameters_used_after_step_are_updated_first(launches, world):
+    """Overlap mode, parameters used between step() and the next forward (an EMA, clamping, a logged norm, a deep
+    copy): the guard applied the pending updates first, in exactly the iterations that used them (the first
+    iteration is the probe, whose step is not deferred), and the loop stayed in overlap mode otherwise."""
+    res = launches(world)
+    steps = 8  # the worker's default --steps
+    want = {"ema_averaged_model": steps - 1, "weight_clamp": steps - 1, "read_after_step": 3, "adam": 0}
+    for idiom, flushes in want.items():
+        for rank in range(world):
+            overlap = load_cell(res, idiom, "overlap", rank)[1]["stats"]["overlap"]
+            assert overlap["flushed_on_use"] == flushes, (idiom, rank, overlap)
+    clamped = load_cell(res, "weight_clamp", "ddp", 0)[0]["extras"]["clamped"]
+    assert (clamped > 0).all(), clamped  # the clamp bites at every step
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 120)
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("idiom", FALLS_BACK_TO_HOOK + STAYS_OVERLAP)
 def test_overlap_mode_reported(launches, idiom, world):
     """Overlap requested: idioms that change gradients between backward() and step(), and step(closure), end in

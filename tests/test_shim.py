@@ -32,6 +32,59 @@ def test_pieces_split_at_levels_and_partition():
     assert [p[0] for p in pieces] == sorted(p[0] for p in pieces)
 
 
+@pytest.mark.torch
+def test_use_guard_sees_uses_of_parameters_not_their_metadata():
+    """Overlap mode's guard between step() and the next forward: metadata, gradients and other tensors pass; a
+    read, a write, ``.data``, a ``_foreach`` list, a view made before and a deep copy each count as a use; another
+    thread is not watched; ``paused()`` and ``disarm()`` take it off the stack."""
+    import copy
+    import threading
+
+    import torch
+
+    from tensorlane.shim.overlap import UseGuard
+
+    torch._C._len_torch_function_stack()  # the private API the guard relies on exists in this torch
+    w, b = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.zeros(4))
+    w.grad, other, view = torch.ones(4, 4), torch.ones(4, 4), w.detach()[1]
+    used: list = []
+    guard = UseGuard(lambda: used.append(1))
+    cases = {  # name -> (operation, whether it uses a watched parameter's values)
+        "metadata": (lambda: (w.shape, w.numel(), w.requires_grad, w.dtype, w.device, w.is_leaf, len(w),
+                              w.data_ptr(), w.grad), False),
+        "gradient": (lambda: w.grad.mul_(2), False),
+        "set grad": (lambda: setattr(w, "grad", None), False),
+        "other tensor": (lambda: other.add(1), False),
+        "read": (lambda: w.norm(), True),
+        "data": (lambda: w.data, True),
+        "write": (lambda: torch.no_grad().__enter__() or b.clamp_(-1, 1), True),
+        "foreach": (lambda: torch._foreach_add([other], [b.new_ones(4, 4)]) and torch._foreach_mul([other], [w]),
+                    True),
+        "old view": (lambda: view.sum(), True),
+        "deepcopy": (lambda: copy.deepcopy(torch.nn.Linear(4, 4)).weight.copy_(w), True),
+    }
+    depth = torch._C._len_torch_function_stack()
+    for name, (op, uses) in cases.items():
+        used.clear()
+        guard.arm([w, b])
+        op()
+        assert used == ([1] if uses else []), name
+        assert guard.armed is not uses, name  # one use is enough: the guard disarms itself
+        guard.disarm()
+        assert torch._C._len_torch_function_stack() == depth, name
+    used.clear()
+    guard.arm([w, b])
+    thread = threading.Thread(target=lambda: w.norm())  # another thread's stack: not watched
+    thread.start()
+    thread.join()
+    with guard.paused():
+        assert torch._C._len_torch_function_stack() == depth
+        w.norm()
+    assert torch._C._len_torch_function_stack() == depth + 1 and used == []
+    guard.disarm()
+    assert torch._C._len_torch_function_stack() == depth
+
+
 def run_torchrun(tmp_path, nproc: int, *args: str, launch: tuple = ("--standalone",)) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("TENSORLANE_JOB", "TORCHELASTIC_RUN_ID")}
     env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
@@ -172,9 +225,10 @@ REFUSALS = {  # scenario of tests/refusal_worker.py -> what the error says
     "double_step": "optimizer.step() without a synchronized backward()",
     "require_overlap": "overlap mode cannot reproduce this training loop: gradients were changed",
     "step_around_shim": "changed after backward() although no optimizer.step() went through the shim",
-    "param_write_later": "was changed in place between optimizer.step() and the next forward",
+    "param_write_thread": "was changed in place between optimizer.step() and the next forward",
     "stale_use": "was used in this forward pass before its step was applied",
 }
+EXACT = ("early_use", "param_write_later")  # scenarios overlap mode reproduces: no error, DDP's parameters
 
 
 def test_overlap_refuses_what_it_cannot_reproduce(tmp_path):
@@ -194,6 +248,9 @@ def test_overlap_refuses_what_it_cannot_reproduce(tmp_path):
             assert got["error"] and message in got["error"], (scenario, rank, got["error"])
             if got["exact_steps"] is not None:
                 assert got["diff"] == 0.0, (scenario, rank, got)
-    for rank in range(2):  # parameters used outside their module from the first iteration: applied early, exact
-        got = json.loads((tmp_path / f"early_use-{rank}.json").read_text())
-        assert got["error"] is None and got["diff"] <= 1e-6, got
+    # parameters used outside their module from the first iteration: applied early; parameters clamped after
+    # step() on the training thread: the guard applies the update first; both exact
+    for scenario in EXACT:
+        for rank in range(2):
+            got = json.loads((tmp_path / f"{scenario}-{rank}.json").read_text())
+            assert got["error"] is None and got["diff"] <= 1e-6, (scenario, rank, got)
