@@ -165,13 +165,16 @@ def sgd(params, lr=0.05):
 
 
 def plain_loop(ctx: Ctx, model, opt, sched=None, sched_every: int = 1, plateau_metrics=None,
-               steps: int | None = None) -> None:
-    """The textbook loop: forward, backward, step, (scheduler), zero_grad; ``steps`` (default ``ctx.steps``)."""
+               steps: int | None = None, after_step=None) -> None:
+    """The textbook loop: forward, backward, step, (``after_step(step)``), (scheduler), zero_grad; ``steps``
+    (default ``ctx.steps``)."""
     for step in range(ctx.steps if steps is None else steps):
         x, y = ctx.images(step)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
+        if after_step is not None:
+            after_step(step)
         if plateau_metrics is not None:
             sched.step(plateau_metrics[step])
         elif sched is not None and (step + 1) % sched_every == 0:
@@ -539,14 +542,7 @@ def _ema_averaged_model(ctx: Ctx):
     model = ctx.ddp(net)
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
     ctx.attach(model, opt)
-    for step in range(ctx.steps):
-        x, y = ctx.images(step)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        ema.update_parameters(model.module)
-        opt.zero_grad()
-        ctx.record("loss", loss.item())
+    plain_loop(ctx, model, opt, after_step=lambda _step: ema.update_parameters(model.module))
     for p in ema.module.parameters():
         ctx.record("ema", p)
 
@@ -557,17 +553,13 @@ def _weight_clamp(ctx: Ctx):
     model = ctx.ddp(convnet())
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
     ctx.attach(model, opt)
-    for step in range(ctx.steps):
-        x, y = ctx.images(step)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
+
+    def clamp(_step):
         with torch.no_grad():
             for p in model.parameters():
                 p.clamp_(-CLAMP, CLAMP)
-        opt.zero_grad()
-        ctx.record("loss", loss.item())
         ctx.record("clamped", sum(int((p.abs() >= CLAMP).sum()) for p in model.parameters()))
+    plain_loop(ctx, model, opt, after_step=clamp)
 
 
 @idiom("read_after_step")
@@ -578,19 +570,15 @@ def _read_after_step(ctx: Ctx):
     model = ctx.ddp(convnet())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ctx.attach(model, opt)
-    snapshot = None
-    for step in range(ctx.steps):
-        x, y = ctx.images(step)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ctx.record("loss", loss.item())
+    snapshot = []
+
+    def read(step):
         if step % 3 == 1:
             ctx.record("weight_norm", model.module[-1].weight.norm().item())
         if step == ctx.steps // 2:
-            snapshot = copy.deepcopy(model.module)
-    for p in snapshot.parameters():
+            snapshot.append(copy.deepcopy(model.module))
+    plain_loop(ctx, model, opt, after_step=read)
+    for p in snapshot[0].parameters():
         ctx.record("snapshot", p)
 
 

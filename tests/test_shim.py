@@ -49,6 +49,14 @@ def test_use_guard_sees_uses_of_parameters_not_their_metadata():
     w.grad, other, view = torch.ones(4, 4), torch.ones(4, 4), w.detach()[1]
     used: list = []
     guard = UseGuard(lambda: used.append(1))
+
+    def write():
+        with torch.no_grad():
+            b.clamp_(-1, 1)
+
+    def copy_into_a_copy():
+        with torch.no_grad():
+            copy.deepcopy(torch.nn.Linear(4, 4)).weight.copy_(w)
     cases = {  # name -> (operation, whether it uses a watched parameter's values)
         "metadata": (lambda: (w.shape, w.numel(), w.requires_grad, w.dtype, w.device, w.is_leaf, len(w),
                               w.data_ptr(), w.grad), False),
@@ -57,11 +65,11 @@ def test_use_guard_sees_uses_of_parameters_not_their_metadata():
         "other tensor": (lambda: other.add(1), False),
         "read": (lambda: w.norm(), True),
         "data": (lambda: w.data, True),
-        "write": (lambda: torch.no_grad().__enter__() or b.clamp_(-1, 1), True),
+        "write": (write, True),
         "foreach": (lambda: torch._foreach_add([other], [b.new_ones(4, 4)]) and torch._foreach_mul([other], [w]),
                     True),
         "old view": (lambda: view.sum(), True),
-        "deepcopy": (lambda: copy.deepcopy(torch.nn.Linear(4, 4)).weight.copy_(w), True),
+        "deepcopy": (copy_into_a_copy, True),
     }
     depth = torch._C._len_torch_function_stack()
     for name, (op, uses) in cases.items():
@@ -82,7 +90,7 @@ def test_use_guard_sees_uses_of_parameters_not_their_metadata():
         w.norm()
     assert torch._C._len_torch_function_stack() == depth + 1 and used == []
     guard.disarm()
-    assert torch._C._len_torch_function_stack() == depth
+    assert torch._C._len_torch_function_stack() == depth and torch.is_grad_enabled()
 
 
 def run_torchrun(tmp_path, nproc: int, *args: str, launch: tuple = ("--standalone",)) -> None:
