@@ -824,7 +824,10 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
     if _disabled(disable):
         return Handle(model, optimizer, disabled=True)
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError("shim.attach needs a torch.nn.parallel.DistributedDataParallel model")
+        compiled = isinstance(getattr(model, "_orig_mod", None), torch.nn.parallel.DistributedDataParallel)
+        raise TypeError("shim.attach needs a torch.nn.parallel.DistributedDataParallel model" + (
+            "; this is a torch.compile'd one: attach the DDP model, then compile it "
+            "(handle = shim.attach(ddp, opt); model = torch.compile(ddp))" if compiled else ""))
     _check_levels(levels)
     if optimizer is not None:
         optimizer = ov.inner_optimizer(optimizer)

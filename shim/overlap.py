@@ -339,6 +339,7 @@ class ModuleHook:
     def __init__(self, fn=None):
         self.fn = fn
 
+    @torch.compiler.disable  # under torch.compile the shim's work (waits, optimizer steps) runs eagerly, untraced
     def __call__(self, *args, **kwargs):
         return None if self.fn is None else self.fn(*args, **kwargs)
 

@@ -582,6 +582,48 @@ def _read_after_step(ctx: Ctx):
         ctx.record("snapshot", p)
 
 
+# -- activation checkpointing, torch.compile --------------------------------------------------------------------------
+class Checkpointed(nn.Module):
+    """convnet's layers, the convolutions recomputed in backward (``torch.utils.checkpoint``, non-reentrant)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.convs = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.ReLU())
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.head(torch.utils.checkpoint.checkpoint(self.convs, x, use_reentrant=False))
+
+
+@idiom("activation_checkpoint")
+def _activation_checkpoint(ctx: Ctx):
+    """Part of the model recomputed in backward: its modules' forwards (and pre-hooks) run again there."""
+    model = ctx.ddp(Checkpointed())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("compiled")
+def _compiled(ctx: Ctx):
+    """DDP of a torch.compile'd module (backend aot_eager: dynamo's tracing of the modules and their hooks, without
+    a C++ compiler), DDP's default buckets (dynamo's DDPOptimizer refuses a first bucket larger than the others)."""
+    ctx.model = model = DDP(torch.compile(convnet().to(ctx.device), backend="aot_eager"))
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("compiled_ddp")
+def _compiled_ddp(ctx: Ctx):
+    """torch.compile of the DDP model (PyTorch's recommended order), after attach; backend aot_eager."""
+    ctx.model = ddp = DDP(convnet().to(ctx.device))
+    opt = torch.optim.Adam(ddp.parameters(), lr=2e-3)
+    ctx.attach(ddp, opt)
+    plain_loop(ctx, torch.compile(ddp, backend="aot_eager"), opt)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

@@ -93,6 +93,25 @@ def test_use_guard_sees_uses_of_parameters_not_their_metadata():
     assert torch._C._len_torch_function_stack() == depth and torch.is_grad_enabled()
 
 
+@pytest.mark.torch
+def test_attach_refuses_a_compiled_ddp_model_with_the_order_to_use(tmp_path):
+    """``torch.compile(ddp)`` is not a DDP model: attach says to attach first and compile after."""
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        with pytest.raises(TypeError, match=r"attach the DDP model, then compile it"):
+            shim.attach(torch.compile(ddp, backend="eager"), agent_socket="/nonexistent/tl.sock")
+        with pytest.raises(TypeError, match=r"DistributedDataParallel model$"):
+            shim.attach(torch.nn.Linear(2, 2))
+    finally:
+        dist.destroy_process_group()
+
+
 def run_torchrun(tmp_path, nproc: int, *args: str, launch: tuple = ("--standalone",)) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("TENSORLANE_JOB", "TORCHELASTIC_RUN_ID")}
     env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
