@@ -582,6 +582,39 @@ def _read_after_step(ctx: Ctx):
         ctx.record("snapshot", p)
 
 
+# -- zero_grad variants, bf16 autocast ---------------------------------------------------------------------------
+@idiom("zero_grad_first")
+def _zero_grad_first(ctx: Ctx):
+    """zero_grad(set_to_none=False) at the top of the loop (zeroed gradients kept, not freed), then forward,
+    backward, step."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        opt.zero_grad(set_to_none=False)
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        ctx.record("loss", loss.item())
+
+
+@idiom("autocast_bf16")
+def _autocast_bf16(ctx: Ctx):
+    """Forward and loss under torch.autocast in bfloat16 (no GradScaler: bf16 needs none), fp32 parameters."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
 # -- activation checkpointing, torch.compile --------------------------------------------------------------------------
 class Checkpointed(nn.Module):
     """convnet's layers, the convolutions recomputed in backward (``torch.utils.checkpoint``, non-reentrant)."""
