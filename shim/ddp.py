@@ -157,6 +157,8 @@ class ShimState:
         numels = [p.numel() for p in params]
         last = len(self.groups) - 1
         levels = [self.param_level.get(id(p), last) for p in params]
+        if buf.is_sparse:  # DDP gives a sparse gradient a bucket of its own: one all-reduce at its level
+            return self._launch_sparse(buf, levels[0], last_bucket)
         pieces = pieces_of(numels, levels, self.partition_elems)
         order = self.forward_index
         starts, acc = [], 0
@@ -176,13 +178,29 @@ class ShimState:
             launched[i] = (level, time.perf_counter(), self.clock.steps)
             futures[i] = dist.all_reduce(buf.narrow(0, offset, length), group=self.groups[level],
                                          async_op=True).get_future()
+        self._count([(level, length * element) for _offset, length, level in pieces], buf.numel() * element,
+                    last_bucket)
+        return futures, pieces, launched
+
+    def _launch_sparse(self, buf: torch.Tensor, level: int, last_bucket: bool) -> tuple[list, list, list]:
+        """``launch`` for a sparse gradient (already averaged): one all-reduce of it on ``level``'s group, as DDP
+        does on its own (gloo's sparse all-reduce); the future's value is the result (not ``buf``, which stays)."""
+        launched = [(level, time.perf_counter(), self.clock.steps)]
+        futures = [dist.all_reduce(buf, group=self.groups[level], async_op=True).get_future()]
+        size = buf._values().numel() * buf.element_size() + buf._indices().numel() * buf._indices().element_size()
+        self._count([(level, size)], size, last_bucket)
+        return futures, [(0, buf._nnz(), level)], launched
+
+    def _count(self, sent: list, size: int, last_bucket: bool) -> None:
+        """Count the all-reduces ``sent`` (``(level, bytes)`` each) of a bucket of ``size`` bytes; at the
+        backward's last bucket, end the step (``step_bytes``, the compute clock) and tell the reporter."""
         changed = False
         with self.lock:
-            for _offset, length, level in pieces:
+            for level, nbytes in sent:
                 s = self.counters[level]
                 s.allreduces += 1
-                s.bytes += length * element
-            self._step_acc += buf.numel() * element
+                s.bytes += nbytes
+            self._step_acc += size
             if last_bucket:
                 changed, self.step_bytes, self._step_acc = self._step_acc != self.step_bytes, self._step_acc, 0
                 self.clock.step_end(time.perf_counter(), hook_waited=self.mode != "overlap")
@@ -190,7 +208,6 @@ class ShimState:
             changed = self._agree_compute() or changed
         if changed and self.reporter is not None:
             self.reporter.wake()  # the agent's job order (job_policy "shortest", "measured_intensity") may use it
-        return futures, pieces, launched
 
     def _agree_compute(self) -> bool:
         """At a step's end: read the clock's all-reduce if it has completed (wait for it when the next window is
@@ -298,9 +315,9 @@ def priority_hook(state: ShimState, bucket):
     buf.div_(state.world)
     futures, _, launched = state.launch(buf, bucket.parameters(), bucket.is_last())
 
-    def finished(_fut):  # one callback per bucket (DDP needs the bucket's future anyway)
+    def finished(fut):  # one callback per bucket (DDP needs the bucket's future anyway)
         state.completed(launched, range(len(launched)))
-        return buf
+        return fut.value()[0].value()[0] if buf.is_sparse else buf  # a sparse all-reduce's result is new
     return torch.futures.collect_all(futures).then(finished)
 
 
@@ -340,6 +357,11 @@ def overlap_hook(state: ShimState, bucket):
         state.fallback(ov.JOIN)  # probing: this iteration runs as hook mode anyway
     if bucket.index() == 0 and state.mode == "probing" and d.probe.backwards > 0:
         _decide(state)  # a collective, at the same bucket of the same backward on every rank
+    if bucket.buffer().is_sparse:
+        if state.mode == "overlap":  # first seen now (a sparse embedding unused so far): no step differs yet
+            raise RuntimeError(f"tensorlane overlap mode: {ov.SPARSE}; the first sparse gradient appeared after "
+                               "overlap mode had started. Attach without the optimizer (hook mode) for this model.")
+        d.probe.sparse = True  # probing: this iteration runs as hook mode anyway
     fut = priority_hook(state, bucket) if state.mode != "overlap" else _launch_deferred(state, bucket)
     if bucket.is_last() and state.mode != "hook":
         params = state.options["params"]
@@ -359,12 +381,13 @@ def _decide(state: ShimState) -> None:
     """End of a probe iteration: agree over the ranks on what they saw, then overlap, hook mode, or go on probing
     (no rank has called step() after a synchronized backward yet: GradScaler skips, accumulation)."""
     pr = state.deferred.probe
-    flags = torch.tensor([0.0 if pr.stepped else 1.0, float(pr.grads_changed), float(pr.closure)],
-                         dtype=torch.float64)
+    flags = torch.tensor([0.0 if pr.stepped else 1.0, float(pr.grads_changed), float(pr.closure),
+                          float(pr.sparse)], dtype=torch.float64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=state.groups[0])
-    not_stepped, changed, closure = (v > 0 for v in flags.tolist())
-    if changed or closure:
-        state.fallback("; ".join(r for r, f in ((ov.GRADS_CHANGED, changed), (ov.CLOSURE, closure)) if f))
+    not_stepped, changed, closure, sparse = (v > 0 for v in flags.tolist())
+    if changed or closure or sparse:
+        state.fallback("; ".join(r for r, f in ((ov.GRADS_CHANGED, changed), (ov.CLOSURE, closure),
+                                                (ov.SPARSE, sparse)) if f))
     elif not not_stepped:
         state.mode = "overlap"
         state.mode_reason = "the first iteration showed a loop that overlap mode reproduces exactly"

@@ -66,6 +66,8 @@ GRADS_CHANGED = ("gradients were changed between backward() and optimizer.step()
                  "gradient, which overlap mode only has later")
 JOIN = ("DDP's join() (uneven inputs): a rank that has joined runs DDP's all-reduces outside backward, and at the "
         "end DDP broadcasts the last joiner's parameters, whose last step overlap mode has not taken yet")
+SPARSE = ("the model has sparse gradients (an embedding with sparse=True): overlap mode defers the step on dense "
+          "buckets only")
 CLOSURE = ("optimizer.step(closure) runs forward and backward inside the step (LBFGS and similar), so the step "
            "cannot be deferred")
 
@@ -129,6 +131,7 @@ class Probe:
     stepped: bool = False  # step() called after one of them
     grads_changed: bool = False
     closure: bool = False
+    sparse: bool = False  # a bucket of sparse gradients (an embedding with sparse=True)
     ran: set = field(default_factory=set)  # id(module) of modules whose forward ran since the last backward
 
 

@@ -582,6 +582,34 @@ def _read_after_step(ctx: Ctx):
         ctx.record("snapshot", p)
 
 
+class SparseLM(nn.Module):
+    """A tiny language model whose embedding produces sparse gradients (``nn.Embedding(sparse=True)``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.embed = nn.Embedding(50, 16, sparse=True)
+        self.out = nn.Linear(16, 50)
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.embed(tokens).mean(1)))
+
+
+@idiom("sparse_embedding")
+def _sparse_embedding(ctx: Ctx):
+    """Sparse gradients (an embedding with sparse=True), plain SGD (which takes them)."""
+    model = ctx.ddp(SparseLM())
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.tokens(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
 # -- zero_grad variants, bf16 autocast ---------------------------------------------------------------------------
 @idiom("zero_grad_first")
 def _zero_grad_first(ctx: Ctx):

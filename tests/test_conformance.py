@@ -46,7 +46,8 @@ BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 # Expected handle.stats()["mode"] of the overlap cells (the exact overlap design): gradients changed between
 # backward() and step(), or step(closure), fall back to hook mode with a reason; everything else overlaps.
-FALLS_BACK_TO_HOOK = ("clip_grad_norm", "clip_grad_value", "grad_scaler", "join_uneven", "lbfgs")
+FALLS_BACK_TO_HOOK = ("clip_grad_norm", "clip_grad_value", "grad_scaler", "join_uneven", "lbfgs",
+                      "sparse_embedding")
 STAYS_OVERLAP = tuple(n for n in MAIN + ["checkpoint_resume"] if n not in FALLS_BACK_TO_HOOK)
 
 # Idioms whose dynamics magnify rounding: under bf16 autocast a parameter that differs in its last fp32 bit can
