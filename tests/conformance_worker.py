@@ -165,12 +165,17 @@ def sgd(params, lr=0.05):
 
 
 def plain_loop(ctx: Ctx, model, opt, sched=None, sched_every: int = 1, plateau_metrics=None,
-               steps: int | None = None, after_step=None) -> None:
-    """The textbook loop: forward, backward, step, (``after_step(step)``), (scheduler), zero_grad; ``steps``
-    (default ``ctx.steps``)."""
+               steps: int | None = None, after_step=None, batch=None, forward_context=None, before_forward=None,
+               zero_grad_after: bool = True) -> None:
+    """The textbook loop: (``before_forward(step)``), forward (and loss, inside ``forward_context()``), backward,
+    step, (``after_step(step)``), (scheduler), zero_grad (unless not ``zero_grad_after``); ``steps`` (default
+    ``ctx.steps``), ``batch(step)`` (default ``ctx.images``)."""
     for step in range(ctx.steps if steps is None else steps):
-        x, y = ctx.images(step)
-        loss = F.cross_entropy(model(x), y)
+        if before_forward is not None:
+            before_forward(step)
+        x, y = (batch or ctx.images)(step)
+        with (forward_context or contextlib.nullcontext)():
+            loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         if after_step is not None:
@@ -179,7 +184,8 @@ def plain_loop(ctx: Ctx, model, opt, sched=None, sched_every: int = 1, plateau_m
             sched.step(plateau_metrics[step])
         elif sched is not None and (step + 1) % sched_every == 0:
             sched.step()
-        opt.zero_grad()
+        if zero_grad_after:
+            opt.zero_grad()
         ctx.record("loss", loss.item())
         ctx.record("lr", opt.param_groups[0]["lr"])
 
@@ -274,19 +280,15 @@ def _manual_hparams(ctx: Ctx):
                            {"params": list(m[5].parameters()) + list(m[7].parameters()), "lr": 0.02}],
                           lr=0.05, momentum=0.9, weight_decay=1e-4)
     ctx.attach(model, opt)
-    for step in range(ctx.steps):
+
+    def set_hparams(step):
         opt.param_groups[0]["lr"] = 0.05 * 0.7 ** step
         opt.param_groups[1]["lr"] = 0.02 * (1 + step)
         if step == 3:
             opt.param_groups[1]["momentum"] = 0.3
         if step == 5:
             opt.param_groups[0]["weight_decay"] = 0.05
-        x, y = ctx.images(step)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ctx.record("loss", loss.item())
+    plain_loop(ctx, model, opt, before_forward=set_hparams)
 
 
 # -- gradients changed between backward() and step() ------------------------------------------------------------
@@ -415,13 +417,7 @@ def _tied_weights(ctx: Ctx):
     model = ctx.ddp(TiedLM())
     opt = sgd(model.parameters(), lr=0.2)
     ctx.attach(model, opt)
-    for step in range(ctx.steps):
-        x, y = ctx.tokens(step)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ctx.record("loss", loss.item())
+    plain_loop(ctx, model, opt, batch=ctx.tokens)
     assert model.module.out.weight is model.module.embed.weight
 
 
@@ -601,13 +597,7 @@ def _sparse_embedding(ctx: Ctx):
     model = ctx.ddp(SparseLM())
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     ctx.attach(model, opt)
-    for step in range(ctx.steps):
-        x, y = ctx.tokens(step)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ctx.record("loss", loss.item())
+    plain_loop(ctx, model, opt, batch=ctx.tokens)
 
 
 # -- zero_grad variants, bf16 autocast ---------------------------------------------------------------------------
@@ -618,13 +608,8 @@ def _zero_grad_first(ctx: Ctx):
     model = ctx.ddp(convnet())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ctx.attach(model, opt)
-    for step in range(ctx.steps):
-        opt.zero_grad(set_to_none=False)
-        x, y = ctx.images(step)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        ctx.record("loss", loss.item())
+    plain_loop(ctx, model, opt, before_forward=lambda _step: opt.zero_grad(set_to_none=False),
+               zero_grad_after=False)
 
 
 @idiom("autocast_bf16")
@@ -633,14 +618,7 @@ def _autocast_bf16(ctx: Ctx):
     model = ctx.ddp(convnet())
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     ctx.attach(model, opt)
-    for step in range(ctx.steps):
-        x, y = ctx.images(step)
-        with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ctx.record("loss", loss.item())
+    plain_loop(ctx, model, opt, forward_context=lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16))
 
 
 # -- activation checkpointing, torch.compile --------------------------------------------------------------------------
