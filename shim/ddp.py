@@ -550,6 +550,7 @@ class Handle:
             return self._user_step(closure)
         step._wrapped_by_lr_sched = True  # LR schedulers made after attach leave it as it is
         opt.step = self._step_attr = step
+        d.guard = ov.UseGuard(self._flush_on_use)
         self._own_zero_grad = opt.__dict__.get("zero_grad")
         zero_grad_of = opt.zero_grad
 
@@ -557,7 +558,6 @@ class Handle:
             with d.guard.paused():
                 return zero_grad_of(*args, **kwargs)
         opt.zero_grad = self._zero_grad_attr = zero_grad
-        d.guard = ov.UseGuard(self._flush_on_use)
         hook = ov.ModuleHook  # a copy of a module (an EMA model, a snapshot) gets inert hooks, not the shim
         self._hooks.append(self.model.register_forward_pre_hook(hook(self._disarm)))  # before DDP's own forward
         self._hooks.append(root.register_forward_pre_hook(hook(self._root_pre_forward)))
@@ -572,6 +572,15 @@ class Handle:
         self._hooks.append(opt.register_state_dict_pre_hook(flush))
         self._hooks.append(opt.register_load_state_dict_pre_hook(flush))
 
+    def _put_back(self, name: str, ours, own) -> None:
+        """Restore the optimizer's ``name`` if it is still the function the shim put there: the instance attribute
+        it had before (``own``), or none, so that the class's method is back."""
+        if ours is not None and self.optimizer.__dict__.get(name) is ours:
+            if own is None:
+                delattr(self.optimizer, name)
+            else:
+                setattr(self.optimizer, name, own)
+
     def _grad_seen(self, p):
         key, seen = id(p), self.state.deferred.got_grad
 
@@ -583,10 +592,10 @@ class Handle:
         self.flush()
 
     def _disarm(self, *_args) -> None:
-        """The model's forward begins: its pre-hooks apply the pending updates from here on."""
-        guard = self.state.deferred.guard
-        if guard is not None and guard.thread is not None:
-            guard.disarm()
+        """The model's forward begins (or a flush): pending updates are applied from here on, not by the guard."""
+        d = None if self.state is None else self.state.deferred
+        if d is not None and d.guard is not None:
+            d.guard.disarm()
 
     def _flush_on_use(self) -> None:
         """A parameter whose update is pending was used after step() (the guard saw it): apply every update first."""
@@ -633,9 +642,8 @@ class Handle:
     def flush(self) -> None:
         """Apply every update whose step() was called (overlap mode): call it before reading or changing
         parameters outside a forward pass. A no-op otherwise. Usage: ``opt.step(); handle.flush(); ema.update()``"""
+        self._disarm()
         d = None if self.state is None else self.state.deferred
-        if d is not None and d.guard is not None and d.guard.thread is not None:
-            d.guard.disarm()
         if d is None or not d.pending:
             return
         applied = False
@@ -675,16 +683,8 @@ class Handle:
             self._recorder.remove()
         for h in self._hooks:
             h.remove()
-        if self._step_attr is not None and self.optimizer.__dict__.get("step") is self._step_attr:
-            if self._own_step is None:
-                del self.optimizer.step  # the instance attribute; the class's step is back
-            else:
-                self.optimizer.step = self._own_step
-        if self._zero_grad_attr is not None and self.optimizer.__dict__.get("zero_grad") is self._zero_grad_attr:
-            if self._own_zero_grad is None:
-                del self.optimizer.zero_grad
-            else:
-                self.optimizer.zero_grad = self._own_zero_grad
+        self._put_back("step", self._step_attr, self._own_step)
+        self._put_back("zero_grad", self._zero_grad_attr, self._own_zero_grad)
         self.state.close()
         self.closed = True
 

@@ -279,7 +279,10 @@ class UseGuard(TorchFunctionMode):
         return self.thread == threading.get_ident() and n > 0 and torch._C._get_function_stack_at(n - 1) is self
 
     def disarm(self) -> None:
-        """Stop watching; pop the guard when it is on top of this thread's stack (not inside its own handler)."""
+        """Stop watching; pop the guard when it is on top of this thread's stack (not inside its own handler).
+        Cheap when there is nothing to do (every forward calls it)."""
+        if not self.armed and self.thread is None:
+            return
         self.armed = False
         self.ids, self.starts, self.ends = set(), [], []
         if self._on_top():

@@ -56,6 +56,7 @@ MODES = ("ddp", "hook", "overlap")
 IDIOMS: dict = {}  # name -> function(ctx); in the order they run
 CLIP_NORM = 0.05  # well under this model's gradient norm (about 1): clip_grad_norm_ really clips on every step
 CLIP_VALUE = 0.01  # well under the largest gradient element
+STEPS = 8  # iterations per cell (--steps)
 CLAMP = 0.1  # under the initial weights of the first layers (about 0.19): the clamp bites from the first step
 
 
@@ -718,7 +719,7 @@ def main() -> int:
                                                   "with --resume: checkpoint_resume)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--resume", action="store_true", help="the fresh-process half of the checkpoint idiom")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--levels", type=int, default=3)
     p.add_argument("--bucket-cap-mb", type=float, default=0.01)

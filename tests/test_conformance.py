@@ -58,7 +58,7 @@ STAYS_OVERLAP = tuple(n for n in MAIN + ["checkpoint_resume"] if n not in FALLS_
 # parameters must stay within what AdamW's updates can move them apart (each step moves a parameter by about lr:
 # twice lr x steps), which only a wrong step would break; at 2 ranks (one order of summation) every cell equals DDP.
 MAGNIFIES_ROUNDING = ("autocast_bf16",)
-ADAMW_DRIFT = 2 * 2e-3 * 8  # twice the idiom's lr x the worker's steps
+ADAMW_DRIFT = 2 * 2e-3 * worker.STEPS  # twice the idiom's lr x the worker's steps
 
 CELLS = ([(idiom, mode, world) for world in WORLDS for idiom in MAIN for mode in SHIM_MODES]
          + [("checkpoint_resume", mode, world) for world in WORLDS for mode in ("ddp",) + SHIM_MODES])
@@ -216,7 +216,7 @@ def test_parameters_used_after_step_are_updated_first(launches, world):
     copy): the guard applied the pending updates first, in exactly the iterations that used them (the first
     iteration is the probe, whose step is not deferred), and the loop stayed in overlap mode otherwise."""
     res = launches(world)
-    steps = 8  # the worker's default --steps
+    steps = worker.STEPS
     want = {"ema_averaged_model": steps - 1, "weight_clamp": steps - 1, "read_after_step": 3, "adam": 0}
     for idiom, flushes in want.items():
         for rank in range(world):
