@@ -274,6 +274,21 @@ class Api:
             log.info("process %d exited: removed its %d flows", pid, len(gone))
         return len(gone)
 
+    def sample_sending(self, now: float) -> bool:
+        """Under a job policy with three jobs or more: sample which levels' classes are backlogged and give the
+        sending jobs their parts (``JobScheduler.observe``; the server calls this every ``SAMPLE_S``). Returns
+        whether the classes changed. A failure to read the classes is counted like the reconciler's other errors
+        and changes nothing."""
+        if not self.jobs.samples_wanted() or self.rec.backend.kind != "htb":
+            return False
+        try:
+            backlogged = self.rec.backlogged_levels()
+        except Exception as exc:  # noqa: BLE001 - a missed sample only leaves the parts as they are
+            self.rec.stats.errors += 1
+            self.rec.stats.last_error = f"sampling the classes' backlog: {exc}"
+            return False
+        return self.jobs.observe(backlogged, now) and self.rec.set_shares(self.jobs.shares)
+
     def sweep(self) -> int:
         """Remove flows whose owners no longer hold their sockets in the agent's network namespace (closed, or the
         process moved to another namespace and holds only a look-alike there). The namespace's socket tables are

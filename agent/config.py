@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from tensorlane import units
 from tensorlane.client import DEFAULT_SOCKET, JOB_ID_RE
-from tensorlane.policies.jobs import JOB_POLICIES, ROTATING
+from tensorlane.policies.jobs import JOB_POLICIES, ROTATING, SHARE_AMONG
 from tensorlane.policies.levels import dscp_table
 
 BACKENDS = ("auto", "htb", "prio")
@@ -78,6 +78,9 @@ class Config:
     job_priority: dict = field(default_factory=dict)
     job_intensity: dict = field(default_factory=dict)
     job_share: float = 0.2  # under a job policy: the link's share guaranteed to the jobs, in equal parts; 0: strict
+    # the parts of job_share: "sending" (each of k jobs with queued bytes gets job_share / k, as FIFO gives each
+    # about 1/k; sampled every 50 ms with three jobs or more) or "present" (job_share / n of the n jobs on the host)
+    job_share_among: str = "sending"
     max_connections: int = 1024
     reserved_connections: int = 32
     max_connections_per_user: int = 64
@@ -173,10 +176,14 @@ def _job_policy(raw: dict, min_shares: float) -> dict:
     top = min(0.95, round(1.0 - min_shares, 4))
     share = _number(raw, "job_share", 0.0, top, f" (a fraction of the link, at most 0.95 and what the classes' "
                                                  f"min_share leave: 1 - {round(min_shares, 4)})")
-    if "job_share" in raw and policy == "none":
-        raise ConfigError("job_share", f"only used with a job policy ({', '.join(JOB_POLICIES[1:])}), not 'none'")
+    among = _want(raw, "job_share_among", str)
+    if among not in SHARE_AMONG:
+        raise ConfigError("job_share_among", f"expected one of {', '.join(SHARE_AMONG)}, got {among!r}")
+    for name in ("job_share", "job_share_among"):
+        if name in raw and policy == "none":
+            raise ConfigError(name, f"only used with a job policy ({', '.join(JOB_POLICIES[1:])}), not 'none'")
     return {"job_policy": policy, "rotate_epoch_s": epoch, "job_priority": priority, "job_intensity": intensity,
-            "job_share": share}
+            "job_share": share, "job_share_among": among}
 
 
 def _connection_limits(raw: dict) -> dict:

@@ -17,7 +17,10 @@ The FlowTable keeps the level each client asked for; this module derives the lev
 
 Under a policy, ``job_share`` of the link is guaranteed to the jobs in equal parts (``policies.jobs.job_shares``,
 each part on its band's most urgent level; ``shares``), so that an order never leaves a job with less than its part
-while it has bytes to send; 0 keeps the order strict (each level only ``min_share``).
+while it has bytes to send; 0 keeps the order strict (each level only ``min_share``). With three jobs or more and
+``job_share_among = "sending"`` (the default) the parts follow the jobs that are sending: the server samples the
+classes' backlog every ``SAMPLE_S`` (``observe``) and each of ``k`` jobs seen backlogged within ``HOLD_S`` gets
+``job_share / k``, as FIFO would give each about ``1/k``; with two jobs the parts are the same either way.
 
 The jobs this agent sees (those with flows in its table) get contiguous bands of levels in that order, most urgent
 first (``policies.jobs.job_bands``), and a flow's effective level is the level its client asked for compressed into
@@ -52,6 +55,8 @@ from tensorlane.policies.jobs import (
 )
 
 log = logging.getLogger("tensorlane.jobs")
+SAMPLE_S = 0.05  # how often the server samples the classes' backlog while the parts follow the sending jobs
+HOLD_S = 0.2  # a job counts as sending this long after a sample last found one of its band's classes backlogged
 
 
 class JobScheduler:
@@ -66,6 +71,7 @@ class JobScheduler:
         self.inputs = REPORTED.get(self.policy, ())  # what the order takes from the shims' reports
         self.reported: dict[str, dict[str, float]] = {}  # job -> {input: value} its shims reported (those inputs)
         self.job_share = float(getattr(cfg, "job_share", 0.0))
+        self.share_among = getattr(cfg, "job_share_among", "sending")
         self.clock = clock
         self.enabled = self.policy != "none"
         self.jobs: frozenset[str] = frozenset()
@@ -74,6 +80,9 @@ class JobScheduler:
         self.keys: tuple = ()  # the reported inputs the order was computed from: ((job, ((input, value), ...)), ...)
         self.bands: dict[str, tuple[int, int]] = {}
         self.shares: dict[int, float] = {}  # level -> guaranteed share of the link (job_share among the jobs)
+        self.backlogged_at: dict[str, float] = {}  # job -> when a sample last found its band backlogged (monotonic)
+        self.sending: frozenset[str] = frozenset()  # the jobs seen backlogged within HOLD_S (their parts: 1/k)
+        self.share_changes = 0  # how many times the sending jobs changed the parts (status)
         self.changes = 0  # how many times the order or bands changed (status)
 
     # -- the derived level ------------------------------------------------------------------------------------
@@ -152,8 +161,38 @@ class JobScheduler:
             if epoch != self.epoch and epoch is not None:
                 log.info("epoch %d: job order %s", epoch, ", ".join(order) or "(no jobs)")
         self.jobs, self.epoch, self.order, self.bands, self.keys = jobs, epoch, order, bands, keys
-        self.shares = job_shares(bands, self.job_share)
+        self.sending = self.sending & jobs if self.samples_wanted() else frozenset()
+        if not self.sending:
+            self.backlogged_at.clear()
+        self.shares = job_shares(bands, self.job_share, self.sending)
         return sorted(shifted)
+
+    # -- the parts of the sending jobs ------------------------------------------------------------------------
+    def samples_wanted(self) -> bool:
+        """Whether the parts follow the sending jobs now: a policy, ``job_share > 0``, ``job_share_among =
+        "sending"`` and three jobs or more (with two, ``1/k`` and ``1/n`` are the same part while both send)."""
+        return (self.enabled and self.job_share > 0 and self.share_among == "sending"
+                and len(self.bands) >= 3)
+
+    def observe(self, backlogged: set[int], now: float) -> bool:
+        """Take one sample: ``backlogged`` are the levels whose class had packets queued on some device at
+        monotonic time ``now``. A job counts as sending while one of its band's levels was backlogged within
+        ``HOLD_S``; returns whether that changed ``shares`` (the caller applies them)."""
+        for job, (first, width) in self.bands.items():
+            if any(first <= lvl < first + width for lvl in backlogged):
+                self.backlogged_at[job] = now
+        for job in [j for j, t in self.backlogged_at.items() if j not in self.bands or now - t > HOLD_S]:
+            del self.backlogged_at[job]
+        sending = frozenset(self.backlogged_at)
+        if sending == self.sending:
+            return False
+        self.sending = sending
+        shares = job_shares(self.bands, self.job_share, sending)
+        if shares == self.shares:
+            return False
+        self.shares = shares
+        self.share_changes += 1
+        return True
 
     def inputs_of(self, name: str, keys: tuple | None = None) -> dict:
         """One reported input (``step_bytes`` or ``compute_s``) of the jobs in the order in force (or in ``keys``):
@@ -164,7 +203,8 @@ class JobScheduler:
         """What ``status`` shows: the policy, the epoch and the order and bands in force."""
         out = {"policy": self.policy, "order": list(self.order), "changes": self.changes,
                "bands": {job: {"first_level": b[0], "levels": b[1]} for job, b in self.bands.items()},
-               "job_share": self.job_share if self.enabled else 0.0,
+               "job_share": self.job_share if self.enabled else 0.0, "job_share_among": self.share_among,
+               "sending": sorted(self.sending), "share_changes": self.share_changes,
                "level_shares": {str(lvl): round(v, 6) for lvl, v in sorted(self.shares.items())}}
         for name in self.inputs:
             out[name] = self.inputs_of(name)

@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from tensorlane.agent.kernel import links
+from tensorlane.agent.kernel import links, tcstats
 from tensorlane.agent.kernel import nft as nftables
 from tensorlane.agent.state import FlowTable
 from tensorlane.flows import FlowKey
@@ -153,6 +153,17 @@ class Reconciler:
                 del cache[p]
         cache.update((p, (name, now)) for p, name in found.items())
         return {k: cache.get((k.src, k.dst), (None, 0.0))[0] for k in keys}
+
+    def backlogged_levels(self) -> set[int]:
+        """The levels whose class has packets queued on some device now (the job policy's sample of which jobs
+        are sending: ``JobScheduler.observe``). One class dump per device."""
+        level_of = {spec.classid: spec.level for spec in self.backend.leaves() if spec.level is not None}
+        out: set[int] = set()
+        for dev in self.devices:
+            for classid, stats in tcstats.class_stats(self.ipr, dev.index).items():
+                if classid in level_of and stats["backlog_packets"] > 0:
+                    out.add(level_of[classid])
+        return out
 
     def counters(self) -> dict[int, dict[str, int]]:
         """Per-level packet and byte counters of the marking chains."""

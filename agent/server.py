@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from tensorlane.agent import protocol
 from tensorlane.agent.api import Api
+from tensorlane.agent.jobs import SAMPLE_S
 from tensorlane.agent.logs import RefusalLog  # noqa: F401  (re-exported: agent.server.RefusalLog)
 from tensorlane.agent.metrics.connections import REFUSALS  # what the server refuses, as the metrics count it
 from tensorlane.agent.peers import Peer, credentials
@@ -146,6 +147,7 @@ class Server:
         """Serve until ``stop`` is set, calling ``periodic()`` every ``every_s`` seconds."""
         next_tick = time.monotonic() + every_s
         next_sweep = time.monotonic() + SWEEP_S
+        next_sample = time.monotonic()
         jobs = self.api.jobs
         while not stop.is_set():
             now = time.monotonic()
@@ -160,6 +162,8 @@ class Server:
                     timeout = min(timeout, self.listen_again - now)
                 if self.held_until:
                     timeout = min(timeout, min(self.held_until.values()) - now)
+                if jobs.samples_wanted():
+                    timeout = min(timeout, next_sample - now)
             for key, events in self.sel.select(max(0.0, timeout)):
                 kind, data = key.data
                 if kind == "listen":
@@ -174,6 +178,10 @@ class Server:
             if jobs.epoch_due():  # a new rotation epoch: a new job order
                 self.api.reorder()
             now = time.monotonic()
+            if now >= next_sample:
+                if jobs.samples_wanted():  # which jobs are sending: their parts of job_share (docs/jobs.md)
+                    self.api.sample_sending(now)
+                next_sample = now + SAMPLE_S
             self._close_idle(now)
             if self.listen_again is not None and now >= self.listen_again:
                 self.listen_again = None

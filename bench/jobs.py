@@ -46,7 +46,8 @@ their step bytes and agreed compute time, most compute per byte first; 4 warm-up
 ranks' first agreement, at the end of their third step, is in before the release) and ``levels`` (``none``, every
 job with the shim: overlap mode, its tensors on the shim's levels; judged against the faster of its two solo runs);
 opt-in, ``static_levels`` (``static``'s order, every job with the shim as in ``levels``, its levels inside its job's
-band) and ``intensity_hook`` (``intensity``'s table, the jobs as in ``shortest``). Job ``i``
+band), ``intensity_hook`` (``intensity``'s table, the jobs as in ``shortest``), ``static_present`` and
+``intensity_present`` (those orders with ``job_share`` split among the jobs present, not those sending). Job ``i``
 starts ``offset_s`` after the common release; its JCT runs from its own start to the end of its slowest rank's last
 iteration. Each rank reads, before it exits, ``tcpi_total_rto`` of its TCP connections to its peer (``rto``:
 retransmission timeouts, summed over the job's ranks; None on kernels older than 6.7), ``late_s`` of its emulated
@@ -124,14 +125,19 @@ def recommended_policy(fits_link: bool, collides: bool) -> str:
 POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "shortest", "measured_intensity", "levels")
 # opt-in (--policies): ``static_levels``, static's job order with every job running the shim (its levels inside
 # its job's band); ``intensity_hook``, intensity's table with shortest's jobs (the shim in hook mode at one level),
-# which tells the order's effect from the shim's where both orders agree
-OPT_IN_POLICIES = ("static_levels", "intensity_hook")
+# which tells the order's effect from the shim's where both orders agree; ``static_present`` and
+# ``intensity_present``, those orders with job_share split among the jobs present (the agents' "present"), beside
+# the default split among the jobs sending: the two ways side by side in one run
+OPT_IN_POLICIES = ("static_levels", "intensity_hook", "static_present", "intensity_present")
 SOLOS = ("solo", "solo_shim")
 DEFAULT_PHASES = (*SOLOS, *POLICIES)
 PHASES = (*DEFAULT_PHASES, *OPT_IN_POLICIES)
 AGENT_POLICY = {"solo": "none", "solo_shim": "none", "fifo": "none", "static": "static", "rotate": "rotate",
                 "alternate": "alternate", "intensity": "intensity", "shortest": "shortest", "levels": "none",
-                "static_levels": "static", "intensity_hook": "intensity", "measured_intensity": "measured_intensity"}
+                "static_levels": "static", "intensity_hook": "intensity", "measured_intensity": "measured_intensity",
+                "static_present": "static", "intensity_present": "intensity"}
+PHASE_AGENT = {"static_present": {"job_share_among": "present"},  # a phase's own agent settings: they win
+               "intensity_present": {"job_share_among": "present"}}
 # what each job runs: plain DDP at one level, DDP with the shim (overlap, the shim's levels in layer order), or
 # (``shortest``) the shim in hook mode at one level, unpartitioned: plain DDP's schedule (one all-reduce per DDP
 # bucket), with the reports of its step bytes that the agents order the jobs by
@@ -607,6 +613,7 @@ def agent_extra(phase: str, specs: list[dict], epoch_s: float, overrides: dict |
     """The agents' config fields of ``phase``: the job policy and its table or epoch, then ``overrides`` (the
     fields the run passes to every agent: ``min_share``, ``ack_priority``; ``job_share`` only to a job policy's)."""
     extra: dict = {"job_policy": AGENT_POLICY[phase]}
+    own = PHASE_AGENT.get(phase, {})
     if extra["job_policy"] == "static":
         extra["job_priority"] = {s["id"]: i for i, s in enumerate(specs)}
     elif extra["job_policy"] in ROTATING:
@@ -615,8 +622,9 @@ def agent_extra(phase: str, specs: list[dict], epoch_s: float, overrides: dict |
         extra["job_intensity"] = {s["id"]: float(s["intensity"]) for s in specs}
     overrides = dict(overrides or {})
     if extra["job_policy"] == "none":
-        overrides.pop("job_share", None)  # the agent refuses it without a job order
-    return extra | overrides
+        overrides.pop("job_share", None)  # the agent refuses them without a job order
+        overrides.pop("job_share_among", None)
+    return extra | overrides | own
 
 
 def phase_timeout(specs: list[dict]) -> float:
@@ -658,7 +666,7 @@ def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels:
     """One phase: fresh agents with the phase's job policy on the jobs' hosts, then the jobs of ``specs`` (the solo
     phases, ``solo`` and ``solo_shim``: one after the other, each alone); returns per job (``specs`` order)
     :func:`job_figures` as ``jobs``, the hosts' TCP counters over the phase (``tcp``) and the first host's agent's
-    ``order_changes``."""
+    ``order_changes`` and ``share_changes`` (how often the sending jobs changed the parts of ``job_share``)."""
     from bench.agents import running_agents
 
     adir = os.path.join(workdir, f"agents-{tag}")
@@ -678,6 +686,7 @@ def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels:
     if unregistered:
         raise ScenarioError(f"{tag}: flows not registered with the agents: {', '.join(unregistered)}")
     return {"jobs": jobs, "order_changes": status["job_policy"].get("changes"), "order": watch.order,
+            "share_changes": status["job_policy"].get("share_changes"),
             "tcp": {k: sum(b.get(k, 0) - a.get(k, 0) for a, b in zip(tcp0, tcp1, strict=True)) for k in tcp1[0]}}
 
 
@@ -718,6 +727,7 @@ def policy_block(ids: list[str], runs: list[dict], fifo: list[float] | None, sol
     return {"jobs": jobs, "avg_jct_s": avg, "avg_vs_fifo": ratio(avg, fifo_avg),
             "max_vs_fifo": _max([j["vs_fifo"] for j in jobs]), "max_vs_solo": _max([j["vs_solo"] for j in jobs]),
             "tcp": [r["tcp"] for r in runs], "order_changes": [r["order_changes"] for r in runs],
+            "share_changes": [r.get("share_changes") for r in runs],
             "orders": [r.get("order") for r in runs]}
 
 
@@ -888,14 +898,14 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
         epoch_factor: float = DEFAULT_EPOCH_FACTOR, epoch_s: float | None = None, min_share: float | None = None,
         levels: int = 4, progress=print, port_base: int = 29700, workdir: str | None = None,
         ack_priority: bool | None = None, job_share: float | None = None, min_rate: str | int | None = None,
-        queue_limit: int | None = None) -> dict:
+        queue_limit: int | None = None, job_share_among: str | None = None) -> dict:
     """Run the benchmark on a fresh testbed ``name`` (2 hosts; 4 with ``spread4``: :data:`MIX_HOSTS`); return
     ``{"mixes": [...], ...}`` (docs/jobs.md).
 
     ``policies``: the phases (``solo`` and the policies, FIFO as ``fifo``); ``reps`` > 1 repeats every phase (order
     rotating) and takes each job's mean JCT. ``min_share``, ``min_rate`` (a rate, bits/s or 0), ``queue_limit``
-    (packets per class), ``ack_priority``, ``job_share`` None: the agent's default (not passed; ``job_share`` goes
-    only to the phases with a job order).
+    (packets per class), ``ack_priority``, ``job_share``, ``job_share_among`` None: the agent's default (not passed;
+    ``job_share`` and ``job_share_among`` go only to the phases with a job order).
     Usage: ``run(quick=True)``
     """
     from tensorlane.agent.config import parse_min_rate
@@ -922,7 +932,10 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
                     "ack_priority": agent_default("ack_priority") if ack_priority is None else ack_priority,
                     "ack_priority_passed": ack_priority is not None,
                     "job_share": agent_default("job_share") if job_share is None else job_share,
-                    "job_share_passed": job_share is not None, "machine": machine(), "targets": dict(TARGETS),
+                    "job_share_passed": job_share is not None,
+                    "job_share_among": agent_default("job_share_among") if job_share_among is None else job_share_among,
+                    "job_share_among_passed": job_share_among is not None, "machine": machine(),
+                    "targets": dict(TARGETS),
                     "prediction": {"alpha_s": ALPHA_S, "compute_factor": COMPUTE_FACTOR}, "mixes": []}
     t_start = time.monotonic()
     progress(f"testbed {name}: {n_hosts} hosts at {rate}; mixes {', '.join(mixes)}; {iters} iterations per job; phases "
@@ -930,11 +943,12 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
              + ("" if min_share is not None else " (the agent's default)")
              + f", min_rate {result['min_rate_bps'] / 1e6:g} Mbit/s"
              + ("" if min_rate is not None else " (the agent's default)")
-             + f"; ack_priority {result['ack_priority']}; job_share {result['job_share']:g}")
+             + f"; ack_priority {result['ack_priority']}; job_share {result['job_share']:g} among the jobs "
+             + result["job_share_among"])
     with scratch_dir(workdir, "tensorlane-jobs-") as workdir, Testbed(hosts=n_hosts, rate=rate, name=name) as tb:
         result["link_bps"] = tb.rate_bps
         passed = {"min_share": min_share, "min_rate": min_rate, "queue_limit_packets": queue_limit,
-                  "ack_priority": ack_priority, "job_share": job_share}
+                  "ack_priority": ack_priority, "job_share": job_share, "job_share_among": job_share_among}
         ctx = {"tb": tb, "workdir": workdir, "levels": levels, "progress": progress,
                "agent": {k: v for k, v in passed.items() if v is not None},
                "ports": itertools.count(port_base + 1), "epoch_factor": epoch_factor, "epoch_s": epoch_s,
@@ -992,7 +1006,9 @@ def format_table(result: dict) -> str:
                  + ("" if result.get("min_rate_bps") is None else f", min_rate {result['min_rate_bps'] / 1e6:g} Mbit/s"
                     + ("" if result.get("min_rate_passed") else " (the agent's default)"))
                  + f"; job_share {result.get('job_share', 0.0):g}" + ("" if result.get("job_share_passed") else
-                                                                     " (the agent's default)"))
+                                                                     " (the agent's default)")
+                 + (f" among the jobs {result['job_share_among']}" if "job_share_among" in result else
+                    " among the jobs present"))
     return "\n\n".join([*(format_mix(m) for m in result["mixes"]), tail_line])
 
 
@@ -1033,6 +1049,9 @@ def main(argv=None) -> int:
                    help="the agents' queue_limit_packets, per class (default: the agent's own, not passed)")
     p.add_argument("--job-share", type=float, default=None,
                    help="the agents' job_share in the phases with a job order (default: the agent's own, not passed)")
+    p.add_argument("--job-share-among", choices=("sending", "present"), default=None,
+                   help="how the agents split job_share: among the jobs sending or all present (default: the "
+                        "agent's own, not passed)")
     p.add_argument("--ack-priority", choices=("on", "off"), default=None,
                    help="the agents' ack_priority (default: the agent's own default, not passed)")
     p.add_argument("--rate", default=DEFAULT_RATE, help=f"the links' rate (default {DEFAULT_RATE}: see DEFAULT_RATE)")
@@ -1047,6 +1066,7 @@ def main(argv=None) -> int:
                  min_rate=None if args.min_rate is None else (0 if args.min_rate == "0" else args.min_rate),
                  queue_limit=args.queue_limit,
                  levels=args.levels, progress=progress_printer(), job_share=args.job_share,
+                 job_share_among=args.job_share_among,
                  ack_priority=None if args.ack_priority is None else args.ack_priority == "on")
     show_figures(format_table(result), result, args.json)
     return 0

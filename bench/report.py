@@ -248,7 +248,9 @@ def rows_jobs(d: dict) -> list[Row]:
 # Every phase with the jobs together, in the order of the tables and plots (bench.jobs' phases)
 JOBS_POLICY_NAMES = {"fifo": "FIFO", "static": "static", "rotate": "rotate", "alternate": "alternate",
                      "intensity": "intensity", "shortest": "shortest", "measured_intensity": "measured intensity",
-                     "levels": "levels", "static_levels": "static levels", "intensity_hook": "intensity (hook)"}
+                     "levels": "levels", "static_levels": "static levels", "intensity_hook": "intensity (hook)",
+                     "static_present": "static (parts of jobs present)",
+                     "intensity_present": "intensity (parts of jobs present)"}
 
 
 def _mix_jobs(mix: dict, policy: str) -> list[dict]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from tensorlane.policies.compress import compress_levels
@@ -27,6 +27,7 @@ JOB_POLICIES = ("none", "static", "rotate", "alternate", "intensity", "shortest"
 ROTATING = ("rotate", "alternate")  # the policies whose order changes every epoch
 REPORTED = {"shortest": ("step_bytes",), "measured_intensity": ("step_bytes", "compute_s")}  # inputs from the shims
 REPORTED_INPUTS = tuple(dict.fromkeys(name for names in REPORTED.values() for name in names))  # each once
+SHARE_AMONG = ("sending", "present")  # how job_share is split: among the jobs sending (1/k), or all present (1/n)
 INTENSITY_STEP = 1.1  # measured_intensity: jobs whose intensities differ by less than one such factor may share a band
 
 
@@ -218,23 +219,30 @@ def banded_level(band: tuple[int, int], requested: int, levels: int, floor: int 
     return max(first + requested * width // levels, floor)
 
 
-def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float) -> dict[int, float]:
-    """The link's share guaranteed to each level so that a job order never leaves a job with less than
-    ``job_share / n`` of the link while it has bytes to send (``n`` jobs in ``bands``): ``job_share`` split in equal
-    parts among the jobs, each part on its band's first (most urgent) level; jobs that share a band add their
-    parts up. Empty with fewer than two jobs or ``job_share = 0`` (strict order). The levels not named keep the
-    backend's ``min_share``.
+def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float,
+               sending: Collection[str] = ()) -> dict[int, float]:
+    """The link's share guaranteed to each level so that a job order never leaves a job with less than its part of
+    ``job_share`` while it has bytes to send: ``job_share / n`` for each of the ``n`` jobs in ``bands``, and
+    ``job_share / k`` while it is one of ``k >= 2`` jobs ``sending`` (queues backlogged: FIFO would give each of them
+    about 1/k of the link, not 1/n). Each part goes on its band's first (most urgent) level; jobs that share a band
+    add their parts up (at most ``job_share`` per level). Empty with fewer than two jobs or ``job_share = 0``
+    (strict order). The levels not named keep the backend's ``min_share``.
 
-    Priority still decides whatever the guarantees leave: the most urgent job takes all the link the others do not
-    use, and with ``job_share`` near 1 a saturated link is shared about as under FIFO.
-    Usage: ``job_shares({"x": (0, 2), "y": (2, 2)}, 0.5) == {0: 0.25, 2: 0.25}``
+    The parts may add up to more than ``job_share`` (an idle job keeps its ``1/n`` part): HTB serves every class
+    below its guarantee before any borrows, in priority order, so an idle job's part costs the sending jobs nothing
+    and is there at once when it starts to send. Priority still decides whatever the guarantees leave: the most
+    urgent job takes all the link the others do not use, and with ``job_share`` near 1 a saturated link is shared
+    about as under FIFO.
+    Usage: ``job_shares({"x": (0, 2), "y": (2, 2)}, 0.5) == {0: 0.25, 2: 0.25}``;
+    ``job_shares({"x": (0, 1), "y": (1, 1), "z": (2, 2)}, 0.9, {"x", "z"}) == {0: 0.45, 1: 0.3, 2: 0.45}``
     """
     if not 0.0 <= job_share < 1.0:
         raise ValueError(f"job_share must be in [0, 1), not {job_share!r}")
     if len(bands) < 2 or job_share == 0:
         return {}
-    part = job_share / len(bands)
+    busy = [job for job in bands if job in sending]
     shares: dict[int, float] = {}
-    for first, _width in bands.values():
-        shares[first] = shares.get(first, 0.0) + part
+    for job, (first, _width) in bands.items():
+        part = job_share / (len(busy) if job in busy and len(busy) >= 2 else len(bands))
+        shares[first] = min(job_share, shares.get(first, 0.0) + part)  # a level never needs more than all parts
     return shares

@@ -65,7 +65,8 @@ def format_status(st: dict) -> str:
         said = {j: _reported(jp, j, min(rates, default=None)) for j in jp.get("order", [])}
         order = ", ".join(f"{j} ({said[j]})" if said[j] else j for j in jp.get("order", []))
         lines.append(f"job policy {jp['policy']}: order {order or '-'}; job_share "
-                     f"{jp.get('job_share', 0):g}" + (f" ({parts})" if parts else ""))
+                     f"{jp.get('job_share', 0):g}" + (f" ({parts})" if parts else "")
+                     + (f"; sending {', '.join(jp['sending'])}" if jp.get("sending") else ""))
     for job, n in sorted(st["jobs"].items()):
         lines.append(f"job {job}: {n} flows")
     return "\n".join(lines)

@@ -109,7 +109,8 @@ def test_policy_none_keeps_the_requested_level():
     assert listed(api) == {1: ("a", 2, 2), 2: ("b", 0, 0)}
     assert rec.kernel == {key(1): 2, key(2): 0}
     assert request(api, op="status")["job_policy"] == {"policy": "none", "order": [], "changes": 0, "bands": {},
-                                                       "job_share": 0.0, "level_shares": {}}
+                                                       "job_share": 0.0, "job_share_among": "sending",
+                                                       "sending": [], "share_changes": 0, "level_shares": {}}
 
 
 def test_two_runs_with_one_job_id_are_a_visible_conflict(caplog):
@@ -297,6 +298,8 @@ def test_full_reconcile_and_status_use_effective_levels():
     ({"job_policy": "static", "job_share": 0.96}, "job_share"),
     ({"job_policy": "static", "job_share": "0.5"}, "job_share"),
     ({"job_policy": "static", "job_share": float("nan")}, "job_share"),
+    ({"job_policy": "static", "job_share_among": "all"}, "job_share_among"),
+    ({"job_share_among": "present"}, "job_share_among"),                        # without a job order: a mistake
     ({"job_policy": "static", "min_share": 0.1, "job_share": 0.6}, "job_share"),  # 5 classes x 0.1 + 0.6 > 1
 ])
 def test_bad_job_config_names_the_field(fields, field):
@@ -332,6 +335,35 @@ def test_job_share_guarantees_follow_the_set_of_jobs():
     request(api, op="unregister", job="b")
     request(api, op="unregister", job="c")
     assert rec.backend.shares == {} and rec.backend.guaranteed(0) == base
+
+
+def test_job_share_parts_follow_the_jobs_that_are_sending():
+    """With three jobs or more (``job_share_among = "sending"``, the default) each of the k jobs whose band's
+    classes the samples found backlogged within HOLD_S gets ``job_share / k``, the idle ones ``job_share / n``;
+    with two jobs nothing is sampled (the parts are the same either way); ``"present"`` never samples."""
+    from tensorlane.agent.jobs import HOLD_S
+
+    api, rec = make_api(job_policy="static", job_priority={"a": 0, "b": 1, "c": 2}, job_share=0.6)
+    for i, job in enumerate("abc"):
+        assert not api.jobs.samples_wanted()  # fewer than three jobs: nothing to sample
+        request(api, op="register", job=job, level=0, flows=[flow(i + 1)])
+    assert api.jobs.samples_wanted() and rec.backend.shares == pytest.approx({0: 0.2, 1: 0.2, 2: 0.2})
+    t = 100.0
+    assert api.jobs.observe({0, 3}, t)  # a's level 0 and c's level 3 (band 2-3) backlogged
+    assert rec.set_shares(api.jobs.shares) and rec.backend.shares == pytest.approx({0: 0.3, 1: 0.2, 2: 0.3})
+    assert api.jobs.describe()["sending"] == ["a", "c"]
+    assert not api.jobs.observe({0}, t + HOLD_S / 2)  # c still counts within HOLD_S
+    assert api.jobs.observe({0}, t + HOLD_S * 1.5)  # c idle for longer: a alone sends, every job its 1/n
+    assert api.jobs.shares == pytest.approx({0: 0.2, 1: 0.2, 2: 0.2}) and api.jobs.describe()["sending"] == ["a"]
+    assert not api.jobs.observe({0, 1, 2}, t + 1)  # all three send: 1/k = 1/n, the classes stay as they are
+    assert api.jobs.describe()["sending"] == ["a", "b", "c"] and api.jobs.describe()["share_changes"] == 2
+    request(api, op="unregister", job="b")  # two jobs left: no sampling, the parts of the jobs present
+    assert not api.jobs.samples_wanted() and api.jobs.describe()["sending"] == []
+    assert rec.backend.shares == pytest.approx({0: 0.3, 2: 0.3})
+    present, _ = make_api(job_policy="static", job_share=0.6, job_share_among="present")
+    for i, job in enumerate("abc"):
+        request(present, op="register", job=job, level=0, flows=[flow(i + 1)])
+    assert not present.jobs.samples_wanted() and present.jobs.describe()["job_share_among"] == "present"
 
 
 def test_status_table_shows_the_job_order_and_parts():

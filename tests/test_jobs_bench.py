@@ -93,6 +93,12 @@ def test_mixes_design():
     assert agent_extra("fifo", [], 2.4, {"job_share": 0.5, "min_share": 0.02}) == {"job_policy": "none",
                                                                                   "min_share": 0.02}
     assert agent_extra("alternate", [], 2.4, {"job_share": 0.5})["job_share"] == 0.5
+    assert agent_extra("fifo", [], 2.4, {"job_share_among": "present"}) == {"job_policy": "none"}
+    # static_present, intensity_present (opt-in): the order with the parts of the jobs present; the phase's own
+    # setting wins over the run's
+    present = agent_extra("static_present", [], 2.4, {"job_share": 0.8, "job_share_among": "sending"})
+    assert present == {"job_policy": "static", "job_priority": {}, "job_share": 0.8, "job_share_among": "present"}
+    assert AGENT_POLICY["intensity_present"] == "intensity" and "job_share_among" not in agent_extra("static", [], 1)
     # static_levels (opt-in): static's table, the jobs on the shim
     both = agent_extra("static_levels", mix_specs("collide2", "tj", 200e6, 4), 2.4, {"job_share": 0.5})
     assert both == {"job_policy": "static", "job_priority": {"tj-collide2-j0": 0, "tj-collide2-j1": 1},

@@ -111,3 +111,44 @@ def test_a_job_order_leaves_every_job_its_part_of_job_share(tb):
     # TCP in a 1000-packet queue drained at 25 Mbit/s (0.5 s deep) ramps unevenly: 14-24 Mbit/s over 5 s in 8 runs
     # here, once with a timeout (the no-timeout guarantee is min_share's, tested above); 1 Mbit/s without the part.
     assert got["low_bps"] >= 0.4 * quarter, got
+
+
+@pytest.mark.parametrize("among", ["sending", "present"])
+def test_the_parts_follow_the_jobs_that_are_sending(tb, among):
+    """Three jobs in a static order, ``job_share = 0.6``: "flood" (level 0), "idle" (level 1, registered, sends
+    nothing) and "tcp" (levels 2-3). With ``job_share_among = "sending"`` the agent's samples find the flood's and
+    the stream's classes backlogged, and each of the two gets 0.3 of the link (FIFO would give each about half),
+    while the idle job keeps its 0.2; when they stop, every job is back at 0.2. With ``"present"`` each keeps 0.2
+    throughout (the parts of the three jobs present)."""
+    import threading
+
+    h1, h2 = tb.host(1), tb.host(2)
+    cfg = {**TRUST, "job_policy": "static", "job_priority": {"flood": 0, "idle": 1, "tcp": 2}, "job_share": 0.6,
+           "job_share_among": among}
+    with running_agents(tb, levels=4, hosts=[1], backend="htb", config_extra=cfg) as agents:
+        with agents[1].client() as c:
+            c.register("idle", 0, [{"proto": "udp", "src": h1.ip, "sport": 43102, "dst": h2.ip, "dport": 43202}])
+        seen: dict = {}
+
+        def look() -> None:  # in the middle of the stream: the kernel's rates and the agent's view
+            seen["rates"], seen["status"] = class_rates(h1), agents[1].status()["job_policy"]
+
+        probe = threading.Timer(1.0 + SECONDS / 2, look)
+        probe.start()
+        try:
+            got = contend(tb, agents[1], tcp_level=0)
+        finally:
+            probe.cancel()
+            probe.join(10)
+        time.sleep(2.5)  # the flood ends 1 s after the stream; HOLD_S later no job counts as sending
+        after, st = class_rates(h1), agents[1].status()["job_policy"]
+    print(among, got, seen)
+    mbit = 1_000_000
+    busy = 30 * mbit if among == "sending" else 20 * mbit
+    assert seen["status"]["sending"] == (["flood", "tcp"] if among == "sending" else []), seen
+    assert seen["rates"]["7a1:10"] == seen["rates"]["7a1:12"] == pytest.approx(busy, rel=0.02), seen
+    assert seen["rates"]["7a1:11"] == pytest.approx(20 * mbit, rel=0.02), seen
+    assert st["sending"] == [] and st["level_shares"] == pytest.approx({"0": 0.2, "1": 0.2, "2": 0.2}), st
+    assert after["7a1:10"] == after["7a1:11"] == after["7a1:12"] == pytest.approx(20 * mbit, rel=0.02), after
+    assert (st["share_changes"] >= 2) == (among == "sending"), st
+    assert got["low_bps"] >= 0.4 * busy, got

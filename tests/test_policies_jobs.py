@@ -225,6 +225,11 @@ def test_job_shares_by_hand() -> None:
         {0: 0.2, 1: 0.2, 2: 0.4})  # c and d share a band: their parts add up
     assert job_shares({"x": (0, 4)}, 0.5) == {}  # one job: nothing to guarantee against
     assert job_shares({"x": (0, 2), "y": (2, 2)}, 0.0) == {}  # strict order
+    # sending: x and z are backlogged, y idle: x and z 0.45 each (FIFO's halves of the part), y keeps 0.9 / 3
+    assert job_shares({"x": (0, 1), "y": (1, 1), "z": (2, 2)}, 0.9, {"x", "z"}) == {0: 0.45, 1: 0.3, 2: 0.45}
+    assert job_shares({"x": (0, 1), "y": (1, 1), "z": (2, 2)}, 0.9, {"x"}) == pytest.approx(
+        {0: 0.3, 1: 0.3, 2: 0.3})  # one sender has the link anyway: every job its 1/n
+    assert job_shares({"a": (0, 2), "b": (2, 2), "c": (2, 2)}, 0.9, {"b", "c"}) == {0: 0.3, 2: 0.9}  # at most 0.9
     for bad in (-0.1, 1.0, math.nan):
         with pytest.raises(ValueError, match="job_share"):
             job_shares({"x": (0, 2), "y": (2, 2)}, bad)
@@ -242,6 +247,24 @@ def test_job_shares_give_every_job_its_part(jobs, prios, levels, share) -> None:
     assert sum(shares.values()) == pytest.approx(share)
     assert set(shares) == {first for first, _ in bands.values()}
     assert all(shares[bands[j][0]] >= share / len(jobs) - 1e-12 for j in jobs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from("abcdefghij"), min_size=2, max_size=10, unique=True), st.integers(1, 5),
+       st.floats(0.01, 0.95), st.sets(st.sampled_from("abcdefghij")))
+def test_job_shares_of_sending_jobs(jobs, levels, share, sending) -> None:
+    """Each of k >= 2 sending jobs holds at least ``job_share / k`` on its band's first level (or all of
+    ``job_share`` there), each idle job ``job_share / n``; the sending jobs' parts alone never exceed
+    ``job_share``, and no level holds more than ``job_share``."""
+    bands = job_bands(jobs, levels)
+    busy = [j for j in jobs if j in sending]
+    shares = job_shares(bands, share, sending)
+    k = len(busy) if len(busy) >= 2 else len(jobs)
+    for j in jobs:
+        part = share / k if j in busy else share / len(jobs)
+        assert shares[bands[j][0]] >= min(share, part) - 1e-12
+    assert max(shares.values()) <= share + 1e-12
+    assert sum(share / k for _ in busy) <= share + 1e-12
 
 
 @settings(max_examples=200, deadline=None)
