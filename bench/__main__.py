@@ -1,6 +1,5 @@
-"""``python -m bench NAME [ARGS]`` from a checkout (see bench.main)."""
-import sys
-
+"""``python -m bench NAME [ARGS]`` from a checkout (see bench.main); Ctrl-C and SIGTERM clean up (bench.workers.cli)."""
 from bench import main
+from bench.workers import cli
 
-sys.exit(main())
+cli(main, sigterm=True)

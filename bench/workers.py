@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -198,10 +199,27 @@ def needs_root(what: str) -> bool:
     return True
 
 
-def cli(main) -> None:
-    """Exit with ``main()``'s status (130 on Ctrl-C). Usage: ``if __name__ == "__main__": cli(main)``"""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: unwinds like Ctrl-C, so that every ``finally`` (testbed namespaces, agents, workers) runs."""
+
+
+def _terminated(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+    raise Terminated
+
+
+def cli(main, sigterm: bool = False) -> None:
+    """Exit with ``main()``'s status (130 on Ctrl-C). With ``sigterm`` (``python -m bench NAME``, the command people
+    run and stop with ``kill`` or ``timeout``), SIGTERM unwinds like Ctrl-C and exits 143 after the benchmark's
+    clean-up ran; without it a SIGTERM left the testbed's namespaces, agents and workers behind. A benchmark's child
+    processes keep SIGTERM's default: their parent stops them.
+    Usage: ``if __name__ == "__main__": cli(main)``"""
+    if sigterm:
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         sys.exit(main())
+    except Terminated:
+        sys.exit(128 + signal.SIGTERM)
     except KeyboardInterrupt:
         sys.exit(130)
 

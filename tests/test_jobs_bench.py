@@ -364,6 +364,7 @@ def test_jobs_quick_smoke():
             assert 0 < j["cpu_s"] < 2 * j["jct_s"] and j["cpu_wait_s"] >= 0, (name, j)
         assert block["tcp"][0].keys() == {"RetransSegs", "TCPTimeouts"}
     assert mix["policies"]["fifo"]["order_changes"] == [0]
+    assert mix["policies"]["static"]["share_changes"] == [0]  # two jobs: their parts are not sampled
     assert all(mix["policies"][p]["order_changes"][0] >= 1
                for p in ("static", "rotate", "intensity", "shortest", "measured_intensity"))
     # shortest: the agent ordered the jobs by the step bytes their shims reported, the gradients' bytes exactly
@@ -402,3 +403,53 @@ def test_jobs_spread4_on_four_hosts():
     for block in (mix["solo"], *mix["policies"].values()):
         assert all(math.isfinite(j["jct_s"]) and j["jct_s"] > 0 for j in block["jobs"]), block
     assert mix["policies"]["static"]["order_changes"][0] >= 1   # host 1's agent saw its jobs arrive in order
+
+
+def _commands_naming(word: str) -> list[str]:
+    """The command lines of running processes that contain ``word``."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            if word in cmd and "pytest" not in cmd:
+                found.append(cmd)
+    return found
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_sigterm_mid_run_removes_the_testbed_agents_and_workers():
+    """``python -m bench jobs`` stopped by SIGTERM (``kill``, ``timeout``) in the middle of a phase exits 143
+    after its clean-up: no namespace, agent or worker of its testbed is left (before, all three were)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from bench.workers import REPO_ROOT, repo_env
+    from testbed import down_by_name
+
+    require_netns_tools()
+    cmd = [sys.executable, "-m", "bench", "jobs", "--quick", "--name", "tjt", "--policies", "fifo"]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _commands_naming("tjt-collide2-j1"):  # the phase's last workers started: mid-phase
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)
+            time.sleep(0.1)
+        assert _commands_naming("tjt-h1.toml"), "no agent of the testbed runs"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 143, (out[-2000:], err[-2000:])
+        netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+        assert "tjt-" not in netns, netns
+        assert not _commands_naming("tjt-"), _commands_naming("tjt-")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        down_by_name("tjt")
