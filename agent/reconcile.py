@@ -78,10 +78,13 @@ class Reconciler:
         """Give the levels in ``shares`` that guaranteed share of each device's link (the job policy's
         ``job_share``; the other levels keep ``min_share``): the classes are changed in place. A failure is counted
         and logged, and the next full pass applies the trees again. Returns whether anything changed."""
-        if not [dev for dev in self.devices if dev.backend.set_shares(shares)]:  # every device's, no short cut
+        before = {dev.name: dev.backend.rates() for dev in self.devices if hasattr(dev.backend, "rates")}
+        changed = [dev for dev in self.devices if dev.backend.set_shares(shares)]  # every device's, no short cut
+        if not changed:
             return False
         try:
-            self._apply_trees()
+            for dev in changed:  # only the classes whose rate moved (the tree is there: install made it)
+                dev.backend.change_rates(self.ipr, dev.index, before[dev.name])
         except Exception as exc:  # noqa: BLE001 - the flows are marked either way; the pass repairs
             self.stats.errors += 1
             self.stats.last_error = f"guaranteed shares: {exc}"

@@ -82,6 +82,25 @@ def test_htb_backend_classes():
         HtbBackend(levels=2, link_rate_bps=None)
 
 
+def test_htb_change_rates_touches_only_the_classes_whose_rate_moved():
+    """The job policy's parts change several times a second: one request per class whose guarantee moved, no dump,
+    no root or parent request; with ``min_rate`` the floor of every class moves with the parts."""
+    ipr, b = RecordingIPRoute(), HtbBackend(levels=4, link_rate_bps=100_000_000, min_share=0.01)
+    before = b.rates()
+    b.set_shares({0: 0.3, 2: 0.3})
+    assert b.change_rates(ipr, 7, before) == 2
+    assert [(c[0], fmt_handle(c[2]), c[3]["rate"] * 8) for c in ipr.calls] == [
+        ("replace-class", "7a1:10", 30_000_000), ("replace-class", "7a1:12", 30_000_000)]
+    ipr.calls.clear()
+    before = b.rates()
+    b.set_shares({0: 0.45, 2: 0.3})
+    assert b.change_rates(ipr, 7, before) == 1 and fmt_handle(ipr.calls[0][2]) == "7a1:10"
+    floored = HtbBackend(levels=4, link_rate_bps=50_000_000, min_share=0.01, min_rate=2_500_000)
+    before = floored.rates()
+    floored.set_shares({0: 0.6, 2: 0.3})  # 10 % left for 5 classes: every floor drops to 1 Mbit/s
+    assert floored.change_rates(RecordingIPRoute(), 7, before) == 5
+
+
 def test_htb_guarantee_is_min_share_raised_to_min_rate_within_what_the_link_leaves():
     slow = HtbBackend(levels=4, link_rate_bps=50_000_000, min_share=0.01, min_rate=2_500_000)
     assert slow.guaranteed(None) == slow.guaranteed(3) == 2_500_000  # 1 % of 50 Mbit/s is only 0.5 Mbit/s

@@ -111,18 +111,35 @@ class HtbBackend:
         if have.get(self.root) != "htb":
             ipr.tc("add", "htb", index=index, handle=self.root, default=self.default.classid & 0xFFFF,
                    r2q=10)
-        burst, floor_burst = self._burst(self.rate), 4 * MTU_BYTES
+        burst = self._burst(self.rate)
         rate = self.rate // 8  # pyroute2 takes integer rates in bytes/s
         ipr.tc("replace-class", "htb", index=index, handle=self.parent_class, parent=self.root,
                rate=rate, ceil=rate, burst=burst, cburst=burst, quantum=4 * MTU_BYTES)
         for spec in self.leaves():
-            floor = self.guaranteed(spec.level) // 8
-            ipr.tc("replace-class", "htb", index=index, handle=spec.classid, parent=self.parent_class,
-                   rate=floor, ceil=rate, burst=max(floor_burst, self._burst(floor * 8)), cburst=burst,
-                   prio=spec.prio, quantum=4 * MTU_BYTES)
+            self._leaf_class(ipr, index, spec)
             if have.get(spec.leaf_handle) != "pfifo":
                 ipr.tc("replace", "pfifo", index=index, handle=spec.leaf_handle, parent=spec.classid,
                        limit=self.queue_limit)
+
+    def _leaf_class(self, ipr, index: int, spec: ClassSpec) -> None:
+        """Create a leaf class, or change it in place: its guaranteed rate, the link as its ceiling, its prio."""
+        floor, burst = self.guaranteed(spec.level) // 8, self._burst(self.rate)
+        ipr.tc("replace-class", "htb", index=index, handle=spec.classid, parent=self.parent_class,
+               rate=floor, ceil=self.rate // 8, burst=max(4 * MTU_BYTES, self._burst(floor * 8)), cburst=burst,
+               prio=spec.prio, quantum=4 * MTU_BYTES)
+
+    def rates(self) -> dict[int, int]:
+        """Every leaf's guaranteed rate in bits/s, by class id (what :meth:`change_rates` compares with)."""
+        return {spec.classid: self.guaranteed(spec.level) for spec in self.leaves()}
+
+    def change_rates(self, ipr, index: int, before: dict[int, int]) -> int:
+        """Change in place only the leaves whose guaranteed rate differs from ``before`` (:meth:`rates` before a
+        :meth:`set_shares`); the tree must exist. One netlink request per changed class, where :meth:`apply` makes
+        a dump and one per class: the job policy's parts change several times a second. Returns how many changed."""
+        changed = [spec for spec in self.leaves() if before.get(spec.classid) != self.guaranteed(spec.level)]
+        for spec in changed:
+            self._leaf_class(ipr, index, spec)
+        return len(changed)
 
     def owns(self, ipr, index: int) -> bool:
         """Whether the interface's root qdisc is one of ours."""
