@@ -358,7 +358,8 @@ def overlap_hook(state: ShimState, bucket):
     if bucket.index() == 0 and state.mode == "probing" and d.probe.backwards > 0:
         _decide(state)  # a collective, at the same bucket of the same backward on every rank
     if bucket.buffer().is_sparse:
-        if state.mode == "overlap":  # first seen now (a sparse embedding unused so far): no step differs yet
+        if state.mode == "overlap":  # a guard: DDP refuses an iteration that leaves a sparse parameter unused
+            # ("Expected sparse gradient to be defined", torch 2.13), so the probe sees every one; no step differs
             raise RuntimeError(f"tensorlane overlap mode: {ov.SPARSE}; the first sparse gradient appeared after "
                                "overlap mode had started. Attach without the optimizer (hook mode) for this model.")
         d.probe.sparse = True  # probing: this iteration runs as hook mode anyway
