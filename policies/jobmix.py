@@ -1,0 +1,95 @@
+"""Fluid model of training jobs that share one link under a job order: what the order alone costs each job.
+
+Each job repeats, ``iters`` times from ``offset_s``: compute for ``compute_s`` (no link), then send its step's bits,
+``comm_s`` of the whole link. While jobs are in their communication phase they share the link:
+
+* ``order=None`` (FIFO): equally among the k jobs sending (processor sharing, what TCP flows in one queue get on
+  average);
+* a job order (job indexes, most urgent first): each sending job its guaranteed part, ``job_share / k`` of the k
+  jobs sending (``among="sending"``, the agent's default) or ``job_share / n`` of the n jobs started and not
+  finished (``among="present"``), and the rest of the link to the most urgent sending job, as HTB's borrowing in
+  priority order gives it (``policies.jobs.job_shares``).
+
+Rates are constant between events (a phase starts or ends), so the model is exact for its assumptions: no
+transport effects (TCP's ramp and losses, queues, the CPU), communication never overlapped with compute. It tells
+what an order costs by *when* it makes each job communicate, apart from how the kernel and TCP carry it out
+(docs/jobs.md, "Parts among the jobs sending"). Usage::
+
+    jobs = [MixJob(compute_s=0.84, comm_s=0.36, iters=12), MixJob(0.65, 0.35, 12, offset_s=1.0)]
+    fifo, ordered = simulate_mix(jobs), simulate_mix(jobs, order=[1, 0], job_share=0.8)
+    [o / f for o, f in zip(ordered, fifo)]      # each job's JCT against FIFO's
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class MixJob:
+    """One job of a mix: seconds of compute and of the whole link per iteration, iterations, start."""
+
+    compute_s: float
+    comm_s: float
+    iters: int
+    offset_s: float = 0.0
+
+
+def link_rates(sending: Sequence[int], order: Sequence[int] | None, job_share: float, present: int,
+               among: str = "sending") -> dict[int, float]:
+    """The share of the link each sending job gets now (see the module docstring); ``present``: the jobs started
+    and not finished. Usage: ``link_rates([0, 1], None, 0.8, 2) == {0: 0.5, 1: 0.5}``"""
+    if not sending:
+        return {}
+    if order is None:
+        return {j: 1.0 / len(sending) for j in sending}
+    if among not in ("sending", "present"):
+        raise ValueError(f"among must be 'sending' or 'present', not {among!r}")
+    k = len(sending) if among == "sending" and len(sending) >= 2 else max(present, 1)
+    part = job_share / k if present >= 2 else 0.0
+    rates = dict.fromkeys(sending, part)
+    top = min(sending, key=list(order).index)
+    rates[top] += max(0.0, 1.0 - part * len(sending))
+    return rates
+
+
+def simulate_mix(jobs: Sequence[MixJob], order: Sequence[int] | None = None, job_share: float = 0.0,
+                 among: str = "sending") -> list[float]:
+    """Each job's JCT (from its offset to the end of its last iteration's communication) under FIFO
+    (``order=None``) or a job order with ``job_share``. Bounded: at most 4 events per iteration and job."""
+    if order is not None and sorted(order) != list(range(len(jobs))):
+        raise ValueError(f"order must list every job index once, not {order!r}")
+    n = len(jobs)
+    left = [j.iters for j in jobs]  # iterations not finished
+    phase = ["wait"] * n  # wait (before its offset), compute, comm, done
+    remaining = [j.offset_s for j in jobs]  # seconds (wait, compute) or link-seconds (comm) left in the phase
+    end = [math.nan] * n
+    now = 0.0
+    for _ in range(4 * sum(left) + 2 * n + 1):
+        for i in range(n):  # phase changes at this instant
+            while phase[i] != "done" and remaining[i] <= EPS:
+                if phase[i] == "comm":
+                    left[i] -= 1
+                if left[i] == 0:
+                    phase[i], end[i] = "done", now - jobs[i].offset_s
+                elif phase[i] in ("wait", "comm"):
+                    phase[i], remaining[i] = "compute", jobs[i].compute_s
+                else:
+                    phase[i], remaining[i] = "comm", jobs[i].comm_s
+        if all(p == "done" for p in phase):
+            return end
+        sending = [i for i in range(n) if phase[i] == "comm"]
+        present = sum(p in ("compute", "comm") for p in phase)
+        rates = link_rates(sending, order, job_share, present, among)
+        dt = min([remaining[i] for i in range(n) if phase[i] in ("wait", "compute")]
+                 + [remaining[i] / r for i, r in rates.items() if r > EPS])
+        for i in range(n):
+            if phase[i] in ("wait", "compute"):
+                remaining[i] -= dt
+            elif phase[i] == "comm":
+                remaining[i] -= dt * rates[i]
+        now += dt
+    raise RuntimeError("simulate_mix: event bound exceeded")  # cannot happen: every event ends a phase
