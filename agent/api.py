@@ -277,8 +277,8 @@ class Api:
     def sample_sending(self, now: float) -> bool:
         """Under a job policy with three jobs or more: sample which levels' classes are backlogged and give the
         sending jobs their parts (``JobScheduler.observe``; the server calls this every ``SAMPLE_S``). Returns
-        whether the classes changed. A failure to read the classes is counted like the reconciler's other errors
-        and changes nothing."""
+        whether the classes changed. A failure to read the classes is counted like the reconciler's other errors,
+        logged at most every few seconds, and changes nothing."""
         if not self.jobs.samples_wanted() or self.rec.backend.kind != "htb":
             return False
         try:
@@ -286,6 +286,7 @@ class Api:
         except Exception as exc:  # noqa: BLE001 - a missed sample only leaves the parts as they are
             self.rec.stats.errors += 1
             self.rec.stats.last_error = f"sampling the classes' backlog: {exc}"
+            self.refusal_log.note("sampling", logging.WARNING, "sampling the classes' backlog: %s", exc)  # bounded
             return False
         return self.jobs.observe(backlogged, now) and self.rec.set_shares(self.jobs.shares)
 

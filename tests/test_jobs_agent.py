@@ -366,6 +366,26 @@ def test_job_share_parts_follow_the_jobs_that_are_sending():
     assert not present.jobs.samples_wanted() and present.jobs.describe()["job_share_among"] == "present"
 
 
+def test_a_failed_sample_is_counted_and_changes_nothing(caplog):
+    """The classes cannot be read (a device gone): the sample counts a reconcile error, logs it, and the parts stay;
+    a sample that can be read gives the sending jobs their parts."""
+    api, rec = make_api(job_policy="static", job_priority={"a": 0, "b": 1, "c": 2}, job_share=0.6)
+    for i, job in enumerate("abc"):
+        request(api, op="register", job=job, level=0, flows=[flow(i + 1)])
+
+    def unreadable():
+        raise OSError("no such device")
+
+    rec.backlogged_levels = unreadable
+    with caplog.at_level(logging.WARNING, logger="tensorlane.api"):
+        assert not api.sample_sending(1.0)
+    assert rec.stats.errors == 1 and "no such device" in rec.stats.last_error
+    assert "sampling the classes' backlog: no such device" in caplog.text
+    assert rec.backend.shares == pytest.approx({0: 0.2, 1: 0.2, 2: 0.2})
+    rec.backlogged_levels = lambda: {0, 2}
+    assert api.sample_sending(2.0) and rec.backend.shares == pytest.approx({0: 0.3, 1: 0.2, 2: 0.3})
+
+
 def test_status_table_shows_the_job_order_and_parts():
     from tensorlane.cli import format_status
 
