@@ -246,15 +246,24 @@ for _ in range(50):
         s.connect((sys.argv[1], int(sys.argv[2]))); break
     except ConnectionRefusedError:
         s.close(); time.sleep(0.1)
-s.sendall(b"x" * int(sys.argv[4])); s.close()
+chunk = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+if chunk:  # small writes, one segment each (no Nagle, a pause between them): small data segments with PSH
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for _ in range(int(sys.argv[4]) // chunk):
+        s.sendall(b"x" * chunk); time.sleep(0.002)
+else:
+    s.sendall(b"x" * int(sys.argv[4]))
+s.close()
 """
 
 
-def tcp_push(sender, receiver, sport, dport, nbytes) -> int:
-    """Send ``nbytes`` over one TCP connection ``sender:sport -> receiver:dport``; the bytes the receiver got."""
+def tcp_push(sender, receiver, sport, dport, nbytes, chunk: int = 0) -> int:
+    """Send ``nbytes`` over one TCP connection ``sender:sport -> receiver:dport`` (in writes of ``chunk`` bytes, each
+    its own segment, when given); the bytes the receiver got."""
     recv = receiver.popen([sys.executable, "-c", RECV_TCP, str(dport)], stdout=subprocess.PIPE, text=True)
     try:
-        sender.run([sys.executable, "-c", SEND_TCP, receiver.ip, str(dport), str(sport), str(nbytes)], timeout=30)
+        sender.run([sys.executable, "-c", SEND_TCP, receiver.ip, str(dport), str(sport), str(nbytes), str(chunk)],
+                   timeout=30)
         return int(recv.communicate(timeout=30)[0])
     finally:
         if recv.poll() is None:
@@ -280,3 +289,19 @@ def test_pure_acks_of_a_less_urgent_flow_go_to_the_most_urgent_class(tb, ack_pri
     top, own = (after[c] - before[c] for c in ("7a1:10", "7a1:12"))
     acks, other = (top, own) if ack_priority else (own, top)
     assert 20_000 <= acks <= 300_000 and other <= 2_000, (top, own)  # ~1 ACK of ~66 B per 1-2 segments
+
+
+def test_small_data_segments_keep_their_level(tb):
+    """h1 sends 400 writes of 20 bytes (each its own small segment, with PSH) on a flow registered at level 2: they
+    are data, not pure ACKs, so they stay in level 2's class. Sent to level 0 ahead of the flow's queued data
+    (the rule matched by length alone until 2026-11-24) they arrived out of order: on stagger4 the hosts counted
+    108 reordering events and 39 fast retransmissions per phase under a job order, against 14 and 5 after."""
+    h1, h2 = tb.host(1), tb.host(2)
+    with running_agents(tb, levels=3, hosts=[1], backend="htb", config_extra=TRUST) as agents:
+        with agents[1].client() as agent:
+            agent.register("job-s", 2, [flow(h1, 9320, h2, 9321, "tcp")], rank=0)
+            before = {c["class"]: c["bytes"] for c in agent.status()["classes"]}
+            assert tcp_push(h1, h2, 9320, 9321, 8_000, chunk=20) == 8_000
+            after = {c["class"]: c["bytes"] for c in agent.status()["classes"]}
+    top, own = (after[c] - before[c] for c in ("7a1:10", "7a1:12"))
+    assert own >= 400 * (20 + 52) and top <= 1_000, (top, own)  # 20 B of data + 52 B of headers per write

@@ -3,7 +3,7 @@
 The agent's table ``inet tensorlane`` holds one verdict map per IP family keyed by the flow 5-tuple. A packet
 leaving a managed interface is looked up once (a hash lookup: cost does not grow with the number of flows)
 and jumps to its level's chain, which sets ``meta priority`` (the tc class) and the DSCP, and counts. In the
-chains of the less urgent levels a first rule sends the flows' pure ACKs (TCP, no SYN, FIN or RST, under
+chains of the less urgent levels a first rule sends the flows' pure ACKs (TCP, no SYN, FIN, RST or PSH, under
 :data:`ACK_MAX_BYTES`) to the most urgent level's class and DSCP instead: an ACK queued behind the class's own
 data, throttled to its guaranteed share while more urgent classes are busy, would stall the *other* direction's
 sender into a retransmission timeout (docs/agent.md, ``ack_priority``).
@@ -90,10 +90,12 @@ def _prio(classid: int) -> str:
 
 
 def _pure_ack() -> list[dict]:
-    """Matches a TCP segment without SYN, FIN or RST whose IP length is under ACK_MAX_BYTES (a pure ACK)."""
+    """Matches a TCP segment without SYN, FIN, RST or PSH whose IP length is under ACK_MAX_BYTES (a pure ACK).
+    PSH excludes small *data* segments (the kernel sets it on the last segment of a write): moved ahead of their
+    flow's queued data they arrived out of order, and the senders retransmitted spuriously (docs/jobs.md)."""
     return [{"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "tcp"}},
             {"match": {"op": "!", "left": {"payload": {"protocol": "tcp", "field": "flags"}},
-                       "right": ["fin", "syn", "rst"]}},   # none of them set
+                       "right": ["fin", "syn", "rst", "psh"]}},   # none of them set
             {"match": {"op": "<", "left": {"meta": {"key": "length"}}, "right": ACK_MAX_BYTES}}]
 
 
