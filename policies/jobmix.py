@@ -22,8 +22,10 @@ what an order costs by *when* it makes each job communicate, apart from how the 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+
+from tensorlane.policies.jobs import SHARE_AMONG, job_shares
 
 EPS = 1e-12
 
@@ -38,21 +40,22 @@ class MixJob:
     offset_s: float = 0.0
 
 
-def link_rates(sending: Sequence[int], order: Sequence[int] | None, job_share: float, present: int,
+def link_rates(sending: Sequence[int], order: Sequence[int] | None, job_share: float, present: Collection[int],
                among: str = "sending") -> dict[int, float]:
     """The share of the link each sending job gets now (see the module docstring); ``present``: the jobs started
-    and not finished. Usage: ``link_rates([0, 1], None, 0.8, 2) == {0: 0.5, 1: 0.5}``"""
+    and not finished. The parts are the agent's own (``policies.jobs.job_shares``, each job on a level of its own).
+    Usage: ``link_rates([0, 1], None, 0.8, {0, 1}) == {0: 0.5, 1: 0.5}``"""
     if not sending:
         return {}
     if order is None:
         return {j: 1.0 / len(sending) for j in sending}
-    if among not in ("sending", "present"):
-        raise ValueError(f"among must be 'sending' or 'present', not {among!r}")
-    k = len(sending) if among == "sending" and len(sending) >= 2 else max(present, 1)
-    part = job_share / k if present >= 2 else 0.0
-    rates = dict.fromkeys(sending, part)
+    if among not in SHARE_AMONG:
+        raise ValueError(f"among must be one of {', '.join(SHARE_AMONG)}, not {among!r}")
+    bands = {j: (level, 1) for level, j in enumerate(sorted(present))}
+    shares = job_shares(bands, job_share, sending if among == "sending" else ())
+    rates = {j: shares.get(bands[j][0], 0.0) for j in sending}
     top = min(sending, key=list(order).index)
-    rates[top] += max(0.0, 1.0 - part * len(sending))
+    rates[top] += max(0.0, 1.0 - sum(rates.values()))
     return rates
 
 
@@ -82,7 +85,7 @@ def simulate_mix(jobs: Sequence[MixJob], order: Sequence[int] | None = None, job
         if all(p == "done" for p in phase):
             return end
         sending = [i for i in range(n) if phase[i] == "comm"]
-        present = sum(p in ("compute", "comm") for p in phase)
+        present = {i for i in range(n) if phase[i] in ("compute", "comm")}
         rates = link_rates(sending, order, job_share, present, among)
         dt = min([remaining[i] for i in range(n) if phase[i] in ("wait", "compute")]
                  + [remaining[i] / r for i, r in rates.items() if r > EPS])

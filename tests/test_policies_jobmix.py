@@ -7,14 +7,14 @@ from tensorlane.policies.jobmix import MixJob, link_rates, simulate_mix
 
 
 def test_link_rates_by_hand():
-    assert link_rates([0, 1], None, 0.8, 2) == {0: 0.5, 1: 0.5}  # FIFO: equal shares of the jobs sending
-    assert link_rates([0, 2], [2, 1, 0], 0.6, 3) == pytest.approx({0: 0.3, 2: 0.7})  # parts of 2 sending
-    assert link_rates([0, 2], [2, 1, 0], 0.6, 3, among="present") == pytest.approx({0: 0.2, 2: 0.8})
-    assert link_rates([1], [0, 1], 0.6, 2) == pytest.approx({1: 1.0})  # alone on the link: all of it
-    assert link_rates([0, 1], [1, 0], 0.0, 2) == {0: 0.0, 1: 1.0}  # strict order
-    assert link_rates([], [0], 0.5, 1) == {}
+    assert link_rates([0, 1], None, 0.8, {0, 1}) == {0: 0.5, 1: 0.5}  # FIFO: equal shares of the jobs sending
+    assert link_rates([0, 2], [2, 1, 0], 0.6, {0, 1, 2}) == pytest.approx({0: 0.3, 2: 0.7})  # parts of 2 sending
+    assert link_rates([0, 2], [2, 1, 0], 0.6, {0, 1, 2}, among="present") == pytest.approx({0: 0.2, 2: 0.8})
+    assert link_rates([1], [0, 1], 0.6, {0, 1}) == pytest.approx({1: 1.0})  # alone on the link: all of it
+    assert link_rates([0, 1], [1, 0], 0.0, {0, 1}) == {0: 0.0, 1: 1.0}  # strict order
+    assert link_rates([], [0], 0.5, {0}) == {}
     with pytest.raises(ValueError, match="among"):
-        link_rates([0, 1], [0, 1], 0.5, 2, among="all")
+        link_rates([0, 1], [0, 1], 0.5, {0, 1}, among="all")
 
 
 def test_one_job_takes_its_iterations():
