@@ -42,7 +42,7 @@ class Api:
         self.reports = JobReports()  # communication time reported by the shims (op "report"), for the metrics
         self.policy = AccessPolicy(frozenset(cfg.allowed_users), frozenset(cfg.allowed_groups),
                                    dict(cfg.level_limits), frozenset(cfg.trusted_users), cfg.check_ownership)
-        self.jobs = JobScheduler(cfg)  # effective levels from the job order (docs/jobs.md)
+        self.jobs = JobScheduler(cfg, guarantees=reconciler.backend.kind == "htb")  # the job order (docs/jobs.md)
         self.refusal_log = RefusalLog(log, 10.0)  # shared with the socket server (agent/server.py)
         self.netns = netns_of("self")  # the network namespace this agent manages: ownership is decided in it
         table.level_of = self.jobs.level_of
@@ -279,7 +279,7 @@ class Api:
         sending jobs their parts (``JobScheduler.observe``; the server calls this every ``SAMPLE_S``). Returns
         whether the classes changed. A failure to read the classes is counted like the reconciler's other errors,
         logged at most every few seconds, and changes nothing."""
-        if not self.jobs.samples_wanted() or self.rec.backend.kind != "htb":
+        if not self.jobs.samples_wanted():  # (never under the prio backend: it has no guarantees to follow)
             return False
         try:
             backlogged = self.rec.backlogged_levels()

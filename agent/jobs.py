@@ -62,7 +62,9 @@ HOLD_S = 0.2  # a job counts as sending this long after a sample last found one 
 class JobScheduler:
     """Effective levels under the configured job policy; ``clock`` is wall-clock time (agents compare epochs)."""
 
-    def __init__(self, cfg, clock=time.time):
+    def __init__(self, cfg, clock=time.time, guarantees: bool = True):
+        """``guarantees``: whether the backend gives classes guaranteed rates (htb; prio has none: no parts to
+        follow, nothing sampled)."""
         self.policy = getattr(cfg, "job_policy", "none")
         self.levels = cfg.levels
         self.epoch_s = float(getattr(cfg, "rotate_epoch_s", 20.0))
@@ -72,6 +74,7 @@ class JobScheduler:
         self.reported: dict[str, dict[str, float]] = {}  # job -> {input: value} its shims reported (those inputs)
         self.job_share = float(getattr(cfg, "job_share", 0.0))
         self.share_among = getattr(cfg, "job_share_among", "sending")
+        self.guarantees = guarantees
         self.clock = clock
         self.enabled = self.policy != "none"
         self.jobs: frozenset[str] = frozenset()
@@ -169,9 +172,10 @@ class JobScheduler:
 
     # -- the parts of the sending jobs ------------------------------------------------------------------------
     def samples_wanted(self) -> bool:
-        """Whether the parts follow the sending jobs now: a policy, ``job_share > 0``, ``job_share_among =
-        "sending"`` and three jobs or more (with two, ``1/k`` and ``1/n`` are the same part while both send)."""
-        return (self.enabled and self.job_share > 0 and self.share_among == "sending"
+        """Whether the parts follow the sending jobs now: a policy, a backend with guarantees, ``job_share > 0``,
+        ``job_share_among = "sending"`` and three jobs or more (with two, ``1/k`` and ``1/n`` are the same part
+        while both send)."""
+        return (self.enabled and self.guarantees and self.job_share > 0 and self.share_among == "sending"
                 and len(self.bands) >= 3)
 
     def observe(self, backlogged: set[int], now: float) -> bool:

@@ -15,7 +15,7 @@ import pytest
 from tensorlane.agent.api import Api
 from tensorlane.agent.config import ConfigError, from_dict
 from tensorlane.agent.jobs import JobScheduler
-from tensorlane.agent.kernel.qdisc import HtbBackend
+from tensorlane.agent.kernel.qdisc import HtbBackend, PrioBackend
 from tensorlane.agent.peers import Peer
 from tensorlane.agent.reconcile import Device, ReconcileStats
 from tensorlane.agent.state import FlowTable
@@ -364,6 +364,12 @@ def test_job_share_parts_follow_the_jobs_that_are_sending():
     for i, job in enumerate("abc"):
         request(present, op="register", job=job, level=0, flows=[flow(i + 1)])
     assert not present.jobs.samples_wanted() and present.jobs.describe()["job_share_among"] == "present"
+    rec = RecordingRec()
+    rec.backend = PrioBackend(4)  # no guarantees to give: the server never wakes to sample
+    prio = Api(from_dict({"interface": "eth0", "job_policy": "static", "job_share": 0.6}), FlowTable(4), rec, "prio")
+    for i, job in enumerate("abc"):
+        request(prio, op="register", job=job, level=0, flows=[flow(i + 1)])
+    assert len(prio.jobs.bands) == 3 and not prio.jobs.samples_wanted() and not prio.sample_sending(1.0)
 
 
 def test_a_failed_sample_is_counted_and_changes_nothing(caplog):
