@@ -41,9 +41,11 @@ class MixJob:
 
 
 def link_rates(sending: Sequence[int], order: Sequence[int] | None, job_share: float, present: Collection[int],
-               among: str = "sending") -> dict[int, float]:
+               among: str = "sending", counted: Collection[int] | None = None) -> dict[int, float]:
     """The share of the link each sending job gets now (see the module docstring); ``present``: the jobs started
-    and not finished. The parts are the agent's own (``policies.jobs.job_shares``, each job on a level of its own).
+    and not finished; ``counted``: the jobs the agent counts as sending (default: ``sending``, as if it saw them at
+    once). The parts are the agent's own (``policies.jobs.job_shares``, each job on a level of its own); a part
+    counted for a job that is not sending goes, like all the link left, to the most urgent sending job.
     Usage: ``link_rates([0, 1], None, 0.8, {0, 1}) == {0: 0.5, 1: 0.5}``"""
     if not sending:
         return {}
@@ -52,7 +54,8 @@ def link_rates(sending: Sequence[int], order: Sequence[int] | None, job_share: f
     if among not in SHARE_AMONG:
         raise ValueError(f"among must be one of {', '.join(SHARE_AMONG)}, not {among!r}")
     bands = {j: (level, 1) for level, j in enumerate(sorted(present))}
-    shares = job_shares(bands, job_share, sending if among == "sending" else ())
+    counted = sending if counted is None else counted
+    shares = job_shares(bands, job_share, counted if among == "sending" else ())
     rates = {j: shares.get(bands[j][0], 0.0) for j in sending}
     top = min(sending, key=list(order).index)
     rates[top] += max(0.0, 1.0 - sum(rates.values()))
@@ -60,18 +63,32 @@ def link_rates(sending: Sequence[int], order: Sequence[int] | None, job_share: f
 
 
 def simulate_mix(jobs: Sequence[MixJob], order: Sequence[int] | None = None, job_share: float = 0.0,
-                 among: str = "sending") -> list[float]:
+                 among: str = "sending", sample_s: float = 0.0, hold_s: float = 0.0,
+                 by_rate: bool = False) -> list[float]:
     """Each job's JCT (from its offset to the end of its last iteration's communication) under FIFO
-    (``order=None``) or a job order with ``job_share``. Bounded: at most 4 events per iteration and job."""
+    (``order=None``) or a job order with ``job_share``; with ``sample_s > 0`` the parts follow the jobs found
+    sending at sample ticks ``0, sample_s, 2 sample_s, ...`` within ``hold_s`` before the last tick; ``by_rate``: a
+    job found sending at a tick also when it sent more than its idle part (``job_share / n``) of the link since the
+    tick before (the agent's rule: a class that carries more than that part needs its sending part to keep it).
+    Bounded: at most 4 events per iteration and job, plus the ticks."""
     if order is not None and sorted(order) != list(range(len(jobs))):
         raise ValueError(f"order must list every job index once, not {order!r}")
+    if sample_s < 0 or hold_s < 0 or not (math.isfinite(sample_s) and math.isfinite(hold_s)):
+        raise ValueError(f"sample_s and hold_s must be finite and >= 0, not {sample_s!r}, {hold_s!r}")
+    # the jobs one after the other, each alone: no work-conserving sharing ends later
+    horizon = max((j.offset_s for j in jobs), default=0.0) + sum(j.iters * (j.compute_s + j.comm_s) for j in jobs)
+    ticks = math.ceil(horizon / sample_s) + 1 if sample_s > 0 else 0
+    seen: dict[int, float] = {}  # job -> the last tick that found it sending
+    counted: set[int] = set()
+    next_tick, last_tick = 0.0, 0.0
     n = len(jobs)
+    sent = [0.0] * n  # link-seconds sent since the last tick
     left = [j.iters for j in jobs]  # iterations not finished
     phase = ["wait"] * n  # wait (before its offset), compute, comm, done
     remaining = [j.offset_s for j in jobs]  # seconds (wait, compute) or link-seconds (comm) left in the phase
     end = [math.nan] * n
     now = 0.0
-    for _ in range(4 * sum(left) + 2 * n + 1):
+    for _ in range(4 * sum(left) + 2 * n + 1 + 2 * ticks):
         for i in range(n):  # phase changes at this instant
             while phase[i] != "done" and remaining[i] <= EPS:
                 if phase[i] == "comm":
@@ -86,13 +103,23 @@ def simulate_mix(jobs: Sequence[MixJob], order: Sequence[int] | None = None, job
             return end
         sending = [i for i in range(n) if phase[i] == "comm"]
         present = {i for i in range(n) if phase[i] in ("compute", "comm")}
-        rates = link_rates(sending, order, job_share, present, among)
+        if sample_s > 0 and now >= next_tick - EPS:  # a sample: the agent's view changes only here
+            busy = set(sending)
+            if by_rate and now > last_tick and present:
+                busy |= {i for i in present if sent[i] / (now - last_tick) > job_share / len(present) + EPS}
+            seen.update((i, now) for i in busy)
+            sent, last_tick = [0.0] * n, now
+            counted = {i for i, t in seen.items() if now - t <= hold_s + EPS and i in present}
+            next_tick += sample_s
+        rates = link_rates(sending, order, job_share, present, among, counted if sample_s > 0 else None)
         dt = min([remaining[i] for i in range(n) if phase[i] in ("wait", "compute")]
-                 + [remaining[i] / r for i, r in rates.items() if r > EPS])
+                 + [remaining[i] / r for i, r in rates.items() if r > EPS]
+                 + ([next_tick - now] if sample_s > 0 else []))
         for i in range(n):
             if phase[i] in ("wait", "compute"):
                 remaining[i] -= dt
             elif phase[i] == "comm":
                 remaining[i] -= dt * rates[i]
+                sent[i] += dt * rates[i]
         now += dt
     raise RuntimeError("simulate_mix: event bound exceeded")  # cannot happen: every event ends a phase

@@ -44,3 +44,35 @@ def test_an_order_interleaves_colliding_jobs():
 def test_bad_orders_are_refused():
     with pytest.raises(ValueError, match="order"):
         simulate_mix([MixJob(1, 1, 1), MixJob(1, 1, 1)], order=[0, 0])
+
+
+def test_sampled_parts_lag_behind_a_job_that_starts():
+    """The agent counts a job as sending only at its next sample. Jobs 0 and 1 send all along, job 3 computes
+    (present, idle), job 2 starts sending at 0.25 s; samples every 0.5 s, no hold, job_share 0.8. Until the sample
+    at 0.5 s job 2 keeps the idle part 0.8 / 4 = 0.2 (jobs 0 and 1 keep 0.4 each) and carries 0.05; then each of
+    the three senders has 0.8 / 3, and job 2's other 0.45 take 1.6875 s: a JCT of 1.9375 s, against 0.5 / (0.8 / 3)
+    = 1.875 s if the agent saw it start at once."""
+    jobs = [MixJob(0.0, 100.0, 1), MixJob(0.0, 100.0, 1), MixJob(0.0, 0.5, 1, offset_s=0.25), MixJob(100.0, 1.0, 1)]
+    order = [0, 1, 2, 3]
+    assert simulate_mix(jobs, order, 0.8, sample_s=0.5)[2] == pytest.approx(1.9375)
+    assert simulate_mix(jobs, order, 0.8)[2] == pytest.approx(1.875)
+
+
+def test_a_held_count_costs_the_lower_senders():
+    """A job counted as sending after it stopped (``hold_s``) keeps its part; that part goes to the most urgent
+    sender, not to the others: job 1 finishes later and job 0 earlier with a hold of 1 s than with none. FIFO
+    does not depend on samples."""
+    jobs = [MixJob(0.0, 6.0, 1), MixJob(0.0, 3.0, 1), MixJob(1.5, 0.2, 3), MixJob(100.0, 1.0, 1)]
+    order = [0, 1, 2, 3]
+    held = simulate_mix(jobs, order, 0.8, sample_s=0.5, hold_s=1.0)
+    prompt = simulate_mix(jobs, order, 0.8, sample_s=0.5)
+    assert held[1] > prompt[1] + 0.05 and held[0] < prompt[0]
+    assert simulate_mix(jobs, sample_s=0.5, hold_s=1.0) == pytest.approx(simulate_mix(jobs))
+
+
+def test_fast_samples_approach_the_ideal():
+    jobs = [MixJob(0.84, 0.36, 4), MixJob(0.65, 0.35, 4, 1.0), MixJob(1.05, 0.45, 4, 2.0), MixJob(0.59, 0.31, 4, 3.0)]
+    ideal = simulate_mix(jobs, [0, 2, 1, 3], 0.8)
+    assert simulate_mix(jobs, [0, 2, 1, 3], 0.8, sample_s=1e-4) == pytest.approx(ideal, rel=1e-3)
+    with pytest.raises(ValueError, match="sample_s"):
+        simulate_mix(jobs, [0, 2, 1, 3], 0.8, sample_s=-1.0)
