@@ -78,9 +78,14 @@ class Config:
     job_priority: dict = field(default_factory=dict)
     job_intensity: dict = field(default_factory=dict)
     job_share: float = 0.2  # under a job policy: the link's share guaranteed to the jobs, in equal parts; 0: strict
-    # the parts of job_share: "sending" (each of k jobs with queued bytes gets job_share / k, as FIFO gives each
-    # about 1/k; sampled every 50 ms with three jobs or more) or "present" (job_share / n of the n jobs on the host)
+    # the parts of job_share: "sending" (each of k jobs with queued bytes, or carrying more than job_share / n, gets
+    # job_share / k, as FIFO gives each about 1/k; sampled with three jobs or more) or "present" (job_share / n of
+    # the n jobs on the host)
     job_share_among: str = "sending"
+    # with job_share_among = "sending": how often the server samples the classes, and how long a job counts as
+    # sending after a sample last found it so (0: until the next sample); docs/jobs.md, "How quickly the parts follow"
+    job_sample_s: float = 0.05
+    job_hold_s: float = 0.0
     max_connections: int = 1024
     reserved_connections: int = 32
     max_connections_per_user: int = 64
@@ -179,11 +184,16 @@ def _job_policy(raw: dict, min_shares: float) -> dict:
     among = _want(raw, "job_share_among", str)
     if among not in SHARE_AMONG:
         raise ConfigError("job_share_among", f"expected one of {', '.join(SHARE_AMONG)}, got {among!r}")
-    for name in ("job_share", "job_share_among"):
+    sample = _number(raw, "job_sample_s", 0.01, 1.0, " seconds")
+    hold = _number(raw, "job_hold_s", 0.0, 10.0, " seconds")
+    for name in ("job_share", "job_share_among", "job_sample_s", "job_hold_s"):
         if name in raw and policy == "none":
             raise ConfigError(name, f"only used with a job policy ({', '.join(JOB_POLICIES[1:])}), not 'none'")
+    for name in ("job_sample_s", "job_hold_s"):
+        if name in raw and among != "sending":
+            raise ConfigError(name, f"only used with job_share_among = \"sending\", not {among!r}")
     return {"job_policy": policy, "rotate_epoch_s": epoch, "job_priority": priority, "job_intensity": intensity,
-            "job_share": share, "job_share_among": among}
+            "job_share": share, "job_share_among": among, "job_sample_s": sample, "job_hold_s": hold}
 
 
 def _connection_limits(raw: dict) -> dict:

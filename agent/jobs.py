@@ -19,8 +19,8 @@ Under a policy, ``job_share`` of the link is guaranteed to the jobs in equal par
 each part on its band's most urgent level; ``shares``), so that an order never leaves a job with less than its part
 while it has bytes to send; 0 keeps the order strict (each level only ``min_share``). With three jobs or more and
 ``job_share_among = "sending"`` (the default) the parts follow the jobs that are sending: the server samples the
-classes' backlog every ``SAMPLE_S`` (``observe``) and each of ``k`` jobs seen backlogged within ``HOLD_S`` gets
-``job_share / k``, as FIFO would give each about ``1/k``; with two jobs the parts are the same either way.
+classes' backlog every ``job_sample_s`` (``observe``) and each of ``k`` jobs seen backlogged within ``job_hold_s``
+gets ``job_share / k``, as FIFO would give each about ``1/k``; with two jobs the parts are the same either way.
 
 The jobs this agent sees (those with flows in its table) get contiguous bands of levels in that order, most urgent
 first (``policies.jobs.job_bands``), and a flow's effective level is the level its client asked for compressed into
@@ -55,8 +55,6 @@ from tensorlane.policies.jobs import (
 )
 
 log = logging.getLogger("tensorlane.jobs")
-SAMPLE_S = 0.05  # how often the server samples the classes' backlog while the parts follow the sending jobs
-HOLD_S = 0.2  # a job counts as sending this long after a sample last found one of its band's classes backlogged
 
 
 class JobScheduler:
@@ -74,6 +72,8 @@ class JobScheduler:
         self.reported: dict[str, dict[str, float]] = {}  # job -> {input: value} its shims reported (those inputs)
         self.job_share = float(getattr(cfg, "job_share", 0.0))
         self.share_among = getattr(cfg, "job_share_among", "sending")
+        self.sample_s = float(cfg.job_sample_s)  # how often the server samples the classes' backlog
+        self.hold_s = float(cfg.job_hold_s)  # a job counts as sending this long after its band's last backlog
         self.guarantees = guarantees
         self.clock = clock
         self.enabled = self.policy != "none"
@@ -83,8 +83,8 @@ class JobScheduler:
         self.keys: tuple = ()  # the reported inputs the order was computed from: ((job, ((input, value), ...)), ...)
         self.bands: dict[str, tuple[int, int]] = {}
         self.shares: dict[int, float] = {}  # level -> guaranteed share of the link (job_share among the jobs)
-        self.backlogged_at: dict[str, float] = {}  # job -> when a sample last found its band backlogged (monotonic)
-        self.sending: frozenset[str] = frozenset()  # the jobs seen backlogged within HOLD_S (their parts: 1/k)
+        self.backlogged_at: dict[str, float] = {}  # job -> when a sample last found it sending (monotonic)
+        self.sending: frozenset[str] = frozenset()  # the jobs seen backlogged within hold_s (their parts: 1/k)
         self.share_changes = 0  # how many times the sending jobs changed the parts (status)
         self.changes = 0  # how many times the order or bands changed (status)
 
@@ -178,14 +178,19 @@ class JobScheduler:
         return (self.enabled and self.guarantees and self.job_share > 0 and self.share_among == "sending"
                 and len(self.bands) >= 3)
 
-    def observe(self, backlogged: set[int], now: float) -> bool:
+    def observe(self, backlogged: set[int], now: float, used: dict[int, float] | None = None) -> bool:
         """Take one sample: ``backlogged`` are the levels whose class had packets queued on some device at
-        monotonic time ``now``. A job counts as sending while one of its band's levels was backlogged within
-        ``HOLD_S``; returns whether that changed ``shares`` (the caller applies them)."""
+        monotonic time ``now``, ``used`` the fraction of the link each level's class carried since the previous
+        sample. A job is found sending when one of its band's levels is backlogged (it wants more than it gets), or
+        when its band carried more than the part an idle job keeps (``job_share / n``: taking its sending part away
+        would cut it); it counts as sending while it was found so within ``hold_s``. Returns whether that changed
+        ``shares`` (the caller applies them)."""
+        idle_part, used = self.job_share / max(1, len(self.bands)), used or {}
         for job, (first, width) in self.bands.items():
-            if any(first <= lvl < first + width for lvl in backlogged):
+            levels = range(first, first + width)
+            if any(lvl in backlogged for lvl in levels) or sum(used.get(lvl, 0.0) for lvl in levels) > idle_part:
                 self.backlogged_at[job] = now
-        for job in [j for j, t in self.backlogged_at.items() if j not in self.bands or now - t > HOLD_S]:
+        for job in [j for j, t in self.backlogged_at.items() if j not in self.bands or now - t > self.hold_s]:
             del self.backlogged_at[job]
         sending = frozenset(self.backlogged_at)
         if sending == self.sending:
@@ -208,6 +213,7 @@ class JobScheduler:
         out = {"policy": self.policy, "order": list(self.order), "changes": self.changes,
                "bands": {job: {"first_level": b[0], "levels": b[1]} for job, b in self.bands.items()},
                "job_share": self.job_share if self.enabled else 0.0, "job_share_among": self.share_among,
+               "job_sample_s": self.sample_s, "job_hold_s": self.hold_s,
                "sending": sorted(self.sending), "share_changes": self.share_changes,
                "level_shares": {str(lvl): round(v, 6) for lvl, v in sorted(self.shares.items())}}
         for name in self.inputs:

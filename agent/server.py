@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 
 from tensorlane.agent import protocol
 from tensorlane.agent.api import Api
-from tensorlane.agent.jobs import SAMPLE_S
 from tensorlane.agent.logs import RefusalLog  # noqa: F401  (re-exported: agent.server.RefusalLog)
 from tensorlane.agent.metrics.connections import REFUSALS  # what the server refuses, as the metrics count it
 from tensorlane.agent.peers import Peer, credentials
@@ -181,7 +180,7 @@ class Server:
             if now >= next_sample:
                 if jobs.samples_wanted():  # which jobs are sending: their parts of job_share (docs/jobs.md)
                     self.api.sample_sending(now)
-                next_sample = now + SAMPLE_S
+                next_sample = now + jobs.sample_s
             self._close_idle(now)
             if self.listen_again is not None and now >= self.listen_again:
                 self.listen_again = None

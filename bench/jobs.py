@@ -47,7 +47,8 @@ ranks' first agreement, at the end of their third step, is in before the release
 job with the shim: overlap mode, its tensors on the shim's levels; judged against the faster of its two solo runs);
 opt-in, ``static_levels`` (``static``'s order, every job with the shim as in ``levels``, its levels inside its job's
 band), ``intensity_hook`` (``intensity``'s table, the jobs as in ``shortest``), ``static_present`` and
-``intensity_present`` (those orders with ``job_share`` split among the jobs present, not those sending). Job ``i``
+``intensity_present`` (those orders with ``job_share`` split among the jobs present, not those sending),
+``static_held`` and ``intensity_held`` (those orders with ``job_hold_s`` = :data:`HELD_S`). Job ``i``
 starts ``offset_s`` after the common release; its JCT runs from its own start to the end of its slowest rank's last
 iteration. Each rank reads, before it exits, ``tcpi_total_rto`` of its TCP connections to its peer (``rto``:
 retransmission timeouts, summed over the job's ranks; None on kernels older than 6.7), ``late_s`` of its emulated
@@ -127,17 +128,24 @@ POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "shortest", "m
 # its job's band); ``intensity_hook``, intensity's table with shortest's jobs (the shim in hook mode at one level),
 # which tells the order's effect from the shim's where both orders agree; ``static_present`` and
 # ``intensity_present``, those orders with job_share split among the jobs present (the agents' "present"), beside
-# the default split among the jobs sending: the two ways side by side in one run
-OPT_IN_POLICIES = ("static_levels", "intensity_hook", "static_present", "intensity_present")
+# the default split among the jobs sending: the two ways side by side in one run; ``static_held`` and
+# ``intensity_held``, those orders with a job counted as sending for HELD_S after its last backlog (the agents'
+# job_hold_s), beside the run's own job_hold_s
+OPT_IN_POLICIES = ("static_levels", "intensity_hook", "static_present", "intensity_present", "static_held",
+                   "intensity_held")
+HELD_S = 0.2
 SOLOS = ("solo", "solo_shim")
 DEFAULT_PHASES = (*SOLOS, *POLICIES)
 PHASES = (*DEFAULT_PHASES, *OPT_IN_POLICIES)
 AGENT_POLICY = {"solo": "none", "solo_shim": "none", "fifo": "none", "static": "static", "rotate": "rotate",
                 "alternate": "alternate", "intensity": "intensity", "shortest": "shortest", "levels": "none",
                 "static_levels": "static", "intensity_hook": "intensity", "measured_intensity": "measured_intensity",
-                "static_present": "static", "intensity_present": "intensity"}
+                "static_present": "static", "intensity_present": "intensity", "static_held": "static",
+                "intensity_held": "intensity"}
 PHASE_AGENT = {"static_present": {"job_share_among": "present"},  # a phase's own agent settings: they win
-               "intensity_present": {"job_share_among": "present"}}
+               "intensity_present": {"job_share_among": "present"},
+               "static_held": {"job_hold_s": HELD_S}, "intensity_held": {"job_hold_s": HELD_S}}
+SAMPLED = ("job_sample_s", "job_hold_s")  # agent settings only for parts among the jobs sending
 # what each job runs: plain DDP at one level, DDP with the shim (overlap, the shim's levels in layer order), or
 # (``shortest``) the shim in hook mode at one level, unpartitioned: plain DDP's schedule (one all-reduce per DDP
 # bucket), with the reports of its step bytes that the agents order the jobs by
@@ -611,7 +619,9 @@ def tcp_counters(host) -> dict[str, int]:
 
 def agent_extra(phase: str, specs: list[dict], epoch_s: float, overrides: dict | None = None) -> dict:
     """The agents' config fields of ``phase``: the job policy and its table or epoch, then ``overrides`` (the
-    fields the run passes to every agent: ``min_share``, ``ack_priority``; ``job_share`` only to a job policy's)."""
+    fields the run passes to every agent: ``min_share``, ``ack_priority``; ``job_share`` and the others of a job
+    order only to a job policy's, and ``job_sample_s``, ``job_hold_s`` only where the parts follow the jobs
+    sending)."""
     extra: dict = {"job_policy": AGENT_POLICY[phase]}
     own = PHASE_AGENT.get(phase, {})
     if extra["job_policy"] == "static":
@@ -622,9 +632,13 @@ def agent_extra(phase: str, specs: list[dict], epoch_s: float, overrides: dict |
         extra["job_intensity"] = {s["id"]: float(s["intensity"]) for s in specs}
     overrides = dict(overrides or {})
     if extra["job_policy"] == "none":
-        overrides.pop("job_share", None)  # the agent refuses them without a job order
-        overrides.pop("job_share_among", None)
-    return extra | overrides | own
+        for key in ("job_share", "job_share_among", *SAMPLED):  # the agent refuses them without a job order
+            overrides.pop(key, None)
+    merged = extra | overrides | own
+    if merged.get("job_share_among", "sending") != "sending":
+        for key in SAMPLED:
+            merged.pop(key, None)
+    return merged
 
 
 def phase_timeout(specs: list[dict]) -> float:
@@ -898,14 +912,15 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
         epoch_factor: float = DEFAULT_EPOCH_FACTOR, epoch_s: float | None = None, min_share: float | None = None,
         levels: int = 4, progress=print, port_base: int = 29700, workdir: str | None = None,
         ack_priority: bool | None = None, job_share: float | None = None, min_rate: str | int | None = None,
-        queue_limit: int | None = None, job_share_among: str | None = None) -> dict:
+        queue_limit: int | None = None, job_share_among: str | None = None, job_sample_s: float | None = None,
+        job_hold_s: float | None = None) -> dict:
     """Run the benchmark on a fresh testbed ``name`` (2 hosts; 4 with ``spread4``: :data:`MIX_HOSTS`); return
     ``{"mixes": [...], ...}`` (docs/jobs.md).
 
     ``policies``: the phases (``solo`` and the policies, FIFO as ``fifo``); ``reps`` > 1 repeats every phase (order
     rotating) and takes each job's mean JCT. ``min_share``, ``min_rate`` (a rate, bits/s or 0), ``queue_limit``
-    (packets per class), ``ack_priority``, ``job_share``, ``job_share_among`` None: the agent's default (not passed;
-    ``job_share`` and ``job_share_among`` go only to the phases with a job order).
+    (packets per class), ``ack_priority``, ``job_share``, ``job_share_among``, ``job_sample_s``, ``job_hold_s`` None:
+    the agent's default (not passed; the job fields go only to the phases with a job order).
     Usage: ``run(quick=True)``
     """
     from tensorlane.agent.config import parse_min_rate
@@ -934,7 +949,10 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
                     "job_share": agent_default("job_share") if job_share is None else job_share,
                     "job_share_passed": job_share is not None,
                     "job_share_among": agent_default("job_share_among") if job_share_among is None else job_share_among,
-                    "job_share_among_passed": job_share_among is not None, "machine": machine(),
+                    "job_share_among_passed": job_share_among is not None,
+                    "job_sample_s": agent_default("job_sample_s") if job_sample_s is None else job_sample_s,
+                    "job_hold_s": agent_default("job_hold_s") if job_hold_s is None else job_hold_s,
+                    "job_sampling_passed": job_sample_s is not None or job_hold_s is not None, "machine": machine(),
                     "targets": dict(TARGETS),
                     "prediction": {"alpha_s": ALPHA_S, "compute_factor": COMPUTE_FACTOR}, "mixes": []}
     t_start = time.monotonic()
@@ -944,11 +962,13 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
              + f", min_rate {result['min_rate_bps'] / 1e6:g} Mbit/s"
              + ("" if min_rate is not None else " (the agent's default)")
              + f"; ack_priority {result['ack_priority']}; job_share {result['job_share']:g} among the jobs "
-             + result["job_share_among"])
+             + result["job_share_among"]
+             + f" (samples every {result['job_sample_s']:g} s, held {result['job_hold_s']:g} s)")
     with scratch_dir(workdir, "tensorlane-jobs-") as workdir, Testbed(hosts=n_hosts, rate=rate, name=name) as tb:
         result["link_bps"] = tb.rate_bps
         passed = {"min_share": min_share, "min_rate": min_rate, "queue_limit_packets": queue_limit,
-                  "ack_priority": ack_priority, "job_share": job_share, "job_share_among": job_share_among}
+                  "ack_priority": ack_priority, "job_share": job_share, "job_share_among": job_share_among,
+                  "job_sample_s": job_sample_s, "job_hold_s": job_hold_s}
         ctx = {"tb": tb, "workdir": workdir, "levels": levels, "progress": progress,
                "agent": {k: v for k, v in passed.items() if v is not None},
                "ports": itertools.count(port_base + 1), "epoch_factor": epoch_factor, "epoch_s": epoch_s,
@@ -1052,6 +1072,12 @@ def main(argv=None) -> int:
     p.add_argument("--job-share-among", choices=("sending", "present"), default=None,
                    help="how the agents split job_share: among the jobs sending or all present (default: the "
                         "agent's own, not passed)")
+    p.add_argument("--job-sample-s", type=float, default=None,
+                   help="the agents' job_sample_s: how often they sample which jobs are sending (default: the "
+                        "agent's own, not passed)")
+    p.add_argument("--job-hold-s", type=float, default=None,
+                   help="the agents' job_hold_s: how long a job counts as sending after its last backlog "
+                        "(default: the agent's own, not passed)")
     p.add_argument("--ack-priority", choices=("on", "off"), default=None,
                    help="the agents' ack_priority (default: the agent's own default, not passed)")
     p.add_argument("--rate", default=DEFAULT_RATE, help=f"the links' rate (default {DEFAULT_RATE}: see DEFAULT_RATE)")
@@ -1066,7 +1092,7 @@ def main(argv=None) -> int:
                  min_rate=None if args.min_rate is None else (0 if args.min_rate == "0" else args.min_rate),
                  queue_limit=args.queue_limit,
                  levels=args.levels, progress=progress_printer(), job_share=args.job_share,
-                 job_share_among=args.job_share_among,
+                 job_share_among=args.job_share_among, job_sample_s=args.job_sample_s, job_hold_s=args.job_hold_s,
                  ack_priority=None if args.ack_priority is None else args.ack_priority == "on")
     show_figures(format_table(result), result, args.json)
     return 0

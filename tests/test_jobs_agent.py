@@ -110,7 +110,8 @@ def test_policy_none_keeps_the_requested_level():
     assert rec.kernel == {key(1): 2, key(2): 0}
     assert request(api, op="status")["job_policy"] == {"policy": "none", "order": [], "changes": 0, "bands": {},
                                                        "job_share": 0.0, "job_share_among": "sending",
-                                                       "sending": [], "share_changes": 0, "level_shares": {}}
+                                                       "job_sample_s": 0.05, "job_hold_s": 0.0, "sending": [],
+                                                       "share_changes": 0, "level_shares": {}}
 
 
 def test_two_runs_with_one_job_id_are_a_visible_conflict(caplog):
@@ -300,6 +301,10 @@ def test_full_reconcile_and_status_use_effective_levels():
     ({"job_policy": "static", "job_share": float("nan")}, "job_share"),
     ({"job_policy": "static", "job_share_among": "all"}, "job_share_among"),
     ({"job_share_among": "present"}, "job_share_among"),                        # without a job order: a mistake
+    ({"job_hold_s": 0.1}, "job_hold_s"),
+    ({"job_policy": "static", "job_share_among": "present", "job_sample_s": 0.02}, "job_sample_s"),  # not sampled
+    ({"job_policy": "static", "job_sample_s": 0.001}, "job_sample_s"),
+    ({"job_policy": "static", "job_hold_s": -1}, "job_hold_s"),
     ({"job_policy": "static", "min_share": 0.1, "job_share": 0.6}, "job_share"),  # 5 classes x 0.1 + 0.6 > 1
 ])
 def test_bad_job_config_names_the_field(fields, field):
@@ -339,11 +344,13 @@ def test_job_share_guarantees_follow_the_set_of_jobs():
 
 def test_job_share_parts_follow_the_jobs_that_are_sending():
     """With three jobs or more (``job_share_among = "sending"``, the default) each of the k jobs whose band's
-    classes the samples found backlogged within HOLD_S gets ``job_share / k``, the idle ones ``job_share / n``;
-    with two jobs nothing is sampled (the parts are the same either way); ``"present"`` never samples."""
-    from tensorlane.agent.jobs import HOLD_S
-
-    api, rec = make_api(job_policy="static", job_priority={"a": 0, "b": 1, "c": 2}, job_share=0.6)
+    classes the samples found backlogged within ``job_hold_s`` gets ``job_share / k``, the idle ones
+    ``job_share / n``; with two jobs nothing is sampled (the parts are the same either way); ``"present"`` never
+    samples."""
+    HOLD_S = 0.3
+    api, rec = make_api(job_policy="static", job_priority={"a": 0, "b": 1, "c": 2}, job_share=0.6, job_hold_s=HOLD_S,
+                        job_sample_s=0.02)
+    assert api.jobs.sample_s == 0.02 and api.jobs.describe()["job_hold_s"] == HOLD_S
     for i, job in enumerate("abc"):
         assert not api.jobs.samples_wanted()  # fewer than three jobs: nothing to sample
         request(api, op="register", job=job, level=0, flows=[flow(i + 1)])
@@ -372,6 +379,23 @@ def test_job_share_parts_follow_the_jobs_that_are_sending():
     assert len(prio.jobs.bands) == 3 and not prio.jobs.samples_wanted() and not prio.sample_sending(1.0)
 
 
+def test_a_job_carrying_more_than_an_idle_part_counts_as_sending():
+    """A job whose classes hold no queue but carried more than the part an idle job keeps (``job_share / n``) since
+    the last sample counts as sending: taking its part away would cut it, and it would flap in and out of the count
+    with every sample. One that carried less, or whose band's levels together carried no more, does not. With the
+    default ``job_hold_s`` 0 a job counts only while the last sample found it sending."""
+    api, _ = make_api(job_policy="static", job_priority={"a": 0, "b": 1, "c": 2}, job_share=0.6)
+    for i, job in enumerate("abc"):
+        request(api, op="register", job=job, level=0, flows=[flow(i + 1)])
+    assert api.jobs.bands == {"a": (0, 1), "b": (1, 1), "c": (2, 2)} and api.jobs.hold_s == 0.0
+    assert api.jobs.observe({0}, 1.0, {0: 0.7, 1: 0.25, 2: 0.05})  # a queued; b at 0.25 > 0.2 of the link; c idle
+    assert api.jobs.describe()["sending"] == ["a", "b"] and api.jobs.shares == pytest.approx({0: 0.3, 1: 0.3, 2: 0.2})
+    assert api.jobs.observe({0}, 1.05, {0: 0.7, 1: 0.15, 2: 0.12, 3: 0.12})  # b slowed down; c's two levels: 0.24
+    assert api.jobs.describe()["sending"] == ["a", "c"]
+    assert api.jobs.observe(set(), 1.1, {0: 0.9})  # only a: no part to follow
+    assert api.jobs.describe()["sending"] == ["a"] and api.jobs.shares == pytest.approx({0: 0.2, 1: 0.2, 2: 0.2})
+
+
 def test_a_failed_sample_is_counted_and_changes_nothing(caplog):
     """The classes cannot be read (a device gone): the sample counts a reconcile error, logs it, and the parts stay;
     a sample that can be read gives the sending jobs their parts."""
@@ -379,16 +403,16 @@ def test_a_failed_sample_is_counted_and_changes_nothing(caplog):
     for i, job in enumerate("abc"):
         request(api, op="register", job=job, level=0, flows=[flow(i + 1)])
 
-    def unreadable():
+    def unreadable(now):
         raise OSError("no such device")
 
-    rec.backlogged_levels = unreadable
+    rec.sample_classes = unreadable
     with caplog.at_level(logging.WARNING, logger="tensorlane.api"):
         assert not api.sample_sending(1.0)
     assert rec.stats.errors == 1 and "no such device" in rec.stats.last_error
     assert "sampling the classes' backlog: no such device" in caplog.text
     assert rec.backend.shares == pytest.approx({0: 0.2, 1: 0.2, 2: 0.2})
-    rec.backlogged_levels = lambda: {0, 2}
+    rec.sample_classes = lambda now: ({0, 2}, {})
     assert api.sample_sending(2.0) and rec.backend.shares == pytest.approx({0: 0.3, 1: 0.2, 2: 0.3})
 
 

@@ -17,6 +17,7 @@ from bench.jobs import (
     COMPUTE_FACTOR,
     DEFAULT_MIXES,
     DEFAULT_PHASES,
+    HELD_S,
     JOB_MODE,
     JOB_SHIM,
     MIXES,
@@ -99,6 +100,16 @@ def test_mixes_design():
     present = agent_extra("static_present", [], 2.4, {"job_share": 0.8, "job_share_among": "sending"})
     assert present == {"job_policy": "static", "job_priority": {}, "job_share": 0.8, "job_share_among": "present"}
     assert AGENT_POLICY["intensity_present"] == "intensity" and "job_share_among" not in agent_extra("static", [], 1)
+    # static_held, intensity_held (opt-in): the order with a job counted as sending for HELD_S; the sampling fields
+    # never reach an agent that does not sample (no job order, or the parts of the jobs present)
+    sampled = {"job_share": 0.8, "job_sample_s": 0.02, "job_hold_s": 0.0}
+    assert agent_extra("intensity_held", [], 2.4, sampled) == {"job_policy": "intensity", "job_intensity": {},
+                                                               "job_share": 0.8, "job_sample_s": 0.02,
+                                                               "job_hold_s": HELD_S}
+    assert agent_extra("static", [], 2.4, sampled)["job_hold_s"] == 0.0
+    assert agent_extra("fifo", [], 2.4, sampled) == {"job_policy": "none"}
+    assert agent_extra("static_present", [], 2.4, sampled) == {"job_policy": "static", "job_priority": {},
+                                                               "job_share": 0.8, "job_share_among": "present"}
     # static_levels (opt-in): static's table, the jobs on the shim
     both = agent_extra("static_levels", mix_specs("collide2", "tj", 200e6, 4), 2.4, {"job_share": 0.5})
     assert both == {"job_policy": "static", "job_priority": {"tj-collide2-j0": 0, "tj-collide2-j1": 1},

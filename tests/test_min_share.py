@@ -140,7 +140,7 @@ def test_the_parts_follow_the_jobs_that_are_sending(tb, among):
         finally:
             probe.cancel()
             probe.join(10)
-        time.sleep(2.5)  # the flood ends 1 s after the stream; HOLD_S later no job counts as sending
+        time.sleep(2.5)  # the flood ends 1 s after the stream; at the next samples no job counts as sending
         after, st = class_rates(h1), agents[1].status()["job_policy"]
     print(among, got, seen)
     mbit = 1_000_000
@@ -152,3 +152,44 @@ def test_the_parts_follow_the_jobs_that_are_sending(tb, among):
     assert after["7a1:10"] == after["7a1:11"] == after["7a1:12"] == pytest.approx(20 * mbit, rel=0.02), after
     assert (st["share_changes"] >= 2) == (among == "sending"), st
     assert got["low_bps"] >= 0.4 * busy, got
+
+
+def test_a_job_below_its_part_stays_counted_without_a_queue(tb):
+    """Three jobs in a static order, ``job_share = 0.6`` (parts of 0.2 each, 0.3 for each of two sending): "flood"
+    sends above the link rate, "paced" a steady 25 Mbit/s, more than an idle job's part (20) and less than a sending
+    one's (30), "idle" nothing. Counted as sending, the paced job's class holds no queue; counted by its queue
+    alone, it would drop out at the next sample, queue up behind its part of 20 and come back, every 50-100 ms.
+    The agent also counts a job whose classes carried more than an idle part since the last sample, so the parts
+    stay put while both send (a handful of changes, not dozens) and the paced job gets its rate."""
+    h1, h2 = tb.host(1), tb.host(2)
+    cfg = {**TRUST, "job_policy": "static", "job_priority": {"flood": 0, "idle": 1, "paced": 2}, "job_share": 0.6}
+    with running_agents(tb, levels=4, hosts=[1], backend="htb", config_extra=cfg) as agents:
+        with agents[1].client() as c:
+            c.register("flood", 0, [{"proto": "udp", "src": h1.ip, "sport": 43110, "dst": h2.ip, "dport": 43210}])
+            c.register("idle", 0, [{"proto": "udp", "src": h1.ip, "sport": 43111, "dst": h2.ip, "dport": 43211}])
+            c.register("paced", 0, [{"proto": "udp", "src": h1.ip, "sport": 43112, "dst": h2.ip, "dport": 43212}])
+        recv = h2.popen(PY + ["testbed.udpprobe", "recv", "--port", "43212", "--seconds", str(SECONDS + 3)],
+                        stdout=subprocess.PIPE, text=True)
+        senders = [h1.popen(PY + ["testbed.udpprobe", "send", "--dst", h2.ip, "--port", str(port), "--sport",
+                                  str(sport), "--pps", str(int(mbit * 1e6 / 8 / 1000)), "--seconds", str(SECONDS)],
+                            stdout=subprocess.DEVNULL)
+                   for port, sport, mbit in ((43210, 43110, 120), (43212, 43112, 25))]
+        try:
+            time.sleep(SECONDS / 2)
+            mid = agents[1].status()["job_policy"]
+            for p in senders:
+                p.wait(SECONDS + 10)
+            out, _ = recv.communicate(timeout=20)
+        finally:
+            for p in (*senders, recv):
+                if p.poll() is None:
+                    p.kill()
+                p.wait(5)
+        time.sleep(0.5)
+        st = agents[1].status()["job_policy"]
+    got = json.loads(out)
+    print(mid, st, {k: v for k, v in got.items() if k != "timeline"})
+    assert mid["sending"] == ["flood", "paced"], mid
+    assert mid["level_shares"] == pytest.approx({"0": 0.3, "1": 0.2, "2": 0.3}), mid
+    assert st["sending"] == [] and st["share_changes"] <= 6, st  # flapping at every sample: 50 or more
+    assert got["packets"] * 1000 * 8 / SECONDS >= 0.9 * 25e6, got  # datagrams of 1000 bytes
