@@ -275,20 +275,20 @@ class Api:
         return len(gone)
 
     def sample_sending(self, now: float) -> bool:
-        """Under a job policy with three jobs or more: sample which levels' classes are backlogged and how much of
-        the link each carried, and give the sending jobs their parts (``JobScheduler.observe``; the server calls
+        """Under a job policy with three jobs or more: sample which levels' classes are backlogged and give the
+        sending jobs their parts (``JobScheduler.observe``; the server calls
         this every ``job_sample_s``). Returns whether the classes changed. A failure to read the classes is counted
         like the reconciler's other errors, logged at most every few seconds, and changes nothing."""
         if not self.jobs.samples_wanted():  # (never under the prio backend: it has no guarantees to follow)
             return False
         try:
-            backlogged, used = self.rec.sample_classes(now)
+            backlogged = self.rec.backlogged_levels()
         except Exception as exc:  # noqa: BLE001 - a missed sample only leaves the parts as they are
             self.rec.stats.errors += 1
             self.rec.stats.last_error = f"sampling the classes' backlog: {exc}"
             self.refusal_log.note("sampling", logging.WARNING, "sampling the classes' backlog: %s", exc)  # bounded
             return False
-        return self.jobs.observe(backlogged, now, used) and self.rec.set_shares(self.jobs.shares)
+        return self.jobs.observe(backlogged, now) and self.rec.set_shares(self.jobs.shares)
 
     def sweep(self) -> int:
         """Remove flows whose owners no longer hold their sockets in the agent's network namespace (closed, or the

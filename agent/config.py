@@ -78,9 +78,8 @@ class Config:
     job_priority: dict = field(default_factory=dict)
     job_intensity: dict = field(default_factory=dict)
     job_share: float = 0.2  # under a job policy: the link's share guaranteed to the jobs, in equal parts; 0: strict
-    # the parts of job_share: "sending" (each of k jobs with queued bytes, or carrying more than job_share / n, gets
-    # job_share / k, as FIFO gives each about 1/k; sampled with three jobs or more) or "present" (job_share / n of
-    # the n jobs on the host)
+    # the parts of job_share: "sending" (each of k jobs with queued bytes gets job_share / k, as FIFO gives each
+    # about 1/k; sampled with three jobs or more) or "present" (job_share / n of the n jobs on the host)
     job_share_among: str = "sending"
     # with job_share_among = "sending": how often the server samples the classes, and how long a job counts as
     # sending after a sample last found it so (0: until the next sample); docs/jobs.md, "How quickly the parts follow"

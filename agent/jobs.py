@@ -20,7 +20,8 @@ each part on its band's most urgent level; ``shares``), so that an order never l
 while it has bytes to send; 0 keeps the order strict (each level only ``min_share``). With three jobs or more and
 ``job_share_among = "sending"`` (the default) the parts follow the jobs that are sending: the server samples the
 classes' backlog every ``job_sample_s`` (``observe``) and each of ``k`` jobs seen backlogged within ``job_hold_s``
-gets ``job_share / k``, as FIFO would give each about ``1/k``; with two jobs the parts are the same either way.
+(0: at the last sample) gets ``job_share / k``, as FIFO would give each about ``1/k`` (jobs that share a band count
+once: the agent sees one queue); with two jobs the parts are the same either way.
 
 The jobs this agent sees (those with flows in its table) get contiguous bands of levels in that order, most urgent
 first (``policies.jobs.job_bands``), and a flow's effective level is the level its client asked for compressed into
@@ -178,17 +179,13 @@ class JobScheduler:
         return (self.enabled and self.guarantees and self.job_share > 0 and self.share_among == "sending"
                 and len(self.bands) >= 3)
 
-    def observe(self, backlogged: set[int], now: float, used: dict[int, float] | None = None) -> bool:
+    def observe(self, backlogged: set[int], now: float) -> bool:
         """Take one sample: ``backlogged`` are the levels whose class had packets queued on some device at
-        monotonic time ``now``, ``used`` the fraction of the link each level's class carried since the previous
-        sample. A job is found sending when one of its band's levels is backlogged (it wants more than it gets), or
-        when its band carried more than the part an idle job keeps (``job_share / n``: taking its sending part away
-        would cut it); it counts as sending while it was found so within ``hold_s``. Returns whether that changed
-        ``shares`` (the caller applies them)."""
-        idle_part, used = self.job_share / max(1, len(self.bands)), used or {}
+        monotonic time ``now``. A job is found sending when one of its band's levels is backlogged (it wants more
+        than it gets), and counts as sending while it was found so within ``hold_s`` (0: at this sample). Returns
+        whether that changed ``shares`` (the caller applies them)."""
         for job, (first, width) in self.bands.items():
-            levels = range(first, first + width)
-            if any(lvl in backlogged for lvl in levels) or sum(used.get(lvl, 0.0) for lvl in levels) > idle_part:
+            if any(first <= lvl < first + width for lvl in backlogged):
                 self.backlogged_at[job] = now
         for job in [j for j, t in self.backlogged_at.items() if j not in self.bands or now - t > self.hold_s]:
             del self.backlogged_at[job]

@@ -60,8 +60,6 @@ class Reconciler:
         self.nft = nft or nftables.Nft()
         self.stats = ReconcileStats()
         self._egress: dict[tuple[str, str], tuple[str, float]] = {}  # (src, dst) -> (interface, when looked up)
-        self._class_bytes: dict[tuple[str, int], int] = {}  # (device, classid) -> bytes sent, at the last sample
-        self._sampled_at: float | None = None
 
     def _table_commands(self) -> list[dict]:
         classids = [self.backend.classid(lvl) for lvl in range(self.backend.levels)]
@@ -159,30 +157,16 @@ class Reconciler:
         cache.update((p, (name, now)) for p, name in found.items())
         return {k: cache.get((k.src, k.dst), (None, 0.0))[0] for k in keys}
 
-    def sample_classes(self, now: float) -> tuple[set[int], dict[int, float]]:
-        """The job policy's sample of which jobs are sending (``JobScheduler.observe``): the levels whose class has
-        packets queued on some device now, and ``{level: fraction of the link}`` each level's class carried since
-        the previous sample (the largest over the devices; empty at the first sample). One class dump per device;
-        ``now`` is monotonic time."""
+    def backlogged_levels(self) -> set[int]:
+        """The levels whose class has packets queued on some device now (the job policy's sample of which jobs
+        are sending: ``JobScheduler.observe``). One class dump per device."""
         level_of = {spec.classid: spec.level for spec in self.backend.leaves() if spec.level is not None}
-        backlogged: set[int] = set()
-        used: dict[int, float] = {}
-        counts: dict[tuple[str, int], int] = {}
-        dt = now - self._sampled_at if self._sampled_at is not None else 0.0
+        out: set[int] = set()
         for dev in self.devices:
-            rate = getattr(dev.backend, "rate", None)
             for classid, stats in tcstats.class_stats(self.ipr, dev.index).items():
-                level = level_of.get(classid)
-                if level is None:
-                    continue
-                if stats["backlog_packets"] > 0:
-                    backlogged.add(level)
-                sent = counts[(dev.name, classid)] = int(stats["bytes"])
-                before = self._class_bytes.get((dev.name, classid))
-                if before is not None and dt > 0 and rate:  # a class made anew counts from 0: no negative rate
-                    used[level] = max(used.get(level, 0.0), max(0, sent - before) * 8 / dt / rate)
-        self._class_bytes, self._sampled_at = counts, now
-        return backlogged, used
+                if classid in level_of and stats["backlog_packets"] > 0:
+                    out.add(level_of[classid])
+        return out
 
     def counters(self) -> dict[int, dict[str, int]]:
         """Per-level packet and byte counters of the marking chains."""

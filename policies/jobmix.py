@@ -63,14 +63,11 @@ def link_rates(sending: Sequence[int], order: Sequence[int] | None, job_share: f
 
 
 def simulate_mix(jobs: Sequence[MixJob], order: Sequence[int] | None = None, job_share: float = 0.0,
-                 among: str = "sending", sample_s: float = 0.0, hold_s: float = 0.0,
-                 by_rate: bool = False) -> list[float]:
+                 among: str = "sending", sample_s: float = 0.0, hold_s: float = 0.0) -> list[float]:
     """Each job's JCT (from its offset to the end of its last iteration's communication) under FIFO
     (``order=None``) or a job order with ``job_share``; with ``sample_s > 0`` the parts follow the jobs found
-    sending at sample ticks ``0, sample_s, 2 sample_s, ...`` within ``hold_s`` before the last tick; ``by_rate``: a
-    job found sending at a tick also when it sent more than its idle part (``job_share / n``) of the link since the
-    tick before (the agent's rule: a class that carries more than that part needs its sending part to keep it).
-    Bounded: at most 4 events per iteration and job, plus the ticks."""
+    sending at sample ticks ``0, sample_s, 2 sample_s, ...`` within ``hold_s`` before the last tick. Bounded: at
+    most 4 events per iteration and job, plus the ticks."""
     if order is not None and sorted(order) != list(range(len(jobs))):
         raise ValueError(f"order must list every job index once, not {order!r}")
     if sample_s < 0 or hold_s < 0 or not (math.isfinite(sample_s) and math.isfinite(hold_s)):
@@ -80,9 +77,8 @@ def simulate_mix(jobs: Sequence[MixJob], order: Sequence[int] | None = None, job
     ticks = math.ceil(horizon / sample_s) + 1 if sample_s > 0 else 0
     seen: dict[int, float] = {}  # job -> the last tick that found it sending
     counted: set[int] = set()
-    next_tick, last_tick = 0.0, 0.0
+    next_tick = 0.0
     n = len(jobs)
-    sent = [0.0] * n  # link-seconds sent since the last tick
     left = [j.iters for j in jobs]  # iterations not finished
     phase = ["wait"] * n  # wait (before its offset), compute, comm, done
     remaining = [j.offset_s for j in jobs]  # seconds (wait, compute) or link-seconds (comm) left in the phase
@@ -104,11 +100,7 @@ def simulate_mix(jobs: Sequence[MixJob], order: Sequence[int] | None = None, job
         sending = [i for i in range(n) if phase[i] == "comm"]
         present = {i for i in range(n) if phase[i] in ("compute", "comm")}
         if sample_s > 0 and now >= next_tick - EPS:  # a sample: the agent's view changes only here
-            busy = set(sending)
-            if by_rate and now > last_tick and present:
-                busy |= {i for i in present if sent[i] / (now - last_tick) > job_share / len(present) + EPS}
-            seen.update((i, now) for i in busy)
-            sent, last_tick = [0.0] * n, now
+            seen.update((i, now) for i in sending)
             counted = {i for i, t in seen.items() if now - t <= hold_s + EPS and i in present}
             next_tick += sample_s
         rates = link_rates(sending, order, job_share, present, among, counted if sample_s > 0 else None)
@@ -120,6 +112,5 @@ def simulate_mix(jobs: Sequence[MixJob], order: Sequence[int] | None = None, job
                 remaining[i] -= dt
             elif phase[i] == "comm":
                 remaining[i] -= dt * rates[i]
-                sent[i] += dt * rates[i]
         now += dt
     raise RuntimeError("simulate_mix: event bound exceeded")  # cannot happen: every event ends a phase

@@ -379,21 +379,18 @@ def test_job_share_parts_follow_the_jobs_that_are_sending():
     assert len(prio.jobs.bands) == 3 and not prio.jobs.samples_wanted() and not prio.sample_sending(1.0)
 
 
-def test_a_job_carrying_more_than_an_idle_part_counts_as_sending():
-    """A job whose classes hold no queue but carried more than the part an idle job keeps (``job_share / n``) since
-    the last sample counts as sending: taking its part away would cut it, and it would flap in and out of the count
-    with every sample. One that carried less, or whose band's levels together carried no more, does not. With the
-    default ``job_hold_s`` 0 a job counts only while the last sample found it sending."""
+def test_by_default_a_job_counts_as_sending_only_while_the_last_sample_found_it_so():
+    """``job_hold_s`` 0 (the default): a job whose classes held no queue at the last sample no longer counts, so
+    its part goes back to the idle one at once, and the jobs still sending get theirs."""
     api, _ = make_api(job_policy="static", job_priority={"a": 0, "b": 1, "c": 2}, job_share=0.6)
     for i, job in enumerate("abc"):
         request(api, op="register", job=job, level=0, flows=[flow(i + 1)])
     assert api.jobs.bands == {"a": (0, 1), "b": (1, 1), "c": (2, 2)} and api.jobs.hold_s == 0.0
-    assert api.jobs.observe({0}, 1.0, {0: 0.7, 1: 0.25, 2: 0.05})  # a queued; b at 0.25 > 0.2 of the link; c idle
-    assert api.jobs.describe()["sending"] == ["a", "b"] and api.jobs.shares == pytest.approx({0: 0.3, 1: 0.3, 2: 0.2})
-    assert api.jobs.observe({0}, 1.05, {0: 0.7, 1: 0.15, 2: 0.12, 3: 0.12})  # b slowed down; c's two levels: 0.24
-    assert api.jobs.describe()["sending"] == ["a", "c"]
-    assert api.jobs.observe(set(), 1.1, {0: 0.9})  # only a: no part to follow
-    assert api.jobs.describe()["sending"] == ["a"] and api.jobs.shares == pytest.approx({0: 0.2, 1: 0.2, 2: 0.2})
+    assert not api.jobs.observe({0, 1, 3}, 1.0)  # all three send: 1/k = 1/n, nothing to change
+    assert api.jobs.describe()["sending"] == ["a", "b", "c"]
+    assert api.jobs.observe({0, 3}, 1.05)  # b's queue emptied: a and c send
+    assert api.jobs.describe()["sending"] == ["a", "c"] and api.jobs.shares == pytest.approx({0: 0.3, 1: 0.2, 2: 0.3})
+    assert api.jobs.observe(set(), 1.1) and api.jobs.shares == pytest.approx({0: 0.2, 1: 0.2, 2: 0.2})
 
 
 def test_a_failed_sample_is_counted_and_changes_nothing(caplog):
@@ -403,16 +400,16 @@ def test_a_failed_sample_is_counted_and_changes_nothing(caplog):
     for i, job in enumerate("abc"):
         request(api, op="register", job=job, level=0, flows=[flow(i + 1)])
 
-    def unreadable(now):
+    def unreadable():
         raise OSError("no such device")
 
-    rec.sample_classes = unreadable
+    rec.backlogged_levels = unreadable
     with caplog.at_level(logging.WARNING, logger="tensorlane.api"):
         assert not api.sample_sending(1.0)
     assert rec.stats.errors == 1 and "no such device" in rec.stats.last_error
     assert "sampling the classes' backlog: no such device" in caplog.text
     assert rec.backend.shares == pytest.approx({0: 0.2, 1: 0.2, 2: 0.2})
-    rec.sample_classes = lambda now: ({0, 2}, {})
+    rec.backlogged_levels = lambda: {0, 2}
     assert api.sample_sending(2.0) and rec.backend.shares == pytest.approx({0: 0.3, 1: 0.2, 2: 0.3})
 
 

@@ -154,13 +154,15 @@ def test_the_parts_follow_the_jobs_that_are_sending(tb, among):
     assert got["low_bps"] >= 0.4 * busy, got
 
 
-def test_a_job_below_its_part_stays_counted_without_a_queue(tb):
+def test_a_job_between_its_idle_and_sending_part_keeps_its_rate(tb):
     """Three jobs in a static order, ``job_share = 0.6`` (parts of 0.2 each, 0.3 for each of two sending): "flood"
     sends above the link rate, "paced" a steady 25 Mbit/s, more than an idle job's part (20) and less than a sending
-    one's (30), "idle" nothing. Counted as sending, the paced job's class holds no queue; counted by its queue
-    alone, it would drop out at the next sample, queue up behind its part of 20 and come back, every 50-100 ms.
-    The agent also counts a job whose classes carried more than an idle part since the last sample, so the parts
-    stay put while both send (a handful of changes, not dozens) and the paced job gets its rate."""
+    one's (30), "idle" nothing. Counted as sending, the paced job's class holds no queue, so the next sample drops
+    it; at its idle part it queues up and the sample after counts it again: its count flips with the samples (68
+    changes of the parts in 5 s here). That costs netlink requests, bounded by the samples, and not the job's
+    rate: its queue holds what the idle part leaves for one sample, and its sending part drains it. (An agent that
+    also counted a job by the bytes its band carried kept the parts put, 2 changes, but cost stagger4's last job 6
+    points of its JCT: docs/jobs.md, "How quickly the parts follow".)"""
     h1, h2 = tb.host(1), tb.host(2)
     cfg = {**TRUST, "job_policy": "static", "job_priority": {"flood": 0, "idle": 1, "paced": 2}, "job_share": 0.6}
     with running_agents(tb, levels=4, hosts=[1], backend="htb", config_extra=cfg) as agents:
@@ -189,7 +191,7 @@ def test_a_job_below_its_part_stays_counted_without_a_queue(tb):
         st = agents[1].status()["job_policy"]
     got = json.loads(out)
     print(mid, st, {k: v for k, v in got.items() if k != "timeline"})
-    assert mid["sending"] == ["flood", "paced"], mid
-    assert mid["level_shares"] == pytest.approx({"0": 0.3, "1": 0.2, "2": 0.3}), mid
-    assert st["sending"] == [] and st["share_changes"] <= 6, st  # flapping at every sample: 50 or more
+    assert "flood" in mid["sending"] and "idle" not in mid["sending"], mid
+    assert st["sending"] == [] and st["level_shares"] == pytest.approx({"0": 0.2, "1": 0.2, "2": 0.2}), st
+    assert st["share_changes"] <= (SECONDS + 3) / st["job_sample_s"], st  # at most one change per sample
     assert got["packets"] * 1000 * 8 / SECONDS >= 0.9 * 25e6, got  # datagrams of 1000 bytes
