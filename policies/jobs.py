@@ -223,10 +223,13 @@ def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float,
                sending: Collection[str] = ()) -> dict[int, float]:
     """The link's share guaranteed to each level so that a job order never leaves a job with less than its part of
     ``job_share`` while it has bytes to send: ``job_share / n`` for each of the ``n`` jobs in ``bands``, and
-    ``job_share / k`` while it is one of ``k >= 2`` jobs ``sending`` (queues backlogged: FIFO would give each of them
-    about 1/k of the link, not 1/n). Each part goes on its band's first (most urgent) level; jobs that share a band
-    add their parts up (at most ``job_share`` per level). Empty with fewer than two jobs or ``job_share = 0``
-    (strict order). The levels not named keep the backend's ``min_share``.
+    ``job_share / k`` while its band is one of ``k >= 2`` bands with a job ``sending`` (queues backlogged: FIFO
+    would give each of them about 1/k of the link, not 1/n). Each part goes on its band's first (most urgent) level.
+    Jobs that share a band share its classes: their idle parts add up, and a band counts once among the ``k``
+    however many of its jobs send (the agent sees one queue, not which of them filled it). A sending band gets the
+    larger of ``job_share / k`` and its jobs' idle parts, and where that makes the sending bands' parts exceed
+    ``job_share`` they are scaled down to it. No level gets more than ``job_share``. Empty with fewer than two jobs
+    or ``job_share = 0`` (strict order). The levels not named keep the backend's ``min_share``.
 
     The parts may add up to more than ``job_share`` (an idle job keeps its ``1/n`` part): HTB serves every class
     below its guarantee before any borrows, in priority order, so an idle job's part costs the sending jobs nothing
@@ -240,9 +243,13 @@ def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float,
         raise ValueError(f"job_share must be in [0, 1), not {job_share!r}")
     if len(bands) < 2 or job_share == 0:
         return {}
-    busy = [job for job in bands if job in sending]
-    shares: dict[int, float] = {}
-    for job, (first, _width) in bands.items():
-        part = job_share / (len(busy) if job in busy and len(busy) >= 2 else len(bands))
-        shares[first] = min(job_share, shares.get(first, 0.0) + part)  # a level never needs more than all parts
-    return shares
+    members: dict[tuple[int, int], int] = {}  # band -> how many jobs share it
+    for band in bands.values():
+        members[band] = members.get(band, 0) + 1
+    busy = {bands[job] for job in sending if job in bands}
+    if len(busy) < 2:  # one band sending has the link anyway
+        busy = set()
+    idle = {band: m * job_share / len(bands) for band, m in members.items()}
+    parts = {band: max(idle[band], job_share / len(busy)) for band in busy}
+    scale = min(1.0, job_share / sum(parts.values())) if parts else 1.0
+    return {band[0]: min(job_share, parts[band] * scale if band in parts else idle[band]) for band in members}

@@ -229,7 +229,15 @@ def test_job_shares_by_hand() -> None:
     assert job_shares({"x": (0, 1), "y": (1, 1), "z": (2, 2)}, 0.9, {"x", "z"}) == {0: 0.45, 1: 0.3, 2: 0.45}
     assert job_shares({"x": (0, 1), "y": (1, 1), "z": (2, 2)}, 0.9, {"x"}) == pytest.approx(
         {0: 0.3, 1: 0.3, 2: 0.3})  # one sender has the link anyway: every job its 1/n
-    assert job_shares({"a": (0, 2), "b": (2, 2), "c": (2, 2)}, 0.9, {"b", "c"}) == {0: 0.3, 2: 0.9}  # at most 0.9
+    # b and c share a band: it counts once, so it sends alone and every band keeps its idle parts
+    assert job_shares({"a": (0, 2), "b": (2, 2), "c": (2, 2)}, 0.9, {"b", "c"}) == pytest.approx({0: 0.3, 2: 0.6})
+    # measured_intensity's tie on stagger4: j0 and j2 in one band, backlogged; j1 too: two bands send, 0.4 each
+    # (counted per job, j1 got 0.8 / 3 while only one of j0, j2 sent)
+    tie = {"j0": (0, 1), "j2": (0, 1), "j1": (1, 1), "j3": (2, 2)}
+    assert job_shares(tie, 0.8, {"j0", "j2", "j1"}) == pytest.approx({0: 0.4, 1: 0.4, 2: 0.2})
+    # a band of three jobs keeps at least its idle parts (0.6 of 0.8) beside a sending job's 0.4: scaled to 0.8
+    three = {"a": (0, 2), "b": (0, 2), "c": (0, 2), "d": (2, 2)}
+    assert job_shares(three, 0.8, {"a", "d"}) == pytest.approx({0: 0.8 * 0.6 / 1.0, 2: 0.8 * 0.4 / 1.0})
     for bad in (-0.1, 1.0, math.nan):
         with pytest.raises(ValueError, match="job_share"):
             job_shares({"x": (0, 2), "y": (2, 2)}, bad)
@@ -253,18 +261,23 @@ def test_job_shares_give_every_job_its_part(jobs, prios, levels, share) -> None:
 @given(st.lists(st.sampled_from("abcdefghij"), min_size=2, max_size=10, unique=True), st.integers(1, 5),
        st.floats(0.01, 0.95), st.sets(st.sampled_from("abcdefghij")))
 def test_job_shares_of_sending_jobs(jobs, levels, share, sending) -> None:
-    """Each of k >= 2 sending jobs holds at least ``job_share / k`` on its band's first level (or all of
-    ``job_share`` there), each idle job ``job_share / n``; the sending jobs' parts alone never exceed
-    ``job_share``, and no level holds more than ``job_share``."""
+    """Each of k >= 2 bands with a sending job holds at least half of ``job_share / k`` on its first level (all of
+    it where no band is shared), each idle band its jobs' ``job_share / n`` each; the sending bands' parts together
+    never exceed ``job_share``, and no level holds more than ``job_share``."""
     bands = job_bands(jobs, levels)
-    busy = [j for j in jobs if j in sending]
+    members = {b: sum(1 for j in jobs if bands[j] == b) for b in set(bands.values())}
+    busy = {bands[j] for j in jobs if j in sending}
     shares = job_shares(bands, share, sending)
-    k = len(busy) if len(busy) >= 2 else len(jobs)
-    for j in jobs:
-        part = share / k if j in busy else share / len(jobs)
-        assert shares[bands[j][0]] >= min(share, part) - 1e-12
+    k = len(busy)
+    for band, m in members.items():
+        if k >= 2 and band in busy:
+            least = share / k if max(members.values()) == 1 else share / k / 2
+        else:
+            least = m * share / len(jobs)
+        assert shares[band[0]] >= min(share, least) - 1e-12
     assert max(shares.values()) <= share + 1e-12
-    assert sum(share / k for _ in busy) <= share + 1e-12
+    if k >= 2:
+        assert sum(shares[b[0]] for b in busy) <= share + 1e-12
 
 
 @settings(max_examples=200, deadline=None)
