@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -243,9 +244,7 @@ def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float,
         raise ValueError(f"job_share must be in [0, 1), not {job_share!r}")
     if len(bands) < 2 or job_share == 0:
         return {}
-    members: dict[tuple[int, int], int] = {}  # band -> how many jobs share it
-    for band in bands.values():
-        members[band] = members.get(band, 0) + 1
+    members = Counter(bands.values())  # band -> how many jobs share it
     busy = {bands[job] for job in sending if job in bands}
     if len(busy) < 2:  # one band sending has the link anyway
         busy = set()
