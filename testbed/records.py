@@ -3,6 +3,8 @@
 A namespace is added to the record *before* it is created, so a crash never leaves an unlisted namespace; tear
 down removes only listed namespaces that also carry the testbed's prefix. A per-name ``flock`` (``{name}.lock``,
 left in place on purpose: unlinking a lock file races with its waiters) serialises ``up`` and ``down`` of one name.
+The record names its builder by pid and start time, so that a dead builder's leftover can be told from a testbed in
+use (``builder_alive``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,41 @@ def record_path(name: str) -> str:
 def owned_netns_re(name: str) -> re.Pattern[str]:
     """Pattern that every namespace of testbed ``name`` matches: ``{name}-sw`` or ``{name}-h{index}``."""
     return re.compile(rf"{re.escape(name)}-(sw|h[1-9][0-9]?)")
+
+
+def process_start(pid: int) -> int | None:
+    """Start time of process ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22), None if it has none.
+
+    A pid is reused after its process ends; the pair (pid, start) names one process for as long as the host runs.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": field 3 onwards; comm may hold spaces
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def builder_alive(record: dict) -> int | None:
+    """The pid that built the testbed of ``record`` if that very process still runs (and is not this one), else None.
+
+    A record with ``pid_start`` names its builder exactly; an older record only by pid, so a reused pid reads as alive
+    (the safe side: a testbed is never taken from a running builder).
+    """
+    pid = record.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1 or pid == os.getpid():
+        return None
+    start = process_start(pid)
+    if start is None:
+        return None
+    expected = record.get("pid_start")
+    if isinstance(expected, int) and expected != start:
+        return None
+    return pid
 
 
 def read_record(name: str) -> dict | None:

@@ -315,15 +315,21 @@ class Testbed:
         """Every namespace this testbed consists of, switch first."""
         return [self.switch_ns, *(h.name for h in self.hosts)]
 
-    def up(self) -> Testbed:
-        """Build everything; on any error (KeyboardInterrupt included) remove what was made and re-raise."""
+    def up(self, detached: bool = False) -> Testbed:
+        """Build everything; on any error (KeyboardInterrupt included) remove what was made and re-raise.
+
+        ``detached``: the testbed is meant to outlive this process (``python -m testbed up``). Otherwise it lives as
+        long as its builder: when a builder dies without ``down()`` (SIGKILL, a killed test run), the next ``up()`` of
+        the same name removes what the record lists, says so on stderr, and builds anew.
+        """
         if self._created:
             raise TestbedError(f"testbed {self.name} is already up")
         owner = os.getpid()
         with records.name_lock(self.name):
+            self._reclaim_leftover()
             self._refuse_existing()
             try:
-                self._build()
+                self._build(detached)
             except BaseException as e:
                 _exit_if_forked(owner)
                 with _signals_held():
@@ -341,21 +347,37 @@ class Testbed:
         with _signals_held(), records.name_lock(self.name):
             self._teardown()
 
+    def _reclaim_leftover(self) -> None:
+        """Remove the testbed of this name that a builder left when it died (not a detached one); the lock is held."""
+        record = records.read_record(self.name)
+        if record is None or record.get("detached") is not False or records.builder_alive(record) is not None:
+            return
+        removed = _remove_recorded(self.name, record)
+        print(f"testbed {self.name}: removed {', '.join(removed) or 'nothing'}, left by process {record.get('pid')} "
+              f"that built it and ended without tearing it down", file=sys.stderr)
+
     def _refuse_existing(self) -> None:
         """Raise TestbedError if any namespace this testbed would create already exists."""
+        record = records.read_record(self.name) or {}
+        pid = records.builder_alive(record)
         for ns in self.namespaces:
-            if netns_exists(ns):
-                raise TestbedError(
-                    f"network namespace {ns} already exists; not touching it (if it is a leftover of testbed "
-                    f"{self.name}: python -m testbed down --name {self.name})"
-                )
+            if not netns_exists(ns):
+                continue
+            if pid is not None and ns in record.get("netns", []):
+                raise TestbedError(f"network namespace {ns} already exists: testbed {self.name} is in use by running "
+                                   f"process {pid}")
+            raise TestbedError(
+                f"network namespace {ns} already exists; not touching it (if it is a leftover of testbed "
+                f"{self.name}: python -m testbed down --name {self.name})"
+            )
 
-    def _build(self) -> None:
+    def _build(self, detached: bool) -> None:
         """Create the namespaces (recorded first), the bridge, the links and the qdiscs."""
         self._token = uuid.uuid4().hex
-        record = {"name": self.name, "token": self._token, "pid": os.getpid(), "hosts": len(self.hosts),
-                  "segments": self.segments, "rate": self.rate, "rate_bps": self.rate_bps, "created": time.time(),
-                  "netns": []}
+        record = {"name": self.name, "token": self._token, "pid": os.getpid(),
+                  "pid_start": records.process_start(os.getpid()), "detached": bool(detached),
+                  "hosts": len(self.hosts), "segments": self.segments, "rate": self.rate, "rate_bps": self.rate_bps,
+                  "created": time.time(), "netns": []}
         with _signals_held():
             records.write_record(self.name, record)
         for ns in self.namespaces:
@@ -463,12 +485,16 @@ def down_by_name(name: str) -> list[str]:
     Returns the names of the namespaces removed (sorted); a name without a record removes nothing.
     """
     validate_name(name)
-    owned = records.owned_netns_re(name)
-    removed, errors, left = [], [], []
     with _signals_held(), records.name_lock(name):
         record = records.read_record(name)
-        if record is None:
-            return []
+        return [] if record is None else _remove_recorded(name, record)
+
+
+def _remove_recorded(name: str, record: dict) -> list[str]:
+    """Remove what ``record`` lists and ``name``'s prefix allows, then update or drop it (the lock is held)."""
+    owned = records.owned_netns_re(name)
+    removed, errors, left = [], [], []
+    with _signals_held():
         listed = {ns for ns in record.get("netns", []) if isinstance(ns, str) and owned.fullmatch(ns)}
         for ns in sorted(listed, key=lambda n: n.endswith("-sw")):  # hosts first, the switch last
             try:
@@ -512,7 +538,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        tb.up()
+        tb.up(detached=True)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -521,17 +547,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _creator_alive(name: str) -> int | None:
-    """The pid that built testbed ``name`` if that process still runs (and is not this one), else None."""
-    pid = (records.read_record(name) or {}).get("pid")
-    if not isinstance(pid, int) or pid <= 1 or pid == os.getpid():
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    return pid
+    """The pid that built testbed ``name`` if that very process still runs (and is not this one), else None."""
+    return records.builder_alive(records.read_record(name) or {})
 
 
 def _cmd_down(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """Tests of the namespace testbed (testbed/). The netns tests need root, iproute2 and iperf3: they fail, never skip.
 
-Every testbed here uses a name of its own (tbt1..tbt10), so other sessions' testbeds ("tl", "ta", "tw"...) are
+Every testbed here uses a name of its own (tbt1..tbt12), so other sessions' testbeds ("tl", "ta", "tw"...) are
 never touched; every test removes what it made in a finally block.
 """
 from __future__ import annotations
@@ -252,6 +252,79 @@ def test_down_all_spares_testbeds_of_running_processes(netns_ok):
             sleeper.kill()
             sleeper.wait(timeout=10)
         records.remove_record("tbt8")
+
+
+def test_a_builder_is_named_by_pid_and_start_time():
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        start = records.process_start(sleeper.pid)
+        assert isinstance(start, int)
+        assert records.builder_alive({"pid": sleeper.pid, "pid_start": start}) == sleeper.pid
+        assert records.builder_alive({"pid": sleeper.pid, "pid_start": start + 1}) is None  # a reused pid
+        assert records.builder_alive({"pid": sleeper.pid}) == sleeper.pid  # an older record: by pid alone
+        assert records.builder_alive({"pid": os.getpid()}) is None  # this process is not "another builder"
+        assert records.builder_alive({"pid": True}) is None and records.builder_alive({}) is None
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=10)
+    assert records.builder_alive({"pid": sleeper.pid, "pid_start": start}) is None
+
+
+_BUILDER = ("import sys, time; from testbed import Testbed; "
+            "Testbed(hosts=2, rate='100mbit', name=sys.argv[1]).up(); print('up', flush=True); time.sleep(60)")
+
+
+def _builder(name: str) -> subprocess.Popen:
+    """A process that builds testbed ``name`` (2 hosts), says ``up`` and sleeps without tearing it down."""
+    proc = subprocess.Popen([sys.executable, "-c", _BUILDER, name], env=_env(), stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # bounded: the build ends or fails within seconds, and the pipe closes with it
+    assert line.strip() == "up", f"the builder of {name} did not come up (exit {proc.poll()})"
+    return proc
+
+
+@pytest.mark.netns
+def test_a_testbed_left_by_a_killed_builder_is_removed_by_the_next_up(make_testbed, capfd):
+    proc = _builder("tbt11")
+    try:
+        old = records.read_record("tbt11")
+        assert old["detached"] is False and old["pid"] == proc.pid
+        tb = make_testbed("tbt11", hosts=2)
+        with pytest.raises(TestbedError, match=f"testbed tbt11 is in use by running process {proc.pid}"):
+            tb.up()  # its builder runs: not taken
+        assert len(_ours("tbt11")) == 3
+        proc.kill()  # as a killed test run: no teardown
+        proc.wait(timeout=10)
+        assert len(_ours("tbt11")) == 3
+        tb.up()
+        err = capfd.readouterr().err
+        assert f"testbed tbt11: removed tbt11-h1, tbt11-h2, tbt11-sw, left by process {proc.pid}" in err
+        new = records.read_record("tbt11")
+        assert new["pid"] == os.getpid() and new["token"] != old["token"]
+        _ping(tb, 1, tb.host(2).ip)
+        tb.down()
+        assert _ours("tbt11") == [] and records.read_record("tbt11") is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stdout.close()
+
+
+@pytest.mark.netns
+def test_a_detached_testbed_outlives_its_builder_and_is_not_taken(make_testbed, capsys):
+    try:
+        assert main(["up", "--hosts", "2", "--rate", RATE, "--name", "tbt12"]) == 0
+        capsys.readouterr()
+        rec = records.read_record("tbt12")
+        assert rec["detached"] is True
+        records.write_record("tbt12", {**rec, "pid": 2**22 + 1})  # its builder (the CLI) has ended: no such pid
+        with pytest.raises(TestbedError, match="tbt12-sw already exists; not touching it"):
+            make_testbed("tbt12", hosts=2).up()
+        assert len(_ours("tbt12")) == 3
+        assert main(["down", "--name", "tbt12"]) == 0
+        assert _ours("tbt12") == []
+    finally:
+        _scrub("tbt12")
 
 
 @pytest.mark.netns
