@@ -66,11 +66,11 @@ def test_take_over_and_restore_exactly(tb):
     assert nft_tables(h1) == tables_before
 
 
-def test_refuses_foreign_root_without_take_over(tb):
+def test_refuses_foreign_root_without_take_over(tb, tmp_path):
     h1 = tb.host(1)
     before = tc_dump(h1)
     with pytest.raises(AgentStartError, match=r"root qdisc 'htb' \(handle 1:\) that tensorlane did not create"):
-        with running_agents(tb, hosts=[1], config_extra={"take_over_root": False}):
+        with running_agents(tb, hosts=[1], config_extra={"take_over_root": False}, workdir=str(tmp_path)):
             pass
     assert tc_dump(h1) == before and "tensorlane" not in nft_tables(h1)
 
@@ -78,11 +78,11 @@ def test_refuses_foreign_root_without_take_over(tb):
 @pytest.mark.parametrize("kwargs,field", [({"config_extra": {"interface": "nosuch0"}}, "interface"),
                                           ({"levels": 7}, "levels"),
                                           ({"config_extra": {"dscp": {"0": 99}}}, "dscp")])
-def test_config_errors_stop_before_the_kernel(tb, kwargs, field):
+def test_config_errors_stop_before_the_kernel(tb, kwargs, field, tmp_path):
     h1 = tb.host(1)
     before = tc_dump(h1)
     with pytest.raises(AgentStartError, match=f"config field '{field}'"):
-        with running_agents(tb, hosts=[1], **kwargs):
+        with running_agents(tb, hosts=[1], workdir=str(tmp_path), **kwargs):
             pass
     assert tc_dump(h1) == before and "tensorlane" not in nft_tables(h1)
 
@@ -175,11 +175,11 @@ def test_status_and_verify_commands(tb):
     assert report["queues"]["7a1:10"]["ok"]
 
 
-def test_sigkill_leaves_state_that_a_new_agent_adopts_then_restores(tb):
+def test_sigkill_leaves_state_that_a_new_agent_adopts_then_restores(tb, tmp_path):
     h1 = tb.host(1)
     before = tc_dump(h1)
     with pytest.raises(AgentStartError, match="exited with -9"):
-        with running_agents(tb, hosts=[1], backend="htb") as agents:
+        with running_agents(tb, hosts=[1], backend="htb", workdir=str(tmp_path)) as agents:
             agents[1].proc.kill()
             agents[1].proc.wait(5)
     assert "7a1:" in tc_dump(h1)  # the killed agent could not clean up
@@ -188,7 +188,7 @@ def test_sigkill_leaves_state_that_a_new_agent_adopts_then_restores(tb):
     assert tc_dump(h1) == before and "tensorlane" not in nft_tables(h1)
 
 
-def test_unsupported_backend_stops_before_the_kernel(tb):
+def test_unsupported_backend_stops_before_the_kernel(tb, tmp_path):
     from tensorlane.agent.kernel.detect import probe_qdiscs
 
     h1 = tb.host(1)
@@ -198,7 +198,7 @@ def test_unsupported_backend_stops_before_the_kernel(tb):
             assert agents[1].status()["backend"] == "prio"
     else:  # this project's machines: no sch_prio
         with pytest.raises(AgentStartError, match="config field 'backend': backend 'prio' is not supported"):
-            with running_agents(tb, hosts=[1], backend="prio"):
+            with running_agents(tb, hosts=[1], backend="prio", workdir=str(tmp_path)):
                 pass
     assert tc_dump(h1) == before and "tensorlane" not in nft_tables(h1)
 

@@ -547,13 +547,13 @@ def test_two_agents_with_different_jobs_agree_on_shared_jobs(tb):
 @pytest.mark.netns
 @pytest.mark.parametrize("extra,field", [({"job_policy": "fair"}, "job_policy"),
                                          ({"job_policy": "static", "job_priority": {"-x": 1}}, "job_priority")])
-def test_agent_refuses_bad_job_config_before_the_kernel(tb, extra, field):
+def test_agent_refuses_bad_job_config_before_the_kernel(tb, extra, field, tmp_path):
     from bench.agents import AgentStartError, running_agents
 
     h1 = tb.host(1)
     before = h1.run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
     with pytest.raises(AgentStartError, match=f"config field '{field}'"):
-        with running_agents(tb, hosts=[1], config_extra=extra):
+        with running_agents(tb, hosts=[1], config_extra=extra, workdir=str(tmp_path)):
             pass
     assert h1.run(["tc", "qdisc", "show", "dev", "eth0"]).stdout == before
     assert "tensorlane" not in h1.run(["nft", "list", "tables"]).stdout

@@ -62,7 +62,7 @@ def test_flows_registered_per_level_and_survive_agent_restart(tmp_path, how):
         sockets = {1: f"/run/tensorlane/{tb.host(1).name}/agent.sock", 2: agents2[2].socket}
         before = tc_and_nft(tb.host(1))
         killed = pytest.raises(AgentStartError, match="exited with -9") if how == "sigkill" else nullcontext()
-        with killed, running_agents(tb, hosts=[1], levels=3) as agents1:
+        with killed, running_agents(tb, hosts=[1], levels=3, workdir=str(tmp_path / "agents1")) as agents1:
             procs = start_workers(tb, tmp_path, 29610, sockets, "--modes", "ddp,overlap", "--levels", "3",
                                   "--steps", "60", "--step-sleep", "0.1")
             try:
