@@ -48,7 +48,8 @@ job with the shim: overlap mode, its tensors on the shim's levels; judged agains
 opt-in, ``static_levels`` (``static``'s order, every job with the shim as in ``levels``, its levels inside its job's
 band), ``intensity_hook`` (``intensity``'s table, the jobs as in ``shortest``), ``static_present`` and
 ``intensity_present`` (those orders with ``job_share`` split among the jobs present, not those sending),
-``static_held`` and ``intensity_held`` (those orders with ``job_hold_s`` = :data:`HELD_S`). Job ``i``
+``static_held`` and ``intensity_held`` (those orders with ``job_hold_s`` = :data:`HELD_S`), ``fifo_control`` (FIFO
+once more, an A/A control: its ratios to FIFO are the machine's spread, and no target judges it). Job ``i``
 starts ``offset_s`` after the common release; its JCT runs from its own start to the end of its slowest rank's last
 iteration. Each rank reads, before it exits, ``tcpi_total_rto`` of its TCP connections to its peer (``rto``:
 retransmission timeouts, summed over the job's ranks; None on kernels older than 6.7), ``late_s`` of its emulated
@@ -130,9 +131,11 @@ POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "shortest", "m
 # ``intensity_present``, those orders with job_share split among the jobs present (the agents' "present"), beside
 # the default split among the jobs sending: the two ways side by side in one run; ``static_held`` and
 # ``intensity_held``, those orders with a job counted as sending for HELD_S after its last backlog (the agents'
-# job_hold_s), beside the run's own job_hold_s
+# job_hold_s), beside the run's own job_hold_s; ``fifo_control``, FIFO once more: an A/A control, whose JCTs against
+# FIFO's show how far this machine moves a ratio with no policy at all (not a policy: no target judges it)
 OPT_IN_POLICIES = ("static_levels", "intensity_hook", "static_present", "intensity_present", "static_held",
-                   "intensity_held")
+                   "intensity_held", "fifo_control")
+CONTROLS = ("fifo", "fifo_control")  # FIFO and its A/A control: what the policies are judged against
 HELD_S = 0.2
 SOLOS = ("solo", "solo_shim")
 DEFAULT_PHASES = (*SOLOS, *POLICIES)
@@ -141,7 +144,7 @@ AGENT_POLICY = {"solo": "none", "solo_shim": "none", "fifo": "none", "static": "
                 "alternate": "alternate", "intensity": "intensity", "shortest": "shortest", "levels": "none",
                 "static_levels": "static", "intensity_hook": "intensity", "measured_intensity": "measured_intensity",
                 "static_present": "static", "intensity_present": "intensity", "static_held": "static",
-                "intensity_held": "intensity"}
+                "intensity_held": "intensity", "fifo_control": "none"}
 PHASE_AGENT = {"static_present": {"job_share_among": "present"},  # a phase's own agent settings: they win
                "intensity_present": {"job_share_among": "present"},
                "static_held": {"job_hold_s": HELD_S}, "intensity_held": {"job_hold_s": HELD_S}}
@@ -777,7 +780,7 @@ def mix_targets(mix: dict) -> list[dict]:
         out.append(_target("collide_avg_vs_fifo", f"{rec}: average JCT <= {TARGETS['collide_avg_vs_fifo_max']:g} x "
                            "FIFO's", r.get("avg_vs_fifo"), TARGETS["collide_avg_vs_fifo_max"]))
     if not mix["fits_link"]:
-        others = [p for name, p in pols.items() if name != "fifo"]
+        others = [p for name, p in pols.items() if name not in CONTROLS]
         worst = _max([p.get("max_vs_fifo") for p in others]) if others else None
         out.append(_target("oversub_vs_fifo", f"every policy: no job's JCT above {TARGETS['oversub_vs_fifo_max']:g} "
                            "x its FIFO JCT", worst, TARGETS["oversub_vs_fifo_max"]))

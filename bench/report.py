@@ -250,7 +250,11 @@ JOBS_POLICY_NAMES = {"fifo": "FIFO", "static": "static", "rotate": "rotate", "al
                      "intensity": "intensity", "shortest": "shortest", "measured_intensity": "measured intensity",
                      "levels": "levels", "static_levels": "static levels", "intensity_hook": "intensity (hook)",
                      "static_present": "static (parts of jobs present)",
-                     "intensity_present": "intensity (parts of jobs present)"}
+                     "intensity_present": "intensity (parts of jobs present)",
+                     "static_held": "static (held 0.2 s)", "intensity_held": "intensity (held 0.2 s)",
+                     "fifo_control": "FIFO again (A/A control)"}
+
+JOBS_CONTROLS = ("fifo", "fifo_control")  # bench.jobs.CONTROLS: what the policies are judged against, not policies
 
 
 def _mix_jobs(mix: dict, policy: str) -> list[dict]:
@@ -281,7 +285,7 @@ def _mix_avg_row(mix: dict, rec: str, figure: str, target: float | None) -> Row:
     rj, fj = _mix_jobs(mix, rec), _mix_jobs(mix, "fifo")
     solo = (mix.get("solo") or {}).get("jobs") if isinstance(mix.get("solo"), dict) else None
     others = [(JOBS_POLICY_NAMES.get(p, p), _avg(_mix_jobs(mix, p), "jct_s")) for p in JOBS_POLICY_NAMES
-              if p not in (rec, "fifo") and _mix_jobs(mix, p)]
+              if p != rec and p not in JOBS_CONTROLS and _mix_jobs(mix, p)]
     avgs = [_avg(rj, "jct_s"), _avg(fj, "jct_s"), *(v for _, v in others)]
     solo_avg = _avg([j for j in solo if isinstance(j, dict)], "jct_s") if isinstance(solo, list) else None
     ts = timer(*avgs, solo_avg)
@@ -312,7 +316,7 @@ def _mix_oversub_row(mix: dict, target: float) -> Row:
     worst = None
     pols = mix.get("policies") if isinstance(mix.get("policies"), dict) else {}
     for p in pols:  # every phase the run had, named here or not
-        big = _largest(_mix_jobs(mix, p), "fifo_jct_s") if p != "fifo" else None
+        big = _largest(_mix_jobs(mix, p), "fifo_jct_s") if p not in JOBS_CONTROLS else None
         if big is not None and (worst is None or big[1] > worst[2]):
             worst = (p, big[0], big[1])
     row = Row("jobs", f"{mix.get('name', DASH)} (oversubscribed): largest per-job JCT vs FIFO, any policy")

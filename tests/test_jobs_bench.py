@@ -272,6 +272,9 @@ def test_targets_by_hand():
     t = mix_targets(_mix(False, True, {"fifo": [10.0, 10.0], "static": [7.0, 10.4], "rotate": [10.6, 9.0]}))
     assert [(x["name"], x["met"]) for x in t] == [("oversub_vs_fifo", False)]
     assert t[0]["value"] == pytest.approx(1.06)
+    # FIFO's A/A control is no policy: its spread is shown, not judged
+    t = mix_targets(_mix(False, True, {"fifo": [10.0, 10.0], "fifo_control": [10.9, 9.5], "static": [7.0, 10.4]}))
+    assert t[0]["value"] == pytest.approx(1.04) and t[0]["met"]
     # no FIFO or solo measured: nothing to judge
     m = {"fits_link": True, "collides": True, "recommended": "static",
          "policies": {"static": policy_block(["a", "b"], [_phase([1.0, 1.0])], None, None)}}

@@ -344,3 +344,14 @@ def test_busy_host_rows():
     assert "20,000 sockets, 8 owners" in cpu.figure and cpu.ours == "7.0 % of a core" and cpu.missed
     assert p99.ours == "3.20 ms" and p99.result == "met"
     assert report.rows_busy_host(None) == [] and len(report.rows_control_plane({"busy_host": busy})) >= 2
+
+
+def test_oversubscribed_row_judges_policies_not_fifos_control():
+    def jobs(*pairs):
+        return {"jobs": [{"jct_s": j, "fifo_jct_s": f} for j, f in pairs]}
+
+    mix = {"name": "stagger4", "policies": {"fifo": jobs((10.0, 10.0), (8.0, 8.0)),
+                                            "fifo_control": jobs((10.9, 10.0), (8.0, 8.0)),
+                                            "static": jobs((10.3, 10.0), (7.0, 8.0))}}
+    row = report._mix_oversub_row(mix, 1.05)
+    assert row.ratio == "1.03" and "static, job 0" in row.alternatives
