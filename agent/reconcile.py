@@ -11,6 +11,7 @@ Usage: ``rec = Reconciler([Device("eth0", 2, backend)], dscp, {"eth0": 2}, ipr);
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass
 
@@ -60,6 +61,7 @@ class Reconciler:
         self.nft = nft or nftables.Nft()
         self.stats = ReconcileStats()
         self._egress: dict[tuple[str, str], tuple[str, float]] = {}  # (src, dst) -> (interface, when looked up)
+        self._backlog_sock: socket.socket | None = None  # the job policy's samples: one netlink socket, reused
 
     def _table_commands(self) -> list[dict]:
         classids = [self.backend.classid(lvl) for lvl in range(self.backend.levels)]
@@ -159,14 +161,26 @@ class Reconciler:
 
     def backlogged_levels(self) -> set[int]:
         """The levels whose class has packets queued on some device now (the job policy's sample of which jobs
-        are sending: ``JobScheduler.observe``). One class dump per device."""
+        are sending: ``JobScheduler.observe``). One class dump per device, only the queue lengths read
+        (``tcstats.class_backlogs``), on a netlink socket kept for the next sample (dropped after an error)."""
         level_of = {spec.classid: spec.level for spec in self.backend.leaves() if spec.level is not None}
         out: set[int] = set()
-        for dev in self.devices:
-            for classid, stats in tcstats.class_stats(self.ipr, dev.index).items():
-                if classid in level_of and stats["backlog_packets"] > 0:
-                    out.add(level_of[classid])
+        if self._backlog_sock is None:
+            self._backlog_sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
+        try:
+            for dev in self.devices:
+                for classid, queued in tcstats.class_backlogs(dev.index, self._backlog_sock).items():
+                    if classid in level_of and queued > 0:
+                        out.add(level_of[classid])
+        except BaseException:
+            self._close_backlog_sock()  # what is left unread on it is not the next sample's
+            raise
         return out
+
+    def _close_backlog_sock(self) -> None:
+        if self._backlog_sock is not None:
+            self._backlog_sock.close()
+            self._backlog_sock = None
 
     def counters(self) -> dict[int, dict[str, int]]:
         """Per-level packet and byte counters of the marking chains."""
@@ -174,6 +188,7 @@ class Reconciler:
 
     def teardown(self) -> None:
         """Remove the nftables table (the qdisc is restored by the daemon from its snapshot)."""
+        self._close_backlog_sock()
         try:
             self.nft.run(nftables.delete_table_commands())
         except nftables.NftError as exc:

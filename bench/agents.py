@@ -80,6 +80,16 @@ class RunningAgent:
         with self.client() as c:
             return c.status()
 
+    def cpu_s(self) -> float | None:
+        """Seconds of CPU the agent has used so far, all its threads, user and system (``/proc/PID/stat``); None
+        once it has exited."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+
     def stderr_tail(self, n: int = 3000) -> str:
         """The last ``n`` characters of the agent's stderr."""
         return tail(self.stderr_path, n)

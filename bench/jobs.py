@@ -697,6 +697,7 @@ def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels:
         runs = run_jobs(tb, specs, {i: a.socket for i, a in agents.items()}, workdir, tag, phase_timeout(specs),
                         sequential=phase in SOLOS)
         status = agents[indexes[0]].status()
+        agent_cpu = [a.cpu_s() for a in agents.values()]
     tcp1 = [tcp_counters(h) for h in hosts]
     jobs = [job_figures(runs[s["id"]]) for s in specs]
     unregistered = [s["id"] for s, j in zip(specs, jobs, strict=True) if not j["registered"]]
@@ -704,6 +705,7 @@ def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels:
         raise ScenarioError(f"{tag}: flows not registered with the agents: {', '.join(unregistered)}")
     return {"jobs": jobs, "order_changes": status["job_policy"].get("changes"), "order": watch.order,
             "share_changes": status["job_policy"].get("share_changes"),
+            "agent_cpu_s": None if None in agent_cpu else sum(agent_cpu),
             "tcp": {k: sum(b.get(k, 0) - a.get(k, 0) for a, b in zip(tcp0, tcp1, strict=True)) for k in tcp1[0]}}
 
 
@@ -745,6 +747,7 @@ def policy_block(ids: list[str], runs: list[dict], fifo: list[float] | None, sol
             "max_vs_fifo": _max([j["vs_fifo"] for j in jobs]), "max_vs_solo": _max([j["vs_solo"] for j in jobs]),
             "tcp": [r["tcp"] for r in runs], "order_changes": [r["order_changes"] for r in runs],
             "share_changes": [r.get("share_changes") for r in runs],
+            "agent_cpu_s": [r.get("agent_cpu_s") for r in runs],
             "orders": [r.get("order") for r in runs]}
 
 
@@ -796,8 +799,9 @@ def _progress_phase(progress, mix: str, phase: str, ph: dict, ids: list[str]) ->
 
     jobs = ", ".join(f"{jid.rsplit('-', 1)[-1]} {j['jct_s']:.1f} s (rto {j['rto']}{load(j)})" for jid, j in zip(
         ids, ph["jobs"], strict=True))
+    cpu = "" if ph.get("agent_cpu_s") is None else f"; agents' CPU {ph['agent_cpu_s']:.2f} s"
     progress(f"  {mix} {phase:9s} JCT {jobs}; hosts' TCP timeouts {ph['tcp'].get('TCPTimeouts')}, "
-             f"retransmitted segments {ph['tcp'].get('RetransSegs')}")
+             f"retransmitted segments {ph['tcp'].get('RetransSegs')}{cpu}")
 
 
 def _run_solo(ctx: dict, mix: str, specs: list[dict], rep: int, phase: str = "solo") -> None:

@@ -379,6 +379,7 @@ def test_jobs_quick_smoke():
         assert block["tcp"][0].keys() == {"RetransSegs", "TCPTimeouts"}
     assert mix["policies"]["fifo"]["order_changes"] == [0]
     assert mix["policies"]["static"]["share_changes"] == [0]  # two jobs: their parts are not sampled
+    assert all(0 < c < 60 for b in mix["policies"].values() for c in b["agent_cpu_s"])  # the agents' CPU seconds
     assert all(mix["policies"][p]["order_changes"][0] >= 1
                for p in ("static", "rotate", "intensity", "shortest", "measured_intensity"))
     # shortest: the agent ordered the jobs by the step bytes their shims reported, the gradients' bytes exactly
