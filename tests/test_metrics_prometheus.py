@@ -266,10 +266,8 @@ def check_htb_and_process(prom: Prometheus, end: float, h1: str, h2: str) -> Non
 def test_htb_counters_from_the_kernel():
     """A real HTB tree of the agent (3 levels) on a veth in a namespace of its own; 300 frames of 1000 bytes sent
     through the default class at once: its tiny rate lends a few, the link lends the rest (borrows)."""
-    out = subprocess.run(["unshare", "-n", sys.executable, "-c", HTB_PROBE], capture_output=True, text=True,
-                         timeout=50, env=dict(os.environ, PYTHONPATH=REPO))
-    assert out.returncode == 0, out.stderr
-    stats = {int(k): v for k, v in json.loads(out.stdout).items()}
+    out = _run_probe(200_000_000, "    print(json.dumps(tcstats.class_stats(ipr, index)))")
+    stats = {int(k): v for k, v in json.loads(out).items()}
     from tensorlane.agent.kernel.qdisc import HtbBackend
 
     backend = HtbBackend(3, 200_000_000)
@@ -282,7 +280,17 @@ def test_htb_counters_from_the_kernel():
         assert idle["packets"] == idle["lends"] == idle["borrows"] == 0 and idle["tokens"] > 0.1, idle
 
 
-HTB_PROBE = r"""
+def _run_probe(rate_bps: int, reading: str) -> str:
+    """In a network namespace of its own: the agent's HTB tree (3 levels, ``rate_bps``) on a veth ``tl0``, 300 frames
+    of 1000 bytes sent through it (unclassified: the default class), then ``reading`` (Python with ``ipr``, ``index``,
+    ``tcstats``) prints what the test reads. Returns its stdout."""
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", PROBE % (rate_bps, reading)], capture_output=True,
+                         text=True, timeout=50, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+PROBE = r"""
 import json, socket, subprocess
 from pyroute2 import IPRoute
 from tensorlane.agent.kernel import tcstats
@@ -293,13 +301,13 @@ subprocess.run("ip link add tl0 type veth peer name tl1 && sysctl -qw net.ipv6.c
                "net.ipv6.conf.tl1.disable_ipv6=1 && ip link set tl1 up && ip link set tl0 up", shell=True, check=True)
 with IPRoute() as ipr:
     index = ipr.link_lookup(ifname="tl0")[0]
-    HtbBackend(3, 200_000_000).apply(ipr, index)
+    HtbBackend(3, %d).apply(ipr, index)
     with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as s:  # through the qdisc, unclassified: default
         s.bind(("tl0", 0))
         frame = b"\xff" * 6 + b"\x02\x00\x00\x00\x00\x01" + b"\x88\xb5" + bytes(986)
         for _ in range(300):
             s.send(frame)
-    print(json.dumps(tcstats.class_stats(ipr, index)))
+%s
 """
 
 
@@ -310,10 +318,7 @@ def test_class_backlogs_read_the_queue_lengths_that_class_stats_decodes():
     against the full decode (``class_stats``), on a real HTB tree at 1 Mbit/s with 300 frames queued in its default
     class (as many as its queue holds, the rest dropped): the queue drains between the reads, so the decode's count
     lies between the two cheap ones."""
-    out = subprocess.run(["unshare", "-n", sys.executable, "-c", BACKLOG_PROBE], capture_output=True, text=True,
-                         timeout=50, env=dict(os.environ, PYTHONPATH=REPO))
-    assert out.returncode == 0, out.stderr
-    before, full, after, missing = json.loads(out.stdout)
+    before, full, after, missing = json.loads(_run_probe(1_000_000, BACKLOG_READING))  # 2.4 s of frames: most wait
     from tensorlane.agent.kernel.qdisc import HtbBackend
 
     default = str(HtbBackend(3, 1_000_000).default.classid)
@@ -323,29 +328,13 @@ def test_class_backlogs_read_the_queue_lengths_that_class_stats_decodes():
     assert missing == {}  # an interface with no classes: an empty dump, not an error
 
 
-BACKLOG_PROBE = r"""
-import json, socket, subprocess
-from pyroute2 import IPRoute
-from tensorlane.agent.kernel import tcstats
-from tensorlane.agent.kernel.qdisc import HtbBackend
-
-subprocess.run("ip link add tl0 type veth peer name tl1 && sysctl -qw net.ipv6.conf.tl0.disable_ipv6=1 "
-               "net.ipv6.conf.tl1.disable_ipv6=1 && ip link set tl1 up && ip link set tl0 up", shell=True, check=True)
-with IPRoute() as ipr:
-    index = ipr.link_lookup(ifname="tl0")[0]
-    HtbBackend(3, 1_000_000).apply(ipr, index)
-    with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as s:  # 2.4 s of frames at 1 Mbit/s: a queue's worth stays
-        s.bind(("tl0", 0))
-        frame = b"\xff" * 6 + b"\x02\x00\x00\x00\x00\x01" + b"\x88\xb5" + bytes(986)
-        for _ in range(300):
-            s.send(frame)
+BACKLOG_READING = """
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as nl:
         before = tcstats.class_backlogs(index, nl)
         full = {k: v["backlog_packets"] for k, v in tcstats.class_stats(ipr, index).items()}
         after = tcstats.class_backlogs(index, nl)
     missing = tcstats.class_backlogs(ipr.link_lookup(ifname="lo")[0])
-    print(json.dumps([before, full, after, missing]))
-"""
+    print(json.dumps([before, full, after, missing]))"""
 
 
 def plot_views(tb) -> list[tuple[str, str, str, str, bool]]:
