@@ -209,7 +209,8 @@ def test_solo_phases_run_each_job_alone(monkeypatch, tmp_path):
 
     @contextlib.contextmanager
     def agents(tb, **kw):
-        yield {i: SimpleNamespace(socket=f"/run/a{i}", status=lambda: {"job_policy": {}}) for i in kw["hosts"]}
+        yield {i: SimpleNamespace(socket=f"/run/a{i}", status=lambda: {"job_policy": {}}, cpu_s=lambda: 0.5)
+               for i in kw["hosts"]}
 
     def run_jobs(tb, specs, sockets, workdir, tag, timeout, sequential=False):
         seen[tag] = sequential
