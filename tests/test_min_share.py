@@ -89,9 +89,9 @@ def test_a_job_order_leaves_every_job_its_part_of_job_share(tb):
     band's first level (levels 0 and 2 of 4), so the lower job's TCP stream keeps most of a quarter of the link
     against a flood above the link rate, where ``min_share`` alone gave it 1 % (above). The classes change in place:
     the qdisc tree is the same one, and when the flood's job leaves, level 2 is back at ``min_share``.
-    The agent shapes at 95 % of the link, as on a real host, so that its classes are the only queue on the path: at
-    the link's own rate the switch port (strict priority by DSCP, the flood's first) queued what the host's HTB sent
-    in bursts above it, and once in a full-suite run the stream fell to 1.5 Mbit/s with a timeout."""
+    The agent shapes at 95 % of the link so that its classes are the only queue on the path: a veth has no line rate
+    to cap the HTB's bursts, and at the link's own rate the stream once fell to 1.5 Mbit/s with a timeout in a
+    full-suite run (likely at the switch port, whose strict priority serves the flood first; not confirmed)."""
     h1 = tb.host(1)
     rate = int(0.95 * tb.rate_bps)
     cfg = {**TRUST, "job_policy": "static", "job_priority": {"flood": 0, "tcp": 1}, "job_share": 0.5,
