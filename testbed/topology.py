@@ -326,8 +326,7 @@ class Testbed:
             raise TestbedError(f"testbed {self.name} is already up")
         owner = os.getpid()
         with records.name_lock(self.name):
-            self._reclaim_leftover()
-            self._refuse_existing()
+            self._refuse_existing(self._reclaim_leftover())
             try:
                 self._build(detached)
             except BaseException as e:
@@ -347,18 +346,19 @@ class Testbed:
         with _signals_held(), records.name_lock(self.name):
             self._teardown()
 
-    def _reclaim_leftover(self) -> None:
-        """Remove the testbed of this name that a builder left when it died (not a detached one); the lock is held."""
+    def _reclaim_leftover(self) -> dict:
+        """Remove the testbed of this name that a builder left when it died (not a detached one); the lock is held.
+        Returns the record of this name that stands afterwards (``{}``: none)."""
         record = records.read_record(self.name)
         if record is None or record.get("detached") is not False or records.builder_alive(record) is not None:
-            return
+            return record or {}
         removed = _remove_recorded(self.name, record)
         print(f"testbed {self.name}: removed {', '.join(removed) or 'nothing'}, left by process {record.get('pid')} "
               f"that built it and ended without tearing it down", file=sys.stderr)
+        return {}  # all of it removed, and its record (else _remove_recorded raised)
 
-    def _refuse_existing(self) -> None:
-        """Raise TestbedError if any namespace this testbed would create already exists."""
-        record = records.read_record(self.name) or {}
+    def _refuse_existing(self, record: dict) -> None:
+        """Raise TestbedError if any namespace this testbed would create already exists (``record``: this name's)."""
         pid = records.builder_alive(record)
         for ns in self.namespaces:
             if not netns_exists(ns):
@@ -485,7 +485,7 @@ def down_by_name(name: str) -> list[str]:
     Returns the names of the namespaces removed (sorted); a name without a record removes nothing.
     """
     validate_name(name)
-    with _signals_held(), records.name_lock(name):
+    with records.name_lock(name):
         record = records.read_record(name)
         return [] if record is None else _remove_recorded(name, record)
 

@@ -30,15 +30,10 @@ HTB_KEYS = ("lends", "borrows", "tokens", "ctokens")
 
 def pkt64(stats2) -> int | None:
     """The ``TCA_STATS_PKT64`` packet count inside a decoded ``TCA_STATS2`` attribute, or None when absent."""
-    data, start = stats2.data, stats2.offset
-    pos, end = start + 4, start + stats2.length
-    while pos + 4 <= end:
-        length, kind = struct.unpack_from("HH", data, pos)
-        if length < 4:
-            return None
-        if kind & 0x3FFF == TCA_STATS_PKT64 and length >= 12:
-            return struct.unpack_from("Q", data, pos + 4)[0]
-        pos += (length + 3) & ~3
+    start = stats2.offset
+    for kind, vstart, vend in _attrs(stats2.data, start + 4, start + stats2.length):
+        if kind == TCA_STATS_PKT64 and vend - vstart >= 8:
+            return struct.unpack_from("Q", stats2.data, vstart)[0]
     return None
 
 
