@@ -42,7 +42,8 @@ class Api:
         self.reports = JobReports()  # communication time reported by the shims (op "report"), for the metrics
         self.policy = AccessPolicy(frozenset(cfg.allowed_users), frozenset(cfg.allowed_groups),
                                    dict(cfg.level_limits), frozenset(cfg.trusted_users), cfg.check_ownership)
-        self.jobs = JobScheduler(cfg, guarantees=reconciler.backend.kind == "htb")  # the job order (docs/jobs.md)
+        self.jobs = JobScheduler(cfg, guarantees=reconciler.backend.kind == "htb",
+                                 budget=reconciler.share_budget())  # the job order (docs/jobs.md)
         self.refusal_log = RefusalLog(log, 10.0)  # shared with the socket server (agent/server.py)
         self.netns = netns_of("self")  # the network namespace this agent manages: ownership is decided in it
         table.level_of = self.jobs.level_of

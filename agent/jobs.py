@@ -61,9 +61,10 @@ log = logging.getLogger("tensorlane.jobs")
 class JobScheduler:
     """Effective levels under the configured job policy; ``clock`` is wall-clock time (agents compare epochs)."""
 
-    def __init__(self, cfg, clock=time.time, guarantees: bool = True):
+    def __init__(self, cfg, clock=time.time, guarantees: bool = True, budget: float = 1.0):
         """``guarantees``: whether the backend gives classes guaranteed rates (htb; prio has none: no parts to
-        follow, nothing sampled)."""
+        follow, nothing sampled); ``budget``: the share of the link the parts may take in all
+        (``Reconciler.share_budget``)."""
         self.policy = getattr(cfg, "job_policy", "none")
         self.levels = cfg.levels
         self.epoch_s = float(getattr(cfg, "rotate_epoch_s", 20.0))
@@ -76,6 +77,7 @@ class JobScheduler:
         self.sample_s = float(cfg.job_sample_s)  # how often the server samples the classes' backlog
         self.hold_s = float(cfg.job_hold_s)  # a job counts as sending this long after its band's last backlog
         self.guarantees = guarantees
+        self.budget = budget
         self.clock = clock
         self.enabled = self.policy != "none"
         self.jobs: frozenset[str] = frozenset()
@@ -168,7 +170,7 @@ class JobScheduler:
         self.sending = self.sending & jobs if self.samples_wanted() else frozenset()
         if not self.sending:
             self.backlogged_at.clear()
-        self.shares = job_shares(bands, self.job_share, self.sending)
+        self.shares = job_shares(bands, self.job_share, self.sending, self.budget)
         return sorted(shifted)
 
     # -- the parts of the sending jobs ------------------------------------------------------------------------
@@ -193,7 +195,7 @@ class JobScheduler:
         if sending == self.sending:
             return False
         self.sending = sending
-        shares = job_shares(self.bands, self.job_share, sending)
+        shares = job_shares(self.bands, self.job_share, sending, self.budget)
         if shares == self.shares:
             return False
         self.shares = shares

@@ -76,6 +76,11 @@ class Reconciler:
         self._apply_trees()
         self.nft.run(self._table_commands())
 
+    def share_budget(self) -> float:
+        """The share of the link the job parts may take in all on every device (``HtbBackend.share_budget``; 1.0
+        for a backend without guarantees)."""
+        return min((dev.backend.share_budget() for dev in self.devices), default=1.0)
+
     def set_shares(self, shares: dict[int, float]) -> bool:
         """Give the levels in ``shares`` that guaranteed share of each device's link (the job policy's
         ``job_share``; the other levels keep ``min_share``): the classes are changed in place. A failure is counted

@@ -221,7 +221,7 @@ def banded_level(band: tuple[int, int], requested: int, levels: int, floor: int 
 
 
 def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float,
-               sending: Collection[str] = ()) -> dict[int, float]:
+               sending: Collection[str] = (), budget: float = 1.0) -> dict[int, float]:
     """The link's share guaranteed to each level so that a job order never leaves a job with less than its part of
     ``job_share`` while it has bytes to send: ``job_share / n`` for each of the ``n`` jobs in ``bands``, and
     ``job_share / k`` while its band is one of ``k >= 2`` bands with a job ``sending`` (queues backlogged: FIFO
@@ -232,16 +232,23 @@ def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float,
     ``job_share`` they are scaled down to it. No level gets more than ``job_share``. Empty with fewer than two jobs
     or ``job_share = 0`` (strict order). The levels not named keep the backend's ``min_share``.
 
-    The parts may add up to more than ``job_share`` (an idle job keeps its ``1/n`` part): HTB serves every class
-    below its guarantee before any borrows, in priority order, so an idle job's part costs the sending jobs nothing
-    and is there at once when it starts to send. Priority still decides whatever the guarantees leave: the most
-    urgent job takes all the link the others do not use, and with ``job_share`` near 1 a saturated link is shared
-    about as under FIFO.
+    An idle job keeps its ``1/n`` part as far as ``budget`` (the share of the link the classes' other guarantees
+    leave: ``HtbBackend.share_budget``) has room beside the sending bands' parts; past that the idle parts shrink
+    alike, and all parts together never exceed ``budget``. HTB lets every class send up to its guarantee without
+    asking its parent, so guarantees that add up to more than the link send more than the link: the queue then
+    forms past the host (in the NIC, or a switch port that orders by DSCP), where a job's guarantee means nothing
+    and the agent cannot see its backlog. Within the budget an idle job's part costs the sending jobs nothing (HTB
+    serves every class below its guarantee before any borrows) and is there at once when it starts to send.
+    Priority still decides whatever the guarantees leave: the most urgent job takes all the link the others do not
+    use, and with ``job_share`` near 1 a saturated link is shared about as under FIFO.
     Usage: ``job_shares({"x": (0, 2), "y": (2, 2)}, 0.5) == {0: 0.25, 2: 0.25}``;
-    ``job_shares({"x": (0, 1), "y": (1, 1), "z": (2, 2)}, 0.9, {"x", "z"}) == {0: 0.45, 1: 0.3, 2: 0.45}``
+    ``job_shares({"x": (0, 1), "y": (1, 1), "z": (2, 2)}, 0.9, {"x", "z"})`` gives x and z 0.45 each and the idle
+    y the 0.1 they leave, not 0.3
     """
     if not 0.0 <= job_share < 1.0:
         raise ValueError(f"job_share must be in [0, 1), not {job_share!r}")
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"budget must be in (0, 1], not {budget!r}")
     if len(bands) < 2 or job_share == 0:
         return {}
     members = Counter(bands.values())  # band -> how many jobs share it
@@ -250,5 +257,9 @@ def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float,
         busy = set()
     idle = {band: m * job_share / len(bands) for band, m in members.items()}
     parts = {band: max(idle[band], job_share / len(busy)) for band in busy}
-    scale = min(1.0, job_share / sum(parts.values())) if parts else 1.0
-    return {band[0]: min(job_share, parts[band] * scale if band in parts else idle[band]) for band in members}
+    scale = min(1.0, min(job_share, budget) / sum(parts.values())) if parts else 1.0
+    parts = {band: part * scale for band, part in parts.items()}
+    room = budget - sum(parts.values())  # what the idle bands' parts may hold together
+    idle_total = sum(v for band, v in idle.items() if band not in parts)
+    idle_scale = min(1.0, max(0.0, room) / idle_total) if idle_total else 1.0
+    return {band[0]: min(job_share, parts[band] if band in parts else idle[band] * idle_scale) for band in members}

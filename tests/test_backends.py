@@ -1,13 +1,20 @@
 """Backend choice and the prio backend. This kernel has no sch_prio, so the prio backend's netlink calls go to a
 recording stand-in; its nftables side (which tc class each level's packets are sent to) runs for real."""
+import json
+import os
 import subprocess
 import sys
 import uuid
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tensorlane.agent.kernel import detect
 from tensorlane.agent.kernel.qdisc import HtbBackend, PrioBackend, fmt_handle
+from tensorlane.policies.jobs import job_bands, job_shares
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class RecordingIPRoute:
@@ -114,6 +121,89 @@ def test_htb_guarantee_is_min_share_raised_to_min_rate_within_what_the_link_leav
     assert slow.guaranteed(0) == slow.guaranteed(2) == 20_000_000
     assert sum(slow.guaranteed(s.level) for s in slow.leaves()) <= 50_000_000
     assert slow.guaranteed(1) == slow.guaranteed(None) >= 0.01 * 50_000_000
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 8), st.integers(1, 8), st.floats(0.01, 0.99), st.sampled_from([0.0, 0.01, 0.05]),
+       st.sampled_from([0, 1_000_000, 2_500_000]), st.sampled_from([10_000_000, 50_000_000, 10**10]), st.data())
+def test_htb_guarantees_never_add_up_to_more_than_the_link(n, levels, share, min_share, min_rate, rate, data):
+    """Whatever jobs send, the job parts (``job_shares`` within the backend's ``share_budget``) and every class's
+    own guarantee (``min_share``, the ``min_rate`` floor) together never exceed the link: HTB would send more than
+    the link (``test_htb_sends_more_than_the_link_when_guarantees_exceed_it``)."""
+    b = HtbBackend(levels=levels, link_rate_bps=rate, min_share=min_share, min_rate=min_rate)
+    jobs = [f"j{i}" for i in range(n)]
+    bands = job_bands(jobs, levels)
+    sending = data.draw(st.sets(st.sampled_from(jobs)))
+    b.set_shares(job_shares(bands, share, sending, b.share_budget()))
+    assert sum(b.guaranteed(spec.level) for spec in b.leaves()) <= rate
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(90)
+def test_htb_sends_more_than_the_link_when_guarantees_exceed_it():
+    """HTB lets a class send up to its guaranteed rate without asking its parent. In a namespace of its own: the
+    agent's tree at 50 Mbit/s, every level flooded at once, as when two jobs send and two more have just started
+    (the agent counts them at its next sample). With the agent's parts for that moment (two jobs sending, within
+    ``share_budget``) the link carries its rate; with what the agent gave before it kept a budget, 0.4, 0.4, 0.2 and
+    0.2 of the link (1.2 in all), HTB sent about 1.2 times the link, so past the host the queue forms where no
+    guarantee holds (a NIC's ring, or a switch port that serves by DSCP)."""
+    rate = 50_000_000
+    budget = HtbBackend(4, rate, min_share=0.01).share_budget()
+    within = job_shares({"a": (0, 1), "b": (1, 1), "c": (2, 1), "d": (3, 1)}, 0.8, {"a", "b"}, budget)
+    sent = {}
+    for name, shares in (("within", within), ("beyond", {0: 0.4, 1: 0.4, 2: 0.2, 3: 0.2})):
+        out = subprocess.run(["unshare", "-n", sys.executable, "-c", FLOOD, str(rate), json.dumps(shares)],
+                             capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+        assert out.returncode == 0, out.stderr
+        sent[name] = json.loads(out.stdout)["link"]
+    print(sent)
+    assert 0.9 <= sent["within"] <= 1.03, sent
+    assert sent["beyond"] >= 1.1, sent
+
+
+FLOOD = r"""
+import json, socket, subprocess, sys, time
+from pyroute2 import IPRoute
+from tensorlane.agent.kernel.qdisc import HtbBackend
+
+rate, shares = int(sys.argv[1]), {int(k): v for k, v in json.loads(sys.argv[2]).items()}
+subprocess.run("ip link add tl0 type veth peer name tl1 && sysctl -qw net.ipv6.conf.tl0.disable_ipv6=1 "
+               "net.ipv6.conf.tl1.disable_ipv6=1 && ip link set tl1 up && ip link set tl0 up", shell=True, check=True)
+backend = HtbBackend(4, rate, min_share=0.01)
+backend.set_shares(shares)
+with IPRoute() as ipr:
+    backend.apply(ipr, ipr.link_lookup(ifname="tl0")[0])
+socks = []
+for level in range(4):  # a packet socket per level, classified by skb->priority = its class, as the agent does
+    s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    s.bind(("tl0", 0))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY, backend.classid(level))
+    s.setblocking(False)  # a full send buffer (frames waiting in the class) must not pace the other classes
+    socks.append(s)
+frame = b"\xff" * 6 + b"\x02\x00\x00\x00\x00\x01" + b"\x88\xb5" + bytes(986)
+
+
+def received() -> int:  # (this namespace's /sys is the parent's: ask netlink)
+    with IPRoute() as ipr:
+        return ipr.link("get", ifname="tl1")[0].get_attr("IFLA_STATS64")["rx_bytes"]
+
+
+start, marks = time.monotonic(), []
+for _ in range(2_000_000):  # every class's queue full all along (its pfifo drops the rest); 3 s at most
+    now = time.monotonic()
+    if now - start >= 3.0:
+        break
+    if not marks and now - start >= 1.0:  # the classes' bursts spent
+        marks.append((now, received()))
+    for s in socks:
+        try:
+            s.send(frame)
+        except OSError:  # EAGAIN: this socket's frames fill its send buffer; ENOBUFS: the class's queue is full
+            pass
+marks.append((time.monotonic(), received()))
+(t1, b1), (t2, b2) = marks
+print(json.dumps({"link": (b2 - b1) * 8 / (t2 - t1) / rate}))
+"""
 
 
 @pytest.mark.netns

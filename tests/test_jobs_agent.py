@@ -51,6 +51,9 @@ class RecordingRec:
             assert k not in self.kernel, f"{k} added twice"
             self.kernel[k] = table.effective_level(k)
 
+    def share_budget(self) -> float:
+        return self.backend.share_budget()
+
     def set_shares(self, shares) -> bool:
         """The classes' guarantees the job policy asks for (the backend keeps them, no kernel)."""
         return self.backend.set_shares(shares)

@@ -53,6 +53,9 @@ class FakeRec:
     def apply(self, table, added, moved, removed) -> None:
         pass
 
+    def share_budget(self) -> float:
+        return self.backend.share_budget()
+
     def set_shares(self, shares) -> bool:
         return self.backend.set_shares(shares)
 

@@ -49,12 +49,13 @@ def test_bad_orders_are_refused():
 def test_sampled_parts_lag_behind_a_job_that_starts():
     """The agent counts a job as sending only at its next sample. Jobs 0 and 1 send all along, job 3 computes
     (present, idle), job 2 starts sending at 0.25 s; samples every 0.5 s, no hold, job_share 0.8. Until the sample
-    at 0.5 s job 2 keeps the idle part 0.8 / 4 = 0.2 (jobs 0 and 1 keep 0.4 each) and carries 0.05; then each of
-    the three senders has 0.8 / 3, and job 2's other 0.45 take 1.6875 s: a JCT of 1.9375 s, against 0.5 / (0.8 / 3)
-    = 1.875 s if the agent saw it start at once."""
+    at 0.5 s job 2 keeps an idle part: 0.8 / 4 would be 0.2, but jobs 0 and 1 keep 0.4 each and the parts never
+    add up to more than the link, so the idle jobs 2 and 3 share the 0.2 left, and job 2 carries 0.025; then each
+    of the three senders has 0.8 / 3, and job 2's other 0.475 take 1.78125 s: a JCT of 2.03125 s, against
+    0.5 / (0.8 / 3) = 1.875 s if the agent saw it start at once."""
     jobs = [MixJob(0.0, 100.0, 1), MixJob(0.0, 100.0, 1), MixJob(0.0, 0.5, 1, offset_s=0.25), MixJob(100.0, 1.0, 1)]
     order = [0, 1, 2, 3]
-    assert simulate_mix(jobs, order, 0.8, sample_s=0.5)[2] == pytest.approx(1.9375)
+    assert simulate_mix(jobs, order, 0.8, sample_s=0.5)[2] == pytest.approx(2.03125)
     assert simulate_mix(jobs, order, 0.8)[2] == pytest.approx(1.875)
 
 

@@ -225,8 +225,20 @@ def test_job_shares_by_hand() -> None:
         {0: 0.2, 1: 0.2, 2: 0.4})  # c and d share a band: their parts add up
     assert job_shares({"x": (0, 4)}, 0.5) == {}  # one job: nothing to guarantee against
     assert job_shares({"x": (0, 2), "y": (2, 2)}, 0.0) == {}  # strict order
-    # sending: x and z are backlogged, y idle: x and z 0.45 each (FIFO's halves of the part), y keeps 0.9 / 3
-    assert job_shares({"x": (0, 1), "y": (1, 1), "z": (2, 2)}, 0.9, {"x", "z"}) == {0: 0.45, 1: 0.3, 2: 0.45}
+    # sending: x and z are backlogged, y idle: x and z 0.45 each (FIFO's halves of the part); y would keep 0.9 / 3,
+    # but the parts never add up to more than the link: y keeps the 0.1 left
+    assert job_shares({"x": (0, 1), "y": (1, 1), "z": (2, 2)}, 0.9, {"x", "z"}) == pytest.approx(
+        {0: 0.45, 1: 0.1, 2: 0.45})
+    # stagger4's four jobs, two sending, job_share 0.8: the idle two share the 0.2 left, or what a budget of 0.95
+    # (five classes at min_share 0.01) leaves; at 0.95 nothing is left to them (the classes keep min_share)
+    four = {"a": (0, 1), "b": (1, 1), "c": (2, 1), "d": (3, 1)}
+    assert job_shares(four, 0.8, {"a", "b"}) == pytest.approx({0: 0.4, 1: 0.4, 2: 0.1, 3: 0.1})
+    assert job_shares(four, 0.8, {"a", "b"}, 0.95) == pytest.approx({0: 0.4, 1: 0.4, 2: 0.075, 3: 0.075})
+    assert job_shares(four, 0.95, {"a", "b"}, 0.95) == pytest.approx({0: 0.475, 1: 0.475, 2: 0.0, 3: 0.0})
+    assert job_shares(four, 0.8, {"a", "b", "c"}, 0.95) == pytest.approx({0: 0.8 / 3, 1: 0.8 / 3, 2: 0.8 / 3,
+                                                                          3: 0.15})
+    assert job_shares(four, 0.8, (), 0.95) == pytest.approx({0: 0.2, 1: 0.2, 2: 0.2, 3: 0.2})  # all idle: 0.8
+    assert job_shares(four, 0.9, {"a", "b"}, 0.5) == pytest.approx({0: 0.25, 1: 0.25, 2: 0.0, 3: 0.0})
     assert job_shares({"x": (0, 1), "y": (1, 1), "z": (2, 2)}, 0.9, {"x"}) == pytest.approx(
         {0: 0.3, 1: 0.3, 2: 0.3})  # one sender has the link anyway: every job its 1/n
     # b and c share a band: it counts once, so it sends alone and every band keeps its idle parts
@@ -241,6 +253,9 @@ def test_job_shares_by_hand() -> None:
     for bad in (-0.1, 1.0, math.nan):
         with pytest.raises(ValueError, match="job_share"):
             job_shares({"x": (0, 2), "y": (2, 2)}, bad)
+    for bad in (0.0, 1.5, math.nan):
+        with pytest.raises(ValueError, match="budget"):
+            job_shares({"x": (0, 2), "y": (2, 2)}, 0.5, (), bad)
 
 
 @settings(max_examples=200, deadline=None)
@@ -257,27 +272,33 @@ def test_job_shares_give_every_job_its_part(jobs, prios, levels, share) -> None:
     assert all(shares[bands[j][0]] >= share / len(jobs) - 1e-12 for j in jobs)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from("abcdefghij"), min_size=2, max_size=10, unique=True), st.integers(1, 5),
-       st.floats(0.01, 0.95), st.sets(st.sampled_from("abcdefghij")))
-def test_job_shares_of_sending_jobs(jobs, levels, share, sending) -> None:
-    """Each of k >= 2 bands with a sending job holds at least half of ``job_share / k`` on its first level (all of
-    it where no band is shared), each idle band its jobs' ``job_share / n`` each; the sending bands' parts together
-    never exceed ``job_share``, and no level holds more than ``job_share``."""
+       st.floats(0.01, 0.95), st.sets(st.sampled_from("abcdefghij")), st.floats(0.05, 1.0))
+def test_job_shares_of_sending_jobs(jobs, levels, share, sending, budget) -> None:
+    """Each of k >= 2 bands with a sending job holds at least half of ``min(job_share, budget) / k`` on its first
+    level (all of it where no band is shared), each idle band its jobs' ``job_share / n`` each as far as the budget
+    has room beside the sending bands, all idle bands alike; the sending bands' parts together never exceed
+    ``job_share``, no level holds more than ``job_share``, and all parts together never exceed ``budget`` (HTB
+    would send more than the link)."""
     bands = job_bands(jobs, levels)
     members = {b: sum(1 for j in jobs if bands[j] == b) for b in set(bands.values())}
     busy = {bands[j] for j in jobs if j in sending}
-    shares = job_shares(bands, share, sending)
+    shares = job_shares(bands, share, sending, budget)
     k = len(busy)
+    busy = busy if k >= 2 else set()
+    sent = sum(shares[b[0]] for b in busy)
+    idle_want = sum(m * share / len(jobs) for b, m in members.items() if b not in busy)
+    idle_scale = min(1.0, max(0.0, budget - sent) / idle_want) if idle_want else 1.0
     for band, m in members.items():
-        if k >= 2 and band in busy:
-            least = share / k if max(members.values()) == 1 else share / k / 2
+        if band in busy:
+            least = min(share, budget) / k if max(members.values()) == 1 else min(share, budget) / k / 2
+            assert shares[band[0]] >= min(share, least) - 1e-12
         else:
-            least = m * share / len(jobs)
-        assert shares[band[0]] >= min(share, least) - 1e-12
+            assert shares[band[0]] == pytest.approx(m * share / len(jobs) * idle_scale, abs=1e-12)
     assert max(shares.values()) <= share + 1e-12
-    if k >= 2:
-        assert sum(shares[b[0]] for b in busy) <= share + 1e-12
+    assert sent <= min(share, budget) + 1e-12
+    assert sum(shares.values()) <= budget + 1e-12
 
 
 @settings(max_examples=200, deadline=None)
