@@ -101,13 +101,14 @@ from tensorlane.policies.jobs import REPORTED_INPUTS, ROTATING
 RECOMMENDED = {"colliding": "static", "staggered": "levels", "oversubscribed": "levels"}  # docs/jobs.md, measured
 # The agent settings docs/jobs.md recommends per kind, beyond the defaults: on a link the jobs oversubscribe, large
 # guaranteed parts, so that no job order takes much from any job (the default's small parts keep the colliding
-# mix's interleaving); what the run passes (--job-share) wins.
-RECOMMENDED_AGENT = {"oversubscribed": {"job_share": 0.8}}
+# mix's interleaving), and a job counted one sample longer, so that the gaps between its buckets do not drop its
+# part; what the run passes (--job-share, --job-hold-s) wins.
+RECOMMENDED_AGENT = {"oversubscribed": {"job_share": 0.95, "job_hold_s": 0.05}}
 
 
 def mix_agent(kind: str, passed: dict) -> dict:
     """The agent settings a mix of ``kind`` runs with: :data:`RECOMMENDED_AGENT`'s for the kind, then what the run
-    passed (``passed`` wins). Usage: ``mix_agent("oversubscribed", {}) == {"job_share": 0.8}``"""
+    passed (``passed`` wins). Usage: ``mix_agent("oversubscribed", {})["job_share"] == 0.95``"""
     return {**RECOMMENDED_AGENT.get(kind, {}), **passed}
 
 
@@ -852,6 +853,7 @@ def run_mix(ctx: dict, mix: str, specs: list[dict], phases, reps: int) -> dict:
     out = mix_setup(mix, specs, ctx["epoch_factor"], ctx["epoch_s"])
     agent = mix_agent(out["kind"], ctx["agent"])
     out["job_share"] = agent.get("job_share", agent_default("job_share"))
+    out["job_hold_s"] = agent.get("job_hold_s", agent_default("job_hold_s"))
     ids = [s["id"] for s in specs]
     runs: dict[str, list[dict]] = {p: [] for p in phases if p not in SOLOS}
     for rep in range(reps):
@@ -1018,7 +1020,8 @@ def format_mix(mix: dict) -> str:
         rows.append((name + (" *" if name == mix["recommended"] else ""), *cells, f"{avg:.1f} s",
                      _fmt(b.get("avg_vs_fifo"))))
     lines = [f"{mix['name']}: link load {mix['link_load']:.2f} (fits_link {mix['fits_link']}), collides "
-             f"{mix['collides']}, rotation epoch {mix['epoch_s']:g} s, job_share {mix.get('job_share', 0.0):g}; "
+             f"{mix['collides']}, rotation epoch {mix['epoch_s']:g} s, job_share {mix.get('job_share', 0.0):g}"
+             + (f", job_hold_s {mix['job_hold_s']:g}" if mix.get("job_hold_s") else "") + "; "
              "* recommended"]
     lines += text_table(rows)
     lines += [f"  target {t['text']}: {_fmt(t['value'])} {_verdict(t['met'])}" for t in mix["targets"]]

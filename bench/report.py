@@ -639,6 +639,11 @@ def describe_setup(name: str, d: dict) -> str:
                 if isinstance(m, dict) and num(m.get("job_share")) not in (None, parts):
                     other.setdefault(num(m["job_share"]), []).append(str(m.get("name", DASH)))
             text += "".join(f", {v:g} on {', '.join(ns)}" for v, ns in other.items())
+            held = {}  # and the job_hold_s, where a mix's own differs from the run's
+            for m in d["mixes"]:
+                if isinstance(m, dict) and num(m.get("job_hold_s")) not in (None, num(d.get("job_hold_s"))):
+                    held.setdefault(num(m["job_hold_s"]), []).append(str(m.get("name", DASH)))
+            text += "".join(f", job_hold_s {v:g} on {', '.join(ns)}" for v, ns in held.items())
     if name == "shim-overhead" and d.get("profile"):
         model = PROFILE_NAMES.get(d["profile"], d["profile"])
         text += (f" (the testbed's highest rate: not the bottleneck); emulated {model}, "
