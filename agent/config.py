@@ -191,6 +191,9 @@ def _job_policy(raw: dict, min_shares: float) -> dict:
     for name in ("job_sample_s", "job_hold_s"):
         if name in raw and among != "sending":
             raise ConfigError(name, f"only used with job_share_among = \"sending\", not {among!r}")
+    if 0 < hold <= sample:  # samples come at least job_sample_s apart: such a hold never spans one
+        raise ConfigError("job_hold_s", f"{hold:g} s holds a job no longer than 0 does: the samples come at least "
+                                        f"job_sample_s = {sample:g} s apart; give 0 or more than {sample:g}")
     return {"job_policy": policy, "rotate_epoch_s": epoch, "job_priority": priority, "job_intensity": intensity,
             "job_share": share, "job_share_among": among, "job_sample_s": sample, "job_hold_s": hold}
 

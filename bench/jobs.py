@@ -101,9 +101,8 @@ from tensorlane.policies.jobs import REPORTED_INPUTS, ROTATING
 RECOMMENDED = {"colliding": "static", "staggered": "levels", "oversubscribed": "levels"}  # docs/jobs.md, measured
 # The agent settings docs/jobs.md recommends per kind, beyond the defaults: on a link the jobs oversubscribe, large
 # guaranteed parts, so that no job order takes much from any job (the default's small parts keep the colliding
-# mix's interleaving), and a job counted one sample longer, so that the gaps between its buckets do not drop its
-# part; what the run passes (--job-share, --job-hold-s) wins.
-RECOMMENDED_AGENT = {"oversubscribed": {"job_share": 0.95, "job_hold_s": 0.05}}
+# mix's interleaving); what the run passes (--job-share) wins.
+RECOMMENDED_AGENT = {"oversubscribed": {"job_share": 0.95}}
 
 
 def mix_agent(kind: str, passed: dict) -> dict:

@@ -308,6 +308,8 @@ def test_full_reconcile_and_status_use_effective_levels():
     ({"job_policy": "static", "job_share_among": "present", "job_sample_s": 0.02}, "job_sample_s"),  # not sampled
     ({"job_policy": "static", "job_sample_s": 0.001}, "job_sample_s"),
     ({"job_policy": "static", "job_hold_s": -1}, "job_hold_s"),
+    ({"job_policy": "static", "job_hold_s": 0.05}, "job_hold_s"),  # no longer than a sample: holds nothing
+    ({"job_policy": "static", "job_sample_s": 0.02, "job_hold_s": 0.02}, "job_hold_s"),
     ({"job_policy": "static", "min_share": 0.1, "job_share": 0.6}, "job_share"),  # 5 classes x 0.1 + 0.6 > 1
 ])
 def test_bad_job_config_names_the_field(fields, field):

@@ -253,9 +253,11 @@ def test_job_shares_by_hand() -> None:
     for bad in (-0.1, 1.0, math.nan):
         with pytest.raises(ValueError, match="job_share"):
             job_shares({"x": (0, 2), "y": (2, 2)}, bad)
-    for bad in (0.0, 1.5, math.nan):
+    for bad in (-0.1, 1.5, math.nan):
         with pytest.raises(ValueError, match="budget"):
             job_shares({"x": (0, 2), "y": (2, 2)}, 0.5, (), bad)
+    # a link so slow that the classes' least guarantees fill it (8 kbit/s each): no parts, and no error
+    assert job_shares({"x": (0, 1), "y": (1, 1), "z": (2, 1)}, 0.5, {"x", "y"}, 0.0) == {0: 0.0, 1: 0.0, 2: 0.0}
 
 
 @settings(max_examples=200, deadline=None)
