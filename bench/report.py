@@ -634,21 +634,23 @@ def describe_setup(name: str, d: dict) -> str:
             text += f", min_rate {num(d['min_rate_bps']) / 1e6:g} Mbit/s"  # defaults change: the value run with
         if parts is not None:  # files from before job_share have none
             text += f", job_share {parts:g}" + ("" if d.get("job_share_passed") else " (default)")
-            other: dict[float, list[str]] = {}  # each mix records the job_share it ran with
-            for m in d["mixes"]:
-                if isinstance(m, dict) and num(m.get("job_share")) not in (None, parts):
-                    other.setdefault(num(m["job_share"]), []).append(str(m.get("name", DASH)))
-            text += "".join(f", {v:g} on {', '.join(ns)}" for v, ns in other.items())
-            held = {}  # and the job_hold_s, where a mix's own differs from the run's
-            for m in d["mixes"]:
-                if isinstance(m, dict) and num(m.get("job_hold_s")) not in (None, num(d.get("job_hold_s"))):
-                    held.setdefault(num(m["job_hold_s"]), []).append(str(m.get("name", DASH)))
-            text += "".join(f", job_hold_s {v:g} on {', '.join(ns)}" for v, ns in held.items())
+            text += "".join(f", {v:g} on {', '.join(ns)}" for v, ns in _mixes_apart(d, "job_share").items())
+            text += "".join(f", job_hold_s {v:g} on {', '.join(ns)}" for v, ns in _mixes_apart(d, "job_hold_s").items())
     if name == "shim-overhead" and d.get("profile"):
         model = PROFILE_NAMES.get(d["profile"], d["profile"])
         text += (f" (the testbed's highest rate: not the bottleneck); emulated {model}, "
                  f"{fmt_bytes(d.get('gradient_bytes'))} of gradients, {fmt_s(d.get('compute_nominal_s'))} compute")
     return text
+
+
+def _mixes_apart(d: dict, key: str) -> dict[float, list[str]]:
+    """The jobs benchmark's mixes that ran with their own ``key`` (each mix records the agent settings it ran with),
+    by value, where it differs from the run's. Usage: ``_mixes_apart(d, "job_share") == {0.95: ["stagger4"]}``"""
+    other: dict[float, list[str]] = {}
+    for m in d["mixes"]:
+        if isinstance(m, dict) and num(m.get(key)) not in (None, num(d.get(key))):
+            other.setdefault(num(m[key]), []).append(str(m.get("name", DASH)))
+    return other
 
 
 def _jobs_hosts(mixes: list) -> str:
