@@ -265,14 +265,15 @@ def check_htb_and_process(prom: Prometheus, end: float, h1: str, h2: str) -> Non
 @pytest.mark.timeout(60)
 def test_htb_counters_from_the_kernel():
     """A real HTB tree of the agent (3 levels) on a veth in a namespace of its own; 300 frames of 1000 bytes sent
-    through the default class at once: its tiny rate lends a few, the link lends the rest (borrows)."""
-    out = _run_probe(200_000_000, "    print(json.dumps(tcstats.class_stats(ipr, index)))")
+    through the default class at once: its tiny rate lends a few, the link lends the rest (borrows). Read once the
+    queue has drained (12 ms of frames at this rate, longer on a loaded machine), so every frame has been counted."""
+    out = _run_probe(200_000_000, DRAINED_READING)
     stats = {int(k): v for k, v in json.loads(out).items()}
     from tensorlane.agent.kernel.qdisc import HtbBackend
 
     backend = HtbBackend(3, 200_000_000)
     default = stats[backend.default.classid]
-    assert default["packets"] == 300 and default["bytes"] == 300_000
+    assert default["packets"] == 300 and default["bytes"] == 300_000, default
     assert default["lends"] + default["borrows"] == 300 and default["borrows"] > 250, default
     assert default["tokens"] < 0 < default["overlimits"], default  # in debt on its own rate, throttled
     for spec in backend.classes:  # idle levels: a full bucket of their burst at their tiny rate, nothing sent
@@ -326,6 +327,14 @@ def test_class_backlogs_read_the_queue_lengths_that_class_stats_decodes():
     assert 0 < after[default] <= full[default] <= before[default] <= 300, (before, full, after)
     assert all(before[c] == full[c] == after[c] == 0 for c in before if c != default)
     assert missing == {}  # an interface with no classes: an empty dump, not an error
+
+
+DRAINED_READING = """
+    import time
+    deadline = time.monotonic() + 10  # bounded: the queue holds 300 frames at most, sent at 200 Mbit/s
+    while sum(tcstats.class_backlogs(index).values()) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    print(json.dumps(tcstats.class_stats(ipr, index)))"""
 
 
 BACKLOG_READING = """
