@@ -81,6 +81,7 @@ Every sub-command takes ``--rank``, ``--world``, ``--master ADDR:PORT`` (the ren
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import statistics
@@ -753,6 +754,8 @@ def training_main(argv=None) -> int:
     if worker.distributed:
         dist.destroy_process_group()
     result = worker.result(ifname)
+    del worker
+    gc.collect()  # free the DDP models and their process groups now, not in the interpreter's exit (docs/shim.md, Exit)
     write_result(args, result)
     print_training(result)
     return 0
@@ -918,6 +921,7 @@ def realtrain_main(argv=None) -> int:
             runs[mode].append(rec)
         _param_diffs(runs, finals)
     dist.destroy_process_group()
+    gc.collect()  # free the DDP models and their process groups now, not in the interpreter's exit (docs/shim.md, Exit)
     write_result(args, {"rank": args.rank, "world": args.world, "runs": runs, "mode_order": modes,
                         "rounds": args.rounds, "iters": args.iters, "warmup": args.warmup, "steps": steps,
                         "ifname": ifname, "params": sum(p.numel() for p in small_cnn(args.width).parameters()),

@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import gc
 import json
 import os
 import sys
@@ -767,6 +768,7 @@ def main() -> int:
               flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    gc.collect()  # free the DDP models and their process groups now, not in the interpreter's exit (docs/shim.md, Exit)
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -102,6 +103,7 @@ def main() -> int:
             json.dump(dict(stats, run_id=os.environ.get("TORCHELASTIC_RUN_ID")) if stats.get("enabled") else stats, fh)
     dist.barrier()
     dist.destroy_process_group()
+    gc.collect()  # free the DDP models and their process groups now, not in the interpreter's exit (docs/shim.md, Exit)
     return 0
 
 

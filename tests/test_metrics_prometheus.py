@@ -17,6 +17,7 @@ Run as a script with ``--worker`` it is that training worker (see ``worker``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -467,6 +468,8 @@ def worker(argv=None) -> int:
                    "last_error": reporter.last_error}, fh)
     dist.barrier()
     dist.destroy_process_group()
+    del model, opt, handle
+    gc.collect()  # free the DDP models and their process groups now, not in the interpreter's exit (docs/shim.md, Exit)
     return 0
 
 

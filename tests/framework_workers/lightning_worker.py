@@ -16,6 +16,7 @@ are created externally; NODE_RANK, MASTER_ADDR and MASTER_PORT do the rest. Trai
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -97,6 +98,8 @@ def main() -> int:
         params, record = train(variant, args)
         common.save(args.out, variant, rank, params, record)
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    gc.collect()  # free the DDP models and their process groups now, not in the interpreter's exit (docs/shim.md, Exit)
     return 0
 
 
