@@ -25,7 +25,9 @@ Usage::
 """
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import logging
 import os
 import threading
@@ -51,6 +53,17 @@ PLANNER_POLICIES = ("planner", "layer_order", "flat")
 _TRUE = ("1", "true", "yes", "on")
 PROBE_MAX_BACKWARDS = 16  # synchronized iterations without a step() seen before overlap mode gives up
 AGREE_TIMEOUT_S = 10.0  # close(): how long to wait for the compute time's all-reduce in flight before freeing groups
+
+
+_EXIT_HOOK: list = []  # set once the exit's collection is registered
+
+
+def _collect_at_exit() -> None:
+    """Once per process: collect the garbage at exit, while Python still runs, so that a DDP model left in a
+    reference cycle frees its process group and gloo's threads are joined before the interpreter tears down (a
+    gloo thread that frees a backward's work after that aborts the rank: docs/shim.md, Exit)."""
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(atexit.register(gc.collect))
 
 
 def _disabled(disable: bool | None) -> bool:
@@ -274,6 +287,13 @@ class ShimState:
         """Stop reporting, withdraw the flows and free the per-level groups (for a state made by ``comm_state()``
         call it once training is over; ``Handle.close`` calls it). Idempotent."""
         self.closed = True
+        # DDP keeps this state for good (its comm hook, held in C++, where the garbage collector cannot follow it):
+        # nothing in it may lead back to the model, or the model and its process groups are never freed
+        for key in ("ddp", "module", "params"):
+            self.options.pop(key, None)
+        self.order_source = None
+        if self.deferred is not None:
+            self.deferred.release()
         agreeing, self._agreeing = self._agreeing, None
         if agreeing is not None:  # every rank launched it at the same step: it completes (not on a dead peer)
             try:
@@ -785,6 +805,7 @@ def agree_run(group=None) -> str:
 def _connect(levels: int, agent_socket: str | None, job: str | None) -> tuple[list, AgentLink, dict, str]:
     """The collective part of starting: groups per level, the agreed job id and run, flows registered with the
     agent."""
+    _collect_at_exit()
     groups, flows = _priority_groups(levels, os.environ.get("MASTER_PORT"))
     job = agree_job_id(job, group=groups[0])
     link = AgentLink(agent_socket or os.environ.get("TENSORLANE_AGENT_SOCKET", DEFAULT_SOCKET), job,

@@ -155,6 +155,13 @@ class Deferred:
         self.flushed_on_use = 0  # times the guard applied pending updates because a parameter was used
 
     # -- the user's optimizer.step() ----------------------------------------------------------------------
+    def release(self) -> None:
+        """Once closed: drop the pending steps, the parameters and the guard (whose ``on_use`` is the handle, which
+        holds the model); the counters stay for ``stats()``. Not the optimizer's own step, which a wrapper of the
+        shim's ``step`` made by someone else still calls."""
+        self.pending, self.unstamped, self.marks, self.holders = {}, [], [], {}
+        self.guard = self.norms = None
+
     def stamp(self, params: list, closure) -> None:
         """``optimizer.step()`` in overlap mode: check, then stamp this iteration's buckets (no update now)."""
         if closure is not None:

@@ -112,6 +112,52 @@ def test_attach_refuses_a_compiled_ddp_model_with_the_order_to_use(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.torch
+def test_the_shim_frees_ddp_models_left_in_cycles_before_the_interpreter_exits(tmp_path):
+    """A DDP model the script leaves in a reference cycle after ``dist.destroy_process_group()`` keeps its process
+    group (and gloo's threads) until the garbage is collected; collected during the interpreter's exit, a gloo
+    thread that frees a backward's work aborts the rank (docs/shim.md, Exit). The shim collects at exit, while
+    Python runs: an exit handler registered before ``attach`` (so it runs after the shim's) finds the model freed,
+    with automatic collection off; and three attaches register one handler. A closed handle leaves nothing in the
+    state DDP keeps (its comm hook, held in C++) that leads back to the model, so a collection frees it."""
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path / "store")], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "closed models freed by a collection: [True, True]" in out.stdout, out.stdout  # no cycle through C++
+    assert "handlers 1" in out.stdout and "model freed at exit: True" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+EXIT_SCRIPT = r"""
+import atexit, gc, sys, weakref
+import torch, torch.distributed as dist
+from tensorlane import shim
+from tensorlane.shim import ddp as shim_ddp
+
+gc.disable()  # only an explicit collection frees a cycle
+ref = []
+atexit.register(lambda: print("model freed at exit:", ref[0]() is None, flush=True))
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+closed = []
+for overlap in (True, False, True):  # overlap mode, hook mode, overlap mode again
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = shim.attach(model, opt if overlap else None, levels=2, agent_socket="/nonexistent/tl.sock")
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    handle.close()
+    closed.append(weakref.ref(model))
+gc.collect()
+print("closed models freed by a collection:", [r() is None for r in closed[:2]], flush=True)
+print("handlers", len(shim_ddp._EXIT_HOOK), flush=True)
+dist.destroy_process_group()
+model.itself = [model]  # a cycle: freed only by a collection
+ref.append(weakref.ref(model))
+del model, opt, handle
+"""
+
+
 def run_torchrun(tmp_path, nproc: int, *args: str, launch: tuple = ("--standalone",)) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("TENSORLANE_JOB", "TORCHELASTIC_RUN_ID")}
     env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
