@@ -48,7 +48,8 @@ job with the shim: overlap mode, its tensors on the shim's levels; judged agains
 opt-in, ``static_levels`` (``static``'s order, every job with the shim as in ``levels``, its levels inside its job's
 band), ``intensity_hook`` (``intensity``'s table, the jobs as in ``shortest``), ``static_present`` and
 ``intensity_present`` (those orders with ``job_share`` split among the jobs present, not those sending),
-``static_held`` and ``intensity_held`` (those orders with ``job_hold_s`` = :data:`HELD_S`), ``fifo_control`` (FIFO
+``static_held``, ``intensity_held`` and ``shortest_held`` (those orders with ``job_hold_s`` = :data:`HELD_S`, or
+``--held-s``), ``fifo_control`` (FIFO
 once more, an A/A control: its ratios to FIFO are the machine's spread, and no target judges it). Job ``i``
 starts ``offset_s`` after the common release; its JCT runs from its own start to the end of its slowest rank's last
 iteration. Each rank reads, before it exits, ``tcpi_total_rto`` of its TCP connections to its peer (``rto``:
@@ -129,12 +130,13 @@ POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "shortest", "m
 # its job's band); ``intensity_hook``, intensity's table with shortest's jobs (the shim in hook mode at one level),
 # which tells the order's effect from the shim's where both orders agree; ``static_present`` and
 # ``intensity_present``, those orders with job_share split among the jobs present (the agents' "present"), beside
-# the default split among the jobs sending: the two ways side by side in one run; ``static_held`` and
-# ``intensity_held``, those orders with a job counted as sending for HELD_S after its last backlog (the agents'
-# job_hold_s), beside the run's own job_hold_s; ``fifo_control``, FIFO once more: an A/A control, whose JCTs against
-# FIFO's show how far this machine moves a ratio with no policy at all (not a policy: no target judges it)
+# the default split among the jobs sending: the two ways side by side in one run; ``static_held``,
+# ``intensity_held`` and ``shortest_held``, those orders with a job counted as sending for HELD_S (or the run's
+# ``held_s``) after its last backlog (the agents' job_hold_s), beside the run's own job_hold_s; ``fifo_control``,
+# FIFO once more: an A/A control, whose JCTs against FIFO's show how far this machine moves a ratio with no policy
+# at all (not a policy: no target judges it)
 OPT_IN_POLICIES = ("static_levels", "intensity_hook", "static_present", "intensity_present", "static_held",
-                   "intensity_held", "fifo_control")
+                   "intensity_held", "shortest_held", "fifo_control")
 CONTROLS = ("fifo", "fifo_control")  # FIFO and its A/A control: what the policies are judged against
 HELD_S = 0.2
 SOLOS = ("solo", "solo_shim")
@@ -144,18 +146,20 @@ AGENT_POLICY = {"solo": "none", "solo_shim": "none", "fifo": "none", "static": "
                 "alternate": "alternate", "intensity": "intensity", "shortest": "shortest", "levels": "none",
                 "static_levels": "static", "intensity_hook": "intensity", "measured_intensity": "measured_intensity",
                 "static_present": "static", "intensity_present": "intensity", "static_held": "static",
-                "intensity_held": "intensity", "fifo_control": "none"}
+                "intensity_held": "intensity", "shortest_held": "shortest", "fifo_control": "none"}
 PHASE_AGENT = {"static_present": {"job_share_among": "present"},  # a phase's own agent settings: they win
                "intensity_present": {"job_share_among": "present"},
-               "static_held": {"job_hold_s": HELD_S}, "intensity_held": {"job_hold_s": HELD_S}}
+               "static_held": {"job_hold_s": HELD_S}, "intensity_held": {"job_hold_s": HELD_S},
+               "shortest_held": {"job_hold_s": HELD_S}}  # a held phase's hold: the run's held_s
 SAMPLED = ("job_sample_s", "job_hold_s")  # agent settings only for parts among the jobs sending
 # what each job runs: plain DDP at one level, DDP with the shim (overlap, the shim's levels in layer order), or
 # (``shortest``) the shim in hook mode at one level, unpartitioned: plain DDP's schedule (one all-reduce per DDP
 # bucket), with the reports of its step bytes that the agents order the jobs by
 JOB_MODE = {"solo_shim": "shim_overlap", "levels": "shim_overlap", "static_levels": "shim_overlap",
-            "shortest": "shim", "intensity_hook": "shim", "measured_intensity": "shim"}
+            "shortest": "shim", "shortest_held": "shim", "intensity_hook": "shim", "measured_intensity": "shim"}
 HOOK_ONE_LEVEL = {"levels": 1, "shim_policy": "layer_order"}
-JOB_SHIM = {"shortest": HOOK_ONE_LEVEL, "intensity_hook": HOOK_ONE_LEVEL,  # the shim's settings where not the run's
+JOB_SHIM = {"shortest": HOOK_ONE_LEVEL, "shortest_held": HOOK_ONE_LEVEL,  # the shim's settings where not the run's
+            "intensity_hook": HOOK_ONE_LEVEL,
             "measured_intensity": {**HOOK_ONE_LEVEL, "warmup": 4}}  # (a real job's first steps are few of many)
 # (profile, communication fraction of the period, period s, start offset s[, DDP bucket MB of the full-size model]);
 # None, None: compute = communication. The bucket defaults to DDP's 25 MB; ONE_BUCKET_MB puts every gradient in one
@@ -620,13 +624,14 @@ def tcp_counters(host) -> dict[str, int]:
     return out
 
 
-def agent_extra(phase: str, specs: list[dict], epoch_s: float, overrides: dict | None = None) -> dict:
+def agent_extra(phase: str, specs: list[dict], epoch_s: float, overrides: dict | None = None,
+                held_s: float = HELD_S) -> dict:
     """The agents' config fields of ``phase``: the job policy and its table or epoch, then ``overrides`` (the
     fields the run passes to every agent: ``min_share``, ``ack_priority``; ``job_share`` and the others of a job
     order only to a job policy's, and ``job_sample_s``, ``job_hold_s`` only where the parts follow the jobs
-    sending)."""
+    sending), then the phase's own (:data:`PHASE_AGENT`; a held phase's ``job_hold_s`` is ``held_s``)."""
     extra: dict = {"job_policy": AGENT_POLICY[phase]}
-    own = PHASE_AGENT.get(phase, {})
+    own = {k: held_s if k == "job_hold_s" else v for k, v in PHASE_AGENT.get(phase, {}).items()}
     if extra["job_policy"] == "static":
         extra["job_priority"] = {s["id"]: i for i, s in enumerate(specs)}
     elif extra["job_policy"] in ROTATING:
@@ -679,7 +684,7 @@ class OrderWatch:
 
 
 def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels: int, epoch_s: float,
-              overrides: dict | None = None) -> dict:
+              overrides: dict | None = None, held_s: float = HELD_S) -> dict:
     """One phase: fresh agents with the phase's job policy on the jobs' hosts, then the jobs of ``specs`` (the solo
     phases, ``solo`` and ``solo_shim``: one after the other, each alone); returns per job (``specs`` order)
     :func:`job_figures` as ``jobs``, the hosts' TCP counters over the phase (``tcp``) and the first host's agent's
@@ -687,7 +692,7 @@ def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels:
     from bench.agents import running_agents
 
     adir = os.path.join(workdir, f"agents-{tag}")
-    extra = agent_extra(phase, specs, epoch_s, overrides)
+    extra = agent_extra(phase, specs, epoch_s, overrides, held_s)
     specs = [{**s, "mode": JOB_MODE.get(phase, "ddp"), "levels": levels, **JOB_SHIM.get(phase, {})} for s in specs]
     indexes = mix_hosts(specs)
     hosts = [tb.host(i) for i in indexes]
@@ -853,6 +858,8 @@ def run_mix(ctx: dict, mix: str, specs: list[dict], phases, reps: int) -> dict:
     agent = mix_agent(out["kind"], ctx["agent"])
     out["job_share"] = agent.get("job_share", agent_default("job_share"))
     out["job_hold_s"] = agent.get("job_hold_s", agent_default("job_hold_s"))
+    if any(p in PHASE_AGENT and "job_hold_s" in PHASE_AGENT[p] for p in phases):
+        out["held_s"] = ctx["held_s"]
     ids = [s["id"] for s in specs]
     runs: dict[str, list[dict]] = {p: [] for p in phases if p not in SOLOS}
     for rep in range(reps):
@@ -863,7 +870,7 @@ def run_mix(ctx: dict, mix: str, specs: list[dict], phases, reps: int) -> dict:
                 continue
             jobs = [dict(s, port=next(ctx["ports"])) for s in specs]
             ph = run_phase(ctx["tb"], phase, jobs, f"{mix}-{phase}-{rep}", ctx["workdir"], ctx["levels"],
-                           out["epoch_s"], agent)
+                           out["epoch_s"], agent, ctx["held_s"])
             _progress_phase(ctx["progress"], mix, phase, ph, ids)
             runs[phase].append(ph)
     solo = _solo_block(ctx, specs, reps) if "solo" in phases else None
@@ -921,14 +928,15 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
         levels: int = 4, progress=print, port_base: int = 29700, workdir: str | None = None,
         ack_priority: bool | None = None, job_share: float | None = None, min_rate: str | int | None = None,
         queue_limit: int | None = None, job_share_among: str | None = None, job_sample_s: float | None = None,
-        job_hold_s: float | None = None) -> dict:
+        job_hold_s: float | None = None, held_s: float = HELD_S) -> dict:
     """Run the benchmark on a fresh testbed ``name`` (2 hosts; 4 with ``spread4``: :data:`MIX_HOSTS`); return
     ``{"mixes": [...], ...}`` (docs/jobs.md).
 
     ``policies``: the phases (``solo`` and the policies, FIFO as ``fifo``); ``reps`` > 1 repeats every phase (order
     rotating) and takes each job's mean JCT. ``min_share``, ``min_rate`` (a rate, bits/s or 0), ``queue_limit``
     (packets per class), ``ack_priority``, ``job_share``, ``job_share_among``, ``job_sample_s``, ``job_hold_s`` None:
-    the agent's default (not passed; the job fields go only to the phases with a job order).
+    the agent's default (not passed; the job fields go only to the phases with a job order). ``held_s``: the
+    ``job_hold_s`` of the held phases (``static_held``, ``intensity_held``, ``shortest_held``).
     Usage: ``run(quick=True)``
     """
     from tensorlane.agent.config import parse_min_rate
@@ -980,7 +988,7 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
         ctx = {"tb": tb, "workdir": workdir, "levels": levels, "progress": progress,
                "agent": {k: v for k, v in passed.items() if v is not None},
                "ports": itertools.count(port_base + 1), "epoch_factor": epoch_factor, "epoch_s": epoch_s,
-               "solo": {}}
+               "solo": {}, "held_s": held_s}
         for mix in mixes:
             specs = mix_specs(mix, name, tb.rate_bps, iters, warmup, time_scale)
             progress(_describe_mix(mix_setup(mix, specs, epoch_factor, epoch_s)))
@@ -1087,6 +1095,9 @@ def main(argv=None) -> int:
     p.add_argument("--job-hold-s", type=float, default=None,
                    help="the agents' job_hold_s: how long a job counts as sending after its last backlog "
                         "(default: the agent's own, not passed)")
+    p.add_argument("--held-s", type=float, default=HELD_S,
+                   help=f"the job_hold_s of the held phases (static_held, intensity_held, shortest_held; default "
+                        f"{HELD_S:g})")
     p.add_argument("--ack-priority", choices=("on", "off"), default=None,
                    help="the agents' ack_priority (default: the agent's own default, not passed)")
     p.add_argument("--rate", default=DEFAULT_RATE, help=f"the links' rate (default {DEFAULT_RATE}: see DEFAULT_RATE)")
@@ -1102,6 +1113,7 @@ def main(argv=None) -> int:
                  queue_limit=args.queue_limit,
                  levels=args.levels, progress=progress_printer(), job_share=args.job_share,
                  job_share_among=args.job_share_among, job_sample_s=args.job_sample_s, job_hold_s=args.job_hold_s,
+                 held_s=args.held_s,
                  ack_priority=None if args.ack_priority is None else args.ack_priority == "on")
     show_figures(format_table(result), result, args.json)
     return 0

@@ -251,8 +251,17 @@ JOBS_POLICY_NAMES = {"fifo": "FIFO", "static": "static", "rotate": "rotate", "al
                      "levels": "levels", "static_levels": "static levels", "intensity_hook": "intensity (hook)",
                      "static_present": "static (parts of jobs present)",
                      "intensity_present": "intensity (parts of jobs present)",
-                     "static_held": "static (held 0.2 s)", "intensity_held": "intensity (held 0.2 s)",
-                     "fifo_control": "FIFO again (A/A control)"}
+                     "static_held": "static (held)", "intensity_held": "intensity (held)",
+                     "shortest_held": "shortest (held)", "fifo_control": "FIFO again (A/A control)"}
+HELD_S = 0.2  # bench.jobs.HELD_S: the held phases' hold in a file that does not give its own held_s
+
+
+def _policy_name(policy: str, mix: dict) -> str:
+    """A phase's name in the tables and plots; a held phase's with its hold (the mix's ``held_s``)."""
+    name = JOBS_POLICY_NAMES.get(policy, policy)
+    if policy.endswith("_held"):
+        return f"{name[:-len(' (held)')]} (held {mix.get('held_s', HELD_S):g} s)"
+    return name
 
 JOBS_CONTROLS = ("fifo", "fifo_control")  # bench.jobs.CONTROLS: what the policies are judged against, not policies
 
@@ -284,7 +293,7 @@ def _mix_avg_row(mix: dict, rec: str, figure: str, target: float | None) -> Row:
     """Average JCT of the recommended policy against FIFO's (the other policies and alone as alternatives)."""
     rj, fj = _mix_jobs(mix, rec), _mix_jobs(mix, "fifo")
     solo = (mix.get("solo") or {}).get("jobs") if isinstance(mix.get("solo"), dict) else None
-    others = [(JOBS_POLICY_NAMES.get(p, p), _avg(_mix_jobs(mix, p), "jct_s")) for p in JOBS_POLICY_NAMES
+    others = [(_policy_name(p, mix), _avg(_mix_jobs(mix, p), "jct_s")) for p in JOBS_POLICY_NAMES
               if p != rec and p not in JOBS_CONTROLS and _mix_jobs(mix, p)]
     avgs = [_avg(rj, "jct_s"), _avg(fj, "jct_s"), *(v for _, v in others)]
     solo_avg = _avg([j for j in solo if isinstance(j, dict)], "jct_s") if isinstance(solo, list) else None
@@ -990,7 +999,7 @@ def plot_jobs(d, fig):
             ("average JCT / FIFO's", lambda jobs: ratio_of(_avg(jobs, "jct_s"), _avg(jobs, "fifo_jct_s"))),
             ("largest JCT / alone", lambda jobs: (_largest(jobs, "solo_jct_s") or (0, None))[1]))):
         ax = fig.add_subplot(1, 2, i + 1)
-        series = [(label, [fn(_mix_jobs(m, p)) for m in mixes]) for p, label in JOBS_POLICY_NAMES.items()]
+        series = [(_policy_name(p, mixes[0]), [fn(_mix_jobs(m, p)) for m in mixes]) for p in JOBS_POLICY_NAMES]
         series = [(label, vals) for label, vals in series if any(v is not None for v in vals)]
         _grouped(ax, names, series, f"jobs: {what}", "ratio")
         ax.axhline(1.0, ls="--", color="k", lw=0.8)

@@ -106,6 +106,9 @@ def test_mixes_design():
     assert agent_extra("intensity_held", [], 2.4, sampled) == {"job_policy": "intensity", "job_intensity": {},
                                                                "job_share": 0.8, "job_sample_s": 0.02,
                                                                "job_hold_s": HELD_S}
+    # the run's held_s is every held phase's hold (shortest_held: shortest's order, its jobs on the shim)
+    assert agent_extra("shortest_held", [], 2.4, sampled, held_s=0.1)["job_hold_s"] == 0.1
+    assert AGENT_POLICY["shortest_held"] == "shortest" and JOB_MODE["shortest_held"] == JOB_MODE["shortest"]
     assert agent_extra("static", [], 2.4, sampled)["job_hold_s"] == 0.0
     assert agent_extra("fifo", [], 2.4, sampled) == {"job_policy": "none"}
     assert agent_extra("static_present", [], 2.4, sampled) == {"job_policy": "static", "job_priority": {},
