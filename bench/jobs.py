@@ -1119,5 +1119,5 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    cli(main)
+if __name__ == "__main__":  # SIGTERM unwinds the benchmark (its clean-up runs), not the workers it starts
+    cli(main, sigterm=sys.argv[1:2] != ["worker"])

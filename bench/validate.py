@@ -447,4 +447,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    cli(main)
+    cli(main, sigterm=True)  # python -m bench.X: SIGTERM unwinds like Ctrl-C, the testbed is removed

@@ -440,9 +440,11 @@ def _commands_naming(word: str) -> list[str]:
 
 @pytest.mark.netns
 @pytest.mark.timeout(240)
-def test_sigterm_mid_run_removes_the_testbed_agents_and_workers():
-    """``python -m bench jobs`` stopped by SIGTERM (``kill``, ``timeout``) in the middle of a phase exits 143
-    after its clean-up: no namespace, agent or worker of its testbed is left (before, all three were)."""
+@pytest.mark.parametrize("command", [("bench", "jobs"), ("bench.jobs",)], ids=["bench-jobs", "bench.jobs"])
+def test_sigterm_mid_run_removes_the_testbed_agents_and_workers(command):
+    """``python -m bench jobs`` (and the module itself, ``python -m bench.jobs``, which is also its workers' entry)
+    stopped by SIGTERM (``kill``, ``timeout``) in the middle of a phase exits 143 after its clean-up: no namespace,
+    agent or worker of its testbed is left (before, all three were; for the module, until 2026-11-25)."""
     import signal
     import subprocess
     import sys
@@ -452,7 +454,7 @@ def test_sigterm_mid_run_removes_the_testbed_agents_and_workers():
     from testbed import down_by_name
 
     require_netns_tools()
-    cmd = [sys.executable, "-m", "bench", "jobs", "--quick", "--name", "tjt", "--policies", "fifo"]
+    cmd = [sys.executable, "-m", *command, "--quick", "--name", "tjt", "--policies", "fifo"]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
