@@ -254,6 +254,7 @@ JOBS_POLICY_NAMES = {"fifo": "FIFO", "static": "static", "rotate": "rotate", "al
                      "static_held": "static (held)", "intensity_held": "intensity (held)",
                      "shortest_held": "shortest (held)", "fifo_control": "FIFO again (A/A control)"}
 HELD_S = 0.2  # bench.jobs.HELD_S: the held phases' hold in a file that does not give its own held_s
+JOBS_CONTROLS = ("fifo", "fifo_control")  # bench.jobs.CONTROLS: what the policies are judged against, not policies
 
 
 def _policy_name(policy: str, mix: dict) -> str:
@@ -262,8 +263,6 @@ def _policy_name(policy: str, mix: dict) -> str:
     if policy.endswith("_held"):
         return f"{name[:-len(' (held)')]} (held {mix.get('held_s', HELD_S):g} s)"
     return name
-
-JOBS_CONTROLS = ("fifo", "fifo_control")  # bench.jobs.CONTROLS: what the policies are judged against, not policies
 
 
 def _mix_jobs(mix: dict, policy: str) -> list[dict]:

@@ -355,3 +355,11 @@ def test_oversubscribed_row_judges_policies_not_fifos_control():
                                             "static": jobs((10.3, 10.0), (7.0, 8.0))}}
     row = report._mix_oversub_row(mix, 1.05)
     assert row.ratio == "1.03" and "static, job 0" in row.alternatives
+
+
+def test_a_held_phase_is_named_with_its_hold():
+    """A held phase's name carries the mix's ``held_s`` (``--held-s``), 0.2 s where a file gives none (the files
+    before ``--held-s``); other phases keep their names."""
+    assert report._policy_name("shortest_held", {"held_s": 0.1}) == "shortest (held 0.1 s)"
+    assert report._policy_name("static_held", {}) == "static (held 0.2 s)"
+    assert report._policy_name("intensity_present", {"held_s": 0.1}) == "intensity (parts of jobs present)"
