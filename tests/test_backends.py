@@ -90,22 +90,27 @@ def test_htb_backend_classes():
 
 
 def test_htb_change_rates_touches_only_the_classes_whose_rate_moved():
-    """The job policy's parts change several times a second: one request per class whose guarantee moved, no dump,
-    no root or parent request; with ``min_rate`` the floor of every class moves with the parts."""
+    """The job policy's parts change several times a second: one change per class whose guarantee moved (no root
+    or parent class), each with the same parameters as the class ``apply`` makes; with ``min_rate`` the floor of
+    every class moves with the parts."""
     ipr, b = RecordingIPRoute(), HtbBackend(levels=4, link_rate_bps=100_000_000, min_share=0.01)
     before = b.rates()
     b.set_shares({0: 0.3, 2: 0.3})
-    assert b.change_rates(ipr, 7, before) == 2
-    assert [(c[0], fmt_handle(c[2]), c[3]["rate"] * 8) for c in ipr.calls] == [
-        ("replace-class", "7a1:10", 30_000_000), ("replace-class", "7a1:12", 30_000_000)]
-    ipr.calls.clear()
+    changes = b.rate_changes(before)
+    assert [(fmt_handle(c.classid), c.rate * 8) for c in changes] == [("7a1:10", 30_000_000), ("7a1:12", 30_000_000)]
+    b.apply(ipr, 7)  # what a full pass sends for the same classes
+    made = {c[2]: c[3] for c in ipr.calls if c[0] == "replace-class"}
+    for c in changes:
+        assert {k: made[c.classid][k] for k in ("rate", "ceil", "burst", "cburst", "prio", "quantum")} == {
+            "rate": c.rate, "ceil": c.ceil, "burst": c.burst, "cburst": c.cburst, "prio": c.prio,
+            "quantum": c.quantum}
     before = b.rates()
     b.set_shares({0: 0.45, 2: 0.3})
-    assert b.change_rates(ipr, 7, before) == 1 and fmt_handle(ipr.calls[0][2]) == "7a1:10"
+    assert [fmt_handle(c.classid) for c in b.rate_changes(before)] == ["7a1:10"]
     floored = HtbBackend(levels=4, link_rate_bps=50_000_000, min_share=0.01, min_rate=2_500_000)
     before = floored.rates()
     floored.set_shares({0: 0.6, 2: 0.3})  # 10 % left for 5 classes: every floor drops to 1 Mbit/s
-    assert floored.change_rates(RecordingIPRoute(), 7, before) == 5
+    assert len(floored.rate_changes(before)) == 5
 
 
 def test_htb_guarantee_is_min_share_raised_to_min_rate_within_what_the_link_leaves():
@@ -227,3 +232,73 @@ def test_prio_backend_nftables_side_for_real():
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=True)
     assert '"value": "7a1:3"' in out and '"value": "af31"' in out and '"target": "level2"' in out
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("rate", [50_000_000, 100_000_000_000], ids=["50mbit", "100gbit"])
+def test_htb_rate_changes_without_rate_tables_set_what_pyroute2_sets(rate):
+    """The job policy's class changes (``htbclass``: built here, no rate tables) leave each class as pyroute2's
+    request with rate tables does, on a real HTB tree in a namespace of its own: rate, ceil, buffers, quantum,
+    prio, link layer, and the 64-bit rates of a 100 Gbit/s link. A change of a class that is not there raises an
+    OSError naming it, and changes nothing."""
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", CHANGES, str(rate)], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["changed"] == 2 and got["fast"] == got["pyroute2"], got
+    shares = {int(k): v for k, v in got["shares"].items()}
+    for classid, parms in got["fast"].items():  # the leaves whose share moved: their part, the link as ceiling
+        assert parms["rate"] in (int(rate * s) // 8 for s in shares.values()), (classid, parms)
+        assert parms["ceil"] == rate // 8 and parms["linklayer"] == 1, parms
+    assert "7a1:99" in got["missing"] and "No such file" in got["missing"], got["missing"]
+    assert got["after_missing"] == got["fast"], got
+
+
+CHANGES = r"""
+import json, subprocess, sys
+from pyroute2 import IPRoute
+from tensorlane.agent.kernel.htbclass import ClassRates, change_classes
+from tensorlane.agent.kernel.qdisc import HtbBackend
+
+rate = int(sys.argv[1])
+subprocess.run("ip link add tl0 type veth peer name tl1 && ip link set tl1 up && ip link set tl0 up", shell=True,
+               check=True)
+shares = {0: 0.35, 2: 0.3}  # at 100 Gbit/s, 0.35 of the link is above 2**32 bytes/s: TCA_HTB_RATE64
+
+
+def parms(ipr, index, classids):
+    out = {}
+    for msg in ipr.get_classes(index=index):
+        if msg["handle"] in classids:
+            opts = msg.get_attr("TCA_OPTIONS")
+            p = opts.get_attr("TCA_HTB_PARMS")
+            out[hex(msg["handle"])] = {
+                "rate": opts.get_attr("TCA_HTB_RATE64") or p["rate"],
+                "ceil": opts.get_attr("TCA_HTB_CEIL64") or p["ceil"],
+                "buffer": p["buffer"], "cbuffer": p["cbuffer"], "quantum": p["quantum"], "prio": p["prio"],
+                "linklayer": p.get("rate_linklayer", p.get("rate___reserved")), "level": p["level"]}
+    return out
+
+
+with IPRoute() as ipr:
+    index = ipr.link_lookup(ifname="tl0")[0]
+    backend = HtbBackend(4, rate, min_share=0.01)
+    backend.apply(ipr, index)
+    before = backend.rates()
+    backend.set_shares(shares)
+    changes = backend.rate_changes(before)
+    ids = {c.classid for c in changes}
+    changed = backend.change_rates(ipr, index, before)  # the fast path
+    fast = parms(ipr, index, ids)
+    backend.apply(ipr, index)  # pyroute2, with rate tables, the same parameters
+    slow = parms(ipr, index, ids)
+    try:
+        change_classes(index, backend.parent_class, [ClassRates(0x7A10099, 1000, rate // 8, 6056, 6056, 6056, 1)])
+        missing = "no error"
+    except OSError as exc:
+        missing = str(exc)
+    after = parms(ipr, index, ids)
+print(json.dumps({"changed": changed, "fast": fast, "pyroute2": slow, "missing": missing, "after_missing": after,
+                  "shares": shares}))
+"""

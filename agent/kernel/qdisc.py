@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tensorlane.agent.kernel.htbclass import ClassRates, change_classes
+
 MAJOR = 0x7A1  # tensorlane's qdisc handle major ("7a1:"), recognisable in `tc qdisc show`
 MTU_BYTES = 1514
 
@@ -132,24 +134,35 @@ class HtbBackend:
                 ipr.tc("replace", "pfifo", index=index, handle=spec.leaf_handle, parent=spec.classid,
                        limit=self.queue_limit)
 
+    def _leaf_rates(self, spec: ClassSpec) -> ClassRates:
+        """A leaf's parameters: its guaranteed rate, the link as its ceiling, its prio (rates in bytes/s)."""
+        floor = self.guaranteed(spec.level) // 8
+        return ClassRates(spec.classid, floor, self.rate // 8, max(4 * MTU_BYTES, self._burst(floor * 8)),
+                          self._burst(self.rate), 4 * MTU_BYTES, spec.prio)
+
     def _leaf_class(self, ipr, index: int, spec: ClassSpec) -> None:
-        """Create a leaf class, or change it in place: its guaranteed rate, the link as its ceiling, its prio."""
-        floor, burst = self.guaranteed(spec.level) // 8, self._burst(self.rate)
+        """Create a leaf class, or change it in place (:meth:`_leaf_rates`)."""
+        c = self._leaf_rates(spec)
         ipr.tc("replace-class", "htb", index=index, handle=spec.classid, parent=self.parent_class,
-               rate=floor, ceil=self.rate // 8, burst=max(4 * MTU_BYTES, self._burst(floor * 8)), cburst=burst,
-               prio=spec.prio, quantum=4 * MTU_BYTES)
+               rate=c.rate, ceil=c.ceil, burst=c.burst, cburst=c.cburst, prio=c.prio, quantum=c.quantum)
 
     def rates(self) -> dict[int, int]:
         """Every leaf's guaranteed rate in bits/s, by class id (what :meth:`change_rates` compares with)."""
         return {spec.classid: self.guaranteed(spec.level) for spec in self.leaves()}
 
+    def rate_changes(self, before: dict[int, int]) -> list[ClassRates]:
+        """The leaves whose guaranteed rate differs from ``before`` (:meth:`rates` before a :meth:`set_shares`),
+        with what they must become."""
+        return [self._leaf_rates(spec) for spec in self.leaves()
+                if before.get(spec.classid) != self.guaranteed(spec.level)]
+
     def change_rates(self, ipr, index: int, before: dict[int, int]) -> int:
-        """Change in place only the leaves whose guaranteed rate differs from ``before`` (:meth:`rates` before a
-        :meth:`set_shares`); the tree must exist. One netlink request per changed class, where :meth:`apply` makes
-        a dump and one per class: the job policy's parts change several times a second. Returns how many changed."""
-        changed = [spec for spec in self.leaves() if before.get(spec.classid) != self.guaranteed(spec.level)]
-        for spec in changed:
-            self._leaf_class(ipr, index, spec)
+        """Change in place only :meth:`rate_changes`; the tree must exist. One netlink message per changed class,
+        built without pyroute2's rate tables (``htbclass``), where :meth:`apply` makes a dump and one pyroute2
+        request per class: the job policy's parts change several times a second. ``ipr`` is not used (the
+        reconciler passes its handle). Returns how many changed."""
+        changed = self.rate_changes(before)
+        change_classes(index, self.parent_class, changed)
         return len(changed)
 
     def owns(self, ipr, index: int) -> bool:
