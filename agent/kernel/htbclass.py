@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pyroute2.netlink.rtnl.tcmsg.common import calc_xmittime
 
-from tensorlane.agent.kernel.tcstats import NLM_F_REQUEST, NLMSG_ERROR, NLMSG_HDR, RECV_BYTES, RTM_NEWTCLASS, TCMSG
+from tensorlane.agent.kernel.tcstats import NLM_F_REQUEST, NLMSG_ERROR, NLMSG_HDR, RTM_NEWTCLASS, TCMSG, messages
 
 NLM_F_ACK = 0x4
 TCA_KIND, TCA_OPTIONS = 1, 2
@@ -30,7 +30,6 @@ U32_MAX = (1 << 32) - 1
 # struct tc_htb_opt: two struct tc_ratespec {u8 cell_log, linklayer; u16 overhead; s16 cell_align; u16 mpu; u32 rate}
 # (rate, ceil), then u32 buffer, cbuffer (psched ticks), quantum, level, prio
 HTB_OPT = struct.Struct("=BBHhHI BBHhHI IIIII".replace(" ", ""))
-MAX_RECVS = 64  # bound on the datagrams read for the answers; a few are enough
 
 
 @dataclass(frozen=True)
@@ -79,21 +78,14 @@ def change_classes(index: int, parent: int, classes: list[ClassRates], timeout_s
         sock.settimeout(timeout_s)
         for seq, c in waiting.items():
             sock.send(change_message(index, parent, c, seq))
-        for _ in range(MAX_RECVS):
-            if not waiting:
-                break
-            data = sock.recv(RECV_BYTES)
-            pos = 0
-            while pos + NLMSG_HDR.size <= len(data):
-                length, kind, _flags, seq, _port = NLMSG_HDR.unpack_from(data, pos)
-                if length < NLMSG_HDR.size or pos + length > len(data):
-                    raise OSError(f"changing HTB classes on interface {index}: a truncated netlink answer")
-                if kind == NLMSG_ERROR and seq in waiting and length >= NLMSG_HDR.size + 4:
-                    code = struct.unpack_from("=i", data, pos + NLMSG_HDR.size)[0]
-                    c = waiting.pop(seq)
-                    if code:
-                        errors[c.classid] = -code
-                pos += (length + 3) & ~3
+        for kind, seq, data, pos, length in messages(sock, f"changing HTB classes on interface {index}"):
+            if kind == NLMSG_ERROR and seq in waiting and length >= NLMSG_HDR.size + 4:
+                code = struct.unpack_from("=i", data, pos + NLMSG_HDR.size)[0]
+                c = waiting.pop(seq)
+                if code:
+                    errors[c.classid] = -code
+                if not waiting:
+                    break
     if waiting:
         raise OSError(f"changing HTB classes on interface {index}: no answer for {len(waiting)} of them")
     if errors:

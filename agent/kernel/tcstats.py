@@ -87,6 +87,20 @@ def _qlen(data: bytes, pos: int, end: int) -> int:
     return 0
 
 
+def messages(sock: socket.socket, what: str):
+    """Every netlink message read from ``sock``, datagram after datagram (at most :data:`MAX_RECVS`), as ``(type,
+    sequence, data, start, length)``; a truncated one raises OSError, ``what`` naming the request."""
+    for _ in range(MAX_RECVS):
+        data = sock.recv(RECV_BYTES)
+        pos = 0
+        while pos + NLMSG_HDR.size <= len(data):
+            length, kind, _flags, seq, _port = NLMSG_HDR.unpack_from(data, pos)
+            if length < NLMSG_HDR.size or pos + length > len(data):
+                raise OSError(f"{what}: a truncated netlink message")
+            yield kind, seq, data, pos, length
+            pos += (length + 3) & ~3
+
+
 def class_backlogs(index: int, sock: socket.socket | None = None) -> dict[int, int]:
     """``{classid: packets queued}`` of every class of interface ``index`` in this process's network namespace:
     one netlink dump, only ``TCA_STATS_QUEUE``'s ``qlen`` read (the ``backlog_packets`` of :func:`class_stats`).
@@ -98,26 +112,21 @@ def class_backlogs(index: int, sock: socket.socket | None = None) -> dict[int, i
         body = TCMSG.pack(socket.AF_UNSPEC, 0, 0, index, 0, 0, 0)
         sock.send(NLMSG_HDR.pack(NLMSG_HDR.size + len(body), RTM_GETTCLASS, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
         out: dict[int, int] = {}
-        for _ in range(MAX_RECVS):
-            data = sock.recv(RECV_BYTES)
-            pos = 0
-            while pos + NLMSG_HDR.size <= len(data):
-                length, kind, _flags, mseq, _port = NLMSG_HDR.unpack_from(data, pos)
-                if length < NLMSG_HDR.size or pos + length > len(data):
-                    raise OSError(f"class dump of interface {index}: a truncated netlink message")
-                if mseq == seq:
-                    if kind == NLMSG_DONE:
-                        return out
-                    if kind == NLMSG_ERROR:
-                        code = struct.unpack_from("=i", data, pos + NLMSG_HDR.size)[0]
-                        if code:
-                            raise OSError(-code, f"class dump of interface {index}: {os.strerror(-code)}")
-                    elif kind == RTM_NEWTCLASS and length >= NLMSG_HDR.size + TCMSG.size:
-                        _, _, _, ifindex, handle, _, _ = TCMSG.unpack_from(data, pos + NLMSG_HDR.size)
-                        if ifindex == index:
-                            out[handle] = _qlen(data, pos + NLMSG_HDR.size + TCMSG.size, pos + length)
-                pos += (length + 3) & ~3
-        raise OSError(f"class dump of interface {index}: no end after {MAX_RECVS} datagrams")
+        what = f"class dump of interface {index}"
+        for kind, mseq, data, pos, length in messages(sock, what):
+            if mseq != seq:
+                continue
+            if kind == NLMSG_DONE:
+                return out
+            if kind == NLMSG_ERROR:
+                code = struct.unpack_from("=i", data, pos + NLMSG_HDR.size)[0]
+                if code:
+                    raise OSError(-code, f"{what}: {os.strerror(-code)}")
+            elif kind == RTM_NEWTCLASS and length >= NLMSG_HDR.size + TCMSG.size:
+                _, _, _, ifindex, handle, _, _ = TCMSG.unpack_from(data, pos + NLMSG_HDR.size)
+                if ifindex == index:
+                    out[handle] = _qlen(data, pos + NLMSG_HDR.size + TCMSG.size, pos + length)
+        raise OSError(f"{what}: no end after {MAX_RECVS} datagrams")
     finally:
         if own:
             sock.close()
