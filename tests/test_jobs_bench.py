@@ -444,16 +444,22 @@ def _commands_naming(word: str) -> list[str]:
 def test_sigterm_mid_run_removes_the_testbed_agents_and_workers(command):
     """``python -m bench jobs`` (and the module itself, ``python -m bench.jobs``, which is also its workers' entry)
     stopped by SIGTERM (``kill``, ``timeout``) in the middle of a phase exits 143 after its clean-up: no namespace,
-    agent or worker of its testbed is left (before, all three were; for the module, until 2026-11-25)."""
+    agent, worker or scratch directory of its testbed is left (before, all were; for the module, until
+    2026-11-25)."""
+    import glob
+    import os
     import signal
     import subprocess
     import sys
+    import tempfile
     import time
 
     from bench.workers import REPO_ROOT, repo_env
     from testbed import down_by_name
 
     require_netns_tools()
+    scratch = os.path.join(tempfile.gettempdir(), "tensorlane-jobs-*")
+    kept = set(glob.glob(scratch))
     cmd = [sys.executable, "-m", *command, "--quick", "--name", "tjt", "--policies", "fifo"]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -469,6 +475,7 @@ def test_sigterm_mid_run_removes_the_testbed_agents_and_workers(command):
         netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
         assert "tjt-" not in netns, netns
         assert not _commands_naming("tjt-"), _commands_naming("tjt-")
+        assert set(glob.glob(scratch)) <= kept, set(glob.glob(scratch)) - kept  # its scratch directory too
     finally:
         if proc.poll() is None:
             proc.kill()
