@@ -259,10 +259,9 @@ JOBS_CONTROLS = ("fifo", "fifo_control")  # bench.jobs.CONTROLS: what the polici
 
 def _policy_name(policy: str, mix: dict) -> str:
     """A phase's name in the tables and plots; a held phase's with its hold (the mix's ``held_s``)."""
-    name = JOBS_POLICY_NAMES.get(policy, policy)
     if policy.endswith("_held"):
-        return f"{name[:-len(' (held)')]} (held {mix.get('held_s', HELD_S):g} s)"
-    return name
+        return f"{JOBS_POLICY_NAMES[policy.removesuffix('_held')]} (held {mix.get('held_s', HELD_S):g} s)"
+    return JOBS_POLICY_NAMES.get(policy, policy)
 
 
 def _mix_jobs(mix: dict, policy: str) -> list[dict]:
