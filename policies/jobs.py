@@ -1,18 +1,19 @@
 """The agent's job policy: the order of the jobs, each job's band of levels, and a flow's effective level.
 
-Every agent must compute the same job order from the same inputs without a coordination service, so each
-function here is a pure function of its arguments, sorts with a total order, and breaks ties by job id.
+Every agent must compute the same job order from the same inputs without a coordination service, so each function
+here is a pure function of its arguments, sorts with a total order, and breaks ties by job id.
 
 The agent (``agent/jobs.py``, docs/jobs.md) uses ``job_order`` (the order and rank of the jobs one agent sees, for
-policy ``none``, ``static``, ``rotate``, ``alternate``, ``intensity``, ``shortest`` or ``measured_intensity``),
-``measured_intensity_rank`` (the order of Crux's ``policies.papers.crux.gpu_intensity`` from a job's reported
-compute time and bytes), ``job_bands`` (each job's contiguous band of levels), ``banded_level`` (a flow's effective
-level: its job's band, with the level the client asked for compressed inside) and ``job_shares`` (the link's share
-guaranteed to each band, so that no order leaves a job less than its part). Rotation is ``hashed_rotation_order``:
-the relative order of two jobs depends only on those two ids and the epoch number, so agents that see different sets
-of jobs still agree on every pair they share (TensorLights' positional rotation,
-``policies.papers.tensorlights.rotate_job_order``, does not). :class:`Job` is the job as the paper reproductions
-(``policies.papers.tensorlights``, ``policies.papers.crux``) see it.
+policy ``none``, ``static``, ``rotate``, ``alternate``, ``intensity``, ``shortest``, ``measured_intensity`` or
+``slowdown``), ``measured_intensity_rank`` (the order of Crux's ``policies.papers.crux.gpu_intensity`` from a job's
+reported compute time and bytes), ``slowdown_rank`` (how far a job's last steps ran behind its ideal step),
+``job_bands`` (each job's contiguous band of levels), ``banded_level`` (a flow's effective level: its job's band,
+with the level the client asked for compressed inside) and ``job_shares`` (the link's share guaranteed to each band,
+so that no order leaves a job less than its part). Rotation is ``hashed_rotation_order``: the relative order of two
+jobs depends only on those two ids and the epoch number, so agents that see different sets of jobs still agree on
+every pair they share (TensorLights' positional rotation, ``policies.papers.tensorlights.rotate_job_order``, does
+not). :class:`Job` is the job as the paper reproductions (``policies.papers.tensorlights``,
+``policies.papers.crux``) see it.
 """
 from __future__ import annotations
 
@@ -24,12 +25,15 @@ from dataclasses import dataclass
 
 from tensorlane.policies.compress import compress_levels
 
-JOB_POLICIES = ("none", "static", "rotate", "alternate", "intensity", "shortest", "measured_intensity")
+JOB_POLICIES = ("none", "static", "rotate", "alternate", "intensity", "shortest", "measured_intensity", "slowdown")
 ROTATING = ("rotate", "alternate")  # the policies whose order changes every epoch
-REPORTED = {"shortest": ("step_bytes",), "measured_intensity": ("step_bytes", "compute_s")}  # inputs from the shims
+TIMED = ("slowdown",)  # the policies whose order moves with the clock between reports (the agent re-ranks each sample)
+REPORTED = {"shortest": ("step_bytes",), "measured_intensity": ("step_bytes", "compute_s"),  # inputs from the shims
+            "slowdown": ("step_bytes", "compute_s", "window_start", "window_steps")}
 REPORTED_INPUTS = tuple(dict.fromkeys(name for names in REPORTED.values() for name in names))  # each once
 SHARE_AMONG = ("sending", "present")  # how job_share is split: among the jobs sending (1/k), or all present (1/n)
 INTENSITY_STEP = 1.1  # measured_intensity: jobs whose intensities differ by less than one such factor may share a band
+SLOWDOWN_WINDOW = 4  # slowdown: the steps a shim's window spans (``window_steps`` at most this)
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,10 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
               priority: Mapping[str, int] | None = None,
               intensity: Mapping[str, float] | None = None,
               step_bytes: Mapping[str, int] | None = None,
-              compute_s: Mapping[str, float] | None = None) -> tuple[tuple[str, ...], tuple[float, ...]]:
+              compute_s: Mapping[str, float] | None = None,
+              window_start: Mapping[str, float] | None = None,
+              window_steps: Mapping[str, int] | None = None,
+              link_bps: float | None = None) -> tuple[tuple[str, ...], tuple[float, ...]]:
     """The order of the jobs ``job_ids`` under ``policy`` (most urgent first) and each one's rank value
     (jobs with equal rank values share a band in ``job_bands``).
 
@@ -126,7 +133,13 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
       compute seconds ``compute_s[job]`` (agreed over the job's ranks) per byte it all-reduces ``step_bytes[job]``
       (``measured_intensity_rank``: the link's rate divides every job's transfer time alike, so it drops out of the
       order); ranks are whole steps of ``INTENSITY_STEP`` (jobs within about 10 % of each other may share a band);
-      jobs without both reports rank after every reported one, all alike.
+      jobs without both reports rank after every reported one, all alike;
+    - ``slowdown``: the job slowed down most over its last steps first, at wall-clock ``now_s``
+      (``slowdown_rank``: the seconds since ``window_start[job]`` over ``window_steps[job] + 1`` ideal steps of
+      ``compute_s[job]`` plus ``step_bytes[job]`` at ``link_bps``); the order moves with ``now_s``. A job that
+      has just ended a step drops back, one whose step runs long rises: on a link the jobs' communication fits,
+      the jobs take turns as earliest-deadline-first scheduling would give them (docs/jobs.md). Jobs without the
+      reports rank after every reported one, all alike.
 
     Usage: ``job_order("static", ["b", "a", "c"], priority={"b": 0, "a": 1})``
     ``== (("b", "a", "c"), (0, 1, math.inf))``
@@ -164,6 +177,12 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
                 for j in ids}
         order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
         return order, tuple(rank[j] for j in order)
+    if policy == "slowdown":
+        got = [step_bytes or {}, compute_s or {}, window_start or {}, window_steps or {}]
+        rank = {j: slowdown_rank(now_s, got[2][j], got[3][j], got[1][j], got[0][j], link_bps)
+                if all(j in g for g in got) else math.inf for j in ids}
+        order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
+        return order, tuple(rank[j] for j in order)
     raise ValueError(f"policy must be one of {', '.join(JOB_POLICIES)}, not {policy!r}")
 
 
@@ -181,6 +200,29 @@ def measured_intensity_rank(compute_s: float, step_bytes: int) -> float:
     if compute_s == 0 or step_bytes == 0:
         return math.inf
     return -float(math.floor(math.log(compute_s / step_bytes) / math.log(INTENSITY_STEP)))
+
+
+def slowdown_rank(now_s: float, window_start: float, window_steps: int, compute_s: float, step_bytes: int,
+                  link_bps: float | None) -> float:
+    """The rank of a job under ``slowdown`` at wall-clock ``now_s`` (smaller first): minus its slowdown over its
+    window, ``(now_s - window_start) / ((window_steps + 1) * ideal)``: the time since the end of the step
+    ``window_steps`` steps before its last one (as its shim reports it) over as many ideal steps plus the one under
+    way, where ``ideal = compute_s + 8 * step_bytes / link_bps`` (the step's compute time, agreed over the job's
+    ranks, and its bytes at the link's rate; without a rate the compute time alone). ``inf`` (last) while
+    ``compute_s`` is 0: nothing measured yet. A pure function of the reported numbers, the clock and the rate:
+    agents whose clocks and link rates agree rank a job alike; near the moment two jobs' ranks cross, agents differ
+    by their clock skew and sampling.
+
+    Usage: ``slowdown_rank(12.0, 10.0, 1, 0.5, 0, None) == -2.0``
+    """
+    if not (math.isfinite(now_s) and math.isfinite(window_start) and math.isfinite(compute_s)):
+        raise ValueError("now_s, window_start and compute_s must be finite")
+    if compute_s < 0 or step_bytes < 0 or window_steps < 0:
+        raise ValueError("compute_s, step_bytes and window_steps must not be negative")
+    if compute_s == 0:
+        return math.inf
+    ideal = compute_s + (8.0 * step_bytes / link_bps if link_bps else 0.0)
+    return -max(0.0, now_s - window_start) / ((window_steps + 1) * ideal)
 
 
 def job_bands(order: Sequence[str], levels: int, ranks: Sequence[float] | None = None) -> dict[str, tuple[int, int]]:

@@ -21,6 +21,7 @@ from tensorlane.policies.jobs import (
     measured_intensity_rank,
     rotation_epoch,
     rotation_key,
+    slowdown_rank,
 )
 from tensorlane.policies.papers.crux import gpu_intensity, gpu_intensity_order, job_levels
 from tensorlane.policies.papers.tensorlights import rotate_job_order, static_job_order
@@ -162,8 +163,24 @@ def test_job_order_by_hand() -> None:
     assert job_order("measured_intensity", ids)[1] == (math.inf,) * 4
     with pytest.raises(ValueError, match="compute_s"):
         job_order("measured_intensity", ids, step_bytes={"a": 1}, compute_s={"a": math.nan})
+    # slowdown: the job furthest behind its ideal step over its window first, at the time given; the order moves
+    # with the clock: a job that has just ended a step drops back; jobs without every report after the others
+    reports = {"step_bytes": {"a": 10**6, "b": 10**6, "c": 0}, "compute_s": {"a": 0.5, "b": 0.5, "c": 1.0},
+               "window_start": {"a": 100.0, "b": 101.0, "c": 100.0}, "window_steps": {"a": 4, "b": 0, "c": 4}}
+    # ideal steps at 8 Mbit/s: a and b 1.5 s, c 1.0 s; at 102 s: a 2/7.5, b 1/1.5, c 2/5
+    order, ranks = job_order("slowdown", ids, now_s=102.0, link_bps=8e6, **reports)
+    assert order == ("b", "c", "a", "d") and ranks[:3] == pytest.approx((-1 / 1.5, -2 / 5, -2 / 7.5))
+    assert ranks[3] == math.inf
+    # later: a's window ran long, b's moved on (9/7.5 against 6/7.5), c's has just begun
+    later = reports | {"window_start": {"a": 100.0, "b": 103.0, "c": 108.0}, "window_steps": {"a": 4, "b": 4, "c": 4}}
+    assert job_order("slowdown", ids, now_s=109.0, link_bps=8e6, **later)[0] == ("a", "b", "c", "d")
+    assert slowdown_rank(12.0, 10.0, 1, 0.5, 0, None) == -2.0  # no rate known: the compute time alone
+    assert slowdown_rank(12.0, 10.0, 1, 0.0, 10, 8e6) == math.inf  # nothing measured yet
+    assert slowdown_rank(9.0, 10.0, 1, 0.5, 0, None) == 0.0  # a window reported from ahead of this clock
+    with pytest.raises(ValueError, match="window_steps"):
+        slowdown_rank(12.0, 10.0, -1, 0.5, 0, None)
     assert set(JOB_POLICIES) == {"none", "static", "rotate", "alternate", "intensity", "shortest",
-                                 "measured_intensity"}
+                                 "measured_intensity", "slowdown"}
     with pytest.raises(ValueError, match="policy"):
         job_order("fair", ids)
     with pytest.raises(ValueError):
@@ -392,3 +409,22 @@ def test_agents_agree_on_shared_jobs_by_measured_intensity(seen1, seen2, levels,
     o2, r2 = job_order("measured_intensity", seen2, step_bytes={j: sizes[j] for j in kept2},
                        compute_s={j: compute[j] for j in kept2})
     assert_shared_pairs_agree(set(seen1) & set(seen2), levels, (o1, r1), (o2, r2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(job_ids, job_ids, st.integers(1, 5), st.data())
+def test_agents_agree_on_shared_jobs_by_slowdown(seen1, seen2, levels, data) -> None:
+    """``slowdown``: two agents that read the same clock, on links of the same rate, with both shared jobs'
+    windows (each job's ranks report the same step ends up to the hosts' skew, here none) order them alike,
+    whatever other jobs each one sees."""
+    every = sorted(set(seen1) | set(seen2))
+    got = {j: (data.draw(st.integers(1, 5)) * 10**6, data.draw(st.sampled_from([0.1, 0.25, 0.5])),
+               100.0 + data.draw(st.integers(0, 40)) / 10, data.draw(st.integers(0, 4))) for j in every}
+
+    def order(seen):
+        kept = [j for j in seen if data.draw(st.booleans()) or j in set(seen1) & set(seen2)]
+        return job_order("slowdown", seen, now_s=105.0, link_bps=50e6,
+                         **{name: {j: got[j][i] for j in kept} for i, name in
+                            enumerate(("step_bytes", "compute_s", "window_start", "window_steps"))})
+
+    assert_shared_pairs_agree(set(seen1) & set(seen2), levels, order(seen1), order(seen2))
