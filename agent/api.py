@@ -42,8 +42,8 @@ class Api:
         self.reports = JobReports()  # communication time reported by the shims (op "report"), for the metrics
         self.policy = AccessPolicy(frozenset(cfg.allowed_users), frozenset(cfg.allowed_groups),
                                    dict(cfg.level_limits), frozenset(cfg.trusted_users), cfg.check_ownership)
-        self.jobs = JobScheduler(cfg, guarantees=reconciler.backend.kind == "htb",
-                                 budget=reconciler.share_budget())  # the job order (docs/jobs.md)
+        self.jobs = JobScheduler(cfg, guarantees=reconciler.backend.kind == "htb", budget=reconciler.share_budget(),
+                                 link_bps=reconciler.link_bps())  # the job order (docs/jobs.md)
         self.refusal_log = RefusalLog(log, 10.0)  # shared with the socket server (agent/server.py)
         self.netns = netns_of("self")  # the network namespace this agent manages: ownership is decided in it
         table.level_of = self.jobs.level_of
@@ -93,15 +93,17 @@ class Api:
         self.rec.set_shares(self.jobs.shares)  # the jobs' guarantees follow the set of jobs (classes in place)
 
     def reorder(self) -> int:
-        """At an epoch boundary (the server's timer), or when a job's reported inputs changed (``shortest``,
-        ``measured_intensity``):
-        recompute the job order and move the flows whose effective level changed, in one transaction. Returns how
-        many moved."""
+        """At an epoch boundary (the server's timer), when a job's reported inputs changed (``shortest``,
+        ``measured_intensity``, ``slowdown``), or every ``job_sample_s`` under an order that moves with the clock
+        (``slowdown``): recompute the job order and move the flows whose effective level changed, in one
+        transaction. Returns how many moved."""
         shifted = self.jobs.update(self.table)
         if shifted:
             self.rec.apply(self.table, [], shifted, [])
             self.record("job_order", "moved")
-            log.info("job order changed: moved %d flows", len(shifted))
+            # (slowdown moves jobs several times a second: its changes are counted in status, not logged)
+            log.log(logging.DEBUG if self.jobs.timed else logging.INFO, "job order changed: moved %d flows",
+                    len(shifted))
         self.rec.set_shares(self.jobs.shares)  # ties can join or split bands (reported inputs): the parts follow
         return len(shifted)
 

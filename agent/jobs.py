@@ -14,6 +14,9 @@ The FlowTable keeps the level each client asked for; this module derives the lev
 - ``"measured_intensity"``: by Crux's GPU intensity measured by the jobs themselves: the compute seconds of a
   training step (``compute_s`` of op ``report``, agreed over the job's ranks) per byte it all-reduces
   (``step_bytes``), most intense first.
+- ``"slowdown"``: the job whose last steps ran furthest behind its ideal step first (``window_start`` and
+  ``window_steps`` of op ``report``, with ``compute_s`` and ``step_bytes`` at the link's rate); the order moves
+  with the clock, so the server re-ranks every ``job_sample_s`` (``rerank_wanted``).
 
 Under a policy, ``job_share`` of the link is guaranteed to the jobs in equal parts (``policies.jobs.job_shares``,
 each part on its band's most urgent level; ``shares``), so that an order never leaves a job with less than its part
@@ -48,6 +51,7 @@ from tensorlane.flows import FlowKey
 from tensorlane.policies.jobs import (
     REPORTED,
     ROTATING,
+    TIMED,
     banded_level,
     job_bands,
     job_order,
@@ -61,16 +65,20 @@ log = logging.getLogger("tensorlane.jobs")
 class JobScheduler:
     """Effective levels under the configured job policy; ``clock`` is wall-clock time (agents compare epochs)."""
 
-    def __init__(self, cfg, clock=time.time, guarantees: bool = True, budget: float = 1.0):
+    def __init__(self, cfg, clock=time.time, guarantees: bool = True, budget: float = 1.0,
+                 link_bps: float | None = None):
         """``guarantees``: whether the backend gives classes guaranteed rates (htb; prio has none: no parts to
         follow, nothing sampled); ``budget``: the share of the link the parts may take in all
-        (``Reconciler.share_budget``)."""
+        (``Reconciler.share_budget``); ``link_bps``: the link's rate (``slowdown``'s ideal step: a step's bytes at
+        this rate; None: unknown, its compute time alone)."""
         self.policy = getattr(cfg, "job_policy", "none")
         self.levels = cfg.levels
         self.epoch_s = float(getattr(cfg, "rotate_epoch_s", 20.0))
         self.priority = dict(getattr(cfg, "job_priority", {}) or {})
         self.intensity = dict(getattr(cfg, "job_intensity", {}) or {})
         self.inputs = REPORTED.get(self.policy, ())  # what the order takes from the shims' reports
+        self.timed = self.policy in TIMED  # the order moves with the clock: re-ranked every job_sample_s
+        self.link_bps = link_bps
         self.reported: dict[str, dict[str, float]] = {}  # job -> {input: value} its shims reported (those inputs)
         self.job_share = float(getattr(cfg, "job_share", 0.0))
         self.share_among = getattr(cfg, "job_share_among", "sending")
@@ -118,7 +126,8 @@ class JobScheduler:
 
     # -- reported inputs ----------------------------------------------------------------------------------------
     def report(self, job: str, **values) -> bool:
-        """Take a job's reported inputs (``step_bytes=``, ``compute_s=``; None: not in this report) that the
+        """Take a job's reported inputs (``step_bytes=``, ``compute_s=``, ``window_start=``, ``window_steps=``; None:
+        not in this report) that the
         policy orders by; returns whether the order's input changed, i.e. whether ``update`` must run. Inputs the
         policy does not use are ignored."""
         taken = {k: v for k, v in values.items() if k in self.inputs and v is not None}
@@ -144,11 +153,13 @@ class JobScheduler:
         for gone in [j for j in self.reported if j not in jobs]:  # bounded by the jobs present
             del self.reported[gone]
         keys = self._keys(jobs)
-        if jobs == self.jobs and epoch == self.epoch and keys == self.keys and self.bands:
+        if jobs == self.jobs and epoch == self.epoch and keys == self.keys and self.bands and not self.timed:
             return []
         now_s = 0.0 if epoch is None else epoch * self.epoch_s
+        if self.timed:
+            now_s = self.clock() if now is None else now
         order, ranks = job_order(self.policy, sorted(jobs), now_s=now_s, epoch_s=self.epoch_s,
-                                 priority=self.priority, intensity=self.intensity,
+                                 priority=self.priority, intensity=self.intensity, link_bps=self.link_bps,
                                  **{name: self.inputs_of(name, keys) for name in self.inputs})
         bands = job_bands(order, self.levels, ranks)
         old = self.bands
@@ -172,6 +183,11 @@ class JobScheduler:
             self.backlogged_at.clear()
         self.shares = job_shares(bands, self.job_share, self.sending, self.budget)
         return sorted(shifted)
+
+    def rerank_wanted(self) -> bool:
+        """Whether the order must be recomputed every ``job_sample_s`` although nothing was reported: a policy
+        whose order moves with the clock (``slowdown``) and two jobs or more."""
+        return self.timed and len(self.bands) >= 2
 
     # -- the parts of the sending jobs ------------------------------------------------------------------------
     def samples_wanted(self) -> bool:

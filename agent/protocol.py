@@ -18,6 +18,7 @@ from tensorlane.client import (
     MAX_FLOWS_PER_MESSAGE,
     MAX_MESSAGE_BYTES,
     MAX_REPORT_LEVELS,
+    MAX_WINDOW_STEPS,
     OPS,
 )
 from tensorlane.flows import FlowKey
@@ -46,6 +47,8 @@ class Request:
     counters: tuple[tuple[int, int, int, float], ...] = ()  # report: (level, allreduces, bytes, comm_s)
     step_bytes: int | None = None  # report: bytes one training step all-reduces (job_policy "shortest")
     compute_s: float | None = None  # report: compute seconds per training step, agreed by the job's ranks
+    window_start: float | None = None  # report: wall-clock time the job's window of steps began (job_policy "slowdown")
+    window_steps: int | None = None  # report: the steps ended since window_start (job_policy "slowdown")
 
 
 def _port(value, name: str) -> int:
@@ -141,7 +144,7 @@ def parse_request(line: bytes | str) -> Request:
         raise ProtocolError("bad_request", "id must be a string or an integer")
     allowed = {"op", "id"} | {
         "register": {"job", "level", "rank", "flows", "run"}, "unregister": {"job", "flows"}, "list": {"job"},
-        "report": {"job", "session", "levels", "step_bytes", "compute_s"},
+        "report": {"job", "session", "levels", "step_bytes", "compute_s", "window_start", "window_steps"},
     }.get(op, set())
     unknown = set(msg) - allowed
     if unknown:
@@ -169,7 +172,7 @@ def parse_request(line: bytes | str) -> Request:
     run = msg.get("run")
     if run is not None and (not isinstance(run, str) or not JOB_ID_RE.match(run)):
         raise ProtocolError("bad_request", f"run must be {JOB_ID_RULE}; got {run!r}")
-    session, counters, step_bytes, compute_s = None, (), None, None
+    session, counters, step_bytes, compute_s, window_start, window_steps = None, (), None, None, None, None
     if op == "report":
         session = msg.get("session")
         if not isinstance(session, str) or not JOB_ID_RE.match(session):
@@ -182,8 +185,16 @@ def parse_request(line: bytes | str) -> Request:
             if compute_s > MAX_COMPUTE_S:
                 raise ProtocolError("bad_request", f"compute_s must be at most {MAX_COMPUTE_S:g} seconds, "
                                                    f"got {compute_s!r}")
+        if msg.get("window_start") is not None:
+            window_start = float(_count(msg, "window_start", float))
+        if msg.get("window_steps") is not None:
+            window_steps = _count(msg, "window_steps", int)
+            if window_steps > MAX_WINDOW_STEPS:
+                raise ProtocolError("bad_request", f"window_steps must be at most {MAX_WINDOW_STEPS}, "
+                                                   f"got {window_steps!r}")
     return Request(op=op, id=rid, job=job, level=level, rank=rank, flows=flows, session=session, run=run,
-                   counters=counters, step_bytes=step_bytes, compute_s=compute_s)
+                   counters=counters, step_bytes=step_bytes, compute_s=compute_s, window_start=window_start,
+                   window_steps=window_steps)
 
 
 def ok(rid, result: dict) -> bytes:

@@ -81,6 +81,10 @@ class Reconciler:
         for a backend without guarantees)."""
         return min((dev.backend.share_budget() for dev in self.devices), default=1.0)
 
+    def link_bps(self) -> int | None:
+        """The slowest managed device's link rate in bits/s (None where no backend knows one)."""
+        return min((r for dev in self.devices if (r := getattr(dev.backend, "rate", None))), default=None)
+
     def set_shares(self, shares: dict[int, float]) -> bool:
         """Give the levels in ``shares`` that guaranteed share of each device's link (the job policy's
         ``job_share``; the other levels keep ``min_share``): the classes are changed in place. A failure is counted

@@ -161,7 +161,7 @@ class Server:
                     timeout = min(timeout, self.listen_again - now)
                 if self.held_until:
                     timeout = min(timeout, min(self.held_until.values()) - now)
-                if jobs.samples_wanted():
+                if jobs.samples_wanted() or jobs.rerank_wanted():
                     timeout = min(timeout, next_sample - now)
             for key, events in self.sel.select(max(0.0, timeout)):
                 kind, data = key.data
@@ -178,6 +178,8 @@ class Server:
                 self.api.reorder()
             now = time.monotonic()
             if now >= next_sample:
+                if jobs.rerank_wanted():  # an order that moves with the clock (slowdown)
+                    self.api.reorder()
                 if jobs.samples_wanted():  # which jobs are sending: their parts of job_share (docs/jobs.md)
                     self.api.sample_sending(now)
                 next_sample = now + jobs.sample_s

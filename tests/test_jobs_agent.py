@@ -54,6 +54,9 @@ class RecordingRec:
     def share_budget(self) -> float:
         return self.backend.share_budget()
 
+    def link_bps(self) -> int | None:
+        return getattr(self.backend, "rate", None)
+
     def set_shares(self, shares) -> bool:
         """The classes' guarantees the job policy asks for (the backend keeps them, no kernel)."""
         return self.backend.set_shares(shares)
@@ -269,6 +272,53 @@ def test_measured_intensity_orders_by_reported_compute_per_byte():
     request(other, op="register", job="a", level=0, flows=[flow(1)])
     r = request(other, op="report", job="a", session="s", levels=levels, step_bytes=5, compute_s=0.1)
     assert r["step_bytes"] == "taken" and r["compute_s"] == "unused: job_policy is 'shortest'"
+
+
+def test_slowdown_reranks_with_the_clock_and_the_jobs_windows():
+    """``slowdown``: a job ranks once its compute time, step bytes and window are in; the job furthest behind its
+    ideal step goes first, and the order moves with the clock alone (``rerank_wanted``: the server re-ranks every
+    ``job_sample_s``): a job whose step runs long overtakes one whose window has just moved on. A window the
+    protocol refuses changes nothing; under another policy the window is unused."""
+    now = [1000.0]
+    api, rec = make_api(job_policy="slowdown", check_ownership=False, clock=lambda: now[0])
+    for port, job in ((1, "a"), (2, "b")):
+        request(api, op="register", job=job, level=0, flows=[flow(port)])
+    assert rec.kernel == {key(1): 0, key(2): 0}  # nothing reported: one band
+    levels = [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.1}]
+    # a 200 Mbit/s link: 2.5 MB take 0.1 s, so each job's ideal step is 0.5 s
+    r = request(api, op="report", job="a", session="s1", levels=levels, step_bytes=2_500_000, compute_s=0.4,
+                window_start=998.0, window_steps=4)
+    assert r["window_start"] == r["window_steps"] == "taken" and rec.kernel == {key(1): 0, key(2): 2}
+    request(api, op="report", job="b", session="s2", levels=levels, step_bytes=2_500_000, compute_s=0.4,
+            window_start=997.0, window_steps=4)  # b: 3 s over 2.5 s, a: 2 s over 2.5 s
+    assert rec.kernel == {key(1): 2, key(2): 0} and api.jobs.rerank_wanted()
+    request(api, op="report", job="b", session="s2", levels=levels, window_start=999.9, window_steps=4)
+    assert rec.kernel == {key(1): 0, key(2): 2}  # b's window moved on: a is further behind now
+    rec.calls.clear()
+    assert api.reorder() == 0 and rec.calls == []  # the same moment: nothing moves
+    now[0] = 1000.5  # a: 2.5 / 2.5, b: 0.6 / 2.5
+    assert api.reorder() == 0
+    request(api, op="report", job="a", session="s1", levels=levels, window_start=1000.4, window_steps=4)
+    assert rec.kernel == {key(1): 2, key(2): 0}  # a's step ended: b first (0.6 against 0.1)
+    now[0] = 1003.0  # no report: a's window 2.6 s, b's 3.1 s: the clock alone keeps b first
+    assert api.reorder() == 0
+    request(api, op="report", job="b", session="s2", levels=levels, window_start=1002.9, window_steps=4)
+    assert rec.kernel == {key(1): 0, key(2): 2}
+    changes = api.jobs.changes
+    now[0] = 1010.0  # a: 9.6 / 2.5, b: 7.1 / 2.5; both long, the order holds
+    assert api.reorder() == 0 and api.jobs.changes == changes
+    st = request(api, op="status")["job_policy"]
+    assert st["order"] == ["a", "b"] and st["window_start"] == {"a": 1000.4, "b": 1002.9}
+    for bad in ({"window_steps": -1}, {"window_steps": 10**6}, {"window_start": math.inf}, {"window_start": "1"}):
+        with pytest.raises(AssertionError, match="bad_request"):
+            request(api, op="report", job="a", session="s1", levels=levels, **bad)
+    assert rec.kernel == {key(1): 0, key(2): 2}
+    other, _ = make_api(job_policy="measured_intensity")
+    request(other, op="register", job="a", level=0, flows=[flow(1)])
+    r = request(other, op="report", job="a", session="s", levels=levels, compute_s=0.1, window_start=5.0,
+                window_steps=1)
+    assert r["compute_s"] == "taken" and r["window_start"] == "unused: job_policy is 'measured_intensity'"
+    assert not other.jobs.rerank_wanted()
 
 
 def test_full_reconcile_and_status_use_effective_levels():
