@@ -16,6 +16,8 @@ when the all-reduce has completed, becomes ``compute_s`` if it differs from the 
 (less would only churn the agents' order): the same integer inputs and the same rule on every rank give the same
 value. No torch here: the collective is the caller's (``ShimState``).
 
+``StepWindow`` keeps the wall-clock ends of the last few steps, which job policy ``slowdown`` ranks jobs by.
+
 Usage::
 
     clock = ComputeClock()
@@ -25,7 +27,10 @@ Usage::
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+from tensorlane.policies.jobs import SLOWDOWN_WINDOW
 
 FIRST_WINDOW = 1  # samples in the first window: agreed at the third step's end, read at a later step's end
 LAST_WINDOW = 64  # windows double up to this many steps
@@ -92,3 +97,30 @@ class ComputeClock:
             return False
         self.compute_s = value
         return True
+
+
+@dataclass
+class StepWindow:
+    """The wall-clock ends of a rank's last steps (job policy ``slowdown``): the agents rank a job by the time since
+    the end of the step ``SLOWDOWN_WINDOW`` steps before its last one, over that many ideal steps plus the one under
+    way (``policies.jobs.slowdown_rank``). A step ends when its communication has: its last bucket launched and
+    every piece complete (``ShimState`` calls ``step_end``), not at the launch ``ComputeClock`` takes, where the job
+    still waits for its last bytes and must not drop back yet. On this host's wall clock, which the agent reads too.
+
+    Usage: ``w = StepWindow(); w.step_end(time.time()); w.start, w.steps``
+    """
+
+    ends: deque = field(default_factory=lambda: deque(maxlen=SLOWDOWN_WINDOW + 1))
+
+    def step_end(self, wall_s: float) -> None:
+        self.ends.append(wall_s)
+
+    @property
+    def start(self) -> float:
+        """The wall-clock end of the window's first step (0: fewer than two steps ended)."""
+        return self.ends[0] if len(self.ends) >= 2 else 0.0
+
+    @property
+    def steps(self) -> int:
+        """The steps ended since ``start`` (0 to ``SLOWDOWN_WINDOW``)."""
+        return len(self.ends) - 1 if len(self.ends) >= 2 else 0

@@ -45,7 +45,7 @@ from tensorlane.policies.cutting import parameter_levels, pieces_of
 from tensorlane.shim import overlap as ov
 from tensorlane.shim import report
 from tensorlane.shim.agent_link import AgentLink
-from tensorlane.shim.compute import ComputeClock
+from tensorlane.shim.compute import ComputeClock, StepWindow
 from tensorlane.shim.report import Reporter
 
 log = logging.getLogger("tensorlane.shim")
@@ -138,6 +138,8 @@ class ShimState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     step_bytes: int = 0  # bytes the last complete synchronized backward all-reduced (the same on every rank)
     clock: ComputeClock = field(default_factory=ComputeClock)  # a step's compute seconds, agreed over the ranks
+    window: StepWindow = field(default_factory=StepWindow)  # the last steps' wall-clock ends (job_policy "slowdown")
+    _pending: dict = field(default_factory=dict)  # step -> its pieces launched and not yet seen complete
     _step_acc: int = 0
     _agreeing: tuple | None = None  # (work, tensor) of the clock's all-reduce in flight
 
@@ -188,7 +190,7 @@ class ShimState:
         element = buf.element_size()
         for i in sorted(range(len(pieces)), key=lambda i: (pieces[i][2], first[i], pieces[i][0])):
             offset, length, level = pieces[i]
-            launched[i] = (level, time.perf_counter(), self.clock.steps)
+            launched[i] = (level, time.perf_counter(), self._launching())
             futures[i] = dist.all_reduce(buf.narrow(0, offset, length), group=self.groups[level],
                                          async_op=True).get_future()
         self._count([(level, length * element) for _offset, length, level in pieces], buf.numel() * element,
@@ -198,16 +200,35 @@ class ShimState:
     def _launch_sparse(self, buf: torch.Tensor, level: int, last_bucket: bool) -> tuple[list, list, list]:
         """``launch`` for a sparse gradient (already averaged): one all-reduce of it on ``level``'s group, as DDP
         does on its own (gloo's sparse all-reduce); the future's value is the result (not ``buf``, which stays)."""
-        launched = [(level, time.perf_counter(), self.clock.steps)]
+        launched = [(level, time.perf_counter(), self._launching())]
         futures = [dist.all_reduce(buf, group=self.groups[level], async_op=True).get_future()]
         size = buf._values().numel() * buf.element_size() + buf._indices().numel() * buf._indices().element_size()
         self._count([(level, size)], size, last_bucket)
         return futures, [(0, buf._nnz(), level)], launched
 
+    def _launching(self) -> int:
+        """A piece of the current step is about to be launched: count it pending; returns the step."""
+        with self.lock:
+            step = self.clock.steps
+            self._pending[step] = self._pending.get(step, 0) + 1
+            return step
+
+    def _finish_steps(self) -> bool:
+        """Under the lock: a step whose last bucket was launched and whose pieces have all completed has ended its
+        communication: its wall-clock end goes to ``window`` (job policy ``slowdown``). Returns whether one did."""
+        ended = [step for step, n in self._pending.items() if n <= 0 and step < self.clock.steps]
+        for step in ended:
+            del self._pending[step]
+        for step in [step for step in self._pending if step < self.clock.steps - 8]:  # never completed (closed)
+            del self._pending[step]
+        if ended:
+            self.window.step_end(time.time())
+        return bool(ended)
+
     def _count(self, sent: list, size: int, last_bucket: bool) -> None:
         """Count the all-reduces ``sent`` (``(level, bytes)`` each) of a bucket of ``size`` bytes; at the
         backward's last bucket, end the step (``step_bytes``, the compute clock) and tell the reporter."""
-        changed = False
+        changed = ended = False
         with self.lock:
             for level, nbytes in sent:
                 s = self.counters[level]
@@ -217,10 +238,14 @@ class ShimState:
             if last_bucket:
                 changed, self.step_bytes, self._step_acc = self._step_acc != self.step_bytes, self._step_acc, 0
                 self.clock.step_end(time.perf_counter(), hook_waited=self.mode != "overlap")
+                ended = self._finish_steps()  # (its pieces may all have completed already)
         if last_bucket:
             changed = self._agree_compute() or changed
-        if changed and self.reporter is not None:
-            self.reporter.wake()  # the agent's job order (job_policy "shortest", "measured_intensity") may use it
+        if self.reporter is not None:
+            if changed:
+                self.reporter.wake()  # the agent's job order (job_policy "shortest", "measured_intensity") may use it
+            elif last_bucket and ended:
+                self.reporter.step_ended()  # a new window: at once where the agent ranks by it ("slowdown")
 
     def _agree_compute(self) -> bool:
         """At a step's end: read the clock's all-reduce if it has completed (wait for it when the next window is
@@ -249,6 +274,11 @@ class ShimState:
                 level, t0, step = launched[i]
                 self.counters[level].comm_s += now - t0
                 self.clock.completed(step, now)
+                if step in self._pending:
+                    self._pending[step] -= 1
+            ended = self._finish_steps()
+        if ended and self.reporter is not None:
+            self.reporter.step_ended()  # the step's communication has ended: a new window (job_policy "slowdown")
 
     def level_stats(self) -> list[dict]:
         with self.lock:
@@ -260,6 +290,7 @@ class ShimState:
         out = {"enabled": True, "mode": self.mode, "mode_reason": self.mode_reason, "job": self.job,
                "flows": {lvl: len(f) for lvl, f in self.flows.items()}, "levels": self.level_stats(),
                "step_bytes": self.step_bytes, "compute_s": self.clock.compute_s,
+               "window_start": self.window.start, "window_steps": self.window.steps,
                "agent": {"connected": False} if link is None else
                {"connected": link.connected, **link.counters, "last_error": link.last_error}}
         if self.deferred is not None:

@@ -28,14 +28,20 @@ log = logging.getLogger("tensorlane.shim")
 
 class Reporter:
     """Sends ``stats()`` (a list of ``{level, allreduces, bytes, comm_s}``) as op ``report`` for ``job``, with
-    ``step_bytes()`` (the bytes of one training step's all-reduces) and ``compute_s()`` (a step's compute seconds,
-    agreed over the job's ranks) when given (0 or None: not known yet). An agent that refuses those two fields
-    (older than them) gets the counters alone from then on."""
+    ``step_bytes()`` (the bytes of one training step's all-reduces), ``compute_s()`` (a step's compute seconds,
+    agreed over the job's ranks), ``window_start()`` and ``window_steps()`` (the wall-clock end of the step that
+    begins the window of the last steps, and the steps ended since: ``shim.compute.StepWindow``) when given (0 or
+    None: not known yet). An agent that refuses those fields (older than them) gets the counters alone from then on.
+    ``step_ended()`` reports at once while the agent ranks jobs by their window (job policy ``slowdown``), and
+    does nothing once the agent has said it does not."""
 
     def __init__(self, stats, socket_path: str, job: str, interval_s: float = 5.0, timeout_s: float = 0.25,
-                 session: str | None = None, start: bool = True, step_bytes=None, compute_s=None):
+                 session: str | None = None, start: bool = True, step_bytes=None, compute_s=None,
+                 window_start=None, window_steps=None):
         self.stats = stats
-        self.inputs = {"step_bytes": (step_bytes, int), "compute_s": (compute_s, float)}
+        self.inputs = {"step_bytes": (step_bytes, int), "compute_s": (compute_s, float),
+                       "window_start": (window_start, float), "window_steps": (window_steps, int)}
+        self.per_step = window_start is not None  # until the agent says it takes no window_start
         self.counters_only = False  # the agent refused the inputs' fields
         self.socket_path = socket_path
         self.job = job
@@ -71,11 +77,13 @@ class Reporter:
             try:
                 with AgentClient(self.socket_path, timeout=self.timeout_s) as agent:
                     try:
-                        agent.request("report", job=self.job, session=self.session, levels=levels, **extra)
+                        reply = agent.request("report", job=self.job, session=self.session, levels=levels, **extra)
+                        if str(reply.get("window_start", "taken")).startswith("unused"):
+                            self.per_step = False  # the agent's policy does not rank by it: the interval will do
                     except AgentError as exc:
                         if not (extra and exc.code == "bad_request" and "unknown field" in str(exc)):
                             raise
-                        self.counters_only = True  # an older agent: keep its metrics, without the inputs
+                        self.counters_only, self.per_step = True, False  # an older agent: the counters alone
                         log.info("tensorlane: the agent at %s takes no %s: %s", self.socket_path,
                                  " or ".join(extra), exc)
                         agent.request("report", job=self.job, session=self.session, levels=levels)
@@ -104,6 +112,11 @@ class Reporter:
             if value > 0:
                 out[name] = value
         return out
+
+    def step_ended(self) -> None:
+        """A training step ended: report now if the agent ranks jobs by their last steps (``slowdown``)."""
+        if self.per_step:
+            self._wake.set()
 
     def wake(self) -> None:
         """Report now rather than at the next interval (the step's bytes or compute time changed); never blocks."""
@@ -134,4 +147,6 @@ def start(handle, interval_s: float = 5.0, timeout_s: float = 0.25) -> Reporter 
     link = handle.link
     return Reporter(lambda: handle.stats()["levels"], link.socket_path, link.job, interval_s=interval_s,
                     timeout_s=timeout_s, step_bytes=lambda: handle.stats().get("step_bytes"),
-                    compute_s=lambda: handle.stats().get("compute_s"))
+                    compute_s=lambda: handle.stats().get("compute_s"),
+                    window_start=lambda: handle.stats().get("window_start"),
+                    window_steps=lambda: handle.stats().get("window_steps"))

@@ -56,6 +56,9 @@ class FakeRec:
     def share_budget(self) -> float:
         return self.backend.share_budget()
 
+    def link_bps(self) -> int | None:
+        return getattr(self.backend, "rate", None)
+
     def set_shares(self, shares) -> bool:
         return self.backend.set_shares(shares)
 
@@ -89,8 +92,9 @@ def kernel(monkeypatch) -> Kernel:
     return k
 
 
-def fake_api(levels: int = 4) -> Api:
-    cfg = from_dict({"interface": "eth0", "link_rate": "200mbit", "levels": levels, "reconcile_interval_s": 1})
+def fake_api(levels: int = 4, **fields) -> Api:
+    cfg = from_dict({"interface": "eth0", "link_rate": "200mbit", "levels": levels, "reconcile_interval_s": 1,
+                     **fields})
     return Api(cfg, FlowTable(levels), FakeRec(levels), "htb")
 
 
@@ -537,6 +541,40 @@ def test_reporter_sends_step_bytes_at_once_when_woken(tmp_path, kernel):
         while rep.counters["sent"] < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert rep.counters["sent"] == 2 and sent[-1]["step_bytes"] == 4096
+        rep.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("policy", ["slowdown", "none"])
+def test_reporter_sends_each_step_while_the_agent_ranks_by_the_window(tmp_path, kernel, policy):
+    """Under ``slowdown`` each ``step_ended()`` sends a report at once with the window of the last steps; an agent
+    that answers that it does not use the window (another policy) gets reports at the interval only."""
+    api = fake_api(levels=2, job_policy=policy)
+    request(api, op="register", job="job-s", level=0, flows=[flow(1)])
+    window = {"start": 0.0, "steps": 0}
+    sent = []
+    handle = api.handle
+    api.handle = lambda line, peer=None: (sent.append(json.loads(line)), handle(line, peer))[1]
+    server = ApiOverSocket(str(tmp_path / "agent.sock"), api)
+    try:
+        rep = Reporter(lambda: [{"level": 0, "allreduces": 1, "bytes": 1, "comm_s": 0.1}],
+                       str(tmp_path / "agent.sock"), "job-s", interval_s=60, timeout_s=0.5,
+                       step_bytes=lambda: 4096, compute_s=lambda: 0.5, window_start=lambda: window["start"],
+                       window_steps=lambda: window["steps"])
+        assert rep.report() and "window_start" not in sent[-1]  # (no window yet: two steps must end first)
+        for step in range(1, 4):
+            window.update(start=time.time() - step, steps=step)
+            rep.step_ended()
+            deadline = time.monotonic() + 5
+            while rep.per_step and rep.counters["sent"] < step + 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)
+        if policy == "slowdown":
+            assert rep.per_step and rep.counters["sent"] == 4 and sent[-1]["window_steps"] == 3
+            assert api.jobs.reported["job-s"]["window_steps"] == 3
+        else:  # the first window sent was answered "unused": no more reports until the interval
+            assert not rep.per_step and rep.counters["sent"] == 2 and sent[-1]["window_steps"] == 1
         rep.close()
     finally:
         server.close()

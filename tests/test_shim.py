@@ -225,15 +225,24 @@ def test_same_parameters_as_ddp(tmp_path, nproc, optimizer):
 def test_compute_time_agreed_over_ranks(tmp_path):
     """Each rank measures a step's compute (here mostly a 50 ms sleep after the optimizer step) less its waits for
     the shim's all-reduces; the ranks agree on one value, in hook and overlap mode, and training still ends equal to
-    plain DDP."""
+    plain DDP. Each rank's window of its last steps (job policy ``slowdown``) spans ``SLOWDOWN_WINDOW`` steps
+    whose communication has ended, at least the sleeps apart, within this run."""
     import json
+    import time
 
     import torch
 
+    from tensorlane.policies.jobs import SLOWDOWN_WINDOW
+
+    began = time.time()
     run_torchrun(tmp_path, 2, "--steps", "12", "--modes", "ddp,hook,overlap", "--step-sleep", "0.05")
     for mode in ("hook", "overlap"):
         got = [json.loads((tmp_path / f"{mode}-{rank}.json").read_text())["compute_s"] for rank in range(2)]
         assert got[0] == got[1] and 0.05 <= got[0] < 0.25, (mode, got)
+        for rank in range(2):
+            stats = json.loads((tmp_path / f"{mode}-{rank}.json").read_text())
+            assert stats["window_steps"] == SLOWDOWN_WINDOW and began < stats["window_start"], (mode, stats)
+            assert stats["window_start"] < time.time() - 0.05 * SLOWDOWN_WINDOW, (mode, stats)
         for rank in range(2):
             ref = torch.load(tmp_path / f"ddp-{rank}.pt")
             assert max_rel_diff(torch.load(tmp_path / f"{mode}-{rank}.pt"), ref) <= 1e-5, (mode, rank)

@@ -1,8 +1,10 @@
 """The shim's measurement of a training step's compute time (``shim.compute.ComputeClock``), with made-up times:
-what counts as compute, the windows, the agreement rule. The real collective is tested in test_shim.py."""
+what counts as compute, the windows, the agreement rule; the wall-clock window of the last steps (``StepWindow``).
+The real collective is tested in test_shim.py."""
 from __future__ import annotations
 
-from tensorlane.shim.compute import CHANGE, FIRST_WINDOW, LAST_WINDOW, ComputeClock
+from tensorlane.policies.jobs import SLOWDOWN_WINDOW
+from tensorlane.shim.compute import CHANGE, FIRST_WINDOW, LAST_WINDOW, ComputeClock, StepWindow
 
 
 def run_hook_steps(clock: ComputeClock, n: int, compute: float, wait: float, t: float = 100.0) -> float:
@@ -54,3 +56,15 @@ def test_agreed_value_is_the_mean_and_changes_only_beyond_the_threshold():
     assert not clock.agreed(2 * round(400_000 * (1 + CHANGE * 0.9)), 2) and clock.compute_s == 0.4
     assert clock.agreed(2 * 500_000, 2) and clock.compute_s == 0.5
     assert not clock.agreed(0, 3) and clock.agreements == 4
+
+
+def test_step_window_spans_the_last_steps():
+    """The window begins at the end of the step ``SLOWDOWN_WINDOW`` steps before the last one; nothing until two
+    steps have ended (one end alone spans no step)."""
+    w = StepWindow()
+    assert (w.start, w.steps) == (0.0, 0)
+    w.step_end(100.0)
+    assert (w.start, w.steps) == (0.0, 0)
+    for i in range(1, 8):
+        w.step_end(100.0 + i)
+        assert w.steps == min(i, SLOWDOWN_WINDOW) and w.start == 100.0 + max(0, i - SLOWDOWN_WINDOW)
