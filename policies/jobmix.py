@@ -18,6 +18,14 @@ what an order costs by *when* it makes each job communicate, apart from how the 
     jobs = [MixJob(compute_s=0.84, comm_s=0.36, iters=12), MixJob(0.65, 0.35, 12, offset_s=1.0)]
     fifo, ordered = simulate_mix(jobs), simulate_mix(jobs, order=[1, 0], job_share=0.8)
     [o / f for o, f in zip(ordered, fifo)]      # each job's JCT against FIFO's
+
+``simulate_links`` is the same model on several links, each job on some of them (a job's rate is what its most
+constrained link gives it), under FIFO (max-min fair rates), a static order, or ``"slowdown"``: the agents' order
+that moves with the clock (``policies.jobs.slowdown_rank`` of each job's last step ends, re-ranked every
+``rerank_s``). Every job sending on a link gets ``job_share / k`` of it, the rest goes by the order. Usage::
+
+    ring = [(3, 0), (0, 1), (1, 2), (2, 3)]     # link l carries jobs l - 1 and l (bench.jobs' spread4)
+    simulate_links(jobs4, ring), simulate_links(jobs4, ring, order="slowdown", job_share=0.2)
 """
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from tensorlane.policies.jobs import SHARE_AMONG, job_shares
+from tensorlane.policies.jobs import SHARE_AMONG, SLOWDOWN_WINDOW, job_shares, slowdown_rank
 
 EPS = 1e-12
 
@@ -114,3 +122,103 @@ def simulate_mix(jobs: Sequence[MixJob], order: Sequence[int] | None = None, job
                 remaining[i] -= dt * rates[i]
         now += dt
     raise RuntimeError("simulate_mix: event bound exceeded")  # cannot happen: every event ends a phase
+
+
+def link_order_rates(sending: Sequence[int], links: Sequence[Collection[int]], order: Sequence[int] | None,
+                     job_share: float) -> dict[int, float]:
+    """Each sending job's rate (a share of one link) on ``links`` (each the jobs whose bytes cross it). FIFO
+    (``order=None``): max-min fair, as TCP flows in FIFO queues get on average. An order (job indexes, most urgent
+    first): on every link each of the ``k >= 2`` jobs sending keeps ``job_share / k``; in the order's turn each
+    job takes what all its links have left beside the parts of the less urgent jobs sending there.
+    Usage: ``link_order_rates([0, 1], [(0, 1)], [1, 0], 0.0) == {1: 1.0, 0: 0.0}``"""
+    on = [[j for j in link if j in sending] for link in links]
+    left = [1.0] * len(links)
+    rates: dict[int, float] = {}
+    if order is None:
+        active = set(sending)
+        while active:  # each round fixes the jobs of the most constrained link: at most one round per job
+            fair, tight = min((left[k] / n, k) for k, link in enumerate(on)
+                              if (n := sum(1 for j in link if j in active)))
+            for j in [j for j in on[tight] if j in active]:
+                rates[j] = max(0.0, fair)
+                active.discard(j)
+                for k, link in enumerate(on):
+                    if j in link:
+                        left[k] -= rates[j]
+        return {j: rates.get(j, 1.0) for j in sending}
+    ranked = [j for j in order if j in sending]
+    for n, j in enumerate(ranked):
+        later = set(ranked[n + 1:])
+        rate = 1.0
+        for k, link in enumerate(on):
+            if j in link:
+                part = job_share / len(link) if len(link) > 1 else 0.0
+                rate = min(rate, left[k] - part * sum(1 for x in link if x in later))
+        rates[j] = max(0.0, rate)
+        for k, link in enumerate(on):
+            if j in link:
+                left[k] -= rates[j]
+    return rates
+
+
+def simulate_links(jobs: Sequence[MixJob], links: Sequence[Collection[int]] | None = None,
+                   order: Sequence[int] | str | None = None, job_share: float = 0.0,
+                   rerank_s: float = 0.05) -> list[float]:
+    """Each job's JCT (as ``simulate_mix``) on ``links`` (default: one link that every job crosses) under FIFO
+    (``order=None``), a static ``order`` (job indexes, most urgent first), or ``"slowdown"``: each job ranked by
+    ``slowdown_rank`` of its last ``SLOWDOWN_WINDOW`` step ends (a step ends with its communication; its ideal step
+    is its ``compute_s + comm_s``), re-ranked every ``rerank_s`` and at every phase change, as the agents do.
+    Bounded: at most 4 events per iteration and job, plus the re-ranking ticks."""
+    n = len(jobs)
+    links = [tuple(range(n))] if links is None else [tuple(link) for link in links]
+    if isinstance(order, str) and order != "slowdown":
+        raise ValueError(f"order must be None, job indexes or 'slowdown', not {order!r}")
+    if isinstance(order, (list, tuple)) and sorted(order) != list(range(n)):
+        raise ValueError(f"order must list every job index once, not {order!r}")
+    if not (rerank_s > 0 and math.isfinite(rerank_s)):
+        raise ValueError(f"rerank_s must be finite and > 0, not {rerank_s!r}")
+    timed = order == "slowdown"
+    horizon = max((j.offset_s for j in jobs), default=0.0) + sum(j.iters * (j.compute_s + j.comm_s) for j in jobs)
+    ticks = math.ceil(horizon / rerank_s) + 1 if timed else 0
+    left = [j.iters for j in jobs]
+    phase = ["wait"] * n
+    remaining = [j.offset_s for j in jobs]
+    ends: list[list[float]] = [[] for _ in jobs]  # each job's last step ends (its first step's start first)
+    end = [math.nan] * n
+    now, next_tick, ranked = 0.0, 0.0, list(range(n))
+    for _ in range(4 * sum(left) + 2 * n + 1 + 2 * ticks):
+        changed = False
+        for i in range(n):
+            while phase[i] != "done" and remaining[i] <= EPS:
+                changed = True
+                if phase[i] == "comm":
+                    left[i] -= 1
+                    ends[i] = (ends[i] + [now])[-(SLOWDOWN_WINDOW + 1):]
+                if left[i] == 0:
+                    phase[i], end[i] = "done", now - jobs[i].offset_s
+                elif phase[i] in ("wait", "comm"):
+                    if phase[i] == "wait":
+                        ends[i] = [now]
+                    phase[i], remaining[i] = "compute", jobs[i].compute_s
+                else:
+                    phase[i], remaining[i] = "comm", jobs[i].comm_s
+        if all(p == "done" for p in phase):
+            return end
+        if timed and (changed or now >= next_tick - EPS):
+            ranked = sorted(range(n), key=lambda i: (slowdown_rank(
+                now, ends[i][0], len(ends[i]) - 1, jobs[i].compute_s + jobs[i].comm_s, 0, None)
+                if ends[i] else math.inf, i))
+            while next_tick <= now + EPS:
+                next_tick += rerank_s
+        sending = [i for i in range(n) if phase[i] == "comm"]
+        rates = link_order_rates(sending, links, None if order is None else ranked if timed else order, job_share)
+        dt = min([remaining[i] for i in range(n) if phase[i] in ("wait", "compute")]
+                 + [remaining[i] / r for i, r in rates.items() if r > EPS]
+                 + ([next_tick - now] if timed else []))
+        for i in range(n):
+            if phase[i] in ("wait", "compute"):
+                remaining[i] -= dt
+            elif phase[i] == "comm":
+                remaining[i] -= dt * rates[i]
+        now += dt
+    raise RuntimeError("simulate_links: event bound exceeded")  # cannot happen: every event ends a phase or a tick

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensorlane.policies.jobmix import MixJob, link_rates, simulate_mix
+from tensorlane.policies.jobmix import MixJob, link_order_rates, link_rates, simulate_links, simulate_mix
 
 
 def test_link_rates_by_hand():
@@ -77,3 +77,41 @@ def test_fast_samples_approach_the_ideal():
     assert simulate_mix(jobs, [0, 2, 1, 3], 0.8, sample_s=1e-4) == pytest.approx(ideal, rel=1e-3)
     with pytest.raises(ValueError, match="sample_s"):
         simulate_mix(jobs, [0, 2, 1, 3], 0.8, sample_s=-1.0)
+
+
+def test_link_order_rates_by_hand():
+    """Several links: FIFO is max-min fair (a job held back on one link leaves the rest of another to its
+    neighbour); an order serves each job in turn with what all its links leave beside the others' parts."""
+    ring = [(2, 0), (0, 1), (1, 2)]
+    assert link_order_rates([0, 1], ring, None, 0.0) == pytest.approx({0: 0.5, 1: 0.5})
+    assert link_order_rates([0, 1, 2], [(0, 1), (1, 2)], None, 0.0) == pytest.approx({0: 0.5, 1: 0.5, 2: 0.5})
+    assert link_order_rates([0, 1], [(0, 1), (1,)], None, 0.0) == pytest.approx({0: 0.5, 1: 0.5})
+    assert link_order_rates([0, 1, 2], ring, [1, 0, 2], 0.2) == pytest.approx({1: 0.9, 0: 0.1, 2: 0.1})
+    assert link_order_rates([0, 2], ring, [0, 2], 0.0) == {0: 1.0, 2: 0.0}
+    assert link_order_rates([], ring, None, 0.5) == {}
+
+
+def test_simulate_links_on_one_link_is_simulate_mix():
+    """On one link FIFO and a static order give ``simulate_mix``'s JCTs (the parts counted at once)."""
+    jobs = [MixJob(0.84, 0.36, 6), MixJob(0.65, 0.35, 6, offset_s=1.0), MixJob(1.05, 0.45, 5, offset_s=2.0)]
+    assert simulate_links(jobs) == pytest.approx(simulate_mix(jobs))
+    for share in (0.0, 0.2, 0.95):
+        assert simulate_links(jobs, order=[2, 0, 1], job_share=share) == pytest.approx(
+            simulate_mix(jobs, order=[2, 0, 1], job_share=share))
+    with pytest.raises(ValueError, match="order"):
+        simulate_links(jobs, order="fastest")
+
+
+def test_slowdown_interleaves_and_keeps_every_job_within_fifo():
+    """``slowdown`` (the agents' order that moves with the clock) with no table: two jobs in lockstep take turns
+    (the average at about 0.73x FIFO, each job within 1.05x alone, as a static order gives); on a ring of four
+    links, each job on two of them beside a different job on each (bench.jobs' spread4), no job is slower than
+    under FIFO."""
+    pair = [MixJob(1.2 * 0.55, 1.2 * 0.45, 12), MixJob(1.2 * 0.6, 1.2 * 0.4, 12)]
+    fifo, slow = simulate_links(pair), simulate_links(pair, order="slowdown", job_share=0.2)
+    assert sum(slow) / sum(fifo) < 0.75 and max(s / 14.4 for s in slow) < 1.05
+    ring = [(3, 0), (0, 1), (1, 2), (2, 3)]
+    four = [MixJob(p * (1 - f), p * f, 12, off) for p, f, off in ((1.2, 0.45, 0), (1.0, 0.4, 1), (1.5, 0.45, 2),
+                                                                   (0.9, 0.4, 3))]
+    fifo, slow = simulate_links(four, ring), simulate_links(four, ring, order="slowdown", job_share=0.2)
+    assert max(s / f for s, f in zip(slow, fifo, strict=True)) < 1.0
