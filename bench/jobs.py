@@ -134,9 +134,11 @@ POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "shortest", "m
 # ``intensity_held`` and ``shortest_held``, those orders with a job counted as sending for HELD_S (or the run's
 # ``held_s``) after its last backlog (the agents' job_hold_s), beside the run's own job_hold_s; ``fifo_control``,
 # FIFO once more: an A/A control, whose JCTs against FIFO's show how far this machine moves a ratio with no policy
-# at all (not a policy: no target judges it)
+# at all (not a policy: no target judges it); ``slowdown``, the job furthest behind its ideal step over its last
+# steps first (the agents' job_policy "slowdown"), its jobs as measured_intensity's (the shim in hook mode at one
+# level, whose reports carry the window of its last steps)
 OPT_IN_POLICIES = ("static_levels", "intensity_hook", "static_present", "intensity_present", "static_held",
-                   "intensity_held", "shortest_held", "fifo_control")
+                   "intensity_held", "shortest_held", "fifo_control", "slowdown")
 CONTROLS = ("fifo", "fifo_control")  # FIFO and its A/A control: what the policies are judged against
 HELD_S = 0.2
 SOLOS = ("solo", "solo_shim")
@@ -146,7 +148,8 @@ AGENT_POLICY = {"solo": "none", "solo_shim": "none", "fifo": "none", "static": "
                 "alternate": "alternate", "intensity": "intensity", "shortest": "shortest", "levels": "none",
                 "static_levels": "static", "intensity_hook": "intensity", "measured_intensity": "measured_intensity",
                 "static_present": "static", "intensity_present": "intensity", "static_held": "static",
-                "intensity_held": "intensity", "shortest_held": "shortest", "fifo_control": "none"}
+                "intensity_held": "intensity", "shortest_held": "shortest", "fifo_control": "none",
+                "slowdown": "slowdown"}
 PHASE_AGENT = {"static_present": {"job_share_among": "present"},  # a phase's own agent settings: they win
                "intensity_present": {"job_share_among": "present"},
                "static_held": {"job_hold_s": HELD_S}, "intensity_held": {"job_hold_s": HELD_S},
@@ -156,11 +159,13 @@ SAMPLED = ("job_sample_s", "job_hold_s")  # agent settings only for parts among 
 # (``shortest``) the shim in hook mode at one level, unpartitioned: plain DDP's schedule (one all-reduce per DDP
 # bucket), with the reports of its step bytes that the agents order the jobs by
 JOB_MODE = {"solo_shim": "shim_overlap", "levels": "shim_overlap", "static_levels": "shim_overlap",
-            "shortest": "shim", "shortest_held": "shim", "intensity_hook": "shim", "measured_intensity": "shim"}
+            "shortest": "shim", "shortest_held": "shim", "intensity_hook": "shim", "measured_intensity": "shim",
+            "slowdown": "shim"}
 HOOK_ONE_LEVEL = {"levels": 1, "shim_policy": "layer_order"}
 JOB_SHIM = {"shortest": HOOK_ONE_LEVEL, "shortest_held": HOOK_ONE_LEVEL,  # the shim's settings where not the run's
             "intensity_hook": HOOK_ONE_LEVEL,
-            "measured_intensity": {**HOOK_ONE_LEVEL, "warmup": 4}}  # (a real job's first steps are few of many)
+            "measured_intensity": {**HOOK_ONE_LEVEL, "warmup": 4},  # (a real job's first steps are few of many)
+            "slowdown": {**HOOK_ONE_LEVEL, "warmup": 4}}  # (ranked once the compute time is agreed, as above)
 # (profile, communication fraction of the period, period s, start offset s[, DDP bucket MB of the full-size model]);
 # None, None: compute = communication. The bucket defaults to DDP's 25 MB; ONE_BUCKET_MB puts every gradient in one
 # bucket, reduced after backward ends: communication that cannot overlap with compute.

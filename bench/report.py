@@ -252,7 +252,8 @@ JOBS_POLICY_NAMES = {"fifo": "FIFO", "static": "static", "rotate": "rotate", "al
                      "static_present": "static (parts of jobs present)",
                      "intensity_present": "intensity (parts of jobs present)",
                      "static_held": "static (held)", "intensity_held": "intensity (held)",
-                     "shortest_held": "shortest (held)", "fifo_control": "FIFO again (A/A control)"}
+                     "shortest_held": "shortest (held)", "fifo_control": "FIFO again (A/A control)",
+                     "slowdown": "slowdown"}
 HELD_S = 0.2  # bench.jobs.HELD_S: the held phases' hold in a file that does not give its own held_s
 JOBS_CONTROLS = ("fifo", "fifo_control")  # bench.jobs.CONTROLS: what the policies are judged against, not policies
 
