@@ -600,6 +600,38 @@ def test_two_agents_with_different_jobs_agree_on_shared_jobs(tb):
 
 
 @pytest.mark.netns
+def test_slowdown_reorders_the_kernel_map_as_the_clock_moves(tb):
+    """A real agent under ``slowdown``: with no report after the first two, the server's loop re-ranks the jobs as
+    their windows age, and the kernel's map follows. Job a has ended 4 steps of 0.5 s in 2 s (ranked 0.8 + 0.4 e
+    at e seconds later), job b's window has just begun with an ideal step of 1 s (ranked e): a first until about
+    1.3 s, b first after."""
+    from bench.agents import running_agents
+
+    h1, h2 = tb.host(1), tb.host(2)
+    levels = [{"level": 0, "allreduces": 1, "bytes": 8, "comm_s": 0.0}]
+    with running_agents(tb, levels=4, hosts=[1], backend="htb", config_extra={"job_policy": "slowdown", **TRUST}
+                        ) as agents:
+        with agents[1].client() as agent:
+            agent.register("job-a", 0, [_flow(h1, 7301, h2)])
+            agent.register("job-b", 0, [_flow(h1, 7302, h2)])
+            t0 = time.time()
+            agent.request("report", job="job-a", session="sa", levels=levels, step_bytes=0, compute_s=0.5,
+                          window_start=t0 - 2.0, window_steps=4)
+            agent.request("report", job="job-b", session="sb", levels=levels, step_bytes=0, compute_s=1.0,
+                          window_start=t0, window_steps=0)
+            first = kernel_levels(h1)
+            assert time.time() - t0 < 0.8, "too slow to read the order before the crossing"
+            assert first == {7301: 0, 7302: 2}, first
+            deadline = time.monotonic() + 10
+            while kernel_levels(h1) != {7301: 2, 7302: 0} and time.monotonic() < deadline:
+                time.sleep(0.1)
+            crossed = time.time() - t0
+            assert kernel_levels(h1) == {7301: 2, 7302: 0} and 1.2 < crossed < 2.0, crossed
+            st = agent.status()["job_policy"]
+        assert st["policy"] == "slowdown" and st["order"] == ["job-b", "job-a"] and st["changes"] >= 2
+
+
+@pytest.mark.netns
 @pytest.mark.parametrize("extra,field", [({"job_policy": "fair"}, "job_policy"),
                                          ({"job_policy": "static", "job_priority": {"-x": 1}}, "job_priority")])
 def test_agent_refuses_bad_job_config_before_the_kernel(tb, extra, field, tmp_path):
