@@ -50,7 +50,9 @@ band), ``intensity_hook`` (``intensity``'s table, the jobs as in ``shortest``), 
 ``intensity_present`` (those orders with ``job_share`` split among the jobs present, not those sending),
 ``static_held``, ``intensity_held`` and ``shortest_held`` (those orders with ``job_hold_s`` = :data:`HELD_S`, or
 ``--held-s``), ``fifo_control`` (FIFO
-once more, an A/A control: its ratios to FIFO are the machine's spread, and no target judges it). Job ``i``
+once more, an A/A control: its ratios to FIFO are the machine's spread, and no target judges it) and ``slowdown``
+(no table: the jobs as in ``measured_intensity`` also report the window of their last steps at every step's end; the
+job furthest behind its ideal step first, re-ranked by the agents every ``job_sample_s``). Job ``i``
 starts ``offset_s`` after the common release; its JCT runs from its own start to the end of its slowest rank's last
 iteration. Each rank reads, before it exits, ``tcpi_total_rto`` of its TCP connections to its peer (``rto``:
 retransmission timeouts, summed over the job's ranks; None on kernels older than 6.7), ``late_s`` of its emulated
