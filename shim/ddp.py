@@ -221,8 +221,9 @@ class ShimState:
             del self._pending[step]
         for step in [step for step in self._pending if step < self.clock.steps - 8]:  # never completed (closed)
             del self._pending[step]
-        if ended:
-            self.window.step_end(time.time())
+        now = time.time()
+        for _step in ended:  # (two steps end together when the later one's pieces complete first)
+            self.window.step_end(now)
         return bool(ended)
 
     def _count(self, sent: list, size: int, last_bucket: bool) -> None:
