@@ -112,16 +112,22 @@ def simulate_mix(jobs: Sequence[MixJob], order: Sequence[int] | None = None, job
             counted = {i for i, t in seen.items() if now - t <= hold_s + EPS and i in present}
             next_tick += sample_s
         rates = link_rates(sending, order, job_share, present, among, counted if sample_s > 0 else None)
-        dt = min([remaining[i] for i in range(n) if phase[i] in ("wait", "compute")]
-                 + [remaining[i] / r for i, r in rates.items() if r > EPS]
-                 + ([next_tick - now] if sample_s > 0 else []))
-        for i in range(n):
-            if phase[i] in ("wait", "compute"):
-                remaining[i] -= dt
-            elif phase[i] == "comm":
-                remaining[i] -= dt * rates[i]
-        now += dt
+        now += _advance(phase, remaining, rates, [next_tick - now] if sample_s > 0 else [])
     raise RuntimeError("simulate_mix: event bound exceeded")  # cannot happen: every event ends a phase
+
+
+def _advance(phase: list[str], remaining: list[float], rates: dict[int, float], tick: list[float]) -> float:
+    """Run every job on to the next event: a phase's end, or the next tick (``tick``: its distance, or empty).
+    ``remaining`` drops by the seconds passed (waiting, computing) or the link-seconds sent (communicating).
+    Returns the seconds passed."""
+    dt = min([remaining[i] for i, p in enumerate(phase) if p in ("wait", "compute")]
+             + [remaining[i] / r for i, r in rates.items() if r > EPS] + tick)
+    for i, p in enumerate(phase):
+        if p in ("wait", "compute"):
+            remaining[i] -= dt
+        elif p == "comm":
+            remaining[i] -= dt * rates[i]
+    return dt
 
 
 def link_order_rates(sending: Sequence[int], links: Sequence[Collection[int]], order: Sequence[int] | None,
@@ -212,13 +218,5 @@ def simulate_links(jobs: Sequence[MixJob], links: Sequence[Collection[int]] | No
                 next_tick += rerank_s
         sending = [i for i in range(n) if phase[i] == "comm"]
         rates = link_order_rates(sending, links, None if order is None else ranked if timed else order, job_share)
-        dt = min([remaining[i] for i in range(n) if phase[i] in ("wait", "compute")]
-                 + [remaining[i] / r for i, r in rates.items() if r > EPS]
-                 + ([next_tick - now] if timed else []))
-        for i in range(n):
-            if phase[i] in ("wait", "compute"):
-                remaining[i] -= dt
-            elif phase[i] == "comm":
-                remaining[i] -= dt * rates[i]
-        now += dt
+        now += _advance(phase, remaining, rates, [next_tick - now] if timed else [])
     raise RuntimeError("simulate_links: event bound exceeded")  # cannot happen: every event ends a phase or a tick

@@ -521,15 +521,20 @@ def test_reporter_sends_cumulative_counters_and_a_last_report_at_close(tmp_path,
         server.close()
 
 
+def recording_server(api: Api, tmp_path) -> tuple[list, ApiOverSocket]:
+    """``api`` served on ``tmp_path/agent.sock``, every request it handles appended (decoded) to the list."""
+    sent = []
+    handle = api.handle
+    api.handle = lambda line, peer=None: (sent.append(json.loads(line)), handle(line, peer))[1]
+    return sent, ApiOverSocket(str(tmp_path / "agent.sock"), api)
+
+
 def test_reporter_sends_step_bytes_at_once_when_woken(tmp_path, kernel):
     """The shim wakes its reporter when a step's bytes change: the report goes out without waiting for the
     interval, with ``step_bytes``; 0 (not known yet) is left out."""
     api = fake_api(levels=2)
     step = {"bytes": 0}
-    sent = []
-    handle = api.handle
-    api.handle = lambda line, peer=None: (sent.append(json.loads(line)), handle(line, peer))[1]
-    server = ApiOverSocket(str(tmp_path / "agent.sock"), api)
+    sent, server = recording_server(api, tmp_path)
     try:
         rep = Reporter(lambda: [{"level": 0, "allreduces": 1, "bytes": 1, "comm_s": 0.1}],
                        str(tmp_path / "agent.sock"), "job-w", interval_s=60, timeout_s=0.5,
@@ -553,10 +558,7 @@ def test_reporter_sends_each_step_while_the_agent_ranks_by_the_window(tmp_path, 
     api = fake_api(levels=2, job_policy=policy)
     request(api, op="register", job="job-s", level=0, flows=[flow(1)])
     window = {"start": 0.0, "steps": 0}
-    sent = []
-    handle = api.handle
-    api.handle = lambda line, peer=None: (sent.append(json.loads(line)), handle(line, peer))[1]
-    server = ApiOverSocket(str(tmp_path / "agent.sock"), api)
+    sent, server = recording_server(api, tmp_path)
     try:
         rep = Reporter(lambda: [{"level": 0, "allreduces": 1, "bytes": 1, "comm_s": 0.1}],
                        str(tmp_path / "agent.sock"), "job-s", interval_s=60, timeout_s=0.5,
