@@ -620,10 +620,13 @@ def _registered(result: dict, mode: str) -> bool:
 
 
 def tcp_counters(host) -> dict[str, int]:
-    """The host namespace's TCP retransmitted segments and retransmission timeouts (kernel counters)."""
+    """The host namespace's TCP retransmitted segments and retransmission timeouts, and what tells reordering from
+    loss: reorderings seen (``TCPSACKReorder``), duplicate segments the peers reported (``TCPDSACKRecv``: a
+    retransmission that was not needed) and window reductions undone for them (``TCPDSACKUndo``) (kernel counters)."""
     out = {}
     for path, table, names in (("/proc/net/snmp", "Tcp:", ("RetransSegs",)),
-                               ("/proc/net/netstat", "TcpExt:", ("TCPTimeouts",))):
+                               ("/proc/net/netstat", "TcpExt:", ("TCPTimeouts", "TCPSACKReorder", "TCPDSACKRecv",
+                                                                "TCPDSACKUndo"))):
         lines = [ln.split() for ln in host.run(["cat", path]).stdout.splitlines() if ln.startswith(table)]
         if len(lines) >= 2:
             row = dict(zip(lines[0][1:], lines[1][1:], strict=False))

@@ -380,7 +380,8 @@ def test_jobs_quick_smoke():
             assert j["end_s"] >= j["jct_s"] * 0.99   # the end of the process comes after the last iteration
             # the ranks' threads on a CPU and in its run queue over the timed span (this kernel has schedstat)
             assert 0 < j["cpu_s"] < 2 * j["jct_s"] and j["cpu_wait_s"] >= 0, (name, j)
-        assert block["tcp"][0].keys() == {"RetransSegs", "TCPTimeouts"}
+        assert block["tcp"][0].keys() == {"RetransSegs", "TCPTimeouts", "TCPSACKReorder", "TCPDSACKRecv",
+                                          "TCPDSACKUndo"}
     assert mix["policies"]["fifo"]["order_changes"] == [0]
     assert mix["policies"]["static"]["share_changes"] == [0]  # two jobs: their parts are not sampled
     assert all(0 < c < 60 for b in mix["policies"].values() for c in b["agent_cpu_s"])  # the agents' CPU seconds
