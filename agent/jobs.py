@@ -233,6 +233,11 @@ class JobScheduler:
                "level_shares": {str(lvl): round(v, 6) for lvl, v in sorted(self.shares.items())}}
         for name in self.inputs:
             out[name] = self.inputs_of(name)
+        if self.timed:  # each ranked job's slowdown now, as this agent ranks it (the order moves with it)
+            order, ranks = job_order(self.policy, sorted(self.jobs), now_s=self.clock(), link_bps=self.link_bps,
+                                     **{name: self.inputs_of(name) for name in self.inputs})
+            out["slowdown"] = {job: round(-rank, 3) for job, rank in zip(order, ranks, strict=True)
+                               if math.isfinite(rank)}
         if self.policy in ROTATING:
             out |= {"epoch_s": self.epoch_s, "epoch": self.epoch,
                     "next_epoch_in_s": round(self.seconds_to_next_epoch() or 0.0, 3)}

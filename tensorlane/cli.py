@@ -73,9 +73,10 @@ def format_status(st: dict) -> str:
 
 
 def _reported(jp: dict, job: str, link_bps: float | None) -> str:
-    """What ``job``'s shims reported for the job order (``status.job_policy``: ``step_bytes`` under ``shortest``
-    and ``measured_intensity``, ``compute_s`` under the latter) and, with both and a link rate, Crux's GPU
-    intensity on this host's slowest managed link; "" when nothing."""
+    """What ``job``'s shims reported for the job order (``status.job_policy``: ``step_bytes`` under ``shortest``,
+    ``measured_intensity`` and ``slowdown``, ``compute_s`` under the latter two) and, with both and a link rate,
+    Crux's GPU intensity on this host's slowest managed link; under ``slowdown`` the job's slowdown as the agent
+    ranked it; "" when nothing."""
     from tensorlane.policies.papers.crux import Job, gpu_intensity
 
     size, compute = jp.get("step_bytes", {}).get(job), jp.get("compute_s", {}).get(job)
@@ -84,6 +85,8 @@ def _reported(jp: dict, job: str, link_bps: float | None) -> str:
         parts.append(f"{compute:.3g} s compute/step")
         if size is not None and link_bps:
             parts.append(f"intensity {gpu_intensity(Job('status', compute, size, link_bps)):.3g}")
+    if job in jp.get("slowdown", {}):
+        parts.append(f"slowdown {jp['slowdown'][job]:.3g}")
     return ", ".join(parts)
 
 

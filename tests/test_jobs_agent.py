@@ -309,6 +309,11 @@ def test_slowdown_reranks_with_the_clock_and_the_jobs_windows():
     assert api.reorder() == 0 and api.jobs.changes == changes
     st = request(api, op="status")["job_policy"]
     assert st["order"] == ["a", "b"] and st["window_start"] == {"a": 1000.4, "b": 1002.9}
+    assert st["slowdown"] == {"a": round(9.6 / 2.5, 3), "b": round(7.1 / 2.5, 3)}
+    from tensorlane.cli import format_status
+
+    assert "order a (2500000 B/step, 0.4 s compute/step, intensity 4, slowdown 3.84), b (" in format_status(
+        request(api, op="status"))
     for bad in ({"window_steps": -1}, {"window_steps": 10**6}, {"window_start": math.inf}, {"window_start": "1"}):
         with pytest.raises(AssertionError, match="bad_request"):
             request(api, op="report", job="a", session="s1", levels=levels, **bad)
