@@ -127,9 +127,8 @@ class JobScheduler:
     # -- reported inputs ----------------------------------------------------------------------------------------
     def report(self, job: str, **values) -> bool:
         """Take a job's reported inputs (``step_bytes=``, ``compute_s=``, ``window_start=``, ``window_steps=``; None:
-        not in this report) that the
-        policy orders by; returns whether the order's input changed, i.e. whether ``update`` must run. Inputs the
-        policy does not use are ignored."""
+        not in this report) that the policy orders by; returns whether the order's input changed, i.e. whether
+        ``update`` must run. Inputs the policy does not use are ignored."""
         taken = {k: v for k, v in values.items() if k in self.inputs and v is not None}
         now = self.reported.get(job, {})
         if not taken or all(now.get(k) == v for k, v in taken.items()):
