@@ -47,6 +47,7 @@ class Request:
     counters: tuple[tuple[int, int, int, float], ...] = ()  # report: (level, allreduces, bytes, comm_s)
     step_bytes: int | None = None  # report: bytes one training step all-reduces (job_policy "shortest")
     compute_s: float | None = None  # report: compute seconds per training step, agreed by the job's ranks
+    tail_bytes: int | None = None  # report: bytes of a step's last bucket, waited for after backward ("slowdown")
     window_start: float | None = None  # report: wall-clock time the job's window of steps began (job_policy "slowdown")
     window_steps: int | None = None  # report: the steps ended since window_start (job_policy "slowdown")
 
@@ -144,7 +145,8 @@ def parse_request(line: bytes | str) -> Request:
         raise ProtocolError("bad_request", "id must be a string or an integer")
     allowed = {"op", "id"} | {
         "register": {"job", "level", "rank", "flows", "run"}, "unregister": {"job", "flows"}, "list": {"job"},
-        "report": {"job", "session", "levels", "step_bytes", "compute_s", "window_start", "window_steps"},
+        "report": {"job", "session", "levels", "step_bytes", "compute_s", "tail_bytes", "window_start",
+                   "window_steps"},
     }.get(op, set())
     unknown = set(msg) - allowed
     if unknown:
@@ -173,6 +175,7 @@ def parse_request(line: bytes | str) -> Request:
     if run is not None and (not isinstance(run, str) or not JOB_ID_RE.match(run)):
         raise ProtocolError("bad_request", f"run must be {JOB_ID_RULE}; got {run!r}")
     session, counters, step_bytes, compute_s, window_start, window_steps = None, (), None, None, None, None
+    tail_bytes = None
     if op == "report":
         session = msg.get("session")
         if not isinstance(session, str) or not JOB_ID_RE.match(session):
@@ -185,6 +188,8 @@ def parse_request(line: bytes | str) -> Request:
             if compute_s > MAX_COMPUTE_S:
                 raise ProtocolError("bad_request", f"compute_s must be at most {MAX_COMPUTE_S:g} seconds, "
                                                    f"got {compute_s!r}")
+        if msg.get("tail_bytes") is not None:
+            tail_bytes = _count(msg, "tail_bytes", int)
         if msg.get("window_start") is not None:
             window_start = float(_count(msg, "window_start", float))
         if msg.get("window_steps") is not None:
@@ -193,8 +198,8 @@ def parse_request(line: bytes | str) -> Request:
                 raise ProtocolError("bad_request", f"window_steps must be at most {MAX_WINDOW_STEPS}, "
                                                    f"got {window_steps!r}")
     return Request(op=op, id=rid, job=job, level=level, rank=rank, flows=flows, session=session, run=run,
-                   counters=counters, step_bytes=step_bytes, compute_s=compute_s, window_start=window_start,
-                   window_steps=window_steps)
+                   counters=counters, step_bytes=step_bytes, compute_s=compute_s, tail_bytes=tail_bytes,
+                   window_start=window_start, window_steps=window_steps)
 
 
 def ok(rid, result: dict) -> bytes:

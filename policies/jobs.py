@@ -29,7 +29,7 @@ JOB_POLICIES = ("none", "static", "rotate", "alternate", "intensity", "shortest"
 ROTATING = ("rotate", "alternate")  # the policies whose order changes every epoch
 TIMED = ("slowdown",)  # the policies whose order moves with the clock between reports (the agent re-ranks each sample)
 REPORTED = {"shortest": ("step_bytes",), "measured_intensity": ("step_bytes", "compute_s"),  # inputs from the shims
-            "slowdown": ("step_bytes", "compute_s", "window_start", "window_steps")}
+            "slowdown": ("tail_bytes", "compute_s", "window_start", "window_steps")}
 REPORTED_INPUTS = tuple(dict.fromkeys(name for names in REPORTED.values() for name in names))  # each once
 SHARE_AMONG = ("sending", "present")  # how job_share is split: among the jobs sending (1/k), or all present (1/n)
 INTENSITY_STEP = 1.1  # measured_intensity: jobs whose intensities differ by less than one such factor may share a band
@@ -109,6 +109,7 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
               priority: Mapping[str, int] | None = None,
               intensity: Mapping[str, float] | None = None,
               step_bytes: Mapping[str, int] | None = None,
+              tail_bytes: Mapping[str, int] | None = None,
               compute_s: Mapping[str, float] | None = None,
               window_start: Mapping[str, float] | None = None,
               window_steps: Mapping[str, int] | None = None,
@@ -136,7 +137,7 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
       jobs without both reports rank after every reported one, all alike;
     - ``slowdown``: the job slowed down most over its last steps first, at wall-clock ``now_s``
       (``slowdown_rank``: the seconds since ``window_start[job]`` over ``window_steps[job] + 1`` ideal steps of
-      ``compute_s[job]`` plus ``step_bytes[job]`` at ``link_bps``); the order moves with ``now_s``. A job that
+      ``compute_s[job]`` plus ``tail_bytes[job]`` at ``link_bps``); the order moves with ``now_s``. A job that
       has just ended a step drops back, one whose step runs long rises: on a link the jobs' communication fits,
       the jobs take turns as earliest-deadline-first scheduling would give them (docs/jobs.md). Jobs without the
       reports rank after every reported one, all alike.
@@ -178,7 +179,7 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
         order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
         return order, tuple(rank[j] for j in order)
     if policy == "slowdown":
-        got = [step_bytes or {}, compute_s or {}, window_start or {}, window_steps or {}]
+        got = [tail_bytes or {}, compute_s or {}, window_start or {}, window_steps or {}]
         rank = {j: slowdown_rank(now_s, got[2][j], got[3][j], got[1][j], got[0][j], link_bps)
                 if all(j in g for g in got) else math.inf for j in ids}
         order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
@@ -202,26 +203,27 @@ def measured_intensity_rank(compute_s: float, step_bytes: int) -> float:
     return -float(math.floor(math.log(compute_s / step_bytes) / math.log(INTENSITY_STEP)))
 
 
-def slowdown_rank(now_s: float, window_start: float, window_steps: int, compute_s: float, step_bytes: int,
+def slowdown_rank(now_s: float, window_start: float, window_steps: int, compute_s: float, tail_bytes: int,
                   link_bps: float | None) -> float:
     """The rank of a job under ``slowdown`` at wall-clock ``now_s`` (smaller first): minus its slowdown over its
     window, ``(now_s - window_start) / ((window_steps + 1) * ideal)``: the time since the end of the step
     ``window_steps`` steps before its last one (as its shim reports it) over as many ideal steps plus the one under
-    way, where ``ideal = compute_s + 8 * step_bytes / link_bps`` (the step's compute time, agreed over the job's
-    ranks, and its bytes at the link's rate; without a rate the compute time alone). ``inf`` (last) while
-    ``compute_s`` is 0: nothing measured yet. A pure function of the reported numbers, the clock and the rate:
-    agents whose clocks and link rates agree rank a job alike; near the moment two jobs' ranks cross, agents differ
-    by their clock skew and sampling.
+    way. ``ideal = compute_s + 8 * tail_bytes / link_bps``: the step's compute time (agreed over the job's ranks: the
+    time it does not wait for the network, the backward that overlaps its all-reduces included) plus what it waits
+    for after backward on an idle link, its last bucket's bytes at the link's rate (without a rate, the compute time
+    alone). ``inf`` (last) while ``compute_s`` is 0: nothing measured yet. A pure function of the reported numbers,
+    the clock and the rate: agents whose clocks and link rates agree rank a job alike; near the moment two jobs'
+    ranks cross, agents differ by their clock skew and sampling.
 
     Usage: ``slowdown_rank(12.0, 10.0, 1, 0.5, 0, None) == -2.0``
     """
     if not (math.isfinite(now_s) and math.isfinite(window_start) and math.isfinite(compute_s)):
         raise ValueError("now_s, window_start and compute_s must be finite")
-    if compute_s < 0 or step_bytes < 0 or window_steps < 0:
-        raise ValueError("compute_s, step_bytes and window_steps must not be negative")
+    if compute_s < 0 or tail_bytes < 0 or window_steps < 0:
+        raise ValueError("compute_s, tail_bytes and window_steps must not be negative")
     if compute_s == 0:
         return math.inf
-    ideal = compute_s + (8.0 * step_bytes / link_bps if link_bps else 0.0)
+    ideal = compute_s + (8.0 * tail_bytes / link_bps if link_bps else 0.0)
     return -max(0.0, now_s - window_start) / ((window_steps + 1) * ideal)
 
 

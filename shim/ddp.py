@@ -137,6 +137,7 @@ class ShimState:
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     step_bytes: int = 0  # bytes the last complete synchronized backward all-reduced (the same on every rank)
+    tail_bytes: int = 0  # bytes of that backward's last bucket: what DDP waits for after backward (every rank alike)
     clock: ComputeClock = field(default_factory=ComputeClock)  # a step's compute seconds, agreed over the ranks
     window: StepWindow = field(default_factory=StepWindow)  # the last steps' wall-clock ends (job_policy "slowdown")
     _pending: dict = field(default_factory=dict)  # step -> its pieces launched and not yet seen complete
@@ -237,7 +238,8 @@ class ShimState:
                 s.bytes += nbytes
             self._step_acc += size
             if last_bucket:
-                changed, self.step_bytes, self._step_acc = self._step_acc != self.step_bytes, self._step_acc, 0
+                changed = self._step_acc != self.step_bytes or size != self.tail_bytes
+                self.step_bytes, self.tail_bytes, self._step_acc = self._step_acc, size, 0
                 self.clock.step_end(time.perf_counter(), hook_waited=self.mode != "overlap")
                 ended = self._finish_steps()  # (its pieces may all have completed already)
         if last_bucket:
@@ -290,7 +292,7 @@ class ShimState:
         link = self.link
         out = {"enabled": True, "mode": self.mode, "mode_reason": self.mode_reason, "job": self.job,
                "flows": {lvl: len(f) for lvl, f in self.flows.items()}, "levels": self.level_stats(),
-               "step_bytes": self.step_bytes, "compute_s": self.clock.compute_s,
+               "step_bytes": self.step_bytes, "compute_s": self.clock.compute_s, "tail_bytes": self.tail_bytes,
                "window_start": self.window.start, "window_steps": self.window.steps,
                "agent": {"connected": False} if link is None else
                {"connected": link.connected, **link.counters, "last_error": link.last_error}}

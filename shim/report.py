@@ -29,18 +29,20 @@ log = logging.getLogger("tensorlane.shim")
 class Reporter:
     """Sends ``stats()`` (a list of ``{level, allreduces, bytes, comm_s}``) as op ``report`` for ``job``, with
     ``step_bytes()`` (the bytes of one training step's all-reduces), ``compute_s()`` (a step's compute seconds,
-    agreed over the job's ranks), ``window_start()`` and ``window_steps()`` (the wall-clock end of the step that
-    begins the window of the last steps, and the steps ended since: ``shim.compute.StepWindow``) when given (0 or
-    None: not known yet). An agent that refuses those fields (older than them) gets the counters alone from then on.
-    ``step_ended()`` reports at once while the agent ranks jobs by their window (job policy ``slowdown``), and
-    does nothing once the agent has said it does not."""
+    agreed over the job's ranks), ``tail_bytes()`` (the bytes of a step's last bucket), ``window_start()`` and
+    ``window_steps()`` (the wall-clock end of the step that begins the window of the last steps, and the steps
+    ended since: ``shim.compute.StepWindow``) when given (0 or None: not known yet). An agent that refuses those
+    fields (older than them) gets the counters alone from then on. ``step_ended()`` reports at once while the
+    agent ranks jobs by their window (job policy ``slowdown``), and does nothing once the agent has said it does
+    not."""
 
     def __init__(self, stats, socket_path: str, job: str, interval_s: float = 5.0, timeout_s: float = 0.25,
                  session: str | None = None, start: bool = True, step_bytes=None, compute_s=None,
-                 window_start=None, window_steps=None):
+                 tail_bytes=None, window_start=None, window_steps=None):
         self.stats = stats
         self.inputs = {"step_bytes": (step_bytes, int), "compute_s": (compute_s, float),
-                       "window_start": (window_start, float), "window_steps": (window_steps, int)}
+                       "tail_bytes": (tail_bytes, int), "window_start": (window_start, float),
+                       "window_steps": (window_steps, int)}
         self.per_step = window_start is not None  # until the agent says it takes no window_start
         self.counters_only = False  # the agent refused the inputs' fields
         self.socket_path = socket_path
@@ -148,5 +150,6 @@ def start(handle, interval_s: float = 5.0, timeout_s: float = 0.25) -> Reporter 
     return Reporter(lambda: handle.stats()["levels"], link.socket_path, link.job, interval_s=interval_s,
                     timeout_s=timeout_s, step_bytes=lambda: handle.stats().get("step_bytes"),
                     compute_s=lambda: handle.stats().get("compute_s"),
+                    tail_bytes=lambda: handle.stats().get("tail_bytes"),
                     window_start=lambda: handle.stats().get("window_start"),
                     window_steps=lambda: handle.stats().get("window_steps"))

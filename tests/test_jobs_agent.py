@@ -285,12 +285,13 @@ def test_slowdown_reranks_with_the_clock_and_the_jobs_windows():
         request(api, op="register", job=job, level=0, flows=[flow(port)])
     assert rec.kernel == {key(1): 0, key(2): 0}  # nothing reported: one band
     levels = [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.1}]
-    # a 200 Mbit/s link: 2.5 MB take 0.1 s, so each job's ideal step is 0.5 s
-    r = request(api, op="report", job="a", session="s1", levels=levels, step_bytes=2_500_000, compute_s=0.4,
+    # a 200 Mbit/s link: a last bucket of 2.5 MB takes 0.1 s, so each job's ideal step is 0.5 s
+    r = request(api, op="report", job="a", session="s1", levels=levels, tail_bytes=2_500_000, compute_s=0.4,
                 window_start=998.0, window_steps=4)
     assert r["window_start"] == r["window_steps"] == "taken" and rec.kernel == {key(1): 0, key(2): 2}
-    request(api, op="report", job="b", session="s2", levels=levels, step_bytes=2_500_000, compute_s=0.4,
-            window_start=997.0, window_steps=4)  # b: 3 s over 2.5 s, a: 2 s over 2.5 s
+    r = request(api, op="report", job="b", session="s2", levels=levels, tail_bytes=2_500_000, compute_s=0.4,
+                window_start=997.0, window_steps=4, step_bytes=9)  # b: 3 s over 2.5 s, a: 2 s over 2.5 s
+    assert r["step_bytes"] == "unused: job_policy is 'slowdown'"  # the whole step's bytes are not waited for
     assert rec.kernel == {key(1): 2, key(2): 0} and api.jobs.rerank_wanted()
     request(api, op="report", job="b", session="s2", levels=levels, window_start=999.9, window_steps=4)
     assert rec.kernel == {key(1): 0, key(2): 2}  # b's window moved on: a is further behind now
@@ -312,9 +313,10 @@ def test_slowdown_reranks_with_the_clock_and_the_jobs_windows():
     assert st["slowdown"] == {"a": round(9.6 / 2.5, 3), "b": round(7.1 / 2.5, 3)}
     from tensorlane.cli import format_status
 
-    assert "order a (2500000 B/step, 0.4 s compute/step, intensity 4, slowdown 3.84), b (" in format_status(
+    assert "order a (0.4 s compute/step, slowdown 3.84), b (" in format_status(
         request(api, op="status"))
-    for bad in ({"window_steps": -1}, {"window_steps": 10**6}, {"window_start": math.inf}, {"window_start": "1"}):
+    for bad in ({"window_steps": -1}, {"window_steps": 10**6}, {"window_start": math.inf}, {"window_start": "1"},
+                {"tail_bytes": -1}, {"tail_bytes": 0.5}):
         with pytest.raises(AssertionError, match="bad_request"):
             request(api, op="report", job="a", session="s1", levels=levels, **bad)
     assert rec.kernel == {key(1): 0, key(2): 2}
@@ -620,9 +622,9 @@ def test_slowdown_reorders_the_kernel_map_as_the_clock_moves(tb):
             agent.register("job-a", 0, [_flow(h1, 7301, h2)])
             agent.register("job-b", 0, [_flow(h1, 7302, h2)])
             t0 = time.time()
-            agent.request("report", job="job-a", session="sa", levels=levels, step_bytes=0, compute_s=0.5,
+            agent.request("report", job="job-a", session="sa", levels=levels, tail_bytes=0, compute_s=0.5,
                           window_start=t0 - 2.0, window_steps=4)
-            agent.request("report", job="job-b", session="sb", levels=levels, step_bytes=0, compute_s=1.0,
+            agent.request("report", job="job-b", session="sb", levels=levels, tail_bytes=0, compute_s=1.0,
                           window_start=t0, window_steps=0)
             first = kernel_levels(h1)
             assert time.time() - t0 < 0.8, "too slow to read the order before the crossing"

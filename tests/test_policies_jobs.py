@@ -165,7 +165,7 @@ def test_job_order_by_hand() -> None:
         job_order("measured_intensity", ids, step_bytes={"a": 1}, compute_s={"a": math.nan})
     # slowdown: the job furthest behind its ideal step over its window first, at the time given; the order moves
     # with the clock: a job that has just ended a step drops back; jobs without every report after the others
-    reports = {"step_bytes": {"a": 10**6, "b": 10**6, "c": 0}, "compute_s": {"a": 0.5, "b": 0.5, "c": 1.0},
+    reports = {"tail_bytes": {"a": 10**6, "b": 10**6, "c": 0}, "compute_s": {"a": 0.5, "b": 0.5, "c": 1.0},
                "window_start": {"a": 100.0, "b": 101.0, "c": 100.0}, "window_steps": {"a": 4, "b": 0, "c": 4}}
     # ideal steps at 8 Mbit/s: a and b 1.5 s, c 1.0 s; at 102 s: a 2/7.5, b 1/1.5, c 2/5
     order, ranks = job_order("slowdown", ids, now_s=102.0, link_bps=8e6, **reports)
@@ -179,6 +179,8 @@ def test_job_order_by_hand() -> None:
     assert slowdown_rank(9.0, 10.0, 1, 0.5, 0, None) == 0.0  # a window reported from ahead of this clock
     with pytest.raises(ValueError, match="window_steps"):
         slowdown_rank(12.0, 10.0, -1, 0.5, 0, None)
+    assert job_order("slowdown", ids, now_s=102.0, link_bps=8e6, step_bytes=reports["tail_bytes"],
+                     **{k: v for k, v in reports.items() if k != "tail_bytes"})[1] == (math.inf,) * 4  # the tail
     assert set(JOB_POLICIES) == {"none", "static", "rotate", "alternate", "intensity", "shortest",
                                  "measured_intensity", "slowdown"}
     with pytest.raises(ValueError, match="policy"):
@@ -425,6 +427,6 @@ def test_agents_agree_on_shared_jobs_by_slowdown(seen1, seen2, levels, data) -> 
         kept = [j for j in seen if data.draw(st.booleans()) or j in set(seen1) & set(seen2)]
         return job_order("slowdown", seen, now_s=105.0, link_bps=50e6,
                          **{name: {j: got[j][i] for j in kept} for i, name in
-                            enumerate(("step_bytes", "compute_s", "window_start", "window_steps"))})
+                            enumerate(("tail_bytes", "compute_s", "window_start", "window_steps"))})
 
     assert_shared_pairs_agree(set(seen1) & set(seen2), levels, order(seen1), order(seen2))

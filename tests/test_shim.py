@@ -243,6 +243,7 @@ def test_compute_time_agreed_over_ranks(tmp_path):
             stats = json.loads((tmp_path / f"{mode}-{rank}.json").read_text())
             assert stats["window_steps"] == SLOWDOWN_WINDOW and began < stats["window_start"], (mode, stats)
             assert stats["window_start"] < time.time() - 0.05 * SLOWDOWN_WINDOW, (mode, stats)
+            assert 0 < stats["tail_bytes"] <= stats["step_bytes"], (mode, stats)  # the last bucket's bytes
         for rank in range(2):
             ref = torch.load(tmp_path / f"ddp-{rank}.pt")
             assert max_rel_diff(torch.load(tmp_path / f"{mode}-{rank}.pt"), ref) <= 1e-5, (mode, rank)
