@@ -152,8 +152,7 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
     if policy == "static":
         prio = priority or {}
         rank = {j: float(prio[j]) if j in prio else math.inf for j in ids}
-        order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
-        return order, tuple(rank[j] for j in order)
+        return by_rank(rank)
     if policy in ROTATING:
         rotation = hashed_rotation_order if policy == "rotate" else alternating_rotation_order
         order = rotation(ids, rotation_epoch(now_s, epoch_s))
@@ -163,28 +162,30 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
         rank = {j: -float(inten.get(j, 0.0)) + 0.0 for j in ids}
         if any(math.isnan(r) for r in rank.values()):
             raise ValueError("intensity must not be NaN")
-        order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
-        return order, tuple(rank[j] for j in order)
+        return by_rank(rank)
     if policy == "shortest":
         sizes = step_bytes or {}
         rank = {j: float(sizes[j]) if j in sizes else math.inf for j in ids}
         if any(math.isnan(r) or r < 0 for r in rank.values()):
             raise ValueError("step_bytes must be non-negative numbers")
-        order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
-        return order, tuple(rank[j] for j in order)
+        return by_rank(rank)
     if policy == "measured_intensity":
         sizes, compute = step_bytes or {}, compute_s or {}
         rank = {j: measured_intensity_rank(compute[j], sizes[j]) if j in sizes and j in compute else math.inf
                 for j in ids}
-        order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
-        return order, tuple(rank[j] for j in order)
-    if policy == "slowdown":
-        got = [tail_bytes or {}, compute_s or {}, window_start or {}, window_steps or {}]
-        rank = {j: slowdown_rank(now_s, got[2][j], got[3][j], got[1][j], got[0][j], link_bps)
-                if all(j in g for g in got) else math.inf for j in ids}
-        order = tuple(sorted(ids, key=lambda j: (rank[j], j)))
-        return order, tuple(rank[j] for j in order)
+        return by_rank(rank)
+    if policy == "slowdown":  # the reports in slowdown_rank's order of arguments
+        got = (window_start or {}, window_steps or {}, compute_s or {}, tail_bytes or {})
+        return by_rank({j: slowdown_rank(now_s, *(g[j] for g in got), link_bps) if all(j in g for g in got)
+                        else math.inf for j in ids})
     raise ValueError(f"policy must be one of {', '.join(JOB_POLICIES)}, not {policy!r}")
+
+
+def by_rank(rank: Mapping[str, float]) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """The jobs of ``rank`` (job -> rank value) smallest rank first, ties by job id, and their ranks: ``job_order``'s
+    answer. Usage: ``by_rank({"b": 1.0, "a": 1.0, "c": 0.0}) == (("c", "a", "b"), (0.0, 1.0, 1.0))``"""
+    order = tuple(sorted(rank, key=lambda j: (rank[j], j)))
+    return order, tuple(rank[j] for j in order)
 
 
 def measured_intensity_rank(compute_s: float, step_bytes: int) -> float:
