@@ -15,8 +15,8 @@ The FlowTable keeps the level each client asked for; this module derives the lev
   training step (``compute_s`` of op ``report``, agreed over the job's ranks) per byte it all-reduces
   (``step_bytes``), most intense first.
 - ``"slowdown"``: the job whose last steps ran furthest behind its ideal step first (``window_start`` and
-  ``window_steps`` of op ``report``, with ``compute_s`` and ``step_bytes`` at the link's rate); the order moves
-  with the clock, so the server re-ranks every ``job_sample_s`` (``rerank_wanted``).
+  ``window_steps`` of op ``report``; the ideal step is ``compute_s`` plus ``tail_bytes`` at the link's rate); the
+  order moves with the clock, so the server re-ranks every ``job_sample_s`` (``rerank_wanted``).
 
 Under a policy, ``job_share`` of the link is guaranteed to the jobs in equal parts (``policies.jobs.job_shares``,
 each part on its band's most urgent level; ``shares``), so that an order never leaves a job with less than its part
@@ -69,8 +69,8 @@ class JobScheduler:
                  link_bps: float | None = None):
         """``guarantees``: whether the backend gives classes guaranteed rates (htb; prio has none: no parts to
         follow, nothing sampled); ``budget``: the share of the link the parts may take in all
-        (``Reconciler.share_budget``); ``link_bps``: the link's rate (``slowdown``'s ideal step: a step's bytes at
-        this rate; None: unknown, its compute time alone)."""
+        (``Reconciler.share_budget``); ``link_bps``: the link's rate (``slowdown``'s ideal step: a step's last bucket
+        at this rate; None: unknown, its compute time alone)."""
         self.policy = getattr(cfg, "job_policy", "none")
         self.levels = cfg.levels
         self.epoch_s = float(getattr(cfg, "rotate_epoch_s", 20.0))
@@ -126,9 +126,9 @@ class JobScheduler:
 
     # -- reported inputs ----------------------------------------------------------------------------------------
     def report(self, job: str, **values) -> bool:
-        """Take a job's reported inputs (``step_bytes=``, ``compute_s=``, ``window_start=``, ``window_steps=``; None:
-        not in this report) that the policy orders by; returns whether the order's input changed, i.e. whether
-        ``update`` must run. Inputs the policy does not use are ignored."""
+        """Take a job's reported inputs (``step_bytes=``, ``compute_s=``, ``tail_bytes=``, ``window_start=``,
+        ``window_steps=``; None: not in this report) that the policy orders by; returns whether the order's input
+        changed, i.e. whether ``update`` must run. Inputs the policy does not use are ignored."""
         taken = {k: v for k, v in values.items() if k in self.inputs and v is not None}
         now = self.reported.get(job, {})
         if not taken or all(now.get(k) == v for k, v in taken.items()):

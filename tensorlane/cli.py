@@ -73,10 +73,10 @@ def format_status(st: dict) -> str:
 
 
 def _reported(jp: dict, job: str, link_bps: float | None) -> str:
-    """What ``job``'s shims reported for the job order (``status.job_policy``: ``step_bytes`` under ``shortest``,
-    ``measured_intensity`` and ``slowdown``, ``compute_s`` under the latter two) and, with both and a link rate,
-    Crux's GPU intensity on this host's slowest managed link; under ``slowdown`` the job's slowdown as the agent
-    ranked it; "" when nothing."""
+    """What ``job``'s shims reported for the job order (``status.job_policy``: ``step_bytes`` under ``shortest``
+    and ``measured_intensity``, ``compute_s`` under ``measured_intensity`` and ``slowdown``) and, with both and a
+    link rate, Crux's GPU intensity on this host's slowest managed link; under ``slowdown`` the job's slowdown as
+    the agent ranked it; "" when nothing."""
     from tensorlane.policies.papers.crux import Job, gpu_intensity
 
     size, compute = jp.get("step_bytes", {}).get(job), jp.get("compute_s", {}).get(job)
