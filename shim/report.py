@@ -24,6 +24,8 @@ import uuid
 from tensorlane.client import AgentClient, AgentError, AgentUnavailable
 
 log = logging.getLogger("tensorlane.shim")
+# the job-order inputs a report may carry, and their types (the agent takes those its job policy orders by)
+INPUTS = {"step_bytes": int, "compute_s": float, "tail_bytes": int, "window_start": float, "window_steps": int}
 
 
 class Reporter:
@@ -32,7 +34,8 @@ class Reporter:
     agreed over the job's ranks), ``tail_bytes()`` (the bytes of a step's last bucket), ``window_start()`` and
     ``window_steps()`` (the wall-clock end of the step that begins the window of the last steps, and the steps
     ended since: ``shim.compute.StepWindow``) when given (0 or None: not known yet). An agent that refuses those
-    fields (older than them) gets the counters alone from then on. ``step_ended()`` reports at once while the
+    fields (older than them) gets the counters alone from then on. ``stats()`` is read before the inputs of each
+    report (``start`` reads the handle's stats once for both). ``step_ended()`` reports at once while the
     agent ranks jobs by their window (job policy ``slowdown``), and does nothing once the agent has said it does
     not."""
 
@@ -40,9 +43,9 @@ class Reporter:
                  session: str | None = None, start: bool = True, step_bytes=None, compute_s=None,
                  tail_bytes=None, window_start=None, window_steps=None):
         self.stats = stats
-        self.inputs = {"step_bytes": (step_bytes, int), "compute_s": (compute_s, float),
-                       "tail_bytes": (tail_bytes, int), "window_start": (window_start, float),
-                       "window_steps": (window_steps, int)}
+        self.inputs = {name: (read, INPUTS[name]) for name, read in (
+            ("step_bytes", step_bytes), ("compute_s", compute_s), ("tail_bytes", tail_bytes),
+            ("window_start", window_start), ("window_steps", window_steps))}
         self.per_step = window_start is not None  # until the agent says it takes no window_start
         self.counters_only = False  # the agent refused the inputs' fields
         self.socket_path = socket_path
@@ -147,9 +150,12 @@ def start(handle, interval_s: float = 5.0, timeout_s: float = 0.25) -> Reporter 
     if getattr(handle, "disabled", False) or getattr(handle, "link", None) is None:
         return None
     link = handle.link
-    return Reporter(lambda: handle.stats()["levels"], link.socket_path, link.job, interval_s=interval_s,
-                    timeout_s=timeout_s, step_bytes=lambda: handle.stats().get("step_bytes"),
-                    compute_s=lambda: handle.stats().get("compute_s"),
-                    tail_bytes=lambda: handle.stats().get("tail_bytes"),
-                    window_start=lambda: handle.stats().get("window_start"),
-                    window_steps=lambda: handle.stats().get("window_steps"))
+    seen: dict = {}  # the handle's stats for the report under way: read once, with the counters (read first)
+
+    def levels() -> list:
+        seen.clear()
+        seen.update(handle.stats())
+        return seen["levels"]
+
+    inputs = {name: (lambda name=name: seen.get(name)) for name in INPUTS}
+    return Reporter(levels, link.socket_path, link.job, interval_s=interval_s, timeout_s=timeout_s, **inputs)

@@ -626,19 +626,25 @@ def test_start_reporter_from_a_shim_handle(tmp_path):
         socket_path, job = str(tmp_path / "none.sock"), "job-h"
 
     class Handle:
-        disabled, link = False, Link()
+        disabled, link, reads = False, Link(), 0
 
         def stats(self):
-            return {"levels": [{"level": 0, "allreduces": 3, "bytes": 12, "comm_s": 0.1}]}
+            self.reads += 1
+            return {"levels": [{"level": 0, "allreduces": 3, "bytes": 12, "comm_s": 0.1}], "step_bytes": 64,
+                    "compute_s": 0.5, "tail_bytes": 16, "window_start": 100.0, "window_steps": 4}
 
     class Disabled:
         disabled = True
 
     assert start_reporter(Disabled()) is None
-    rep = start_reporter(Handle(), interval_s=60, timeout_s=0.1)
+    handle = Handle()
+    rep = start_reporter(handle, interval_s=60, timeout_s=0.1)
     try:
         assert rep.job == "job-h" and rep.socket_path == Link.socket_path
         assert rep.report() is False and rep.counters["failures"] == 1
+        assert handle.reads == 1  # one read of the handle's stats per report, the inputs included
+        assert rep._inputs() == {"step_bytes": 64, "compute_s": 0.5, "tail_bytes": 16, "window_start": 100.0,
+                                 "window_steps": 4}
     finally:
         rep.close()
 
