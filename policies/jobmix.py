@@ -93,16 +93,7 @@ def simulate_mix(jobs: Sequence[MixJob], order: Sequence[int] | None = None, job
     end = [math.nan] * n
     now = 0.0
     for _ in range(4 * sum(left) + 2 * n + 1 + 2 * ticks):
-        for i in range(n):  # phase changes at this instant
-            while phase[i] != "done" and remaining[i] <= EPS:
-                if phase[i] == "comm":
-                    left[i] -= 1
-                if left[i] == 0:
-                    phase[i], end[i] = "done", now - jobs[i].offset_s
-                elif phase[i] in ("wait", "comm"):
-                    phase[i], remaining[i] = "compute", jobs[i].compute_s
-                else:
-                    phase[i], remaining[i] = "comm", jobs[i].comm_s
+        _end_phases(jobs, phase, remaining, left, end, now)
         if all(p == "done" for p in phase):
             return end
         sending = [i for i in range(n) if phase[i] == "comm"]
@@ -114,6 +105,26 @@ def simulate_mix(jobs: Sequence[MixJob], order: Sequence[int] | None = None, job
         rates = link_rates(sending, order, job_share, present, among, counted if sample_s > 0 else None)
         now += _advance(phase, remaining, rates, [next_tick - now] if sample_s > 0 else [])
     raise RuntimeError("simulate_mix: event bound exceeded")  # cannot happen: every event ends a phase
+
+
+def _end_phases(jobs: Sequence[MixJob], phase: list[str], remaining: list[float], left: list[int],
+                end: list[float], now: float) -> list[tuple[int, str]]:
+    """Move every job whose phase has run out at ``now`` on to its next (wait, then compute and communication in
+    turn until its last iteration's communication, then done: ``end`` is its JCT). Returns each ``(job, phase
+    ended)`` in order."""
+    ended = []
+    for i, job in enumerate(jobs):
+        while phase[i] != "done" and remaining[i] <= EPS:
+            ended.append((i, phase[i]))
+            if phase[i] == "comm":
+                left[i] -= 1
+            if left[i] == 0:
+                phase[i], end[i] = "done", now - job.offset_s
+            elif phase[i] in ("wait", "comm"):
+                phase[i], remaining[i] = "compute", job.compute_s
+            else:
+                phase[i], remaining[i] = "comm", job.comm_s
+    return ended
 
 
 def _advance(phase: list[str], remaining: list[float], rates: dict[int, float], tick: list[float]) -> float:
@@ -193,21 +204,13 @@ def simulate_links(jobs: Sequence[MixJob], links: Sequence[Collection[int]] | No
     end = [math.nan] * n
     now, next_tick, ranked = 0.0, 0.0, list(range(n))
     for _ in range(4 * sum(left) + 2 * n + 1 + 2 * ticks):
-        changed = False
-        for i in range(n):
-            while phase[i] != "done" and remaining[i] <= EPS:
-                changed = True
-                if phase[i] == "comm":
-                    left[i] -= 1
-                    ends[i] = (ends[i] + [now])[-(SLOWDOWN_WINDOW + 1):]
-                if left[i] == 0:
-                    phase[i], end[i] = "done", now - jobs[i].offset_s
-                elif phase[i] in ("wait", "comm"):
-                    if phase[i] == "wait":
-                        ends[i] = [now]
-                    phase[i], remaining[i] = "compute", jobs[i].compute_s
-                else:
-                    phase[i], remaining[i] = "comm", jobs[i].comm_s
+        ended = _end_phases(jobs, phase, remaining, left, end, now)
+        for i, was in ended:  # a step ends with its communication; the first one starts after the wait
+            if was == "comm":
+                ends[i] = (ends[i] + [now])[-(SLOWDOWN_WINDOW + 1):]
+            elif was == "wait":
+                ends[i] = [now]
+        changed = bool(ended)
         if all(p == "done" for p in phase):
             return end
         if timed and (changed or now >= next_tick - EPS):
