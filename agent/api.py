@@ -278,8 +278,9 @@ class Api:
         return len(gone)
 
     def sample_sending(self, now: float) -> bool:
-        """Under a job policy with three jobs or more: sample which levels' classes are backlogged and give the
-        sending jobs their parts (``JobScheduler.observe``; the server calls this every ``job_sample_s``). Returns
+        """Under a job policy with three jobs or more (two with ``job_share = "auto"``): sample which levels' classes
+        are backlogged and give the sending jobs their parts, or (``"auto"``) the part that follows whether the jobs
+        saturate the link (``JobScheduler.observe``; the server calls this every ``job_sample_s``). Returns
         whether the classes changed. A failure to read the classes is counted like the reconciler's other errors,
         logged at most every few seconds, and changes nothing."""
         if not self.jobs.samples_wanted():  # (never under the prio backend: it has no guarantees to follow)

@@ -77,7 +77,9 @@ class Config:
     rotate_epoch_s: float = 20.0
     job_priority: dict = field(default_factory=dict)
     job_intensity: dict = field(default_factory=dict)
-    job_share: float = 0.2  # under a job policy: the link's share guaranteed to the jobs, in equal parts; 0: strict
+    # under a job policy: the link's share guaranteed to the jobs, in equal parts; 0: strict; "auto": 0.2 while the
+    # jobs leave the link idle at times, 0.95 while they keep it saturated (policies.jobs.AUTO_SHARES)
+    job_share: float | str = 0.2
     # the parts of job_share: "sending" (each of k jobs with queued bytes gets job_share / k, as FIFO gives each
     # about 1/k; sampled with three jobs or more) or "present" (job_share / n of the n jobs on the host)
     job_share_among: str = "sending"
@@ -178,8 +180,13 @@ def _job_policy(raw: dict, min_shares: float) -> dict:
     if intensity and policy != "intensity":
         raise ConfigError("job_intensity", f"only used with job_policy = \"intensity\", not {policy!r}")
     top = min(0.95, round(1.0 - min_shares, 4))
-    share = _number(raw, "job_share", 0.0, top, f" (a fraction of the link, at most 0.95 and what the classes' "
-                                                 f"min_share leave: 1 - {round(min_shares, 4)})")
+    if raw.get("job_share") == "auto":
+        share: float | str = "auto"  # the agent chooses the part from the classes' backlog (JobScheduler.observe)
+    elif isinstance(raw.get("job_share"), str):
+        raise ConfigError("job_share", f"expected a fraction of the link or \"auto\", got {raw['job_share']!r}")
+    else:
+        share = _number(raw, "job_share", 0.0, top, f" (a fraction of the link, at most 0.95 and what the classes' "
+                                                     f"min_share leave: 1 - {round(min_shares, 4)}; or \"auto\")")
     among = _want(raw, "job_share_among", str)
     if among not in SHARE_AMONG:
         raise ConfigError("job_share_among", f"expected one of {', '.join(SHARE_AMONG)}, got {among!r}")

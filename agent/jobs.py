@@ -24,7 +24,10 @@ while it has bytes to send; 0 keeps the order strict (each level only ``min_shar
 ``job_share_among = "sending"`` (the default) the parts follow the jobs that are sending: the server samples the
 classes' backlog every ``job_sample_s`` (``observe``) and each of ``k`` jobs seen backlogged within ``job_hold_s``
 (0: at the last sample) gets ``job_share / k``, as FIFO would give each about ``1/k`` (jobs that share a band count
-once: the agent sees one queue); with two jobs the parts are the same either way.
+once: the agent sees one queue); with two jobs the parts are the same either way. With ``job_share = "auto"`` the
+server samples with two jobs or more, and the part is ``AUTO_SHARES[0]`` while the jobs leave the link idle at
+times and ``AUTO_SHARES[1]`` while they keep it saturated (``policies.jobs.link_saturated`` over the last
+``AUTO_WINDOW_S`` of samples).
 
 The jobs this agent sees (those with flows in its table) get contiguous bands of levels in that order, most urgent
 first (``policies.jobs.job_bands``), and a flow's effective level is the level its client asked for compressed into
@@ -46,9 +49,12 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 
 from tensorlane.flows import FlowKey
 from tensorlane.policies.jobs import (
+    AUTO_SHARES,
+    AUTO_WINDOW_S,
     REPORTED,
     ROTATING,
     TIMED,
@@ -56,6 +62,7 @@ from tensorlane.policies.jobs import (
     job_bands,
     job_order,
     job_shares,
+    link_saturated,
     rotation_epoch,
 )
 
@@ -80,9 +87,16 @@ class JobScheduler:
         self.timed = self.policy in TIMED  # the order moves with the clock: re-ranked every job_sample_s
         self.link_bps = link_bps
         self.reported: dict[str, dict[str, float]] = {}  # job -> {input: value} its shims reported (those inputs)
-        self.job_share = float(getattr(cfg, "job_share", 0.0))
+        configured = getattr(cfg, "job_share", 0.0)
+        self.share_auto = configured == "auto"  # the part follows whether the jobs saturate the link
+        self.job_share = AUTO_SHARES[0] if self.share_auto else float(configured)  # the part in force
         self.share_among = getattr(cfg, "job_share_among", "sending")
         self.sample_s = float(cfg.job_sample_s)  # how often the server samples the classes' backlog
+        self.busy: deque[bool] = deque(maxlen=max(1, round(AUTO_WINDOW_S / self.sample_s)))  # "auto": the samples
+        self.saturated = False  # "auto": the jobs keep the link saturated (the part is AUTO_SHARES[1])
+        self.saturated_since: float | None = None  # monotonic time it became so (status: seconds saturated)
+        self.saturated_s = 0.0  # seconds saturated before saturated_since (status)
+        self.saturation_changes = 0  # how many times "auto" changed the part (status)
         self.hold_s = float(cfg.job_hold_s)  # a job counts as sending this long after its band's last backlog
         self.guarantees = guarantees
         self.budget = budget
@@ -177,9 +191,12 @@ class JobScheduler:
             if epoch != self.epoch and epoch is not None:
                 log.info("epoch %d: job order %s", epoch, ", ".join(order) or "(no jobs)")
         self.jobs, self.epoch, self.order, self.bands, self.keys = jobs, epoch, order, bands, keys
-        self.sending = self.sending & jobs if self.samples_wanted() else frozenset()
+        self.sending = self.sending & jobs if self.follows_sending() else frozenset()
         if not self.sending:
             self.backlogged_at.clear()
+        if len(bands) < 2:  # "auto": the samples of other jobs say nothing of the next ones
+            self.busy.clear()
+            self._saturate(False, time.monotonic())
         self.shares = job_shares(bands, self.job_share, self.sending, self.budget)
         return sorted(shifted)
 
@@ -189,28 +206,67 @@ class JobScheduler:
         return self.timed and len(self.bands) >= 2
 
     # -- the parts of the sending jobs ------------------------------------------------------------------------
-    def samples_wanted(self) -> bool:
+    def follows_sending(self) -> bool:
         """Whether the parts follow the sending jobs now: a policy, a backend with guarantees, ``job_share > 0``,
         ``job_share_among = "sending"`` and three jobs or more (with two, ``1/k`` and ``1/n`` are the same part
         while both send)."""
         return (self.enabled and self.guarantees and self.job_share > 0 and self.share_among == "sending"
                 and len(self.bands) >= 3)
 
+    def samples_wanted(self) -> bool:
+        """Whether the server samples the classes' backlog every ``job_sample_s``: the parts follow the sending
+        jobs, or ``job_share = "auto"`` with two jobs or more and a backend with guarantees."""
+        return self.follows_sending() or (self.enabled and self.guarantees and self.share_auto
+                                          and len(self.bands) >= 2)
+
+    def _saturate(self, saturated: bool, now: float) -> bool:
+        """Set whether the jobs saturate the link (``"auto"``) and the part that follows; whether it changed."""
+        if saturated == self.saturated:
+            return False
+        if saturated:
+            self.saturated_since = now
+        elif self.saturated_since is not None:
+            self.saturated_s += max(0.0, now - self.saturated_since)
+            self.saturated_since = None
+        self.saturated = saturated
+        self.job_share = min(AUTO_SHARES[saturated], self.budget)
+        self.saturation_changes += 1
+        log.info("job_share auto: the jobs %s the link: parts of %g", "saturate" if saturated else "leave room on",
+                 self.job_share)
+        return True
+
+    def link_busy(self) -> float | None:
+        """``"auto"``: the share of the last samples in which some job's class had bytes queued (None: none yet)."""
+        return sum(self.busy) / len(self.busy) if self.busy else None
+
     def observe(self, backlogged: set[int], now: float) -> bool:
         """Take one sample: ``backlogged`` are the levels whose class had packets queued on some device at
-        monotonic time ``now``. A job is found sending when one of its band's levels is backlogged (it wants more
-        than it gets), and counts as sending while it was found so within ``hold_s`` (0: at this sample). Returns
-        whether that changed ``shares`` (the caller applies them)."""
+        monotonic time ``now``. Under ``job_share = "auto"`` the sample joins the window that tells whether the
+        jobs saturate the link (every level is some job's). A job is found sending when one of its band's levels is
+        backlogged (it wants more than it gets), and counts as sending while it was found so within ``hold_s`` (0:
+        at this sample). Returns whether that changed ``shares`` (the caller applies them)."""
+        resized = False
+        if self.share_auto:
+            self.busy.append(bool(backlogged))
+            resized = self._saturate(link_saturated(self.busy, self.saturated, self.busy.maxlen), now)
+        if not self.follows_sending():
+            self.sending = frozenset()
+            self.backlogged_at.clear()
+            return resized and self._reshare()
         for job, (first, width) in self.bands.items():
             if any(first <= lvl < first + width for lvl in backlogged):
                 self.backlogged_at[job] = now
         for job in [j for j, t in self.backlogged_at.items() if j not in self.bands or now - t > self.hold_s]:
             del self.backlogged_at[job]
         sending = frozenset(self.backlogged_at)
-        if sending == self.sending:
+        if sending == self.sending and not resized:
             return False
         self.sending = sending
-        shares = job_shares(self.bands, self.job_share, sending, self.budget)
+        return self._reshare()
+
+    def _reshare(self) -> bool:
+        """Recompute ``shares`` from the bands, the part in force and the sending jobs; whether they changed."""
+        shares = job_shares(self.bands, self.job_share, self.sending, self.budget)
         if shares == self.shares:
             return False
         self.shares = shares
@@ -230,6 +286,12 @@ class JobScheduler:
                "job_sample_s": self.sample_s, "job_hold_s": self.hold_s,
                "sending": sorted(self.sending), "share_changes": self.share_changes,
                "level_shares": {str(lvl): round(v, 6) for lvl, v in sorted(self.shares.items())}}
+        if self.share_auto:  # whether the jobs saturate the link, the share of busy samples, seconds saturated
+            busy, since = self.link_busy(), self.saturated_since
+            out |= {"job_share_auto": True, "saturated": self.saturated,
+                    "link_busy": None if busy is None else round(busy, 3),
+                    "saturation_changes": self.saturation_changes,
+                    "saturated_s": round(self.saturated_s + (time.monotonic() - since if since else 0.0), 3)}
         for name in self.inputs:
             out[name] = self.inputs_of(name)
         if self.timed:  # each ranked job's slowdown now, as this agent ranks it (the order moves with it)

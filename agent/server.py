@@ -180,7 +180,7 @@ class Server:
             if now >= next_sample:
                 if jobs.rerank_wanted():  # an order that moves with the clock (slowdown)
                     self.api.reorder()
-                if jobs.samples_wanted():  # which jobs are sending: their parts of job_share (docs/jobs.md)
+                if jobs.samples_wanted():  # which jobs are sending (their parts), whether they saturate the link
                     self.api.sample_sending(now)
                 next_sample = now + jobs.sample_s
             self._close_idle(now)

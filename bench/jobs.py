@@ -138,9 +138,11 @@ POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "shortest", "m
 # FIFO once more: an A/A control, whose JCTs against FIFO's show how far this machine moves a ratio with no policy
 # at all (not a policy: no target judges it); ``slowdown``, the job furthest behind its ideal step over its last
 # steps first (the agents' job_policy "slowdown"), its jobs as measured_intensity's (the shim in hook mode at one
-# level, whose reports carry the window of its last steps)
+# level, whose reports carry the window of its last steps); ``static_auto`` and ``shortest_auto``, those orders
+# with the agents' job_share "auto" (the part follows whether the jobs saturate the link) instead of the mix's
+# recommended job_share: what an agent finds by itself beside what the operator sets by the mix's kind
 OPT_IN_POLICIES = ("static_levels", "intensity_hook", "static_present", "intensity_present", "static_held",
-                   "intensity_held", "shortest_held", "fifo_control", "slowdown")
+                   "intensity_held", "shortest_held", "fifo_control", "slowdown", "static_auto", "shortest_auto")
 CONTROLS = ("fifo", "fifo_control")  # FIFO and its A/A control: what the policies are judged against
 HELD_S = 0.2
 SOLOS = ("solo", "solo_shim")
@@ -151,20 +153,21 @@ AGENT_POLICY = {"solo": "none", "solo_shim": "none", "fifo": "none", "static": "
                 "static_levels": "static", "intensity_hook": "intensity", "measured_intensity": "measured_intensity",
                 "static_present": "static", "intensity_present": "intensity", "static_held": "static",
                 "intensity_held": "intensity", "shortest_held": "shortest", "fifo_control": "none",
-                "slowdown": "slowdown"}
+                "slowdown": "slowdown", "static_auto": "static", "shortest_auto": "shortest"}
 PHASE_AGENT = {"static_present": {"job_share_among": "present"},  # a phase's own agent settings: they win
                "intensity_present": {"job_share_among": "present"},
                "static_held": {"job_hold_s": HELD_S}, "intensity_held": {"job_hold_s": HELD_S},
-               "shortest_held": {"job_hold_s": HELD_S}}  # a held phase's hold: the run's held_s
+               "shortest_held": {"job_hold_s": HELD_S},  # a held phase's hold: the run's held_s
+               "static_auto": {"job_share": "auto"}, "shortest_auto": {"job_share": "auto"}}
 SAMPLED = ("job_sample_s", "job_hold_s")  # agent settings only for parts among the jobs sending
 # what each job runs: plain DDP at one level, DDP with the shim (overlap, the shim's levels in layer order), or
 # (``shortest``) the shim in hook mode at one level, unpartitioned: plain DDP's schedule (one all-reduce per DDP
 # bucket), with the reports of its step bytes that the agents order the jobs by
 JOB_MODE = {"solo_shim": "shim_overlap", "levels": "shim_overlap", "static_levels": "shim_overlap",
             "shortest": "shim", "shortest_held": "shim", "intensity_hook": "shim", "measured_intensity": "shim",
-            "slowdown": "shim"}
+            "slowdown": "shim", "shortest_auto": "shim"}
 HOOK_ONE_LEVEL = {"levels": 1, "shim_policy": "layer_order"}
-JOB_SHIM = {"shortest": HOOK_ONE_LEVEL, "shortest_held": HOOK_ONE_LEVEL,  # the shim's settings where not the run's
+JOB_SHIM = {"shortest": HOOK_ONE_LEVEL, "shortest_held": HOOK_ONE_LEVEL, "shortest_auto": HOOK_ONE_LEVEL,
             "intensity_hook": HOOK_ONE_LEVEL,
             "measured_intensity": {**HOOK_ONE_LEVEL, "warmup": 4},  # (a real job's first steps are few of many)
             "slowdown": {**HOOK_ONE_LEVEL, "warmup": 4}}  # (ranked once the compute time is agreed, as above)
@@ -672,6 +675,7 @@ class OrderWatch:
 
     def __init__(self, agent, jobs: int, period_s: float = 1.0):
         self.agent, self.jobs, self.period_s, self.order = agent, jobs, period_s, None
+        self.busy: list[float] = []  # job_share "auto": the share of busy samples the agent held, once a second
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="order-watch", daemon=True)
 
@@ -683,6 +687,8 @@ class OrderWatch:
                 continue
             if len(jp.get("order", ())) >= self.jobs > 1:
                 self.order = {"order": jp["order"], **{k: jp[k] for k in REPORTED_INPUTS if k in jp}}
+            if jp.get("link_busy") is not None:
+                self.busy.append(jp["link_busy"])
 
     def __enter__(self) -> OrderWatch:
         self._thread.start()
@@ -718,8 +724,11 @@ def run_phase(tb, phase: str, specs: list[dict], tag: str, workdir: str, levels:
     unregistered = [s["id"] for s, j in zip(specs, jobs, strict=True) if not j["registered"]]
     if unregistered:
         raise ScenarioError(f"{tag}: flows not registered with the agents: {', '.join(unregistered)}")
-    return {"jobs": jobs, "order_changes": status["job_policy"].get("changes"), "order": watch.order,
-            "share_changes": status["job_policy"].get("share_changes"),
+    jp = status["job_policy"]
+    auto = {"saturation_changes": jp.get("saturation_changes"), "saturated_s": jp.get("saturated_s"),
+            "link_busy": watch.busy} if jp.get("job_share_auto") else None
+    return {"jobs": jobs, "order_changes": jp.get("changes"), "order": watch.order,
+            "share_changes": jp.get("share_changes"), "auto": auto,
             "agent_cpu_s": None if None in agent_cpu else sum(agent_cpu),
             "tcp": {k: sum(b.get(k, 0) - a.get(k, 0) for a, b in zip(tcp0, tcp1, strict=True)) for k in tcp1[0]}}
 
@@ -762,6 +771,7 @@ def policy_block(ids: list[str], runs: list[dict], fifo: list[float] | None, sol
             "max_vs_fifo": _max([j["vs_fifo"] for j in jobs]), "max_vs_solo": _max([j["vs_solo"] for j in jobs]),
             "tcp": [r["tcp"] for r in runs], "order_changes": [r["order_changes"] for r in runs],
             "share_changes": [r.get("share_changes") for r in runs],
+            **({"auto": [r.get("auto") for r in runs]} if any(r.get("auto") for r in runs) else {}),
             "agent_cpu_s": [r.get("agent_cpu_s") for r in runs],
             "orders": [r.get("order") for r in runs]}
 

@@ -34,6 +34,12 @@ REPORTED_INPUTS = tuple(dict.fromkeys(name for names in REPORTED.values() for na
 SHARE_AMONG = ("sending", "present")  # how job_share is split: among the jobs sending (1/k), or all present (1/n)
 INTENSITY_STEP = 1.1  # measured_intensity: jobs whose intensities differ by less than one such factor may share a band
 SLOWDOWN_WINDOW = 4  # slowdown: the steps a shim's window spans (``window_steps`` at most this)
+# job_share = "auto": the parts while the jobs leave the link idle at times (an order interleaves them), and while
+# they keep it saturated (near FIFO's shares); decided from the samples of the last AUTO_WINDOW_S, saturated from
+# AUTO_BUSY[1] of them busy, and again not below AUTO_BUSY[0] (docs/jobs.md, "job_share = auto")
+AUTO_SHARES = (0.2, 0.95)
+AUTO_WINDOW_S = 2.0
+AUTO_BUSY = (0.85, 0.95)
 
 
 @dataclass(frozen=True)
@@ -308,3 +314,19 @@ def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float,
     idle_total = sum(v for band, v in idle.items() if band not in parts)
     idle_scale = min(1.0, max(0.0, room) / idle_total) if idle_total else 1.0
     return {band[0]: min(job_share, parts[band] if band in parts else idle[band] * idle_scale) for band in members}
+
+
+def link_saturated(busy: Sequence[bool], was: bool, window: int) -> bool:
+    """``job_share = "auto"``: whether the jobs keep the link saturated, from the last samples of the classes
+    (``busy``, oldest first: whether some job's class had bytes queued). A job that sends queues its bytes (the
+    link is the bottleneck), so the share of busy samples is the share of time the jobs use the link: at most their
+    load where it fits (less where they collide), all of it where they need more. Saturated from ``AUTO_BUSY[1]``
+    of ``window`` samples busy, and still saturated above ``AUTO_BUSY[0]`` (no flapping at the edge); fewer than
+    ``window`` samples keep ``was``. Usage: ``link_saturated([True] * 40, False, 40) is True``"""
+    if window < 1:
+        raise ValueError(f"window must be at least one sample, not {window!r}")
+    if len(busy) < window:
+        return was
+    recent = list(busy)[-window:]
+    fraction = sum(map(bool, recent)) / window
+    return fraction >= AUTO_BUSY[1] or (was and fraction >= AUTO_BUSY[0])

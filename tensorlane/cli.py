@@ -64,8 +64,12 @@ def format_status(st: dict) -> str:
         rates = [d["link_rate_bps"] for d in st.get("devices", []) if d.get("link_rate_bps")]
         said = {j: _reported(jp, j, min(rates, default=None)) for j in jp.get("order", [])}
         order = ", ".join(f"{j} ({said[j]})" if said[j] else j for j in jp.get("order", []))
+        auto = ""
+        if jp.get("job_share_auto"):  # the part follows whether the jobs saturate the link
+            busy = "-" if jp.get("link_busy") is None else f"{100 * jp['link_busy']:.0f} %"
+            auto = f" auto, {'saturated' if jp.get('saturated') else 'room left'} (link busy {busy})"
         lines.append(f"job policy {jp['policy']}: order {order or '-'}; job_share "
-                     f"{jp.get('job_share', 0):g}" + (f" ({parts})" if parts else "")
+                     f"{jp.get('job_share', 0):g}{auto}" + (f" ({parts})" if parts else "")
                      + (f"; sending {', '.join(jp['sending'])}" if jp.get("sending") else ""))
     for job, n in sorted(st["jobs"].items()):
         lines.append(f"job {job}: {n} flows")

@@ -21,6 +21,9 @@ from tensorlane.agent.reconcile import Device, ReconcileStats
 from tensorlane.agent.state import FlowTable
 from tensorlane.flows import FlowKey
 from tensorlane.policies.jobs import (
+    AUTO_BUSY,
+    AUTO_SHARES,
+    AUTO_WINDOW_S,
     alternating_rotation_order,
     banded_level,
     hashed_rotation_order,
@@ -439,6 +442,58 @@ def test_job_share_parts_follow_the_jobs_that_are_sending():
     for i, job in enumerate("abc"):
         request(prio, op="register", job=job, level=0, flows=[flow(i + 1)])
     assert len(prio.jobs.bands) == 3 and not prio.jobs.samples_wanted() and not prio.sample_sending(1.0)
+
+
+def test_job_share_auto_follows_whether_the_jobs_saturate_the_link():
+    """``job_share = "auto"``: two jobs are enough to sample; the parts are AUTO_SHARES[0] until a window of
+    samples finds the link busy at least AUTO_BUSY[1] of the time, then AUTO_SHARES[1], and back only below
+    AUTO_BUSY[0] (a window busy in between keeps what it was); the classes follow; with fewer than two jobs the
+    window starts again; status shows the state."""
+    from tensorlane.cli import format_status
+
+    api, rec = make_api(job_policy="static", job_priority={"a": 0, "b": 1}, job_share="auto", job_sample_s=0.05)
+    window = api.jobs.busy.maxlen
+    assert window == round(AUTO_WINDOW_S / 0.05) and api.jobs.job_share == AUTO_SHARES[0]
+    request(api, op="register", job="a", level=0, flows=[flow(1)])
+    assert not api.jobs.samples_wanted()  # one job: its part is the whole link anyway
+    request(api, op="register", job="b", level=0, flows=[flow(2)])
+    assert api.jobs.samples_wanted() and rec.backend.shares == pytest.approx({0: 0.1, 2: 0.1})
+    t, changed = 10.0, []
+    for i in range(window):  # a full window, busy just under AUTO_BUSY[1]: not saturated
+        busy = i >= window * (1 - AUTO_BUSY[1]) + 1
+        changed.append(api.jobs.observe({0} if busy else set(), t + i * 0.05))
+    assert not any(changed) and not api.jobs.saturated and api.jobs.link_busy() < AUTO_BUSY[1]
+    for i in range(window):  # the link stays busy: saturated once the window is
+        if api.jobs.observe({2}, t + 10 + i * 0.05):
+            break
+    assert api.jobs.saturated and api.jobs.job_share == AUTO_SHARES[1] and api.jobs.link_busy() >= AUTO_BUSY[1]
+    assert rec.set_shares(api.jobs.shares) and rec.backend.shares == pytest.approx({0: 0.475, 2: 0.475})
+    st = request(api, op="status")["job_policy"]
+    assert (st["job_share"], st["job_share_auto"], st["saturated"], st["saturation_changes"]) == (0.95, True, True, 1)
+    assert "job_share 0.95 auto, saturated (link busy 95 %) (level 0 47.5 %, level 2 47.5 %)" in format_status(
+        request(api, op="status"))
+    idle_after = None
+    for i in range(window):  # the link idles now and then: saturated until the share drops below AUTO_BUSY[0]
+        if api.jobs.observe(set() if i % 4 == 0 else {0}, t + 20 + i * 0.05):
+            idle_after = i
+            break
+    assert idle_after is not None and not api.jobs.saturated and api.jobs.link_busy() < AUTO_BUSY[0]
+    assert api.jobs.shares == pytest.approx({0: 0.1, 2: 0.1}) and api.jobs.saturation_changes == 2
+    assert request(api, op="status")["job_policy"]["saturated_s"] > 0
+    request(api, op="unregister", job="b")  # alone: nothing to sample, the window starts again
+    assert not api.jobs.samples_wanted() and not api.jobs.busy and api.jobs.link_busy() is None
+    fixed, _ = make_api(job_policy="static", job_share=0.6)
+    assert not fixed.jobs.share_auto and "job_share_auto" not in fixed.jobs.describe()
+
+
+def test_job_share_auto_in_the_config():
+    """``job_share`` takes a fraction or "auto", and nothing else; "auto" only with a job policy, like a number."""
+    assert from_dict({"interface": "eth0", "job_policy": "static", "job_share": "auto"}).job_share == "auto"
+    for bad in ("0.5", "AUTO", "fifo"):
+        with pytest.raises(ConfigError, match="job_share.*auto"):
+            from_dict({"interface": "eth0", "job_policy": "static", "job_share": bad})
+    with pytest.raises(ConfigError, match="job_share"):
+        from_dict({"interface": "eth0", "job_share": "auto"})
 
 
 def test_by_default_a_job_counts_as_sending_only_while_the_last_sample_found_it_so():

@@ -110,6 +110,10 @@ def test_mixes_design():
     assert agent_extra("shortest_held", [], 2.4, sampled, held_s=0.1)["job_hold_s"] == 0.1
     assert AGENT_POLICY["shortest_held"] == "shortest" and JOB_MODE["shortest_held"] == JOB_MODE["shortest"]
     assert agent_extra("static", [], 2.4, sampled)["job_hold_s"] == 0.0
+    # static_auto, shortest_auto (opt-in): the order with job_share "auto", over the mix's recommended part
+    assert agent_extra("static_auto", [], 2.4, {"job_share": 0.95})["job_share"] == "auto"
+    assert AGENT_POLICY["shortest_auto"] == "shortest" and JOB_MODE["shortest_auto"] == JOB_MODE["shortest"]
+    assert JOB_SHIM["shortest_auto"] == JOB_SHIM["shortest"]
     assert agent_extra("fifo", [], 2.4, sampled) == {"job_policy": "none"}
     assert agent_extra("static_present", [], 2.4, sampled) == {"job_policy": "static", "job_priority": {},
                                                                "job_share": 0.8, "job_share_among": "present"}

@@ -200,3 +200,43 @@ def test_a_job_between_its_idle_and_sending_part_keeps_its_rate(tb):
     assert st["sending"] == [] and st["level_shares"] == pytest.approx({"0": 0.2, "1": 0.2, "2": 0.2}), st
     assert st["share_changes"] <= (SECONDS + 3) / st["job_sample_s"], st  # at most one change per sample
     assert got["packets"] * 1000 * 8 / SECONDS >= 0.9 * 25e6, got  # datagrams of 1000 bytes
+
+
+def test_job_share_auto_gives_large_parts_while_the_jobs_saturate_the_link(tb):
+    """Job "flood" before job "tcp" (static), ``job_share = "auto"``: with the link idle the parts are small
+    (AUTO_SHARES[0], 0.1 each); once the flood has kept the link busy for a window of samples the agent finds it
+    saturated and gives each job AUTO_SHARES[1] / 2, so the lower job's TCP stream gets about FIFO's half instead of
+    its small part; after the traffic ends the link idles and the parts are small again. Link rate as above."""
+    import threading
+
+    from tensorlane.policies.jobs import AUTO_SHARES, AUTO_WINDOW_S
+
+    h1 = tb.host(1)
+    rate = int(0.95 * tb.rate_bps)
+    cfg = {**TRUST, "job_policy": "static", "job_priority": {"flood": 0, "tcp": 1}, "job_share": "auto",
+           "link_rate": rate}
+    with running_agents(tb, levels=4, hosts=[1], backend="htb", config_extra=cfg) as agents:
+        seen: dict = {}
+
+        def look() -> None:  # late in the stream: the kernel's rates and the agent's view
+            seen["rates"], seen["status"] = class_rates(h1), agents[1].status()["job_policy"]
+
+        probe = threading.Timer(1.0 + SECONDS - 1, look)
+        probe.start()
+        try:
+            got = contend(tb, agents[1], tcp_level=0)
+        finally:
+            probe.cancel()
+            probe.join(10)
+        deadline = time.monotonic() + 3 * AUTO_WINDOW_S + 2  # the flood ends 1 s after the stream, then idle
+        while time.monotonic() < deadline and agents[1].status()["job_policy"]["saturated"]:
+            time.sleep(0.2)
+        after, st = class_rates(h1), agents[1].status()["job_policy"]
+    print(got, seen, st)
+    small, large = AUTO_SHARES[0] / 2 * rate, AUTO_SHARES[1] / 2 * rate
+    assert seen["status"]["saturated"] and seen["status"]["link_busy"] >= 0.95, seen
+    assert seen["rates"]["7a1:10"] == seen["rates"]["7a1:12"] == pytest.approx(large, rel=0.02), seen
+    assert not st["saturated"] and st["saturation_changes"] == 2 and st["saturated_s"] > 2, st
+    assert after["7a1:10"] == after["7a1:12"] == pytest.approx(small, rel=0.02), after
+    # the stream's first second or so ran at the small part, before a window of samples found the link saturated
+    assert got["low_bps"] >= 0.3 * large, got

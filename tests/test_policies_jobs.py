@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorlane.policies.jobs import (
+    AUTO_BUSY,
+    AUTO_SHARES,
     JOB_POLICIES,
     Job,
     alternating_rotation_order,
@@ -18,6 +20,7 @@ from tensorlane.policies.jobs import (
     job_bands,
     job_order,
     job_shares,
+    link_saturated,
     measured_intensity_rank,
     rotation_epoch,
     rotation_key,
@@ -236,6 +239,21 @@ def test_bands_tile_the_levels_and_keep_the_order(jobs, prios, levels) -> None:
     pairs = sorted((r, t, j) for j, r in zip(order, ranks, strict=True) for t in range(levels))
     effective = [banded_level(bands[j], t, levels) for _, t, j in pairs]
     assert effective == sorted(effective)
+
+
+def test_link_saturated_by_hand() -> None:
+    """A full window decides, with hysteresis between AUTO_BUSY's two bounds; a window not yet full keeps the state;
+    only the last ``window`` samples count."""
+    assert AUTO_BUSY[0] < AUTO_BUSY[1] <= 1.0 and AUTO_SHARES[0] < AUTO_SHARES[1] < 1.0
+    assert link_saturated([True] * 9, False, 10) is False and link_saturated([False] * 9, True, 10) is True
+    assert link_saturated([True] * 20, False, 20) is True
+    assert link_saturated([False] + [True] * 19, False, 20) is True  # 0.95
+    assert link_saturated([False] * 2 + [True] * 18, False, 20) is False  # 0.90: not yet
+    assert link_saturated([False] * 2 + [True] * 18, True, 20) is True  # 0.90: still
+    assert link_saturated([False] * 4 + [True] * 16, True, 20) is False  # 0.80: no longer
+    assert link_saturated([False] * 30 + [True] * 20, False, 20) is True  # older samples do not count
+    with pytest.raises(ValueError):
+        link_saturated([], False, 0)
 
 
 def test_job_shares_by_hand() -> None:
