@@ -230,6 +230,22 @@ def training_job_panels(lay, reporters: str) -> None:
             f"ranks, reported by {reporters}: with the bytes per step, what job_policy \"measured_intensity\" "
             "orders jobs by (most compute per byte first).")
 
+
+def job_policy_panels(lay) -> None:
+    """The job policy's order and parts (empty under ``job_policy = "none"``)."""
+    lay.add("Job order: first level by job", "short",
+            [(f"min by (training_job) (tensorlane_job_first_level{sel()})", "{{training_job}}")],
+            "The most urgent level of each job's band under the agent's job policy: 0 goes first on this host "
+            "(docs/jobs.md). A line that moves is an order that moves (rotate, alternate, slowdown).")
+    lay.add("Jobs' guaranteed part of the link", "percentunit",
+            [(f"tensorlane_job_share_ratio{sel()}", "job_share {{device}}"),
+             (f"tensorlane_job_link_busy_ratio{sel()}", "link busy (job_share auto) {{device}}"),
+             (f"tensorlane_job_link_saturated{sel()}", "saturated (job_share auto) {{device}}")],
+            "The share of the link the jobs are guaranteed together (job_share); with job_share auto, the share of "
+            "recent samples in which some job's class held queued bytes, and whether the agent finds the jobs "
+            "saturating the link (1: large parts, near FIFO's shares; 0: small parts, the order interleaves them).")
+
+
 def fleet() -> dict:
     lay = Layout()
     lay.row("Links")
@@ -313,6 +329,7 @@ def host() -> dict:
             [(with_level(f"tensorlane_registered_flows{sel()}"), "{{training_job}} level {{level}}")],
             "Flows registered now.")
     training_job_panels(lay, "this host's shims")
+    job_policy_panels(lay)
     lay.row("Agent")
     lay.add("Registration latency", "s",
             [(register_latency(0.5), "p50"), (register_latency(0.9), "p90"), (register_latency(0.99), "p99")],

@@ -146,9 +146,11 @@ def test_expand_leaves_no_variable_and_refuses_unknown_ones():
 def test_queries_and_rules_name_only_metrics_the_agent_exports(kernel):  # noqa: F811
     from tensorlane.agent.metrics import make_registry
 
-    api = fake_api()
+    api = fake_api(job_policy="shortest", job_share="auto")  # every job policy metric, "auto"'s too
     registry, _ = make_registry(api)  # subscribes to the api's requests from now on
     request(api, op="register", job="a", level=0, flows=[flow(1)])
+    request(api, op="register", job="b", level=0, flows=[flow(2)])
+    api.jobs.observe({0}, 1.0)  # one sample: the link's busy share
     request(api, op="report", job="a", session="s", levels=[{"level": 0, "allreduces": 1, "bytes": 1,
                                                                  "comm_s": 0.1}], step_bytes=4096,
             compute_s=0.5)

@@ -302,6 +302,31 @@ def test_guaranteed_rate_shows_the_jobs_parts(kernel):
     assert value(s, "tensorlane_class_guaranteed_rate_bytes_per_second", **{"class": "7a1:10"}) == 12_500
 
 
+def test_job_policy_order_parts_and_saturation(kernel):
+    """The job policy's source: the policy, each job's first level (its place in the order), the part in force and,
+    with ``job_share = "auto"``, whether the jobs saturate the link; nothing under policy none."""
+    assert not [n for n, _ in scrape(make_registry(fake_api())[0]) if n.startswith("tensorlane_job_policy")]
+    cfg = from_dict({"interface": "eth0", "link_rate": "200mbit", "job_policy": "static", "job_share": "auto",
+                     "job_priority": {"job-a": 0, "job-b": 1}})
+    api = Api(cfg, FlowTable(4), FakeRec(4), "htb")
+    registry, _ = make_registry(api)
+    for i, job in enumerate(("job-b", "job-a")):
+        request(api, op="register", job=job, level=0, flows=[flow(i)])
+    s = scrape(registry)
+    assert value(s, "tensorlane_job_policy_info", policy="static", device="eth0") == 1
+    assert value(s, "tensorlane_job_first_level", training_job="job-a") == 0
+    assert value(s, "tensorlane_job_first_level", training_job="job-b") == 2
+    assert value(s, "tensorlane_job_order_changes_total") == 2 and value(s, "tensorlane_job_share_ratio") == 0.2
+    assert value(s, "tensorlane_job_link_saturated") == 0
+    assert not [n for n, _ in s if n == "tensorlane_job_link_busy_ratio"]  # no sample yet
+    for i in range(api.jobs.busy.maxlen):  # the link busy at every sample: saturated
+        api.jobs.observe({0}, 1.0 + i * api.jobs.sample_s)
+    s = scrape(registry)
+    assert value(s, "tensorlane_job_link_saturated") == 1 and value(s, "tensorlane_job_link_busy_ratio") == 1.0
+    assert value(s, "tensorlane_job_share_ratio") == 0.95 and value(s, "tensorlane_job_share_changes_total") >= 1
+    assert value(s, "tensorlane_scrape_collector_success", collector="job_policy") == 1
+
+
 def test_queue_delay_is_backlog_ahead_over_link_rate(kernel):
     api = fake_api()
     kernel.classes[L0]["backlog_bytes"] = 25_000      # 1 ms at 25 MB/s

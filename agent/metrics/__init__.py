@@ -4,9 +4,10 @@ Every ``tensorlane_*`` name, help text and label set is declared once, in ``agen
 One small module per source of data, all of the same shape (``agent/metrics/base.py``): ``build``,
 ``classes`` (tc class counters), ``contention`` (priority inversion, queueing delay), ``flows`` (registered
 flows, nftables marks), ``api`` (request outcomes and latency), ``connections`` (the socket server's refusals
-by reason, open connections), ``reconcile``, ``jobs`` (communication time reported by the shims). Every scrape
-also reports, per source, ``tensorlane_scrape_collector_success`` and ``tensorlane_scrape_collector_duration_seconds``:
-a failing source does not fail the scrape. The registry also has prometheus_client's standard collectors:
+by reason, open connections), ``reconcile``, ``jobs`` (communication time reported by the shims), ``jobpolicy``
+(the job order and the jobs' parts of the link). Every scrape also reports, per source,
+``tensorlane_scrape_collector_success`` and ``tensorlane_scrape_collector_duration_seconds``: a failing source does
+not fail the scrape. The registry also has prometheus_client's standard collectors:
 ``process_*`` (memory, CPU, open files), ``python_info`` and ``python_gc_*``. Meanings: docs/metrics.md.
 
 HTTP (one thread per request, started by ``start_metrics_server``): ``/metrics``; ``/healthz`` (200 while the
@@ -37,12 +38,13 @@ from tensorlane.agent.metrics.classes import ClassesSource
 from tensorlane.agent.metrics.connections import ConnectionsSource
 from tensorlane.agent.metrics.contention import ContentionSource
 from tensorlane.agent.metrics.flows import FlowsSource
+from tensorlane.agent.metrics.jobpolicy import JobPolicySource
 from tensorlane.agent.metrics.jobs import JobReports, JobsSource
 from tensorlane.agent.metrics.reconcile import ReconcileSource
 
 log = logging.getLogger("tensorlane.metrics")
 SOURCES = (BuildSource, ClassesSource, ContentionSource, FlowsSource, ApiSource, ConnectionsSource, ReconcileSource,
-           JobsSource)
+           JobsSource, JobPolicySource)
 __all__ = ["AgentCollector", "Health", "JobReports", "MetricsServer", "SOURCES", "Source", "make_registry",
            "start_metrics_server"]
 

@@ -141,6 +141,23 @@ JOB_STEP_COMPUTE_SECONDS = Name("tensorlane_job_step_compute_seconds",
                                 "orders jobs by)", JOB)
 REPORTING_JOBS = Name("tensorlane_reporting_jobs", "Training jobs whose shims reported here recently")
 
+# jobpolicy.py
+DEVICE_JOB = ("device", "training_job")
+JOB_POLICY = Name("tensorlane_job_policy", "The job policy the agent orders the jobs by", DEVICE)  # info: policy
+JOB_FIRST_LEVEL = Name("tensorlane_job_first_level",
+                       "The most urgent level of the job's band of levels now (0: the job goes first here)",
+                       DEVICE_JOB)
+JOB_ORDER_CHANGES = Name("tensorlane_job_order_changes", "Recomputations that changed the job order or the bands",
+                         DEVICE)
+JOB_SHARE = Name("tensorlane_job_share_ratio", "Share of the link guaranteed to the jobs together (job_share; with "
+                 "job_share auto, the part chosen now)", DEVICE)
+JOB_SHARE_CHANGES = Name("tensorlane_job_share_changes", "Changes of the jobs' guaranteed parts of the link", DEVICE)
+JOB_LINK_SATURATED = Name("tensorlane_job_link_saturated",
+                          "Whether the jobs keep the link saturated, as job_share auto finds (1) or not (0)", DEVICE)
+JOB_LINK_BUSY = Name("tensorlane_job_link_busy_ratio",
+                     "Share of the agent's last samples in which some job's class held queued bytes (job_share auto)",
+                     DEVICE)
+
 # __init__.py (AgentCollector: one series per source)
 SCRAPE_COLLECTOR_SUCCESS = Name("tensorlane_scrape_collector_success",
                                 "Whether the metrics source succeeded in this scrape", ("collector",))
