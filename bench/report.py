@@ -298,7 +298,10 @@ def _mix_avg_row(mix: dict, rec: str, figure: str, target: float | None) -> Row:
     avgs = [_avg(rj, "jct_s"), _avg(fj, "jct_s"), *(v for _, v in others)]
     solo_avg = _avg([j for j in solo if isinstance(j, dict)], "jct_s") if isinstance(solo, list) else None
     ts = timer(*avgs, solo_avg)
-    alts = "; ".join([f"FIFO {ts(avgs[1])}", f"alone {ts(solo_avg)}", *(f"{n} {ts(v)}" for n, v in others)])
+    bound = ratio_of(solo_avg, avgs[1])  # every job at its solo speed: no policy's average goes below it
+    floor = f" ({fmt_x(bound)}x FIFO, a floor: no job beats its time alone)" if bound else ""
+    alone = f"alone {ts(solo_avg)}{floor}"
+    alts = "; ".join([f"FIFO {ts(avgs[1])}", alone, *(f"{n} {ts(v)}" for n, v in others)])
     value = ratio_of(avgs[0], avgs[1])
     row = Row("jobs", figure, ts(avgs[0]), alts, fmt_x(value))
     if target is None:

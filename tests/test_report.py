@@ -363,3 +363,16 @@ def test_a_held_phase_is_named_with_its_hold():
     assert report._policy_name("shortest_held", {"held_s": 0.1}) == "shortest (held 0.1 s)"
     assert report._policy_name("static_held", {}) == "static (held 0.2 s)"
     assert report._policy_name("intensity_present", {"held_s": 0.1}) == "intensity (parts of jobs present)"
+
+
+def test_the_average_row_names_the_floor_alone_gives():
+    """The colliding mix's average row gives the average JCT alone against FIFO's: no policy can go below it (no
+    job beats its time alone), so a target under it cannot be met on that mix."""
+    def jobs(*jct):
+        return {"jobs": [{"jct_s": j} for j in jct]}
+
+    mix = {"name": "collide2", "policies": {"fifo": jobs(20.0, 20.0), "static": jobs(17.0, 17.0)},
+           "solo": jobs(16.0, 16.8)}
+    row = report._mix_avg_row(mix, "static", "average", 0.80)
+    assert row.ratio == "0.85" and "alone 16.40 s (0.82x FIFO, a floor: no job beats its time alone)" in \
+        row.alternatives, row.alternatives
