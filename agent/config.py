@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from tensorlane import units
 from tensorlane.client import DEFAULT_SOCKET, JOB_ID_RE
-from tensorlane.policies.jobs import JOB_POLICIES, ROTATING, SHARE_AMONG
+from tensorlane.policies.jobs import JOB_POLICIES, ROTATING, SHARE_AMONG, TIMED
 from tensorlane.policies.levels import dscp_table
 
 BACKENDS = ("auto", "htb", "prio")
@@ -195,9 +195,11 @@ def _job_policy(raw: dict, min_shares: float) -> dict:
     for name in ("job_share", "job_share_among", "job_sample_s", "job_hold_s"):
         if name in raw and policy == "none":
             raise ConfigError(name, f"only used with a job policy ({', '.join(JOB_POLICIES[1:])}), not 'none'")
-    for name in ("job_sample_s", "job_hold_s"):
-        if name in raw and among != "sending":
-            raise ConfigError(name, f"only used with job_share_among = \"sending\", not {among!r}")
+    if "job_sample_s" in raw and among != "sending" and share != "auto" and policy not in TIMED:
+        raise ConfigError("job_sample_s", f"only used with job_share_among = \"sending\", job_share = \"auto\" or "
+                                          f"job_policy = \"slowdown\", not {among!r}")
+    if "job_hold_s" in raw and among != "sending":
+        raise ConfigError("job_hold_s", f"only used with job_share_among = \"sending\", not {among!r}")
     if 0 < hold <= sample:  # samples come at least job_sample_s apart: such a hold never spans one
         raise ConfigError("job_hold_s", f"{hold:g} s holds a job no longer than 0 does: the samples come at least "
                                         f"job_sample_s = {sample:g} s apart; give 0 or more than {sample:g}")

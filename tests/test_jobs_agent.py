@@ -494,6 +494,17 @@ def test_job_share_auto_in_the_config():
             from_dict({"interface": "eth0", "job_policy": "static", "job_share": bad})
     with pytest.raises(ConfigError, match="job_share"):
         from_dict({"interface": "eth0", "job_share": "auto"})
+    cfg = from_dict({"interface": "eth0", "job_policy": "static", "job_share": "auto", "job_share_among": "present",
+                     "job_sample_s": 0.02})  # "auto" samples whatever the split
+    assert cfg.job_sample_s == 0.02
+    with pytest.raises(ConfigError, match="job_sample_s.*auto"):
+        from_dict({"interface": "eth0", "job_policy": "static", "job_share_among": "present", "job_sample_s": 0.02})
+    cfg = from_dict({"interface": "eth0", "job_policy": "slowdown", "job_share_among": "present",
+                     "job_sample_s": 0.1})  # slowdown re-ranks every job_sample_s whatever the split
+    assert cfg.job_sample_s == 0.1
+    with pytest.raises(ConfigError, match="job_hold_s"):
+        from_dict({"interface": "eth0", "job_policy": "static", "job_share": "auto", "job_share_among": "present",
+                   "job_hold_s": 0.2})
 
 
 def test_by_default_a_job_counts_as_sending_only_while_the_last_sample_found_it_so():
