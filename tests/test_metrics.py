@@ -285,14 +285,19 @@ def test_inversion_leaves_out_a_job_share_guarantee():
     assert got.get(L2) == 750_000
 
 
+def static_two_jobs(job_share, registered=("job-a", "job-b")):
+    """An api under ``job_policy = "static"`` (job-a first) with ``job_share``, its registry, and one flow of each job
+    of ``registered`` registered in that order."""
+    api = fake_api(job_policy="static", job_share=job_share, job_priority={"job-a": 0, "job-b": 1})
+    registry, _ = make_registry(api)
+    for i, job in enumerate(registered):
+        request(api, op="register", job=job, level=0, flows=[flow(i)])
+    return api, registry
+
+
 def test_guaranteed_rate_shows_the_jobs_parts(kernel):
     """Under a job policy the first level of each job's band is guaranteed its part of ``job_share``."""
-    cfg = from_dict({"interface": "eth0", "link_rate": "200mbit", "job_policy": "static", "job_share": 0.5,
-                     "job_priority": {"job-a": 0, "job-b": 1}})
-    api = Api(cfg, FlowTable(4), FakeRec(4), "htb")
-    registry, _ = make_registry(api)
-    for i, job in enumerate(("job-a", "job-b")):
-        request(api, op="register", job=job, level=0, flows=[flow(i)])
+    api, registry = static_two_jobs(0.5)
     s = scrape(registry)
     rates = {c: value(s, "tensorlane_class_guaranteed_rate_bytes_per_second", **{"class": f"7a1:{c}"})
              for c in (10, 11, 12, 13, 14)}
@@ -306,12 +311,7 @@ def test_job_policy_order_parts_and_saturation(kernel):
     """The job policy's source: the policy, each job's first level (its place in the order), the part in force and,
     with ``job_share = "auto"``, whether the jobs saturate the link; nothing under policy none."""
     assert not [n for n, _ in scrape(make_registry(fake_api())[0]) if n.startswith("tensorlane_job_policy")]
-    cfg = from_dict({"interface": "eth0", "link_rate": "200mbit", "job_policy": "static", "job_share": "auto",
-                     "job_priority": {"job-a": 0, "job-b": 1}})
-    api = Api(cfg, FlowTable(4), FakeRec(4), "htb")
-    registry, _ = make_registry(api)
-    for i, job in enumerate(("job-b", "job-a")):
-        request(api, op="register", job=job, level=0, flows=[flow(i)])
+    api, registry = static_two_jobs("auto", registered=("job-b", "job-a"))
     s = scrape(registry)
     assert value(s, "tensorlane_job_policy_info", policy="static", device="eth0") == 1
     assert value(s, "tensorlane_job_first_level", training_job="job-a") == 0

@@ -84,6 +84,26 @@ def class_rates(host) -> dict[str, int]:
     return rates
 
 
+def contend_looking(tb, agent, at_s: float) -> tuple[dict, dict]:
+    """:func:`contend` with the "tcp" job's stream at level 0, and ``at_s`` seconds after it starts the kernel's class
+    rates and the agent's ``status.job_policy`` (``seen``: ``rates``, ``status``)."""
+    import threading
+
+    seen: dict = {}
+
+    def look() -> None:
+        seen["rates"], seen["status"] = class_rates(tb.host(1)), agent.status()["job_policy"]
+
+    probe = threading.Timer(at_s, look)
+    probe.start()
+    try:
+        got = contend(tb, agent, tcp_level=0)
+    finally:
+        probe.cancel()
+        probe.join(10)
+    return got, seen
+
+
 def test_a_job_order_leaves_every_job_its_part_of_job_share(tb):
     """Job "flood" before job "tcp" (static), ``job_share = 0.5``: each job is guaranteed 25 % of the link on its
     band's first level (levels 0 and 2 of 4), so the lower job's TCP stream keeps most of a quarter of the link
@@ -125,26 +145,13 @@ def test_the_parts_follow_the_jobs_that_are_sending(tb, among):
     the stream's classes backlogged, and each of the two gets 0.3 of the link (FIFO would give each about half),
     while the idle job keeps its 0.2; when they stop, every job is back at 0.2. With ``"present"`` each keeps 0.2
     throughout (the parts of the three jobs present)."""
-    import threading
-
     h1, h2 = tb.host(1), tb.host(2)
     cfg = {**TRUST, "job_policy": "static", "job_priority": {"flood": 0, "idle": 1, "tcp": 2}, "job_share": 0.6,
            "job_share_among": among}
     with running_agents(tb, levels=4, hosts=[1], backend="htb", config_extra=cfg) as agents:
         with agents[1].client() as c:
             c.register("idle", 0, [{"proto": "udp", "src": h1.ip, "sport": 43102, "dst": h2.ip, "dport": 43202}])
-        seen: dict = {}
-
-        def look() -> None:  # in the middle of the stream: the kernel's rates and the agent's view
-            seen["rates"], seen["status"] = class_rates(h1), agents[1].status()["job_policy"]
-
-        probe = threading.Timer(1.0 + SECONDS / 2, look)
-        probe.start()
-        try:
-            got = contend(tb, agents[1], tcp_level=0)
-        finally:
-            probe.cancel()
-            probe.join(10)
+        got, seen = contend_looking(tb, agents[1], 1.0 + SECONDS / 2)  # in the middle of the stream
         time.sleep(2.5)  # the flood ends 1 s after the stream; at the next samples no job counts as sending
         after, st = class_rates(h1), agents[1].status()["job_policy"]
     print(among, got, seen)
@@ -207,8 +214,6 @@ def test_job_share_auto_gives_large_parts_while_the_jobs_saturate_the_link(tb):
     (AUTO_SHARES[0], 0.1 each); once the flood has kept the link busy for a window of samples the agent finds it
     saturated and gives each job AUTO_SHARES[1] / 2, so the lower job's TCP stream gets about FIFO's half instead of
     its small part; after the traffic ends the link idles and the parts are small again. Link rate as above."""
-    import threading
-
     from tensorlane.policies.jobs import AUTO_SHARES, AUTO_WINDOW_S
 
     h1 = tb.host(1)
@@ -216,18 +221,7 @@ def test_job_share_auto_gives_large_parts_while_the_jobs_saturate_the_link(tb):
     cfg = {**TRUST, "job_policy": "static", "job_priority": {"flood": 0, "tcp": 1}, "job_share": "auto",
            "link_rate": rate}
     with running_agents(tb, levels=4, hosts=[1], backend="htb", config_extra=cfg) as agents:
-        seen: dict = {}
-
-        def look() -> None:  # late in the stream: the kernel's rates and the agent's view
-            seen["rates"], seen["status"] = class_rates(h1), agents[1].status()["job_policy"]
-
-        probe = threading.Timer(1.0 + SECONDS - 1, look)
-        probe.start()
-        try:
-            got = contend(tb, agents[1], tcp_level=0)
-        finally:
-            probe.cancel()
-            probe.join(10)
+        got, seen = contend_looking(tb, agents[1], 1.0 + SECONDS - 1)  # late in the stream
         deadline = time.monotonic() + 3 * AUTO_WINDOW_S + 2  # the flood ends 1 s after the stream, then idle
         while time.monotonic() < deadline and agents[1].status()["job_policy"]["saturated"]:
             time.sleep(0.2)
