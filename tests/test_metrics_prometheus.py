@@ -153,8 +153,18 @@ def test_prometheus_scrapes_agents_and_every_panel_returns_data(tmp_path):
 
     def progress(msg: str) -> None:
         print(f"[{time.monotonic() - t_begin:5.1f} s] {msg}", flush=True)
+    metrics = {"metrics_address": "0.0.0.0:9477"}
+    # host 3's agent orders two idle jobs (job_share "auto"), so that the job policy's panels have data too; the
+    # training job runs on hosts 1 and 2, whose agents keep no job order (its levels stay its own)
+    ordered = {**metrics, "job_policy": "static", "job_priority": {"ordered-a": 0, "ordered-b": 1},
+               "job_share": "auto", "trusted_users": ["root"]}
     with Testbed(hosts=3, rate="200mbit", name="tm") as tb, \
-            running_agents(tb, levels=LEVELS, config_extra={"metrics_address": "0.0.0.0:9477"}) as agents:
+            running_agents(tb, levels=LEVELS, hosts=[1, 2], config_extra=metrics) as agents, \
+            running_agents(tb, levels=LEVELS, hosts=[3], config_extra=ordered) as third:
+        h3, h1 = tb.host(3), tb.host(1)
+        with third[3].client() as c:
+            for i, job in enumerate(("ordered-a", "ordered-b")):
+                c.register(job, 0, [{"proto": "udp", "src": h3.ip, "sport": 43300 + i, "dst": h1.ip, "dport": 43300}])
         targets = [f"{tb.host(i).ip}:9477" for i in (1, 2, 3)]
         progress("testbed and agents up")
         prom = Prometheus(tb.host(3), workdir, targets, rules)
@@ -246,6 +256,23 @@ def check_prometheus(prom: Prometheus, build, start: float, end: float, tb) -> N
     assert share.get(h1, 0) > 0.8 and share.get(h2, 0) > 0.8, share   # bulk fills the link when training idles
     assert {s["metric"]["instance"] for s in recorded} >= {h1, h2}, recorded  # a recording rule, live
     check_htb_and_process(prom, end, h1, h2)
+    check_job_policy(prom, end, f"{tb.host(3).ip}:9477")
+
+
+def check_job_policy(prom: Prometheus, end: float, h3: str) -> None:
+    """Host 3's agent orders its two idle jobs: the first one at level 0, the second at the other half of the
+    levels; with ``job_share = "auto"`` and an idle link, the small part (AUTO_SHARES[0]) and not saturated."""
+    from tensorlane.policies.jobs import AUTO_SHARES
+
+    queries = ["tensorlane_job_first_level", "tensorlane_job_share_ratio", "tensorlane_job_link_saturated",
+               "tensorlane_job_link_busy_ratio"]
+    first, share, saturated, busy = (r["data"]["result"] for r in prom.call(
+        [{"path": "/api/v1/query", "params": {"query": q, "time": f"{end:.3f}"}} for q in queries]))
+    assert {s["metric"]["instance"] for s in first + share + saturated + busy} == {h3}, (first, share)
+    assert {s["metric"]["training_job"]: float(s["value"][1]) for s in first} == {"ordered-a": 0,
+                                                                                 "ordered-b": LEVELS // 2}, first
+    assert [float(s["value"][1]) for s in share] == [AUTO_SHARES[0]], share
+    assert [float(s["value"][1]) for s in saturated] == [0] and float(busy[0]["value"][1]) < 0.5, (saturated, busy)
 
 
 def check_htb_and_process(prom: Prometheus, end: float, h1: str, h2: str) -> None:
