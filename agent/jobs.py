@@ -236,8 +236,10 @@ class JobScheduler:
         return True
 
     def link_busy(self) -> float | None:
-        """``"auto"``: the share of the last samples in which some job's class had bytes queued (None: none yet)."""
-        return sum(self.busy) / len(self.busy) if self.busy else None
+        """``"auto"``: the share of the last samples in which some job's class had bytes queued (None: none yet).
+        Read on a copy: the metrics read it from their own thread while the server appends."""
+        busy = list(self.busy)
+        return sum(busy) / len(busy) if busy else None
 
     def observe(self, backlogged: set[int], now: float) -> bool:
         """Take one sample: ``backlogged`` are the levels whose class had packets queued on some device at
