@@ -251,9 +251,7 @@ class JobScheduler:
         if self.share_auto:
             self.busy.append(bool(backlogged))
             resized = self._saturate(link_saturated(self.busy, self.saturated, self.busy.maxlen), now)
-        if not self.follows_sending():
-            self.sending = frozenset()
-            self.backlogged_at.clear()
+        if not self.follows_sending():  # (update() already emptied the sending jobs then)
             return resized and self._reshare()
         for job, (first, width) in self.bands.items():
             if any(first <= lvl < first + width for lvl in backlogged):

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from tensorlane.agent.metrics import names
 from tensorlane.agent.metrics.base import Source
-
-MAX_JOBS = 32
+from tensorlane.agent.metrics.flows import MAX_JOBS  # the same cap on training_job series as the flows'
 
 
 class JobPolicySource(Source):
