@@ -144,10 +144,13 @@ def test_the_parts_follow_the_jobs_that_are_sending(tb, among):
     nothing) and "tcp" (levels 2-3). With ``job_share_among = "sending"`` the agent's samples find the flood's and
     the stream's classes backlogged, and each of the two gets 0.3 of the link (FIFO would give each about half),
     while the idle job keeps its 0.2; when they stop, every job is back at 0.2. With ``"present"`` each keeps 0.2
-    throughout (the parts of the three jobs present)."""
+    throughout (the parts of the three jobs present). The agent shapes at 95 % of the link, as above: at the link's
+    own rate the stream fell to 1.5 Mbit/s in 2 of 28 runs here (and in a full-suite run), its classes' rates as
+    asserted, the queue past the host."""
     h1, h2 = tb.host(1), tb.host(2)
+    rate = int(0.95 * tb.rate_bps)
     cfg = {**TRUST, "job_policy": "static", "job_priority": {"flood": 0, "idle": 1, "tcp": 2}, "job_share": 0.6,
-           "job_share_among": among}
+           "job_share_among": among, "link_rate": rate}
     with running_agents(tb, levels=4, hosts=[1], backend="htb", config_extra=cfg) as agents:
         with agents[1].client() as c:
             c.register("idle", 0, [{"proto": "udp", "src": h1.ip, "sport": 43102, "dst": h2.ip, "dport": 43202}])
@@ -155,13 +158,13 @@ def test_the_parts_follow_the_jobs_that_are_sending(tb, among):
         time.sleep(2.5)  # the flood ends 1 s after the stream; at the next samples no job counts as sending
         after, st = class_rates(h1), agents[1].status()["job_policy"]
     print(among, got, seen)
-    mbit = 1_000_000
-    busy = 30 * mbit if among == "sending" else 20 * mbit
+    idle = 0.2 * rate
+    busy = 0.3 * rate if among == "sending" else idle
     assert seen["status"]["sending"] == (["flood", "tcp"] if among == "sending" else []), seen
     assert seen["rates"]["7a1:10"] == seen["rates"]["7a1:12"] == pytest.approx(busy, rel=0.02), seen
-    assert seen["rates"]["7a1:11"] == pytest.approx(20 * mbit, rel=0.02), seen
+    assert seen["rates"]["7a1:11"] == pytest.approx(idle, rel=0.02), seen
     assert st["sending"] == [] and st["level_shares"] == pytest.approx({"0": 0.2, "1": 0.2, "2": 0.2}), st
-    assert after["7a1:10"] == after["7a1:11"] == after["7a1:12"] == pytest.approx(20 * mbit, rel=0.02), after
+    assert after["7a1:10"] == after["7a1:11"] == after["7a1:12"] == pytest.approx(idle, rel=0.02), after
     assert (st["share_changes"] >= 2) == (among == "sending"), st
     assert got["low_bps"] >= 0.4 * busy, got
 
