@@ -61,7 +61,7 @@ class Config:
     min_share: float = 0.01  # htb: the link's share guaranteed to every class (no RTO starvation); 0: strict
     # htb: with min_share > 0, every class's guarantee is at least this many bits/s, where the link leaves room (at
     # most half of it for all classes); 0 (the default): min_share alone. Off by default: on a slow link it cut the
-    # lower levels' timeouts but not the shim's step times (docs/jobs.md, "The link's rate and the CPU")
+    # lower levels' timeouts but not the shim's step times (docs/jobs-measured.md, "The link's rate and the CPU")
     min_rate_bps: int = field(default=0, metadata={"key": "min_rate"})
     ack_priority: bool = True  # pure ACKs of every registered flow in the most urgent class (no ACK starvation)
     reconcile_interval_s: float = 5.0

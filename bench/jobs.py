@@ -182,7 +182,7 @@ MIXES = {
     "stagger4": [("resnet50", 0.3, 1.2, 0.0), ("vgg16", 0.35, 1.0, 1.0), ("bert_base", 0.3, 1.5, 2.0),
                  ("resnet50", 0.35, 0.9, 3.0)],
     "oversub2": [("resnet50", None, None, 0.0), ("resnet50", None, None, 0.0)],
-    # opt-in (--mixes): colliding variants that ask how much FIFO loses when the phases collide (docs/jobs.md)
+    # opt-in (--mixes): colliding variants that ask how much FIFO loses when the phases collide (docs/jobs-measured.md)
     "collide2e": [("resnet50", 0.45, 1.2, 0.0), ("bert_base", 0.42, 1.2, 0.0)],
     "collide3": [("resnet50", 0.3, 1.2, 0.0), ("bert_base", 0.3, 1.2, 0.0), ("vgg16", 0.3, 1.2, 0.0)],
     # the CASSINI case with phases that block: each job reduces its gradients after backward (one bucket), so its
@@ -201,7 +201,7 @@ MIX_HOSTS = {"spread4": ((1, 2), (2, 3), (3, 4), (4, 1)), "apart4": ((1, 2), (3,
 DEFAULT_HOSTS = (1, 2)
 # collide2x first: bench.report's headline is the first colliding mix that fits the link, and collide2x is the case
 # CASSINI models (communication a phase of its own); collide2's FIFO costs its jobs too little for any order to reach
-# 0.80x (docs/jobs.md)
+# 0.80x (docs/jobs-measured.md)
 DEFAULT_MIXES = ("collide2x", "collide2", "stagger2", "stagger3", "stagger4", "spread4", "oversub2")
 QUICK_MIXES = ("collide2",)
 # 50 Mbit/s: on this 2-core machine the kernel's and gloo's work per byte (veth, bridge, HTB, the reduction) takes
@@ -209,7 +209,7 @@ QUICK_MIXES = ("collide2",)
 # static: 18.6 s vs 16.3 s alone at 200 Mbit/s, 16.3 s vs 15.7 s at 100. collide2x, static: at 100 Mbit/s the
 # favoured job's median iteration was 3-10 % above its solo one in three runs (each job's ranks 5-7 s on a CPU); at
 # 50 Mbit/s, with half the bytes in the same periods, 0-4 % (about 3 s on a CPU), and static 0.76-0.77x FIFO in every
-# run (docs/jobs.md, "The link's rate and the CPU"). The periods and fractions do not depend on the rate
+# run (docs/jobs-measured.md, "The link's rate and the CPU"). The periods and fractions do not depend on the rate
 # (bench.models scales the gradients' bytes to it).
 DEFAULT_RATE = "50mbit"
 OVERSUB_COMM_S = 0.75    # oversub2: bench.models' default balance, compute = communication
@@ -950,7 +950,7 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
         queue_limit: int | None = None, job_share_among: str | None = None, job_sample_s: float | None = None,
         job_hold_s: float | None = None, held_s: float = HELD_S) -> dict:
     """Run the benchmark on a fresh testbed ``name`` (2 hosts; 4 with ``spread4``: :data:`MIX_HOSTS`); return
-    ``{"mixes": [...], ...}`` (docs/jobs.md).
+    ``{"mixes": [...], ...}`` (docs/jobs-measured.md).
 
     ``policies``: the phases (``solo`` and the policies, FIFO as ``fifo``); ``reps`` > 1 repeats every phase (order
     rotating) and takes each job's mean JCT. ``min_share``, ``min_rate`` (a rate, bits/s or 0), ``queue_limit``

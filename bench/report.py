@@ -38,7 +38,8 @@ INFORMATIONAL = "none (informational)"
 # The README's headline block: per benchmark its first row, or the rows whose figure holds this text
 HEADLINE = {"priority": "shim vs plain DDP", "control-plane": "register p99, 10,000"}
 # Where each benchmark's method is described (repository-relative), linked from the results page
-METHOD_DOCS = {"contention": "docs/benchmarks.md#contention", "priority": "docs/priority.md", "jobs": "docs/jobs.md",
+METHOD_DOCS = {"contention": "docs/benchmarks.md#contention", "priority": "docs/priority.md",
+               "jobs": "docs/jobs-measured.md",
                "control-plane": "docs/benchmarks.md#control-plane",
                "shim-overhead": "docs/benchmarks.md#shim-overhead", "realtrain": "docs/benchmarks.md#realtrain",
                "classifier": "docs/classifier.md", "validate": "docs/policies.md#predicted-vs-measured"}

@@ -13,7 +13,7 @@ Each job repeats, ``iters`` times from ``offset_s``: compute for ``compute_s`` (
 Rates are constant between events (a phase starts or ends), so the model is exact for its assumptions: no
 transport effects (TCP's ramp and losses, queues, the CPU), communication never overlapped with compute. It tells
 what an order costs by *when* it makes each job communicate, apart from how the kernel and TCP carry it out
-(docs/jobs.md, "Parts among the jobs sending"). Usage::
+(docs/jobs-measured.md, "Parts among the jobs sending"). Usage::
 
     jobs = [MixJob(compute_s=0.84, comm_s=0.36, iters=12), MixJob(0.65, 0.35, 12, offset_s=1.0)]
     fifo, ordered = simulate_mix(jobs), simulate_mix(jobs, order=[1, 0], job_share=0.8)

@@ -321,7 +321,7 @@ def link_saturated(busy: Sequence[bool], was: bool, window: int) -> bool:
     (``busy``, oldest first: whether some job's class had bytes queued). A job that sends queues its bytes (the
     link is the bottleneck), so the share of busy samples is the share of time the jobs use the link: at most their
     load where it fits (less where they collide), most of it where they need more (jobs in lockstep still compute
-    at once and leave it idle meanwhile: docs/jobs.md measures both). Saturated from ``AUTO_BUSY[1]``
+    at once and leave it idle meanwhile: docs/jobs-measured.md measures both). Saturated from ``AUTO_BUSY[1]``
     of ``window`` samples busy, and still saturated above ``AUTO_BUSY[0]`` (no flapping at the edge); fewer than
     ``window`` samples keep ``was``. Usage: ``link_saturated([True] * 40, False, 40) is True``"""
     if window < 1:

@@ -1,7 +1,7 @@
 """bench.jobs: the mixes' design (scales, communication fractions, fits_link, collides), the targets and the
 retransmission-timeout reading by hand, the report's jobs rows from a synthetic ``mixes`` file, and a quick smoke
 run on the namespace testbed (collide2: each job alone, FIFO and the three policies) that checks the JSON's shape;
-no timing assertions (the 2-core machine is noisy: docs/jobs.md has the figures of a full run)."""
+no timing assertions (the 2-core machine is noisy: docs/jobs-measured.md has the figures of a full run)."""
 from __future__ import annotations
 
 import contextlib

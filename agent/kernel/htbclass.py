@@ -2,9 +2,9 @@
 
 The job policy's parts move several times a second, one class change each. pyroute2 computes two 256-entry rate
 tables in Python for every HTB class it sends (``calc_rtab``): 65 % of an agent's CPU under a job order
-(docs/jobs.md, "What the machine moves"). The kernel's HTB (``htb_change_class``) reads those tables only to tell
-the link layer of a rate that does not state it, as an old ``tc`` sent; the rates themselves are computed from the
-rate. So a change here sends ``TCA_HTB_PARMS`` with the link layer set to Ethernet (what the kernel finds in
+(docs/jobs-measured.md, "What the machine moves"). The kernel's HTB (``htb_change_class``) reads those tables only
+to tell the link layer of a rate that does not state it, as an old ``tc`` sent; the rates themselves are computed
+from the rate. So a change here sends ``TCA_HTB_PARMS`` with the link layer set to Ethernet (what the kernel finds in
 pyroute2's tables), ``TCA_HTB_RATE64``/``TCA_HTB_CEIL64`` where a rate does not fit in 32 bits, and no tables. The
 bursts become psched ticks as pyroute2 and ``tc`` compute them (``calc_xmittime``). The classes are created by
 pyroute2 (``HtbBackend.apply``); this only changes them.

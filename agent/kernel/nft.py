@@ -92,7 +92,7 @@ def _prio(classid: int) -> str:
 def _pure_ack() -> list[dict]:
     """Matches a TCP segment without SYN, FIN, RST or PSH whose IP length is under ACK_MAX_BYTES (a pure ACK).
     PSH excludes small *data* segments (the kernel sets it on the last segment of a write): moved ahead of their
-    flow's queued data they arrived out of order, and the senders retransmitted spuriously (docs/jobs.md)."""
+    flow's queued data they arrived out of order, and the senders retransmitted spuriously (docs/jobs-measured.md)."""
     return [{"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "tcp"}},
             {"match": {"op": "!", "left": {"payload": {"protocol": "tcp", "field": "flags"}},
                        "right": ["fin", "syn", "rst", "psh"]}},   # none of them set
