@@ -34,10 +34,12 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.optim.optimizer as torch_optimizer
 
 from tensorlane.client import DEFAULT_SOCKET, clean_job_id
 from tensorlane.flows import new_flows, own_tcp_flows
@@ -417,6 +419,8 @@ def overlap_hook(state: ShimState, bucket):
             raise RuntimeError(f"tensorlane overlap mode: {ov.SPARSE}; the first sparse gradient appeared after "
                                "overlap mode had started. Attach without the optimizer (hook mode) for this model.")
         d.probe.sparse = True  # probing: this iteration runs as hook mode anyway
+    if state.mode == "probing":
+        d.bucketed.update(id(p) for p in bucket.parameters())
     fut = priority_hook(state, bucket) if state.mode != "overlap" else _launch_deferred(state, bucket)
     if bucket.is_last() and state.mode != "hook":
         params = state.options["params"]
@@ -435,14 +439,18 @@ def _joining(state: ShimState) -> bool:
 def _decide(state: ShimState) -> None:
     """End of a probe iteration: agree over the ranks on what they saw, then overlap, hook mode, or go on probing
     (no rank has called step() after a synchronized backward yet: GradScaler skips, accumulation)."""
-    pr = state.deferred.probe
+    d = state.deferred
+    pr = d.probe
+    held = {id(p) for g in d.optimizer.param_groups for p in g["params"]}
     flags = torch.tensor([0.0 if pr.stepped else 1.0, float(pr.grads_changed), float(pr.closure),
-                          float(pr.sparse)], dtype=torch.float64)
+                          float(pr.sparse), float(bool(d.bucketed - held)), float(ov.step_hooks(d.optimizer) > 0)],
+                         dtype=torch.float64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=state.groups[0])
-    not_stepped, changed, closure, sparse = (v > 0 for v in flags.tolist())
-    if changed or closure or sparse:
-        state.fallback("; ".join(r for r, f in ((ov.GRADS_CHANGED, changed), (ov.CLOSURE, closure),
-                                                (ov.SPARSE, sparse)) if f))
+    not_stepped, changed, closure, sparse, unoptimized, hooks = (v > 0 for v in flags.tolist())
+    reasons = ((ov.GRADS_CHANGED, changed), (ov.CLOSURE, closure), (ov.SPARSE, sparse),
+               (ov.UNOPTIMIZED, unoptimized), (ov.STEP_HOOKS, hooks))
+    if any(f for _r, f in reasons):
+        state.fallback("; ".join(r for r, f in reasons if f))
     elif not not_stepped:
         state.mode = "overlap"
         state.mode_reason = "the first iteration showed a loop that overlap mode reproduces exactly"
@@ -531,29 +539,11 @@ def _apply(state: ShimState, param) -> bool:
     for p, o, n in ready:
         p.grad = pend.buffer.narrow(0, o, n).view_as(p)
     try:
-        _step_subset(d, [p for p, _o, _n in ready], pend.hparams)
+        d.step_subset([p for p, _o, _n in ready], pend.hparams)
     finally:
         for (p, _o, _n), g in zip(ready, saved, strict=True):
             p.grad = g  # what DDP left (this rank's gradient, or None after zero_grad): it accumulates as there
     return True
-
-
-def _step_subset(d: ov.Deferred, params: list, hparams: list) -> None:
-    """One step of the user's optimizer over ``params`` only, with the hyperparameters ``hparams`` (one dict per
-    param group, as stamped by ``step()``); the groups are restored afterwards."""
-    opt = d.optimizer
-    wanted = {id(p) for p in params}
-    saved = [(g["params"], {k: g[k] for k in h if k in g}) for g, h in zip(opt.param_groups, hparams, strict=True)]
-    try:
-        for g, h in zip(opt.param_groups, hparams, strict=True):
-            g["params"] = [p for p in g["params"] if id(p) in wanted]
-            g.update(h)
-        with torch.no_grad():
-            d.orig_step()
-    finally:
-        for g, (ps, current) in zip(opt.param_groups, saved, strict=True):
-            g["params"] = ps
-            g.update(current)
 
 
 class Handle:
@@ -614,10 +604,11 @@ class Handle:
                 return zero_grad_of(*args, **kwargs)
         opt.zero_grad = self._zero_grad_attr = zero_grad
         hook = ov.ModuleHook  # a copy of a module (an EMA model, a snapshot) gets inert hooks, not the shim
-        self._hooks.append(self.model.register_forward_pre_hook(hook(self._disarm)))  # before DDP's own forward
-        self._hooks.append(root.register_forward_pre_hook(hook(self._root_pre_forward)))
+        # ahead of the user's own pre-hooks (pruning's mask, weight_norm): they must see the updated weights
         for m in owners:
-            self._hooks.append(m.register_forward_pre_hook(hook(self._pre_forward)))
+            self._hooks.append(m.register_forward_pre_hook(hook(self._pre_forward), prepend=True))
+        self._hooks.append(root.register_forward_pre_hook(hook(self._root_pre_forward), prepend=True))
+        self._hooks.append(self.model.register_forward_pre_hook(hook(self._disarm), prepend=True))
         for p in params:
             self._hooks.append(p.register_hook(self._grad_seen(p)))
         flush = hook(self._flush_hook)
@@ -626,6 +617,16 @@ class Handle:
             self._hooks.append(m.register_load_state_dict_pre_hook(flush))
         self._hooks.append(opt.register_state_dict_pre_hook(flush))
         self._hooks.append(opt.register_load_state_dict_pre_hook(flush))
+        self._hooks.append(opt.register_load_state_dict_post_hook(hook(self._rewatch)))  # a new state dict
+        d.on_state_use = self._flush_hook
+        me = weakref.ref(self)  # the global hook must not keep a handle (and its model) alive
+
+        def other_step(optimizer, args, kwargs):
+            handle = me()
+            if handle is not None:
+                handle._other_step(optimizer, args, kwargs)
+        other_step.tensorlane = True  # not a user's step hook (ov.step_hooks)
+        self._hooks.append(torch_optimizer.register_optimizer_step_pre_hook(other_step))
 
     def _put_back(self, name: str, ours, own) -> None:
         """Restore the optimizer's ``name`` if it is still the function the shim put there: the instance attribute
@@ -645,6 +646,26 @@ class Handle:
 
     def _flush_hook(self, *_args, **_kwargs) -> None:
         self.flush()
+
+    def _rewatch(self, *_args) -> None:
+        """After ``optimizer.load_state_dict`` (which replaces ``optimizer.state``): watch the new state."""
+        d = self.state.deferred
+        if d is not None and d.stamped_state is not None:
+            d.stamped_state = d.watch_state()
+
+    def _other_step(self, optimizer, _args, _kwargs) -> None:
+        """A global step pre-hook: another optimizer about to step parameters that DDP all-reduces, in overlap
+        mode, would use this rank's own gradient (not DDP's average) for them: refuse before it updates anything."""
+        state = self.state
+        if self.closed or state is None or state.mode != "overlap" or ov.inner_optimizer(optimizer) is self.optimizer:
+            return
+        d = state.deferred
+        if any(id(p) in d.bucketed for g in optimizer.param_groups for p in g["params"]):
+            raise RuntimeError(f"tensorlane overlap mode: {type(optimizer).__name__}.step() on parameters that DDP "
+                               "all-reduces, with another optimizer than the one given to attach: in overlap mode "
+                               "their .grad holds this rank's own gradient until the deferred step, so this update "
+                               "would not be DDP's. It has not been applied. Attach the optimizer that steps them, "
+                               "or use hook mode (shim.attach without optimizer).")
 
     def _disarm(self, *_args) -> None:
         """The model's forward begins (or a flush): pending updates are applied from here on, not by the guard."""
@@ -740,6 +761,8 @@ class Handle:
             h.remove()
         self._put_back("step", self._step_attr, self._own_step)
         self._put_back("zero_grad", self._zero_grad_attr, self._own_zero_grad)
+        if d is not None:
+            d.unwatch_state()
         self.state.close()
         self.closed = True
 

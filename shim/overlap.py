@@ -26,6 +26,17 @@ What overlap mode cannot reproduce, and how it is caught:
 - ``step()`` without a synchronized ``backward()`` since the previous one (a step after ``no_sync`` only, or two
   steps on one gradient) raises; a ``backward()`` with no ``step()`` afterwards keeps DDP's semantics (the
   gradient accumulates and is all-reduced with the next one).
+- parameters that DDP all-reduces but the attached optimizer does not hold (a second optimizer, or code that
+  updates them itself), and step hooks on the optimizer (``register_step_pre_hook``/``post_hook``, or global
+  ones): in overlap mode ``.grad`` holds this rank's own gradient until the deferred step, and that step is taken
+  in parts, each of which would run the hooks. The probe sees both and falls back to hook mode; step hooks added
+  later raise at the next ``step()``, and another optimizer that steps DDP's parameters later raises before its
+  update (a global step pre-hook). Parameters the optimizer holds outside DDP's buckets (DDP's ignored
+  parameters, a layer frozen when DDP was made, a parameter outside the model such as a learnable temperature)
+  are stepped at ``step()`` itself, with their own gradient, as DDP leaves them.
+- the optimizer's state (``optimizer.state``) used between ``step()`` and the next forward (reset, read, a new
+  param group added) applies the pending updates first, as parameters do; ``optimizer.state`` replaced by another
+  dict there raises.
 - parameters written in place between ``step()`` and the next forward (checked with their version counters)
   raise, and so does a parameter that changed after ``backward()`` without a ``step()`` through the shim (a
   framework that calls the optimizer's original ``step``); ``load_state_dict`` and ``state_dict`` of the model
@@ -44,6 +55,7 @@ Usage: ``deferred = Deferred(optimizer, holders)`` is made by ``shim.attach``; s
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import os
 import sys
@@ -70,6 +82,11 @@ SPARSE = ("the model has sparse gradients (an embedding with sparse=True): overl
           "buckets only")
 CLOSURE = ("optimizer.step(closure) runs forward and backward inside the step (LBFGS and similar), so the step "
            "cannot be deferred")
+UNOPTIMIZED = ("some parameters that DDP all-reduces are not in the optimizer given to attach (a second optimizer, "
+               "or code that updates them itself): in overlap mode their .grad holds this rank's own gradient until "
+               "the deferred step, so whatever updates them would not see DDP's average")
+STEP_HOOKS = ("the optimizer has step hooks (register_step_pre_hook/register_step_post_hook, or global ones): "
+              "overlap mode takes each step later and in parts, so the hooks would run out of time and once per part")
 
 
 # what a torch operation may do with a parameter without using its values: its metadata, its gradient, hooks
@@ -153,6 +170,9 @@ class Deferred:
         self.flushes = 0
         self.guard: UseGuard | None = None  # set by Handle: watches parameter use between step() and forward
         self.flushed_on_use = 0  # times the guard applied pending updates because a parameter was used
+        self.bucketed: set = set()  # id(param) of the parameters DDP all-reduces (seen in the probe's buckets)
+        self.stamped_state = None  # optimizer.state when step() stamped (the shim's StateView)
+        self.on_state_use = None  # set by Handle: a flush, when optimizer.state is used while updates are pending
 
     # -- the user's optimizer.step() ----------------------------------------------------------------------
     def release(self) -> None:
@@ -160,13 +180,14 @@ class Deferred:
         holds the model); the counters stay for ``stats()``. Not the optimizer's own step, which a wrapper of the
         shim's ``step`` made by someone else still calls."""
         self.pending, self.unstamped, self.marks, self.holders = {}, [], [], {}
-        self.guard = self.norms = None
+        self.guard = self.norms = self.on_state_use = self.stamped_state = None  # (on_state_use: the handle)
 
     def stamp(self, params: list, closure) -> None:
         """``optimizer.step()`` in overlap mode: check, then stamp this iteration's buckets (no update now)."""
         if closure is not None:
             raise RuntimeError(f"tensorlane overlap mode: {CLOSURE}. Use hook mode (shim.attach without "
                                "optimizer) for this loop.")
+        self.check_step_hooks()
         changed = changed_grads(self.marks)
         if changed or called_by_grad_scaler():
             shape = tuple(changed[0].shape) if changed else "any"
@@ -188,6 +209,67 @@ class Deferred:
         self.unstamped = []
         self.marks = []
         self.steps += 1
+        self.stamped_state = self.watch_state()
+        outside = [p for p in params if id(p) not in self.bucketed and p.grad is not None]
+        if outside:  # DDP does not all-reduce these: the step takes their own gradient, now, as under DDP
+            self.step_subset(outside, hp)
+
+    def watch_state(self):
+        """Put a :class:`StateView` on ``optimizer.state`` (again, after ``load_state_dict`` or the user replaced
+        it); return it."""
+        opt = self.optimizer
+        if not (isinstance(opt.state, StateView) and opt.state.deferred is self):
+            opt.state = StateView(opt.state, self)
+        return opt.state
+
+    def unwatch_state(self) -> None:
+        """Give the optimizer back a plain ``defaultdict`` state (``close()``)."""
+        opt = self.optimizer
+        if isinstance(opt.state, StateView) and opt.state.deferred is self:
+            opt.state = opt.state.plain()
+
+    def check_step_hooks(self) -> None:
+        """Raise if the optimizer has step hooks now (they were not there when the probe chose overlap mode)."""
+        if step_hooks(self.optimizer):
+            raise RuntimeError(f"tensorlane overlap mode: {STEP_HOOKS}. They were registered after overlap mode "
+                               "had started; this update has not been applied. Register them before the first "
+                               "iteration (overlap mode then falls back to hook mode), or attach without the "
+                               "optimizer (hook mode).")
+
+    def step_subset(self, params: list, hparams: list) -> None:
+        """One step of the user's optimizer over ``params`` only, with the hyperparameters ``hparams`` (one dict per
+        param group, as stamped by ``step()``; a group added since then is not stepped, as under DDP, where the
+        step came first); the groups are restored afterwards."""
+        opt = self.optimizer
+        self.check_step_hooks()
+        if self.stamped_state is not None and opt.state is not self.stamped_state:
+            raise RuntimeError("tensorlane overlap mode: optimizer.state was replaced between optimizer.step() and "
+                               "the next forward; under DDP the step used the state it had at step(), which "
+                               "overlap mode applies later. Call handle.flush() after optimizer.step() before "
+                               "replacing it, or use hook mode (shim.attach without optimizer).")
+        if len(opt.param_groups) < len(hparams):
+            raise RuntimeError("tensorlane overlap mode: a param group was removed from the optimizer between "
+                               "optimizer.step() and the next forward; under DDP the step had updated it. Call "
+                               "handle.flush() after optimizer.step() before changing the groups, or use hook mode.")
+        wanted = {id(p) for p in params}
+        stamped, later = opt.param_groups[:len(hparams)], opt.param_groups[len(hparams):]
+        saved = [(g["params"], {k: g[k] for k in h if k in g}) for g, h in zip(stamped, hparams, strict=True)]
+        added = [g["params"] for g in later]
+        try:
+            for g, h in zip(stamped, hparams, strict=True):
+                g["params"] = [p for p in g["params"] if id(p) in wanted]
+                g.update(h)
+            for g in later:
+                g["params"] = []
+            quiet = contextlib.nullcontext() if self.stamped_state is None else self.stamped_state.quiet()
+            with torch.no_grad(), quiet:
+                self.orig_step()
+        finally:
+            for g, (ps, current) in zip(stamped, saved, strict=True):
+                g["params"] = ps
+                g.update(current)
+            for g, ps in zip(later, added, strict=True):
+                g["params"] = ps
 
     def probe_step(self, closure) -> None:
         """``optimizer.step()`` while probing: note what this iteration did (the real step follows)."""
@@ -210,6 +292,66 @@ class Deferred:
                     self.early.add(id(p))
         self.probe.ran = set()
         self.got_grad.clear()  # in place: the gradient hooks hold this set
+
+
+def step_hooks(optimizer) -> int:
+    """How many step hooks will run around ``optimizer.step()``: its own pre and post hooks, and the global ones
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``), not counting the shim's own."""
+    import torch.optim.optimizer as optim
+    own = len(getattr(optimizer, "_optimizer_step_pre_hooks", ())) + \
+        len(getattr(optimizer, "_optimizer_step_post_hooks", ()))
+    glob = [h for d in (optim._global_optimizer_pre_hooks, optim._global_optimizer_post_hooks) for h in d.values()]
+    return own + sum(1 for h in glob if not getattr(h, "tensorlane", False))
+
+
+class StateView(collections.defaultdict):
+    """``optimizer.state`` in overlap mode: used by anything but the shim's own steps while updates are pending
+    (between ``step()`` and the next forward: an optimizer state reset, a read of Adam's moments, a param group
+    added), it first applies them (``Deferred.on_state_use``: a flush), as DDP's step would have done by then.
+    Copied or pickled, it is a plain ``defaultdict``.
+
+    Usage: ``optimizer.state = StateView(optimizer.state, deferred)`` (``Deferred.watch_state`` does it)
+    """
+
+    def __init__(self, state, deferred):
+        super().__init__(dict, state)
+        self.deferred = deferred
+        self.quiet_depth = 0
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """The shim's own step: its uses of the state need no flush."""
+        self.quiet_depth += 1
+        try:
+            yield
+        finally:
+            self.quiet_depth -= 1
+
+    def _use(self) -> None:
+        d = self.deferred
+        if not self.quiet_depth and d.pending and d.on_state_use is not None:
+            d.on_state_use()
+
+    def plain(self) -> collections.defaultdict:
+        return collections.defaultdict(dict, dict.items(self))
+
+    def __reduce__(self):
+        return (collections.defaultdict, (dict,), None, None, iter(dict.items(self)))
+
+
+def _state_method(name):
+    base = getattr(dict, name)
+
+    def method(self, *args, **kwargs):
+        self._use()
+        return base(self, *args, **kwargs)
+    method.__name__ = name
+    return method
+
+
+for _name in ("__getitem__", "__setitem__", "__delitem__", "__contains__", "__iter__", "__len__", "get", "keys",
+              "values", "items", "pop", "popitem", "clear", "update", "setdefault", "copy", "__eq__", "__repr__"):
+    setattr(StateView, _name, _state_method(_name))
 
 
 def user_stacklevel() -> int:

@@ -47,6 +47,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import torch.nn.utils.prune  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn  # noqa: E402
 
@@ -663,6 +664,134 @@ def _compiled_ddp(ctx: Ctx):
     opt = torch.optim.Adam(ddp.parameters(), lr=2e-3)
     ctx.attach(ddp, opt)
     plain_loop(ctx, torch.compile(ddp, backend="aot_eager"), opt)
+
+
+# -- what the optimizer holds, beyond DDP's buckets; hooks around the step and the forward ----------------------------
+@idiom("two_optimizers")
+def _two_optimizers(ctx: Ctx):
+    """Two optimizers on one DDP model (the trunk's and the head's), only the first given to attach: the second
+    steps parameters DDP all-reduces (overlap mode falls back to hook mode)."""
+    model = ctx.ddp(convnet())
+    trunk = torch.optim.SGD(model.module[:4].parameters(), lr=0.05, momentum=0.9)
+    head = torch.optim.Adam(model.module[4:].parameters(), lr=2e-3)
+    ctx.attach(model, trunk)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        trunk.step()
+        head.step()
+        trunk.zero_grad()
+        head.zero_grad()
+        ctx.record("loss", loss.item())
+
+
+@idiom("parameter_outside_ddp")
+def _parameter_outside_ddp(ctx: Ctx):
+    """A learnable temperature outside the model (CLIP's logit scale kept by the loss) in the same optimizer: DDP
+    does not all-reduce it, so each rank steps it with its own gradient; compared too."""
+    model = ctx.ddp(convnet())
+    scale = nn.Parameter(torch.tensor(1.0, device=ctx.device))
+    opt = torch.optim.Adam([*model.parameters(), scale], lr=2e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x) * scale, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+        ctx.record("scale", scale)
+
+
+@idiom("ddp_ignored")
+def _ddp_ignored(ctx: Ctx):
+    """Parameters DDP is told to ignore (``_set_params_and_buffers_to_ignore_for_model``: kept per rank), in the
+    optimizer with the others."""
+    net = convnet()
+    DDP._set_params_and_buffers_to_ignore_for_model(net, ["7.weight", "7.bias"])
+    model = ctx.ddp(net)
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("unfreeze_add_group")
+def _unfreeze_add_group(ctx: Ctx):
+    """Gradual unfreezing: the first conv frozen when DDP is made (so DDP never all-reduces it), unfrozen and added
+    to the optimizer as a param group with its own learning rate halfway through."""
+    net = convnet()
+    for p in net[0].parameters():
+        p.requires_grad_(False)
+    model = ctx.ddp(net)
+    opt = sgd(model.module[1:].parameters())
+    ctx.attach(model, opt)
+
+    def unfreeze(step):
+        if step == ctx.steps // 2:
+            for p in model.module[0].parameters():
+                p.requires_grad_(True)
+            opt.add_param_group({"params": list(model.module[0].parameters()), "lr": 0.01})
+    plain_loop(ctx, model, opt, before_forward=unfreeze)
+
+
+@idiom("pruned")
+def _pruned(ctx: Ctx):
+    """``torch.nn.utils.prune`` before DDP, on the first layer (whose step the forward needs first): a forward
+    pre-hook of the module computes its weight from the parameter ``weight_orig`` and the mask, so the shim must
+    apply that parameter's step before the hook runs."""
+    net = convnet()
+    torch.nn.utils.prune.l1_unstructured(net[0], "weight", amount=0.5)
+    model = ctx.ddp(net)
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("user_pre_hook")
+def _user_pre_hook(ctx: Ctx):
+    """A forward pre-hook of the user's on the first layer, registered before attach, that reads the layer's weight
+    (a norm logged at every forward); the norms are compared too."""
+    model = ctx.ddp(convnet())
+    model.module[0].register_forward_pre_hook(lambda m, _inputs: ctx.record("norm", m.weight.norm().item()))
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("step_hooks")
+def _step_hooks(ctx: Ctx):
+    """An EMA of the weights kept by an optimizer step post-hook (overlap mode falls back to hook mode: it would
+    take the step later, in parts); the EMA is compared too."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ema = [p.detach().clone() for p in model.parameters()]
+
+    def average(*_args):
+        with torch.no_grad():
+            for e, p in zip(ema, model.parameters(), strict=True):
+                e.mul_(0.8).add_(p, alpha=0.2)
+    opt.register_step_post_hook(average)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+    for e in ema:
+        ctx.record("ema", e)
+
+
+@idiom("optimizer_state_reset")
+def _optimizer_state_reset(ctx: Ctx):
+    """Adam's state cleared after a step() halfway through (a warm restart), and its first moments logged after
+    every step(): the optimizer's state used between step() and the next forward; the moments are compared too."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    first = next(model.parameters())
+
+    def after(step):
+        ctx.record("exp_avg", opt.state[first]["exp_avg"].norm().item())
+        if step == ctx.steps // 2:
+            opt.state.clear()
+    plain_loop(ctx, model, opt, after_step=after)
 
 
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]

@@ -9,6 +9,7 @@ as the loop of :data:`REFERENCE`).
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -58,7 +59,7 @@ def loop(scenario: str, shim_on: bool, steps: int):
     if shim_on:
         handle = shim.attach(model, opt, levels=2, policy="layer_order", agent_socket="/nonexistent/tl.sock",
                              require_overlap=scenario == "require_overlap")
-    error = None
+    error, other = None, None
     try:
         for step in range(steps):
             x, y = batch(step)
@@ -70,10 +71,18 @@ def loop(scenario: str, shim_on: bool, steps: int):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
             if scenario == "grad_write_later" and late:
                 next(model.parameters()).grad.mul_(0.5)
+            if scenario == "step_hook_later" and step == LATE:  # a hook after overlap mode was chosen
+                opt.register_step_post_hook(lambda *_: None)
             if scenario == "step_around_shim" and late:
                 type(opt).step(opt)  # the optimizer's own step, not the one the shim installed
+            elif scenario == "other_optimizer_later" and late:  # a new optimizer, not attached
+                if other is None:
+                    other = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+                other.step()
             else:
                 opt.step()
+            if scenario == "state_replaced_later" and step == LATE:  # the momenta thrown away after this step
+                opt.state = collections.defaultdict(dict)
             if scenario == "double_step" and late:
                 opt.step()
             if scenario == "param_write_later" and late:  # seen by the shim's guard: updated first, exact
@@ -99,6 +108,8 @@ def loop(scenario: str, shim_on: bool, steps: int):
 SCENARIOS = {"clip_later": LATE, "grad_write_later": LATE, "require_overlap": 1,
              "double_step": LATE + 1,  # the iteration's first step() is DDP's too: reading the parameters applies it
              "step_around_shim": None, "param_write_thread": None, "stale_use": None,
+             "other_optimizer_later": LATE, "step_hook_later": LATE,
+             "state_replaced_later": LATE,  # that step would be applied at the next forward, which refuses
              "early_use": STEPS,  # c's parameters used outside c from the first iteration on: exact, no error
              "param_write_later": STEPS}  # clamped after step(): the guard applies the update first, exact
 REFERENCE = {"double_step": "plain"}  # the DDP loop to compare with (default: the scenario's own)

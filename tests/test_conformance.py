@@ -47,7 +47,10 @@ BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 # Expected handle.stats()["mode"] of the overlap cells (the exact overlap design): gradients changed between
 # backward() and step(), or step(closure), fall back to hook mode with a reason; everything else overlaps.
 FALLS_BACK_TO_HOOK = ("clip_grad_norm", "clip_grad_value", "grad_scaler", "join_uneven", "lbfgs",
-                      "sparse_embedding")
+                      "sparse_embedding", "two_optimizers", "step_hooks")
+# Idioms whose parameters DDP leaves per rank on purpose (parameters it ignores, a layer it never all-reduced):
+# every mode must end equal to DDP rank by rank, but the ranks differ from each other
+PER_RANK = ("ddp_ignored", "unfreeze_add_group")
 STAYS_OVERLAP = tuple(n for n in MAIN + ["checkpoint_resume"] if n not in FALLS_BACK_TO_HOOK)
 
 # Idioms whose dynamics magnify rounding: under bf16 autocast a parameter that differs in its last fp32 bit can
@@ -201,6 +204,8 @@ def test_references_exercise_the_idioms(launches, world):
         if name.endswith(("_before", "_after")):
             assert len(set(extras[name]["lr"].tolist())) >= 3, (name, extras[name]["lr"])
     for name in MAIN:  # parameters only: BatchNorm's running statistics are per rank after the last forward
+        if name in PER_RANK:
+            continue
         states = [{k: v for k, v in load_cell(res, name, "ddp", r)[0]["state"].items() if not k.endswith(BUFFERS)}
                   for r in range(world)]
         assert all(max_rel_diff(s, states[0])[0] == 0.0 for s in states[1:]), name

@@ -310,6 +310,9 @@ REFUSALS = {  # scenario of tests/refusal_worker.py -> what the error says
     "step_around_shim": "changed after backward() although no optimizer.step() went through the shim",
     "param_write_thread": "was changed in place between optimizer.step() and the next forward",
     "stale_use": "was used in this forward pass before its step was applied",
+    "other_optimizer_later": "with another optimizer than the one given to attach",
+    "step_hook_later": "They were registered after overlap mode had started",
+    "state_replaced_later": "optimizer.state was replaced between optimizer.step() and the next forward",
 }
 EXACT = ("early_use", "param_write_later")  # scenarios overlap mode reproduces: no error, DDP's parameters
 
