@@ -101,9 +101,13 @@ class Api:
         if shifted:
             self.rec.apply(self.table, [], shifted, [])
             self.record("job_order", "moved")
-            # (slowdown moves jobs several times a second: its changes are counted in status, not logged)
-            log.log(logging.DEBUG if self.jobs.timed else logging.INFO, "job order changed: moved %d flows",
-                    len(shifted))
+            # (slowdown moves jobs several times a second: its changes are counted in status, not logged; reported
+            # inputs can move an order as often as reports come: at most a line every few seconds)
+            if self.jobs.timed:
+                log.debug("job order changed: moved %d flows", len(shifted))
+            else:
+                self.refusal_log.note("job order changed", logging.INFO, "job order changed: moved %d flows",
+                                      len(shifted))
         self.rec.set_shares(self.jobs.shares)  # ties can join or split bands (reported inputs): the parts follow
         return len(shifted)
 
@@ -125,6 +129,9 @@ class Api:
                                         "in this agent's network namespace"
                                         + (f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""))
                 pid = peer.pid
+            if peer.uid != 0 and peer.user not in self.policy.trusted_users:
+                self._check_job_user(req.job, peer)
+                self._check_user_limits(req, peer)
         had = set(self.table.runs.get(req.job, ()))
         added, moved = self.table.register(req.job, req.level, req.flows, req.rank, pid=pid, uid=uid, floor=floor,
                                            run=req.run)
@@ -144,6 +151,28 @@ class Api:
                                  "the agent treats them as one job (one band, one order); give each job its own id "
                                  "(TENSORLANE_JOB, or torchrun --rdzv-id)")
         return reply
+
+    def _check_job_user(self, job: str, peer) -> None:
+        """A user (not root, not trusted) may join a job id on this host only while every flow of it is theirs: the
+        job's place in the order, its reported inputs and its flows are then one user's, and no user can take over
+        another's job (report its inputs, or hold a flow under its id) by registering under the same name."""
+        others = {self.table.flows[k].uid for k in self.table.by_job.get(job, ())} - {peer.uid}
+        if others:
+            raise ProtocolError("forbidden", f"job id {job!r} is in use by another user on this host; give this job "
+                                             "its own id (TENSORLANE_JOB, or torchrun --rdzv-id)")
+
+    def _check_user_limits(self, req, peer) -> None:
+        """A user (not root, not trusted) holds at most ``max_flows_per_user`` flows and ``max_jobs_per_user`` jobs
+        on this host: no user fills the table for the others, or takes more bands and parts by starting jobs."""
+        new = sum(1 for k in req.flows if k not in self.table.flows)
+        have = self.table.user_flows(peer.uid)
+        if have + new > self.cfg.max_flows_per_user:
+            raise ProtocolError("limit", f"user {peer.user} holds {have} flows; {new} more would exceed "
+                                         f"max_flows_per_user = {self.cfg.max_flows_per_user}")
+        jobs = self.table.user_jobs(peer.uid)
+        if req.job not in jobs and len(jobs) >= self.cfg.max_jobs_per_user:
+            raise ProtocolError("limit", f"user {peer.user} has flows in {len(jobs)} jobs on this host: another "
+                                         f"would exceed max_jobs_per_user = {self.cfg.max_jobs_per_user}")
 
     def _check_netns(self, peer) -> None:
         """Refuse a client whose network namespace is not the one this agent manages: its addresses and ports
@@ -173,29 +202,49 @@ class Api:
         bad = [lvl for lvl, *_ in req.counters if lvl >= self.cfg.levels]
         if bad:
             raise ProtocolError("bad_level", f"level {bad[0]} out of range 0..{self.cfg.levels - 1}")
-        counted_as = self.reports.add(req.job, req.session, {lvl: tuple(c) for lvl, *c in req.counters},
-                                      req.step_bytes, req.compute_s)
+        why = self._may_report(req.job, peer)
+        counted_as = None
+        if why is None:  # a user's reports count for their own jobs only: no one fills or skews another's series
+            counted_as = self.reports.add(req.job, req.session, {lvl: tuple(c) for lvl, *c in req.counters},
+                                          req.step_bytes, req.compute_s)
         reply = {"job": req.job, "levels": len(req.counters), "counted_as": counted_as}
         sent = {k: getattr(req, k) for k in REPORTED_INPUTS if getattr(req, k) is not None}
-        return reply | self._take_inputs(req.job, sent, peer)
+        return reply | self._take_inputs(req.job, sent, why)
 
-    def _take_inputs(self, job: str, sent: dict, peer) -> dict[str, str]:
-        """Take a report's measured inputs (``step_bytes``, ``compute_s``) into the job order when the policy orders
-        by them and the reporter may speak for the job: the agent itself, root, or the user who registered the
-        job's flows on this host (so that no user reorders another user's job). Returns what became of each
-        input sent: ``taken``, ``unused: ...`` (the policy does not order by it) or ``ignored: ...``."""
+    def _may_report(self, job: str, peer) -> str | None:
+        """Whether ``peer`` may speak for ``job`` (None) or why not: the agent itself and root may; a user only for a
+        job whose flows on this host are all theirs (so that no user reorders or counts for another user's job)."""
+        if peer is None or peer.uid == 0:
+            return None
+        owners = {self.table.flows[k].uid for k in self.table.by_job.get(job, ())}
+        if not owners:
+            return "ignored: the job has no flows registered on this host"
+        if owners != {peer.uid}:
+            return "ignored: only the user who registered the job's flows may report for it"
+        return None
+
+    def _take_inputs(self, job: str, sent: dict, refused: str | None) -> dict[str, str]:
+        """Take a report's measured inputs (``step_bytes``, ``compute_s``, ...) into the job order when the policy
+        orders by them and the reporter may speak for the job (``refused`` is None; else why not:
+        ``_may_report``). Returns what became of each input sent: ``taken``, ``unused: ...`` (the policy does not
+        order by it) or ``ignored: ...``."""
         used = self.jobs.inputs
         unused = f"unused: job_policy is {self.jobs.policy!r}"
         if not any(name in used for name in sent):
             return dict.fromkeys(sent, unused)
-        owners = {self.table.flows[k].uid for k in self.table.by_job.get(job, ())}
-        if not owners:
+        if refused is not None:
+            why = refused
+        elif job not in self.table.by_job:
             why = "ignored: the job has no flows registered on this host"
-        elif peer is not None and peer.uid != 0 and peer.uid not in owners:
-            why = "ignored: only the user who registered the job's flows may report for it"
         else:
             why = "taken"
+            before = dict(self.jobs.reported.get(job, {}))
             if self.jobs.report(job, **sent):
+                try:
+                    self.jobs.rank_check()
+                except ValueError as exc:  # values the order cannot rank: refused, the job's inputs as they were
+                    self.jobs.reported[job] = before
+                    raise ProtocolError("bad_request", f"the reported inputs cannot be ranked: {exc}") from None
                 self.reorder()
         return {name: why if name in used else unused for name in sent}
 
@@ -274,7 +323,8 @@ class Api:
         if gone:
             self._push([], [], gone)
             self.record("owner_exit", "removed")
-            log.info("process %d exited: removed its %d flows", pid, len(gone))
+            self.refusal_log.note("owner exited", logging.INFO, "process %d exited: removed its %d flows", pid,
+                                  len(gone))  # bounded: a user can start and end processes at will
         return len(gone)
 
     def sample_sending(self, now: float) -> bool:

@@ -73,6 +73,10 @@ class Config:
     check_ownership: bool = True
     rate_limit_per_s: float = 1000.0
     max_flows: int = 100_000
+    # of one user that is neither root nor trusted: flows (so that no user fills max_flows and locks the others
+    # out) and jobs (under a job policy each job takes a band, and the order costs O(jobs) per request)
+    max_flows_per_user: int = 50_000
+    max_jobs_per_user: int = 32
     job_policy: str = "none"
     rotate_epoch_s: float = 20.0
     job_priority: dict = field(default_factory=dict)
@@ -334,8 +338,10 @@ def _endpoints(raw: dict) -> dict:
     if not 0 <= mode <= 0o777:
         raise ConfigError("socket_mode", f"expected a mode 0..0777, got {oct(mode)}")
     metrics = _want(raw, "metrics_address", str)
-    if metrics and not re.match(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]*):\d{1,5}$", metrics):
-        raise ConfigError("metrics_address", f"expected HOST:PORT (or empty to disable), got {metrics!r}")
+    if metrics and not (re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]*):\d{1,5}", metrics)
+                        and 1 <= int(metrics.rsplit(":", 1)[1]) <= 65535):
+        raise ConfigError("metrics_address", f"expected HOST:PORT with a port 1..65535 (or empty to disable), got "
+                                             f"{metrics!r}")
     socket_path = _want(raw, "socket", str)
     if not socket_path.startswith("/") or len(socket_path.encode()) > 107:
         raise ConfigError("socket", f"expected an absolute path of at most 107 bytes, got {socket_path!r}")
@@ -383,6 +389,8 @@ def _service(raw: dict, levels: int) -> dict:
             "level_limits": _level_limits(raw, levels),
             "rate_limit_per_s": _number(raw, "rate_limit_per_s", 1, 1_000_000, " requests per second"),
             "max_flows": _integer(raw, "max_flows", 1, 1_000_000),
+            "max_flows_per_user": _integer(raw, "max_flows_per_user", 1, 1_000_000),
+            "max_jobs_per_user": _integer(raw, "max_jobs_per_user", 1, 100_000),
             "socket_group": _want(raw, "socket_group", str),
             "ack_priority": _want(raw, "ack_priority", bool)}
 

@@ -9,6 +9,7 @@ Usage: ``sys.exit(run(load_config(path)))``
 from __future__ import annotations
 
 import gc
+import grp
 import json
 import logging
 import os
@@ -112,6 +113,16 @@ def _prepare_device(cfg: Config, ipr: IPRoute, link: links.Link, serves: str, ki
     return Takeover(link, serves, backend, snap, False)
 
 
+def check_socket_group(cfg: Config) -> None:
+    """``socket_group`` must name a group of this host (checked before anything changes, not at the socket's
+    ``chown``, after the interfaces were taken over)."""
+    if cfg.socket_group is not None:
+        try:
+            grp.getgrnam(cfg.socket_group)
+        except KeyError:
+            raise ConfigError("socket_group", f"no group {cfg.socket_group!r} on this host") from None
+
+
 def prepare(cfg: Config, ipr: IPRoute) -> tuple[str, list[links.Egress], list[Takeover]]:
     """All checks, no changes: the backend kind, the managed interfaces and a Takeover per queue device."""
     try:
@@ -119,6 +130,7 @@ def prepare(cfg: Config, ipr: IPRoute) -> tuple[str, list[links.Egress], list[Ta
     except links.LinkError as exc:
         raise ConfigError("interface" if len(cfg.interfaces) == 1 else "interfaces", str(exc)) from None
     kind = _choose_kind(cfg)
+    check_socket_group(cfg)
     return kind, egress, [_prepare_device(cfg, ipr, q, eg.name, kind) for eg in egress for q in eg.queues]
 
 

@@ -59,11 +59,11 @@ from tensorlane.policies.jobs import (
     ROTATING,
     TIMED,
     banded_level,
-    job_bands,
     job_order,
     job_shares,
     link_saturated,
     rotation_epoch,
+    tiered_bands,
 )
 
 log = logging.getLogger("tensorlane.jobs")
@@ -107,6 +107,7 @@ class JobScheduler:
         self.order: tuple[str, ...] = ()
         self.keys: tuple = ()  # the reported inputs the order was computed from: ((job, ((input, value), ...)), ...)
         self.bands: dict[str, tuple[int, int]] = {}
+        self.floors: dict[str, int] = {}  # job -> the most urgent level its users may ask for (its tier of bands)
         self.shares: dict[int, float] = {}  # level -> guaranteed share of the link (job_share among the jobs)
         self.backlogged_at: dict[str, float] = {}  # job -> when a sample last found it sending (monotonic)
         self.sending: frozenset[str] = frozenset()  # the jobs seen backlogged within hold_s (their parts: 1/k)
@@ -166,7 +167,9 @@ class JobScheduler:
         for gone in [j for j in self.reported if j not in jobs]:  # bounded by the jobs present
             del self.reported[gone]
         keys = self._keys(jobs)
-        if jobs == self.jobs and epoch == self.epoch and keys == self.keys and self.bands and not self.timed:
+        floors = {job: table.job_floor(job) for job in jobs}
+        if (jobs == self.jobs and epoch == self.epoch and keys == self.keys and floors == self.floors and self.bands
+                and not self.timed):
             return []
         now_s = 0.0 if epoch is None else epoch * self.epoch_s
         if self.timed:
@@ -174,7 +177,7 @@ class JobScheduler:
         order, ranks = job_order(self.policy, sorted(jobs), now_s=now_s, epoch_s=self.epoch_s,
                                  priority=self.priority, intensity=self.intensity, link_bps=self.link_bps,
                                  **{name: self.inputs_of(name, keys) for name in self.inputs})
-        bands = job_bands(order, self.levels, ranks)
+        bands = tiered_bands(order, self.levels, ranks, floors)
         old = self.bands
         shifted: list[FlowKey] = []
         for job, band in bands.items():
@@ -191,6 +194,7 @@ class JobScheduler:
             if epoch != self.epoch and epoch is not None:
                 log.info("epoch %d: job order %s", epoch, ", ".join(order) or "(no jobs)")
         self.jobs, self.epoch, self.order, self.bands, self.keys = jobs, epoch, order, bands, keys
+        self.floors = floors
         self.sending = self.sending & jobs if self.follows_sending() else frozenset()
         if not self.sending:
             self.backlogged_at.clear()
@@ -199,6 +203,14 @@ class JobScheduler:
             self._saturate(False, time.monotonic())
         self.shares = job_shares(bands, self.job_share, self.sending, self.budget)
         return sorted(shifted)
+
+    def rank_check(self) -> None:
+        """Rank the jobs present with the inputs reported now, changing nothing: raises ``ValueError`` where the
+        policy cannot rank them (``Api`` refuses such a report before it reorders anything)."""
+        keys = self._keys(self.jobs)
+        job_order(self.policy, sorted(self.jobs), now_s=self.clock(), epoch_s=self.epoch_s, priority=self.priority,
+                  intensity=self.intensity, link_bps=self.link_bps,
+                  **{name: self.inputs_of(name, keys) for name in self.inputs})
 
     def rerank_wanted(self) -> bool:
         """Whether the order must be recomputed every ``job_sample_s`` although nothing was reported: a policy

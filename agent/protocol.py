@@ -82,7 +82,7 @@ def parse_flow(obj) -> FlowKey:
     if unknown:
         raise ProtocolError("bad_flow", f"unknown flow field {sorted(unknown)[0]!r}")
     proto = obj.get("proto", "tcp")
-    if proto not in PROTOCOLS:
+    if not isinstance(proto, str) or proto not in PROTOCOLS:
         raise ProtocolError("bad_flow", f"proto must be one of {sorted(PROTOCOLS)}, got {proto!r}")
     try:
         src = ipaddress.ip_address(obj.get("src"))
@@ -135,6 +135,8 @@ def parse_request(line: bytes | str) -> Request:
         msg = json.loads(line)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError("bad_json", f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("bad_json", "JSON nested too deeply") from None
     if not isinstance(msg, dict):
         raise ProtocolError("bad_request", "a request must be a JSON object")
     op = msg.get("op")

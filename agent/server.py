@@ -175,20 +175,20 @@ class Server:
                 self._release_held(time.monotonic())
             self._work()
             if jobs.epoch_due():  # a new rotation epoch: a new job order
-                self.api.reorder()
+                self._guarded("reordering the jobs", self.api.reorder)
             now = time.monotonic()
             if now >= next_sample:
                 if jobs.rerank_wanted():  # an order that moves with the clock (slowdown)
-                    self.api.reorder()
+                    self._guarded("reordering the jobs", self.api.reorder)
                 if jobs.samples_wanted():  # which jobs are sending (their parts), whether they saturate the link
-                    self.api.sample_sending(now)
+                    self._guarded("sampling the jobs", self.api.sample_sending, now)
                 next_sample = now + jobs.sample_s
             self._close_idle(now)
             if self.listen_again is not None and now >= self.listen_again:
                 self.listen_again = None
                 self.sel.register(self.listener, READ, ("listen", None))
             if now >= next_sweep:
-                self.api.sweep()
+                self._guarded("removing the flows of closed sockets", self.api.sweep)
                 self._watch_owners()
                 self._forget_users(now)
                 self.refusals.flush()
@@ -467,7 +467,7 @@ class Server:
             try:
                 fd = os.pidfd_open(pid)
             except ProcessLookupError:
-                self.api.drop_owner(pid)
+                self._guarded("removing an exited process's flows", self.api.drop_owner, pid)
                 continue
             self.watched[pid] = fd
             self.sel.register(fd, READ, ("pid", pid))
@@ -483,7 +483,18 @@ class Server:
     def _owner_exited(self, pid: int) -> None:
         """The owner ``pid`` exited: drop its flows."""
         self._unwatch(pid)
-        self.api.drop_owner(pid)
+        self._guarded("removing an exited process's flows", self.api.drop_owner, pid)
+
+    def _guarded(self, what: str, fn, *args) -> None:
+        """Run the loop's own work ``fn(*args)``; an unexpected error is counted as a reconcile error and logged
+        (bounded), and the agent goes on serving: the next full reconcile pass brings the kernel to the table."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the agent must stay up and keep the flows it holds
+            stats = self.api.rec.stats
+            stats.errors += 1
+            stats.last_error = f"{what}: {type(exc).__name__}: {exc}"
+            self.refusals.note(f"loop {what}", logging.ERROR, "%s failed: %s: %s", what, type(exc).__name__, exc)
 
     def close(self) -> None:
         """Close every connection and the listener, remove the socket file, flush the refusal log."""

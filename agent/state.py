@@ -45,6 +45,8 @@ class FlowTable:
         self.by_pid: dict[int, set[FlowKey]] = {}
         self.by_job: dict[str, set[FlowKey]] = {}
         self.runs: dict[str, dict[str, int]] = {}  # job -> run -> flows (flows registered with a run only)
+        self.of_user: dict[int | None, dict[str, int]] = {}  # uid -> job -> its flows (per-user limits)
+        self.floors: dict[str, dict[int, int]] = {}  # job -> floor -> its flows (the job's tier: agent/jobs.py)
         self.level_of = level_of  # entry -> effective level (a job policy replaces it: agent/jobs.py)
 
     def effective_level(self, key: FlowKey) -> int:
@@ -79,6 +81,10 @@ class FlowTable:
             self._forget_owner(key)
             self.flows[key] = FlowEntry(job, level, rank, pid, uid, now, floor, run)
             self.by_job.setdefault(job, set()).add(key)
+            mine = self.of_user.setdefault(uid, {})
+            mine[job] = mine.get(job, 0) + 1
+            tiers = self.floors.setdefault(job, {})
+            tiers[floor] = tiers.get(floor, 0) + 1
             if run is not None:
                 runs = self.runs.setdefault(job, {})
                 runs[run] = runs.get(run, 0) + 1
@@ -96,6 +102,13 @@ class FlowTable:
             keys.discard(key)
             if not keys:
                 del self.by_job[old.job]
+        for index, outer, inner in ((self.of_user, old.uid, old.job), (self.floors, old.job, old.floor)):
+            counts = index[outer]
+            counts[inner] -= 1
+            if not counts[inner]:
+                del counts[inner]
+                if not counts:
+                    del index[outer]
         if old.run is not None:
             runs = self.runs[old.job]
             runs[old.run] -= 1
@@ -109,6 +122,18 @@ class FlowTable:
                 keys.discard(key)
                 if not keys:
                     del self.by_pid[old.pid]
+
+    def job_floor(self, job: str) -> int:
+        """The most urgent level any of ``job``'s registering users may use (its tier under a job policy)."""
+        return min(self.floors[job])
+
+    def user_flows(self, uid: int | None) -> int:
+        """How many flows user ``uid`` registered."""
+        return sum(self.of_user.get(uid, {}).values())
+
+    def user_jobs(self, uid: int | None) -> set[str]:
+        """The jobs in which user ``uid`` registered flows."""
+        return set(self.of_user.get(uid, ()))
 
     def drop_pid(self, pid: int) -> list[FlowKey]:
         """Remove every flow owned by process ``pid`` (it exited); return them."""

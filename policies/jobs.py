@@ -207,7 +207,8 @@ def measured_intensity_rank(compute_s: float, step_bytes: int) -> float:
         raise ValueError("compute_s and step_bytes must be non-negative and finite")
     if compute_s == 0 or step_bytes == 0:
         return math.inf
-    return -float(math.floor(math.log(compute_s / step_bytes) / math.log(INTENSITY_STEP)))
+    # the logarithms apart: the quotient of a tiny time and a huge byte count underflows to 0
+    return -float(math.floor((math.log(compute_s) - math.log(step_bytes)) / math.log(INTENSITY_STEP)))
 
 
 def slowdown_rank(now_s: float, window_start: float, window_steps: int, compute_s: float, tail_bytes: int,
@@ -256,6 +257,34 @@ def job_bands(order: Sequence[str], levels: int, ranks: Sequence[float] | None =
     n = max(group) + 1
     return {job: (g * levels // n, (g + 1) * levels // n - g * levels // n)
             for job, g in zip(order, group, strict=True)}
+
+
+def tiered_bands(order: Sequence[str], levels: int, ranks: Sequence[float] | None = None,
+                 floors: Mapping[str, int] | None = None) -> dict[str, tuple[int, int]]:
+    """:func:`job_bands` per tier of users: a job's floor (``floors``, default 0) is the most urgent level its users
+    may ask for (``level_limits``), and the jobs of one floor ``f`` tile the levels ``[f, levels)`` among themselves,
+    in the policy's order. So the bands of one tier do not depend on the jobs of any other: a user limited to less
+    urgent levels cannot push a more privileged user's job down, or narrow its band, by starting jobs; its jobs
+    share the levels it may use anyway with the lower levels of the privileged jobs' bands.
+
+    Usage: ``tiered_bands(("a", "b", "c"), 4, floors={"b": 2, "c": 2}) == {"a": (0, 4), "b": (2, 1), "c": (3, 1)}``
+    """
+    order = tuple(order)
+    ranks = tuple(range(len(order))) if ranks is None else tuple(ranks)
+    if len(ranks) != len(order):
+        raise ValueError("order and ranks differ in length")
+    floors = floors or {}
+    tiers = sorted({floors.get(j, 0) for j in order})
+    if tiers in ([], [0]):
+        return job_bands(order, levels, ranks)
+    out: dict[str, tuple[int, int]] = {}
+    for f in tiers:
+        if not isinstance(f, int) or not 0 <= f < levels:
+            raise ValueError(f"floor {f!r} outside 0..{levels - 1}")
+        mine = [(j, r) for j, r in zip(order, ranks, strict=True) if floors.get(j, 0) == f]
+        bands = job_bands([j for j, _ in mine], levels - f, [r for _, r in mine])
+        out.update({j: (first + f, width) for j, (first, width) in bands.items()})
+    return out
 
 
 def banded_level(band: tuple[int, int], requested: int, levels: int, floor: int = 0) -> int:
@@ -313,7 +342,11 @@ def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float,
     room = budget - sum(parts.values())  # what the idle bands' parts may hold together
     idle_total = sum(v for band, v in idle.items() if band not in parts)
     idle_scale = min(1.0, max(0.0, room) / idle_total) if idle_total else 1.0
-    return {band[0]: min(job_share, parts[band] if band in parts else idle[band] * idle_scale) for band in members}
+    out: dict[int, float] = {}  # bands of two tiers (tiered_bands) can begin at one level: their parts add up
+    for band in members:
+        part = parts[band] if band in parts else idle[band] * idle_scale
+        out[band[0]] = min(job_share, out.get(band[0], 0.0) + part)
+    return out
 
 
 def link_saturated(busy: Sequence[bool], was: bool, window: int) -> bool:

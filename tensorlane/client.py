@@ -22,7 +22,7 @@ OPS = ("register", "unregister", "list", "status", "hello", "report")
 MAX_REPORT_LEVELS = 16
 MAX_COMPUTE_S = 86400.0  # a report's compute seconds per training step: at most a day
 MAX_WINDOW_STEPS = 1024  # a report's steps in its window (job_policy "slowdown")
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}$")
+JOB_ID_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}\Z")  # \Z: "$" would take a trailing newline
 JOB_ID_RULE = "1-64 characters of letters, digits, '_.:-', starting with a letter or digit"
 
 

@@ -196,14 +196,21 @@ def test_rotation_moves_every_changed_flow_at_an_epoch_boundary(policy):
 
 
 def test_the_user_level_limit_bounds_the_effective_level():
-    """nobody may use level 2 or less urgent; its job is first (band 0-1), but its flow stays at level 2."""
-    api, rec = make_api(job_policy="static", job_priority={"mine": 0}, level_limits={"*": 2},
+    """nobody may use level 2 or less urgent: its jobs get bands of levels 2-3 only, among themselves, whatever the
+    order says, so root's job keeps the band it has alone (levels 0-3); and adding jobs of nobody's moves none of
+    root's flows (before tiers, nobody's job first in the order pushed root's to level 2)."""
+    api, rec = make_api(job_policy="static", job_priority={"mine": 0, "mine2": 1}, level_limits={"*": 2},
                         check_ownership=False)
     nobody = Peer(os.getpid(), 65534, 65534)
     request(api, peer=nobody, op="register", job="mine", level=2, flows=[flow(1)])
     request(api, op="register", job="other", level=0, flows=[flow(2)])
-    assert rec.kernel == {key(1): 2, key(2): 2}
-    assert listed(api)[1] == ("mine", 2, 2)
+    request(api, op="register", job="other", level=3, flows=[flow(3)])
+    assert rec.kernel == {key(1): 3, key(2): 0, key(3): 3}  # mine: band 2-3 alone; other: 0-3
+    assert listed(api)[1] == ("mine", 3, 2)
+    request(api, peer=nobody, op="register", job="mine2", level=2, flows=[flow(4)])
+    assert rec.kernel == {key(1): 2, key(2): 0, key(3): 3, key(4): 3}  # nobody's two jobs share 2-3; root's stay
+    bands = request(api, op="status")["job_policy"]["bands"]
+    assert bands["other"] == {"first_level": 0, "levels": 4} and bands["mine"] == {"first_level": 2, "levels": 1}
 
 
 def test_intensity_policy_orders_by_configured_intensity():
@@ -717,3 +724,110 @@ def test_agent_refuses_bad_job_config_before_the_kernel(tb, extra, field, tmp_pa
             pass
     assert h1.run(["tc", "qdisc", "show", "dev", "eth0"]).stdout == before
     assert "tensorlane" not in h1.run(["nft", "list", "tables"]).stdout
+
+
+def test_a_report_that_underflows_the_intensity_is_ranked_and_the_agent_keeps_serving():
+    """``measured_intensity``: a tiny compute time over a huge byte count once made ``log(0)`` in the ranking, and
+    every later request of anyone answered ``internal`` (and an owner's exit killed the agent). Ranked now, and
+    the agent goes on serving; every report stays within what a user may do with their own job."""
+    api, rec = make_api(job_policy="measured_intensity", check_ownership=False)
+    alice = Peer(pid=1, uid=1000, gid=1000)
+    request(api, alice, op="register", job="odd", level=0, flows=[flow(1)])
+    request(api, op="register", job="prod", level=0, flows=[flow(2)])
+    levels = [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.1}]
+    for compute_s, step_bytes in ((1e-310, 10**18), (5e-324, 2**63 - 1), (86400.0, 1)):
+        r = request(api, alice, op="report", job="odd", session="s1", levels=levels, step_bytes=step_bytes,
+                    compute_s=compute_s)
+        assert r["compute_s"] == "taken"
+    request(api, op="register", job="later", level=1, flows=[flow(3)])  # the agent still registers flows
+    assert request(api, op="unregister", job="later")["removed"] == 1
+    assert request(api, alice, op="unregister", job="odd")["removed"] == 1 and set(rec.kernel) == {key(2)}
+
+
+def test_a_user_cannot_join_another_users_job_id():
+    """A job id in use by one user's flows on this host is refused to another user (``forbidden``): otherwise the
+    second could report the job's inputs (reorder it) or hold a flow under its id. Root and trusted users may join;
+    a free id, or one whose flows are all the user's own, is taken as before. A user's reports for a job that is not
+    all theirs feed neither the order nor the metrics."""
+    api, rec = make_api(job_policy="shortest", check_ownership=False, trusted_users=["ops"])
+    alice, bob = Peer(pid=1, uid=1000, gid=1000), Peer(pid=2, uid=1001, gid=1001)
+    request(api, alice, op="register", job="prod", level=0, flows=[flow(1)])
+    request(api, alice, op="register", job="prod", level=1, flows=[flow(2)])  # the same user: as before
+    reply = json.loads(api.handle(json.dumps({"op": "register", "job": "prod", "level": 0,
+                                              "flows": [flow(3)]}).encode(), bob))
+    assert reply["error"]["code"] == "forbidden" and "in use by another user" in reply["error"]["message"]
+    assert set(rec.kernel) == {key(1), key(2)}  # nothing changed
+    levels = [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.1}]
+    r = request(api, bob, op="report", job="prod", session="s-bob", levels=levels, step_bytes=1)
+    assert r["counted_as"] is None and r["step_bytes"].startswith("ignored")
+    r = request(api, bob, op="report", job="nothing-here", session="s-bob", levels=levels)
+    assert r["counted_as"] is None  # no series for a job with no flows of bob's
+    assert "nothing-here" not in api.reports.snapshot()
+    request(api, op="register", job="prod", level=0, flows=[flow(4)])  # root may
+    r = request(api, alice, op="report", job="prod", session="s-alice", levels=levels, step_bytes=5)
+    assert r["step_bytes"].startswith("ignored") and r["counted_as"] is None  # prod is no longer alice's alone
+    assert request(api, op="report", job="prod", session="s-root", levels=levels, step_bytes=5)["step_bytes"] == "taken"
+
+
+def test_bad_flow_types_and_deep_json_are_clear_errors():
+    api, _rec = make_api()
+    for line, code in ((json.dumps({"op": "register", "job": "j", "level": 0, "flows": [dict(flow(1), proto=[])]}),
+                        "bad_flow"),
+                       (json.dumps({"op": "register", "job": "j", "level": 0, "flows": [dict(flow(1), proto={})]}),
+                        "bad_flow"),
+                       ("[" * 100_000 + "]" * 100_000, "bad_json"),
+                       (json.dumps({"op": "register", "job": "j" * 63 + "\n", "level": 0, "flows": [flow(1)]}),
+                        "bad_job")):
+        reply = json.loads(api.handle(line.encode()[:65_000] if line.startswith("[") else line.encode()))
+        assert not reply["ok"] and reply["error"]["code"] == code, (line[:80], reply)
+    assert api.table.flows == {}
+
+
+def test_a_user_holds_at_most_its_flows_and_jobs():
+    """``max_flows_per_user`` and ``max_jobs_per_user`` bound a user that is neither root nor trusted (``limit``,
+    nothing changed); re-registering flows it holds is no new flow; root and trusted users are not bounded."""
+    api, rec = make_api(job_policy="static", check_ownership=False, max_flows_per_user=4, max_jobs_per_user=2,
+                        trusted_users=["ops"])
+    alice = Peer(pid=1, uid=1000, gid=1000)
+    request(api, alice, op="register", job="a", level=0, flows=[flow(1), flow(2)])
+    request(api, alice, op="register", job="b", level=0, flows=[flow(3)])
+    for job, ports, what in (("c", [4], "max_jobs_per_user = 2"), ("a", [5, 6], "max_flows_per_user = 4")):
+        reply = json.loads(api.handle(json.dumps({"op": "register", "job": job, "level": 0,
+                                                  "flows": [flow(p) for p in ports]}).encode(), alice))
+        assert reply["error"]["code"] == "limit" and what in reply["error"]["message"], reply
+    assert set(rec.kernel) == {key(1), key(2), key(3)}
+    request(api, alice, op="register", job="a", level=1, flows=[flow(1)])  # held already: moved, not new
+    request(api, alice, op="unregister", job="b")
+    request(api, alice, op="register", job="c", level=0, flows=[flow(4)])  # a job freed: room again
+    for port in range(10, 20):
+        request(api, op="register", job=f"root{port}", level=0, flows=[flow(port)])
+    assert api.table.user_flows(1000) == 3 and api.table.user_jobs(1000) == {"a", "c"}
+
+
+def test_config_values_that_would_fail_after_the_takeover_are_config_errors():
+    from tensorlane.agent.daemon import check_socket_group
+
+    with pytest.raises(ConfigError, match="socket_group"):
+        check_socket_group(from_dict({"interface": "eth0", "socket_group": "no-such-group-tl"}))
+    check_socket_group(from_dict({"interface": "eth0", "socket_group": "root"}))
+    for bad in ("127.0.0.1:99999", "127.0.0.1:0", "127.0.0.1:9477\n"):
+        with pytest.raises(ConfigError, match="metrics_address"):
+            from_dict({"interface": "eth0", "metrics_address": bad})
+
+
+def test_the_servers_own_work_failing_is_counted_and_the_loop_goes_on():
+    """The server loop's own work (reordering, sampling, dropping an exited owner's flows) that raises is counted as
+    a reconcile error and logged (bounded), and does not end the agent: before, one such error left the serve loop,
+    and the agent restored the interfaces and exited with every flow lost."""
+    import types
+
+    from tensorlane.agent.server import Server
+
+    api, rec = make_api()
+    fake = types.SimpleNamespace(api=api, refusals=api.refusal_log)
+
+    def boom(*_args):
+        raise RuntimeError("no")
+    Server._guarded(fake, "reordering the jobs", boom)
+    Server._guarded(fake, "removing an exited process's flows", boom, 42)
+    assert rec.stats.errors == 2 and rec.stats.last_error == "removing an exited process's flows: RuntimeError: no"

@@ -25,6 +25,7 @@ from tensorlane.policies.jobs import (
     rotation_epoch,
     rotation_key,
     slowdown_rank,
+    tiered_bands,
 )
 from tensorlane.policies.papers.crux import gpu_intensity, gpu_intensity_order, job_levels
 from tensorlane.policies.papers.tensorlights import rotate_job_order, static_job_order
@@ -448,3 +449,34 @@ def test_agents_agree_on_shared_jobs_by_slowdown(seen1, seen2, levels, data) -> 
                             enumerate(("tail_bytes", "compute_s", "window_start", "window_steps"))})
 
     assert_shared_pairs_agree(set(seen1) & set(seen2), levels, order(seen1), order(seen2))
+
+
+def test_tiered_bands_by_hand() -> None:
+    """Jobs of users limited to level f tile [f, levels) among themselves; the other tiers' bands are unchanged."""
+    assert tiered_bands(("a", "b", "c"), 4, floors={"b": 2, "c": 2}) == {"a": (0, 4), "b": (2, 1), "c": (3, 1)}
+    assert tiered_bands(("a", "b"), 4) == job_bands(("a", "b"), 4) == tiered_bands(("a", "b"), 4, floors={})
+    assert tiered_bands(("x", "a"), 4, floors={"x": 3}) == {"x": (3, 1), "a": (0, 4)}
+    assert tiered_bands(("x", "y"), 4, ranks=(0, 0), floors={"x": 1, "y": 1}) == {"x": (1, 3), "y": (1, 3)}
+    with pytest.raises(ValueError):
+        tiered_bands(("x",), 4, floors={"x": 4})
+    # parts of bands that begin at one level (two tiers) add up
+    assert job_shares({"r": (2, 2), "a": (2, 1), "b": (3, 1), "q": (0, 2)}, 0.8) == {0: 0.2, 2: 0.4, 3: 0.2}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text("abcdefgh", min_size=1, max_size=3), min_size=1, max_size=6, unique=True),
+       st.lists(st.text("stuvwxyz", min_size=1, max_size=3), min_size=0, max_size=10, unique=True),
+       st.integers(1, 3), st.randoms())
+def test_a_limited_users_jobs_never_move_a_more_privileged_job(mine, theirs, floor, rnd) -> None:
+    """Whatever the order and however many jobs a user limited to ``floor`` adds, the bands of the jobs of users
+    who may use level 0 are what they are without them (a user cannot push another's job down by starting jobs)."""
+    levels = 4
+    order = mine + theirs
+    rnd.shuffle(order)
+    ranks = sorted(rnd.randint(0, 3) for _ in order)
+    floors = dict.fromkeys(theirs, floor)
+    alone = [j for j in order if j in mine]
+    with_them = tiered_bands(order, levels, ranks, floors)
+    without = tiered_bands(alone, levels, [r for j, r in zip(order, ranks, strict=True) if j in mine])
+    assert {j: with_them[j] for j in mine} == without
+    assert all(with_them[j][0] >= floor for j in theirs)
