@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import gc
 import logging
 import os
@@ -443,12 +444,12 @@ def _decide(state: ShimState) -> None:
     pr = d.probe
     held = {id(p) for g in d.optimizer.param_groups for p in g["params"]}
     flags = torch.tensor([0.0 if pr.stepped else 1.0, float(pr.grads_changed), float(pr.closure),
-                          float(pr.sparse), float(bool(d.bucketed - held)), float(ov.step_hooks(d.optimizer) > 0)],
-                         dtype=torch.float64)
+                          float(pr.sparse), float(bool(d.bucketed - held)), float(ov.step_hooks(d.optimizer) > 0),
+                          float(pr.compiled)], dtype=torch.float64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=state.groups[0])
-    not_stepped, changed, closure, sparse, unoptimized, hooks = (v > 0 for v in flags.tolist())
+    not_stepped, changed, closure, sparse, unoptimized, hooks, compiled = (v > 0 for v in flags.tolist())
     reasons = ((ov.GRADS_CHANGED, changed), (ov.CLOSURE, closure), (ov.SPARSE, sparse),
-               (ov.UNOPTIMIZED, unoptimized), (ov.STEP_HOOKS, hooks))
+               (ov.UNOPTIMIZED, unoptimized), (ov.STEP_HOOKS, hooks), (ov.COMPILED, compiled))
     if any(f for _r, f in reasons):
         state.fallback("; ".join(r for r, f in reasons if f))
     elif not not_stepped:
@@ -541,8 +542,11 @@ def _apply(state: ShimState, param) -> bool:
     try:
         d.step_subset([p for p, _o, _n in ready], pend.hparams)
     finally:
-        for (p, _o, _n), g in zip(ready, saved, strict=True):
-            p.grad = g  # what DDP left (this rank's gradient, or None after zero_grad): it accumulates as there
+        for (p, o, n), g in zip(ready, saved, strict=True):
+            was, version = pend.grads.get(id(p), (None, None))
+            if g is not None and was is g and g._version == version:  # not zeroed since step(): under DDP it
+                g.copy_(pend.buffer.narrow(0, o, n).view_as(g))  # holds the average, and the next backward adds
+            p.grad = g  # (or None after zero_grad, or zeros): it accumulates as there
     return True
 
 
@@ -590,6 +594,7 @@ class Handle:
         d.orig_step = opt.step
         self._own_step = opt.__dict__.get("step")  # an LR scheduler made before attach put its wrapper there
 
+        @functools.wraps(d.orig_step)  # the signature (frameworks inspect it), not the behaviour
         def step(closure=None):
             opt._opt_called = True  # what an LR scheduler's own wrapper records (it then does not warn)
             return self._user_step(closure)
@@ -599,6 +604,7 @@ class Handle:
         self._own_zero_grad = opt.__dict__.get("zero_grad")
         zero_grad_of = opt.zero_grad
 
+        @functools.wraps(zero_grad_of)  # Accelerate reads its signature (set_to_none)
         def zero_grad(*args, **kwargs):  # touches .grad only: the guard need not see each of its operations
             with d.guard.paused():
                 return zero_grad_of(*args, **kwargs)

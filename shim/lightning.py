@@ -25,13 +25,22 @@ from tensorlane.shim.ddp import priority_hook
 
 class CommHook(Callback):
     """Registers ``hook`` (default ``shim.priority_hook``) with ``state`` on Lightning's DDP model unless Lightning
-    registered it itself (CUDA); ``registered_here`` says which. Closes ``state`` when fitting ends."""
+    registered it itself (CUDA, ``DDPStrategy(ddp_comm_hook=...)``); ``registered_here`` says which. Another comm
+    hook already on the model is an error (DDP takes one). Call ``state.close()`` once training is over."""
 
     def __init__(self, state, hook=priority_hook):
         self.state, self.hook = state, hook
         self.registered_here = False
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if trainer.strategy.root_device.type != "cuda":
-            trainer.strategy.model.register_comm_hook(self.state, self.hook)
-            self.registered_here = True
+        model = trainer.strategy.model
+        hooks = list(getattr(model, "_comm_hooks", ()))  # DDP's registered (hook, state) pairs
+        if any(state is self.state for _hook, state in hooks):
+            return  # Lightning registered it (on CUDA it passes ddp_comm_hook on)
+        if hooks:
+            name = getattr(hooks[0][0], "__name__", hooks[0][0])
+            raise RuntimeError(f"tensorlane: the DDP model already has another communication hook ({name}); DDP "
+                               "takes one, so the shim's cannot be added. Remove that hook, or give the shim's to "
+                               "DDPStrategy(ddp_comm_hook=...)")
+        model.register_comm_hook(self.state, self.hook)  # Lightning dropped it (CPU) or was not given it
+        self.registered_here = True

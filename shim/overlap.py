@@ -74,8 +74,11 @@ PER_PARAMETER_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in (
     "SparseAdam", "Adafactor") if hasattr(torch.optim, name))
 
 GRADS_CHANGED = ("gradients were changed between backward() and optimizer.step() (gradient clipping, "
-                 "GradScaler's unscale_/step, or code writing .grad): under DDP that acts on the averaged "
-                 "gradient, which overlap mode only has later")
+                 "GradScaler's unscale_/step, code writing .grad, or a backward() that DDP does not synchronize, "
+                 "such as a second one on the same forward with retain_graph=True): under DDP that acts on the "
+                 "averaged gradient, which overlap mode only has later")
+COMPILED = ("the optimizer's step runs under torch.compile: overlap mode takes it later, in parts, outside the "
+            "compiled code, and compiled and eager steps round differently")
 JOIN = ("DDP's join() (uneven inputs): a rank that has joined runs DDP's all-reduces outside backward, and at the "
         "end DDP broadcasts the last joiner's parameters, whose last step overlap mode has not taken yet")
 SPARSE = ("the model has sparse gradients (an embedding with sparse=True): overlap mode defers the step on dense "
@@ -138,6 +141,7 @@ class Pending:
     versions: dict = field(default_factory=dict)  # id(param) -> param._version when stamped
     skip: set = field(default_factory=set)  # id(param) with no .grad at step(): the optimizer skips them
     created: dict = field(default_factory=dict)  # id(param) -> param._version when the bucket was launched
+    grads: dict = field(default_factory=dict)  # id(param) -> (its .grad, that tensor's version) when stamped
 
 
 @dataclass
@@ -149,6 +153,7 @@ class Probe:
     grads_changed: bool = False
     closure: bool = False
     sparse: bool = False  # a bucket of sparse gradients (an embedding with sparse=True)
+    compiled: bool = False  # step() ran under torch.compile, or the optimizer's step is a compiled function
     ran: set = field(default_factory=set)  # id(module) of modules whose forward ran since the last backward
 
 
@@ -188,6 +193,10 @@ class Deferred:
             raise RuntimeError(f"tensorlane overlap mode: {CLOSURE}. Use hook mode (shim.attach without "
                                "optimizer) for this loop.")
         self.check_step_hooks()
+        if compiled_step(self.orig_step):
+            raise RuntimeError(f"tensorlane overlap mode: {COMPILED}. It was compiled after overlap mode had "
+                               "started; this update has not been applied. Compile it before the first iteration "
+                               "(overlap mode then falls back to hook mode), or attach without the optimizer.")
         changed = changed_grads(self.marks)
         if changed or called_by_grad_scaler():
             shape = tuple(changed[0].shape) if changed else "any"
@@ -206,6 +215,7 @@ class Deferred:
             pend.hparams = hp
             pend.versions = {id(p): p._version for p, *_ in pend.params}
             pend.skip = {id(p) for p, *_ in pend.params if p.grad is None}  # DDP left no gradient (unused)
+            pend.grads = {id(p): (p.grad, p.grad._version) for p, *_ in pend.params if p.grad is not None}
         self.unstamped = []
         self.marks = []
         self.steps += 1
@@ -275,6 +285,7 @@ class Deferred:
         """``optimizer.step()`` while probing: note what this iteration did (the real step follows)."""
         self.probe.stepped = self.probe.backwards > 0 or self.probe.stepped
         self.probe.closure |= closure is not None
+        self.probe.compiled |= compiled_step(self.orig_step)
         self.probe.grads_changed |= (bool(changed_grads(self.marks)) or called_by_grad_scaler()
                                      or _norms([g for _p, g, _v in self.marks]) != self.norms)
         self.marks = []
@@ -292,6 +303,12 @@ class Deferred:
                     self.early.add(id(p))
         self.probe.ran = set()
         self.got_grad.clear()  # in place: the gradient hooks hold this set
+
+
+def compiled_step(step) -> bool:
+    """Whether ``optimizer.step()`` is being traced by torch.compile now (a compiled training step that calls it),
+    or the step itself is a compiled function (``opt.step = torch.compile(opt.step)``)."""
+    return torch.compiler.is_compiling() or hasattr(step, "_torchdynamo_orig_callable")
 
 
 def step_hooks(optimizer) -> int:

@@ -794,6 +794,26 @@ def _optimizer_state_reset(ctx: Ctx):
     plain_loop(ctx, model, opt, after_step=after)
 
 
+@idiom("no_zero_grad")
+def _no_zero_grad(ctx: Ctx):
+    """Gradients never zeroed: each backward adds to what the last left, which under DDP is the average."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, zero_grad_after=False)
+
+
+@idiom("compiled_optimizer_step")
+def _compiled_optimizer_step(ctx: Ctx):
+    """The optimizer's step compiled (``opt.step = torch.compile(opt.step)``, before attach; backend eager): its
+    rounding differs from eager steps of parts, so overlap mode falls back to hook mode."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    opt.step = torch.compile(opt.step, backend="eager")
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

@@ -47,7 +47,7 @@ BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 # Expected handle.stats()["mode"] of the overlap cells (the exact overlap design): gradients changed between
 # backward() and step(), or step(closure), fall back to hook mode with a reason; everything else overlaps.
 FALLS_BACK_TO_HOOK = ("clip_grad_norm", "clip_grad_value", "grad_scaler", "join_uneven", "lbfgs",
-                      "sparse_embedding", "two_optimizers", "step_hooks")
+                      "sparse_embedding", "two_optimizers", "step_hooks", "compiled_optimizer_step")
 # Idioms whose parameters DDP leaves per rank on purpose (parameters it ignores, a layer it never all-reduced):
 # every mode must end equal to DDP rank by rank, but the ranks differ from each other
 PER_RANK = ("ddp_ignored", "unfreeze_add_group")

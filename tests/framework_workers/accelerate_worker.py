@@ -10,7 +10,8 @@ requested):
 - ``clip``:  the same with ``accelerator.clip_grad_norm_`` between backward and step (the shim must fall back
   to hook mode: clipping acts on the averaged gradient);
 - ``accum``: ``gradient_accumulation_steps=2`` and ``with accelerator.accumulate(model)`` (no_sync on every
-  other micro-batch; the optimizer steps only on synchronized ones).
+  other micro-batch; the optimizer steps only on synchronized ones), and ``opt.zero_grad(set_to_none=True)``
+  (Accelerate reads the signature of the optimizer's ``zero_grad``, which the shim wraps).
 
     python tests/framework_workers/accelerate_worker.py --out DIR --variants basic,clip,accum --levels 3 \
         --agent-socket /run/tensorlane/fwa-h1/agent.sock --job fw-acc
@@ -62,7 +63,10 @@ def train(kind: str, with_shim: bool, args) -> tuple[dict, dict]:
                 norm = accelerator.clip_grad_norm_(model.parameters(), max_norm=0.05)
                 record["grad_norms"].append(float(norm))
             opt.step()
-            opt.zero_grad()
+            if kind == "accum":
+                opt.zero_grad(set_to_none=True)
+            else:
+                opt.zero_grad()
             steps += accelerator.sync_gradients
             micro += 1
     record.update(steps=steps, micro_batches=micro)
