@@ -8,6 +8,7 @@ Usage: ``sys.exit(run(load_config(path)))``
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import grp
 import json
@@ -57,23 +58,62 @@ def state_path(cfg: Config, device: str) -> Path:
 
 
 def _load_state(cfg: Config, device: str) -> dict | None:
-    """The state a previous agent left for ``device`` (None: none); a corrupt file stops the start."""
+    """The state a previous agent left for ``device`` (None: none); a corrupt file, or one that is not an agent's
+    state, stops the start (nothing changed)."""
     path = state_path(cfg, device)
     try:
-        return json.loads(path.read_text())
+        state = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except ValueError as exc:
-        raise StartupError(f"state file {path} is corrupt ({exc}); inspect it and remove it") from None
+    except (ValueError, OSError) as exc:
+        raise StartupError(f"state file {path} is corrupt or unreadable ({exc}); inspect it and remove it") from None
+    try:
+        if not isinstance(state, dict) or not isinstance(state.get("ifindex"), int):
+            raise ValueError("no ifindex")
+        snapshot.Snapshot.from_json(state["snapshot"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise StartupError(f"state file {path} is not a tensorlane agent's state ({type(exc).__name__}: {exc}); "
+                           "inspect it and remove it") from None
+    return state
 
 
 def _save_state(cfg: Config, device: str, state: dict) -> None:
-    """Write the state file atomically (a temporary file, then a rename)."""
+    """Write the state file atomically (a temporary file, then a rename); a failure leaves no temporary file."""
     path = state_path(cfg, device)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def lock_state_dir(cfg: Config) -> int:
+    """Hold a lock on ``state_dir`` (the directory itself: nothing is left behind) for this agent's life (the
+    returned descriptor): a second agent with the same ``state_dir`` (the same config run by hand beside the
+    service) would adopt the running agent's trees, take its socket and fight its reconciler over every flow.
+    Nothing changed on failure."""
+    import fcntl
+
+    try:
+        os.makedirs(cfg.state_dir, exist_ok=True)
+        fd = os.open(cfg.state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise StartupError(f"state_dir {cfg.state_dir} is not usable: {exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        pids = set()
+        for path in Path(cfg.state_dir).glob("agent-*.json"):
+            with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):
+                pids.add(str(int(json.loads(path.read_text())["pid"])))
+        raise StartupError(f"another tensorlane agent (pid {', '.join(sorted(pids)) or 'unknown'}) runs with "
+                           f"state_dir {cfg.state_dir}; stop it first (two agents would fight over the same "
+                           "devices)") from None
+    return fd
 
 
 def _choose_kind(cfg: Config) -> str:
@@ -98,10 +138,16 @@ def _prepare_device(cfg: Config, ipr: IPRoute, link: links.Link, serves: str, ki
         log.warning("adopting the tree left by a previous agent on %s; keeping its record of the original",
                     link.name)
         return Takeover(link, serves, backend, snapshot.Snapshot.from_json(previous["snapshot"]), True)
+    snap = snapshot.capture(ipr, link.name, link.index)
+    if previous and previous.get("ifindex") == link.index and snap.root_is_default:
+        # our tree is gone and nothing replaced it: the previous agent died while restoring (after deleting its
+        # root, before re-creating the original), or someone removed its root. The record is the original still
+        log.warning("state file %s records %s's original tree, and the device has no root qdisc of its own now: "
+                    "keeping that record, to restore on exit", state_path(cfg, link.name), link.name)
+        return Takeover(link, serves, backend, snapshot.Snapshot.from_json(previous["snapshot"]), False)
     if previous:
         log.warning("state file %s describes a tree that is gone; recording the interface afresh",
                     state_path(cfg, link.name))
-    snap = snapshot.capture(ipr, link.name, link.index)
     root = snap.root
     if backend.owns(ipr, link.index):
         raise StartupError(f"{link.name} has a tensorlane root qdisc but no state file in {cfg.state_dir}: "
@@ -111,6 +157,25 @@ def _prepare_device(cfg: Config, ipr: IPRoute, link: links.Link, serves: str, ki
                            "that tensorlane did not create; refusing to replace it (set take_over_root = true "
                            "to replace it and restore it on exit)")
     return Takeover(link, serves, backend, snap, False)
+
+
+def check_metrics_address(cfg: Config) -> None:
+    """``metrics_address`` must be free to listen on: checked before anything changes (the metrics server starts
+    after the take-over, where a port in use stopped the agent with a traceback)."""
+    if not cfg.metrics_address:
+        return
+    import socket
+
+    host, _, port = cfg.metrics_address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _name, addr = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(addr)
+    except OSError as exc:
+        raise ConfigError("metrics_address", f"cannot listen on {cfg.metrics_address}: {exc}") from None
 
 
 def check_socket_group(cfg: Config) -> None:
@@ -131,15 +196,19 @@ def prepare(cfg: Config, ipr: IPRoute) -> tuple[str, list[links.Egress], list[Ta
         raise ConfigError("interface" if len(cfg.interfaces) == 1 else "interfaces", str(exc)) from None
     kind = _choose_kind(cfg)
     check_socket_group(cfg)
+    check_metrics_address(cfg)
     return kind, egress, [_prepare_device(cfg, ipr, q, eg.name, kind) for eg in egress for q in eg.queues]
 
 
-def take_over(cfg: Config, ipr: IPRoute, t: Takeover) -> None:
-    """Record ``t``'s previous tree in its state file, then replace its root qdisc with the backend's tree."""
+def record(cfg: Config, t: Takeover) -> None:
+    """Record ``t``'s previous tree in its state file (before anything on the device changes)."""
     _save_state(cfg, t.link.name, {"ifindex": t.link.index, "interface": t.link.name, "serves": t.serves,
                                    "backend": t.backend.kind, "pid": os.getpid(), "snapshot": t.snap.to_json()})
-    if not t.snap.root_is_default and not t.adopted:
-        ipr.tc("del", index=t.link.index, parent=snapshot.TC_H_ROOT)
+
+
+def take_over(cfg: Config, ipr: IPRoute, t: Takeover) -> None:
+    """Replace ``t``'s root qdisc with the backend's tree (its previous tree is recorded: :func:`record`); the
+    backend replaces whatever root is there."""
     t.backend.apply(ipr, t.link.index)
 
 
@@ -148,7 +217,10 @@ def restore_device(cfg: Config, ipr: IPRoute, name: str, snap: snapshot.Snapshot
     warnings = snapshot.restore(snap, ipr)
     for w in warnings:
         log.warning("restore %s: %s", name, w)
-    state_path(cfg, name).unlink(missing_ok=True)
+    try:
+        state_path(cfg, name).unlink(missing_ok=True)
+    except OSError as exc:  # (state_dir read-only): the device is restored; the next agent finds our tree gone
+        log.warning("restore %s: cannot remove its state file: %s", name, exc)
     return warnings
 
 
@@ -223,6 +295,14 @@ def run(cfg: Config) -> int:
     Every device is checked before any is changed; devices are taken over one by one, and every device touched
     is restored on the way out, whatever stopped the agent.
     """
+    lock = lock_state_dir(cfg)
+    try:
+        return _run(cfg)
+    finally:
+        os.close(lock)
+
+
+def _run(cfg: Config) -> int:
     with IPRoute() as ipr:
         kind, egress, plan = prepare(cfg, ipr)
         table = FlowTable(cfg.levels, cfg.max_flows)
@@ -232,6 +312,11 @@ def run(cfg: Config) -> int:
         touched: list[Takeover] = []
         try:
             for t in plan:
+                try:
+                    record(cfg, t)  # a failure here changed nothing on this device: not restored
+                except OSError as exc:
+                    raise StartupError(f"cannot write the state file of {t.link.name} in {cfg.state_dir}: {exc}; "
+                                       "nothing was changed on it") from None
                 touched.append(t)
                 take_over(cfg, ipr, t)
             rec.install()
@@ -245,7 +330,13 @@ def run(cfg: Config) -> int:
             _serve(cfg, api, rec, table, Notifier(), _describe(egress))
         finally:
             rec.teardown()
+            restored = []
             for t in reversed(touched):
-                restore_device(cfg, ipr, t.link.name, t.snap)
-            log.info("restored %s", ", ".join(t.link.name for t in touched) or "nothing")
+                try:  # one device that cannot be restored does not keep the others taken over
+                    restore_device(cfg, ipr, t.link.name, t.snap)
+                    restored.append(t.link.name)
+                except Exception as exc:  # noqa: BLE001
+                    log.error("restoring %s failed: %s (its state file, if kept, lets the next agent finish)",
+                              t.link.name, exc)
+            log.info("restored %s", ", ".join(restored) or "nothing")
     return 0

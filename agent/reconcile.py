@@ -119,10 +119,27 @@ class Reconciler:
             self.reconcile(table)
 
     def reconcile(self, table: FlowTable) -> int:
-        """Full pass: qdisc trees in place, table present, map elements equal to ``table``. Returns repairs."""
+        """Full pass: qdisc trees in place, table present, map elements equal to ``table``. Returns repairs. Each
+        part is repaired on its own: a device whose tree cannot be (gone, or its root held by a qdisc that cannot be
+        replaced) keeps neither the other devices' trees nor the flows' marks from being repaired."""
         self.stats.passes += 1
+        failed = []
+        for dev in self.devices:
+            try:
+                dev.backend.apply(self.ipr, dev.index)
+            except Exception as exc:  # noqa: BLE001 - counted and reported below, the agent keeps running
+                failed.append(f"{dev.name}: {exc}")
+        repairs = self._reconcile_flows(table, failed)
+        if failed:
+            self.stats.errors += 1
+            self.stats.last_error = "; ".join(failed)
+            log.error("reconcile failed: %s", self.stats.last_error)
+        return repairs
+
+    def _reconcile_flows(self, table: FlowTable, failed: list[str]) -> int:
+        """The nftables part of a full pass (the table, its chains and the map's elements); a failure is added to
+        ``failed``."""
         try:
-            self._apply_trees()
             listing = nftables.list_table(self.nft)
             if listing is None or not self._table_complete(listing):
                 self.nft.run(self._table_commands())
@@ -140,9 +157,7 @@ class Reconciler:
                 log.info("reconcile: removed %d stale and added %d missing flow entries", len(stale), len(missing))
             return len(stale) + len(missing)
         except Exception as exc:  # noqa: BLE001 - counted and reported, the agent keeps running
-            self.stats.errors += 1
-            self.stats.last_error = str(exc)
-            log.error("reconcile failed: %s", exc)
+            failed.append(f"nftables: {exc}")
             return 0
 
     def _table_complete(self, listing: dict) -> bool:

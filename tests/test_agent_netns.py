@@ -305,3 +305,77 @@ def test_small_data_segments_keep_their_level(tb):
             after = {c["class"]: c["bytes"] for c in agent.status()["classes"]}
     top, own = (after[c] - before[c] for c in ("7a1:10", "7a1:12"))
     assert own >= 400 * (20 + 52) and top <= 1_000, (top, own)  # 20 B of data + 52 B of headers per write
+
+
+def test_a_second_agent_with_the_same_state_dir_is_refused(tb):
+    """The same config run a second time beside a running agent (by hand beside the service) is refused before it
+    changes anything: before, it adopted the running agent's tree, took its socket, and the two reconcilers deleted
+    each other's flows every pass."""
+    h1, h2 = tb.host(1), tb.host(2)
+    with running_agents(tb, hosts=[1], backend="htb", config_extra=TRUST) as agents:
+        with agents[1].client() as agent:
+            agent.register("job-l", 0, [flow(h1, 9601, h2, 9600)])
+        second = h1.run([sys.executable, "-m", "tensorlane.cli", "agent", "--config", agents[1].config_path],
+                        check=False, timeout=30)
+        assert second.returncode != 0 and "another tensorlane agent (pid" in second.stderr, second.stderr[-2000:]
+        st = agents[1].status()
+        elems = h1.run(["nft", "list", "map", "inet", "tensorlane", "flows4"]).stdout
+        assert st["flows"] == 1 and "9601" in elems and "qdisc htb 7a1: root" in tc_dump(h1)
+
+
+def test_a_root_put_on_the_device_behind_the_agent_is_replaced_by_its_tree(tb):
+    """Someone replaces the agent's root qdisc: the next pass puts the agent's tree back (before, every pass failed
+    on 'File exists', and the flows' marks were not repaired either), and the original is restored on exit."""
+    h1, h2 = tb.host(1), tb.host(2)
+    before = tc_dump(h1)
+    with running_agents(tb, hosts=[1], backend="htb", config_extra={"reconcile_interval_s": 0.3, **TRUST}) as agents:
+        with agents[1].client() as agent:
+            agent.register("job-r", 0, [flow(h1, 9611, h2, 9610)])
+            h1.run(["tc", "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "tbf", "rate", "10mbit", "burst",
+                    "32k", "latency", "50ms"])
+            h1.run(["nft", "flush", "map", "inet", "tensorlane", "flows4"])
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and ("qdisc htb 7a1: root" not in tc_dump(h1) or "9611" not in h1.run(
+                    ["nft", "list", "map", "inet", "tensorlane", "flows4"]).stdout):
+                time.sleep(0.1)
+            st = agent.status()
+        assert "qdisc htb 7a1: root" in tc_dump(h1) and "class htb 7a1:10" in tc_dump(h1)
+        assert "9611" in h1.run(["nft", "list", "map", "inet", "tensorlane", "flows4"]).stdout
+        assert st["reconcile"]["errors"] == 0, st["reconcile"]
+    assert tc_dump(h1) == before
+
+
+def test_an_agent_killed_while_restoring_leaves_a_record_the_next_one_keeps(tb, tmp_path):
+    """SIGKILL between deleting its root and re-creating the original (simulated: killed, then the root deleted):
+    the next agent keeps the state file's record of the original instead of recording the bare device, and
+    restores it on exit. Before, the original tree was lost."""
+    h1 = tb.host(1)
+    before = tc_dump(h1)
+    with pytest.raises(AgentStartError, match="exited with -9"):
+        with running_agents(tb, hosts=[1], backend="htb", workdir=str(tmp_path)) as agents:
+            agents[1].proc.kill()
+            agents[1].proc.wait(5)
+    h1.run(["tc", "qdisc", "del", "dev", "eth0", "root"])
+    assert "7a1:" not in tc_dump(h1) and "htb 1:" not in tc_dump(h1)
+    with running_agents(tb, hosts=[1], backend="htb") as agents:
+        assert agents[1].status()["flows"] == 0
+    assert tc_dump(h1) == before and "tensorlane" not in nft_tables(h1)
+
+
+@pytest.mark.parametrize("content", ['{"ifindex": 2}', '{"snapshot": {}}', '"x"', "{}", "null"])
+def test_a_state_file_that_is_not_an_agents_stops_the_start(tb, tmp_path, content):
+    h1 = tb.host(1)
+    before = tc_dump(h1)
+    from bench.agents import agent_config
+
+    path = f"{agent_config(tb, h1)['state_dir']}/agent-eth0.json"
+    h1.run(["mkdir", "-p", path.rsplit("/", 1)[0]])
+    with open(path, "w") as fh:
+        fh.write(content)
+    try:
+        with pytest.raises(AgentStartError, match="is not a tensorlane agent's state"):
+            with running_agents(tb, hosts=[1], backend="htb", workdir=str(tmp_path)):
+                pass
+    finally:
+        subprocess.run(["rm", "-f", path], check=False)
+    assert tc_dump(h1) == before and "tensorlane" not in nft_tables(h1)

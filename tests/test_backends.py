@@ -71,7 +71,7 @@ def test_prio_backend_requests():
     ipr, backend = RecordingIPRoute(), PrioBackend(levels=3)
     backend.apply(ipr, 7)
     root = ipr.calls[0]
-    assert root[:3] == ("add", "prio", 0x7A10000) and root[3] == {"bands": 4, "priomap": [3] * 16}
+    assert root[:3] == ("replace", "prio", 0x7A10000) and root[3] == {"bands": 4, "priomap": [3] * 16}
     leaves = [(c[1], c[3]["parent"]) for c in ipr.calls[1:]]
     assert leaves == [("pfifo", 0x7A10001), ("pfifo", 0x7A10002), ("pfifo", 0x7A10003), ("pfifo", 0x7A10004)]
     assert [fmt_handle(backend.classid(lvl)) for lvl in range(3)] == ["7a1:1", "7a1:2", "7a1:3"]

@@ -121,9 +121,9 @@ class HtbBackend:
     def apply(self, ipr, index: int) -> None:
         """Create the tree, or bring an existing one of ours to the desired parameters in place."""
         have = {q["handle"]: q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index=index)}
-        if have.get(self.root) != "htb":
-            ipr.tc("add", "htb", index=index, handle=self.root, default=self.default.classid & 0xFFFF,
-                   r2q=10)
+        if have.get(self.root) != "htb":  # none, or another root put there behind the agent's back: ours again
+            ipr.tc("replace", "htb", index=index, handle=self.root,
+                   default=self.default.classid & 0xFFFF, r2q=10)
         burst = self._burst(self.rate)
         rate = self.rate // 8  # pyroute2 takes integer rates in bytes/s
         ipr.tc("replace-class", "htb", index=index, handle=self.parent_class, parent=self.root,
@@ -204,7 +204,7 @@ class PrioBackend:
         bands = self.levels + 1
         # Unclassified traffic, whatever its TOS, goes to the default (last) band.
         opts = {"bands": bands, "priomap": [self.levels] * 16}
-        ipr.tc("replace" if have.get(self.root) == "prio" else "add", "prio", index=index, handle=self.root,
+        ipr.tc("replace", "prio", index=index, handle=self.root,  # (another root there: ours again)
                **opts)
         for spec in self.leaves():
             if have.get(spec.leaf_handle) != "pfifo":
