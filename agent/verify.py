@@ -25,6 +25,20 @@ def _key(pkt) -> FlowKey | None:
     return FlowKey(proto, str(ipaddress.ip_address(ip.src)), l4.sport, str(ipaddress.ip_address(ip.dst)), l4.dport)
 
 
+def _pure_ack(pkt) -> bool:
+    """A TCP segment the agent's ``ack_priority`` rule sends at the most urgent level: none of SYN, FIN, RST, PSH,
+    and an IP length under ``ACK_MAX_BYTES`` (agent/kernel/nft.py)."""
+    from scapy.layers.inet import IP, TCP
+    from scapy.layers.inet6 import IPv6
+
+    from tensorlane.agent.kernel.nft import ACK_MAX_BYTES
+
+    tcp = pkt.getlayer(TCP)
+    ip = pkt.getlayer(IP) or pkt.getlayer(IPv6)
+    return tcp is not None and ip is not None and not int(tcp.flags) & 0x0F and len(ip) < ACK_MAX_BYTES
+    # (0x0F: FIN, SYN, RST, PSH)
+
+
 def _dscp(pkt) -> int:
     from scapy.layers.inet import IP
 
@@ -46,14 +60,20 @@ def verify(socket_path: str, seconds: float, interface: str | None = None) -> di
         iface = interface or [i["name"] for i in before["interfaces"] if i["name"]]
         want = {FlowKey(f["proto"], f["src"], f["sport"], f["dst"], f["dport"]): f for f in flows}
         seen: dict[FlowKey, dict] = {}
+        urgent = min((c for c in before["classes"] if c.get("level") is not None), key=lambda c: c["level"],
+                      default=None)
+        ack_dscp = urgent.get("dscp") if before.get("ack_priority") and urgent else None
 
         def on_packet(pkt) -> None:
             key = _key(pkt)
             if key in want:
-                s = seen.setdefault(key, {"packets": 0, "bytes": 0, "dscp": {}})
+                s = seen.setdefault(key, {"packets": 0, "bytes": 0, "dscp": {}, "ack_dscp": {}})
                 s["packets"] += 1
-                s["bytes"] += len(pkt)
                 d = _dscp(pkt)
+                if ack_dscp is not None and _pure_ack(pkt):  # the most urgent level's, by design: counted apart
+                    s["ack_dscp"][d] = s["ack_dscp"].get(d, 0) + 1
+                    return
+                s["bytes"] += len(pkt)
                 s["dscp"][d] = s["dscp"].get(d, 0) + 1
 
         # No BPF filter: scapy compiles one through libpcap, which a minimal host lacks; ``_key`` skips what is not
@@ -69,14 +89,16 @@ def verify(socket_path: str, seconds: float, interface: str | None = None) -> di
     for key, f in sorted(want.items()):
         s = seen.get(key)
         expected = dscp_of[f["level"]]
+        acks_ok = s is None or set(s["ack_dscp"]) <= {expected, ack_dscp}
         if s is None:
             verdict = "no traffic"
-        elif set(s["dscp"]) == {expected}:
+        elif set(s["dscp"]) <= {expected} and acks_ok:
             verdict = "ok"
             level_bytes[f["level"]] = level_bytes.get(f["level"], 0) + s["bytes"]
         else:
             verdict = "wrong dscp"
         rows.append({**f, "expected_dscp": expected, "seen_dscp": sorted((s or {}).get("dscp", {})),
+                     "ack_dscp": sorted((s or {}).get("ack_dscp", {})),
                      "packets": (s or {}).get("packets", 0), "queue": class_of[f["level"]], "verdict": verdict})
     queues = {}
     for level, nbytes in level_bytes.items():

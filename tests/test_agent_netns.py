@@ -379,3 +379,60 @@ def test_a_state_file_that_is_not_an_agents_stops_the_start(tb, tmp_path, conten
     finally:
         subprocess.run(["rm", "-f", path], check=False)
     assert tc_dump(h1) == before and "tensorlane" not in nft_tables(h1)
+
+
+ECHO_SERVER = r"""
+import socket, sys, time
+srv = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+srv.settimeout(15)
+conn, _ = srv.accept()
+conn.settimeout(5)
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    data = conn.recv(65536)
+    if not data:
+        break
+    conn.sendall(data)
+"""
+
+ECHO_CLIENT = r"""
+import socket, sys, time
+s = socket.socket()
+s.bind(("0.0.0.0", int(sys.argv[3])))
+s.connect((sys.argv[1], int(sys.argv[2])))
+s.settimeout(5)
+end = time.monotonic() + float(sys.argv[4])
+while time.monotonic() < end:
+    s.sendall(b"x" * 4000)
+    got = 0
+    while got < 4000:
+        got += len(s.recv(65536))
+    time.sleep(0.002)
+"""
+
+
+def test_verify_accepts_the_pure_acks_that_ack_priority_sends_at_the_most_urgent_level(tb):
+    """A TCP flow at level 2 that both sends and receives (as gloo's connections do): its pure ACKs leave at level
+    0's DSCP by design (``ack_priority``), its data at level 2's. ``verify`` reports it ok, the ACKs apart; before,
+    every such flow was 'wrong dscp'."""
+    h1, h2 = tb.host(1), tb.host(2)
+    with running_agents(tb, levels=3, hosts=[1], backend="htb", config_extra=TRUST) as agents:
+        with agents[1].client() as agent:
+            agent.register("job-t", 2, [flow(h1, 9701, h2, 9700, proto="tcp")])
+        server = h2.popen([sys.executable, "-c", ECHO_SERVER, "9700", "8"])
+        time.sleep(0.3)
+        client = h1.popen([sys.executable, "-c", ECHO_CLIENT, h2.ip, "9700", "9701", "5"])
+        try:
+            time.sleep(0.5)
+            out = h1.run(PY + ["tensorlane", "verify", "--socket", agents[1].socket, "--seconds", "2", "--json"],
+                         check=False, timeout=30)
+        finally:
+            for p in (client, server):
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+    assert out.returncode == 0, out.stdout + out.stderr
+    row = json.loads(out.stdout)["flows"][0]
+    assert row["verdict"] == "ok" and row["seen_dscp"] == [26] and row["ack_dscp"] == [46], row

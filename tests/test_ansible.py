@@ -245,6 +245,8 @@ REFUSALS = {
                                                                  "tensorlane_training_subnets"),
     "subnets without auto": ({"tensorlane_interfaces": ["eth0"], "tensorlane_training_subnets": ["10.0.0.0/8"]},
                              "tensorlane_training_subnets is used only with tensorlane_interfaces: auto"),
+    "the public PyPI": ({"tensorlane_interfaces": ["eth0"], "tensorlane_link_rate": "1gbit"},
+                        "tensorlane is not published on the public PyPI"),
 }
 
 
