@@ -96,7 +96,8 @@ class AgentLink:
             self._fail(f"agent refused the registration: {exc}")
         except (AgentUnavailable, OSError, ValueError) as exc:
             self.counters["failures"] += 1
-            self._fail(f"no agent at {self.socket_path} ({exc}); training continues without network priority")
+            why = str(exc) if isinstance(exc, AgentUnavailable) else f"no agent at {self.socket_path} ({exc})"
+            self._fail(f"{why}; training continues without network priority")
         return False
 
     def _fail(self, message: str) -> None:

@@ -740,7 +740,8 @@ class Handle:
         """Mode and why, flows per level, agent link counters, per-level all-reduce counts, bytes and seconds,
         and the planner's decision."""
         if self.disabled:
-            return {"enabled": False}
+            return {"enabled": False, "mode": "disabled",
+                    "mode_reason": "the shim is disabled (disable=True or TENSORLANE_DISABLE=1): plain DDP"}
         out = self.state.summary()
         out["plan"] = dict(self.plan)
         out["deferred_steps"] = out.get("overlap", {}).get("steps_deferred", 0)
@@ -876,6 +877,9 @@ def _connect(levels: int, agent_socket: str | None, job: str | None) -> tuple[li
     for level, fl in flows.items():
         if fl:
             link.add(level, fl)
+    if not any(flows.values()):  # every peer on this host: its connections are loopback, which no NIC carries
+        log.warning("tensorlane: no connection of the shim's process groups leaves this host (its peers are all on "
+                    "it, over loopback): nothing to prioritise on the network here; stats()['flows'] stays empty")
     return groups, link, flows, job
 
 

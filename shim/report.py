@@ -7,12 +7,10 @@ happens in a daemon thread every ``interval_s`` and once more at ``close()``; ea
 connection with a short timeout. An absent agent is silent (the agent link already warns once), an agent that
 does not know the ``report`` op (older) is not asked again. No torch here.
 
-Usage::
+``shim.attach`` and ``shim.comm_state`` start one themselves (``attach(..., report_interval_s=5.0)``);
+``start`` returns that one for a handle that has it, so that no process reports its counters twice.
 
-    handle = shim.attach(ddp_model, optimizer)
-    reporter = shim.report.start(handle)          # None when the shim is disabled
-    ...
-    reporter.close(); handle.close()
+Usage: ``reporter = shim.report.start(state)`` for a state made without one (``handle.reporter`` otherwise)
 """
 from __future__ import annotations
 
@@ -146,9 +144,13 @@ class Reporter:
 
 
 def start(handle, interval_s: float = 5.0, timeout_s: float = 0.25) -> Reporter | None:
-    """A Reporter for a ``shim.attach`` handle (its agent socket and job id); None when the shim is disabled."""
+    """A Reporter for a ``shim.attach`` handle (its agent socket and job id); None when the shim is disabled. A
+    handle whose shim already reports (``attach`` starts a reporter) gets that one: two would count twice."""
     if getattr(handle, "disabled", False) or getattr(handle, "link", None) is None:
         return None
+    existing = getattr(handle, "reporter", None)
+    if existing is not None:
+        return existing
     link = handle.link
     seen: dict = {}  # the handle's stats for the report under way: read once, with the counters (read first)
 

@@ -63,6 +63,14 @@ class AgentClient:
             s.settimeout(self.timeout)
             try:
                 s.connect(self.path)
+            except PermissionError:
+                s.close()
+                raise AgentUnavailable(
+                    f"the agent's socket {self.path} refuses this user (permission denied): the agent's socket_group "
+                    "and allowed_users/allowed_groups decide who may use it (docs/deploy.md)") from None
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                s.close()
+                raise AgentUnavailable(f"no agent at {self.path} ({exc.strerror.lower()}: is it running?)") from None
             except OSError as exc:
                 s.close()
                 raise AgentUnavailable(f"no agent at {self.path}: {exc}") from None

@@ -54,3 +54,15 @@ def test_close_without_a_line_is_unavailable(tmp_path):
 def test_no_agent_is_unavailable(tmp_path):
     with pytest.raises(AgentUnavailable, match="no agent at"):
         AgentClient(os.fspath(tmp_path / "absent.sock")).connect()
+
+
+def test_a_socket_that_refuses_this_user_says_so(tmp_path, monkeypatch):
+    """A training job that does not run as root, on a socket it may not use (EACCES): the message names the cause
+    and where to change it, not "no agent" (the agent is running)."""
+    import socket
+
+    def refuse(self, address):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    with pytest.raises(AgentUnavailable, match=r"refuses this user \(permission denied\).*allowed_groups"):
+        AgentClient(os.fspath(tmp_path / "agent.sock")).connect()

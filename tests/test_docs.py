@@ -73,3 +73,15 @@ def test_every_relative_link_resolves():
                     if anchor not in cache[dest]:
                         broken.append(f"{where} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_the_python_examples_of_the_policies_run():
+    """The README's and docs' Python examples that use only the policies (pure, no agent, no torch) run as
+    written: an example that no longer runs is a newcomer's first error."""
+    ran = 0
+    for page in PAGES:
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+            if block.lstrip().startswith("from tensorlane.policies") and "torch" not in block:
+                exec(compile(block, f"{page.name} example", "exec"), {})
+                ran += 1
+    assert ran >= 1
