@@ -173,7 +173,7 @@ class ShimState:
         they change; the step's compute time goes to ``clock``, whose window's end launches the all-reduce that
         agrees on it, after the step's own pieces, on the last level's group).
         """
-        numels = [p.numel() for p in params]
+        numels = [p.numel() * (2 if p.is_complex() and not buf.is_complex() else 1) for p in params]
         last = len(self.groups) - 1
         levels = [self.param_level.get(id(p), last) for p in params]
         if buf.is_sparse:  # DDP gives a sparse gradient a bucket of its own: one all-reduce at its level
@@ -369,7 +369,7 @@ def priority_hook(state: ShimState, bucket):
     if state.order_source is not None:
         _learn_order(state, bucket)
     buf = bucket.buffer()
-    buf.div_(state.world)
+    buf.mul_(1.0 / state.world)  # as DDP scales each gradient (a division rounds differently at 3 ranks)
     futures, _, launched = state.launch(buf, bucket.parameters(), bucket.is_last())
 
     def finished(fut):  # one callback per bucket (DDP needs the bucket's future anyway)
@@ -380,7 +380,7 @@ def priority_hook(state: ShimState, bucket):
 
 def _plain_allreduce(state: ShimState, bucket):
     """After ``close()``: DDP's own all-reduce of the bucket on its process group (DDP keeps a hook for good)."""
-    buf = bucket.buffer().div_(dist.get_world_size())
+    buf = bucket.buffer().mul_(1.0 / dist.get_world_size())  # as DDP scales (1/world: not a division)
     return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
@@ -478,20 +478,45 @@ def _launch_deferred(state: ShimState, bucket):
                                "(shim.attach without optimizer) for this model.")
         else:  # stamped, but its module did not run forward: its gradient is final, take the step now
             _apply(state, p)
-    buf = bucket.buffer().div(state.world)  # a copy, which the all-reduce owns until it completes
+    buf = bucket.buffer().mul(1.0 / state.world)  # a copy, which the all-reduce owns until it completes
     futures, pieces, launched = state.launch(buf, params, bucket.is_last())
     pend, offset = ov.Pending(futures, buf, [], launched), 0
     for p in params:
         n = p.numel()
-        covering = tuple(i for i, (o, length, _) in enumerate(pieces) if o < offset + n and o + length > offset)
+        nb = 2 * n if p.is_complex() and not buf.is_complex() else n
+        covering = tuple(i for i, (o, length, _) in enumerate(pieces) if o < offset + nb and o + length > offset)
         pend.params.append((p, offset, n, covering))
         pend.created[id(p)] = p._version
         d.pending[id(p)] = pend
-        offset += n
+        offset += nb
     d.unstamped.append(pend)
     done = torch.futures.Future()
     done.set_result(bucket.buffer())
     return done
+
+
+def _grad_view(buffer, p, offset, n):
+    """``p``'s gradient in a copy of DDP's bucket, laid out as DDP lays it there: in the parameter's own memory
+    order where it is dense and non-overlapping (``channels_last``, a transposed parameter), row-major otherwise;
+    a complex parameter as two reals per element."""
+    real = p.is_complex() and not buffer.is_complex()
+    flat = buffer.narrow(0, offset, 2 * n if real else n)
+    if real:
+        flat = torch.view_as_complex(flat.view(-1, 2))
+    if _dense(p):
+        return flat.as_strided(p.shape, p.stride(), flat.storage_offset())
+    return flat.view(p.shape)
+
+
+def _dense(t) -> bool:
+    """Whether ``t``'s elements fill its memory without overlap, in some order of its dimensions (DDP's reducer
+    then gives its gradient the same strides)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _apply(state: ShimState, param) -> bool:
@@ -538,14 +563,14 @@ def _apply(state: ShimState, param) -> bool:
         return False
     saved = [p.grad for p, _o, _n in ready]
     for p, o, n in ready:
-        p.grad = pend.buffer.narrow(0, o, n).view_as(p)
+        p.grad = _grad_view(pend.buffer, p, o, n)
     try:
         d.step_subset([p for p, _o, _n in ready], pend.hparams)
     finally:
         for (p, o, n), g in zip(ready, saved, strict=True):
             was, version = pend.grads.get(id(p), (None, None))
             if g is not None and was is g and g._version == version:  # not zeroed since step(): under DDP it
-                g.copy_(pend.buffer.narrow(0, o, n).view_as(g))  # holds the average, and the next backward adds
+                g.copy_(_grad_view(pend.buffer, p, o, n))  # holds the average, and the next backward adds
             p.grad = g  # (or None after zero_grad, or zeros): it accumulates as there
     return True
 
@@ -941,6 +966,12 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
             "; this is a torch.compile'd one: attach the DDP model, then compile it "
             "(handle = shim.attach(ddp, opt); model = torch.compile(ddp))" if compiled else ""))
     _check_levels(levels)
+    group = getattr(model, "process_group", None)
+    if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):
+        raise ValueError("shim.attach supports DDP over every rank of the default process group; this model's DDP "
+                         f"runs on a group of {dist.get_world_size(group)} of {dist.get_world_size()} ranks (the "
+                         "shim's groups and its averaging span the world). Attach nothing to it, or use one DDP "
+                         "over all ranks")
     if optimizer is not None:
         optimizer = ov.inner_optimizer(optimizer)
         if getattr(model, "gradient_as_bucket_view", False):

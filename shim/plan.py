@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from tensorlane.policies.model import Layer, Profile
 
 
@@ -47,9 +49,13 @@ def owner_modules(root) -> list:
 class Recorder:
     """Times one iteration: per module forward duration and per parameter gradient-ready time (host clock).
 
-    ``done`` becomes true when every parameter's gradient has been accumulated once after a complete forward;
-    ``on_done(recorder)`` is then called from the next forward pre-hook (outside autograd), where
-    ``profile()`` builds the :class:`Profile` and ``remove()`` drops the hooks.
+    ``done`` becomes true at the end of the first backward after a forward, whatever parameters it reached: the
+    same iteration on every rank (``on_done`` agrees on the profile over the ranks, a collective). Waiting for every
+    parameter's gradient instead left a rank whose iteration did not use a branch (``find_unused_parameters``)
+    measuring while the others agreed alone: a hang, or a collective mismatch. ``on_done(recorder)`` is then called
+    from the next forward pre-hook (outside autograd), where ``profile()`` builds the :class:`Profile` (a layer this
+    rank did not run or reach counts 0 s here; the agreement takes every rank's largest) and ``remove()`` drops the
+    hooks.
     """
 
     def __init__(self, modules: list, on_done=None):
@@ -62,7 +68,6 @@ class Recorder:
         self.done = False
         self.consumed = False
         self._params = [[p for p in m.parameters(recurse=False) if p.requires_grad] for m in modules]
-        self._expected = sum(len(ps) for ps in self._params)
         self._hooks = []
         for i, m in enumerate(modules):
             self._hooks.append(m.register_forward_pre_hook(self._pre(i)))
@@ -90,15 +95,21 @@ class Recorder:
         return hook
 
     def _grad(self, p) -> None:
-        if self.done or len(self.fwd_s) < len(self.modules):
+        if self.done or not self.fwd_s:
             return
+        if not self.ready:  # the first gradient of this backward: done when the backward ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
         self.ready[id(p)] = time.perf_counter()
-        if len(self.ready) == self._expected:
-            self.done = True  # on_done runs at the next forward pre-hook
+
+    def _backward_ended(self) -> None:
+        self.done = True  # on_done runs at the next forward pre-hook
 
     def profile(self, name: str = "measured") -> Profile:
         """The measured profile: layer i's backward is the time between the gradients of layer i + 1 and i."""
-        ready = [max(self.ready[id(p)] for p in ps) if ps else self.forward_end for ps in self._params]
+        ready = [max((self.ready[id(p)] for p in ps if id(p) in self.ready), default=None) for ps in self._params]
+        for i in range(len(ready) - 1, -1, -1):  # a layer with no gradient here: its backward took no time
+            if ready[i] is None:
+                ready[i] = ready[i + 1] if i + 1 < len(ready) else self.forward_end
         layers = []
         for i, m in enumerate(self.modules):
             later = ready[i + 1] if i + 1 < len(ready) else self.forward_end

@@ -814,6 +814,59 @@ def _compiled_optimizer_step(ctx: Ctx):
     plain_loop(ctx, model, opt)
 
 
+# -- unusual tensors and layouts ------------------------------------------------------------------------------------
+@idiom("channels_last")
+def _channels_last(ctx: Ctx):
+    """Conv weights in channels_last memory order (DDP lays their gradients out in that order in its buckets)."""
+    net = convnet().to(memory_format=torch.channels_last)
+    model = ctx.ddp(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt,
+               batch=lambda step: tuple(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
+                                        for t in ctx.images(step)))
+
+
+class ComplexNet(nn.Module):
+    """A complex linear layer between real ones (DDP's bucket holds a complex gradient as two reals each)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.inp = nn.Linear(32, 16)
+        self.mix = nn.Linear(16, 16, dtype=torch.complex64)
+        self.out = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.out(self.mix(self.inp(x).to(torch.complex64)).abs())
+
+
+@idiom("complex_parameters")
+def _complex_parameters(ctx: Ctx):
+    model = ctx.ddp(ComplexNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, batch=ctx.vectors)
+
+
+@idiom("unused_on_some_ranks")
+def _unused_on_some_ranks(ctx: Ctx):
+    """find_unused_parameters=True, a branch that rank 0 alone uses in the first iteration, the shim's planner
+    measuring it (every rank must end its measurement in the same iteration: its agreement is a collective)."""
+    net = Branchy()
+    del net.never
+    model = ctx.ddp(net, find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.vectors(step)
+        loss = F.cross_entropy(model(x, use_branch=(step == 0 and ctx.rank == 0) or step % 3 == 2), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

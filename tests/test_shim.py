@@ -340,3 +340,34 @@ def test_overlap_refuses_what_it_cannot_reproduce(tmp_path):
         for rank in range(2):
             got = json.loads((tmp_path / f"{scenario}-{rank}.json").read_text())
             assert got["error"] is None and got["diff"] <= 1e-6, (scenario, rank, got)
+
+
+SUBGROUP_SCRIPT = r"""
+import os, sys, torch, torch.distributed as dist
+from tensorlane import shim
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 2), rank=rank, world_size=2)
+mine = dist.new_group([0])  # every rank makes it (a collective); only rank 0 trains on it
+if rank == 0:
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4), process_group=mine)
+    try:
+        shim.attach(model, agent_socket="/nonexistent/tl.sock")
+        print("attached")
+    except ValueError as exc:
+        print("refused:", exc)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_on_a_subgroup_is_refused_before_any_collective(tmp_path):
+    """DDP over a group of some ranks: the shim's groups and its averaging span every rank, so it would average
+    independent replicas (or hang where the other ranks never attach). Refused at once, on the ranks that attach,
+    before anything is created."""
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    store = str(tmp_path / "store")
+    procs = [subprocess.Popen([sys.executable, "-c", SUBGROUP_SCRIPT, store, str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert "refused: shim.attach supports DDP over every rank of the default process group" in outs[0][0], outs
