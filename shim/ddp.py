@@ -908,9 +908,12 @@ def _connect(levels: int, agent_socket: str | None, job: str | None) -> tuple[li
     return groups, link, flows, job
 
 
-def _check_levels(levels: int) -> None:
+def _check_levels(levels: int, partition_bytes: int | None = None) -> None:
     if not 1 <= levels <= 5:
         raise ValueError(f"levels must be 1..5 (the DSCP table's distinct switch queues), not {levels}")
+    if partition_bytes is not None and (isinstance(partition_bytes, bool) or not isinstance(partition_bytes, int)
+                                        or partition_bytes < 1):
+        raise ValueError(f"partition_bytes must be a positive number of bytes (or None), not {partition_bytes!r}")
 
 
 def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | None = None,
@@ -928,7 +931,7 @@ def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | N
                                      ddp_comm_hook=shim.priority_hook),
                 callbacks=[shim.lightning.CommHook(state)])   # Lightning registers the hook itself only on CUDA
     """
-    _check_levels(levels)
+    _check_levels(levels, partition_bytes)
     if policy not in ("layer_order", "flat"):
         raise ValueError(f"comm_state's policy must be 'layer_order' or 'flat', not {policy!r}")
     return ShimState(None, 0, {}, None if partition_bytes is None else max(1, partition_bytes // 4), levels=levels,
@@ -965,7 +968,7 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
         raise TypeError("shim.attach needs a torch.nn.parallel.DistributedDataParallel model" + (
             "; this is a torch.compile'd one: attach the DDP model, then compile it "
             "(handle = shim.attach(ddp, opt); model = torch.compile(ddp))" if compiled else ""))
-    _check_levels(levels)
+    _check_levels(levels, partition_bytes)
     group = getattr(model, "process_group", None)
     if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):
         raise ValueError("shim.attach supports DDP over every rank of the default process group; this model's DDP "

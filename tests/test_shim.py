@@ -371,3 +371,13 @@ def test_ddp_on_a_subgroup_is_refused_before_any_collective(tmp_path):
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert "refused: shim.attach supports DDP over every rank of the default process group" in outs[0][0], outs
+
+
+def test_option_values_that_mean_nothing_are_refused():
+    from tensorlane.shim.ddp import _check_levels
+
+    for levels, partition in ((0, None), (6, None), (4, 0), (4, -5), (4, 1.5), (4, True)):
+        with pytest.raises(ValueError):
+            _check_levels(levels, partition)
+    _check_levels(1, 1)
+    _check_levels(5, None)
