@@ -28,6 +28,9 @@ def _agent(args) -> int:
     except ConfigError as exc:
         print(f"{err}tensorlane agent: {exc}", file=sys.stderr)
         return 2
+    if args.check_config:  # parsed and checked as the agent would at start, nothing run or changed
+        print(f"tensorlane agent: {args.config or 'the flags'}: ok")
+        return 0
     try:
         return run(cfg)
     except (ConfigError, StartupError) as exc:
@@ -127,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--socket", help="override: Unix socket path of the API")
     a.add_argument("--metrics-address", help="override: HOST:PORT for /metrics (empty disables)")
     a.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    a.add_argument("--check-config", action="store_true",
+                   help="only check the config (each error names its field; exit 2) and exit: nothing is changed")
     a.set_defaults(func=_agent)
     s = sub.add_parser("status", help="show a running agent's classes, flows and counters")
     s.add_argument("--socket", default=DEFAULT_SOCKET)

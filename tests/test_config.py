@@ -131,3 +131,17 @@ def test_several_interfaces_and_rates_per_device():
     assert from_dict({"interface": "eth0", "link_rate": "1gbit"}).rate_of("anything") == 10**9
     auto = from_dict({"interfaces": "auto", "training_subnets": ["198.18.0.7/15", "fd00::/8"]})
     assert auto.interfaces == () and auto.training_subnets == ("198.18.0.0/15", "fd00::/8")
+
+
+def test_check_config_checks_a_file_and_changes_nothing(tmp_path, capsys):
+    """``tensorlane agent --check-config``: exit 0 and "ok" for a good file, 2 and the field for a bad one; the
+    agent is not started (the role's template validation runs it)."""
+    from tensorlane.cli import main
+
+    good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+    good.write_text('interface = "eth0"\nlink_rate = "1gbit"\n')
+    bad.write_text('interface = "eth0"\nlevels = 9\n')
+    assert main(["agent", "--check-config", "--config", str(good)]) == 0
+    assert "ok" in capsys.readouterr().out
+    assert main(["agent", "--check-config", "--config", str(bad)]) == 2
+    assert "config field 'levels'" in capsys.readouterr().err
