@@ -133,6 +133,9 @@ class Api:
                 self._check_job_user(req.job, peer)
                 self._check_user_limits(req, peer)
         had = set(self.table.runs.get(req.job, ()))
+        users = {self.table.flows[k].uid for k in self.table.by_job.get(req.job, ())}
+        if users and uid not in users:  # root (or a trusted user) joins a user's job: inputs that user reported
+            self.jobs.reported.pop(req.job, None)  # are theirs alone, dropped (_push reorders)
         added, moved = self.table.register(req.job, req.level, req.flows, req.rank, pid=pid, uid=uid, floor=floor,
                                            run=req.run)
         self._push(added, moved, [])
@@ -355,7 +358,8 @@ class Api:
         if gone:
             self._push([], [], gone)
             self.record("socket_closed", "removed")
-            log.info("removed %d flows whose sockets were closed", len(gone))
+            self.refusal_log.note("sockets closed", logging.INFO, "removed %d flows whose sockets were closed",
+                                  len(gone))  # bounded: a user can close sockets at will
         return len(gone)
 
 

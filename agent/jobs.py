@@ -63,6 +63,7 @@ from tensorlane.policies.jobs import (
     job_shares,
     link_saturated,
     rotation_epoch,
+    tier_weights,
     tiered_bands,
 )
 
@@ -201,7 +202,7 @@ class JobScheduler:
         if len(bands) < 2:  # "auto": the samples of other jobs say nothing of the next ones
             self.busy.clear()
             self._saturate(False, time.monotonic())
-        self.shares = job_shares(bands, self.job_share, self.sending, self.budget)
+        self.shares = job_shares(bands, self.job_share, self.sending, self.budget, tier_weights(floors))
         return sorted(shifted)
 
     def rank_check(self) -> None:
@@ -278,7 +279,7 @@ class JobScheduler:
 
     def _reshare(self) -> bool:
         """Recompute ``shares`` from the bands, the part in force and the sending jobs; whether they changed."""
-        shares = job_shares(self.bands, self.job_share, self.sending, self.budget)
+        shares = job_shares(self.bands, self.job_share, self.sending, self.budget, tier_weights(self.floors))
         if shares == self.shares:
             return False
         self.shares = shares

@@ -300,8 +300,23 @@ def banded_level(band: tuple[int, int], requested: int, levels: int, floor: int 
     return max(first + requested * width // levels, floor)
 
 
+def tier_weights(floors: Mapping[str, int]) -> dict[str, float]:
+    """Each job's weight among the parts (:func:`job_shares`): 1 for a job of the most privileged tier present
+    (the least ``floors`` value), ``1/k`` for each of the ``k`` jobs of any other tier, so that a tier of users
+    limited to less urgent levels holds one job's part in all, however many jobs its users start.
+
+    Usage: ``tier_weights({"root-a": 0, "u1": 2, "u2": 2}) == {"root-a": 1.0, "u1": 0.5, "u2": 0.5}``
+    """
+    if not floors:
+        return {}
+    top = min(floors.values())
+    sizes = Counter(floors.values())
+    return {job: 1.0 if f == top else 1.0 / sizes[f] for job, f in floors.items()}
+
+
 def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float,
-               sending: Collection[str] = (), budget: float = 1.0) -> dict[int, float]:
+               sending: Collection[str] = (), budget: float = 1.0,
+               weights: Mapping[str, float] | None = None) -> dict[int, float]:
     """The link's share guaranteed to each level so that a job order never leaves a job with less than its part of
     ``job_share`` while it has bytes to send: ``job_share / n`` for each of the ``n`` jobs in ``bands``, and
     ``job_share / k`` while its band is one of ``k >= 2`` bands with a job ``sending`` (queues backlogged: FIFO
@@ -321,6 +336,8 @@ def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float,
     serves every class below its guarantee before any borrows) and is there at once when it starts to send.
     Priority still decides whatever the guarantees leave: the most urgent job takes all the link the others do not
     use, and with ``job_share`` near 1 a saturated link is shared about as under FIFO.
+    ``weights`` (default 1 each; :func:`tier_weights`) counts a job as that fraction of one among the ``n`` and
+    the ``k``: the jobs of a limited tier share one part.
     Usage: ``job_shares({"x": (0, 2), "y": (2, 2)}, 0.5) == {0: 0.25, 2: 0.25}``;
     ``job_shares({"x": (0, 1), "y": (1, 1), "z": (2, 2)}, 0.9, {"x", "z"})`` gives x and z 0.45 each and the idle
     y the 0.1 they leave, not 0.3
@@ -331,12 +348,19 @@ def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float,
         raise ValueError(f"budget must be in [0, 1], not {budget!r}")
     if len(bands) < 2 or job_share == 0:
         return {}
-    members = Counter(bands.values())  # band -> how many jobs share it
+    weight = {job: (1.0 if weights is None else weights.get(job, 1.0)) for job in bands}
+    members: dict[tuple[int, int], float] = {}  # band -> the weight of the jobs that share it
+    heaviest: dict[tuple[int, int], float] = {}  # band -> its heaviest job's weight (a band counts once as sending)
+    for job, band in bands.items():
+        members[band] = members.get(band, 0.0) + weight[job]
+        heaviest[band] = max(heaviest.get(band, 0.0), weight[job])
+    n = sum(weight.values())
     busy = {bands[job] for job in sending if job in bands}
     if len(busy) < 2:  # one band sending has the link anyway
         busy = set()
-    idle = {band: m * job_share / len(bands) for band, m in members.items()}
-    parts = {band: max(idle[band], job_share / len(busy)) for band in busy}
+    k = sum(heaviest[band] for band in busy)
+    idle = {band: m * job_share / n for band, m in members.items()}
+    parts = {band: max(idle[band], job_share * heaviest[band] / k) for band in busy}
     scale = min(1.0, min(job_share, budget) / sum(parts.values())) if parts else 1.0
     parts = {band: part * scale for band, part in parts.items()}
     room = budget - sum(parts.values())  # what the idle bands' parts may hold together

@@ -831,3 +831,25 @@ def test_the_servers_own_work_failing_is_counted_and_the_loop_goes_on():
     Server._guarded(fake, "reordering the jobs", boom)
     Server._guarded(fake, "removing an exited process's flows", boom, 42)
     assert rec.stats.errors == 2 and rec.stats.last_error == "removing an exited process's flows: RuntimeError: no"
+
+
+def test_a_limited_users_jobs_share_one_part_and_its_inputs_go_when_root_joins():
+    """Under a job policy with parts, the jobs of a user limited by level_limits hold one job's part in all, however
+    many they are (32 jobs took root's level-0 part from 0.45 to 0.03 of the link); and step bytes that user reported
+    for a job id before root joined it are dropped then (they ranked root's flows last)."""
+    api, rec = make_api(job_policy="shortest", job_share=0.9, job_share_among="present", check_ownership=False,
+                        level_limits={"*": 2})
+    mal = Peer(pid=1, uid=1000, gid=1000)
+    request(api, op="register", job="prod", level=0, flows=[flow(1)])
+    request(api, op="register", job="prod2", level=0, flows=[flow(2)])
+    request(api, mal, op="register", job="m0", level=2, flows=[flow(10)])
+    one = api.jobs.shares[0]
+    for i in range(1, 20):
+        request(api, mal, op="register", job=f"m{i}", level=2, flows=[flow(10 + i)])
+    assert api.jobs.shares[0] == pytest.approx(one) and one == pytest.approx(2 * 0.9 / 3)  # prod, prod2: a tie
+    levels = [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.1}]
+    request(api, mal, op="register", job="squat", level=2, flows=[flow(40)])
+    assert request(api, mal, op="report", job="squat", session="s", levels=levels, step_bytes=2**62)["step_bytes"] \
+        == "taken"
+    request(api, op="register", job="squat", level=0, flows=[flow(41)])
+    assert "squat" not in api.jobs.reported and "squat" not in api.jobs.inputs_of("step_bytes")

@@ -25,6 +25,7 @@ from tensorlane.policies.jobs import (
     rotation_epoch,
     rotation_key,
     slowdown_rank,
+    tier_weights,
     tiered_bands,
 )
 from tensorlane.policies.papers.crux import gpu_intensity, gpu_intensity_order, job_levels
@@ -480,3 +481,16 @@ def test_a_limited_users_jobs_never_move_a_more_privileged_job(mine, theirs, flo
     without = tiered_bands(alone, levels, [r for j, r in zip(order, ranks, strict=True) if j in mine])
     assert {j: with_them[j] for j in mine} == without
     assert all(with_them[j][0] >= floor for j in theirs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 4), st.integers(1, 12), st.integers(1, 3), st.floats(0.05, 0.95))
+def test_a_limited_tier_holds_one_part_however_many_jobs(privileged, limited, floor, share) -> None:
+    """The parts of the most privileged tier's levels do not depend on how many jobs a limited tier starts."""
+    def parts(k):
+        floors = {f"r{i}": 0 for i in range(privileged)} | {f"u{i}": floor for i in range(k)}
+        order = list(floors)
+        bands = tiered_bands(order, 4, floors=floors)
+        out = job_shares(bands, share, budget=1.0, weights=tier_weights(floors))
+        return {lvl: v for lvl, v in out.items() if lvl < floor}
+    assert parts(limited) == pytest.approx(parts(1))
