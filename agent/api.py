@@ -209,7 +209,8 @@ class Api:
         counted_as = None
         if why is None:  # a user's reports count for their own jobs only: no one fills or skews another's series
             counted_as = self.reports.add(req.job, req.session, {lvl: tuple(c) for lvl, *c in req.counters},
-                                          req.step_bytes, req.compute_s)
+                                          req.step_bytes, req.compute_s,
+                                          user=None if peer is None or peer.uid == 0 else peer.uid)
         reply = {"job": req.job, "levels": len(req.counters), "counted_as": counted_as}
         sent = {k: getattr(req, k) for k in REPORTED_INPUTS if getattr(req, k) is not None}
         return reply | self._take_inputs(req.job, sent, why)

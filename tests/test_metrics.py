@@ -873,3 +873,21 @@ def test_server_caps_a_user_holds_its_excess_requests_and_closes_idle_connection
     finally:
         for s in socks:
             s.close()
+
+
+def test_one_user_cannot_fill_the_job_series_or_evict_other_users_sessions():
+    """A user that is not root starts at most MAX_JOBS_PER_USER series (further jobs count as _other) and keeps at
+    most MAX_SESSIONS_PER_USER sessions, evicting its own least recent: another user's next cumulative report is
+    not counted twice."""
+    from tensorlane.agent.metrics import jobs as jm
+
+    r = JobReports()
+    for i in range(jm.MAX_JOBS_PER_USER + 5):
+        r.add(f"mal-{i}", "s", {0: (1, 10, 0.1)}, user=1000)
+    assert sum(1 for j in r.snapshot() if j.startswith("mal-")) == jm.MAX_JOBS_PER_USER
+    assert r.add("victim", "v1", {0: (1, 1000, 0.1)}, user=1001) == "victim"
+    for i in range(jm.MAX_SESSIONS_PER_USER + 100):
+        r.add("mal-0", f"s{i}", {0: (1, 1, 0.0)}, user=1000)
+    r.add("victim", "v1", {0: (1, 1000, 0.1)}, user=1001)  # the same cumulative counters again
+    assert r.snapshot()["victim"][0][1] == 1000
+    assert sum(1 for (job, _s) in r._sessions if job == "mal-0") <= jm.MAX_SESSIONS_PER_USER

@@ -17,8 +17,9 @@ went down (the process restarted with the same id) counts from zero.
   ranks), as last reported (a gauge; only for jobs whose shims send it).
 - ``tensorlane_reporting_jobs``: jobs with a series now.
 
-Cardinality: at most ``MAX_JOBS`` jobs have series; reports of further jobs are added to
-``training_job="_other"``. A job (and its sessions) with no report for ``JOB_TTL_S`` seconds is forgotten and
+Cardinality: at most ``MAX_JOBS`` jobs have series (``MAX_JOBS_PER_USER`` started by one user that is not root);
+reports of further jobs are added to ``training_job="_other"``. One such user keeps at most
+``MAX_SESSIONS_PER_USER`` sessions. A job (and its sessions) with no report for ``JOB_TTL_S`` seconds is forgotten and
 its series disappear. At most ``MAX_SESSIONS`` sessions are remembered (least recently reporting dropped).
 """
 from __future__ import annotations
@@ -32,6 +33,10 @@ from tensorlane.agent.metrics.base import Source
 
 MAX_JOBS = 32
 MAX_SESSIONS = 4096
+# of one user that is not root: series of its own, and sessions (its least recent go first), so that no user fills
+# the series for the others or evicts another user's sessions (whose next report would then count twice)
+MAX_JOBS_PER_USER = 8
+MAX_SESSIONS_PER_USER = 512
 JOB_TTL_S = 900.0
 OTHER = "_other"
 FIELDS = ("allreduces", "bytes", "comm_s")
@@ -53,15 +58,27 @@ class JobReports:
         self._step: dict[str, int] = {}  # job -> bytes per training step, as last reported
         self._compute: dict[str, float] = {}  # job -> compute seconds per training step, as last reported
         self._sessions: OrderedDict[tuple[str, str], dict[int, tuple]] = OrderedDict()  # LRU
+        self._started_by: dict[str, int] = {}  # job -> the user (not root) whose report made its series
+        self._session_user: dict[tuple[str, str], int] = {}  # session -> its user (not root)
 
     def add(self, job: str, session: str, levels: dict[int, tuple[int, int, float]],
-            step_bytes: int | None = None, compute_s: float | None = None) -> str:
+            step_bytes: int | None = None, compute_s: float | None = None, user: int | None = None) -> str:
         """Fold one report in (and its ``step_bytes`` and ``compute_s``, when sent); return the job it was counted
-        under (``job`` or ``_other``)."""
+        under (``job`` or ``_other``). ``user``: the reporting user's uid when it is not root (its limits)."""
         now = self.clock()
         with self._lock:
             self._expire(now)
-            target = job if job in self._totals or len(self._real_jobs()) < self.max_jobs else OTHER
+            room = len(self._real_jobs()) < self.max_jobs and (
+                user is None or sum(1 for u in self._started_by.values() if u == user) < MAX_JOBS_PER_USER)
+            target = job if job in self._totals or room else OTHER
+            if target == job and job not in self._totals and user is not None:
+                self._started_by[job] = user
+            if user is not None and (job, session) not in self._sessions:
+                mine = [k for k in self._sessions if self._session_user.get(k) == user]  # least recent first
+                for key in mine[:max(0, len(mine) - MAX_SESSIONS_PER_USER + 1)]:  # its own least recent go first
+                    self._sessions.pop(key, None)
+                    del self._session_user[key]
+                self._session_user[(job, session)] = user
             last = self._sessions.pop((job, session), {})
             totals = self._totals.setdefault(target, {})
             for level, cur in levels.items():
@@ -74,7 +91,8 @@ class JobReports:
                 last[level] = tuple(cur)
             self._sessions[(job, session)] = last
             while len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
+                gone, _ = self._sessions.popitem(last=False)
+                self._session_user.pop(gone, None)
             self._seen[target] = now
             if step_bytes is not None and target != OTHER:
                 self._step[target] = step_bytes
@@ -93,8 +111,10 @@ class JobReports:
             self._totals.pop(job, None)
             self._step.pop(job, None)
             self._compute.pop(job, None)
+            self._started_by.pop(job, None)
             for key in [k for k in self._sessions if k[0] == job]:
                 del self._sessions[key]
+                self._session_user.pop(key, None)
 
     def snapshot(self) -> dict[str, dict[int, tuple[int, int, float]]]:
         """``{job: {level: (allreduces, bytes, comm_s)}}`` of the jobs with series now."""
