@@ -445,11 +445,11 @@ def _decide(state: ShimState) -> None:
     held = {id(p) for g in d.optimizer.param_groups for p in g["params"]}
     flags = torch.tensor([0.0 if pr.stepped else 1.0, float(pr.grads_changed), float(pr.closure),
                           float(pr.sparse), float(bool(d.bucketed - held)), float(ov.step_hooks(d.optimizer) > 0),
-                          float(pr.compiled)], dtype=torch.float64)
+                          float(pr.compiled), float(ov.coupled_steps(d.optimizer))], dtype=torch.float64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=state.groups[0])
-    not_stepped, changed, closure, sparse, unoptimized, hooks, compiled = (v > 0 for v in flags.tolist())
+    not_stepped, changed, closure, sparse, unoptimized, hooks, compiled, coupled = (v > 0 for v in flags.tolist())
     reasons = ((ov.GRADS_CHANGED, changed), (ov.CLOSURE, closure), (ov.SPARSE, sparse),
-               (ov.UNOPTIMIZED, unoptimized), (ov.STEP_HOOKS, hooks), (ov.COMPILED, compiled))
+               (ov.UNOPTIMIZED, unoptimized), (ov.STEP_HOOKS, hooks), (ov.COMPILED, compiled), (ov.COUPLED, coupled))
     if any(f for _r, f in reasons):
         state.fallback("; ".join(r for r, f in reasons if f))
     elif not not_stepped:

@@ -77,6 +77,9 @@ GRADS_CHANGED = ("gradients were changed between backward() and optimizer.step()
                  "GradScaler's unscale_/step, code writing .grad, or a backward() that DDP does not synchronize, "
                  "such as a second one on the same forward with retain_graph=True): under DDP that acts on the "
                  "averaged gradient, which overlap mode only has later")
+COUPLED = ("the optimizer's update of a parameter depends on the others it steps with it (Adafactor with "
+           "eps=(None, ...) takes its first epsilon from the dtype of the first parameter it steps, and a group holds "
+           "several dtypes): overlap mode steps the parameters in parts")
 COMPILED = ("the optimizer's step runs under torch.compile: overlap mode takes it later, in parts, outside the "
             "compiled code, and compiled and eager steps round differently")
 JOIN = ("DDP's join() (uneven inputs): a rank that has joined runs DDP's all-reduces outside backward, and at the "
@@ -303,6 +306,20 @@ class Deferred:
                     self.early.add(id(p))
         self.probe.ran = set()
         self.got_grad.clear()  # in place: the gradient hooks hold this set
+
+
+def coupled_steps(optimizer) -> bool:
+    """Whether one parameter's update depends on which others the same ``step()`` takes: Adafactor with
+    ``eps[0] = None`` (the default) in a group of several dtypes uses the first parameter's dtype's epsilon for all
+    (torch 2.13). Every other optimizer of ``PER_PARAMETER_OPTIMIZERS`` was found per parameter with every option."""
+    if type(optimizer).__name__ != "Adafactor":
+        return False
+    for group in optimizer.param_groups:
+        eps = group.get("eps")
+        first = eps[0] if isinstance(eps, (tuple, list)) and eps else eps
+        if first is None and len({p.dtype for p in group["params"]}) > 1:
+            return True
+    return False
 
 
 def compiled_step(step) -> bool:

@@ -867,6 +867,29 @@ def _unused_on_some_ranks(ctx: Ctx):
         ctx.record("loss", loss.item())
 
 
+class MixedDtypes(nn.Module):
+    """An fp32 layer and a bf16 one (DDP makes a bucket per dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.a = nn.Linear(32, 16)
+        self.b = nn.Linear(16, 10).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)).to(torch.bfloat16)).float()
+
+
+@idiom("adafactor_mixed_dtypes")
+def _adafactor_mixed_dtypes(ctx: Ctx):
+    """Adafactor (its default eps=(None, ...): the first epsilon from the first stepped parameter's dtype) over a
+    group of two dtypes: one parameter's update depends on the others', so overlap mode falls back to hook mode."""
+    model = ctx.ddp(MixedDtypes())
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, batch=ctx.vectors)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

@@ -47,7 +47,8 @@ BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 # Expected handle.stats()["mode"] of the overlap cells (the exact overlap design): gradients changed between
 # backward() and step(), or step(closure), fall back to hook mode with a reason; everything else overlaps.
 FALLS_BACK_TO_HOOK = ("clip_grad_norm", "clip_grad_value", "grad_scaler", "join_uneven", "lbfgs",
-                      "sparse_embedding", "two_optimizers", "step_hooks", "compiled_optimizer_step")
+                      "sparse_embedding", "two_optimizers", "step_hooks", "compiled_optimizer_step",
+                      "adafactor_mixed_dtypes")
 # Idioms whose parameters DDP leaves per rank on purpose (parameters it ignores, a layer it never all-reduced):
 # every mode must end equal to DDP rank by rank, but the ranks differ from each other
 PER_RANK = ("ddp_ignored", "unfreeze_add_group")
@@ -130,6 +131,8 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
         return math.inf
     if b.numel() == 0:
         return 0.0
+    if a.is_complex() or b.is_complex():  # both parts compared (a cast to double would drop the imaginary one)
+        a, b = torch.view_as_real(a.detach().resolve_conj()), torch.view_as_real(b.detach().resolve_conj())
     a, b = a.detach().double(), b.detach().double()
     if not torch.equal(torch.isnan(a), torch.isnan(b)):
         return math.inf
