@@ -175,13 +175,18 @@ def test_status_and_verify_commands(tb):
     assert report["queues"]["7a1:10"]["ok"]
 
 
-def test_sigkill_leaves_state_that_a_new_agent_adopts_then_restores(tb, tmp_path):
-    h1 = tb.host(1)
-    before = tc_dump(h1)
+def kill_an_agent(tb, tmp_path) -> None:
+    """Start an agent on host 1 and SIGKILL it: it leaves its tree and its state file behind."""
     with pytest.raises(AgentStartError, match="exited with -9"):
         with running_agents(tb, hosts=[1], backend="htb", workdir=str(tmp_path)) as agents:
             agents[1].proc.kill()
             agents[1].proc.wait(5)
+
+
+def test_sigkill_leaves_state_that_a_new_agent_adopts_then_restores(tb, tmp_path):
+    h1 = tb.host(1)
+    before = tc_dump(h1)
+    kill_an_agent(tb, tmp_path)
     assert "7a1:" in tc_dump(h1)  # the killed agent could not clean up
     with running_agents(tb, hosts=[1], backend="htb") as agents:
         assert agents[1].status()["flows"] == 0
@@ -351,10 +356,7 @@ def test_an_agent_killed_while_restoring_leaves_a_record_the_next_one_keeps(tb, 
     restores it on exit. Before, the original tree was lost."""
     h1 = tb.host(1)
     before = tc_dump(h1)
-    with pytest.raises(AgentStartError, match="exited with -9"):
-        with running_agents(tb, hosts=[1], backend="htb", workdir=str(tmp_path)) as agents:
-            agents[1].proc.kill()
-            agents[1].proc.wait(5)
+    kill_an_agent(tb, tmp_path)
     h1.run(["tc", "qdisc", "del", "dev", "eth0", "root"])
     assert "7a1:" not in tc_dump(h1) and "htb 1:" not in tc_dump(h1)
     with running_agents(tb, hosts=[1], backend="htb") as agents:
