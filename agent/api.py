@@ -9,6 +9,7 @@ Usage: ``api = Api(cfg, table, rec, "htb"); api.handle(line, peer)``
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 
@@ -168,6 +169,10 @@ class Api:
         """A user (not root, not trusted) holds at most ``max_flows_per_user`` flows and ``max_jobs_per_user`` jobs
         on this host: no user fills the table for the others, or takes more bands and parts by starting jobs."""
         new = sum(1 for k in req.flows if k not in self.table.flows)
+        room = self.cfg.max_flows - math.ceil(self.cfg.reserved_flow_share * self.cfg.max_flows)
+        if len(self.table.flows) + new > room:
+            raise ProtocolError("limit", f"{len(self.table.flows)} flows registered: {new} more would exceed the "
+                                         f"{room} that users other than root may fill (reserved_flow_share)")
         have = self.table.user_flows(peer.uid)
         if have + new > self.cfg.max_flows_per_user:
             raise ProtocolError("limit", f"user {peer.user} holds {have} flows; {new} more would exceed "

@@ -77,6 +77,7 @@ class Config:
     # out) and jobs (under a job policy each job takes a band, and the order costs O(jobs) per request)
     max_flows_per_user: int = 50_000
     max_jobs_per_user: int = 32
+    reserved_flow_share: float = 0.01  # of max_flows, kept for root and trusted_users: other users fill the rest
     job_policy: str = "none"
     rotate_epoch_s: float = 20.0
     job_priority: dict = field(default_factory=dict)
@@ -391,6 +392,7 @@ def _service(raw: dict, levels: int) -> dict:
             "max_flows": _integer(raw, "max_flows", 1, 1_000_000),
             "max_flows_per_user": _integer(raw, "max_flows_per_user", 1, 1_000_000),
             "max_jobs_per_user": _integer(raw, "max_jobs_per_user", 1, 100_000),
+            "reserved_flow_share": _number(raw, "reserved_flow_share", 0.0, 0.5, " (a share of max_flows)"),
             "socket_group": _want(raw, "socket_group", str),
             "ack_priority": _want(raw, "ack_priority", bool)}
 

@@ -853,3 +853,17 @@ def test_a_limited_users_jobs_share_one_part_and_its_inputs_go_when_root_joins()
         == "taken"
     request(api, op="register", job="squat", level=0, flows=[flow(41)])
     assert "squat" not in api.jobs.reported and "squat" not in api.jobs.inputs_of("step_bytes")
+
+
+def test_users_leave_root_its_reserve_of_flows():
+    """Users that are neither root nor trusted fill at most max_flows less reserved_flow_share of it together; root
+    can always register (before, two users at their caps filled the table and root was refused ``limit``)."""
+    api, rec = make_api(check_ownership=False, max_flows=10, reserved_flow_share=0.2, max_flows_per_user=10)
+    alice, bob = Peer(pid=1, uid=1000, gid=1000), Peer(pid=2, uid=1001, gid=1001)
+    request(api, alice, op="register", job="a", level=0, flows=[flow(p) for p in range(1, 5)])
+    request(api, bob, op="register", job="b", level=0, flows=[flow(p) for p in range(5, 9)])
+    reply = json.loads(api.handle(json.dumps({"op": "register", "job": "b", "level": 0,
+                                              "flows": [flow(9)]}).encode(), bob))
+    assert reply["error"]["code"] == "limit" and "reserved_flow_share" in reply["error"]["message"]
+    request(api, op="register", job="root", level=0, flows=[flow(9), flow(10)])
+    assert len(rec.kernel) == 10
