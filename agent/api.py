@@ -134,7 +134,7 @@ class Api:
                 self._check_job_user(req.job, peer)
                 self._check_user_limits(req, peer)
         had = set(self.table.runs.get(req.job, ()))
-        users = {self.table.flows[k].uid for k in self.table.by_job.get(req.job, ())}
+        users = self.table.job_users(req.job)
         if users and uid not in users:  # root (or a trusted user) joins a user's job: inputs that user reported
             self.jobs.reported.pop(req.job, None)  # are theirs alone, dropped (_push reorders)
         added, moved = self.table.register(req.job, req.level, req.flows, req.rank, pid=pid, uid=uid, floor=floor,
@@ -160,8 +160,7 @@ class Api:
         """A user (not root, not trusted) may join a job id on this host only while every flow of it is theirs: the
         job's place in the order, its reported inputs and its flows are then one user's, and no user can take over
         another's job (report its inputs, or hold a flow under its id) by registering under the same name."""
-        others = {self.table.flows[k].uid for k in self.table.by_job.get(job, ())} - {peer.uid}
-        if others:
+        if self.table.job_users(job) - {peer.uid}:
             raise ProtocolError("forbidden", f"job id {job!r} is in use by another user on this host; give this job "
                                              "its own id (TENSORLANE_JOB, or torchrun --rdzv-id)")
 
@@ -225,7 +224,7 @@ class Api:
         job whose flows on this host are all theirs (so that no user reorders or counts for another user's job)."""
         if peer is None or peer.uid == 0:
             return None
-        owners = {self.table.flows[k].uid for k in self.table.by_job.get(job, ())}
+        owners = self.table.job_users(job)
         if not owners:
             return "ignored: the job has no flows registered on this host"
         if owners != {peer.uid}:

@@ -109,6 +109,7 @@ class JobScheduler:
         self.keys: tuple = ()  # the reported inputs the order was computed from: ((job, ((input, value), ...)), ...)
         self.bands: dict[str, tuple[int, int]] = {}
         self.floors: dict[str, int] = {}  # job -> the most urgent level its users may ask for (its tier of bands)
+        self.weights: dict[str, float] = {}  # job -> its weight among the parts (policies.jobs.tier_weights)
         self.shares: dict[int, float] = {}  # level -> guaranteed share of the link (job_share among the jobs)
         self.backlogged_at: dict[str, float] = {}  # job -> when a sample last found it sending (monotonic)
         self.sending: frozenset[str] = frozenset()  # the jobs seen backlogged within hold_s (their parts: 1/k)
@@ -195,14 +196,14 @@ class JobScheduler:
             if epoch != self.epoch and epoch is not None:
                 log.info("epoch %d: job order %s", epoch, ", ".join(order) or "(no jobs)")
         self.jobs, self.epoch, self.order, self.bands, self.keys = jobs, epoch, order, bands, keys
-        self.floors = floors
+        self.floors, self.weights = floors, tier_weights(floors)
         self.sending = self.sending & jobs if self.follows_sending() else frozenset()
         if not self.sending:
             self.backlogged_at.clear()
         if len(bands) < 2:  # "auto": the samples of other jobs say nothing of the next ones
             self.busy.clear()
             self._saturate(False, time.monotonic())
-        self.shares = job_shares(bands, self.job_share, self.sending, self.budget, tier_weights(floors))
+        self.shares = job_shares(bands, self.job_share, self.sending, self.budget, self.weights)
         return sorted(shifted)
 
     def rank_check(self) -> None:
@@ -279,7 +280,7 @@ class JobScheduler:
 
     def _reshare(self) -> bool:
         """Recompute ``shares`` from the bands, the part in force and the sending jobs; whether they changed."""
-        shares = job_shares(self.bands, self.job_share, self.sending, self.budget, tier_weights(self.floors))
+        shares = job_shares(self.bands, self.job_share, self.sending, self.budget, self.weights)
         if shares == self.shares:
             return False
         self.shares = shares

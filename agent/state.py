@@ -47,6 +47,7 @@ class FlowTable:
         self.runs: dict[str, dict[str, int]] = {}  # job -> run -> flows (flows registered with a run only)
         self.of_user: dict[int | None, dict[str, int]] = {}  # uid -> job -> its flows (per-user limits)
         self.floors: dict[str, dict[int, int]] = {}  # job -> floor -> its flows (the job's tier: agent/jobs.py)
+        self.users: dict[str, dict[int | None, int]] = {}  # job -> uid -> its flows (who may speak for the job)
         self.level_of = level_of  # entry -> effective level (a job policy replaces it: agent/jobs.py)
 
     def effective_level(self, key: FlowKey) -> int:
@@ -85,6 +86,8 @@ class FlowTable:
             mine[job] = mine.get(job, 0) + 1
             tiers = self.floors.setdefault(job, {})
             tiers[floor] = tiers.get(floor, 0) + 1
+            users = self.users.setdefault(job, {})
+            users[uid] = users.get(uid, 0) + 1
             if run is not None:
                 runs = self.runs.setdefault(job, {})
                 runs[run] = runs.get(run, 0) + 1
@@ -102,7 +105,8 @@ class FlowTable:
             keys.discard(key)
             if not keys:
                 del self.by_job[old.job]
-        for index, outer, inner in ((self.of_user, old.uid, old.job), (self.floors, old.job, old.floor)):
+        for index, outer, inner in ((self.of_user, old.uid, old.job), (self.floors, old.job, old.floor),
+                                    (self.users, old.job, old.uid)):
             counts = index[outer]
             counts[inner] -= 1
             if not counts[inner]:
@@ -126,6 +130,10 @@ class FlowTable:
     def job_floor(self, job: str) -> int:
         """The most urgent level any of ``job``'s registering users may use (its tier under a job policy)."""
         return min(self.floors[job])
+
+    def job_users(self, job: str) -> set[int | None]:
+        """The users (uids; None: the agent itself) that registered ``job``'s flows on this host."""
+        return set(self.users.get(job, ()))
 
     def user_flows(self, uid: int | None) -> int:
         """How many flows user ``uid`` registered."""

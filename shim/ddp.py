@@ -173,7 +173,7 @@ class ShimState:
         they change; the step's compute time goes to ``clock``, whose window's end launches the all-reduce that
         agrees on it, after the step's own pieces, on the last level's group).
         """
-        numels = [p.numel() * (2 if p.is_complex() and not buf.is_complex() else 1) for p in params]
+        numels = [_bucket_numel(p, buf) for p in params]
         last = len(self.groups) - 1
         levels = [self.param_level.get(id(p), last) for p in params]
         if buf.is_sparse:  # DDP gives a sparse gradient a bucket of its own: one all-reduce at its level
@@ -482,8 +482,7 @@ def _launch_deferred(state: ShimState, bucket):
     futures, pieces, launched = state.launch(buf, params, bucket.is_last())
     pend, offset = ov.Pending(futures, buf, [], launched), 0
     for p in params:
-        n = p.numel()
-        nb = 2 * n if p.is_complex() and not buf.is_complex() else n
+        n, nb = p.numel(), _bucket_numel(p, buf)
         covering = tuple(i for i, (o, length, _) in enumerate(pieces) if o < offset + nb and o + length > offset)
         pend.params.append((p, offset, n, covering))
         pend.created[id(p)] = p._version
@@ -495,17 +494,22 @@ def _launch_deferred(state: ShimState, bucket):
     return done
 
 
-def _grad_view(buffer, p, offset, n):
+def _grad_view(buffer, p, offset):
     """``p``'s gradient in a copy of DDP's bucket, laid out as DDP lays it there: in the parameter's own memory
     order where it is dense and non-overlapping (``channels_last``, a transposed parameter), row-major otherwise;
     a complex parameter as two reals per element."""
-    real = p.is_complex() and not buffer.is_complex()
-    flat = buffer.narrow(0, offset, 2 * n if real else n)
-    if real:
+    flat = buffer.narrow(0, offset, _bucket_numel(p, buffer))
+    if p.is_complex() and not buffer.is_complex():
         flat = torch.view_as_complex(flat.view(-1, 2))
     if _dense(p):
         return flat.as_strided(p.shape, p.stride(), flat.storage_offset())
     return flat.view(p.shape)
+
+
+def _bucket_numel(p, buffer) -> int:
+    """How many of ``buffer``'s elements ``p``'s gradient takes in DDP's bucket: a complex parameter's two reals each
+    where the bucket is real."""
+    return p.numel() * (2 if p.is_complex() and not buffer.is_complex() else 1)
 
 
 def _dense(t) -> bool:
@@ -562,15 +566,15 @@ def _apply(state: ShimState, param) -> bool:
     if not ready:
         return False
     saved = [p.grad for p, _o, _n in ready]
-    for p, o, n in ready:
-        p.grad = _grad_view(pend.buffer, p, o, n)
+    for p, o, _n in ready:
+        p.grad = _grad_view(pend.buffer, p, o)
     try:
         d.step_subset([p for p, _o, _n in ready], pend.hparams)
     finally:
-        for (p, o, n), g in zip(ready, saved, strict=True):
+        for (p, o, _n), g in zip(ready, saved, strict=True):
             was, version = pend.grads.get(id(p), (None, None))
             if g is not None and was is g and g._version == version:  # not zeroed since step(): under DDP it
-                g.copy_(_grad_view(pend.buffer, p, o, n))  # holds the average, and the next backward adds
+                g.copy_(_grad_view(pend.buffer, p, o))  # holds the average, and the next backward adds
             p.grad = g  # (or None after zero_grad, or zeros): it accumulates as there
     return True
 

@@ -40,3 +40,19 @@ def test_runs_of_a_job_are_counted_and_conflicts_listed():
     assert t.runs == {"j": {"r1": 2}} and t.conflicts() == {}
     t.drop([A, B])
     assert t.runs == {} and t.by_job == {}
+
+
+def test_the_per_job_and_per_user_indexes_follow_every_change():
+    """``job_users``, ``job_floor``, ``user_flows`` and ``user_jobs`` (the agent's per-user rules and tiers) are
+    counts kept with each change; they end empty with the table."""
+    t = FlowTable(levels=4)
+    t.register("j", 0, (A,), uid=1000, floor=2)
+    t.register("j", 1, (B,), uid=0, floor=0)
+    assert t.job_users("j") == {0, 1000} and t.job_floor("j") == 0
+    assert t.user_flows(1000) == 1 and t.user_jobs(1000) == {"j"}
+    t.register("j", 3, (B,), uid=0, floor=0)  # moved, same user: counted once
+    assert t.user_flows(0) == 1
+    assert t.unregister("j", (B,)) == [B]
+    assert t.job_users("j") == {1000} and t.job_floor("j") == 2
+    t.drop([A])
+    assert not (t.users or t.floors or t.of_user) and t.job_users("j") == set()
