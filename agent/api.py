@@ -295,15 +295,16 @@ class Api:
                  **stats.get(spec.classid, {})} for spec in self.rec.backend.leaves()]
 
     def _interfaces(self) -> list[dict]:
-        """Each managed interface, the devices that carry its queues and how many flows leave through it now;
+        """Each managed interface, whether it is here (``present``: not deleted, renamed or moved away), the devices
+        that carry its queues and how many flows leave through it now;
         flows routed through none of them are counted under the name "", those not looked up yet (many peers:
         ``Reconciler.egress``) under null."""
         egress = self.rec.egress(list(self.table.flows))
         counts: dict[str | None, int] = {}
         for name in egress.values():
             counts[name] = counts.get(name, 0) + 1
-        out = [{"name": name, "queues": [d.name for d in self.rec.devices if d.serves == name],
-                "flows": counts.get(name, 0)} for name in self.rec.interfaces]
+        out = [{"name": name, "present": bool(index), "queues": [d.name for d in self.rec.devices if d.serves == name],
+                "flows": counts.get(name, 0)} for name, index in self.rec.interfaces.items()]
         out += [{"name": name, "queues": [], "flows": counts[name]} for name in ("", None) if counts.get(name)]
         return out
 
@@ -316,7 +317,7 @@ class Api:
         for i, spec in enumerate(self.rec.backend.leaves()):
             rows = [d["classes"][i] for d in devices]
             entry = dict(rows[0]) if len(rows) == 1 else {
-                **{k: rows[0][k] for k in ("level", "class", "prio")},
+                "level": spec.level, "class": fmt_handle(spec.classid), "prio": spec.prio,  # (no device: all gone)
                 **{k: sum(r.get(k, 0) for r in rows) for k in _summed_keys(rows)}}
             if spec.level is not None:
                 entry |= {"dscp": self.cfg.dscp[spec.level], "flows": len(by_level[spec.level]),

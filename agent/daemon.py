@@ -159,6 +159,90 @@ def _prepare_device(cfg: Config, ipr: IPRoute, link: links.Link, serves: str, ki
     return Takeover(link, serves, backend, snap, False)
 
 
+class HeldDevices:
+    """The queue devices the agent holds, kept to its managed interfaces (by name) for its whole life.
+
+    Every full pass reads the links. A device that left (deleted, moved to another network namespace, renamed, or
+    out of its bond) is given back: its recorded tree restored where it is still here, its state file removed. One
+    that came (the interface re-created or renamed back, a new bond member) is checked, recorded and taken over as
+    at start-up, with the job policy's current guaranteed shares. What cannot be taken over (a foreign root without
+    ``take_over_root``, no link rate) and a managed interface that is absent are reconcile errors, retried each pass.
+    Usage: ``held = HeldDevices(cfg, kind, ["eth0"], rec); ...; problems = held.follow(ipr)``
+    """
+
+    def __init__(self, cfg: Config, kind: str, names: list[str], rec: Reconciler):
+        self.cfg, self.kind, self.rec = cfg, kind, rec
+        self.names = list(names)  # the managed interfaces: as configured, or as the routes named them at start-up
+        self.takeovers: list[Takeover] = []  # what is taken over now, in the order taken (restored in reverse)
+
+    def follow(self, ipr) -> list[str]:
+        """Give back the devices that no longer carry a managed interface's queues, take over those that came;
+        keep the reconciler's devices and interfaces to that. Returns the problems, one line each."""
+        now = links.read_links(ipr)
+        want: dict[tuple[str, int, str], links.Link] = {}
+        index: dict[str, int] = {}
+        problems = []
+        for name in self.names:
+            link = now.get(name)
+            index[name] = link.index if link else 0  # 0: absent (no route lookup answers it)
+            if link is None:
+                problems.append(f"{name}: no such interface (deleted, renamed or moved to another network "
+                                "namespace): its flows are not queued until it is back")
+                continue
+            try:
+                want.update(((q.name, q.index, name), q) for q in links.queue_links(link, now))
+            except links.LinkError as exc:
+                problems.append(str(exc))
+        held = {(t.link.name, t.link.index, t.serves): t for t in self.takeovers}
+        for key in held.keys() - want.keys():
+            self._give_back(ipr, held[key], now)
+        for key in want.keys() - held.keys():
+            problem = self._take(ipr, want[key], key[2])
+            if problem:
+                problems.append(problem)
+        devices = [t.device() for t in self.takeovers]
+        if devices != self.rec.devices or index != self.rec.interfaces:
+            self.rec.follow(devices, index)
+        return problems
+
+    def _give_back(self, ipr, t: Takeover, now: dict[str, links.Link]) -> None:
+        """``t``'s device no longer carries a managed interface's queues: its recorded tree back where the device
+        is still here with the agent's root, its state file removed either way."""
+        self.takeovers.remove(t)
+        here = any(link.index == t.link.index for link in now.values())
+        try:
+            if here and t.backend.owns(ipr, t.link.index):
+                log.warning("%s (index %d) no longer carries %s's queues (renamed, or out of its bond): restoring "
+                            "its tree", t.link.name, t.link.index, t.serves)
+                restore_device(self.cfg, ipr, t.link.name, t.snap)
+            else:
+                log.warning("%s (index %d) is gone (deleted, or moved to another network namespace): its tree went "
+                            "with it", t.link.name, t.link.index)
+                state_path(self.cfg, t.link.name).unlink(missing_ok=True)
+        except Exception as exc:  # noqa: BLE001 - the state file stays: the next agent finds it
+            log.error("giving back %s failed: %s", t.link.name, exc)
+
+    def _take(self, ipr, link: links.Link, serves: str) -> str | None:
+        """Check, record and take over ``link`` for ``serves`` (as at start-up); the problem, if it cannot be."""
+        try:
+            t = _prepare_device(self.cfg, ipr, link, serves, self.kind)
+        except (StartupError, ConfigError) as exc:
+            return f"{link.name}: {exc}"
+        t.backend.set_shares(self.rec.shares)
+        try:
+            record(self.cfg, t)
+        except OSError as exc:
+            return f"{link.name}: cannot write its state file in {self.cfg.state_dir}: {exc}"
+        self.takeovers.append(t)  # from here it is restored on exit, whatever happens next
+        try:
+            take_over(self.cfg, ipr, t)
+        except Exception as exc:  # noqa: BLE001 - the reconcile pass applies the tree again
+            return f"{link.name}: taking it over: {exc}"
+        log.warning("took over %s (index %d), which carries %s's queues now (re-created, back in this namespace, "
+                    "renamed to it, or joined its bond)", link.name, link.index, serves)
+        return None
+
+
 def check_metrics_address(cfg: Config) -> None:
     """``metrics_address`` must be free to listen on: checked before anything changes (the metrics server starts
     after the take-over, where a port in use stopped the agent with a traceback)."""
@@ -224,9 +308,11 @@ def restore_device(cfg: Config, ipr: IPRoute, name: str, snap: snapshot.Snapshot
     return warnings
 
 
-def _serve(cfg: Config, api: Api, rec: Reconciler, table: FlowTable, notifier: Notifier, managing: str) -> None:
-    """Serve the API socket and reconcile every ``reconcile_interval_s`` until SIGTERM/SIGINT; readiness is told
-    once the socket listens, and each reconcile pass feeds the watchdog."""
+def _serve(cfg: Config, api: Api, held: HeldDevices, table: FlowTable, notifier: Notifier, managing: str) -> None:
+    """Serve the API socket and reconcile every ``reconcile_interval_s`` until SIGTERM/SIGINT (first following
+    the managed interfaces' devices: :class:`HeldDevices`); readiness is told once the socket listens, and each
+    reconcile pass feeds the watchdog."""
+    rec = held.rec
     stop = threading.Event()
     gc.collect()
     gc.freeze()  # what start-up allocated (pyroute2, scapy, prometheus) is never scanned again: no long pauses
@@ -240,7 +326,11 @@ def _serve(cfg: Config, api: Api, rec: Reconciler, table: FlowTable, notifier: N
     notifier.ready(f"managing {managing}")
 
     def periodic() -> None:
-        rec.reconcile(table)
+        try:
+            problems = held.follow(rec.ipr)
+        except Exception as exc:  # noqa: BLE001 - (a netlink error reading the links) the pass goes on
+            problems = [f"reading the links: {exc}"]
+        rec.reconcile(table, problems)
         notifier.watchdog()
 
     try:
@@ -309,7 +399,8 @@ def _run(cfg: Config) -> int:
         rec = Reconciler([t.device() for t in plan], cfg.dscp, {eg.name: eg.index for eg in egress}, ipr,
                          ack_level=0 if cfg.ack_priority else None)
         restore_orphans(cfg, ipr, plan)
-        touched: list[Takeover] = []
+        held = HeldDevices(cfg, kind, [eg.name for eg in egress], rec)
+        touched = held.takeovers  # every device taken over, at start-up or later, is restored on the way out
         try:
             for t in plan:
                 try:
@@ -327,11 +418,11 @@ def _run(cfg: Config) -> int:
             if cfg.metrics_address:
                 from tensorlane.agent.metrics import start_metrics_server
                 start_metrics_server(cfg.metrics_address, api)
-            _serve(cfg, api, rec, table, Notifier(), _describe(egress))
+            _serve(cfg, api, held, table, Notifier(), _describe(egress))
         finally:
             rec.teardown()
             restored = []
-            for t in reversed(touched):
+            for t in reversed(list(touched)):
                 try:  # one device that cannot be restored does not keep the others taken over
                     restore_device(cfg, ipr, t.link.name, t.snap)
                     restored.append(t.link.name)

@@ -60,6 +60,7 @@ class Reconciler:
         self.ipr = ipr
         self.nft = nft or nftables.Nft()
         self.stats = ReconcileStats()
+        self.shares: dict[int, float] = {}  # the job policy's guaranteed shares (set_shares), for a device taken later
         self._egress: dict[tuple[str, str], tuple[str, float]] = {}  # (src, dst) -> (interface, when looked up)
         self._backlog_sock: socket.socket | None = None  # the job policy's samples: one netlink socket, reused
 
@@ -91,6 +92,7 @@ class Reconciler:
         and logged, and the next full pass applies the trees again. Returns whether anything changed."""
         before = {dev.name: dev.backend.rates() for dev in self.devices if hasattr(dev.backend, "rates")}
         changed = [dev for dev in self.devices if dev.backend.set_shares(shares)]  # every device's, no short cut
+        self.shares = dict(shares)
         if not changed:
             return False
         try:
@@ -101,6 +103,14 @@ class Reconciler:
             self.stats.last_error = f"guaranteed shares: {exc}"
             log.error("changing the guaranteed shares: %s", exc)
         return True
+
+    def follow(self, devices: list[Device], interfaces: dict[str, int]) -> None:
+        """The queue devices and the managed interfaces' indexes (0: absent) as they are now
+        (``daemon.HeldDevices.follow``); the route lookups' answers are asked again."""
+        self.devices = list(devices)
+        if interfaces != self.interfaces:
+            self.interfaces = dict(interfaces)
+            self._egress.clear()
 
     def apply(self, table: FlowTable, added: list[FlowKey], moved: list[FlowKey], removed: list[FlowKey]) -> None:
         """Push one change to the kernel as a single transaction; fall back to a full pass if it fails.
@@ -118,12 +128,13 @@ class Reconciler:
             log.warning("incremental update failed (%s); reconciling fully", exc)
             self.reconcile(table)
 
-    def reconcile(self, table: FlowTable) -> int:
+    def reconcile(self, table: FlowTable, problems: list[str] = ()) -> int:
         """Full pass: qdisc trees in place, table present, map elements equal to ``table``. Returns repairs. Each
         part is repaired on its own: a device whose tree cannot be (gone, or its root held by a qdisc that cannot be
-        replaced) keeps neither the other devices' trees nor the flows' marks from being repaired."""
+        replaced) keeps neither the other devices' trees nor the flows' marks from being repaired. ``problems``
+        found before the pass (a managed interface absent: ``daemon.HeldDevices.follow``) fail it too."""
         self.stats.passes += 1
-        failed = []
+        failed = list(problems)
         for dev in self.devices:
             try:
                 dev.backend.apply(self.ipr, dev.index)

@@ -42,6 +42,7 @@ def format_status(st: dict) -> str:
     """Render a status reply as the table `tensorlane status` prints."""
     unnamed = {"": "(routed elsewhere)", None: "(not looked up yet)"}
     ifaces = ", ".join(f"{i['name'] or unnamed[i['name']]}: {i['flows']} flows"
+                       + (" (absent: deleted, renamed or moved away)" if i.get("present") is False else "")
                        + (f" (queues on {', '.join(i['queues'])})" if i["queues"] not in ([i["name"]], []) else "")
                        for i in st["interfaces"])
     lines = [f"backend {st['backend']}  link {st.get('link_rate_bps') or '-'} bit/s  flows {st['flows']}  "

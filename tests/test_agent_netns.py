@@ -438,3 +438,85 @@ def test_verify_accepts_the_pure_acks_that_ack_priority_sends_at_the_most_urgent
     assert out.returncode == 0, out.stdout + out.stderr
     row = json.loads(out.stdout)["flows"][0]
     assert row["verdict"] == "ok" and row["seen_dscp"] == [26] and row["ack_dscp"] == [46], row
+
+
+def wait_for(what, check, seconds: float = 8.0):
+    """Poll ``check()`` until it returns something true (bounded: ``seconds``); its last value, or an assertion
+    naming ``what``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
+        time.sleep(0.1)
+
+
+def test_a_managed_interface_renamed_moved_or_re_created_is_followed(tb):
+    """A managed interface that is renamed, moved to another namespace, or deleted and re-created: the device that
+    left is given back (its recorded tree restored where it is still here), the one that came under the name is
+    taken over, and the other interface's tree and the flows' marks never change. Before, a renamed device kept the
+    agent's tree while the rule (by name) marked nothing on it, and a deleted or moved one failed every pass; none
+    was taken over again until the agent restarted."""
+    h1, h2 = tb.host(1), tb.host(2)
+    h1.run(["ip", "link", "add", "tlx", "type", "veth", "peer", "name", "tlxp"])
+    try:
+        h1.run(["tc", "qdisc", "add", "dev", "tlx", "root", "handle", "1:", "tbf", "rate", "10mbit", "burst", "32k",
+                "latency", "50ms"])
+        before = {dev: tc_dump(h1, dev) for dev in ("eth0", "tlx")}
+        extra = {"interfaces": ["eth0", "tlx"], "reconcile_interval_s": 0.3, **TRUST}
+        with running_agents(tb, hosts=[1], backend="htb", config_extra=extra) as agents:
+            state_file = f"{agents[1].socket.rsplit('/', 1)[0]}/agent-tlx.json"
+
+            def index():
+                return int(json.loads(h1.run(["ip", "-j", "link", "show", "tlx"]).stdout)[0]["ifindex"])
+
+            def taken(idx):
+                st = agents[1].status()
+                if "qdisc htb 7a1: root" not in tc_dump(h1, "tlx"):
+                    return None
+                with open(state_file) as fh:  # recorded before the tree was made
+                    recorded = json.load(fh)["ifindex"] == idx
+                return recorded and {"device": "tlx", "serves": "tlx"}.items() <= next(
+                    d for d in st["devices"] if d["device"] == "tlx").items() and st
+
+            def absent():
+                st = agents[1].status()
+                tlx = next(i for i in st["interfaces"] if i["name"] == "tlx")
+                return not tlx["present"] and tlx["queues"] == [] and "tlx: no such interface" in st[
+                    "reconcile"]["last_error"] and st
+
+            eth0 = tc_dump(h1, "eth0")
+            with agents[1].client() as agent:
+                agent.register("job-f", 0, [flow(h1, 9711, h2, 9710)])
+            wait_for("tlx taken over at start", lambda: taken(index()))
+            # renamed away: its original (the tbf) back on it; renamed back: taken over again
+            h1.run(["ip", "link", "set", "tlx", "name", "tly"])
+            wait_for("tlx absent after the rename", absent)
+            assert tc_dump(h1, "tly") == before["tlx"].replace("tlx", "tly")
+            h1.run(["ip", "link", "set", "tly", "name", "tlx"])
+            wait_for("tlx taken over after the rename back", lambda: taken(index()))
+            # moved to another namespace and back: gone with its tree, then taken over again
+            h1.run(["ip", "link", "set", "tlx", "netns", h2.name])
+            wait_for("tlx absent after the move", absent)
+            h2.run(["ip", "link", "set", "tlx", "netns", h1.name])
+            wait_for("tlx taken over after the move back", lambda: taken(index()))
+            # deleted and re-created: a new device (a new index) under the name
+            old = index()
+            h1.run(["ip", "link", "del", "tlx"])
+            wait_for("tlx absent after the delete", absent)
+            h1.run(["ip", "link", "add", "tlx", "type", "veth", "peer", "name", "tlxp"])
+            assert index() != old
+            st = wait_for("the new tlx taken over", lambda: taken(index()))
+            assert tc_dump(h1, "eth0") == eth0  # the other interface was never touched
+            assert "9711" in h1.run(["nft", "list", "map", "inet", "tensorlane", "flows4"]).stdout
+            assert st["flows"] == 1 and [i["present"] for i in st["interfaces"]] == [True, True]
+            errors = st["reconcile"]["errors"]
+            time.sleep(1.0)
+            assert agents[1].status()["reconcile"]["errors"] == errors  # followed: no pass fails any more
+        assert tc_dump(h1, "eth0") == before["eth0"]
+        assert "7a1:" not in tc_dump(h1, "tlx")  # the new device's own (default) root back
+    finally:
+        for host in (h1, h2):
+            host.run(["ip", "link", "del", "tlx"], check=False)
+            host.run(["ip", "link", "del", "tly"], check=False)

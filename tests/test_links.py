@@ -112,3 +112,41 @@ def test_egress_lookups_are_bounded_per_call_and_remembered():
     assert ipr.lookups == len(keys) and second[keys[-1]] == "" and second[keys[0]] == "eth0"
     rec.egress(keys)
     assert ipr.lookups == len(keys)  # remembered: no new lookup within EGRESS_TTL_S
+
+
+def test_a_bonds_members_are_followed_as_they_leave_and_join(monkeypatch, tmp_path):
+    """The agent holds a bond's members (its queues): a member that leaves the bond gets its own tree back, one
+    that joins is taken over with the job policy's current shares, and a bond left with no members is a problem
+    of the pass (bonds cannot be made on this kernel: the links are netlink messages, the kernel calls recorded)."""
+    from tensorlane.agent import daemon
+    from tensorlane.agent.config import Config
+    from tensorlane.agent.kernel.qdisc import HtbBackend
+    from tensorlane.agent.reconcile import Reconciler
+
+    calls = []
+
+    def prepare(cfg, ipr, link, serves, kind):
+        return daemon.Takeover(link, serves, HtbBackend(2, 10**9), None, False)
+
+    monkeypatch.setattr(daemon, "_prepare_device", prepare)
+    monkeypatch.setattr(daemon, "record", lambda cfg, t: calls.append(("record", t.link.name)))
+    monkeypatch.setattr(daemon, "take_over", lambda cfg, ipr, t: calls.append(("take", t.link.name, t.backend.shares)))
+    monkeypatch.setattr(daemon, "restore_device", lambda cfg, ipr, name, snap: calls.append(("restore", name)))
+    monkeypatch.setattr(HtbBackend, "owns", lambda self, ipr, index: True)
+    cfg = Config(interfaces=("bond0",), link_rate_bps=10**9, state_dir=str(tmp_path))
+    links = read_links(FakeIPRoute(HOST))
+    start = [prepare(cfg, None, q, "bond0", "htb") for q in queue_links(links["bond0"], links)]
+    rec = Reconciler([t.device() for t in start], (46, 26), {"bond0": 6}, FakeIPRoute(HOST), nft=object())
+    rec.shares = {0: 0.4}
+    held = daemon.HeldDevices(cfg, "htb", ["bond0"], rec)
+    held.takeovers.extend(start)
+    assert held.follow(FakeIPRoute(HOST)) == [] and calls == []  # nothing moved: nothing done
+    moved = [link_msg(1, "lo"), link_msg(4, "eth2", master=6), link_msg(5, "eth3"), link_msg(6, "bond0", "bond"),
+             link_msg(9, "eth4", master=6)]
+    assert held.follow(FakeIPRoute(moved)) == []
+    assert calls == [("restore", "eth3"), ("record", "eth4"), ("take", "eth4", {0: 0.4})]
+    assert [(d.name, d.index, d.serves) for d in rec.devices] == [("eth2", 4, "bond0"), ("eth4", 9, "bond0")]
+    calls.clear()
+    alone = [link_msg(1, "lo"), link_msg(4, "eth2"), link_msg(5, "eth3"), link_msg(6, "bond0", "bond")]
+    assert held.follow(FakeIPRoute(alone)) == ["bond0 is a bond with no members: its traffic has no queue to manage"]
+    assert calls == [("restore", "eth2")] and rec.devices == []  # eth4 is gone: nothing to restore on it
