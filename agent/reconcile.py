@@ -60,6 +60,7 @@ class Reconciler:
         self.ipr = ipr
         self.nft = nft or nftables.Nft()
         self.stats = ReconcileStats()
+        self._failing = ""  # what the last pass failed on ("" : nothing)
         self.shares: dict[int, float] = {}  # the job policy's guaranteed shares (set_shares), for a device taken later
         self._egress: dict[tuple[str, str], tuple[str, float]] = {}  # (src, dst) -> (interface, when looked up)
         self._backlog_sock: socket.socket | None = None  # the job policy's samples: one netlink socket, reused
@@ -141,10 +142,15 @@ class Reconciler:
             except Exception as exc:  # noqa: BLE001 - counted and reported below, the agent keeps running
                 failed.append(f"{dev.name}: {exc}")
         repairs = self._reconcile_flows(table, failed)
+        failing = "; ".join(failed)
         if failed:
             self.stats.errors += 1
-            self.stats.last_error = "; ".join(failed)
-            log.error("reconcile failed: %s", self.stats.last_error)
+            self.stats.last_error = failing
+            if failing != self._failing:  # logged when it starts or changes, not every pass (the counter counts)
+                log.error("reconcile failed: %s (logged again when this changes)", failing)
+        elif self._failing:
+            log.warning("reconcile passes again (after: %s)", self._failing)
+        self._failing = failing
         return repairs
 
     def _reconcile_flows(self, table: FlowTable, failed: list[str]) -> int:
