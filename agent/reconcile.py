@@ -15,7 +15,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from tensorlane.agent.kernel import links, tcstats
+from tensorlane.agent.kernel import links, qdisc, tcstats
 from tensorlane.agent.kernel import nft as nftables
 from tensorlane.agent.state import FlowTable
 from tensorlane.flows import FlowKey
@@ -60,6 +60,7 @@ class Reconciler:
         self.ipr = ipr
         self.nft = nft or nftables.Nft()
         self.stats = ReconcileStats()
+        self._shape: list[str] | None = None  # the table's chains and rules as listed after the last install
         self._failing = ""  # what the last pass failed on ("" : nothing)
         self.shares: dict[int, float] = {}  # the job policy's guaranteed shares (set_shares), for a device taken later
         self._egress: dict[tuple[str, str], tuple[str, float]] = {}  # (src, dst) -> (interface, when looked up)
@@ -76,7 +77,15 @@ class Reconciler:
     def install(self) -> None:
         """Create (or update in place) the qdisc trees and the nftables table, keeping registered elements."""
         self._apply_trees()
+        self._install_table()
+
+    def _install_table(self) -> dict | None:
+        """Create or update the nftables table (keeping the maps' elements); remember its shape as listed now, what
+        each pass compares with. Returns the listing."""
         self.nft.run(self._table_commands())
+        listing = nftables.list_table(self.nft)
+        self._shape = nftables.table_shape(listing)
+        return listing
 
     def share_budget(self) -> float:
         """The share of the link the job parts may take in all on every device (``HtbBackend.share_budget``; 1.0
@@ -136,12 +145,17 @@ class Reconciler:
         found before the pass (a managed interface absent: ``daemon.HeldDevices.follow``) fail it too."""
         self.stats.passes += 1
         failed = list(problems)
+        repairs = 0
         for dev in self.devices:
             try:
                 dev.backend.apply(self.ipr, dev.index)
+                if found := qdisc.remove_filters(self.ipr, dev.index, dev.backend.filter_parents()):
+                    log.warning("reconcile: removed foreign tc filters from %s's tree (at %d parents)", dev.name, found)
+                    repairs += found
             except Exception as exc:  # noqa: BLE001 - counted and reported below, the agent keeps running
                 failed.append(f"{dev.name}: {exc}")
-        repairs = self._reconcile_flows(table, failed)
+        self.stats.repairs += repairs
+        repairs += self._reconcile_flows(table, failed)
         failing = "; ".join(failed)
         if failed:
             self.stats.errors += 1
@@ -158,9 +172,11 @@ class Reconciler:
         ``failed``."""
         try:
             listing = nftables.list_table(self.nft)
-            if listing is None or not self._table_complete(listing):
-                self.nft.run(self._table_commands())
-                listing = nftables.list_table(self.nft)
+            if listing is None or nftables.table_shape(listing) != self._shape:
+                if listing is not None:
+                    log.warning("reconcile: the nftables table's chains or rules changed; putting them back")
+                    self.stats.repairs += 1
+                listing = self._install_table()
             have = nftables.parse_map_elements(listing)
             level_of = table.level_of
             want = {k: level_of(e) for k, e in table.flows.items()}
@@ -176,14 +192,6 @@ class Reconciler:
         except Exception as exc:  # noqa: BLE001 - counted and reported, the agent keeps running
             failed.append(f"nftables: {exc}")
             return 0
-
-    def _table_complete(self, listing: dict) -> bool:
-        chains = {i["chain"]["name"] for i in listing.get("nftables", []) if "chain" in i}
-        maps = {i["map"]["name"] for i in listing.get("nftables", []) if "map" in i}
-        want_chains = {"egress", *(nftables.level_chain(lvl) for lvl in range(self.backend.levels))}
-        rules = sum(1 for i in listing.get("nftables", []) if "rule" in i)
-        want_rules = sum(1 for c in self._table_commands() if "rule" in c.get("add", {}))
-        return want_chains <= chains and {"flows4", "flows6"} <= maps and rules == want_rules
 
     def egress(self, keys, ipr=None) -> dict[FlowKey, str | None]:
         """The managed interface each flow leaves through (a route lookup per address pair, remembered for

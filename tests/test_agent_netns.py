@@ -520,3 +520,33 @@ def test_a_managed_interface_renamed_moved_or_re_created_is_followed(tb):
         for host in (h1, h2):
             host.run(["ip", "link", "del", "tlx"], check=False)
             host.run(["ip", "link", "del", "tly"], check=False)
+
+
+def test_a_rule_replaced_in_place_and_a_foreign_filter_are_repaired(tb):
+    """A rule of the agent's table replaced by another (the count of rules unchanged) and tc filters attached to the
+    agent's qdisc and parent class: the next pass puts the rule back and removes the filters. Before, neither was
+    seen: the count of rules matched, and filters were never looked at."""
+    h1, h2 = tb.host(1), tb.host(2)
+    with running_agents(tb, levels=2, hosts=[1], backend="htb",
+                        config_extra={"reconcile_interval_s": 0.3, **TRUST}) as agents:
+        with agents[1].client() as agent:
+            agent.register("job-p", 0, [flow(h1, 9721, h2, 9720)])
+        rules = json.loads(h1.run(["nft", "-j", "list", "chain", "inet", "tensorlane", "level0"]).stdout)
+        first = next(i["rule"] for i in rules["nftables"] if "rule" in i)
+        h1.run(["nft", "replace", "rule", "inet", "tensorlane", "level0", "handle", str(first["handle"]),
+                "meta", "nfproto", "ipv4", "ip", "dscp", "set", "cs1", "accept"])  # demoted: DSCP 8, no class
+        for parent in ("7a1:", "7a1:1"):
+            h1.run(["tc", "filter", "add", "dev", "eth0", "parent", parent, "protocol", "ip", "prio", "5", "u32",
+                    "match", "ip", "dst", h2.ip + "/32", "flowid", "7a1:11"])
+
+        def repaired():
+            chain = h1.run(["nft", "list", "chain", "inet", "tensorlane", "level0"]).stdout
+            filters = "".join(h1.run(["tc", "filter", "show", "dev", "eth0", "parent", p]).stdout
+                              for p in ("7a1:", "7a1:1"))
+            return "cs1" not in chain and "ip dscp set ef" in chain and not filters.strip()
+
+        wait_for("the rule put back and the filters removed", repaired)
+        st = agents[1].status()
+        assert st["reconcile"]["errors"] == 0 and st["reconcile"]["repairs"] >= 3, st["reconcile"]
+        got = udp_exchange(h1, h2, 9721, 9720, seconds=0.5)
+        assert set(got["dscp"]) == {"46"}, got  # the flow leaves marked as its level again

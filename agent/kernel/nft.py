@@ -206,6 +206,24 @@ def chain_counters(listing: dict | None) -> dict[int, dict[str, int]]:
     return out
 
 
+def table_shape(listing: dict | None) -> list[str] | None:
+    """The table's chains, maps and rules as listed, without what changes on its own (handles, counters, the maps'
+    elements): equal shapes are the same rules (None: no table). The reconciler compares each pass's with the one
+    listed after its own install, so that a rule replaced by another (the count unchanged) is seen."""
+    if listing is None:
+        return None
+    out = []
+    for item in listing.get("nftables", []):
+        kind = next(iter(item), "")
+        if kind not in ("chain", "map", "rule"):
+            continue
+        body = {k: v for k, v in item[kind].items() if k not in ("handle", "elem")}
+        if kind == "rule":
+            body["expr"] = [{"counter": None} if "counter" in e else e for e in body.get("expr", [])]
+        out.append(json.dumps({kind: body}, sort_keys=True))
+    return out
+
+
 def list_table(nft: Nft) -> dict | None:
     """The agent's table as JSON, or None when it does not exist."""
     try:

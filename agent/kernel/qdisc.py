@@ -165,6 +165,10 @@ class HtbBackend:
         change_classes(index, self.parent_class, changed)
         return len(changed)
 
+    def filter_parents(self) -> tuple[int, ...]:
+        """Where a filter could classify packets in the tree: the root qdisc and the parent class."""
+        return (self.root, self.parent_class)
+
     def owns(self, ipr, index: int) -> bool:
         """Whether the interface's root qdisc is one of ours."""
         return any(q["parent"] == 0xFFFFFFFF and q["handle"] == self.root and q.get_attr("TCA_KIND") == "htb"
@@ -211,9 +215,25 @@ class PrioBackend:
                 ipr.tc("replace", "pfifo", index=index, handle=spec.leaf_handle, parent=spec.classid,
                        limit=self.queue_limit)
 
+    def filter_parents(self) -> tuple[int, ...]:
+        """Where a filter could classify packets in the tree: the root qdisc."""
+        return (self.root,)
+
     def owns(self, ipr, index: int) -> bool:
         return any(q["parent"] == 0xFFFFFFFF and q["handle"] == self.root and q.get_attr("TCA_KIND") == "prio"
                    for q in ipr.get_qdiscs(index=index))
+
+
+def remove_filters(ipr, index: int, parents: tuple[int, ...]) -> int:
+    """Delete every tc filter attached at ``parents`` (the agent's qdisc and inner classes) of device ``index``:
+    the agent attaches none (packets are classified by ``skb->priority``), so one there is foreign and would
+    classify packets past the marks. Returns how many parents had some (one dump each when none)."""
+    found = 0
+    for parent in parents:
+        if ipr.get_filters(index=index, parent=parent):
+            ipr.tc("del-filter", index=index, parent=parent)  # prio 0: every filter of that parent
+            found += 1
+    return found
 
 
 def make_backend(kind: str, levels: int, link_rate_bps: int | None, queue_limit: int = 1000,
