@@ -62,8 +62,12 @@ STAYS_OVERLAP = tuple(n for n in MAIN + ["checkpoint_resume"] if n not in FALLS_
 # parameter by about lr: twice lr x steps), which only a wrong step would break. (Overlap and hook mode were equal
 # bit for bit in most runs, 6e-8 apart in one: the order at 3 ranks is not the same in every run.) At 2 ranks (one
 # order of summation) every cell equals DDP.
-MAGNIFIES_ROUNDING = ("autocast_bf16",)
-ADAMW_DRIFT = 2 * 2e-3 * worker.STEPS  # twice the idiom's lr x the worker's steps
+# On CUDA Adam's warm restart does too: the first step after its state is cleared moves every parameter by about
+# lr whatever the size of its gradient (m / sqrt(v) = g / |g|), so the same order of summation left 2.5e-5 at 3 ranks
+# (an H200, 2026-11-27; hook and overlap mode alike), where CPU stays within 1e-5. In both, overlap mode must also
+# equal hook mode within TOLERANCE: what the overlap design adds is checked as tightly as ever.
+MAGNIFIES_ROUNDING = ("autocast_bf16",) + (("optimizer_state_reset",) if DEVICE == "cuda" else ())
+ADAMW_DRIFT = 2 * 2e-3 * worker.STEPS  # twice the idiom's lr x the worker's steps (both idioms' lr: 2e-3)
 
 CELLS = ([(idiom, mode, world) for world in WORLDS for idiom in MAIN for mode in SHIM_MODES]
          + [("checkpoint_resume", mode, world) for world in WORLDS for mode in ("ddp",) + SHIM_MODES])
@@ -166,6 +170,11 @@ def test_cell_matches_ddp(launches, idiom, mode, world):
             cell, ref = load_cell(res, idiom, mode, rank)[0], load_cell(res, idiom, "ddp", rank)[0]
             drift = max(float((cell["state"][k].double() - v.double()).abs().max()) for k, v in ref["state"].items())
             assert drift <= ADAMW_DRIFT, f"rank {rank}: parameters {drift:.3g} from DDP's, beyond AdamW's drift"
+            if mode == "overlap":  # the same pieces, the same order of summation: overlap equals hook mode
+                hook = load_cell(res, idiom, "hook", rank)[0]
+                for what in ("state", "extras"):
+                    d, key = max_rel_diff(cell[what], hook[what])
+                    assert d <= TOLERANCE, f"rank {rank}: {what} differs from hook mode's: {d:.3g} at {key!r}"
         return
     for rank in range(world):
         cell, meta = load_cell(res, idiom, mode, rank)
