@@ -24,7 +24,9 @@ def _agent(args) -> int:
     err = journal_prefix(logging.ERROR)
     flags = {"interface": args.interface, "socket": args.socket, "metrics_address": args.metrics_address}
     try:
-        cfg = load_config(args.config, flags) if args.config else from_dict({k: v for k, v in flags.items() if v})
+        # a flag given empty counts (--metrics-address "" disables /metrics); an absent one is None
+        cfg = load_config(args.config, flags) if args.config else from_dict(
+            {k: v for k, v in flags.items() if v is not None})
     except ConfigError as exc:
         print(f"{err}tensorlane agent: {exc}", file=sys.stderr)
         return 2

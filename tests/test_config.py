@@ -145,3 +145,16 @@ def test_check_config_checks_a_file_and_changes_nothing(tmp_path, capsys):
     assert "ok" in capsys.readouterr().out
     assert main(["agent", "--check-config", "--config", str(bad)]) == 2
     assert "config field 'levels'" in capsys.readouterr().err
+
+
+def test_flags_without_a_file_keep_an_empty_metrics_address(monkeypatch):
+    """``tensorlane agent --interface eth0 --metrics-address ""`` disables /metrics, as with a file (docs/agent.md);
+    an absent flag leaves the default."""
+    from tensorlane.agent import daemon
+    from tensorlane.cli import main
+
+    seen = []
+    monkeypatch.setattr(daemon, "run", lambda cfg: seen.append(cfg) or 0)
+    assert main(["agent", "--interface", "eth0", "--metrics-address", ""]) == 0
+    assert main(["agent", "--interface", "eth0"]) == 0
+    assert [c.metrics_address for c in seen] == ["", "127.0.0.1:9477"]
