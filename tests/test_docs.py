@@ -1,6 +1,7 @@
 """The documentation's own links: every relative link in README.md, docs/, results/README.md and the role's README
 names a file that exists and, with ``#anchor``, a heading of that file (GitHub's anchors), so that moving a section
-cannot leave a reader at a dead link."""
+cannot leave a reader at a dead link; and the interfaces the docs describe are the code's: the agent's settings with
+their defaults (docs/agent.md), the CLI's flags, shim.attach's options (docs/shim.md), the TOML examples."""
 from __future__ import annotations
 
 import re
@@ -85,3 +86,114 @@ def test_the_python_examples_of_the_policies_run():
                 exec(compile(block, f"{page.name} example", "exec"), {})
                 ran += 1
     assert ran >= 1
+
+
+def _table(page: Path, header: str) -> dict[str, list[str]]:
+    """The rows of every table of ``page`` whose header line is ``header``: ``{first cell without backticks:
+    the other cells}`` (a first cell naming two, ``a`, `b``, gives a row for each)."""
+    rows, inside = {}, False
+    for line in _prose(page.read_text()):
+        if line.strip() == header:
+            inside = True
+        elif inside and line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if set(cells[0]) <= set("-: "):
+                continue
+            for name in re.findall(r"`([^`]+)`", cells[0]):
+                rows[name] = cells[1:]
+        else:
+            inside = False
+    return rows
+
+
+def test_the_toml_examples_pass_the_agents_check():
+    """Every ```toml block of the docs is a config the agent accepts (a fragment without an interface gets one)."""
+    import tomllib
+
+    from tensorlane.agent.config import from_dict
+
+    checked = 0
+    for page in PAGES:
+        for block in re.findall(r"```toml\n(.*?)```", page.read_text(), re.S):
+            raw = tomllib.loads(block)
+            if "interface" not in raw and "interfaces" not in raw:
+                raw["interface"] = "eth0"
+            from_dict(raw)
+            checked += 1
+    assert checked >= 4
+
+
+def _documented_default(key: str, cell: str):
+    """A default as docs/agent.md writes it (`"auto"`, 0.01, `[]`, none, true, `0660`, 0 (off), a bare path)."""
+    import tomllib
+
+    text = cell.replace("`", "").split(" (")[0]
+    if key == "socket_mode":
+        return int(text, 8)
+    if text in ("none", "true", "false"):
+        return {"none": None, "true": True, "false": False}[text]
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a path or an address, unquoted
+
+
+def test_the_agents_config_tables_name_every_setting_with_its_default():
+    """docs/agent.md's settings tables list every setting of agent/config.py and no other, each with the
+    dataclass's default, and the inline examples of their rows (``e.g. `{...}```) are accepted."""
+    import tomllib
+
+    from tensorlane.agent.config import _KEYS, ALIASES, _default, from_dict
+
+    rows = _table(REPO / "docs" / "agent.md", "| field | default | meaning |")
+    assert set(rows) == set(_KEYS) | set(ALIASES), sorted(set(rows) ^ (set(_KEYS) | set(ALIASES)))
+    needs = {"job_priority": {"job_policy": "static"}, "job_intensity": {"job_policy": "intensity"},
+             "training_subnets": {"interfaces": "auto"}}
+    for key, (default, meaning) in rows.items():
+        if key not in ALIASES and key != "dscp":  # dscp: the default table by name, its numbers are test_levels'
+            code = _default(key)
+            code = list(code) if isinstance(code, tuple) else code
+            assert code == _documented_default(key, default), f"{key}: docs say {default}, the code {code!r}"
+        for example in re.findall(r"e\.g\. `(\{[^`]*\}|\[[^`]*\])`", meaning):
+            raw = {key: tomllib.loads(f"v = {example}")["v"], **needs.get(key, {})}
+            from_dict(raw if "interfaces" in raw else {"interface": "eth0", **raw})
+
+
+def test_the_commands_and_flags_in_the_docs_are_the_clis():
+    """Every flag of `tensorlane SUBCOMMAND` is named in docs/agent.md, and every `tensorlane SUBCOMMAND --flag`
+    the docs write exists."""
+    from tensorlane.cli import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if a.choices and "agent" in a.choices).choices
+    flags = {name: {o for a in sub._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+             for name, sub in subs.items()}
+    agent_md = (REPO / "docs" / "agent.md").read_text()
+    missing = [f"{name} {flag}" for name, fl in flags.items() for flag in sorted(fl)
+               if not re.search(rf"(?<![\w-]){flag}(?![\w-])", agent_md)]
+    assert not missing, f"not in docs/agent.md: {missing}"
+    wrong = []
+    for page in PAGES:
+        for sub, rest in re.findall(r"\btensorlane (agent|status|verify)\b([^`\n]*)", page.read_text()):
+            wrong += [f"{page.name}: tensorlane {sub} {f}" for f in re.findall(r"--[a-z][a-z-]*", rest)
+                      if f not in flags[sub]]
+    assert not wrong, wrong
+
+
+def test_the_shims_options_table_is_attachs_signature():
+    """docs/shim.md's options are the keyword arguments of ``shim.attach``, with its defaults where the table
+    gives a literal one (read from the source: importing the shim needs torch, this test does not)."""
+    import ast
+
+    src = (REPO / "shim" / "ddp.py").read_text()
+    attach = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "attach")
+    args = attach.args
+    positional = args.args[len(args.args) - len(args.defaults):]  # those with a default: all but the model
+    params = {a.arg: d for a, d in zip(positional, args.defaults, strict=True)}
+    params |= {a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)}
+    rows = _table(REPO / "docs" / "shim.md", "| option | default | meaning |")
+    assert set(rows) == set(params), sorted(set(rows) ^ set(params))
+    for name, (default, _meaning) in rows.items():
+        literal = default.strip("`")
+        if literal in ("None", "False", "True") or re.fullmatch(r"[\d.]+|\"\w+\"", literal):
+            assert ast.literal_eval(literal) == ast.literal_eval(params[name]), f"{name}: docs say {default}"
