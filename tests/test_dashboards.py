@@ -199,3 +199,20 @@ def test_every_alert_has_a_runbook_section():
         url = a["annotations"].get("runbook_url", "")
         assert url == f"docs/runbook.md#{a['alert'].lower()}", a["alert"]
         assert a["alert"].lower() in sections, f"docs/runbook.md has no section {a['alert']}"
+
+
+def test_the_alert_table_of_docs_metrics_is_rules_yml():
+    """docs/metrics.md's alert table names every alert of rules.yml with its `for` and its threshold (``> N %`` or
+    ``> N ms`` in the table is the number the rule compares with)."""
+    import yaml
+
+    rules = yaml.safe_load((DASHBOARDS / "rules.yml").read_text())
+    alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    doc = (DASHBOARDS.parent / "docs" / "metrics.md").read_text()
+    rows = {m[0]: (m[1], m[2]) for m in re.findall(r"^\| `(Tensorlane\w+)` \| (.*) \| (\w+) \|$", doc, re.M)}
+    assert set(rows) == set(alerts), sorted(set(rows) ^ set(alerts))
+    for name, (when, duration) in rows.items():
+        assert alerts[name]["for"] == duration, f"{name}: docs say for {duration}, rules.yml {alerts[name]['for']}"
+        numbers = {float(x) for x in re.findall(r"\b\d+(?:\.\d+)?\b", alerts[name]["expr"])}
+        for value, unit in re.findall(r"> (\d+(?:\.\d+)?) (%|ms)(?!\w)", when):
+            assert float(value) / {"%": 100, "ms": 1000}[unit] in numbers, f"{name}: docs say > {value} {unit}"
