@@ -160,6 +160,37 @@ def test_every_exported_name_is_declared_once_in_the_names_module(kernel):
     assert len(exported) > 30 and exported <= set(declared), sorted(exported - set(declared))
 
 
+
+def test_docs_metrics_table_is_the_names_module(kernel):
+    """docs/metrics.md's table has a row for every metric of names.py and no other, with its labels (an info
+    metric's row adds its info keys) and, for what a scrape exports, its type; the sources named there are the
+    collector label's values."""
+    import re
+    from pathlib import Path
+
+    from tensorlane.agent.metrics import SOURCES
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    rows = {m[0]: (m[1], {x.strip() for x in m[2].split(",") if x.strip()})
+            for m in re.findall(r"^\| `(tensorlane_[a-z_]+)` \| ([^|]+?) \|([^|]*)\|", doc, re.M)}
+    declared = {n.name: n for n in names.ALL}
+    base = {re.sub(r"_(total|info)$", "", r) if re.sub(r"_(total|info)$", "", r) in declared else r: r for r in rows}
+    assert set(base) == set(declared), f"docs/metrics.md vs names.py: {sorted(set(base) ^ set(declared))}"
+    for name, n in declared.items():
+        kind, labels = rows[base[name]]
+        assert labels == set(n.labels) or (kind == "info (1)" and labels > set(n.labels)), (name, labels, n.labels)
+    api = fake_api(job_policy="shortest", job_share="auto")
+    registry, _ = make_registry(api)
+    request(api, op="register", job="a", level=0, flows=[flow(1)])
+    api.jobs.observe({0}, 1.0)
+    kinds = {"counter": "counter", "gauge": "gauge", "histogram": "histogram", "info": "info (1)"}
+    typed = {fam.name: fam.type for fam in registry.collect() if fam.name in declared}
+    assert len(typed) > 30
+    for name, kind in typed.items():
+        assert rows[base[name]][0] == kinds[kind], f"{name}: docs say {rows[base[name]][0]}, exported as {kind}"
+        assert base[name] == name + {"counter": "_total", "info": "_info"}.get(kind, ""), base[name]
+    assert all(f"`{cls.name}`" in doc for cls in SOURCES), [cls.name for cls in SOURCES if f"`{cls.name}`" not in doc]
+
 # --- classes, contention ----------------------------------------------------------------------------------------
 
 def test_class_counters_info_and_link_rate(kernel):
