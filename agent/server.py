@@ -17,8 +17,9 @@ at most one of its own. Refusals are counted (``api.record``: op ``connect``, ``
 reason as outcome) and logged at most once per reason per ``LOG_EVERY_S``, with the number left out since the
 last line.
 
-Processes that registered flows of their own sockets are watched with a pidfd: when one exits its flows go at
-once, and a sweep every ``SWEEP_S`` removes flows whose sockets were closed. With ``job_policy = "rotate"`` (or
+Processes that registered flows of their own sockets are watched with a pidfd (at most ``MAX_WATCHED``): when one
+exits its flows go at once, and a sweep every ``SWEEP_S`` removes flows whose sockets were closed (or whose
+unwatched owner exited). With ``job_policy = "rotate"`` (or
 ``"alternate"``) the loop also wakes at each epoch boundary of the wall clock and moves the flows whose effective
 level the new job order changes, in one nftables transaction (agent/jobs.py).
 Usage: ``Server(api, "/run/tensorlane/agent.sock", 0o660).serve(stop, 5.0, periodic)``
@@ -99,6 +100,7 @@ class Server:
     WORK_SLICE_S = 0.002  # at most this much request handling between two looks at the sockets
     ACCEPT_BATCH = 64     # connections accepted per wake-up
     IDLE_BATCH = 256      # idle connections closed per pass (more: the next pass, at once)
+    MAX_WATCHED = 512     # owner processes watched with a pidfd (the others' flows go at the next sweep)
     LOG_EVERY_S = 10.0
 
     def __init__(self, api: Api, path: str, mode: int, group: str | None = None):
@@ -461,18 +463,26 @@ class Server:
 
     # -- owners of registered flows ---------------------------------------------------------------------
     def _watch_owners(self) -> None:
-        """Watch every process that owns flows (pidfd: readable when it exits); forget the others."""
+        """Watch up to ``MAX_WATCHED`` processes that own flows (pidfd: readable when it exits); forget the others.
+        Owners left unwatched (more of them, or no file descriptor to spare) lose their flows at the next sweep
+        instead of at once: a user who registers from many processes cannot take the agent's open files."""
         owners = set(self.api.table.by_pid)
+        for pid in set(self.watched) - owners:
+            self._unwatch(pid)
         for pid in owners - set(self.watched):
+            if len(self.watched) >= self.MAX_WATCHED:
+                return
             try:
                 fd = os.pidfd_open(pid)
             except ProcessLookupError:
                 self._guarded("removing an exited process's flows", self.api.drop_owner, pid)
                 continue
+            except OSError as exc:  # EMFILE, ENFILE, ENOMEM: the sweep removes the flows once the process is gone
+                self.refusals.note("pidfd", logging.WARNING, "cannot watch the processes that own flows: %s; their "
+                                   "flows go at the next sweep once they exit", exc)
+                return
             self.watched[pid] = fd
             self.sel.register(fd, READ, ("pid", pid))
-        for pid in set(self.watched) - owners:
-            self._unwatch(pid)
 
     def _unwatch(self, pid: int) -> None:
         """Stop watching the owner ``pid`` (close its pidfd)."""

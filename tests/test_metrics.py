@@ -906,6 +906,42 @@ def test_server_caps_a_user_holds_its_excess_requests_and_closes_idle_connection
             s.close()
 
 
+def test_owner_processes_cannot_take_the_agents_open_files(tmp_path, monkeypatch):
+    """Each process that owns flows is watched with a pidfd, at most ``MAX_WATCHED`` of them: a user who registers
+    from many processes (one socket and one request each) leaves the rest to the sweep. Before, every owner took a
+    pidfd; past the open-file limit pidfd_open raised EMFILE out of the server's loop and the agent stopped."""
+    import errno
+    import os
+
+    from tensorlane.agent import server as server_mod
+    from tensorlane.flows import FlowKey
+
+    cfg = from_dict({"interface": "eth0", "link_rate": "200mbit", "reconcile_interval_s": 1})
+    api = Api(cfg, FlowTable(4), FakeRec(4), "htb")
+    server = server_mod.Server(api, str(tmp_path / "agent.sock"), 0o600)
+    monkeypatch.setattr(server_mod.Server, "MAX_WATCHED", 3)
+    kids = [subprocess.Popen(["sleep", "60"]) for _ in range(5)]
+    try:
+        for i, kid in enumerate(kids):
+            api.table.register(f"job-{i}", 1, (FlowKey("tcp", "198.18.0.1", 1000 + i, "198.18.0.2", 80),),
+                               pid=kid.pid, uid=1000)
+        server._watch_owners()
+        assert len(server.watched) == 3 and len(api.table.flows) == 5
+        server._unwatch(next(iter(server.watched)))
+
+        def no_fds(pid):
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        monkeypatch.setattr(os, "pidfd_open", no_fds)
+        server._watch_owners()  # no file descriptor left: the owners wait for the sweep, the loop goes on
+        assert len(server.watched) == 2 and len(api.table.flows) == 5
+    finally:
+        for kid in kids:
+            kid.kill()
+            kid.wait()
+        server.close()
+
+
 def test_one_user_cannot_fill_the_job_series_or_evict_other_users_sessions():
     """A user that is not root starts at most MAX_JOBS_PER_USER series (further jobs count as _other) and keeps at
     most MAX_SESSIONS_PER_USER sessions, evicting its own least recent: another user's next cumulative report is
