@@ -258,9 +258,18 @@ class Api:
 
     def _op_list(self, req, peer) -> dict:
         """The registered flows (of one job, if given), with their effective levels and the managed interface
-        each leaves through now ("" when it is routed through none: such a flow is not prioritised)."""
-        level_of = self.table.level_of
-        chosen = [(k, e) for k, e in sorted(self.table.flows.items()) if req.job is None or e.job == req.job]
+        each leaves through now ("" when it is routed through none: such a flow is not prioritised). A user that is
+        neither root nor trusted sees only the flows it registered, found through the job index: a request costs
+        what the user's own flows do, never a walk of the whole table, and names no other user's jobs."""
+        table, level_of = self.table, self.table.level_of
+        uid = None if peer is None or peer.uid == 0 or peer.user in self.policy.trusted_users else peer.uid
+        if req.job is not None:
+            keys = table.by_job.get(req.job, ())
+        elif uid is not None:
+            keys = [k for job in table.user_jobs(uid) for k in table.by_job[job]]
+        else:
+            keys = table.flows
+        chosen = sorted((k, table.flows[k]) for k in keys if uid is None or table.flows[k].uid == uid)
         egress = self.rec.egress([k for k, _ in chosen])
         flows = [{**k.as_dict(), "job": e.job, "level": level_of(e), "requested_level": e.level, "rank": e.rank,
                   "interface": egress[k]} for k, e in chosen]
