@@ -63,8 +63,8 @@ class Api:
         except ProtocolError as exc:
             reply, outcome = protocol.error(rid, exc.code, str(exc)), exc.code
             who = f"pid {peer.pid} uid {peer.uid}" if peer else "agent"
-            self.refusal_log.note(f"request {exc.code}", logging.INFO, "refused %s from %s: %s: %s", op, who,
-                                  exc.code, exc)
+            self.refusal_log.note(f"request {exc.code}", logging.INFO, "refused %s from %s: %s: %.200s", op, who,
+                                  exc.code, exc)  # clipped: the message can quote 64 KiB of the client's input
         except Exception as exc:  # noqa: BLE001 - the agent must answer and stay up
             log.exception("internal error in %s", op)
             reply, outcome = protocol.error(rid, "internal", f"{type(exc).__name__}: {exc}"), "internal"

@@ -898,3 +898,19 @@ def test_a_users_list_shows_its_own_flows_and_never_walks_the_table():
     api.table.flows = everything
     assert len(request(api, op="list")["flows"]) == 1004
     assert len(request(api, Peer(pid=3, uid=0, gid=0), op="list")["flows"]) == 1004
+
+
+def test_a_refused_request_logs_a_short_line_whatever_it_carried(caplog):
+    """The refusal log writes one line per reason every 10 s, each with the error's message; a message quotes the
+    client's input (an op, a job id or a field name of up to 64 KiB), so each line is clipped: one user could
+    otherwise write 64 KiB per reason every 10 s (several GB a day). The reply keeps the whole message."""
+    api, _rec = make_api()
+    alice = Peer(pid=1, uid=1000, gid=1000)
+    big = "x" * 60_000
+    with caplog.at_level(logging.INFO, logger="tensorlane.api"):
+        for msg in ({"op": big}, {"op": "register", "job": big, "level": 0, "flows": [flow(1)]},
+                    {"op": "hello", big: 1}):
+            reply = json.loads(api.handle(json.dumps(msg).encode(), alice))
+            assert not reply["ok"] and big in reply["error"]["message"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "tensorlane.api"]
+    assert len(lines) == 3 and all(len(line) < 500 for line in lines), [len(line) for line in lines]
