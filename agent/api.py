@@ -8,6 +8,7 @@ Usage: ``api = Api(cfg, table, rec, "htb"); api.handle(line, peer)``
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import time
@@ -22,6 +23,7 @@ from tensorlane.agent.metrics.jobs import JobReports
 from tensorlane.agent.ownership import netns_of, not_owned, not_owned_by_owners
 from tensorlane.agent.peers import AccessPolicy, Peer
 from tensorlane.agent.protocol import ProtocolError
+from tensorlane.client import LIST_PAGE
 from tensorlane.policies.jobs import REPORTED_INPUTS
 
 log = logging.getLogger("tensorlane.api")
@@ -258,9 +260,12 @@ class Api:
 
     def _op_list(self, req, peer) -> dict:
         """The registered flows (of one job, if given), with their effective levels and the managed interface
-        each leaves through now ("" when it is routed through none: such a flow is not prioritised). A user that is
-        neither root nor trusted sees only the flows it registered, found through the job index: a request costs
-        what the user's own flows do, never a walk of the whole table, and names no other user's jobs."""
+        each leaves through now ("" when it is routed through none: such a flow is not prioritised); at most
+        ``LIST_PAGE`` of them in the flows' order, from after ``req.after``, and the last one as ``next`` when more
+        follow (a reply of the whole table went over the unread-output limit, and its connection was closed). A
+        user that is neither root nor trusted sees only the flows it registered, found through the job index: a
+        request costs what the user's own flows do, never a walk of the whole table, and names no other user's
+        jobs."""
         table, level_of = self.table, self.table.level_of
         uid = None if peer is None or peer.uid == 0 or peer.user in self.policy.trusted_users else peer.uid
         if req.job is not None:
@@ -269,11 +274,15 @@ class Api:
             keys = [k for job in table.user_jobs(uid) for k in table.by_job[job]]
         else:
             keys = table.flows
-        chosen = sorted((k, table.flows[k]) for k in keys if uid is None or table.flows[k].uid == uid)
+        after = req.after
+        page = heapq.nsmallest(LIST_PAGE + 1, (k for k in keys if (uid is None or table.flows[k].uid == uid)
+                                               and (after is None or k > after)))
+        more = len(page) > LIST_PAGE
+        chosen = [(k, table.flows[k]) for k in page[:LIST_PAGE]]
         egress = self.rec.egress([k for k, _ in chosen])
         flows = [{**k.as_dict(), "job": e.job, "level": level_of(e), "requested_level": e.level, "rank": e.rank,
                   "interface": egress[k]} for k, e in chosen]
-        return {"flows": flows}
+        return {"flows": flows, "next": chosen[-1][0].as_dict() if more else None}
 
     def _op_status(self, req, peer) -> dict:
         """The agent; per managed interface its queue devices and flows; per device its classes' kernel

@@ -50,6 +50,7 @@ class Request:
     tail_bytes: int | None = None  # report: bytes of a step's last bucket, waited for after backward ("slowdown")
     window_start: float | None = None  # report: wall-clock time the job's window of steps began (job_policy "slowdown")
     window_steps: int | None = None  # report: the steps ended since window_start (job_policy "slowdown")
+    after: FlowKey | None = None  # list: the page after this flow (the last one of the previous page)
 
 
 def _port(value, name: str) -> int:
@@ -146,7 +147,7 @@ def parse_request(line: bytes | str) -> Request:
     if rid is not None and not isinstance(rid, (int, str)) or isinstance(rid, bool):
         raise ProtocolError("bad_request", "id must be a string or an integer")
     allowed = {"op", "id"} | {
-        "register": {"job", "level", "rank", "flows", "run"}, "unregister": {"job", "flows"}, "list": {"job"},
+        "register": {"job", "level", "rank", "flows", "run"}, "unregister": {"job", "flows"}, "list": {"job", "after"},
         "report": {"job", "session", "levels", "step_bytes", "compute_s", "tail_bytes", "window_start",
                    "window_steps"},
     }.get(op, set())
@@ -199,9 +200,10 @@ def parse_request(line: bytes | str) -> Request:
             if window_steps > MAX_WINDOW_STEPS:
                 raise ProtocolError("bad_request", f"window_steps must be at most {MAX_WINDOW_STEPS}, "
                                                    f"got {window_steps!r}")
+    after = parse_flow(msg["after"]) if msg.get("after") is not None else None
     return Request(op=op, id=rid, job=job, level=level, rank=rank, flows=flows, session=session, run=run,
                    counters=counters, step_bytes=step_bytes, compute_s=compute_s, tail_bytes=tail_bytes,
-                   window_start=window_start, window_steps=window_steps)
+                   window_start=window_start, window_steps=window_steps, after=after)
 
 
 def ok(rid, result: dict) -> bytes:

@@ -18,6 +18,8 @@ import socket
 DEFAULT_SOCKET = "/run/tensorlane/agent.sock"
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_FLOWS_PER_MESSAGE = 1024
+LIST_PAGE = 2000  # flows per list reply (well under the agent's 1 MiB of unread output); the client asks page by page
+MAX_LIST_PAGES = 1000  # pages the client asks for at most (2 million flows; an agent holds at most max_flows)
 OPS = ("register", "unregister", "list", "status", "hello", "report")
 MAX_REPORT_LEVELS = 16
 MAX_COMPUTE_S = 86400.0  # a report's compute seconds per training step: at most a day
@@ -138,7 +140,17 @@ class AgentClient:
         return self.request("unregister", job=job, **({"flows": flows} if flows is not None else {}))
 
     def list(self, job: str | None = None) -> dict:
-        return self.request("list", **({"job": job} if job is not None else {}))
+        """The registered flows (of ``job``), all of them: the agent answers at most ``LIST_PAGE`` per request, each
+        reply naming the last flow to ask after (``next``), so this asks page by page until it is null."""
+        fields: dict = {"job": job} if job is not None else {}
+        flows: list[dict] = []
+        for _ in range(MAX_LIST_PAGES):  # each page starts after the last one's flow, in the agent's order
+            page = self.request("list", **fields)
+            flows += page["flows"]
+            if not page.get("next"):
+                return {"flows": flows}
+            fields["after"] = page["next"]
+        raise AgentError("bad_reply", f"list did not end within {MAX_LIST_PAGES} pages")
 
     def status(self) -> dict:
         return self.request("status")

@@ -31,6 +31,7 @@ from tensorlane.agent.metrics.api import BUCKETS
 from tensorlane.agent.metrics.jobs import OTHER, JobReports
 from tensorlane.agent.reconcile import Device, ReconcileStats
 from tensorlane.agent.state import FlowTable
+from tensorlane.flows import FlowKey
 from tensorlane.shim.report import Reporter
 from tensorlane.shim.report import start as start_reporter
 
@@ -958,3 +959,24 @@ def test_one_user_cannot_fill_the_job_series_or_evict_other_users_sessions():
     r.add("victim", "v1", {0: (1, 1000, 0.1)}, user=1001)  # the same cumulative counters again
     assert r.snapshot()["victim"][0][1] == 1000
     assert sum(1 for (job, _s) in r._sessions if job == "mal-0") <= jm.MAX_SESSIONS_PER_USER
+
+
+def test_list_of_a_table_over_a_megabyte_comes_in_pages(kernel, served):
+    """``AgentClient.list`` of 9,000 flows (a reply of about 1.4 MB) through a real server: the agent answers
+    ``LIST_PAGE`` flows at a time, each page after the last one's flow, and the client gathers them all, in order.
+    Before, the whole table went out in one reply, over the 1 MiB of unread output a connection may hold: the agent
+    closed the connection, and ``tensorlane verify`` failed on any host past about 7,000 flows."""
+    from tensorlane.client import LIST_PAGE, AgentClient
+
+    server, _registry = served()
+    keys = [{"proto": "tcp", "src": "198.18.0.1", "sport": 1 + i % 60000, "dst": f"198.18.{1 + i // 60000}.2",
+             "dport": 29500} for i in range(9000)]
+    for i in range(0, len(keys), 1000):
+        server.api.table.register("a-job-with-a-rather-long-name", 1, tuple(FlowKey(**k) for k in keys[i:i + 1000]))
+    with AgentClient(server.path) as agent:
+        flows = agent.list()["flows"]
+        one = agent.request("list")
+    assert len(flows) == 9000 and len(one["flows"]) == LIST_PAGE and one["next"] == {
+        k: flows[LIST_PAGE - 1][k] for k in ("proto", "src", "sport", "dst", "dport")}
+    got = [FlowKey(**{k: f[k] for k in ("proto", "src", "sport", "dst", "dport")}) for f in flows]
+    assert got == sorted(FlowKey(**k) for k in keys)
