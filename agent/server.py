@@ -422,6 +422,8 @@ class Server:
     def _answer_one(self, conn: _Conn) -> None:
         """Answer ``conn``'s first request line, or refuse it when the connection is over ``rate_limit_per_s``."""
         line, conn.inbuf = conn.inbuf.split(b"\n", 1)
+        if len(line) > protocol.MAX_MESSAGE_BYTES:  # (a long line read with its newline in one chunk)
+            return self._too_large(conn)
         self._touch(conn)
         now = time.monotonic()
         conn.tokens = min(self.rate, conn.tokens + (now - conn.stamp) * self.rate)

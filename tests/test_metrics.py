@@ -980,3 +980,21 @@ def test_list_of_a_table_over_a_megabyte_comes_in_pages(kernel, served):
         k: flows[LIST_PAGE - 1][k] for k in ("proto", "src", "sport", "dst", "dport")}
     got = [FlowKey(**{k: f[k] for k in ("proto", "src", "sport", "dst", "dport")}) for f in flows]
     assert got == sorted(FlowKey(**k) for k in keys)
+
+
+def test_a_line_over_the_limit_is_refused_and_its_connection_closed_with_or_without_its_newline(kernel, served):
+    """A request line over 64 KiB gets ``too_large`` and its connection is closed, as docs/protocol.md says, also when
+    the newline came with the rest of the line (before, such a line was answered and the connection kept)."""
+    server, _registry = served()
+    for tail in (b"", b"\n"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(server.path)
+            s.sendall(b"x" * (70 * 1024) + tail)
+            got = b""
+            for _ in range(100):  # until the agent closes the connection (bounded)
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        assert [json.loads(line)["error"]["code"] for line in got.splitlines()] == ["too_large"], (tail, got[:200])
