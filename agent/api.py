@@ -27,6 +27,7 @@ from tensorlane.client import LIST_PAGE
 from tensorlane.policies.jobs import REPORTED_INPUTS
 
 log = logging.getLogger("tensorlane.api")
+REPORT_REORDER_S = 2.0  # one user's reports reorder the jobs at most this often; a later change waits (reorder_at)
 
 
 class Api:
@@ -49,6 +50,8 @@ class Api:
                                  link_bps=reconciler.link_bps())  # the job order (docs/jobs.md)
         self.refusal_log = RefusalLog(log, 10.0)  # shared with the socket server (agent/server.py)
         self.netns = netns_of("self")  # the network namespace this agent manages: ownership is decided in it
+        self._reordered_by: dict[int, float] = {}  # uid -> when its reports last reordered the jobs (monotonic)
+        self.reorder_at: float | None = None  # when a reorder a report asked for is due (the server's loop runs it)
         table.level_of = self.jobs.level_of
         self.jobs.update(table)
         reconciler.set_shares(self.jobs.shares)
@@ -100,6 +103,7 @@ class Api:
         ``measured_intensity``, ``slowdown``), or every ``job_sample_s`` under an order that moves with the clock
         (``slowdown``): recompute the job order and move the flows whose effective level changed, in one
         transaction. Returns how many moved."""
+        self.reorder_at = None  # (the order is recomputed from every input reported so far)
         shifted = self.jobs.update(self.table)
         if shifted:
             self.rec.apply(self.table, [], shifted, [])
@@ -219,7 +223,7 @@ class Api:
                                           user=None if peer is None or peer.uid == 0 else peer.uid)
         reply = {"job": req.job, "levels": len(req.counters), "counted_as": counted_as}
         sent = {k: getattr(req, k) for k in REPORTED_INPUTS if getattr(req, k) is not None}
-        return reply | self._take_inputs(req.job, sent, why)
+        return reply | self._take_inputs(req.job, sent, why, peer)
 
     def _may_report(self, job: str, peer) -> str | None:
         """Whether ``peer`` may speak for ``job`` (None) or why not: the agent itself and root may; a user only for a
@@ -233,7 +237,7 @@ class Api:
             return "ignored: only the user who registered the job's flows may report for it"
         return None
 
-    def _take_inputs(self, job: str, sent: dict, refused: str | None) -> dict[str, str]:
+    def _take_inputs(self, job: str, sent: dict, refused: str | None, peer=None) -> dict[str, str]:
         """Take a report's measured inputs (``step_bytes``, ``compute_s``, ...) into the job order when the policy
         orders by them and the reporter may speak for the job (``refused`` is None; else why not:
         ``_may_report``). Returns what became of each input sent: ``taken``, ``unused: ...`` (the policy does not
@@ -255,8 +259,26 @@ class Api:
                 except ValueError as exc:  # values the order cannot rank: refused, the job's inputs as they were
                     self.jobs.reported[job] = before
                     raise ProtocolError("bad_request", f"the reported inputs cannot be ranked: {exc}") from None
-                self.reorder()
+                self._reorder_for(peer)
         return {name: why if name in used else unused for name in sent}
+
+    def _reorder_for(self, peer) -> None:
+        """A report of ``peer``'s changed the order's inputs: reorder now, unless that user's reports reordered the
+        jobs less than ``REPORT_REORDER_S`` ago; then at that time (``reorder_at``: the server's loop). Root and the
+        agent reorder at once. A user flipping its job's inputs at every report (200 requests/s) moved every flow of
+        the jobs ranked between at each one; it now costs at most one reorder every ``REPORT_REORDER_S``."""
+        uid = None if peer is None or peer.uid == 0 else peer.uid
+        now = time.monotonic()
+        if uid is not None:
+            last = self._reordered_by.get(uid)
+            if last is not None and now - last < REPORT_REORDER_S:
+                due = last + REPORT_REORDER_S
+                self.reorder_at = due if self.reorder_at is None else min(self.reorder_at, due)
+                return
+            if len(self._reordered_by) >= 4096:  # bounded: the users whose stamp still holds back a reorder stay
+                self._reordered_by = {u: t for u, t in self._reordered_by.items() if now - t < REPORT_REORDER_S}
+            self._reordered_by[uid] = now
+        self.reorder()
 
     def _op_list(self, req, peer) -> dict:
         """The registered flows (of one job, if given), with their effective levels and the managed interface

@@ -163,6 +163,8 @@ class Server:
                     timeout = min(timeout, self.listen_again - now)
                 if self.held_until:
                     timeout = min(timeout, min(self.held_until.values()) - now)
+                if self.api.reorder_at is not None:
+                    timeout = min(timeout, self.api.reorder_at - now)
                 if jobs.samples_wanted() or jobs.rerank_wanted():
                     timeout = min(timeout, next_sample - now)
             for key, events in self.sel.select(max(0.0, timeout)):
@@ -177,6 +179,8 @@ class Server:
                 self._release_held(time.monotonic())
             self._work()
             if jobs.epoch_due():  # a new rotation epoch: a new job order
+                self._guarded("reordering the jobs", self.api.reorder)
+            if self.api.reorder_at is not None and time.monotonic() >= self.api.reorder_at:  # a report's, held back
                 self._guarded("reordering the jobs", self.api.reorder)
             now = time.monotonic()
             if now >= next_sample:

@@ -914,3 +914,33 @@ def test_a_refused_request_logs_a_short_line_whatever_it_carried(caplog):
             assert not reply["ok"] and big in reply["error"]["message"]
     lines = [r.getMessage() for r in caplog.records if r.name == "tensorlane.api"]
     assert len(lines) == 3 and all(len(line) < 500 for line in lines), [len(line) for line in lines]
+
+
+def test_a_user_flipping_its_reports_reorders_the_jobs_at_most_every_few_seconds(monkeypatch):
+    """Under ``shortest`` a user alternating its job's ``step_bytes`` at every report moved every flow of the
+    jobs ranked between (another user's) at each one, up to 200 times a second. Now one user's reports reorder
+    at most every ``REPORT_REORDER_S``: the inputs are taken at once, the reorder waits until then (``reorder_at``,
+    run by the server's loop) and follows the last report. Root's reports still reorder at once."""
+    from tensorlane.agent import api as api_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(api_mod.time, "monotonic", lambda: clock[0])
+    api, rec = make_api(job_policy="shortest", check_ownership=False)
+    mallory, victim = Peer(pid=1, uid=1000, gid=1000), Peer(pid=2, uid=1001, gid=1001)
+    request(api, victim, op="register", job="v", level=0, flows=[flow(p) for p in range(1, 50)])
+    request(api, mallory, op="register", job="m", level=0, flows=[flow(99)])
+    levels = [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.1}]
+    request(api, victim, op="report", job="v", session="sv", levels=levels, step_bytes=5000)
+    rec.calls.clear()
+    for i in range(100):  # within the same instant: only the first reorders
+        r = request(api, mallory, op="report", job="m", session="sm", levels=levels, step_bytes=10**9 if i % 2 else 1)
+        assert r["step_bytes"] == "taken"
+    assert len(rec.calls) == 1 and list(api.jobs.order) == ["m", "v"]  # the first report's reorder
+    assert api.reorder_at == 1000.0 + api_mod.REPORT_REORDER_S
+    assert api.jobs.reported["m"] == {"step_bytes": 10**9}  # taken, the reorder held back
+    urgent = rec.kernel[key(99)]
+    clock[0] += api_mod.REPORT_REORDER_S
+    api.reorder()  # what the server's loop does at reorder_at
+    assert api.reorder_at is None and list(api.jobs.order) == ["v", "m"] and rec.kernel[key(99)] > urgent
+    request(api, None, op="report", job="v", session="sr", levels=levels, step_bytes=10**10)  # root: at once
+    assert list(api.jobs.order) == ["m", "v"] and rec.kernel[key(99)] == urgent

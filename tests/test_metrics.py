@@ -998,3 +998,19 @@ def test_a_line_over_the_limit_is_refused_and_its_connection_closed_with_or_with
                     break
                 got += chunk
         assert [json.loads(line)["error"]["code"] for line in got.splitlines()] == ["too_large"], (tail, got[:200])
+
+
+def test_the_server_runs_a_reorder_a_report_held_back_when_it_is_due(kernel, served):
+    """``Api.reorder_at`` (a user's report changed the job order's inputs within ``REPORT_REORDER_S`` of its last
+    reorder): the server's loop wakes for it and reorders, with no request to wake it."""
+    server, _registry = served()
+    done = threading.Event()
+    real = server.api.reorder
+
+    def reorder():
+        done.set()
+        return real()
+
+    server.api.reorder = reorder
+    server.api.reorder_at = time.monotonic() + 0.3
+    assert done.wait(5) and server.api.reorder_at is None
