@@ -245,6 +245,9 @@ REFUSALS = {
                                                                  "tensorlane_training_subnets"),
     "subnets without auto": ({"tensorlane_interfaces": ["eth0"], "tensorlane_training_subnets": ["10.0.0.0/8"]},
                              "tensorlane_training_subnets is used only with tensorlane_interfaces: auto"),
+    "watchdog under two passes": ({"tensorlane_interfaces": ["eth0"], "tensorlane_watchdog_s": 8,
+                                   "tensorlane_reconcile_interval_s": 5},
+                                  "tensorlane_watchdog_s (8) must be more than twice tensorlane_reconcile_interval_s"),
     "the public PyPI": ({"tensorlane_interfaces": ["eth0"], "tensorlane_link_rate": "1gbit"},
                         "tensorlane is not published on the public PyPI"),
 }
