@@ -8,6 +8,7 @@ Usage: ``api = Api(cfg, table, rec, "htb"); api.handle(line, peer)``
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import math
@@ -27,6 +28,7 @@ from tensorlane.client import LIST_PAGE
 from tensorlane.policies.jobs import REPORTED_INPUTS
 
 log = logging.getLogger("tensorlane.api")
+SWEEP_OWNERS = 512  # owner processes whose sockets one sweep reads (/proc/PID/fd each); the next sweep goes on
 REPORT_REORDER_S = 2.0  # one user's reports reorder the jobs at most this often; a later change waits (reorder_at)
 
 
@@ -50,6 +52,7 @@ class Api:
                                  link_bps=reconciler.link_bps())  # the job order (docs/jobs.md)
         self.refusal_log = RefusalLog(log, 10.0)  # shared with the socket server (agent/server.py)
         self.netns = netns_of("self")  # the network namespace this agent manages: ownership is decided in it
+        self._swept_to = -1  # the last owner pid the previous sweep read: the next one goes on after it
         self._reordered_by: dict[int, float] = {}  # uid -> when its reports last reordered the jobs (monotonic)
         self.reorder_at: float | None = None  # when a reorder a report asked for is due (the server's loop runs it)
         table.level_of = self.jobs.level_of
@@ -396,10 +399,17 @@ class Api:
     def sweep(self) -> int:
         """Remove flows whose owners no longer hold their sockets in the agent's network namespace (closed, or the
         process moved to another namespace and holds only a look-alike there). The namespace's socket tables are
-        read once per pass, for every owner. Returns how many flows went."""
-        if not self.table.by_pid:
+        read once per pass. A pass reads at most ``SWEEP_OWNERS`` owners, in pid order from after the last pass's:
+        a user who registers from thousands of processes makes the sweep take turns, not stall the agent's loop (an
+        owner's exit is seen at once through its pidfd, ``Server.MAX_WATCHED``). Returns how many flows went."""
+        by_pid = self.table.by_pid
+        if not by_pid:
             return 0
-        gone = not_owned_by_owners({pid: sorted(keys) for pid, keys in self.table.by_pid.items()})
+        pids = sorted(by_pid)
+        start = bisect.bisect_right(pids, self._swept_to)
+        turn = (pids[start:] + pids[:start])[:SWEEP_OWNERS]
+        self._swept_to = turn[-1]
+        gone = not_owned_by_owners({pid: sorted(by_pid[pid]) for pid in turn})
         gone = self.table.drop(gone)
         if gone:
             self._push([], [], gone)

@@ -944,3 +944,23 @@ def test_a_user_flipping_its_reports_reorders_the_jobs_at_most_every_few_seconds
     assert api.reorder_at is None and list(api.jobs.order) == ["v", "m"] and rec.kernel[key(99)] > urgent
     request(api, None, op="report", job="v", session="sr", levels=levels, step_bytes=10**10)  # root: at once
     assert list(api.jobs.order) == ["m", "v"] and rec.kernel[key(99)] == urgent
+
+
+def test_the_sweep_reads_a_bounded_turn_of_owners_and_comes_round_to_all(monkeypatch):
+    """A user registering from thousands of processes: each sweep (every 0.5 s) reads at most ``SWEEP_OWNERS``
+    owners' ``/proc/PID/fd``, in pid order from after the last sweep's, so every owner is read within a few sweeps
+    and none stalls the agent's loop. Before, every sweep read every owner (seconds with tens of thousands)."""
+    from tensorlane.agent import api as api_mod
+
+    api, _rec = make_api(check_ownership=False)
+    n = 2 * api_mod.SWEEP_OWNERS + 10
+    for pid in range(100, 100 + n):
+        api.table.register("many", 1, (key(pid),), pid=pid, uid=1000)
+    turns = []
+    monkeypatch.setattr(api_mod, "not_owned_by_owners", lambda owners: turns.append(sorted(owners)) or [])
+    for _ in range(4):
+        assert api.sweep() == 0
+    assert [len(t) for t in turns] == [api_mod.SWEEP_OWNERS] * 4
+    assert turns[0][0] == 100 and sorted(set().union(*turns[:3])) == list(range(100, 100 + n))  # all in 3 sweeps
+    wrapped = api_mod.SWEEP_OWNERS - 10  # the third sweep read the last 10 pids, then came round to the first
+    assert turns[3] == list(range(100 + wrapped, 100 + wrapped + api_mod.SWEEP_OWNERS))
