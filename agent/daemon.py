@@ -308,16 +308,14 @@ def restore_device(cfg: Config, ipr: IPRoute, name: str, snap: snapshot.Snapshot
     return warnings
 
 
-def _serve(cfg: Config, api: Api, held: HeldDevices, table: FlowTable, notifier: Notifier, managing: str) -> None:
-    """Serve the API socket and reconcile every ``reconcile_interval_s`` until SIGTERM/SIGINT (first following
-    the managed interfaces' devices: :class:`HeldDevices`); readiness is told once the socket listens, and each
-    reconcile pass feeds the watchdog."""
+def _serve(cfg: Config, api: Api, held: HeldDevices, table: FlowTable, notifier: Notifier, managing: str,
+           stop: threading.Event) -> None:
+    """Serve the API socket and reconcile every ``reconcile_interval_s`` until ``stop`` is set (SIGTERM/SIGINT:
+    :func:`_stop_on_signals`), first following the managed interfaces' devices (:class:`HeldDevices`); readiness is
+    told once the socket listens, and each reconcile pass feeds the watchdog."""
     rec = held.rec
-    stop = threading.Event()
     gc.collect()
     gc.freeze()  # what start-up allocated (pyroute2, scapy, prometheus) is never scanned again: no long pauses
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     server = Server(api, cfg.socket, cfg.socket_mode, cfg.socket_group)
     log.info("listening on %s", cfg.socket)
     if notifier.watchdog_s is not None and notifier.watchdog_s < 2 * cfg.reconcile_interval_s:
@@ -338,6 +336,17 @@ def _serve(cfg: Config, api: Api, held: HeldDevices, table: FlowTable, notifier:
     finally:
         notifier.stopping()
         server.close()
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event that SIGTERM and SIGINT set from now on. Installed before the first device is taken over: a SIGTERM
+    while the agent is still starting (taking over, installing the table, starting the metrics server) then stops
+    it through the same restore as later (with the default action it died there, leaving every device taken over
+    until another agent started)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
 
 
 def _has_our_root(ipr: IPRoute, index: int) -> bool:
@@ -401,6 +410,7 @@ def _run(cfg: Config) -> int:
         restore_orphans(cfg, ipr, plan)
         held = HeldDevices(cfg, kind, [eg.name for eg in egress], rec)
         touched = held.takeovers  # every device taken over, at start-up or later, is restored on the way out
+        stop = _stop_on_signals()
         try:
             for t in plan:
                 try:
@@ -418,7 +428,7 @@ def _run(cfg: Config) -> int:
             if cfg.metrics_address:
                 from tensorlane.agent.metrics import start_metrics_server
                 start_metrics_server(cfg.metrics_address, api)
-            _serve(cfg, api, held, table, Notifier(), _describe(egress))
+            _serve(cfg, api, held, table, Notifier(), _describe(egress), stop)
         finally:
             rec.teardown()
             restored = []

@@ -1,0 +1,246 @@
+"""Faults around following managed interfaces by name, repairs and start/stop, against the real kernel in a testbed
+of its own ("fz"): interfaces flapping, renamed, swapped, moved away and back; foreign roots, filters and nftables
+changes; SIGTERM and SIGKILL at awkward moments; a state directory that turns read-only. After each, the host's tc
+trees and nftables tables must be as they were before the agent started."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from agent_clients import tc_dump
+
+from bench.agents import agent_config, render_config, running_agents
+from testbed import Testbed
+
+pytestmark = pytest.mark.netns
+PY = [sys.executable, "-m"]
+TRUST = {"trusted_users": ["root"]}
+FAST = {"reconcile_interval_s": 0.1, **TRUST}
+
+
+@pytest.fixture(scope="module")
+def fz():
+    with Testbed(hosts=2, rate="100mbit", name="fz") as bed:
+        yield bed
+
+
+def flow(src_host, sport, dst_host, dport, proto="udp") -> dict:
+    return {"proto": proto, "src": src_host.ip, "sport": sport, "dst": dst_host.ip, "dport": dport}
+
+
+def nft_tables(host) -> str:
+    return host.run(["nft", "list", "tables"]).stdout
+
+
+def links(host) -> dict[str, int]:
+    """Every device of the host's namespace: name -> index."""
+    return {d["ifname"]: d["ifindex"] for d in json.loads(host.run(["ip", "-j", "link", "show"]).stdout)}
+
+
+def ours(host) -> list[str]:
+    """The devices of the host whose root qdisc is the agent's (7a1:)."""
+    return sorted(name for name in links(host) if "7a1: root" in host.run(["tc", "qdisc", "show", "dev", name]).stdout)
+
+
+def wait_for(what, check, seconds: float = 8.0):
+    deadline = time.monotonic() + seconds
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
+        time.sleep(0.1)
+
+
+def passes_again(agent, seconds: float = 8.0) -> None:
+    """Wait until the agent's passes no longer fail (its error counter stays for a few passes)."""
+    def steady():
+        errors = agent.status()["reconcile"]["errors"]
+        time.sleep(0.5)
+        return agent.status()["reconcile"]["errors"] == errors
+    wait_for("reconcile passes again", steady, seconds)
+
+
+def add_veth(host, name: str, tbf_rate: str | None = None, peer: str = "") -> None:
+    """A veth ``name`` (peer ``peer``, default ``{name}p``), up, with a tbf root of ``tbf_rate`` (a foreign tree)
+    when given: made under a temporary name and renamed, so that it comes under ``name`` with its root."""
+    host.run(["ip", "link", "add", "tltmp", "type", "veth", "peer", "name", peer or f"{name}p"])
+    if tbf_rate:
+        host.run(["tc", "qdisc", "add", "dev", "tltmp", "root", "handle", "1:", "tbf", "rate", tbf_rate, "burst",
+                  "32k", "latency", "50ms"])
+    host.run(["ip", "link", "set", "tltmp", "name", name])
+    host.run(["ip", "link", "set", name, "up"])
+
+
+def del_links(host, *names: str) -> None:
+    for name in names:
+        host.run(["ip", "link", "del", name], check=False)
+
+
+def udp_exchange(sender, receiver, sport, dport, seconds=1.0, pps=300) -> dict:
+    recv = receiver.popen(PY + ["testbed.udpprobe", "recv", "--port", str(dport), "--seconds", str(seconds + 4)],
+                          stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    send = sender.popen(PY + ["testbed.udpprobe", "send", "--dst", receiver.ip, "--port", str(dport), "--sport",
+                              str(sport), "--pps", str(pps), "--seconds", str(seconds)],
+                        stdout=subprocess.PIPE, text=True)
+    try:
+        sent = json.loads(send.communicate(timeout=seconds + 10)[0])
+        got = json.loads(recv.communicate(timeout=seconds + 10)[0])
+    finally:
+        for p in (send, recv):
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    return {"sent": sent, **got}
+
+
+def state_files(agent) -> dict[str, int]:
+    """The agent's state files: device name -> recorded ifindex."""
+    d = os.path.dirname(agent.socket)
+    return {f[len("agent-"):-len(".json")]: json.load(open(os.path.join(d, f)))["ifindex"]
+            for f in os.listdir(d) if f.startswith("agent-") and f.endswith(".json")}
+
+
+def test_flapping_interface_keeps_flows_marked_and_is_restored(fz):
+    """tlx deleted and re-created (with a foreign tbf root) and renamed back and forth many times, quickly, while a
+    flow on eth0 is registered and sending: eth0's marks never stop, the agent ends holding exactly the tlx there
+    is, and on exit every device is as before."""
+    h1, h2 = fz.host(1), fz.host(2)
+    add_veth(h1, "tlx", "10mbit")
+    rng = random.Random(7)
+    try:
+        before = {dev: tc_dump(h1, dev) for dev in ("eth0", "tlx")}
+        tables = nft_tables(h1)
+        with running_agents(fz, hosts=[1], backend="htb",
+                            config_extra={"interfaces": ["eth0", "tlx"], **FAST}) as agents:
+            with agents[1].client() as agent:
+                agent.register("job-f", 0, [flow(h1, 9811, h2, 9810)])
+            for i in range(30):
+                if i % 3 == 0:
+                    del_links(h1, "tlx")
+                    add_veth(h1, "tlx", "10mbit")
+                elif i % 3 == 1:
+                    h1.run(["ip", "link", "set", "tlx", "name", "tly"])
+                else:
+                    h1.run(["ip", "link", "set", "tly", "name", "tlx"])
+                time.sleep(rng.uniform(0.0, 0.25))
+            got = udp_exchange(h1, h2, 9811, 9810, seconds=0.5)
+            wait_for("tlx held again", lambda: ours(h1) == ["eth0", "tlx"] and "tlx" in str(agents[1].status()))
+            st = wait_for("no failing pass", lambda: (s := agents[1].status())["reconcile"]["last_error"] == ""
+                          or s["interfaces"][1]["present"] and s)
+            files = state_files(agents[1])
+            idx = links(h1)
+            assert files == {"eth0": idx["eth0"], "tlx": idx["tlx"]}, files
+            errors = agents[1].status()["reconcile"]["errors"]
+            time.sleep(0.6)
+            assert agents[1].status()["reconcile"]["errors"] == errors, agents[1].status()["reconcile"]
+            assert "9811" in h1.run(["nft", "list", "map", "inet", "tensorlane", "flows4"]).stdout
+            assert st["flows"] == 1
+        assert got["dscp"] == {"46": got["packets"]} and got["packets"] > 0, got
+        assert tc_dump(h1, "eth0") == before["eth0"]
+        assert tc_dump(h1, "tlx") == before["tlx"]
+        assert nft_tables(h1) == tables and ours(h1) == []
+    finally:
+        del_links(h1, "tlx", "tly")
+
+
+def test_re_created_with_a_foreign_root_is_refused_until_it_goes(fz):
+    """take_over_root = false: a re-created tlx that comes with a foreign root is refused (and retried), never
+    replaced; once its root is the default again it is taken over; on exit its default root is back."""
+    h1 = fz.host(1)
+    add_veth(h1, "tlx")
+    try:
+        with running_agents(fz, hosts=[1], backend="htb",
+                            config_extra={"interfaces": ["tlx"], "take_over_root": False, **FAST}) as agents:
+            assert ours(h1) == ["tlx"]
+            del_links(h1, "tlx")
+            add_veth(h1, "tlx", "10mbit")
+            foreign = tc_dump(h1, "tlx")
+            wait_for("refused", lambda: "refusing to replace" in agents[1].status()["reconcile"]["last_error"])
+            time.sleep(0.5)
+            assert tc_dump(h1, "tlx") == foreign and ours(h1) == []
+            assert state_files(agents[1]) == {}
+            h1.run(["tc", "qdisc", "del", "dev", "tlx", "root"])
+            wait_for("taken over", lambda: ours(h1) == ["tlx"])
+            passes_again(agents[1])
+        assert ours(h1) == [] and "tbf" not in tc_dump(h1, "tlx")
+    finally:
+        del_links(h1, "tlx")
+
+
+def test_restore_on_exit_follows_the_device_not_the_name(fz):
+    """Between the last pass and SIGTERM, tlx is renamed to tly and another device is created as tlx: on exit the
+    renamed device gets its own recorded tree back and the new tlx is left as it is."""
+    h1 = fz.host(1)
+    add_veth(h1, "tlx", "10mbit")
+    try:
+        before = tc_dump(h1, "tlx")
+        with running_agents(fz, hosts=[1], backend="htb",
+                            config_extra={"interfaces": ["eth0", "tlx"], "reconcile_interval_s": 60}):
+            assert ours(h1) == ["eth0", "tlx"]
+            h1.run(["ip", "link", "set", "tlx", "name", "tly"])
+            add_veth(h1, "tlx", "20mbit", peer="tlxq")
+            new = tc_dump(h1, "tlx")
+        assert tc_dump(h1, "tly") == before.replace("tlx", "tly")
+        assert tc_dump(h1, "tlx") == new and ours(h1) == []
+    finally:
+        del_links(h1, "tlx", "tly")
+
+
+def test_swapped_names_each_device_keeps_its_own_record(fz):
+    """tlx and tly (both managed) swap names through a temporary one: each device gets its own tree back, the other
+    is recorded and taken over under its new name, and on exit each device has its own original tree."""
+    h1 = fz.host(1)
+    add_veth(h1, "tlx", "10mbit")
+    add_veth(h1, "tly", "20mbit")
+    try:
+        before = {dev: tc_dump(h1, dev) for dev in ("eth0", "tlx", "tly")}
+        idx = links(h1)
+        with running_agents(fz, hosts=[1], backend="htb",
+                            config_extra={"interfaces": ["eth0", "tlx", "tly"], **FAST}) as agents:
+            assert ours(h1) == ["eth0", "tlx", "tly"]
+            h1.run(["ip", "link", "set", "tlx", "name", "tlt"])
+            h1.run(["ip", "link", "set", "tly", "name", "tlx"])
+            h1.run(["ip", "link", "set", "tlt", "name", "tly"])
+            wait_for("both taken over again", lambda: state_files(agents[1]) == {
+                "eth0": idx["eth0"], "tlx": idx["tly"], "tly": idx["tlx"]} and ours(h1) == ["eth0", "tlx", "tly"])
+            passes_again(agents[1])
+        assert tc_dump(h1, "eth0") == before["eth0"]
+        assert tc_dump(h1, "tly") == before["tlx"].replace("tlx", "tly")  # the device first named tlx
+        assert tc_dump(h1, "tlx") == before["tly"].replace("tly", "tlx")
+    finally:
+        del_links(h1, "tlx", "tly", "tlt")
+
+
+def test_sigterm_during_start_up_restores(fz, tmp_path):
+    """SIGTERM as soon as the agent's tree is on eth0 (still starting: before it listens): the agent restores
+    everything, as on a SIGTERM later."""
+    h1 = fz.host(1)
+    before, tables = tc_dump(h1), nft_tables(h1)
+    for attempt in range(3):
+        cfg = tmp_path / f"a{attempt}.toml"
+        fields = agent_config(fz, h1, backend="htb", metrics_address="127.0.0.1:9479")
+        os.makedirs(fields["state_dir"], exist_ok=True)
+        cfg.write_text(render_config(fields))
+        proc = h1.popen([sys.executable, "-m", "tensorlane.cli", "agent", "--config", str(cfg)],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 10
+            while "7a1:" not in h1.run(["tc", "qdisc", "show", "dev", "eth0"]).stdout:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.005)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+        assert tc_dump(h1) == before and nft_tables(h1) == tables, (proc.returncode, err[-2000:])
+        assert not [f for f in os.listdir(fields["state_dir"]) if f.endswith(".json")]
