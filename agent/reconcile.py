@@ -81,8 +81,14 @@ class Reconciler:
 
     def _install_table(self) -> dict | None:
         """Create or update the nftables table (keeping the maps' elements); remember its shape as listed now, what
-        each pass compares with. Returns the listing."""
-        self.nft.run(self._table_commands())
+        each pass compares with. Returns the listing. A table that cannot be updated in place (a chain of its made
+        again by someone at another hook, priority or type, perhaps dropping every packet) is made afresh in one
+        transaction, its maps' elements gone: the reconcile pass adds them back."""
+        try:
+            self.nft.run(self._table_commands())
+        except nftables.NftError as exc:
+            log.warning("the nftables table cannot be updated in place (%s); making it afresh", exc)
+            self.nft.run(nftables.delete_table_commands() + self._table_commands())
         listing = nftables.list_table(self.nft)
         self._shape = nftables.table_shape(listing)
         return listing

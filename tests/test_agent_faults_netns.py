@@ -244,3 +244,92 @@ def test_sigterm_during_start_up_restores(fz, tmp_path):
                 proc.wait(5)
         assert tc_dump(h1) == before and nft_tables(h1) == tables, (proc.returncode, err[-2000:])
         assert not [f for f in os.listdir(fields["state_dir"]) if f.endswith(".json")]
+
+
+def test_nftables_table_deleted_or_its_policy_or_hook_changed(fz):
+    """A foreign actor deletes the agent's table, sets its chain's policy to drop, re-creates the chain as a drop
+    chain at another priority: each time host networking is back (plain traffic flows) and the flow is marked
+    within a few passes; on exit no table is left."""
+    h1, h2 = fz.host(1), fz.host(2)
+    tables = nft_tables(h1)
+    with running_agents(fz, hosts=[1], backend="htb", config_extra=FAST) as agents:
+        with agents[1].client() as agent:
+            agent.register("job-n", 0, [flow(h1, 9821, h2, 9820)])
+        faults = [
+            ["nft", "delete", "table", "inet", "tensorlane"],
+            ["nft", "chain", "inet", "tensorlane", "egress", "{", "policy", "drop", ";", "}"],
+            ["nft", "-f", "-"],
+        ]
+        recreate = ("delete chain inet tensorlane egress\n"
+                    "add chain inet tensorlane egress { type filter hook postrouting priority 0; policy drop; }\n")
+        for fault in faults:
+            h1.run(fault, input=recreate if fault[-1] == "-" else None)
+            time.sleep(0.6)
+            got = udp_exchange(h1, h2, 9821, 9820, seconds=0.5)
+            plain = udp_exchange(h1, h2, 9822, 9820, seconds=0.5)
+            assert got["dscp"] == {"46": got["packets"]} and got["packets"] > 0, (fault, got)
+            assert plain["dscp"] == {"0": plain["packets"]} and plain["packets"] > 0, (fault, plain)
+            chain = h1.run(["nft", "list", "chain", "inet", "tensorlane", "egress"]).stdout
+            assert "policy accept" in chain and "priority mangle" in chain, chain
+    assert nft_tables(h1) == tables
+
+
+def test_foreign_filters_added_again_and_again(fz):
+    """Foreign u32 filters on the agent's qdisc and parent class, at several prios and in another chain, added
+    again and again: each is removed, the passes keep passing, the flow keeps its class."""
+    h1, h2 = fz.host(1), fz.host(2)
+    before = tc_dump(h1)
+    with running_agents(fz, levels=2, hosts=[1], backend="htb", config_extra=FAST) as agents:
+        with agents[1].client() as agent:
+            agent.register("job-t", 0, [flow(h1, 9831, h2, 9830)])
+        for i in range(10):
+            for parent in ("7a1:", "7a1:1"):
+                h1.run(["tc", "filter", "add", "dev", "eth0", "parent", parent, "protocol", "ip", "prio",
+                        str(1 + i % 4), "u32", "match", "ip", "dst", h2.ip + "/32", "flowid", "7a1:12"])
+            time.sleep(0.05)
+
+        def clean():
+            return not "".join(h1.run(["tc", "filter", "show", "dev", "eth0", "parent", p]).stdout
+                               for p in ("7a1:", "7a1:1")).strip()
+        wait_for("filters removed", clean)
+        passes_again(agents[1])
+        st = agents[1].status()
+        assert st["reconcile"]["errors"] == 0, st["reconcile"]
+    assert tc_dump(h1) == before
+
+
+def test_moved_to_another_namespace_and_back_keeps_flows_marked(fz):
+    """eth0 (with flows registered) moved into another namespace and back (its address put back): its flows are
+    marked on the wire again and in the map. The move destroyed its tree (the kernel's doing): on exit it has the
+    tree it came back with (the default), and the testbed's shaping is put back by hand."""
+    h1, h2 = fz.host(1), fz.host(2)
+    before, tables = tc_dump(h1), nft_tables(h1)
+    subprocess.run(["ip", "netns", "add", "fz-away"], check=True)
+    try:
+        with running_agents(fz, hosts=[1], backend="htb", config_extra=FAST) as agents:
+            with agents[1].client() as agent:
+                agent.register("job-m", 1, [flow(h1, 9841, h2, 9840)])
+            h1.run(["ip", "link", "set", "eth0", "netns", "fz-away"])
+            wait_for("eth0 absent", lambda: not agents[1].status()["interfaces"][0]["present"])
+            subprocess.run(["ip", "-n", "fz-away", "link", "set", "eth0", "netns", h1.name], check=True)
+            h1.run(["ip", "addr", "add", f"{h1.ip}/24", "dev", "eth0"])
+            h1.run(["ip", "link", "set", "eth0", "up"])
+            wait_for("eth0 taken over again", lambda: ours(h1) == ["eth0"] and agents[1].status()[
+                "interfaces"][0]["present"])
+            passes_again(agents[1])
+            assert "9841" in h1.run(["nft", "list", "map", "inet", "tensorlane", "flows4"]).stdout
+            time.sleep(1.0)  # the neighbour entry
+            got = udp_exchange(h1, h2, 9841, 9840, seconds=0.5)
+            assert got["dscp"] == {"34": got["packets"]} and got["packets"] > 0, got
+        after = tc_dump(h1)
+    finally:
+        subprocess.run(["ip", "-n", "fz-away", "link", "set", "eth0", "netns", h1.name], check=False,
+                       capture_output=True)
+        subprocess.run(["ip", "netns", "del", "fz-away"], check=False)
+        for cmd in ("qdisc replace dev eth0 root handle 1: htb default 10 r2q 10",
+                    "class add dev eth0 parent 1: classid 1:10 htb rate 100mbit ceil 100mbit burst 14000b"
+                    " cburst 14000b",
+                    "qdisc add dev eth0 parent 1:10 handle 10: pfifo limit 1000"):
+            h1.run(["tc", *cmd.split()], check=False)
+    assert after.startswith("qdisc noqueue 0: root") and "7a1:" not in after and nft_tables(h1) == tables, after
+    assert tc_dump(h1) == before
