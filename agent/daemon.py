@@ -355,27 +355,26 @@ def _has_our_root(ipr: IPRoute, index: int) -> bool:
 
 
 def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str]:
-    """Restore the devices a previous agent of ours left taken over (killed) that this configuration no longer
-    manages, so that removing an interface from the config never leaves it taken over. A state file whose agent
-    still runs (another agent sharing ``state_dir``) is left alone. Returns the devices restored."""
-    mine = {t.link.name for t in plan}
+    """Restore the devices a previous agent of ours left taken over (killed) that this agent will not hold: one
+    this configuration no longer manages (removing an interface from the config never leaves it taken over), or
+    one renamed away while no agent ran (another device has its name now). The device is found by its recorded
+    index, whatever its name. A state file whose agent still runs (another agent sharing ``state_dir``) is left
+    alone. Returns the devices restored (their recorded names)."""
+    mine = {t.link.name: t.link.index for t in plan}
     restored = []
     for path in sorted(Path(cfg.state_dir).glob("agent-*.json")):
         name = path.name[len("agent-"):-len(".json")]
-        if name in mine:
-            continue
         try:
             state = json.loads(path.read_text())
-            pid = int(state["pid"])
+            pid, index = int(state["pid"]), int(state["ifindex"])
             snap = snapshot.Snapshot.from_json(state["snapshot"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not ours to judge (an older agent's file without a pid, or unreadable): left as it is
-        if pid != os.getpid() and Path(f"/proc/{pid}").exists():
-            continue
-        found = ipr.link_lookup(ifname=name)
-        if found and found[0] == state.get("ifindex") and _has_our_root(ipr, found[0]):
-            log.warning("%s was left taken over by an agent that is gone and is no longer configured: restoring it",
-                        name)
+        if mine.get(name) == index or (pid != os.getpid() and Path(f"/proc/{pid}").exists()):
+            continue  # the device the plan holds (adopted, or recorded again), or another running agent's
+        if _has_our_root(ipr, index):
+            log.warning("%s (index %d) was left taken over by an agent that is gone, and no configured interface is "
+                        "it now (no longer configured, or renamed): restoring it", name, index)
             restore_device(cfg, ipr, name, snap)
             restored.append(name)
         path.unlink(missing_ok=True)

@@ -15,7 +15,7 @@ import time
 import pytest
 from agent_clients import tc_dump
 
-from bench.agents import agent_config, render_config, running_agents
+from bench.agents import AgentStartError, agent_config, render_config, running_agents
 from testbed import Testbed
 
 pytestmark = pytest.mark.netns
@@ -333,3 +333,74 @@ def test_moved_to_another_namespace_and_back_keeps_flows_marked(fz):
             h1.run(["tc", *cmd.split()], check=False)
     assert after.startswith("qdisc noqueue 0: root") and "7a1:" not in after and nft_tables(h1) == tables, after
     assert tc_dump(h1) == before
+
+
+def kill_agent(fz, tmp_path, during, **kw) -> None:
+    """Run an agent on host 1, call ``during(agent)``, then SIGKILL it (it leaves its trees and state files)."""
+    with pytest.raises(AgentStartError, match="exited with -9"):
+        with running_agents(fz, hosts=[1], backend="htb", workdir=str(tmp_path), **kw) as agents:
+            during(agents[1])
+            agents[1].proc.kill()
+            agents[1].proc.wait(5)
+
+
+def test_sigkill_after_a_mid_run_take_over_then_a_new_agent_adopts_and_restores(fz, tmp_path):
+    """tlx re-created (with a foreign root) and taken over mid-run, then SIGKILL: the next agent adopts both trees
+    and restores each device's original on exit."""
+    h1 = fz.host(1)
+    add_veth(h1, "tlx", "10mbit")
+    try:
+        before = {dev: tc_dump(h1, dev) for dev in ("eth0", "tlx")}
+        extra = {"interfaces": ["eth0", "tlx"], **FAST}
+
+        def recreate(agent):
+            del_links(h1, "tlx")
+            add_veth(h1, "tlx", "10mbit")
+            wait_for("the new tlx taken over", lambda: ours(h1) == ["eth0", "tlx"] and
+                     state_files(agent).get("tlx") == links(h1)["tlx"])
+
+        kill_agent(fz, tmp_path, recreate, config_extra=extra)
+        assert ours(h1) == ["eth0", "tlx"]
+        with running_agents(fz, hosts=[1], backend="htb", config_extra=extra) as agents:
+            assert "adopting the tree left by a previous agent on tlx" in agents[1].stderr_tail()
+            passes_again(agents[1])
+        assert tc_dump(h1, "eth0") == before["eth0"] and tc_dump(h1, "tlx") == before["tlx"]
+        assert ours(h1) == [] and "tensorlane" not in nft_tables(h1)
+    finally:
+        del_links(h1, "tlx")
+
+
+def test_sigkill_then_renamed_away_and_a_new_device_under_the_name(fz, tmp_path):
+    """SIGKILL, then (no agent running) tlx is renamed to tly and a new tlx comes: the next agent gives the renamed
+    device its recorded tree back (before, the record was overwritten by the new tlx's and tly kept the agent's
+    tree for good), takes over the new tlx, and restores it on exit."""
+    h1 = fz.host(1)
+    add_veth(h1, "tlx", "10mbit")
+    try:
+        before = tc_dump(h1, "tlx")
+        extra = {"interfaces": ["eth0", "tlx"], **FAST}
+        kill_agent(fz, tmp_path, lambda agent: None, config_extra=extra)
+        h1.run(["ip", "link", "set", "tlx", "name", "tly"])
+        add_veth(h1, "tlx", "20mbit", peer="tlxq")
+        new = tc_dump(h1, "tlx")
+        with running_agents(fz, hosts=[1], backend="htb", config_extra=extra):
+            assert tc_dump(h1, "tly") == before.replace("tlx", "tly")
+            assert ours(h1) == ["eth0", "tlx"]
+        assert tc_dump(h1, "tlx") == new and ours(h1) == []
+    finally:
+        del_links(h1, "tlx", "tly")
+
+
+def test_sigkill_then_an_interface_no_longer_configured_is_restored_at_start(fz, tmp_path):
+    """SIGKILL, then the next agent no longer names tlx: tlx is restored at its start (as before the change that
+    finds a left device by its index)."""
+    h1 = fz.host(1)
+    add_veth(h1, "tlx", "10mbit")
+    try:
+        before = tc_dump(h1, "tlx")
+        kill_agent(fz, tmp_path, lambda agent: None, config_extra={"interfaces": ["eth0", "tlx"], **FAST})
+        with running_agents(fz, hosts=[1], backend="htb", config_extra={"interfaces": ["eth0"], **FAST}) as agents:
+            assert tc_dump(h1, "tlx") == before and ours(h1) == ["eth0"]
+            assert set(state_files(agents[1])) == {"eth0"}
+    finally:
+        del_links(h1, "tlx")
