@@ -4,12 +4,14 @@ changes; SIGTERM and SIGKILL at awkward moments; a state directory that turns re
 trees and nftables tables must be as they were before the agent started."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -404,3 +406,90 @@ def test_sigkill_then_an_interface_no_longer_configured_is_restored_at_start(fz,
             assert set(state_files(agents[1])) == {"eth0"}
     finally:
         del_links(h1, "tlx")
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_state_dir_read_only_or_full_mid_run(fz, fault):
+    """state_dir (a small tmpfs) made read-only or full mid-run, then tlx renamed away and back and re-created: what
+    cannot be recorded is not taken over (its foreign root untouched, a clear error), nothing else breaks; once the
+    state_dir is writable again tlx is taken over, and on exit every device is as before."""
+    h1 = fz.host(1)
+    st = "/run/tensorlane/fz-h1-state"
+    os.makedirs(st, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", st], check=True)
+    add_veth(h1, "tlx", "10mbit")
+    try:
+        before = {dev: tc_dump(h1, dev) for dev in ("eth0", "tlx")}
+        with running_agents(fz, hosts=[1], backend="htb",
+                            config_extra={"interfaces": ["eth0", "tlx"], "state_dir": st, **FAST}) as agents:
+            assert ours(h1) == ["eth0", "tlx"]
+            if fault == "read-only":  # (full: after the give back, which frees its state file's room)
+                subprocess.run(["mount", "-o", "remount,ro", st], check=True)
+            h1.run(["ip", "link", "set", "tlx", "name", "tly"])
+            wait_for("tly given back", lambda: ours(h1) == ["eth0"])
+            if fault == "full":
+                subprocess.run(["dd", "if=/dev/zero", f"of={st}/fill", "bs=4k", "count=64"], capture_output=True)
+            assert tc_dump(h1, "tly") == before["tlx"].replace("tlx", "tly")
+            h1.run(["ip", "link", "set", "tly", "name", "tlx"])
+            wait_for("refused", lambda: "cannot write its state file" in agents[1].status()["reconcile"][
+                "last_error"])
+            del_links(h1, "tlx")
+            add_veth(h1, "tlx", "10mbit")
+            time.sleep(0.5)
+            assert ours(h1) == ["eth0"] and tc_dump(h1, "tlx") == before["tlx"]
+            assert agents[1].status()["interfaces"][0]["present"]
+            if fault == "read-only":
+                subprocess.run(["mount", "-o", "remount,rw", st], check=True)
+            else:
+                os.unlink(f"{st}/fill")
+            wait_for("taken over", lambda: ours(h1) == ["eth0", "tlx"])
+            passes_again(agents[1])
+        assert tc_dump(h1, "eth0") == before["eth0"] and tc_dump(h1, "tlx") == before["tlx"]
+        assert ours(h1) == [] and not [f for f in os.listdir(st) if f.endswith(".json")]
+    finally:
+        del_links(h1, "tlx", "tly")
+        subprocess.run(["umount", st], check=False)
+        with contextlib.suppress(OSError):
+            os.rmdir(st)
+
+
+def test_sigterm_while_a_device_is_re_created_again_and_again(fz, tmp_path):
+    """tlx deleted and re-created (with a foreign root) every few ms while the agent reconciles every 0.1 s; SIGTERM
+    at a random moment, five times: each agent exits 0 and leaves no tree, state file or table behind."""
+    h1 = fz.host(1)
+    rng = random.Random(11)
+    add_veth(h1, "tlx", "10mbit")
+    try:
+        before = tc_dump(h1, "eth0")
+        for attempt in range(5):
+            stopping = threading.Event()
+
+            def flap(stopping=stopping):
+                for _ in range(200):
+                    if stopping.is_set():
+                        return
+                    del_links(h1, "tlx")
+                    with contextlib.suppress(Exception):
+                        add_veth(h1, "tlx", "10mbit")
+                    time.sleep(rng.uniform(0.0, 0.03))
+
+            with running_agents(fz, hosts=[1], backend="htb", workdir=str(tmp_path / str(attempt)),
+                                config_extra={"interfaces": ["eth0", "tlx"], "take_over_root": True,
+                                              "reconcile_interval_s": 0.1}) as agents:
+                flapper = threading.Thread(target=flap)
+                flapper.start()
+                try:
+                    time.sleep(rng.uniform(0.2, 1.0))
+                    agents[1].proc.send_signal(signal.SIGTERM)
+                    assert agents[1].proc.wait(10) == 0, agents[1].stderr_tail()
+                finally:
+                    stopping.set()
+                    flapper.join(30)
+            assert ours(h1) == [] and tc_dump(h1, "eth0") == before and "tensorlane" not in nft_tables(h1)
+            assert not [f for f in os.listdir("/run/tensorlane/fz-h1") if f.endswith(".json")] if os.path.isdir(
+                "/run/tensorlane/fz-h1") else True
+            if "tlx" not in links(h1):
+                add_veth(h1, "tlx", "10mbit")
+            assert "tbf 1: root" in tc_dump(h1, "tlx")
+    finally:
+        del_links(h1, "tlx", "tltmp")
