@@ -493,3 +493,22 @@ def test_sigterm_while_a_device_is_re_created_again_and_again(fz, tmp_path):
             assert "tbf 1: root" in tc_dump(h1, "tlx")
     finally:
         del_links(h1, "tlx", "tltmp")
+
+
+def test_a_foreign_filter_in_another_chain_is_not_repaired_every_pass(fz):
+    """A foreign filter on the agent's qdisc in chain 1 (which nothing sends packets to once chain 0 is empty) and
+    one in chain 0: the chain 0 one is removed once; the passes do not report a repair (and log a warning) every
+    reconcile_interval_s for the chain 1 one, which deleting chain 0's filters never removes."""
+    h1, h2 = fz.host(1), fz.host(2)
+    with running_agents(fz, levels=2, hosts=[1], backend="htb", config_extra=FAST) as agents:
+        for chain in ("1", "0"):
+            h1.run(["tc", "filter", "add", "dev", "eth0", "parent", "7a1:", "chain", chain, "protocol", "ip", "prio",
+                    "3", "u32", "match", "ip", "dst", h2.ip + "/32", "flowid", "7a1:12"])
+        wait_for("chain 0's filter removed", lambda: agents[1].status()["reconcile"]["repairs"] >= 1)
+        shown = h1.run(["tc", "filter", "show", "dev", "eth0", "parent", "7a1:"]).stdout
+        assert "chain 1" in shown and "chain 0" not in shown, shown
+        repairs = agents[1].status()["reconcile"]["repairs"]
+        time.sleep(1.0)
+        st = agents[1].status()["reconcile"]
+        assert st["repairs"] == repairs and st["errors"] == 0, st
+        assert agents[1].stderr_tail(20000).count("removed foreign tc filters") <= 2

@@ -21,8 +21,10 @@ Usage: ``backend = make_backend("htb", cfg); backend.apply(ipr, ifindex)``
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
+from tensorlane.agent.kernel import snapshot
 from tensorlane.agent.kernel.htbclass import ClassRates, change_classes
 
 MAJOR = 0x7A1  # tensorlane's qdisc handle major ("7a1:"), recognisable in `tc qdisc show`
@@ -224,14 +226,22 @@ class PrioBackend:
                    for q in ipr.get_qdiscs(index=index))
 
 
+def _chain(msg) -> int:
+    """A dumped filter's chain (TCA_CHAIN, which pyroute2 does not parse; 0 where the kernel leaves it out)."""
+    attr = next((bytes.fromhex(h) for t, h in snapshot._parse("filter", snapshot._raw(msg)).attrs if t == 11), b"")
+    return struct.unpack_from("=I", attr, 4)[0] if len(attr) >= 8 else 0
+
+
 def remove_filters(ipr, index: int, parents: tuple[int, ...]) -> int:
     """Delete every tc filter attached at ``parents`` (the agent's qdisc and inner classes) of device ``index``:
     the agent attaches none (packets are classified by ``skb->priority``), so one there is foreign and would
-    classify packets past the marks. Returns how many parents had some (one dump each when none)."""
+    classify packets past the marks. Only chain 0 counts: the qdisc classifies with it, and a filter of another
+    chain is reached only from a chain 0 filter's ``goto chain``, deleted here (the deletion does not reach it: it
+    was counted and logged as a repair every pass). Returns how many parents had some (one dump each when none)."""
     found = 0
     for parent in parents:
-        if ipr.get_filters(index=index, parent=parent):
-            ipr.tc("del-filter", index=index, parent=parent)  # prio 0: every filter of that parent
+        if any(_chain(m) == 0 for m in ipr.get_filters(index=index, parent=parent)):
+            ipr.tc("del-filter", index=index, parent=parent)  # prio 0: every filter of that parent's chain 0
             found += 1
     return found
 
