@@ -77,6 +77,17 @@ def _load_state(cfg: Config, device: str) -> dict | None:
     return state
 
 
+def _state_of_index(cfg: Config, index: int) -> dict | None:
+    """The state a previous agent left for the device with ifindex ``index`` under any name (one renamed while no
+    agent ran: two managed interfaces that swapped names), or None."""
+    for path in sorted(Path(cfg.state_dir).glob("agent-*.json")):
+        with contextlib.suppress(StartupError):  # another device's corrupt file: its own check reports it
+            state = _load_state(cfg, path.name[len("agent-"):-len(".json")])
+            if state and state["ifindex"] == index:
+                return state
+    return None
+
+
 def _save_state(cfg: Config, device: str, state: dict) -> None:
     """Write the state file atomically (a temporary file, then a rename); a failure leaves no temporary file."""
     path = state_path(cfg, device)
@@ -134,6 +145,8 @@ def _prepare_device(cfg: Config, ipr: IPRoute, link: links.Link, serves: str, ki
                                        f"rate, or a table such as link_rate = {{ {link.name} = \"25gbit\" }})")
     backend = make_backend(kind, cfg.levels, rate, cfg.queue_limit_packets, cfg.min_share, cfg.min_rate_bps)
     previous = _load_state(cfg, link.name)
+    if not (previous and previous.get("ifindex") == link.index):
+        previous = _state_of_index(cfg, link.index) or previous  # renamed while no agent ran: its record, by index
     if previous and previous.get("ifindex") == link.index and backend.owns(ipr, link.index):
         log.warning("adopting the tree left by a previous agent on %s; keeping its record of the original",
                     link.name)
@@ -360,7 +373,7 @@ def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str
     one renamed away while no agent ran (another device has its name now). The device is found by its recorded
     index, whatever its name. A state file whose agent still runs (another agent sharing ``state_dir``) is left
     alone. Returns the devices restored (their recorded names)."""
-    mine = {t.link.name: t.link.index for t in plan}
+    mine = {t.link.index: t.link.name for t in plan}
     restored = []
     for path in sorted(Path(cfg.state_dir).glob("agent-*.json")):
         name = path.name[len("agent-"):-len(".json")]
@@ -370,8 +383,12 @@ def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str
             snap = snapshot.Snapshot.from_json(state["snapshot"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not ours to judge (an older agent's file without a pid, or unreadable): left as it is
-        if mine.get(name) == index or (pid != os.getpid() and Path(f"/proc/{pid}").exists()):
-            continue  # the device the plan holds (adopted, or recorded again), or another running agent's
+        if pid != os.getpid() and Path(f"/proc/{pid}").exists():
+            continue  # another running agent's
+        if index in mine:  # a device the plan holds (its record adopted): recorded again under its name now
+            if mine[index] != name:
+                path.unlink(missing_ok=True)
+            continue
         if _has_our_root(ipr, index):
             log.warning("%s (index %d) was left taken over by an agent that is gone, and no configured interface is "
                         "it now (no longer configured, or renamed): restoring it", name, index)

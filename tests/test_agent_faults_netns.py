@@ -393,6 +393,33 @@ def test_sigkill_then_renamed_away_and_a_new_device_under_the_name(fz, tmp_path)
         del_links(h1, "tlx", "tly")
 
 
+def test_sigkill_then_two_managed_interfaces_swap_names(fz, tmp_path):
+    """SIGKILL, then (no agent running) tlx and tly swap names: the next agent finds each device's record by its
+    index under the other name and adopts it, and on exit each device has its own original tree. Before, it refused
+    to start ("a tensorlane root qdisc but no state file") and both devices kept the agent's tree."""
+    h1 = fz.host(1)
+    add_veth(h1, "tlx", "10mbit")
+    add_veth(h1, "tly", "20mbit")
+    try:
+        before = {dev: tc_dump(h1, dev) for dev in ("eth0", "tlx", "tly")}
+        extra = {"interfaces": ["eth0", "tlx", "tly"], **FAST}
+        kill_agent(fz, tmp_path, lambda agent: None, config_extra=extra)
+        h1.run(["ip", "link", "set", "tlx", "name", "tlt"])
+        h1.run(["ip", "link", "set", "tly", "name", "tlx"])
+        h1.run(["ip", "link", "set", "tlt", "name", "tly"])
+        idx = links(h1)
+        with running_agents(fz, hosts=[1], backend="htb", config_extra=extra) as agents:
+            assert agents[1].stderr_tail().count("adopting the tree left by a previous agent") == 3
+            assert state_files(agents[1]) == {"eth0": idx["eth0"], "tlx": idx["tlx"], "tly": idx["tly"]}
+            passes_again(agents[1])
+        assert tc_dump(h1, "eth0") == before["eth0"]
+        assert tc_dump(h1, "tly") == before["tlx"].replace("tlx", "tly")  # the device first named tlx
+        assert tc_dump(h1, "tlx") == before["tly"].replace("tly", "tlx")
+        assert ours(h1) == [] and "tensorlane" not in nft_tables(h1)
+    finally:
+        del_links(h1, "tlx", "tly", "tlt")
+
+
 def test_sigkill_then_an_interface_no_longer_configured_is_restored_at_start(fz, tmp_path):
     """SIGKILL, then the next agent no longer names tlx: tlx is restored at its start (as before the change that
     finds a left device by its index)."""
