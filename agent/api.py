@@ -329,7 +329,8 @@ class Api:
             "ack_priority": getattr(self.rec, "ack_level", None) is not None,
             "classes": self._levels(devices), "devices": devices,
             "reconcile": {"passes": self.rec.stats.passes, "repairs": self.rec.stats.repairs,
-                          "errors": self.rec.stats.errors, "last_error": self.rec.stats.last_error},
+                          "errors": self.rec.stats.errors, "last_error": self.rec.stats.last_error,
+                          "failing": getattr(self.rec, "failing", "")},
         }
 
     def _device_classes(self, stats: dict[int, dict]) -> list[dict]:

@@ -120,6 +120,11 @@ class Reconciler:
             log.error("changing the guaranteed shares: %s", exc)
         return True
 
+    @property
+    def failing(self) -> str:
+        """What the last full pass failed on ("" when it passed): ``stats.last_error`` keeps the last failure."""
+        return self._failing
+
     def follow(self, devices: list[Device], interfaces: dict[str, int]) -> None:
         """The queue devices and the managed interfaces' indexes (0: absent) as they are now
         (``daemon.HeldDevices.follow``); the route lookups' answers are asked again."""

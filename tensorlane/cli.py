@@ -63,7 +63,8 @@ def format_status(st: dict) -> str:
             lines.append(f"device {d['device']} ({d.get('link_rate_bps') or '-'} bit/s): sent bytes {sent}")
     rec = st["reconcile"]
     lines.append(f"reconcile: {rec['passes']} passes, {rec['repairs']} repairs, {rec['errors']} errors"
-                 + (f" (last: {rec['last_error']})" if rec["last_error"] else ""))
+                 + (f" (failing now: {rec['failing']})" if rec.get("failing") else
+                    f" (passing; last: {rec['last_error']})" if rec["last_error"] else ""))
     jp = st.get("job_policy") or {}
     if jp.get("policy", "none") != "none":
         parts = ", ".join(f"level {lvl} {100 * v:g} %" for lvl, v in jp.get("level_shares", {}).items())

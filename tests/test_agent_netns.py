@@ -484,7 +484,7 @@ def test_a_managed_interface_renamed_moved_or_re_created_is_followed(tb):
                 st = agents[1].status()
                 tlx = next(i for i in st["interfaces"] if i["name"] == "tlx")
                 return not tlx["present"] and tlx["queues"] == [] and "tlx: no such interface" in st[
-                    "reconcile"]["last_error"] and st
+                    "reconcile"]["failing"] and st
 
             eth0 = tc_dump(h1, "eth0")
             with agents[1].client() as agent:
@@ -513,7 +513,9 @@ def test_a_managed_interface_renamed_moved_or_re_created_is_followed(tb):
             assert st["flows"] == 1 and [i["present"] for i in st["interfaces"]] == [True, True]
             errors = st["reconcile"]["errors"]
             time.sleep(1.0)
-            assert agents[1].status()["reconcile"]["errors"] == errors  # followed: no pass fails any more
+            rec = agents[1].status()["reconcile"]
+            assert rec["errors"] == errors and rec["failing"] == ""  # followed: no pass fails any more
+            assert "tlx: no such interface" in rec["last_error"]  # the last failure, kept
         assert tc_dump(h1, "eth0") == before["eth0"]
         assert "7a1:" not in tc_dump(h1, "tlx")  # the new device's own (default) root back
     finally:
