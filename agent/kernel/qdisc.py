@@ -29,6 +29,7 @@ from tensorlane.agent.kernel.htbclass import ClassRates, change_classes
 
 MAJOR = 0x7A1  # tensorlane's qdisc handle major ("7a1:"), recognisable in `tc qdisc show`
 MTU_BYTES = 1514
+TCA_CHAIN = 11
 
 
 def handle(major: int, minor: int = 0) -> int:
@@ -228,7 +229,7 @@ class PrioBackend:
 
 def _chain(msg) -> int:
     """A dumped filter's chain (TCA_CHAIN, which pyroute2 does not parse; 0 where the kernel leaves it out)."""
-    attr = next((bytes.fromhex(h) for t, h in snapshot._parse("filter", snapshot._raw(msg)).attrs if t == 11), b"")
+    attr = next((bytes.fromhex(h) for t, h in snapshot.tc_object("filter", msg).attrs if t == TCA_CHAIN), b"")
     return struct.unpack_from("=I", attr, 4)[0] if len(attr) >= 8 else 0
 
 

@@ -83,6 +83,12 @@ def _parse(what: str, raw: bytes) -> TcObject:
     return TcObject(what, handle, parent, info, attrs, kind)
 
 
+def tc_object(what: str, msg) -> TcObject:
+    """One dumped qdisc, class or filter (a pyroute2 message) as recorded: its configuration attributes raw.
+    Usage: ``tc_object("filter", ipr.get_filters(index=2, parent=0x7A10000)[0]).attrs``"""
+    return _parse(what, _raw(msg))
+
+
 def capture(ipr, ifname: str, index: int) -> Snapshot:
     """Record the interface's qdiscs, classes and filters (pyroute2 ``ipr`` in the right namespace)."""
     snap = Snapshot(ifname, index)
