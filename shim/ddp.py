@@ -445,11 +445,14 @@ def _decide(state: ShimState) -> None:
     held = {id(p) for g in d.optimizer.param_groups for p in g["params"]}
     flags = torch.tensor([0.0 if pr.stepped else 1.0, float(pr.grads_changed), float(pr.closure),
                           float(pr.sparse), float(bool(d.bucketed - held)), float(ov.step_hooks(d.optimizer) > 0),
-                          float(pr.compiled), float(ov.coupled_steps(d.optimizer))], dtype=torch.float64)
+                          float(pr.compiled), float(ov.coupled_steps(d.optimizer)), float(pr.grads_read)],
+                         dtype=torch.float64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=state.groups[0])
-    not_stepped, changed, closure, sparse, unoptimized, hooks, compiled, coupled = (v > 0 for v in flags.tolist())
+    not_stepped, changed, closure, sparse, unoptimized, hooks, compiled, coupled, read = \
+        (v > 0 for v in flags.tolist())
     reasons = ((ov.GRADS_CHANGED, changed), (ov.CLOSURE, closure), (ov.SPARSE, sparse),
-               (ov.UNOPTIMIZED, unoptimized), (ov.STEP_HOOKS, hooks), (ov.COMPILED, compiled), (ov.COUPLED, coupled))
+               (ov.UNOPTIMIZED, unoptimized), (ov.STEP_HOOKS, hooks), (ov.COMPILED, compiled), (ov.COUPLED, coupled),
+               (ov.GRADS_READ, read and not changed))  # (a change reads them too: one reason is enough)
     if any(f for _r, f in reasons):
         state.fallback("; ".join(r for r, f in reasons if f))
     elif not not_stepped:
@@ -635,7 +638,7 @@ class Handle:
 
         @functools.wraps(zero_grad_of)  # Accelerate reads its signature (set_to_none)
         def zero_grad(*args, **kwargs):  # touches .grad only: the guard need not see each of its operations
-            with d.guard.paused():
+            with d.guard.paused(), d.watch.paused():
                 return zero_grad_of(*args, **kwargs)
         opt.zero_grad = self._zero_grad_attr = zero_grad
         hook = ov.ModuleHook  # a copy of a module (an EMA model, a snapshot) gets inert hooks, not the shim
@@ -644,6 +647,7 @@ class Handle:
             self._hooks.append(m.register_forward_pre_hook(hook(self._pre_forward), prepend=True))
         self._hooks.append(root.register_forward_pre_hook(hook(self._root_pre_forward), prepend=True))
         self._hooks.append(self.model.register_forward_pre_hook(hook(self._disarm), prepend=True))
+        self._hooks.append(self.model.register_forward_hook(hook(self._watch_grads)))
         for p in params:
             self._hooks.append(p.register_hook(self._grad_seen(p)))
         flush = hook(self._flush_hook)
@@ -707,6 +711,13 @@ class Handle:
         d = None if self.state is None else self.state.deferred
         if d is not None and d.guard is not None:
             d.guard.disarm()
+        if d is not None:
+            d.watch.pop()
+
+    def _watch_grads(self, *_args) -> None:
+        """The model's forward has ended: while probing, watch the loop's use of the gradients until the next one."""
+        if self.state.mode == "probing" and not self.closed:
+            self.state.deferred.watch.push()
 
     def _flush_on_use(self) -> None:
         """A parameter whose update is pending was used after step() (the guard saw it): apply every update first."""
@@ -726,8 +737,9 @@ class Handle:
         if self.closed or state.mode == "hook":
             return d.orig_step() if closure is None else d.orig_step(closure)
         if state.mode == "probing":
-            d.probe_step(closure)
-            return d.orig_step() if closure is None else d.orig_step(closure)
+            with d.watch.paused():  # (the probe's own checks read the gradients too)
+                d.probe_step(closure)
+                return d.orig_step() if closure is None else d.orig_step(closure)
         d.stamp([p for g in self.optimizer.param_groups for p in g["params"]], closure)
         if d.pending:
             d.guard.arm([p for p in state.options["params"] if id(p) in d.pending])

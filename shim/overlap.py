@@ -48,7 +48,10 @@ model, a :class:`UseGuard` (a ``TorchFunctionMode`` on the thread that called ``
 operation: the first one that takes a parameter whose update is pending (or a view of its storage), other than
 reading its metadata (``.grad``, ``.shape``, ``numel()``, ...), first applies every pending update
 (``handle.flush()``), as if the step had been taken at ``step()``. Exact, at the cost of that iteration's overlap.
-Code that reads ``.grad`` after ``backward()`` sees this rank's own gradient (not the average) in overlap mode.
+Code that reads ``.grad`` after ``backward()`` (a logged norm, a step skipped on it) would see this rank's own
+gradient (not the average) in overlap mode: the probe watches the gradients from the end of its forward to the next
+forward (a :class:`GradWatch`) and falls back to hook mode if the loop reads one; a read that first appears after
+the probe is not seen and gets this rank's own gradient.
 
 Usage: ``deferred = Deferred(optimizer, holders)`` is made by ``shim.attach``; see shim/ddp.py.
 """
@@ -91,6 +94,9 @@ CLOSURE = ("optimizer.step(closure) runs forward and backward inside the step (L
 UNOPTIMIZED = ("some parameters that DDP all-reduces are not in the optimizer given to attach (a second optimizer, "
                "or code that updates them itself): in overlap mode their .grad holds this rank's own gradient until "
                "the deferred step, so whatever updates them would not see DDP's average")
+GRADS_READ = ("the loop reads gradients after backward() (a logged gradient norm, a step skipped when the norm is too "
+              "large or not finite, GradScaler's inf/NaN check): in overlap mode .grad holds this rank's own gradient "
+              "until the deferred step, not DDP's average, so what the loop read, and decided, would differ")
 STEP_HOOKS = ("the optimizer has step hooks (register_step_pre_hook/register_step_post_hook, or global ones): "
               "overlap mode takes each step later and in parts, so the hooks would run out of time and once per part")
 
@@ -104,6 +110,8 @@ METADATA = frozenset((
     "retains_grad", "_backward_hooks", "_post_accumulate_grad_hooks", "numel", "size", "dim", "__len__",
     "data_ptr", "untyped_storage", "stride", "storage_offset", "is_contiguous", "element_size", "get_device",
     "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "__hash__"))
+# what code may do to a gradient without reading its values (zero_grad(set_to_none=False), model.zero_grad())
+GRAD_OVERWRITES = frozenset(("zero_", "_foreach_zero_", "fill_", "detach_"))
 
 
 def inner_optimizer(optimizer):
@@ -157,6 +165,7 @@ class Probe:
     closure: bool = False
     sparse: bool = False  # a bucket of sparse gradients (an embedding with sparse=True)
     compiled: bool = False  # step() ran under torch.compile, or the optimizer's step is a compiled function
+    grads_read: bool = False  # a torch operation used a gradient DDP wrote (GradWatch), beyond metadata and zeroing
     ran: set = field(default_factory=set)  # id(module) of modules whose forward ran since the last backward
 
 
@@ -181,6 +190,7 @@ class Deferred:
         self.bucketed: set = set()  # id(param) of the parameters DDP all-reduces (seen in the probe's buckets)
         self.stamped_state = None  # optimizer.state when step() stamped (the shim's StateView)
         self.on_state_use = None  # set by Handle: a flush, when optimizer.state is used while updates are pending
+        self.watch = GradWatch(self.probe)  # while probing: does the loop read the gradients after backward?
 
     # -- the user's optimizer.step() ----------------------------------------------------------------------
     def release(self) -> None:
@@ -189,6 +199,7 @@ class Deferred:
         shim's ``step`` made by someone else still calls."""
         self.pending, self.unstamped, self.marks, self.holders = {}, [], [], {}
         self.guard = self.norms = self.on_state_use = self.stamped_state = None  # (on_state_use: the handle)
+        self.watch.unwatch()
 
     def stamp(self, params: list, closure) -> None:
         """``optimizer.step()`` in overlap mode: check, then stamp this iteration's buckets (no update now)."""
@@ -300,6 +311,8 @@ class Deferred:
         self.marks = [(p, p.grad, p.grad._version if p.grad is not None else -1) for p in params]
         if probing:
             self.norms = _norms([g for _p, g, _v in self.marks])
+            self.watch.unwatch()  # (a gradient tensor of the last iteration freed since, whose id may come back)
+            self.watch.watch([g for _p, g, _v in self.marks])
             self.probe.backwards += 1
             for p in params:
                 if id(p) in self.got_grad and not any(m in self.probe.ran for m in self.holders.get(id(p), ())):
@@ -512,6 +525,64 @@ class UseGuard(TorchFunctionMode):
         if self.armed and _function_name(func) not in METADATA and self.uses(args, kwargs):
             self.armed = False
             self.on_use()
+        return func(*args, **kwargs)
+
+
+class GradWatch(TorchFunctionMode):
+    """While probing: notes (``probe.grads_read``) whether a torch operation on the training thread uses a gradient
+    that DDP wrote at the last synchronized backward, beyond its metadata and zeroing it (a logged norm, a step
+    skipped on it). In the probe such a read sees DDP's average; in overlap mode it would see this rank's own
+    gradient, so the probe falls back to hook mode. Pushed on the training thread's mode stack at the end of the
+    model's forward (``push``), popped at the next forward (``pop``); it holds the watched gradients, so that their
+    ids stay theirs. Reads that first appear after the probe are not seen (docs/shim.md).
+
+    Usage: ``watch = GradWatch(probe); watch.push()`` after forward; ``watch.watch(grads)`` after backward
+    """
+
+    def __init__(self, probe: Probe):
+        super().__init__()
+        self.probe = probe
+        self.grads: list = []
+        self.ids: set = set()
+        self.quiet = 0
+        self.thread: int | None = None  # the thread whose mode stack holds it (None: on no stack)
+
+    def watch(self, grads) -> None:
+        self.grads = [g for g in grads if g is not None]
+        self.ids = {id(g) for g in self.grads}
+
+    def unwatch(self) -> None:
+        self.grads, self.ids = [], set()
+
+    def push(self) -> None:
+        if self.thread is None:
+            torch._C._push_on_torch_function_stack(self)
+            self.thread = threading.get_ident()
+
+    def pop(self) -> None:
+        """Off the stack when it is on top of this thread's (an exact TorchFunctionMode stack discipline)."""
+        n = torch._C._len_torch_function_stack()
+        if self.thread == threading.get_ident() and n > 0 and torch._C._get_function_stack_at(n - 1) is self:
+            torch._C._pop_torch_function_stack()
+            self.thread = None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """The shim's own uses (the probe's real step) and zero_grad: not the loop reading gradients."""
+        self.quiet += 1
+        try:
+            yield
+        finally:
+            self.quiet -= 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.ids and not self.quiet:
+            name = _function_name(func)
+            if name not in METADATA and name not in GRAD_OVERWRITES and \
+                    any(id(t) in self.ids for t in _tensors(args, kwargs)):
+                self.probe.grads_read = True
+                self.unwatch()
         return func(*args, **kwargs)
 
 

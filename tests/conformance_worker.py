@@ -890,6 +890,254 @@ def _adafactor_mixed_dtypes(ctx: Ctx):
     plain_loop(ctx, model, opt, batch=ctx.vectors)
 
 
+# -- review 3 (a researcher's own loops): skipped steps, restores, optimizer variants, DDP options, autograd ----------
+@idiom("nonfinite_loss_skip")
+def _nonfinite_loss_skip(ctx: Ctx):
+    """A NaN/inf guard on the loss: step 3's batch holds an inf on every rank, so the loss is not finite and the
+    step is skipped (``if torch.isfinite(loss): opt.step()``); zero_grad at the top of the loop."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        opt.zero_grad()
+        x, y = ctx.images(step)
+        if step == 3:
+            x[0, 0, 0, 0] = float("inf")
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if torch.isfinite(loss):
+            opt.step()
+        ctx.record("skipped", float(not torch.isfinite(loss)))
+
+
+@idiom("grad_norm_skip")
+def _grad_norm_skip(ctx: Ctx):
+    """Loss-spike protection that reads, but does not change, the gradients: the step is skipped when the total
+    gradient norm is over 1.1 times the mean of the earlier ones (under DDP the averaged gradient's norm: the same
+    decision on every rank; some steps are skipped at 2 and at 3 ranks)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    norms = []
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        skip = bool(norms) and norm > 1.1 * sum(norms) / len(norms)
+        norms.append(norm)
+        if not skip:
+            opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+        ctx.record("grad_norm", norm)
+        ctx.record("skipped", float(skip))
+
+
+@idiom("restore_midrun")
+def _restore_midrun(ctx: Ctx):
+    """A roll-back: model and optimizer state kept in memory after step 2 (deep copies of their state_dict()) and
+    loaded back into the live model and optimizer after step 5 (model.module.load_state_dict,
+    optimizer.load_state_dict), as after a loss spike."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    ctx.attach(model, opt)
+    kept = {}
+
+    def after(step):
+        if step == 2:
+            kept["model"] = copy.deepcopy(model.module.state_dict())
+            kept["opt"] = copy.deepcopy(opt.state_dict())
+        if step == 5:
+            model.module.load_state_dict(kept["model"])
+            opt.load_state_dict(kept["opt"])
+    plain_loop(ctx, model, opt, after_step=after)
+
+
+@idiom("fused_adamw")
+def _fused_adamw(ctx: Ctx):
+    model = ctx.ddp(convnet())
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05, fused=True)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("sgd_foreach_false_maximize")
+def _sgd_foreach_false_maximize(ctx: Ctx):
+    """SGD with foreach=False and maximize=True on the negated loss (Adam, maximize too, on the head)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, foreach=False, maximize=True)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = -F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
+@idiom("zero_redundancy")
+def _zero_redundancy(ctx: Ctx):
+    """torch.distributed.optim.ZeroRedundancyOptimizer (each rank steps its shard, then broadcasts it)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    model = ctx.ddp(convnet())
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=2e-3)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("eval_mode_training")
+def _eval_mode_training(ctx: Ctx):
+    """Some training iterations with the model in eval mode (BatchNorm frozen: running statistics used, not
+    updated), model.train(False) for iterations 2..4."""
+    model = ctx.ddp(convnet(batchnorm=True))
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, before_forward=lambda step: model.train(not 2 <= step <= 4))
+
+
+@idiom("two_views")
+def _two_views(ctx: Ctx):
+    """Two forward passes of the DDP model (two augmented views), one loss, one backward (SimCLR-like)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        x2 = ctx.images(step, 1)[0]
+        z1, z2 = model(x), model(x2)
+        loss = F.cross_entropy(z1, y) + F.mse_loss(z1.softmax(1), z2.softmax(1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
+@idiom("retain_graph_two_losses")
+def _retain_graph_two_losses(ctx: Ctx):
+    """Two losses on one forward, backpropagated separately (the first with retain_graph=True), one step."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        out = model(x)
+        loss1 = F.cross_entropy(out, y)
+        loss2 = 0.1 * out.pow(2).mean()
+        loss1.backward(retain_graph=True)
+        loss2.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss1.item())
+
+
+@idiom("gradient_penalty")
+def _gradient_penalty(ctx: Ctx):
+    """A gradient penalty on the inputs (WGAN-GP, R1): torch.autograd.grad(..., create_graph=True), then the
+    loss plus the penalty backpropagated once."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        x.requires_grad_(True)
+        out = model(x)
+        (g,) = torch.autograd.grad(out.logsumexp(1).sum(), x, create_graph=True)
+        loss = F.cross_entropy(out, y) + 0.1 * (g.flatten(1).norm(dim=1) - 1).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
+@idiom("chained_swa")
+def _chained_swa(ctx: Ctx):
+    """ChainedScheduler (a warm-up and a decay at once) for the first half, then SWA: SWALR and an AveragedModel
+    updated after every step(); the SWA model's parameters are compared too."""
+    from torch.optim.swa_utils import SWALR
+    sl = torch.optim.lr_scheduler
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters(), lr=0.1)
+    ctx.attach(model, opt)
+    chained = sl.ChainedScheduler([sl.LinearLR(opt, start_factor=0.3, total_iters=3),
+                                   sl.ExponentialLR(opt, gamma=0.8)])
+    swa_model = AveragedModel(model.module)
+    swa = SWALR(opt, swa_lr=0.02, anneal_epochs=2)
+    half = ctx.steps // 2
+
+    def after(step):
+        if step < half:
+            chained.step()
+        else:
+            swa_model.update_parameters(model.module)
+            swa.step()
+    plain_loop(ctx, model, opt, after_step=after)
+    for p in swa_model.parameters():
+        ctx.record("swa", p)
+
+
+@idiom("no_decay_by_name")
+def _no_decay_by_name(ctx: Ctx):
+    """The usual weight-decay split by parameter name (biases and norms without decay), AdamW, cosine schedule."""
+    model = ctx.ddp(convnet(batchnorm=True))
+    named = list(model.module.named_parameters())
+    decay = [p for n, p in named if p.ndim > 1]
+    no_decay = [p for n, p in named if p.ndim <= 1]
+    opt = torch.optim.AdamW([{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": 0.1}],
+                            lr=3e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=ctx.steps)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, sched)
+
+
+@idiom("parametrized")
+def _parametrized(ctx: Ctx):
+    """torch.nn.utils.parametrize: the new weight_norm (parametrizations.weight_norm) on the first linear layer and
+    a custom symmetric parametrization on the last: their parameters live in ParametrizationList modules, which
+    the layer calls inside its own forward."""
+    class Scaled(nn.Module):
+        def forward(self, w):
+            return w * 0.5
+
+    net = convnet()
+    torch.nn.utils.parametrizations.weight_norm(net[5])
+    torch.nn.utils.parametrize.register_parametrization(net[7], "weight", Scaled())
+    model = ctx.ddp(net)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("eval_inference_mode")
+def _eval_inference_mode(ctx: Ctx):
+    """Validation under torch.inference_mode() (Lightning's default) after some step()s: the forward applies the
+    pending updates there; Adam's state is created in the probe iteration, SGD's momentum later (a layer
+    unused until then)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    x_eval = ctx.images(10_000)[0]
+
+    def evaluate(step):
+        if step % 3 == 1:
+            model.eval()
+            with torch.inference_mode():
+                ctx.record("eval_out", model(x_eval))
+            model.train()
+    plain_loop(ctx, model, opt, after_step=evaluate)
+
+
+@idiom("model_zero_grad_to_zeros")
+def _model_zero_grad_to_zeros(ctx: Ctx):
+    """model.zero_grad(set_to_none=False) after step (the module's, not the optimizer's)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, zero_grad_after=False,
+               after_step=lambda _step: model.zero_grad(set_to_none=False))
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

@@ -48,10 +48,10 @@ BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 # backward() and step(), or step(closure), fall back to hook mode with a reason; everything else overlaps.
 FALLS_BACK_TO_HOOK = ("clip_grad_norm", "clip_grad_value", "grad_scaler", "join_uneven", "lbfgs",
                       "sparse_embedding", "two_optimizers", "step_hooks", "compiled_optimizer_step",
-                      "adafactor_mixed_dtypes")
+                      "adafactor_mixed_dtypes", "grad_norm_skip", "zero_redundancy", "retain_graph_two_losses")
 # Idioms whose parameters DDP leaves per rank on purpose (parameters it ignores, a layer it never all-reduced):
 # every mode must end equal to DDP rank by rank, but the ranks differ from each other
-PER_RANK = ("ddp_ignored", "unfreeze_add_group")
+PER_RANK = ("ddp_ignored", "unfreeze_add_group", "retain_graph_two_losses")  # (DDP synchronizes the first backward)
 STAYS_OVERLAP = tuple(n for n in MAIN + ["checkpoint_resume"] if n not in FALLS_BACK_TO_HOOK)
 
 # Idioms whose dynamics magnify rounding: under bf16 autocast a parameter that differs in its last fp32 bit can
@@ -212,6 +212,9 @@ def test_references_exercise_the_idioms(launches, world):
     assert (extras["clip_grad_value"]["max_abs_grad"] > 2 * worker.CLIP_VALUE).all()
     skipped = extras["grad_scaler"]["skipped"]
     assert 1 <= int(skipped.sum()) < len(skipped), skipped
+    for name in ("grad_norm_skip", "nonfinite_loss_skip"):  # the guards skip some steps and take others
+        skipped = extras[name]["skipped"]
+        assert 1 <= int(skipped.sum()) < len(skipped), (name, skipped)
     for name in MAIN:
         if name.endswith(("_before", "_after")):
             assert len(set(extras[name]["lr"].tolist())) >= 3, (name, extras[name]["lr"])
