@@ -993,8 +993,6 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
                          "over all ranks")
     if optimizer is not None:
         optimizer = ov.inner_optimizer(optimizer)
-        if getattr(model, "gradient_as_bucket_view", False):
-            raise ValueError("overlap mode needs DDP(gradient_as_bucket_view=False)")
     if dist.get_backend() != "gloo":
         warnings.warn("tensorlane's shim is tested with gloo; with NCCL sockets the flows are found the same way, "
                       "over IB/RoCE use NCCL_IB_TC per communicator instead (see docs/shim.md)", stacklevel=2)
@@ -1018,7 +1016,10 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
     per_param = per_parameter_optimizer if per_parameter_optimizer is not None else \
         type(optimizer) in ov.PER_PARAMETER_OPTIMIZERS
     handle._install_overlap()
-    if per_param:
+    if getattr(model, "gradient_as_bucket_view", False):
+        state.mode = "probing"  # fallback() sets hook mode and says why (or raises with require_overlap)
+        state.fallback(ov.BUCKET_VIEW)
+    elif per_param:
         state.mode, state.mode_reason = "probing", "overlap asked for: the first iteration runs as hook mode"
     else:
         state.mode = "probing"  # fallback() sets hook mode and says why (or raises with require_overlap)

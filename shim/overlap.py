@@ -94,6 +94,8 @@ CLOSURE = ("optimizer.step(closure) runs forward and backward inside the step (L
 UNOPTIMIZED = ("some parameters that DDP all-reduces are not in the optimizer given to attach (a second optimizer, "
                "or code that updates them itself): in overlap mode their .grad holds this rank's own gradient until "
                "the deferred step, so whatever updates them would not see DDP's average")
+BUCKET_VIEW = ("DDP(gradient_as_bucket_view=True): the gradients are views of DDP's buckets, which overlap mode does "
+               "not support (it needs them as copies, DDP's default gradient_as_bucket_view=False)")
 GRADS_READ = ("the loop reads gradients after backward() (a logged gradient norm, a step skipped when the norm is too "
               "large or not finite, GradScaler's inf/NaN check): in overlap mode .grad holds this rank's own gradient "
               "until the deferred step, not DDP's average, so what the loop read, and decided, would differ")

@@ -987,6 +987,16 @@ def _zero_redundancy(ctx: Ctx):
     plain_loop(ctx, model, opt)
 
 
+@idiom("grad_as_bucket_view")
+def _grad_as_bucket_view(ctx: Ctx):
+    """DDP(gradient_as_bucket_view=True) (the gradients are views of DDP's buckets; saves a copy of them): overlap
+    mode falls back to hook mode (it raised at attach)."""
+    model = ctx.ddp(convnet(), gradient_as_bucket_view=True)
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
 @idiom("eval_mode_training")
 def _eval_mode_training(ctx: Ctx):
     """Some training iterations with the model in eval mode (BatchNorm frozen: running statistics used, not
