@@ -932,6 +932,19 @@ def _check_levels(levels: int, partition_bytes: int | None = None) -> None:
         raise ValueError(f"partition_bytes must be a positive number of bytes (or None), not {partition_bytes!r}")
 
 
+def _comm_hook_name(model) -> str | None:
+    """The communication hook already on a DDP model (``register_comm_hook`` or a builtin one such as
+    ``FP16_COMPRESS``), or None."""
+    try:
+        name = model._get_ddp_logging_data().get("comm_hook")
+    except (AttributeError, RuntimeError):  # another torch: DDP's list of registered hooks alone
+        name = None
+    hooks = getattr(model, "_comm_hooks", None) or []
+    if not name and hooks:
+        name = getattr(hooks[0][0], "__qualname__", repr(hooks[0][0]))
+    return str(name) if name else None
+
+
 def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | None = None,
                partition_bytes: int | None = None, module=None, policy: str = "layer_order",
                report_interval_s: float = 5.0) -> ShimState:
@@ -991,6 +1004,11 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
                          f"runs on a group of {dist.get_world_size(group)} of {dist.get_world_size()} ranks (the "
                          "shim's groups and its averaging span the world). Attach nothing to it, or use one DDP "
                          "over all ranks")
+    other = _comm_hook_name(model)
+    if other is not None:  # (DDP's own "can only be called once" came after the groups and the optimizer's wrapping)
+        raise RuntimeError(f"tensorlane: the DDP model already has a communication hook ({other}); DDP takes one, "
+                           "and the shim's is the one that averages the gradients, by level. Attach to a DDP model "
+                           "without a hook of its own, or do not attach")
     if optimizer is not None:
         optimizer = ov.inner_optimizer(optimizer)
     if dist.get_backend() != "gloo":

@@ -113,6 +113,34 @@ def test_attach_refuses_a_compiled_ddp_model_with_the_order_to_use(tmp_path):
 
 
 @pytest.mark.torch
+def test_attach_refuses_a_model_that_has_a_comm_hook_before_any_collective(tmp_path):
+    """A communication hook of the user's already on the DDP model (fp16 compression, a builtin one): DDP takes one,
+    so ``attach`` refuses, naming it, before it creates a group or wraps the optimizer (DDP's own "can only be
+    called once" came after both: the optimizer's step stayed the shim's)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        registers = {"fp16_compress_hook": lambda m: m.register_comm_hook(None, default_hooks.fp16_compress_hook),
+                     "FP16_COMPRESS": lambda m: m._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)}
+        for name, register in registers.items():
+            ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+            register(ddp)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            groups = len(dist.distributed_c10d._world.pg_map)
+            for optimizer in (None, opt):
+                with pytest.raises(RuntimeError, match=rf"already has a communication hook \(.*{name}\)"):
+                    shim.attach(ddp, optimizer, agent_socket="/nonexistent/tl.sock")
+            assert len(dist.distributed_c10d._world.pg_map) == groups and "step" not in vars(opt)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_the_shim_frees_ddp_models_left_in_cycles_before_the_interpreter_exits(tmp_path):
     """A DDP model the script leaves in a reference cycle after ``dist.destroy_process_group()`` keeps its process
     group (and gloo's threads) until the garbage is collected; collected during the interpreter's exit, a gloo
