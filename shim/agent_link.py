@@ -32,8 +32,10 @@ class AgentLink:
         self.counters = {"registrations": 0, "failures": 0, "refusals": 0, "reregistrations": 0}
         self.last_error = ""
         self.link_bps: float | None = None  # the rate of the NIC the job's flows use (``status``), for the planner
+        self.agent_levels: int | None = None  # the agent's levels (``hello``): a level beyond them goes to its last
         self._instance: str | None = None
         self._warned = False
+        self._fold_warned = False  # warned that levels beyond the agent's are registered at its last
         self._ever_registered = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -59,19 +61,35 @@ class AgentLink:
         with self._lock:
             return self._talk(self._register_all_if_new)
 
+    def agent_level(self, level: int) -> int:
+        """The agent's level for the shim's ``level``: the same, or the agent's least urgent one where it has fewer
+        levels (its config says so, or it was restarted with fewer): those flows stay in a registered class,
+        below the job's more urgent ones, rather than refused into the default class."""
+        return level if self.agent_levels is None else min(level, self.agent_levels - 1)
+
     def _register(self, agent: AgentClient, flows: dict[int, list[dict]]) -> None:
+        if not self._fold_warned and any(self.agent_level(lvl) != lvl for lvl in flows):
+            self._fold_warned = True
+            log.warning("tensorlane: the agent at %s has %d levels: this process's levels from %d on are registered "
+                        "at its level %d", self.socket_path, self.agent_levels, self.agent_levels,
+                        self.agent_levels - 1)
         for level, fl in sorted(flows.items()):
             for i in range(0, len(fl), MAX_FLOWS_PER_REQUEST):
-                reply = agent.register(self.job, level, fl[i:i + MAX_FLOWS_PER_REQUEST], rank=self.rank,
-                                       run=self.run)
+                reply = agent.register(self.job, self.agent_level(level), fl[i:i + MAX_FLOWS_PER_REQUEST],
+                                       rank=self.rank, run=self.run)
                 if reply.get("conflict") and not self.conflict:
                     self.conflict = reply["conflict"]
                     log.warning("tensorlane: %s", self.conflict)
 
     def _register_all_if_new(self, agent: AgentClient) -> None:
-        instance = agent.request("hello").get("instance")
+        hello = agent.request("hello")
+        instance = hello.get("instance")
         if instance == self._instance:
             return
+        levels = hello.get("levels")
+        levels = levels if isinstance(levels, int) and not isinstance(levels, bool) and levels > 0 else None
+        if levels != self.agent_levels:
+            self.agent_levels, self._fold_warned = levels, False
         self._register(agent, self.flows)
         if self.link_bps is None:
             mine = agent.list(self.job)["flows"] if self.flows else []

@@ -35,12 +35,15 @@ class Reporter:
     fields (older than them) gets the counters alone from then on. ``stats()`` is read before the inputs of each
     report (``start`` reads the handle's stats once for both). ``step_ended()`` reports at once while the
     agent ranks jobs by their window (job policy ``slowdown``), and does nothing once the agent has said it does
-    not."""
+    not. ``agent_levels()`` (the agent link's, from ``hello``): the agent's number of levels, where the
+    counters of the shim's levels beyond them are added to its last level's, as their flows are registered there
+    (None: unknown, sent as they are)."""
 
     def __init__(self, stats, socket_path: str, job: str, interval_s: float = 5.0, timeout_s: float = 0.25,
                  session: str | None = None, start: bool = True, step_bytes=None, compute_s=None,
-                 tail_bytes=None, window_start=None, window_steps=None):
+                 tail_bytes=None, window_start=None, window_steps=None, agent_levels=None):
         self.stats = stats
+        self.agent_levels = agent_levels
         self.inputs = {name: (read, INPUTS[name]) for name, read in (
             ("step_bytes", step_bytes), ("compute_s", compute_s), ("tail_bytes", tail_bytes),
             ("window_start", window_start), ("window_steps", window_steps))}
@@ -68,8 +71,9 @@ class Reporter:
             if self.unsupported:
                 return False
             try:
-                levels = [{"level": int(s["level"]), "allreduces": int(s["allreduces"]), "bytes": int(s["bytes"]),
-                           "comm_s": float(s["comm_s"])} for s in self.stats()]
+                levels = fold_levels([{"level": int(s["level"]), "allreduces": int(s["allreduces"]),
+                                       "bytes": int(s["bytes"]), "comm_s": float(s["comm_s"])} for s in self.stats()],
+                                     self.agent_levels() if self.agent_levels is not None else None)
             except Exception as exc:  # noqa: BLE001 - reporting must never break training
                 self.counters["failures"] += 1
                 self.last_error = f"reading the shim's counters: {type(exc).__name__}: {exc}"
@@ -143,6 +147,23 @@ class Reporter:
         return self.report() if first else False
 
 
+def fold_levels(levels: list[dict], agent_levels: int | None) -> list[dict]:
+    """``levels`` (``{level, allreduces, bytes, comm_s}``, cumulative) with those at or beyond ``agent_levels`` added
+    into level ``agent_levels - 1``, where the agent link registers their flows (None: unchanged)."""
+    if not agent_levels:
+        return levels
+    out: dict[int, dict] = {}
+    for s in levels:
+        lvl = min(s["level"], agent_levels - 1)
+        if lvl in out:
+            into = out[lvl]
+            out[lvl] = {"level": lvl, "allreduces": into["allreduces"] + s["allreduces"],
+                        "bytes": into["bytes"] + s["bytes"], "comm_s": into["comm_s"] + s["comm_s"]}
+        else:
+            out[lvl] = dict(s, level=lvl)
+    return [out[lvl] for lvl in sorted(out)]
+
+
 def start(handle, interval_s: float = 5.0, timeout_s: float = 0.25) -> Reporter | None:
     """A Reporter for a ``shim.attach`` handle (its agent socket and job id); None when the shim is disabled. A
     handle whose shim already reports (``attach`` starts a reporter) gets that one: two would count twice."""
@@ -160,4 +181,5 @@ def start(handle, interval_s: float = 5.0, timeout_s: float = 0.25) -> Reporter 
         return seen["levels"]
 
     inputs = {name: (lambda name=name: seen.get(name)) for name in INPUTS}
-    return Reporter(levels, link.socket_path, link.job, interval_s=interval_s, timeout_s=timeout_s, **inputs)
+    return Reporter(levels, link.socket_path, link.job, interval_s=interval_s, timeout_s=timeout_s,
+                    agent_levels=lambda: link.agent_levels, **inputs)

@@ -1,0 +1,135 @@
+"""The shim's agent link against a fake agent on a Unix socket (no kernel, no privileges): what it registers when
+the agent has fewer levels than the shim (its config says so, or it was restarted with fewer), and the reports."""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+
+import pytest
+
+from tensorlane.shim.agent_link import AgentLink
+from tensorlane.shim.report import Reporter
+
+
+class FakeAgent:
+    """Answers hello, register, list, status and report as an agent with ``levels`` levels would (a level out
+    of range is ``bad_level``); ``restart(levels)`` changes its instance and levels and forgets every flow."""
+
+    def __init__(self, path: str, levels: int):
+        self.path, self.levels, self.instance = path, levels, "one"
+        self.flows: dict[tuple, int] = {}
+        self.requests: list[dict] = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def restart(self, levels: int) -> None:
+        self.levels, self.instance, self.flows = levels, self.instance + "+", {}
+
+    def _answer(self, req: dict) -> dict:
+        op = req["op"]
+        if op == "hello":
+            return {"version": "test", "interfaces": ["eth0"], "levels": self.levels, "instance": self.instance}
+        if op == "register":
+            if not 0 <= req["level"] < self.levels:
+                raise ValueError(f"level {req['level']} out of range 0..{self.levels - 1}")
+            for f in req["flows"]:
+                self.flows[(f["src"], f["sport"], f["dst"], f["dport"])] = req["level"]
+            return {"job": req["job"], "level": req["level"], "added": len(req["flows"])}
+        if op == "unregister":
+            return {"job": req["job"], "removed": 0}
+        if op == "list":
+            return {"flows": [], "next": None}
+        if op == "status":
+            return {"devices": []}
+        if op == "report":
+            bad = [lv["level"] for lv in req["levels"] if lv["level"] >= self.levels]
+            if bad:
+                raise ValueError(f"level {bad[0]} out of range 0..{self.levels - 1}")
+            return {"job": req["job"], "levels": len(req["levels"]), "counted_as": req["job"]}
+        raise KeyError(op)
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            with conn, conn.makefile("rb") as lines:
+                for line in lines:
+                    req = json.loads(line)
+                    self.requests.append(req)
+                    try:
+                        reply = {"id": req["id"], "ok": True, "result": self._answer(req)}
+                    except ValueError as exc:
+                        reply = {"id": req["id"], "ok": False, "error": {"code": "bad_level", "message": str(exc)}}
+                    conn.sendall(json.dumps(reply).encode() + b"\n")
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(2)
+        self.sock.close()
+
+
+@pytest.fixture
+def agent(tmp_path):
+    fake = FakeAgent(str(tmp_path / "agent.sock"), levels=2)
+    yield fake
+    fake.close()
+
+
+def flows(level: int, n: int = 2) -> list[dict]:
+    return [{"proto": "tcp", "src": "10.0.0.1", "sport": 1000 * (level + 1) + i, "dst": "10.0.0.2", "dport": 5000}
+            for i in range(n)]
+
+
+def test_levels_beyond_the_agents_are_registered_at_its_least_urgent_level(agent, caplog):
+    link = AgentLink(agent.path, "job", rank=0, interval_s=60)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tensorlane.shim"):
+            for level in range(4):  # the shim's 4 levels, the agent's 2
+                link.add(level, flows(level))
+        assert link.counters["refusals"] == 0 and link.connected
+        assert sorted(agent.flows.values()) == [0, 0, 1, 1, 1, 1, 1, 1]
+        assert sum("levels from 2 on are registered at its level 1" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        link.close()
+
+
+def test_an_agent_restarted_with_fewer_levels_gets_every_flow_back_at_once(agent):
+    link = AgentLink(agent.path, "job", rank=0, interval_s=0.2)
+    try:
+        for level in range(2):
+            link.add(level, flows(level))
+        agent.restart(levels=1)  # a config change (levels 2 -> 1) and a restart
+        deadline = time.monotonic() + 5
+        while link.counters["reregistrations"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(agent.flows.values()) == [0, 0, 0, 0]
+        assert link.counters["refusals"] == 0 and link.counters["reregistrations"] == 1
+        registers = sum(r["op"] == "register" for r in agent.requests)
+        time.sleep(0.6)  # the keep-alive finds the same instance: nothing is registered again
+        assert sum(r["op"] == "register" for r in agent.requests) == registers
+    finally:
+        link.close()
+
+
+def test_reports_fold_the_levels_the_agent_lacks_into_its_last(agent):
+    link = AgentLink(agent.path, "job", rank=0, interval_s=60)
+    try:
+        link.add(0, flows(0))
+        stats = [{"level": lvl, "allreduces": 1, "bytes": 10 * (lvl + 1), "comm_s": 0.5} for lvl in range(4)]
+        rep = Reporter(lambda: stats, agent.path, "job", start=False, agent_levels=lambda: link.agent_levels)
+        assert rep.report(), rep.last_error
+        sent = [r for r in agent.requests if r["op"] == "report"][-1]["levels"]
+        assert sent == [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.5},
+                        {"level": 1, "allreduces": 3, "bytes": 90, "comm_s": 1.5}]
+    finally:
+        link.close()
