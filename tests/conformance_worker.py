@@ -1148,6 +1148,71 @@ def _model_zero_grad_to_zeros(ctx: Ctx):
                after_step=lambda _step: model.zero_grad(set_to_none=False))
 
 
+# -- reads of the gradients that begin after the probe (the first iteration) ---------------------------------------
+WARMUP = 3  # the iteration from which the late idioms read the gradients (overlap mode has begun by then)
+
+
+def total_grad_norm(model) -> float:
+    return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+
+
+@idiom("grad_norm_logged_late")
+def _grad_norm_logged_late(ctx: Ctx):
+    """The total gradient norm logged every fourth iteration from iteration 3 on (3, 7), after step() and before
+    zero_grad() (where a loop logs it every 100 steps); also the momentum buffer's norm then, after the read."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+
+    def log(step):
+        if step % 4 == WARMUP:
+            ctx.record("grad_norm", total_grad_norm(model))
+    plain_loop(ctx, model, opt, after_step=log)
+
+
+@idiom("grad_norm_skip_after_warmup")
+def _grad_norm_skip_after_warmup(ctx: Ctx):
+    """Loss-spike protection that starts after a warm-up: from iteration 3 on, the step is skipped when the total
+    gradient norm (read between backward() and step()) is over the mean of the earlier checked ones; the first
+    iterations read no gradient (the probe sees none, so overlap mode is chosen)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    norms = []
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        skip = False
+        if step >= WARMUP:
+            norm = total_grad_norm(model)
+            skip = bool(norms) and norm > sum(norms) / len(norms)
+            norms.append(norm)
+            ctx.record("grad_norm", norm)
+        if not skip:
+            opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+        ctx.record("skipped", float(skip))
+
+
+@idiom("clip_grad_norm_after_warmup")
+def _clip_grad_norm_after_warmup(ctx: Ctx):
+    """clip_grad_norm_ switched on after a warm-up (from iteration 3 on; it clips: CLIP_NORM is under the norm)."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if step >= WARMUP:
+            ctx.record("total_norm", nn.utils.clip_grad_norm_(model.parameters(), max_norm=CLIP_NORM))
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
