@@ -302,6 +302,7 @@ class ShimState:
         if self.deferred is not None:
             out["overlap"] = {"steps_deferred": self.deferred.steps, "flushes": self.deferred.flushes,
                               "flushed_on_use": self.deferred.flushed_on_use,
+                              "averaged_on_read": self.deferred.averaged_on_read,
                               "early_parameters": len(self.deferred.early)}
         return out
 
@@ -538,19 +539,8 @@ def _apply(state: ShimState, param) -> bool:
     if pend.hparams is None:  # step() not called for it yet: DDP has not updated it either
         ov.check_unstepped(pend, param)
         return False
-    for p, _o, _n, covering in pend.params:
-        if p is param:
-            t0 = time.perf_counter()
-            for i in covering:
-                pend.futures[i].wait()
-            with state.lock:
-                state.clock.waited(time.perf_counter() - t0)  # not compute (shim.compute)
-            break
-    done = [fut.done() for fut in pend.futures]
-    seen = [i for i, ok in enumerate(done) if ok and i not in pend.timed]
-    if seen:
-        pend.timed.update(seen)
-        state.completed(pend.launched, seen)
+    covering = next(c for p, _o, _n, c in pend.params if p is param)
+    done = _wait(state, pend, covering)
     ready = [(p, o, n) for p, o, n, covering in pend.params
              if id(p) not in pend.applied and all(done[i] for i in covering)]
     for p, _o, _n in ready:
@@ -572,14 +562,59 @@ def _apply(state: ShimState, param) -> bool:
     for p, o, _n in ready:
         p.grad = _grad_view(pend.buffer, p, o)
     try:
-        d.step_subset([p for p, _o, _n in ready], pend.hparams)
+        with d.watch.paused():  # the shim's step and its copies are not the loop reading gradients
+            d.step_subset([p for p, _o, _n in ready], pend.hparams)
     finally:
-        for (p, o, _n), g in zip(ready, saved, strict=True):
-            was, version = pend.grads.get(id(p), (None, None))
-            if g is not None and was is g and g._version == version:  # not zeroed since step(): under DDP it
-                g.copy_(_grad_view(pend.buffer, p, o))  # holds the average, and the next backward adds
-            p.grad = g  # (or None after zero_grad, or zeros): it accumulates as there
+        with d.watch.paused():
+            for (p, o, _n), g in zip(ready, saved, strict=True):
+                was, version = pend.grads.get(id(p), (None, None))
+                if g is not None and was is g and g._version == version:  # not zeroed since step(): under DDP it
+                    g.copy_(_grad_view(pend.buffer, p, o))  # holds the average, and the next backward adds
+                p.grad = g  # (or None after zero_grad, or zeros): it accumulates as there
     return True
+
+
+def _wait(state: ShimState, pend, pieces) -> list[bool]:
+    """Wait for the pieces ``pieces`` of ``pend`` (the clock counts it as waiting, not compute: shim.compute),
+    count every piece of it seen complete by now; returns whether each piece has completed."""
+    t0 = time.perf_counter()
+    for i in pieces:
+        pend.futures[i].wait()
+    with state.lock:
+        state.clock.waited(time.perf_counter() - t0)
+    done = [fut.done() for fut in pend.futures]
+    seen = [i for i, ok in enumerate(done) if ok and i not in pend.timed]
+    if seen:
+        pend.timed.update(seen)
+        state.completed(pend.launched, seen)
+    return done
+
+
+def _average_into_grads(state: ShimState) -> bool:
+    """Overlap mode, a read of the gradients between backward() and step(): wait for this iteration's all-reduces
+    and write the averages into ``.grad`` (where it still holds what DDP wrote at backward, as marked), so that the
+    loop reads what DDP's reads; the iteration's pending steps are dropped and ``step()`` takes the optimizer's own
+    step on ``.grad`` (``Deferred.step_synced``), so a change the loop makes next (clipping) acts as under DDP.
+    Returns whether anything was pending."""
+    d = state.deferred
+    marked = {id(p): (g, version) for p, g, version in d.marks}
+    live = False
+    with d.watch.paused():
+        for pend in d.unstamped:
+            mine = [(p, o) for p, o, _n, _c in pend.params if d.pending.get(id(p)) is pend]
+            if not mine:  # (a backward's buckets that a later backward all-reduced again)
+                continue
+            live = True
+            _wait(state, pend, range(len(pend.futures)))
+            for p, o in mine:
+                g, version = marked.get(id(p), (None, None))
+                if g is not None and p.grad is g and g._version == version:
+                    g.copy_(_grad_view(pend.buffer, p, o))
+                pend.applied.add(id(p))
+                d.pending.pop(id(p), None)
+    d.unstamped = []
+    d.synced = d.synced or live
+    return live
 
 
 class Handle:
@@ -633,6 +668,7 @@ class Handle:
         step._wrapped_by_lr_sched = True  # LR schedulers made after attach leave it as it is
         opt.step = self._step_attr = step
         d.guard = ov.UseGuard(self._flush_on_use)
+        d.watch.on_read = self._grads_read  # (release() gives it back its own: the state outlives the handle)
         self._own_zero_grad = opt.__dict__.get("zero_grad")
         zero_grad_of = opt.zero_grad
 
@@ -707,17 +743,57 @@ class Handle:
                                "or use hook mode (shim.attach without optimizer).")
 
     def _disarm(self, *_args) -> None:
-        """The model's forward begins (or a flush): pending updates are applied from here on, not by the guard."""
+        """The model's forward begins (or ``close()``): pending updates are applied from here on, not by the guard,
+        and ``.grad`` holds DDP's average once they are; the guard and the gradient watch leave the mode stack (in
+        either order). The gradients stay watched while the last backward awaits its ``step()``."""
+        d = None if self.state is None else self.state.deferred
+        if d is None:
+            return
+        self._disarm_guard()
+        d.watch.pop()
+        self._disarm_guard()  # (below the watch a moment ago)
+        if not d.awaiting_step():
+            d.watch.unwatch()
+
+    def _disarm_guard(self) -> None:
+        """Stop the parameter guard (a flush's own uses of the parameters are not the loop's)."""
         d = None if self.state is None else self.state.deferred
         if d is not None and d.guard is not None:
             d.guard.disarm()
-        if d is not None:
-            d.watch.pop()
 
     def _watch_grads(self, *_args) -> None:
-        """The model's forward has ended: while probing, watch the loop's use of the gradients until the next one."""
-        if self.state.mode == "probing" and not self.closed:
+        """The model's forward has ended: watch the loop's use of the gradients until the next one (probing and
+        overlap mode)."""
+        if self.state.mode in ("probing", "overlap") and not self.closed:
             self.state.deferred.watch.push()
+
+    def _grads_read(self) -> None:
+        """The gradient watch saw the loop read a gradient DDP wrote: while probing, note it (the probe falls back to
+        hook mode); in overlap mode, give ``.grad`` DDP's average before the read proceeds."""
+        if self.closed or self.state is None:
+            return
+        if self.state.mode == "probing":
+            self.state.deferred.note_read()
+        elif self.state.mode == "overlap":
+            self._average_on_read()
+
+    def _average_on_read(self) -> None:
+        """Overlap mode, a read of ``.grad`` after the probe: after ``step()``, apply the stamped updates (a flush,
+        which leaves the average in ``.grad``, as DDP's step does); before it, wait for this iteration's all-reduces
+        and write the averages (``_average_into_grads``). Exact; that iteration does not overlap."""
+        d = self.state.deferred
+        stamped = any(pend.hparams is not None for pend in d.pending.values())
+        if stamped:
+            self.flush()
+        if not (_average_into_grads(self.state) or stamped):
+            return
+        d.averaged_on_read += 1
+        if d.averaged_on_read == 1:
+            warnings.warn("tensorlane overlap mode: the loop read gradients after backward() (a logged norm, a check, "
+                          "clipping) in a later iteration than the first; the iteration's all-reduces were waited for "
+                          "and .grad made DDP's average first, as under DDP, so that iteration did not overlap the "
+                          "next forward (stats()['overlap']['averaged_on_read'] counts such iterations)",
+                          stacklevel=ov.user_stacklevel())
 
     def _flush_on_use(self) -> None:
         """A parameter whose update is pending was used after step() (the guard saw it): apply every update first."""
@@ -740,7 +816,10 @@ class Handle:
             with d.watch.paused():  # (the probe's own checks read the gradients too)
                 d.probe_step(closure)
                 return d.orig_step() if closure is None else d.orig_step(closure)
-        d.stamp([p for g in self.optimizer.param_groups for p in g["params"]], closure)
+        with d.watch.paused():
+            if d.synced:  # a read made .grad DDP's average: nothing is pending, the step is DDP's own
+                return d.step_synced(closure)
+            d.stamp([p for g in self.optimizer.param_groups for p in g["params"]], closure)
         if d.pending:
             d.guard.arm([p for p in state.options["params"] if id(p) in d.pending])
         return None
@@ -765,7 +844,7 @@ class Handle:
     def flush(self) -> None:
         """Apply every update whose step() was called (overlap mode): call it before reading or changing
         parameters outside a forward pass. A no-op otherwise. Usage: ``opt.step(); handle.flush(); ema.update()``"""
-        self._disarm()
+        self._disarm_guard()
         d = None if self.state is None else self.state.deferred
         if d is None or not d.pending:
             return
@@ -797,6 +876,7 @@ class Handle:
             self.flush()
         except RuntimeError as exc:  # a refusal was raised already: clean up all the same
             warnings.warn(f"tensorlane: close() dropped updates it could not apply exactly: {exc}", stacklevel=2)
+        self._disarm()  # the guard and the gradient watch off this thread's mode stack
         d = self.state.deferred
         if d is not None:
             for pend in {id(p): p for p in d.pending.values()}.values():

@@ -17,9 +17,10 @@ What overlap mode cannot reproduce, and how it is caught:
   ``step(closure)`` or an optimizer that does not update each parameter on its own, every rank switches to hook
   mode for the rest of the run (one warning; ``stats()["mode_reason"]``). The probe also compares each
   gradient's norm (``GradScaler`` unscales in place without moving the version counter) and notices a step
-  taken through ``GradScaler.step``. A change that first appears later raises at that ``step()``, before the
-  update it concerns is applied (seen by version, identity, or a ``GradScaler`` caller; a write through
-  ``.grad.data`` after the first iteration is not seen).
+  taken through ``GradScaler.step``. A change that first appears later and reads the gradients first (clipping,
+  ``.grad.mul_``, ``unscale_``) is exact (the :class:`GradWatch` below); one that does not read them (``zero_``,
+  ``.grad = None``, a second backward) raises at that ``step()``, before the update it concerns is applied (seen by
+  version, identity, or a ``GradScaler`` caller).
 - a parameter used in a forward pass before its module's forward pre-hook ran (a parameter of one module used
   functionally by another): parameters seen so in the probe are applied at the start of every forward; one that
   is caught so later raises.
@@ -48,10 +49,14 @@ model, a :class:`UseGuard` (a ``TorchFunctionMode`` on the thread that called ``
 operation: the first one that takes a parameter whose update is pending (or a view of its storage), other than
 reading its metadata (``.grad``, ``.shape``, ``numel()``, ...), first applies every pending update
 (``handle.flush()``), as if the step had been taken at ``step()``. Exact, at the cost of that iteration's overlap.
-Code that reads ``.grad`` after ``backward()`` (a logged norm, a step skipped on it) would see this rank's own
-gradient (not the average) in overlap mode: the probe watches the gradients from the end of its forward to the next
-forward (a :class:`GradWatch`) and falls back to hook mode if the loop reads one; a read that first appears after
-the probe is not seen and gets this rank's own gradient.
+Code that reads ``.grad`` after ``backward()`` (a logged norm, a step skipped on it, clipping) would see this rank's
+own gradient (not the average) in overlap mode. A :class:`GradWatch` watches the gradients DDP wrote from the end of
+every forward to the next forward. In the probe a read makes the job fall back to hook mode (a loop that reads them
+every iteration gains nothing from overlap). Later, the first read of an iteration makes ``.grad`` DDP's average
+before it proceeds: before ``step()`` the iteration's all-reduces are waited for and the averages written into
+``.grad``, and ``step()`` then takes the optimizer's own step on ``.grad`` as the loop leaves it
+(``Deferred.step_synced``, exactly DDP's step); after ``step()`` the stamped updates are applied (a flush), which
+leaves the averages in ``.grad``. Exact, at the cost of that iteration's overlap (``averaged_on_read``).
 
 Usage: ``deferred = Deferred(optimizer, holders)`` is made by ``shim.attach``; see shim/ddp.py.
 """
@@ -192,7 +197,9 @@ class Deferred:
         self.bucketed: set = set()  # id(param) of the parameters DDP all-reduces (seen in the probe's buckets)
         self.stamped_state = None  # optimizer.state when step() stamped (the shim's StateView)
         self.on_state_use = None  # set by Handle: a flush, when optimizer.state is used while updates are pending
-        self.watch = GradWatch(self.probe)  # while probing: does the loop read the gradients after backward?
+        self.watch = GradWatch(self.note_read)  # the loop's reads of the gradients after backward (Handle sets it)
+        self.synced = False  # a read made this iteration's .grad DDP's average before step(): step() takes it now
+        self.averaged_on_read = 0  # iterations in which a read after the probe waited for the averages
 
     # -- the user's optimizer.step() ----------------------------------------------------------------------
     def release(self) -> None:
@@ -202,6 +209,7 @@ class Deferred:
         self.pending, self.unstamped, self.marks, self.holders = {}, [], [], {}
         self.guard = self.norms = self.on_state_use = self.stamped_state = None  # (on_state_use: the handle)
         self.watch.unwatch()
+        self.watch.on_read = self.note_read  # (the handle's)
 
     def stamp(self, params: list, closure) -> None:
         """``optimizer.step()`` in overlap mode: check, then stamp this iteration's buckets (no update now)."""
@@ -239,6 +247,27 @@ class Deferred:
         outside = [p for p in params if id(p) not in self.bucketed and p.grad is not None]
         if outside:  # DDP does not all-reduce these: the step takes their own gradient, now, as under DDP
             self.step_subset(outside, hp)
+
+    def note_read(self) -> None:
+        """While probing: the loop read a gradient after backward (the probe falls back to hook mode)."""
+        self.probe.grads_read = True
+
+    def step_synced(self, closure) -> None:
+        """``optimizer.step()`` in overlap mode after a read made this iteration's ``.grad`` DDP's average
+        (``synced``: nothing of it is pending): the optimizer's own step, now, on ``.grad`` as the loop left it
+        (clipped, scaled), exactly as DDP takes it."""
+        if closure is not None:
+            raise RuntimeError(f"tensorlane overlap mode: {CLOSURE}. Use hook mode (shim.attach without "
+                               "optimizer) for this loop.")
+        self.check_step_hooks()
+        self.synced = False
+        self.marks = []
+        self.orig_step()
+
+    def awaiting_step(self) -> bool:
+        """Whether the last synchronized backward's averages are still pending without a ``step()`` (its
+        ``.grad`` holds this rank's own gradient until the next backward, which all-reduces it again)."""
+        return any(self.pending.get(id(p)) is pend for pend in self.unstamped for p, *_ in pend.params)
 
     def watch_state(self):
         """Put a :class:`StateView` on ``optimizer.state`` (again, after ``load_state_dict`` or the user replaced
@@ -309,12 +338,15 @@ class Deferred:
 
     # -- after every synchronized backward ----------------------------------------------------------------
     def after_backward(self, params: list, probing: bool) -> None:
-        """Runs once DDP has written the gradients: mark them; while probing, note early-used parameters."""
+        """Runs once DDP has written the gradients: mark them and watch the loop's reads of those DDP averages;
+        while probing, note early-used parameters."""
         self.marks = [(p, p.grad, p.grad._version if p.grad is not None else -1) for p in params]
+        self.synced = False
+        self.watch.unwatch()  # (a gradient tensor of the last iteration freed since, whose id may come back)
+        self.watch.watch([g for p, g, _v in self.marks if id(p) in self.bucketed])  # (the others are per rank)
         if probing:
-            self.norms = _norms([g for _p, g, _v in self.marks])
-            self.watch.unwatch()  # (a gradient tensor of the last iteration freed since, whose id may come back)
-            self.watch.watch([g for _p, g, _v in self.marks])
+            with self.watch.paused():
+                self.norms = _norms([g for _p, g, _v in self.marks])
             self.probe.backwards += 1
             for p in params:
                 if id(p) in self.got_grad and not any(m in self.probe.ran for m in self.holders.get(id(p), ())):
@@ -531,19 +563,20 @@ class UseGuard(TorchFunctionMode):
 
 
 class GradWatch(TorchFunctionMode):
-    """While probing: notes (``probe.grads_read``) whether a torch operation on the training thread uses a gradient
-    that DDP wrote at the last synchronized backward, beyond its metadata and zeroing it (a logged norm, a step
-    skipped on it). In the probe such a read sees DDP's average; in overlap mode it would see this rank's own
-    gradient, so the probe falls back to hook mode. Pushed on the training thread's mode stack at the end of the
-    model's forward (``push``), popped at the next forward (``pop``); it holds the watched gradients, so that their
-    ids stay theirs. Reads that first appear after the probe are not seen (docs/shim.md).
+    """Calls ``on_read()`` before the first torch operation on the training thread that uses a watched gradient (one
+    that DDP wrote at the last synchronized backward) beyond its metadata and zeroing it: a logged norm, a step
+    skipped on it, clipping. ``Handle`` passes a function that, while probing, notes the read (the probe then falls
+    back to hook mode) and, in overlap mode, makes ``.grad`` DDP's average first (where ``.grad`` holds this rank's
+    own gradient until the deferred step). Pushed on the training thread's mode stack at the end of the model's
+    forward (``push``), popped at the next forward (``pop``); it holds the watched gradients, so that their ids stay
+    theirs, and forgets them after the first read (``unwatch``).
 
-    Usage: ``watch = GradWatch(probe); watch.push()`` after forward; ``watch.watch(grads)`` after backward
+    Usage: ``watch = GradWatch(on_read); watch.push()`` after forward; ``watch.watch(grads)`` after backward
     """
 
-    def __init__(self, probe: Probe):
+    def __init__(self, on_read):
         super().__init__()
-        self.probe = probe
+        self.on_read = on_read
         self.grads: list = []
         self.ids: set = set()
         self.quiet = 0
@@ -570,7 +603,8 @@ class GradWatch(TorchFunctionMode):
 
     @contextlib.contextmanager
     def paused(self):
-        """The shim's own uses (the probe's real step) and zero_grad: not the loop reading gradients."""
+        """The shim's own uses (the probe's checks and real step, deferred steps, writing the averages) and
+        zero_grad: not the loop reading gradients."""
         self.quiet += 1
         try:
             yield
@@ -583,8 +617,8 @@ class GradWatch(TorchFunctionMode):
             name = _function_name(func)
             if name not in METADATA and name not in GRAD_OVERWRITES and \
                     any(id(t) in self.ids for t in _tensors(args, kwargs)):
-                self.probe.grads_read = True
                 self.unwatch()
+                self.on_read()
         return func(*args, **kwargs)
 
 

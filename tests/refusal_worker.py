@@ -1,8 +1,8 @@
 """Loops that overlap mode cannot reproduce once it has been chosen, run under torchrun: each must raise a clear
-error on every rank, where it can before any parameter differs from plain DDP's (and ``early_use`` and
-``param_write_later``, which it reproduces, must not). Writes OUT/SCENARIO-RANK.json with the error and the largest
-relative difference from DDP at that point (DDP after the same number of completed steps, :data:`SCENARIOS`; run
-as the loop of :data:`REFERENCE`).
+error on every rank, where it can before any parameter differs from plain DDP's (and ``early_use``,
+``param_write_later``, ``clip_later``, ``grad_write_later`` and ``step_around_shim``, which it reproduces, must
+not). Writes OUT/SCENARIO-RANK.json with the error and the largest relative difference from DDP at that point (DDP
+after the same number of completed steps, :data:`SCENARIOS`; run as the loop of :data:`REFERENCE`).
 
     torchrun --standalone --nproc-per-node 2 tests/refusal_worker.py --out DIR
 """
@@ -69,12 +69,18 @@ def loop(scenario: str, shim_on: bool, steps: int):
             loss.backward()
             if scenario == "clip_later" and late or scenario == "require_overlap":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
-            if scenario == "grad_write_later" and late:
+            if scenario == "grad_write_later" and late:  # reads it: seen, made DDP's average first, exact
                 next(model.parameters()).grad.mul_(0.5)
+            if scenario == "grad_zeroed_later" and late:  # writes without reading: seen at step() only
+                next(model.parameters()).grad.zero_()
             if scenario == "step_hook_later" and step == LATE:  # a hook after overlap mode was chosen
                 opt.register_step_post_hook(lambda *_: None)
-            if scenario == "step_around_shim" and late:
-                type(opt).step(opt)  # the optimizer's own step, not the one the shim installed
+            if scenario == "step_around_shim" and late:  # the optimizer's own step, not the one the shim
+                type(opt).step(opt)  # installed: it reads the gradients, which are made DDP's average first
+            elif scenario == "step_around_shim_thread" and late:  # the same from another thread: not seen then
+                stepper = threading.Thread(target=type(opt).step, args=(opt,))
+                stepper.start()
+                stepper.join()
             elif scenario == "other_optimizer_later" and late:  # a new optimizer, not attached
                 if other is None:
                     other = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -105,13 +111,16 @@ def loop(scenario: str, shim_on: bool, steps: int):
 
 # scenario -> the number of DDP steps the parameters must equal when the error is raised (None: the loop itself
 # already changed them around the shim before it could be seen)
-SCENARIOS = {"clip_later": LATE, "grad_write_later": LATE, "require_overlap": 1,
+SCENARIOS = {"grad_zeroed_later": LATE, "require_overlap": 1,
              "double_step": LATE + 1,  # the iteration's first step() is DDP's too: reading the parameters applies it
-             "step_around_shim": None, "param_write_thread": None, "stale_use": None,
+             "step_around_shim_thread": None, "param_write_thread": None, "stale_use": None,
+             "step_around_shim": STEPS,  # its step reads the gradients: averaged first, exact
              "other_optimizer_later": LATE, "step_hook_later": LATE,
              "state_replaced_later": LATE,  # that step would be applied at the next forward, which refuses
              "early_use": STEPS,  # c's parameters used outside c from the first iteration on: exact, no error
-             "param_write_later": STEPS}  # clamped after step(): the guard applies the update first, exact
+             "param_write_later": STEPS,  # clamped after step(): the guard applies the update first, exact
+             "clip_later": STEPS,  # clipping (and a .grad scaled in place) that starts after the probe reads the
+             "grad_write_later": STEPS}  # gradients: the watch makes them DDP's average first, exact
 REFERENCE = {"double_step": "plain"}  # the DDP loop to compare with (default: the scenario's own)
 
 

@@ -44,8 +44,10 @@ DEVICE = os.environ.get("TENSORLANE_CONFORMANCE_DEVICE", "cpu")
 LAUNCH_TIMEOUT_S = 420
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
-# Expected handle.stats()["mode"] of the overlap cells (the exact overlap design): gradients changed between
-# backward() and step(), or step(closure), fall back to hook mode with a reason; everything else overlaps.
+# Expected handle.stats()["mode"] of the overlap cells (the exact overlap design): gradients changed or read between
+# backward() and step() in the first iteration, or step(closure), fall back to hook mode with a reason; everything
+# else overlaps (reads that begin later, *_after_warmup and grad_norm_logged_late, stay in overlap mode: the read
+# makes .grad DDP's average first).
 FALLS_BACK_TO_HOOK = ("clip_grad_norm", "clip_grad_value", "grad_scaler", "join_uneven", "lbfgs",
                       "sparse_embedding", "two_optimizers", "step_hooks", "compiled_optimizer_step",
                       "adafactor_mixed_dtypes", "grad_norm_skip", "zero_redundancy", "retain_graph_two_losses",
@@ -213,7 +215,8 @@ def test_references_exercise_the_idioms(launches, world):
     assert (extras["clip_grad_value"]["max_abs_grad"] > 2 * worker.CLIP_VALUE).all()
     skipped = extras["grad_scaler"]["skipped"]
     assert 1 <= int(skipped.sum()) < len(skipped), skipped
-    for name in ("grad_norm_skip", "nonfinite_loss_skip"):  # the guards skip some steps and take others
+    assert (extras["clip_grad_norm_after_warmup"]["total_norm"] > 2 * worker.CLIP_NORM).all()
+    for name in ("grad_norm_skip", "nonfinite_loss_skip", "grad_norm_skip_after_warmup"):  # skip some, take others
         skipped = extras[name]["skipped"]
         assert 1 <= int(skipped.sum()) < len(skipped), (name, skipped)
     for name in MAIN:
@@ -242,6 +245,26 @@ def test_parameters_used_after_step_are_updated_first(launches, world):
             assert overlap["flushed_on_use"] == flushes, (idiom, rank, overlap)
     clamped = load_cell(res, "weight_clamp", "ddp", 0)[0]["extras"]["clamped"]
     assert (clamped > 0).all(), clamped  # the clamp bites at every step
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 120)
+@pytest.mark.parametrize("world", WORLDS)
+def test_gradients_read_after_the_probe_are_averaged_first(launches, world):
+    """Overlap mode, a loop that reads .grad only from a later iteration on (a logged norm, a step skipped on it,
+    clipping switched on): the gradient watch made .grad DDP's average before each read, in exactly the iterations
+    that read (from worker.WARMUP on: every one for the check and the clipping, every fourth for the log), and the
+    other iterations stayed deferred; a loop that reads no gradient never waits so."""
+    res = launches(world)
+    steps, late = worker.STEPS, worker.STEPS - worker.WARMUP
+    want = {"grad_norm_logged_late": (len(range(worker.WARMUP, steps, 4)), steps - 1),
+            "grad_norm_skip_after_warmup": (late, worker.WARMUP - 1),
+            "clip_grad_norm_after_warmup": (late, worker.WARMUP - 1), "adam": (0, steps - 1)}
+    for idiom, (averaged, deferred) in want.items():
+        for rank in range(world):
+            stats = load_cell(res, idiom, "overlap", rank)[1]["stats"]
+            assert stats["mode"] == "overlap", (idiom, rank, stats["mode_reason"])
+            assert stats["overlap"]["averaged_on_read"] == averaged, (idiom, rank, stats["overlap"])
+            assert stats["overlap"]["steps_deferred"] == deferred, (idiom, rank, stats["overlap"])
 
 
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 120)

@@ -331,18 +331,20 @@ def test_default_job_id_from_environment(monkeypatch):
 
 
 REFUSALS = {  # scenario of tests/refusal_worker.py -> what the error says
-    "clip_later": "gradients were changed between backward() and optimizer.step()",
-    "grad_write_later": "gradients were changed between backward() and optimizer.step()",
+    "grad_zeroed_later": "gradients were changed between backward() and optimizer.step()",
     "double_step": "optimizer.step() without a synchronized backward()",
     "require_overlap": "overlap mode cannot reproduce this training loop: gradients were changed",
-    "step_around_shim": "changed after backward() although no optimizer.step() went through the shim",
+    "step_around_shim_thread": "changed after backward() although no optimizer.step() went through the shim",
     "param_write_thread": "was changed in place between optimizer.step() and the next forward",
     "stale_use": "was used in this forward pass before its step was applied",
     "other_optimizer_later": "with another optimizer than the one given to attach",
     "step_hook_later": "They were registered after overlap mode had started",
     "state_replaced_later": "optimizer.state was replaced between optimizer.step() and the next forward",
 }
-EXACT = ("early_use", "param_write_later")  # scenarios overlap mode reproduces: no error, DDP's parameters
+# scenarios overlap mode reproduces: no error, DDP's parameters (clipping or a .grad scaled in place that starts
+# after the probe, and the optimizer's own step called around the shim on the training thread: the read makes
+# .grad DDP's average first and the step is taken on it)
+EXACT = ("early_use", "param_write_later", "clip_later", "grad_write_later", "step_around_shim")
 
 
 def test_overlap_refuses_what_it_cannot_reproduce(tmp_path):
@@ -363,7 +365,8 @@ def test_overlap_refuses_what_it_cannot_reproduce(tmp_path):
             if got["exact_steps"] is not None:
                 assert got["diff"] == 0.0, (scenario, rank, got)
     # parameters used outside their module from the first iteration: applied early; parameters clamped after
-    # step() on the training thread: the guard applies the update first; both exact
+    # step() on the training thread: the guard applies the update first; gradients clipped or scaled after the
+    # probe: averaged first, stepped at step(); all exact
     for scenario in EXACT:
         for rank in range(2):
             got = json.loads((tmp_path / f"{scenario}-{rank}.json").read_text())
