@@ -820,8 +820,8 @@ class Handle:
             if d.synced:  # a read made .grad DDP's average: nothing is pending, the step is DDP's own
                 return d.step_synced(closure)
             d.stamp([p for g in self.optimizer.param_groups for p in g["params"]], closure)
-        if d.pending:
-            d.guard.arm([p for p in state.options["params"] if id(p) in d.pending])
+            if d.pending:
+                d.guard.arm([p for p in state.options["params"] if id(p) in d.pending])
         return None
 
     def _root_pre_forward(self, _module, _inputs) -> None:

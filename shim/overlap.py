@@ -594,22 +594,31 @@ class GradWatch(TorchFunctionMode):
             torch._C._push_on_torch_function_stack(self)
             self.thread = threading.get_ident()
 
+    def _on_top(self) -> bool:
+        n = torch._C._len_torch_function_stack()
+        return self.thread == threading.get_ident() and n > 0 and torch._C._get_function_stack_at(n - 1) is self
+
     def pop(self) -> None:
         """Off the stack when it is on top of this thread's (an exact TorchFunctionMode stack discipline)."""
-        n = torch._C._len_torch_function_stack()
-        if self.thread == threading.get_ident() and n > 0 and torch._C._get_function_stack_at(n - 1) is self:
+        if self._on_top():
             torch._C._pop_torch_function_stack()
             self.thread = None
 
     @contextlib.contextmanager
     def paused(self):
-        """The shim's own uses (the probe's checks and real step, deferred steps, writing the averages) and
-        zero_grad: not the loop reading gradients."""
+        """The shim's own uses (the probe's checks and real step, stamping, deferred steps, writing the averages)
+        and zero_grad: not the loop reading gradients. Off the stack meanwhile when it is on top (no cost per
+        operation there), else only not noting reads."""
+        top = self._on_top()
+        if top:
+            torch._C._pop_torch_function_stack()
         self.quiet += 1
         try:
             yield
         finally:
             self.quiet -= 1
+            if top:
+                torch._C._push_on_torch_function_stack(self)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
