@@ -1213,6 +1213,38 @@ def _clip_grad_norm_after_warmup(ctx: Ctx):
         ctx.record("loss", loss.item())
 
 
+@idiom("grad_scaler_after_warmup")
+def _grad_scaler_after_warmup(ctx: Ctx):
+    """fp32 for the first iterations, then fp16 autocast with a GradScaler from iteration 3 on (its first scale
+    overflows: some steps skipped, later ones taken; unscale_ called explicitly on even iterations)."""
+    dev = ctx.device.type
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    scaler = torch.amp.GradScaler(dev, init_scale=2.0 ** 20, growth_interval=2)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        if step < WARMUP:
+            plain = F.cross_entropy(model(x), y)
+            plain.backward()
+            opt.step()
+            opt.zero_grad()
+            ctx.record("loss", plain.item())
+            continue
+        with torch.autocast(dev, dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if step % 2 == 0:
+            scaler.unscale_(opt)
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ctx.record("loss", loss.float().item())
+        ctx.record("scale", scale)
+        ctx.record("skipped", float(scaler.get_scale() < scale))
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

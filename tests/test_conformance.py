@@ -216,7 +216,7 @@ def test_references_exercise_the_idioms(launches, world):
     skipped = extras["grad_scaler"]["skipped"]
     assert 1 <= int(skipped.sum()) < len(skipped), skipped
     assert (extras["clip_grad_norm_after_warmup"]["total_norm"] > 2 * worker.CLIP_NORM).all()
-    for name in ("grad_norm_skip", "nonfinite_loss_skip", "grad_norm_skip_after_warmup"):  # skip some, take others
+    for name in ("grad_norm_skip", "nonfinite_loss_skip", "grad_norm_skip_after_warmup", "grad_scaler_after_warmup"):
         skipped = extras[name]["skipped"]
         assert 1 <= int(skipped.sum()) < len(skipped), (name, skipped)
     for name in MAIN:
@@ -251,14 +251,15 @@ def test_parameters_used_after_step_are_updated_first(launches, world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_gradients_read_after_the_probe_are_averaged_first(launches, world):
     """Overlap mode, a loop that reads .grad only from a later iteration on (a logged norm, a step skipped on it,
-    clipping switched on): the gradient watch made .grad DDP's average before each read, in exactly the iterations
-    that read (from worker.WARMUP on: every one for the check and the clipping, every fourth for the log), and the
-    other iterations stayed deferred; a loop that reads no gradient never waits so."""
+    clipping or a GradScaler switched on): the gradient watch made .grad DDP's average before each read, in exactly
+    the iterations that read (from worker.WARMUP on: every one for the check, the clipping and the scaler, every
+    fourth for the log), and the other iterations stayed deferred; a loop that reads no gradient never waits so."""
     res = launches(world)
     steps, late = worker.STEPS, worker.STEPS - worker.WARMUP
     want = {"grad_norm_logged_late": (len(range(worker.WARMUP, steps, 4)), steps - 1),
             "grad_norm_skip_after_warmup": (late, worker.WARMUP - 1),
-            "clip_grad_norm_after_warmup": (late, worker.WARMUP - 1), "adam": (0, steps - 1)}
+            "clip_grad_norm_after_warmup": (late, worker.WARMUP - 1),
+            "grad_scaler_after_warmup": (late, worker.WARMUP - 1), "adam": (0, steps - 1)}
     for idiom, (averaged, deferred) in want.items():
         for rank in range(world):
             stats = load_cell(res, idiom, "overlap", rank)[1]["stats"]
