@@ -94,6 +94,60 @@ def test_use_guard_sees_uses_of_parameters_not_their_metadata():
 
 
 @pytest.mark.torch
+def test_grad_watch_sees_reads_of_watched_gradients_not_metadata_or_zeroing():
+    """The gradient watch (probe and overlap mode): metadata, zeroing, parameters and other tensors pass; a norm, a
+    ``_foreach`` list (clipping), an in-place scale and ``.data`` each call ``on_read`` once, before the operation
+    runs, after which the gradients are no longer watched; ``paused()`` takes it off the stack; another thread is
+    not watched."""
+    import threading
+
+    import torch
+
+    from tensorlane.shim.overlap import GradWatch
+
+    w = torch.nn.Parameter(torch.ones(4))
+    g, other = torch.ones(4), torch.ones(4)
+    seen: list = []
+    watch = GradWatch(lambda: seen.append(float(g.sum())))  # what the gradient holds when on_read runs
+    cases = {  # name -> (operation, whether it reads a watched gradient)
+        "metadata": (lambda: (g.shape, g.numel(), g.dtype, g.device, g.data_ptr(), g._version), False),
+        "zeroing": (lambda: g.zero_(), False),
+        "parameter": (lambda: w.norm(), False),
+        "other tensor": (lambda: other.add(1), False),
+        "norm": (lambda: g.norm(), True),
+        "foreach": (lambda: torch._foreach_norm([other, g]), True),
+        "scale in place": (lambda: g.mul_(2), True),
+        "data": (lambda: g.data, True),
+    }
+    depth = torch._C._len_torch_function_stack()
+    for name, (op, reads) in cases.items():
+        seen.clear()
+        g.fill_(1)
+        watch.watch([g])
+        watch.push()
+        op()
+        assert seen == ([4.0] if reads else []), name  # on_read ran before a scale in place
+        assert bool(watch.ids) is not reads, name  # one read is enough
+        watch.pop()
+        assert torch._C._len_torch_function_stack() == depth, name
+    seen.clear()
+    g.fill_(1)
+    watch.watch([g])
+    watch.push()
+    thread = threading.Thread(target=lambda: g.norm())
+    thread.start()
+    thread.join()
+    with watch.paused():
+        assert torch._C._len_torch_function_stack() == depth
+        g.norm()
+    assert torch._C._len_torch_function_stack() == depth + 1 and seen == []
+    g.norm()
+    assert seen == [4.0]
+    watch.pop()
+    assert torch._C._len_torch_function_stack() == depth
+
+
+@pytest.mark.torch
 def test_attach_refuses_a_compiled_ddp_model_with_the_order_to_use(tmp_path):
     """``torch.compile(ddp)`` is not a DDP model: attach says to attach first and compile after."""
     import torch
