@@ -9,6 +9,9 @@ import os
 import re
 import shutil
 import socket
+import subprocess
+import sys
+import time
 
 CLONE_NEWNET = 0x40000000
 
@@ -55,3 +58,48 @@ def tc_dump(host, dev: str = "eth0") -> str:
     would make two identical trees differ)."""
     out = "\n".join(host.run(["tc", what, "show", "dev", dev]).stdout for what in ("qdisc", "class", "filter"))
     return re.sub(r" direct_packets_stat \d+", "", out)
+
+
+def flow(src_host, sport, dst_host, dport, proto="udp") -> dict:
+    """A flow dict of the API from testbed host ``src_host`` to ``dst_host``."""
+    return {"proto": proto, "src": src_host.ip, "sport": sport, "dst": dst_host.ip, "dport": dport}
+
+
+def nft_tables(host) -> str:
+    """``nft list tables`` on testbed host ``host``."""
+    return host.run(["nft", "list", "tables"]).stdout
+
+
+def wait_for(what, check, seconds: float = 8.0):
+    """Poll ``check()`` until it returns something true (bounded: ``seconds``); its last value, or an assertion
+    naming ``what``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
+        time.sleep(0.1)
+
+
+def udp_exchange(sender, receiver, sport, dport, seconds=1.5, pps=300, during=None) -> dict:
+    """Send UDP from testbed host ``sender`` to ``receiver`` (``testbed.udpprobe``) and return what the receiver
+    saw (DSCP per datagram); ``during()`` runs while it sends."""
+    py = [sys.executable, "-m"]
+    recv = receiver.popen(py + ["testbed.udpprobe", "recv", "--port", str(dport), "--seconds", str(seconds + 5)],
+                          stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    send = sender.popen(py + ["testbed.udpprobe", "send", "--dst", receiver.ip, "--port", str(dport), "--sport",
+                              str(sport), "--pps", str(pps), "--seconds", str(seconds)],
+                        stdout=subprocess.PIPE, text=True)
+    try:
+        if during:
+            during()
+        sent = json.loads(send.communicate(timeout=seconds + 10)[0])
+        got = json.loads(recv.communicate(timeout=seconds + 10)[0])
+    finally:
+        for p in (send, recv):
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    return {"sent": sent, **got}

@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from agent_clients import tc_dump
+from agent_clients import flow, nft_tables, tc_dump, udp_exchange, wait_for
 
 from bench.agents import AgentStartError, agent_config, render_config, running_agents
 from testbed import Testbed
@@ -32,12 +32,6 @@ def fz():
         yield bed
 
 
-def flow(src_host, sport, dst_host, dport, proto="udp") -> dict:
-    return {"proto": proto, "src": src_host.ip, "sport": sport, "dst": dst_host.ip, "dport": dport}
-
-
-def nft_tables(host) -> str:
-    return host.run(["nft", "list", "tables"]).stdout
 
 
 def links(host) -> dict[str, int]:
@@ -49,15 +43,6 @@ def ours(host) -> list[str]:
     """The devices of the host whose root qdisc is the agent's (7a1:)."""
     return sorted(name for name in links(host) if "7a1: root" in host.run(["tc", "qdisc", "show", "dev", name]).stdout)
 
-
-def wait_for(what, check, seconds: float = 8.0):
-    deadline = time.monotonic() + seconds
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
-        time.sleep(0.1)
 
 
 def passes_again(agent, seconds: float = 8.0) -> None:
@@ -84,23 +69,6 @@ def del_links(host, *names: str) -> None:
     for name in names:
         host.run(["ip", "link", "del", name], check=False)
 
-
-def udp_exchange(sender, receiver, sport, dport, seconds=1.0, pps=300) -> dict:
-    recv = receiver.popen(PY + ["testbed.udpprobe", "recv", "--port", str(dport), "--seconds", str(seconds + 4)],
-                          stdout=subprocess.PIPE, text=True)
-    time.sleep(0.3)
-    send = sender.popen(PY + ["testbed.udpprobe", "send", "--dst", receiver.ip, "--port", str(dport), "--sport",
-                              str(sport), "--pps", str(pps), "--seconds", str(seconds)],
-                        stdout=subprocess.PIPE, text=True)
-    try:
-        sent = json.loads(send.communicate(timeout=seconds + 10)[0])
-        got = json.loads(recv.communicate(timeout=seconds + 10)[0])
-    finally:
-        for p in (send, recv):
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
-    return {"sent": sent, **got}
 
 
 def state_files(agent) -> dict[str, int]:

@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from agent_clients import tc_dump
+from agent_clients import flow, nft_tables, tc_dump, udp_exchange, wait_for
 
 from bench.agents import AgentStartError, running_agents
 from testbed import Testbed
@@ -18,33 +18,7 @@ PY = [sys.executable, "-m"]
 TRUST = {"trusted_users": ["root"]}  # the test registers flows of its probe processes on their behalf
 
 
-def nft_tables(host) -> str:
-    return host.run(["nft", "list", "tables"]).stdout
 
-
-def flow(src_host, sport, dst_host, dport, proto="udp") -> dict:
-    return {"proto": proto, "src": src_host.ip, "sport": sport, "dst": dst_host.ip, "dport": dport}
-
-
-def udp_exchange(sender, receiver, sport, dport, seconds=1.5, pps=300, during=None) -> dict:
-    """Send UDP from ``sender`` to ``receiver`` and return what the receiver saw (DSCP per datagram)."""
-    recv = receiver.popen(PY + ["testbed.udpprobe", "recv", "--port", str(dport), "--seconds", str(seconds + 5)],
-                          stdout=subprocess.PIPE, text=True)
-    time.sleep(0.3)
-    send = sender.popen(PY + ["testbed.udpprobe", "send", "--dst", receiver.ip, "--port", str(dport), "--sport",
-                              str(sport), "--pps", str(pps), "--seconds", str(seconds)],
-                        stdout=subprocess.PIPE, text=True)
-    try:
-        if during:
-            during()
-        sent = json.loads(send.communicate(timeout=seconds + 10)[0])
-        got = json.loads(recv.communicate(timeout=seconds + 10)[0])
-    finally:
-        for p in (send, recv):
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
-    return {"sent": sent, **got}
 
 
 @pytest.fixture(scope="module")
@@ -439,17 +413,6 @@ def test_verify_accepts_the_pure_acks_that_ack_priority_sends_at_the_most_urgent
     row = json.loads(out.stdout)["flows"][0]
     assert row["verdict"] == "ok" and row["seen_dscp"] == [26] and row["ack_dscp"] == [46], row
 
-
-def wait_for(what, check, seconds: float = 8.0):
-    """Poll ``check()`` until it returns something true (bounded: ``seconds``); its last value, or an assertion
-    naming ``what``."""
-    deadline = time.monotonic() + seconds
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
-        time.sleep(0.1)
 
 
 def test_a_managed_interface_renamed_moved_or_re_created_is_followed(tb):
