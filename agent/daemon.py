@@ -437,7 +437,8 @@ def _run(cfg: Config) -> int:
                 touched.append(t)
                 take_over(cfg, ipr, t)
             rec.install()
-            rec.reconcile(table)  # drops flow entries a previous agent left behind
+            rec.inherit()  # a killed agent's marks stay while its jobs register again (then a pass drops the rest)
+            rec.reconcile(table)
             log.info("managing %s with the %s backend: %d levels, DSCP %s", _describe(egress), kind, cfg.levels,
                      list(cfg.dscp))
             api = Api(cfg, table, rec, kind)

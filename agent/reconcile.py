@@ -24,6 +24,7 @@ log = logging.getLogger("tensorlane.reconcile")
 EGRESS_TTL_S = 10.0  # a route lookup's answer is reused this long (routes rarely change; status and list are rare)
 EGRESS_LOOKUPS = 256  # new route lookups per call at most (pyroute2: about 0.35 ms each)
 EGRESS_CACHE_MAX = 65_536
+INHERIT_S = 5.0  # a killed agent's marks kept this long by the next one: the shims re-register within 2 s
 
 
 @dataclass
@@ -62,6 +63,8 @@ class Reconciler:
         self.stats = ReconcileStats()
         self._shape: list[str] | None = None  # the table's chains and rules as listed after the last install
         self._failing = ""  # what the last pass failed on ("" : nothing)
+        self._inherited: dict[FlowKey, int] = {}  # a killed agent's marks, kept until _inherit_until (inherit())
+        self._inherit_until = 0.0
         self.shares: dict[int, float] = {}  # the job policy's guaranteed shares (set_shares), for a device taken later
         self._egress: dict[tuple[str, str], tuple[str, float]] = {}  # (src, dst) -> (interface, when looked up)
         self._backlog_sock: socket.socket | None = None  # the job policy's samples: one netlink socket, reused
@@ -133,13 +136,32 @@ class Reconciler:
             self.interfaces = dict(interfaces)
             self._egress.clear()
 
+    def inherit(self, seconds: float = INHERIT_S) -> int:
+        """Keep the flow marks a killed agent left in the table for ``seconds`` (while its shims register again: a
+        pass would drop them at once, leaving the flows unmarked until then); a flow registered meanwhile replaces
+        its old mark. Call after :meth:`install`, before the first pass. Returns how many are kept."""
+        self._inherited = nftables.parse_map_elements(nftables.list_table(self.nft))
+        self._inherit_until = time.monotonic() + seconds
+        if self._inherited:
+            log.info("keeping %d flow marks a previous agent left for %.0f s, while their jobs register again",
+                     len(self._inherited), seconds)
+        return len(self._inherited)
+
+    def _still_inherited(self) -> dict[FlowKey, int]:
+        """The inherited marks still kept (none once ``_inherit_until`` has passed)."""
+        if self._inherited and time.monotonic() >= self._inherit_until:
+            self._inherited = {}
+        return self._inherited
+
     def apply(self, table: FlowTable, added: list[FlowKey], moved: list[FlowKey], removed: list[FlowKey]) -> None:
         """Push one change to the kernel as a single transaction; fall back to a full pass if it fails.
 
         ``moved`` flows are in the kernel at their old level: they are deleted and re-added at their effective
         level in the same transaction, so no packet sees them unclassified.
         """
-        cmds = nftables.element_commands("delete", [(k, None) for k in (*removed, *moved)])
+        inherited = self._still_inherited()
+        replaced = [k for k in added if inherited.pop(k, None) is not None]  # a killed agent's mark: replaced
+        cmds = nftables.element_commands("delete", [(k, None) for k in (*removed, *moved, *replaced)])
         cmds += nftables.element_commands("add", [(k, table.effective_level(k)) for k in (*added, *moved)])
         if not cmds:
             return
@@ -191,7 +213,8 @@ class Reconciler:
             have = nftables.parse_map_elements(listing)
             level_of = table.level_of
             want = {k: level_of(e) for k, e in table.flows.items()}
-            stale = [k for k, lvl in have.items() if want.get(k) != lvl]
+            inherited = self._still_inherited()
+            stale = [k for k, lvl in have.items() if want.get(k) != lvl and not (k not in want and k in inherited)]
             missing = [k for k, lvl in want.items() if have.get(k) != lvl]
             cmds = nftables.element_commands("delete", [(k, None) for k in stale])
             cmds += nftables.element_commands("add", [(k, want[k]) for k in missing])

@@ -515,3 +515,34 @@ def test_a_rule_replaced_in_place_and_a_foreign_filter_are_repaired(tb):
         assert st["reconcile"]["errors"] == 0 and st["reconcile"]["repairs"] >= 3, st["reconcile"]
         got = udp_exchange(h1, h2, 9721, 9720, seconds=0.5)
         assert set(got["dscp"]) == {"46"}, got  # the flow leaves marked as its level again
+
+
+def test_a_killed_agents_marks_are_kept_while_the_jobs_register_again(tb, tmp_path):
+    """SIGKILL with flows registered: the next agent keeps the marks it finds for ``INHERIT_S`` (the shims register
+    again within 2 s), a flow registered meanwhile replaces its old mark, and the marks nobody registers again go at
+    the first pass after that. Before, the new agent's first pass dropped them all: every flow unmarked until its
+    shim registered again (0.35-1.7 s measured)."""
+    from tensorlane.agent.reconcile import INHERIT_S
+
+    h1, h2 = tb.host(1), tb.host(2)
+    extra = {"reconcile_interval_s": 0.5, **TRUST}
+
+    def marks() -> str:
+        return h1.run(["nft", "list", "map", "inet", "tensorlane", "flows4"]).stdout
+
+    with pytest.raises(AgentStartError, match="exited with -9"):
+        with running_agents(tb, hosts=[1], backend="htb", workdir=str(tmp_path), config_extra=extra) as agents:
+            with agents[1].client() as agent:
+                agent.register("job-k", 0, [flow(h1, 9731, h2, 9730), flow(h1, 9732, h2, 9730)])
+            agents[1].proc.kill()
+            agents[1].proc.wait(5)
+    with running_agents(tb, hosts=[1], backend="htb", config_extra=extra) as agents:
+        started = time.monotonic()
+        assert "9731" in marks() and "9732" in marks()  # kept, though this agent has no flows yet
+        with agents[1].client() as agent:
+            agent.register("job-k", 1, [flow(h1, 9731, h2, 9730)])  # registered again, at another level
+            assert "9731 . 9730 : goto level1" in marks() and agent.status()["flows"] == 1
+            time.sleep(1.0)
+            assert "9732" in marks() and time.monotonic() - started < INHERIT_S  # still within the window
+            wait_for("the mark nobody registered again dropped", lambda: "9732" not in marks(), INHERIT_S + 3)
+            assert "9731 . 9730 : goto level1" in marks() and agent.status()["reconcile"]["errors"] == 0
