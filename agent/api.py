@@ -139,7 +139,7 @@ class Api:
                                         "in this agent's network namespace"
                                         + (f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""))
                 pid = peer.pid
-            if peer.uid != 0 and peer.user not in self.policy.trusted_users:
+            if not self.policy.privileged(peer):
                 self._check_job_user(req.job, peer)
                 self._check_user_limits(req, peer)
         had = set(self.table.runs.get(req.job, ()))
@@ -292,7 +292,7 @@ class Api:
         request costs what the user's own flows do, never a walk of the whole table, and names no other user's
         jobs."""
         table, level_of = self.table, self.table.level_of
-        uid = None if peer is None or peer.uid == 0 or peer.user in self.policy.trusted_users else peer.uid
+        uid = None if peer is None or self.policy.privileged(peer) else peer.uid
         if req.job is not None:
             keys = table.by_job.get(req.job, ())
         elif uid is not None:

@@ -77,12 +77,17 @@ def _load_state(cfg: Config, device: str) -> dict | None:
     return state
 
 
+def _state_files(cfg: Config) -> list[tuple[str, Path]]:
+    """``(device, path)`` of every state file in ``state_dir`` (:func:`state_path`'s), by device name."""
+    return [(path.name[len("agent-"):-len(".json")], path) for path in sorted(Path(cfg.state_dir).glob("agent-*.json"))]
+
+
 def _state_of_index(cfg: Config, index: int) -> dict | None:
     """The state a previous agent left for the device with ifindex ``index`` under any name (one renamed while no
     agent ran: two managed interfaces that swapped names), or None."""
-    for path in sorted(Path(cfg.state_dir).glob("agent-*.json")):
+    for device, _path in _state_files(cfg):
         with contextlib.suppress(StartupError):  # another device's corrupt file: its own check reports it
-            state = _load_state(cfg, path.name[len("agent-"):-len(".json")])
+            state = _load_state(cfg, device)
             if state and state["ifindex"] == index:
                 return state
     return None
@@ -118,7 +123,7 @@ def lock_state_dir(cfg: Config) -> int:
     except BlockingIOError:
         os.close(fd)
         pids = set()
-        for path in Path(cfg.state_dir).glob("agent-*.json"):
+        for _device, path in _state_files(cfg):
             with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):
                 pids.add(str(int(json.loads(path.read_text())["pid"])))
         raise StartupError(f"another tensorlane agent (pid {', '.join(sorted(pids)) or 'unknown'}) runs with "
@@ -375,8 +380,7 @@ def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str
     alone. Returns the devices restored (their recorded names)."""
     mine = {t.link.index: t.link.name for t in plan}
     restored = []
-    for path in sorted(Path(cfg.state_dir).glob("agent-*.json")):
-        name = path.name[len("agent-"):-len(".json")]
+    for name, path in _state_files(cfg):
         try:
             state = json.loads(path.read_text())
             pid, index = int(state["pid"]), int(state["ifindex"])
@@ -436,8 +440,7 @@ def _run(cfg: Config) -> int:
                                        "nothing was changed on it") from None
                 touched.append(t)
                 take_over(cfg, ipr, t)
-            rec.install()
-            rec.inherit()  # a killed agent's marks stay while its jobs register again (then a pass drops the rest)
+            rec.inherit(rec.install())  # a killed agent's marks stay while its jobs register again
             rec.reconcile(table)
             log.info("managing %s with the %s backend: %d levels, DSCP %s", _describe(egress), kind, cfg.levels,
                      list(cfg.dscp))

@@ -84,5 +84,9 @@ class AccessPolicy:
             raise ProtocolError("forbidden", f"user {peer.user} may register at level {floor} or less urgent, "
                                              f"not {level}")
 
+    def privileged(self, peer: Peer) -> bool:
+        """Root or one of ``trusted_users``: no per-user limits or job ownership, and every user's flows listed."""
+        return peer.uid == 0 or peer.user in self.trusted_users
+
     def must_own(self, peer: Peer) -> bool:
         return self.check_ownership and peer.user not in self.trusted_users

@@ -77,10 +77,11 @@ class Reconciler:
         for dev in self.devices:
             dev.backend.apply(self.ipr, dev.index)
 
-    def install(self) -> None:
-        """Create (or update in place) the qdisc trees and the nftables table, keeping registered elements."""
+    def install(self) -> dict | None:
+        """Create (or update in place) the qdisc trees and the nftables table, keeping registered elements.
+        Returns the table as listed then."""
         self._apply_trees()
-        self._install_table()
+        return self._install_table()
 
     def _install_table(self) -> dict | None:
         """Create or update the nftables table (keeping the maps' elements); remember its shape as listed now, what
@@ -136,11 +137,12 @@ class Reconciler:
             self.interfaces = dict(interfaces)
             self._egress.clear()
 
-    def inherit(self, seconds: float = INHERIT_S) -> int:
+    def inherit(self, listing: dict | None, seconds: float = INHERIT_S) -> int:
         """Keep the flow marks a killed agent left in the table for ``seconds`` (while its shims register again: a
         pass would drop them at once, leaving the flows unmarked until then); a flow registered meanwhile replaces
-        its old mark. Call after :meth:`install`, before the first pass. Returns how many are kept."""
-        self._inherited = nftables.parse_map_elements(nftables.list_table(self.nft))
+        its old mark. ``listing``: the table as :meth:`install` listed it, before the first pass. Returns how many
+        are kept."""
+        self._inherited = nftables.parse_map_elements(listing)
         self._inherit_until = time.monotonic() + seconds
         if self._inherited:
             log.info("keeping %d flow marks a previous agent left for %.0f s, while their jobs register again",
