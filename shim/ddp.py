@@ -787,24 +787,25 @@ class Handle:
             self.flush()
         if not (_average_into_grads(self.state) or stamped):
             return
-        d.averaged_on_read += 1
-        if d.averaged_on_read == 1:
-            warnings.warn("tensorlane overlap mode: the loop read gradients after backward() (a logged norm, a check, "
-                          "clipping) in a later iteration than the first; the iteration's all-reduces were waited for "
-                          "and .grad made DDP's average first, as under DDP, so that iteration did not overlap the "
-                          "next forward (stats()['overlap']['averaged_on_read'] counts such iterations)",
-                          stacklevel=ov.user_stacklevel())
+        self._lost_overlap("averaged_on_read", "the loop read gradients after backward() (a logged norm, a check, "
+                           "clipping) in a later iteration than the first; the iteration's all-reduces were waited "
+                           "for and .grad made DDP's average first, as under DDP")
 
     def _flush_on_use(self) -> None:
         """A parameter whose update is pending was used after step() (the guard saw it): apply every update first."""
-        d = self.state.deferred
         self.flush()
-        d.flushed_on_use += 1
-        if d.flushed_on_use == 1:
-            warnings.warn("tensorlane overlap mode: a parameter was used between optimizer.step() and the next "
-                          "forward (an EMA of the weights, logging or changing them); the pending updates were "
-                          "applied first, as under DDP, so that iteration's all-reduces did not overlap the next "
-                          "forward (stats()['overlap']['flushed_on_use'] counts such iterations)",
+        self._lost_overlap("flushed_on_use", "a parameter was used between optimizer.step() and the next forward (an "
+                           "EMA of the weights, logging or changing them); the pending updates were applied first, "
+                           "as under DDP")
+
+    def _lost_overlap(self, counter: str, what: str) -> None:
+        """Count an iteration that gave up its overlap to stay exact (``stats()['overlap'][counter]``), and warn
+        once, saying ``what`` happened."""
+        d = self.state.deferred
+        setattr(d, counter, getattr(d, counter) + 1)
+        if getattr(d, counter) == 1:
+            warnings.warn(f"tensorlane overlap mode: {what}, so that iteration's all-reduces did not overlap the "
+                          f"next forward (stats()['overlap']['{counter}'] counts such iterations)",
                           stacklevel=ov.user_stacklevel())
 
     def _user_step(self, closure=None):
