@@ -33,6 +33,7 @@ class AgentLink:
         self.last_error = ""
         self.link_bps: float | None = None  # the rate of the NIC the job's flows use (``status``), for the planner
         self.agent_levels: int | None = None  # the agent's levels (``hello``): a level beyond them goes to its last
+        self.on_registered = None  # called (no arguments, never blocking) once flows are registered with a new agent
         self._instance: str | None = None
         self._warned = False
         self._fold_warned = False  # warned that levels beyond the agent's are registered at its last
@@ -102,6 +103,8 @@ class AgentLink:
             log.warning("tensorlane: agent at %s is back; flows registered again", self.socket_path)
             self._warned = False
         self._instance = instance
+        if self.on_registered is not None and self.flows:
+            self.on_registered()  # a restarted agent has none of this job's reports: send them now, not in 5 s
 
     def _talk(self, action) -> bool:
         """Run ``action(agent)`` on a fresh short-timeout connection; failures are counted and warned once."""

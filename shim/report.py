@@ -3,7 +3,8 @@ which exports them as ``tensorlane_job_allreduce_seconds_total{training_job,leve
 
 Reports are cumulative (counts, bytes and seconds since the process attached) and carry a random ``session``
 id, so a lost or repeated report changes nothing and several processes of one job on a host add up. Sending
-happens in a daemon thread every ``interval_s`` and once more at ``close()``; each attempt uses a fresh
+happens in a daemon thread every ``interval_s``, at once when the agent link has registered the flows with a
+new (restarted) agent, and once more at ``close()``; each attempt uses a fresh
 connection with a short timeout. An absent agent is silent (the agent link already warns once), an agent that
 does not know the ``report`` op (older) is not asked again. No torch here.
 
@@ -181,5 +182,7 @@ def start(handle, interval_s: float = 5.0, timeout_s: float = 0.25) -> Reporter 
         return seen["levels"]
 
     inputs = {name: (lambda name=name: seen.get(name)) for name in INPUTS}
-    return Reporter(levels, link.socket_path, link.job, interval_s=interval_s, timeout_s=timeout_s,
-                    agent_levels=lambda: link.agent_levels, **inputs)
+    reporter = Reporter(levels, link.socket_path, link.job, interval_s=interval_s, timeout_s=timeout_s,
+                        agent_levels=lambda: link.agent_levels, **inputs)
+    link.on_registered = reporter.wake  # a new agent (restarted) gets the job's counters and inputs at once
+    return reporter

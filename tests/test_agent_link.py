@@ -133,3 +133,30 @@ def test_reports_fold_the_levels_the_agent_lacks_into_its_last(agent):
                         {"level": 1, "allreduces": 3, "bytes": 90, "comm_s": 1.5}]
     finally:
         link.close()
+
+
+def test_a_restarted_agent_gets_the_jobs_report_with_the_re_registration(agent):
+    """A restarted agent knows none of the job's counters or job-order inputs: the reporter sends them as soon as
+    the flows are registered again, not at its next interval (60 s here)."""
+    from types import SimpleNamespace
+
+    from tensorlane.shim import report
+
+    link = AgentLink(agent.path, "job", rank=0, interval_s=0.2)
+    stats = {"levels": [{"level": 0, "allreduces": 3, "bytes": 300, "comm_s": 0.1}], "step_bytes": 300}
+    rep = report.start(SimpleNamespace(link=link, stats=lambda: stats), interval_s=60)
+    try:
+        link.add(0, flows(0))
+        reports = lambda: sum(r["op"] == "report" for r in agent.requests)  # noqa: E731
+        deadline = time.monotonic() + 5
+        while reports() < 1 and time.monotonic() < deadline:  # the first agent seen: a report at once too
+            time.sleep(0.05)
+        agent.restart(levels=2)
+        while reports() < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert link.counters["reregistrations"] == 1 and reports() == 2, agent.requests
+        sent = [r for r in agent.requests if r["op"] == "report"][-1]
+        assert sent["job"] == "job" and sent["step_bytes"] == 300
+    finally:
+        rep.close()
+        link.close()
