@@ -57,6 +57,12 @@ def state_path(cfg: Config, device: str) -> Path:
     return Path(cfg.state_dir) / f"agent-{device}.json"
 
 
+def stranded_name(name: str, index: int) -> str:
+    """The name under which the record of a device whose give-back failed is kept (``eth0:7``): no device can have
+    it (``:`` is not allowed in an interface name), so a new device under the old name never overwrites it."""
+    return f"{name}:{index}"
+
+
 def _load_state(cfg: Config, device: str) -> dict | None:
     """The state a previous agent left for ``device`` (None: none); a corrupt file, or one that is not an agent's
     state, stops the start (nothing changed)."""
@@ -192,6 +198,7 @@ class HeldDevices:
         self.cfg, self.kind, self.rec = cfg, kind, rec
         self.names = list(names)  # the managed interfaces: as configured, or as the routes named them at start-up
         self.takeovers: list[Takeover] = []  # what is taken over now, in the order taken (restored in reverse)
+        self.stranded: dict[int, Takeover] = {}  # by index: given back, but the restore failed (retried on exit)
 
     def follow(self, ipr) -> list[str]:
         """Give back the devices that no longer carry a managed interface's queues, take over those that came;
@@ -237,8 +244,40 @@ class HeldDevices:
                 log.warning("%s (index %d) is gone (deleted, or moved to another network namespace): its tree went "
                             "with it", t.link.name, t.link.index)
                 state_path(self.cfg, t.link.name).unlink(missing_ok=True)
-        except Exception as exc:  # noqa: BLE001 - the state file stays: the next agent finds it
+        except Exception as exc:  # noqa: BLE001 - the record is kept, where no device overwrites it
             log.error("giving back %s failed: %s", t.link.name, exc)
+            if here:
+                self._strand(t)
+
+    def _strand(self, t: Takeover) -> None:
+        """Keep the record of ``t``, whose restore failed, under :func:`stranded_name` (a device that comes under
+        its old name would overwrite it): restored on exit, found by its index if it comes back under a managed
+        name (adopted with its record), or by the next agent."""
+        kept = state_path(self.cfg, stranded_name(t.link.name, t.link.index))
+        try:
+            os.replace(state_path(self.cfg, t.link.name), kept)
+        except OSError as exc:
+            log.error("cannot keep the record of %s (index %d) as %s: %s", t.link.name, t.link.index, kept, exc)
+            return
+        self.stranded[t.link.index] = t
+        log.error("%s (index %d) keeps tensorlane's tree; its record is %s, restored when the agent stops",
+                  t.link.name, t.link.index, kept)
+
+    def restore_stranded(self, ipr) -> None:
+        """On exit: put back the trees of the devices whose give-back failed, where the agent's root is still
+        there; a failure keeps the record for the next agent (:func:`restore_orphans`)."""
+        for index, t in list(self.stranded.items()):
+            name = stranded_name(t.link.name, index)
+            try:
+                if _has_our_root(ipr, index):
+                    restore_device(self.cfg, ipr, name, t.snap)
+                    log.info("restored %s (index %d), given back earlier", t.link.name, index)
+                else:
+                    state_path(self.cfg, name).unlink(missing_ok=True)  # someone replaced our tree: not ours now
+                del self.stranded[index]
+            except Exception as exc:  # noqa: BLE001 - the record stays for the next agent
+                log.error("restoring %s (index %d) failed again: %s (%s is kept)", t.link.name, index, exc,
+                          state_path(self.cfg, name))
 
     def _take(self, ipr, link: links.Link, serves: str) -> str | None:
         """Check, record and take over ``link`` for ``serves`` (as at start-up); the problem, if it cannot be."""
@@ -252,6 +291,9 @@ class HeldDevices:
         except OSError as exc:
             return f"{link.name}: cannot write its state file in {self.cfg.state_dir}: {exc}"
         self.takeovers.append(t)  # from here it is restored on exit, whatever happens next
+        gone = self.stranded.pop(link.index, None)
+        if gone is not None:  # back under a managed name: recorded under it now (adopted with that record)
+            state_path(self.cfg, stranded_name(gone.link.name, link.index)).unlink(missing_ok=True)
         try:
             take_over(self.cfg, ipr, t)
         except Exception as exc:  # noqa: BLE001 - the reconcile pass applies the tree again
@@ -459,5 +501,6 @@ def _run(cfg: Config) -> int:
                 except Exception as exc:  # noqa: BLE001
                     log.error("restoring %s failed: %s (its state file, if kept, lets the next agent finish)",
                               t.link.name, exc)
+            held.restore_stranded(ipr)
             log.info("restored %s", ", ".join(restored) or "nothing")
     return 0

@@ -150,3 +150,58 @@ def test_a_bonds_members_are_followed_as_they_leave_and_join(monkeypatch, tmp_pa
     alone = [link_msg(1, "lo"), link_msg(4, "eth2"), link_msg(5, "eth3"), link_msg(6, "bond0", "bond")]
     assert held.follow(FakeIPRoute(alone)) == ["bond0 is a bond with no members: its traffic has no queue to manage"]
     assert calls == [("restore", "eth2")] and rec.devices == []  # eth4 is gone: nothing to restore on it
+
+
+def test_a_device_whose_give_back_failed_keeps_its_record_where_no_new_device_overwrites_it(monkeypatch, tmp_path):
+    """eth0 is renamed away and a new eth0 comes while the old device's restore fails: the old record is kept as
+    ``agent-eth0:2.json`` (no device can have that name), found by its index, dropped once the device is held
+    again under a managed name, and otherwise restored on exit (the kernel calls recorded, the files real)."""
+    import json
+
+    from tensorlane.agent import daemon
+    from tensorlane.agent.config import Config
+    from tensorlane.agent.kernel import snapshot
+    from tensorlane.agent.kernel.qdisc import HtbBackend
+    from tensorlane.agent.reconcile import Reconciler
+
+    calls, failing = [], [True]
+
+    def prepare(cfg, ipr, link, serves, kind):
+        return daemon.Takeover(link, serves, HtbBackend(2, 10**9), snapshot.Snapshot(link.name, link.index), False)
+
+    def restore(snap, ipr):
+        calls.append(("restore", snap.ifindex))
+        if failing[0]:
+            raise OSError("EBUSY")
+        return []
+
+    monkeypatch.setattr(daemon, "_prepare_device", prepare)
+    monkeypatch.setattr(daemon, "take_over", lambda cfg, ipr, t: calls.append(("take", t.link.index)))
+    monkeypatch.setattr(snapshot, "restore", restore)
+    monkeypatch.setattr(HtbBackend, "owns", lambda self, ipr, index: True)
+    monkeypatch.setattr(daemon, "_has_our_root", lambda ipr, index: True)
+    cfg = Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(tmp_path))
+    first = [link_msg(1, "lo"), link_msg(2, "eth0")]
+    start = prepare(cfg, None, read_links(FakeIPRoute(first))["eth0"], "eth0", "htb")
+    daemon.record(cfg, start)
+    rec = Reconciler([start.device()], (46, 26), {"eth0": 2}, FakeIPRoute(first), nft=object())
+    held = daemon.HeldDevices(cfg, "htb", ["eth0"], rec)
+    held.takeovers.append(start)
+
+    def recorded() -> dict:
+        return {p.name: json.loads(p.read_text())["ifindex"] for p in sorted(tmp_path.glob("agent-*.json"))}
+
+    swapped = [link_msg(1, "lo"), link_msg(2, "old0"), link_msg(9, "eth0")]
+    assert held.follow(FakeIPRoute(swapped)) == []
+    assert calls == [("restore", 2), ("take", 9)] and list(held.stranded) == [2]
+    assert recorded() == {"agent-eth0.json": 9, "agent-eth0:2.json": 2}  # the new eth0's record beside the old one
+    assert daemon._state_of_index(cfg, 2)["ifindex"] == 2  # what a next agent's start-up finds by index
+    back = [link_msg(1, "lo"), link_msg(2, "eth0")]  # the new one deleted, the old one renamed back
+    assert held.follow(FakeIPRoute(back)) == [] and held.stranded == {}
+    assert recorded() == {"agent-eth0.json": 2}
+    calls.clear()
+    assert held.follow(FakeIPRoute(swapped)) == [] and list(held.stranded) == [2]  # fails again
+    failing[0] = False
+    held.restore_stranded(FakeIPRoute(swapped))  # on exit
+    assert calls == [("restore", 2), ("take", 9), ("restore", 2)] and held.stranded == {}
+    assert recorded() == {"agent-eth0.json": 9}
