@@ -130,14 +130,18 @@ class Api:
             floor = self.policy.most_urgent_level(peer) if self.jobs.enabled else 0
             uid = peer.uid
             must_own = self.policy.must_own(peer)
-            if must_own or (self.policy.check_ownership and peer.uid != 0):
-                self._check_netns(peer)  # trusted users too, except root (it can enter any namespace anyway)
+            try:
+                with peer.pinned():  # the pid names the process that connected throughout (not one reusing it)
+                    if must_own or (self.policy.check_ownership and peer.uid != 0):
+                        self._check_netns(peer)  # trusted users too, except root (it can enter any namespace)
+                    foreign = not_owned(peer.pid, req.flows) if must_own else []
+            except ProcessLookupError:
+                raise ProtocolError("not_owner", f"process {peer.pid} is gone") from None
+            if foreign:
+                raise ProtocolError("not_owner", f"flow {foreign[0]} is not a socket of process {peer.pid} "
+                                    "in this agent's network namespace"
+                                    + (f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""))
             if must_own:
-                foreign = not_owned(peer.pid, req.flows)
-                if foreign:
-                    raise ProtocolError("not_owner", f"flow {foreign[0]} is not a socket of process {peer.pid} "
-                                        "in this agent's network namespace"
-                                        + (f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""))
                 pid = peer.pid
             if not self.policy.privileged(peer):
                 self._check_job_user(req.job, peer)

@@ -1,20 +1,29 @@
 """Who is on the other end of the agent's socket, and what they may do.
 
-The kernel tells the peer's pid, uid and gid (SO_PEERCRED). Access is granted to root, to ``allowed_users`` and
+The kernel tells the peer's pid, uid and gid (SO_PEERCRED) and its groups (SO_PEERGROUPS), as they were at
+connect(); a pidfd of the peer (SO_PEERPIDFD) tells whether the pid still names that process while its /proc
+entries are read (``Peer.pinned``): a peer that exited, its pid taken by another process, is never judged by that
+other process's sockets or namespace. Access is granted to root, to ``allowed_users`` and
 to members of ``allowed_groups``; ``level_limits`` caps the most urgent level a user or group may use ("@group"
 keys name groups, "*" everyone); ``trusted_users`` may register flows of sockets they do not own (an operator's
 tool). Usage: ``peer = credentials(conn); policy.check_access(peer)``
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import grp
 import os
 import pwd
+import signal
 import socket
 import struct
 from dataclasses import dataclass, field
 
 from tensorlane.agent.protocol import ProtocolError
+
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5
 
 
 @dataclass(frozen=True)
@@ -22,6 +31,8 @@ class Peer:
     pid: int
     uid: int
     gid: int
+    gids: tuple[int, ...] | None = None  # supplementary groups at connect() (None: unknown, read from /proc)
+    sock: socket.socket | None = field(default=None, compare=False, repr=False)  # the connection, for its pidfd
 
     @property
     def user(self) -> str:
@@ -31,15 +42,17 @@ class Peer:
             return str(self.uid)
 
     def groups(self) -> set[str]:
-        """Names of the peer's groups (primary and supplementary, from /proc when the process is alive)."""
-        gids = {self.gid}
-        try:
-            with open(f"/proc/{self.pid}/status") as fh:
-                for line in fh:
-                    if line.startswith("Groups:"):
-                        gids.update(int(g) for g in line.split()[1:])
-        except OSError:
-            pass
+        """Names of the peer's groups: primary and supplementary, as the kernel recorded them at connect() (from
+        /proc where it cannot tell, while the process is alive)."""
+        gids = {self.gid, *(self.gids or ())}
+        if self.gids is None:
+            try:
+                with open(f"/proc/{self.pid}/status") as fh:
+                    for line in fh:
+                        if line.startswith("Groups:"):
+                            gids.update(int(g) for g in line.split()[1:])
+            except OSError:
+                pass
         names = set()
         for g in gids:
             try:
@@ -49,10 +62,47 @@ class Peer:
         return names
 
 
+    @contextlib.contextmanager
+    def pinned(self):
+        """Read the peer's /proc entries (its namespace, its sockets) inside this block: it raises
+        ProcessLookupError when the process that connected has exited by the end of it (its pid may name another
+        process since). Through a pidfd of the peer (SO_PEERPIDFD); a kernel without it: the pid alone."""
+        fd = None
+        if self.sock is not None:
+            try:
+                fd = self.sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+            except OSError as exc:
+                if exc.errno == errno.ESRCH:
+                    raise ProcessLookupError(self.pid) from None
+        try:
+            yield
+            if fd is not None:
+                with contextlib.suppress(PermissionError):  # (an agent that is not root): it is alive
+                    signal.pidfd_send_signal(fd, 0)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def peer_groups(conn: socket.socket) -> tuple[int, ...] | None:
+    """The peer's supplementary groups at connect() (SO_PEERGROUPS), or None where the kernel cannot tell."""
+    size = 4 * 64
+    for _ in range(2):
+        try:
+            raw = conn.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno != errno.ERANGE:
+                return None
+            size = 4 * 65536  # NGROUPS_MAX
+            continue
+        return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
+    return None
+
+
 def credentials(conn: socket.socket) -> Peer:
-    """The connecting process's pid, uid and gid as the kernel recorded them at connect()."""
+    """The connecting process's pid, uid, gid and groups as the kernel recorded them at connect()."""
     raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return Peer(*struct.unpack("3i", raw))
+    return Peer(*struct.unpack("3i", raw), gids=peer_groups(conn), sock=conn)
 
 
 @dataclass(frozen=True)

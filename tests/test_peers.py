@@ -1,0 +1,134 @@
+"""Who is on the other end of the agent's socket (agent/peers.py), on real Unix sockets and real processes.
+
+The kernel records the peer's pid, uid, gid and groups at connect(). A pid outlives its process only as a number:
+one that exited before the agent read its /proc entries may name another process by then. The last test makes
+that happen (``ns_last_pid``, root) and checks that the agent does not judge the new process's sockets as the
+peer's. Every child is bounded in time and reaped.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import tempfile
+import time
+
+import pytest
+from test_jobs_agent import make_api
+
+from tensorlane.agent.peers import credentials
+
+NOBODY = 65534
+
+
+@contextlib.contextmanager
+def listener():
+    """A listening Unix socket any user may connect to (pytest's own temporary directories are root's alone)."""
+    with tempfile.TemporaryDirectory(prefix="tl-peers-") as d:
+        os.chmod(d, 0o755)
+        path = os.path.join(d, "agent.sock")
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(path)
+        os.chmod(path, 0o777)
+        srv.listen(4)
+        srv.settimeout(10)
+        try:
+            yield srv, path
+        finally:
+            srv.close()
+
+
+def connect_and_exit(path: str, uid: int | None = None) -> int:
+    """Fork a child that connects to ``path`` (as ``uid``) and exits at once; reaped. Returns its pid."""
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery from here on
+        code = 1
+        try:
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(path)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return pid
+
+
+def test_credentials_carry_the_groups_the_kernel_recorded_at_connect():
+    with listener() as (srv, path), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.connect(path)
+        conn, _ = srv.accept()
+        with conn:
+            peer = credentials(conn)
+            assert (peer.pid, peer.uid, peer.gid) == (os.getpid(), os.geteuid(), os.getegid())
+            assert set(peer.gids) == set(os.getgroups())
+            with peer.pinned():  # alive throughout: nothing raised
+                pass
+
+
+def test_a_peer_that_exited_is_gone_even_before_its_pid_is_reused():
+    with listener() as (srv, path):
+        pid = connect_and_exit(path)
+        conn, _ = srv.accept()
+        with conn:
+            peer = credentials(conn)
+            assert peer.pid == pid
+            with pytest.raises(ProcessLookupError), peer.pinned():
+                pass
+
+
+def _reuse_pid(pid: int, lifetime_s: float) -> int | None:
+    """Fork a child that gets ``pid`` (``ns_last_pid``: root) and sleeps at most ``lifetime_s``; None if another
+    process took the pid first each time (bounded tries)."""
+    for _ in range(20):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as fh:
+            fh.write(str(pid - 1))
+        child = os.fork()
+        if child == 0:
+            signal.alarm(int(lifetime_s))
+            os.pause()
+            os._exit(0)
+        if child == pid:
+            return child
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    return None
+
+
+@pytest.mark.netns  # root: ns_last_pid, and a client of another user
+def test_a_peer_whose_pid_now_names_another_process_is_not_judged_by_its_sockets():
+    """nobody connects and exits; its pid is given to a process that holds a real TCP connection. Registering that
+    connection's flow as nobody (ownership checked) is refused: judged by the pid alone, the new process's socket
+    passed as nobody's."""
+    with socket.socket() as lst, socket.socket() as cli:
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        cli.connect(lst.getsockname())
+        srv_side, _ = lst.accept()
+        key = {"proto": "tcp", "src": "127.0.0.1", "sport": cli.getsockname()[1], "dst": "127.0.0.1",
+               "dport": lst.getsockname()[1]}
+        with srv_side, listener() as (srv, path):
+            pid = connect_and_exit(path, uid=NOBODY)
+            conn, _ = srv.accept()
+            holder = _reuse_pid(pid, lifetime_s=60)  # inherits the TCP connection: its /proc shows the socket
+            assert holder is not None, "pid could not be reused in 20 tries (another process took it each time)"
+            try:
+                with conn:
+                    peer = credentials(conn)
+                    assert (peer.pid, peer.uid) == (holder, NOBODY)
+                    api, rec = make_api(check_ownership=True)
+                    msg = {"op": "register", "job": "squat", "level": 0, "flows": [key]}
+                    reply = json.loads(api.handle(json.dumps(msg).encode(), peer))
+                    assert not reply["ok"] and reply["error"]["code"] == "not_owner", reply
+                    assert "is gone" in reply["error"]["message"] and rec.kernel == {}, reply
+            finally:
+                os.kill(holder, signal.SIGKILL)
+                deadline = time.monotonic() + 10
+                while os.waitpid(holder, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
+                    time.sleep(0.01)
