@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 
 ETH_P_IP = 0x0800
+ETH_P_IPV6 = 0x86DD
 SWITCH_QUEUES = 8
 MTU = 1500
 FRAME = MTU + 14  # what HTB charges for a full-size Ethernet frame (skb->len on a veth, no FCS)
@@ -58,8 +59,9 @@ def _htb_class(ipr, index: int, handle: int, parent: int, rate_bps: int, ceil_bp
     )
 
 
-def install_strict_priority(ipr, index: int, rate_bps: int) -> None:
-    """Replace the egress root of link ``index`` by the 8-queue strict-priority switch port described above."""
+def install_strict_priority(ipr, index: int, rate_bps: int, ipv6: bool = False) -> None:
+    """Replace the egress root of link ``index`` by the 8-queue strict-priority switch port described above
+    (``ipv6``: IPv6 packets queued by their traffic class too)."""
     _delete_root(ipr, index)
     ipr.tc("add", "htb", index=index, handle=ROOT, default=LEAF_MINOR)
     _htb_class(ipr, index, PARENT_CLASS, ROOT, rate_bps, rate_bps, prio=0)
@@ -70,6 +72,8 @@ def install_strict_priority(ipr, index: int, rate_bps: int) -> None:
                limit=SWITCH_QUEUE_PACKETS)
     for queue in range(1, SWITCH_QUEUES):
         add_tos_filter(ipr, index, queue)
+        if ipv6:
+            add_tclass_filter(ipr, index, queue)
 
 
 def add_tos_filter(ipr, index: int, queue: int) -> None:
@@ -85,6 +89,16 @@ def add_tos_filter(ipr, index: int, queue: int) -> None:
     ipr.tc(
         "add-filter", "u32", index=index, parent=ROOT, prio=FILTER_PRIO, protocol=ETH_P_IP,
         target=leaf_class(queue), keys=[f"0x{value:08x}/0x00e00000+0"],
+    )
+
+
+def add_tclass_filter(ipr, index: int, queue: int) -> None:
+    """u32 filter: IPv6 packets whose traffic class has ``DSCP >> 3 == queue`` go to the class of ``queue``. The
+    traffic class is bits 4-11 of the header's first word (after the version), so its top 3 bits are the word's
+    bits 27-25. At its own prio (``FILTER_PRIO + 1``): one prio holds filters of one protocol."""
+    ipr.tc(
+        "add-filter", "u32", index=index, parent=ROOT, prio=FILTER_PRIO + 1, protocol=ETH_P_IPV6,
+        target=leaf_class(queue), keys=[f"0x{queue << 25:08x}/0x0e000000+0"],
     )
 
 
@@ -132,5 +146,6 @@ def queue_stats(ipr, index: int) -> dict[int, dict[str, int]]:
 
 __all__ = [
     "ETH_P_IP", "SWITCH_QUEUES", "SWITCH_QUEUE_PACKETS", "HOST_QUEUE_PACKETS", "leaf_class", "leaf_qdisc",
-    "burst_bytes", "guaranteed_bps", "install_strict_priority", "install_fifo", "add_tos_filter", "queue_stats",
+    "burst_bytes", "guaranteed_bps", "install_strict_priority", "install_fifo", "add_tos_filter", "add_tclass_filter",
+    "queue_stats",
 ]

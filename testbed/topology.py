@@ -7,7 +7,9 @@
     tl-hN [eth0 198.18.0.N/24] ==veth== [pN]-+
 
 With ``segments=2`` every host also has ``eth1`` at 198.19.0.{i}/24 on a second bridge ``br1`` of the same switch
-namespace, through port ``p{i}s1`` (two rails: the segments are not connected to each other).
+namespace, through port ``p{i}s1`` (two rails: the segments are not connected to each other). With ``ipv6=True``
+every NIC also has ``2001:2:0:{s}::{i}/64`` (RFC 5180's benchmarking prefix) and the switch queues IPv6 packets by
+their traffic class; otherwise IPv6 is off in every namespace (no neighbour discovery or MLD in the queues).
 
 Switch port egress: HTB at RATE, 8 strict-priority queues, queue = DSCP >> 3 (testbed.switch). Host NIC egress
 (``shape_hosts=True``): HTB at RATE, one FIFO class. See docs/testbed.md.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import os
 import signal
 import subprocess
@@ -41,6 +44,8 @@ from testbed import records, switch
 
 NETNS_DIR = "/run/netns"
 SUBNETS = ("198.18.0", "198.19.0")  # segment s: 198.18.0.0/15 split into /24s, one per segment
+SUBNETS6 = ("2001:2:0:0", "2001:2:0:1")  # segment s with ipv6: 2001:2::/48 (benchmarking), a /64 per segment
+PREFIXLEN6 = 64
 SUBNET = SUBNETS[0]
 PREFIXLEN = 24
 IFNAME = "eth0"  # segment 0; interface_name(s) in general
@@ -54,6 +59,7 @@ KILL_GRACE_S = 2.0
 # TCP builds 64 KB GSO super-packets by default; HTB would then shape and pfifo would count in 64 KB units.
 # gso_max_segs=1 (set over netlink on every veth) makes every packet on the wire a real <= 1514-byte frame.
 GSO_MAX_SEGS = 1
+IFA_F_NODAD = 0x02
 
 _NO_IPV6 = ("[ -d /proc/sys/net/ipv6 ] || exit 0; for c in all default; "
             "do echo 1 > /proc/sys/net/ipv6/conf/$c/disable_ipv6 || exit 1; done")
@@ -219,12 +225,14 @@ def _signals_held() -> Iterator[None]:
 class Host:
     """One emulated host: a network namespace with ``eth{s}`` at ``198.{18+s}.0.{index}/24`` per switch segment s."""
 
-    def __init__(self, testbed: str, index: int, segments: int = 1):
+    def __init__(self, testbed: str, index: int, segments: int = 1, ipv6: bool = False):
         """Describe host ``index`` (1-based) of testbed ``testbed`` with ``segments`` NICs; creates nothing."""
         self.index = index
         self.name = f"{testbed}-h{index}"
         self.segments = validate_segments(segments)
+        self.ipv6 = bool(ipv6)
         self.ip = self.address(0)
+        self.ip6 = self.address6(0) if self.ipv6 else None
         self.ifname = self.interface(0)
 
     def _segment(self, segment: int) -> int:
@@ -236,6 +244,12 @@ class Host:
     def address(self, segment: int = 0) -> str:
         """IPv4 address of this host's NIC on ``segment`` (``198.18.0.{i}`` on 0, ``198.19.0.{i}`` on 1)."""
         return f"{SUBNETS[self._segment(segment)]}.{self.index}"
+
+    def address6(self, segment: int = 0) -> str:
+        """IPv6 address of this host's NIC on ``segment`` (``2001:2::{i}`` on 0; the testbed needs ``ipv6``)."""
+        if not self.ipv6:
+            raise TestbedError(f"host {self.name} has no IPv6 address (build the testbed with ipv6=True)")
+        return str(ipaddress.IPv6Address(f"{SUBNETS6[self._segment(segment)]}::{self.index:x}"))
 
     def interface(self, segment: int = 0) -> str:
         """Name of this host's NIC on ``segment`` (``eth0``, ``eth1``)."""
@@ -274,10 +288,11 @@ class Testbed:
     __test__ = False  # not a pytest test class
 
     def __init__(self, hosts: int = 3, rate: str = "200mbit", name: str = "tl", shape_hosts: bool = True,
-                 segments: int = 1):
+                 segments: int = 1, ipv6: bool = False):
         """Validate the parameters (ValueError when wrong); nothing is created before ``up()``.
 
         ``segments=2`` gives every host a second NIC ``eth1`` (198.19.0.{i}/24) on a second switch bridge.
+        ``ipv6=True``: every NIC also has an IPv6 address (``Host.address6``), the switch queues IPv6 by traffic class.
         """
         if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be an integer 1..{MAX_HOSTS}, not {hosts!r}")
@@ -287,13 +302,14 @@ class Testbed:
         self.shape_hosts = bool(shape_hosts)
         self.segments = validate_segments(segments)
         self.switch_ns = f"{name}-sw"
-        self.hosts = [Host(name, i, self.segments) for i in range(1, hosts + 1)]
+        self.ipv6 = bool(ipv6)
+        self.hosts = [Host(name, i, self.segments, self.ipv6) for i in range(1, hosts + 1)]
         self._created: list[str] = []
         self._token: str | None = None
 
     def __repr__(self) -> str:
         """``Testbed(tl, 3 hosts, 200mbit)``, ``Testbed(tl, 3 hosts, 200mbit, 2 segments)``."""
-        extra = f", {self.segments} segments" if self.segments > 1 else ""
+        extra = (f", {self.segments} segments" if self.segments > 1 else "") + (", IPv6" if self.ipv6 else "")
         return f"Testbed({self.name}, {len(self.hosts)} hosts, {self.rate}{extra})"
 
     def __enter__(self) -> Testbed:
@@ -399,7 +415,8 @@ class Testbed:
                 raise
             self._created.append(ns)
         # IPv4-only testbed: without IPv6 there is no NDP/MLD chatter in the switch queues.
-        _ip(["netns", "exec", ns, "sh", "-c", _NO_IPV6])
+        if not self.ipv6:
+            _ip(["netns", "exec", ns, "sh", "-c", _NO_IPV6])
 
     def _build_switch(self) -> None:
         """In the switch namespace: ``lo`` up and one bridge per segment (``br0``, ``br1``; no STP, delay 0) up."""
@@ -427,6 +444,8 @@ class Testbed:
         idx = _link_index(ipr, ifname, host.name)
         ipr.link("set", index=idx, gso_max_segs=GSO_MAX_SEGS)
         ipr.addr("add", index=idx, address=host.address(segment), prefixlen=PREFIXLEN)
+        if self.ipv6:  # no duplicate address detection: usable at once
+            ipr.addr("add", index=idx, address=host.address6(segment), prefixlen=PREFIXLEN6, flags=IFA_F_NODAD)
         if self.shape_hosts:
             switch.install_fifo(ipr, idx, self.rate_bps)
         ipr.link("set", index=idx, state="up")
@@ -436,7 +455,7 @@ class Testbed:
         pidx = _link_index(ipr, port, self.switch_ns)
         ipr.link("set", index=pidx, gso_max_segs=GSO_MAX_SEGS)
         ipr.link("set", index=pidx, master=_link_index(ipr, bridge, self.switch_ns))
-        switch.install_strict_priority(ipr, pidx, self.rate_bps)
+        switch.install_strict_priority(ipr, pidx, self.rate_bps, ipv6=self.ipv6)
         ipr.link("set", index=pidx, state="up")
 
     def _teardown(self) -> None:
@@ -519,15 +538,16 @@ def _print_hosts(tb: Testbed) -> None:
     print(f"{'host':>4}  {'netns':<10} {'if':<5} {'ip':<18} switch port")
     for h in tb.hosts:
         for s in range(tb.segments):
+            v6 = f"  {h.address6(s)}/{PREFIXLEN6}" if tb.ipv6 else ""
             print(f"{h.index:>4}  {h.name:<10} {h.interface(s):<5} {h.address(s) + '/' + str(PREFIXLEN):<18} "
-                  f"{tb.switch_port(h.index, s)}")
+                  f"{tb.switch_port(h.index, s)}{v6}")
     print(f"run in a host: ip netns exec {tb.hosts[0].name} CMD; tear down: python -m testbed down --name {tb.name}")
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
     """``up``: build and leave the testbed up (SIGINT/SIGTERM during the build clean up)."""
     tb = Testbed(hosts=args.hosts, rate=args.rate, name=args.name, shape_hosts=not args.no_shape_hosts,
-                 segments=args.segments)
+                 segments=args.segments, ipv6=args.ipv6)
 
     owner = os.getpid()
 
@@ -590,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--no-shape-hosts", action="store_true", help="leave the host NICs unshaped")
     up.add_argument("--segments", type=int, default=1, choices=range(1, MAX_SEGMENTS + 1),
                     help="switch segments: 2 gives every host a second NIC eth1 (198.19.0.i/24) on bridge br1")
+    up.add_argument("--ipv6", action="store_true", help="IPv6 addresses too (2001:2::i/64 on eth0)")
     down = sub.add_parser("down", help="remove a testbed (only what its ownership record lists)")
     which = down.add_mutually_exclusive_group()
     which.add_argument("--name", default="tl")
