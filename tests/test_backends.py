@@ -302,3 +302,43 @@ with IPRoute() as ipr:
 print(json.dumps({"changed": changed, "fast": fast, "pyroute2": slow, "missing": missing, "after_missing": after,
                   "shares": shares}))
 """
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(60)
+def test_htb_tree_of_another_layout_is_made_afresh():
+    """An agent killed (SIGKILL, a watchdog, a stop timeout) leaves its tree; the next one adopts it. With another
+    ``levels`` the adopted tree is made afresh: HTB cannot change its default class in place, and before,
+    unregistered traffic went on to the old default (with levels 4 -> 5, level 4's class) while the agent counted
+    an empty default class; a changed ``queue_limit_packets`` is applied to the leaves in place."""
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", LAYOUTS], capture_output=True, text=True,
+                         timeout=30, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["4"] == {"default": "0x14", "classes": ["7a1:1", "7a1:10", "7a1:11", "7a1:12", "7a1:13", "7a1:14"],
+                        "limits": [1000] * 5}, got
+    assert got["5"]["default"] == "0x15" and got["5"]["classes"][-1] == "7a1:15", got
+    assert got["3"] == {"default": "0x13", "classes": ["7a1:1", "7a1:10", "7a1:11", "7a1:12", "7a1:13"],
+                        "limits": [1000] * 4}, got
+    assert got["3 limit 50"]["limits"] == [50] * 4 and got["3 limit 50"]["default"] == "0x13", got
+
+
+LAYOUTS = r"""
+import json, re, subprocess
+from pyroute2 import IPRoute
+from tensorlane.agent.kernel.qdisc import HtbBackend
+
+subprocess.run("ip link add tl0 type veth peer name tl1 && ip link set tl1 up && ip link set tl0 up", shell=True,
+               check=True)
+got = {}
+with IPRoute() as ipr:
+    index = ipr.link_lookup(ifname="tl0")[0]
+    for name, levels, limit in (("4", 4, 1000), ("5", 5, 1000), ("3", 3, 1000), ("3 limit 50", 3, 50)):
+        HtbBackend(levels, 50_000_000, queue_limit=limit).apply(ipr, index)
+        qdiscs = subprocess.run(["tc", "qdisc", "show", "dev", "tl0"], capture_output=True, text=True).stdout
+        classes = subprocess.run(["tc", "class", "show", "dev", "tl0"], capture_output=True, text=True).stdout
+        got[name] = {"default": re.search(r"default (\S+)", qdiscs).group(1),
+                     "classes": sorted(re.findall(r"class htb (\S+)", classes)),
+                     "limits": [int(x) for x in re.findall(r"pfifo \S+ parent \S+ limit (\d+)p", qdiscs)]}
+print(json.dumps(got))
+"""

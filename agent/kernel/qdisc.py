@@ -21,6 +21,7 @@ Usage: ``backend = make_backend("htb", cfg); backend.apply(ipr, ifindex)``
 """
 from __future__ import annotations
 
+import logging
 import struct
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from tensorlane.agent.kernel.htbclass import ClassRates, change_classes
 MAJOR = 0x7A1  # tensorlane's qdisc handle major ("7a1:"), recognisable in `tc qdisc show`
 MTU_BYTES = 1514
 TCA_CHAIN = 11
+
+log = logging.getLogger("tensorlane.qdisc")
 
 
 def handle(major: int, minor: int = 0) -> int:
@@ -122,8 +125,14 @@ class HtbBackend:
         return True
 
     def apply(self, ipr, index: int) -> None:
-        """Create the tree, or bring an existing one of ours to the desired parameters in place."""
-        have = {q["handle"]: q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index=index)}
+        """Create the tree, or bring an existing one of ours to the desired parameters in place; one of ours with
+        another class layout (adopted from an agent of another ``levels``) is made afresh (:meth:`stale_layout`)."""
+        qdiscs = ipr.get_qdiscs(index=index)
+        have = {q["handle"]: q.get_attr("TCA_KIND") for q in qdiscs}
+        if have.get(self.root) == "htb" and (why := self.stale_layout(ipr, index, qdiscs)):
+            log.warning("the tensorlane tree on device %d has %s: making it afresh", index, why)
+            ipr.tc("del", "htb", index=index, handle=self.root)
+            have = {}
         if have.get(self.root) != "htb":  # none, or another root put there behind the agent's back: ours again
             ipr.tc("replace", "htb", index=index, handle=self.root,
                    default=self.default.classid & 0xFFFF, r2q=10)
@@ -131,11 +140,26 @@ class HtbBackend:
         rate = self.rate // 8  # pyroute2 takes integer rates in bytes/s
         ipr.tc("replace-class", "htb", index=index, handle=self.parent_class, parent=self.root,
                rate=rate, ceil=rate, burst=burst, cburst=burst, quantum=4 * MTU_BYTES)
+        limits = {q["handle"]: (q.get_attr("TCA_OPTIONS") or {}).get("limit") for q in qdiscs}
         for spec in self.leaves():
             self._leaf_class(ipr, index, spec)
-            if have.get(spec.leaf_handle) != "pfifo":
+            if have.get(spec.leaf_handle) != "pfifo" or limits.get(spec.leaf_handle) != self.queue_limit:
                 ipr.tc("replace", "pfifo", index=index, handle=spec.leaf_handle, parent=spec.classid,
                        limit=self.queue_limit)
+
+    def stale_layout(self, ipr, index: int, qdiscs) -> str:
+        """What makes the HTB tree of ours on device ``index`` another layout than this backend's ("" when none):
+        another default class, or leaf classes of ours beyond :meth:`leaves`. HTB cannot change its default in
+        place, and unregistered traffic would go on to the old default (a level's class, when ``levels`` grew)."""
+        root = next((q for q in qdiscs if q["parent"] == snapshot.TC_H_ROOT and q["handle"] == self.root), None)
+        options = root.get_attr("TCA_OPTIONS") if root is not None else None
+        default = ((options.get_attr("TCA_HTB_INIT") if options else None) or {}).get("defcls")
+        if default is not None and default != self.default.classid & 0xFFFF:
+            return f"default class {MAJOR:x}:{default:x}, not {fmt_handle(self.default.classid)}"
+        ours = {spec.classid for spec in self.leaves()} | {self.parent_class}
+        extra = sorted(c["handle"] for c in ipr.get_classes(index=index)
+                       if c["handle"] >> 16 == MAJOR and c["handle"] not in ours)
+        return f"classes {', '.join(map(fmt_handle, extra))} beyond its {self.levels} levels" if extra else ""
 
     def _leaf_rates(self, spec: ClassSpec) -> ClassRates:
         """A leaf's parameters: its guaranteed rate, the link as its ceiling, its prio (rates in bytes/s)."""
