@@ -402,11 +402,20 @@ def _stop_on_signals() -> threading.Event:
     """An event that SIGTERM and SIGINT set from now on. Installed before the first device is taken over: a SIGTERM
     while the agent is still starting (taking over, installing the table, starting the metrics server) then stops
     it through the same restore as later (with the default action it died there, leaving every device taken over
-    until another agent started)."""
+    until another agent started). SIGHUP, which asks many daemons to reload, is logged and otherwise ignored
+    (:func:`_no_reload`)."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, _no_reload)
     return stop
+
+
+def _no_reload(*_) -> None:
+    """SIGHUP: the agent has no reload. Its default action killed the agent without restoring anything (the
+    devices stayed taken over), and systemd counts death by SIGHUP as a clean exit, so it did not restart it."""
+    log.warning("SIGHUP: the agent does not reload its configuration and keeps running with the one it started "
+                "with; restart it to apply a change (docs/deploy.md#what-running-jobs-see)")
 
 
 def _has_our_root(ipr: IPRoute, index: int) -> bool:
