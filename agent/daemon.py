@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,43 @@ def lock_state_dir(cfg: Config) -> int:
                            f"state_dir {cfg.state_dir}; stop it first (two agents would fight over the same "
                            "devices)") from None
     return fd
+
+
+NETNS_LOCK = "tensorlane-agent"  # the abstract Unix socket an agent holds in its network namespace
+
+
+def lock_netns(name: str = NETNS_LOCK) -> socket.socket:
+    """Hold the abstract Unix socket ``name`` for this agent's life (the returned socket; the kernel frees it when
+    the process ends, however): abstract names are per network namespace, like the agent's nftables table
+    ``inet tensorlane``. A second agent in the namespace with another ``state_dir`` (one per NIC, or a copy of
+    the service's config) passed the ``state_dir`` lock, and the two replaced each other's table every pass
+    (dropping each other's flow marks) until one exited and deleted the other's. Nothing changed on failure."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind("\0" + name)
+    except OSError as exc:
+        sock.close()
+        holders = ", ".join(_socket_holders(name)) or "unknown"
+        raise StartupError(f"another tensorlane agent (pid {holders}) runs in this network namespace ({exc}); one "
+                           "agent manages every interface of a namespace (interfaces = [...]): stop it first") from None
+    return sock
+
+
+def _socket_holders(name: str) -> list[str]:
+    """The pids of the processes that hold the abstract Unix socket ``name`` of this network namespace (its
+    inode in ``/proc/net/unix``, then each process's descriptors); only when a start is refused."""
+    try:
+        rows = [line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:]]
+    except OSError:
+        return []
+    links = {f"socket:[{row[6]}]" for row in rows if len(row) > 7 and row[7] == "@" + name}
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                if any(os.readlink(fd) in links for fd in (proc / "fd").iterdir()):
+                    pids.append(proc.name)
+    return sorted(pids, key=int)
 
 
 def _choose_kind(cfg: Config) -> str:
@@ -308,8 +346,6 @@ def check_metrics_address(cfg: Config) -> None:
     after the take-over, where a port in use stopped the agent with a traceback)."""
     if not cfg.metrics_address:
         return
-    import socket
-
     host, _, port = cfg.metrics_address.rpartition(":")
     host = host.strip("[]") or "0.0.0.0"
     try:
@@ -467,7 +503,8 @@ def run(cfg: Config) -> int:
     """
     lock = lock_state_dir(cfg)
     try:
-        return _run(cfg)
+        with lock_netns():
+            return _run(cfg)
     finally:
         os.close(lock)
 

@@ -6,6 +6,8 @@ import logging
 import os
 import signal
 
+import pytest
+
 from tensorlane.agent import daemon
 
 
@@ -24,3 +26,18 @@ def test_sighup_is_logged_and_neither_stops_nor_kills_the_agent(caplog):
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def test_a_second_agent_in_the_network_namespace_is_refused_naming_the_first():
+    """Abstract Unix socket names are per network namespace, like the agent's nftables table: a second agent with
+    another state_dir (which passes the state_dir lock) is refused before it changes anything, naming the pid that
+    holds the lock; the name is free again once the first lets it go."""
+    name = f"tensorlane-test-{os.getpid()}"  # not the agents' own name: an agent may run in this namespace
+    first = daemon.lock_netns(name)
+    try:
+        with pytest.raises(daemon.StartupError, match=rf"another tensorlane agent \(pid {os.getpid()}\) runs in this "
+                                                      "network namespace"):
+            daemon.lock_netns(name)
+    finally:
+        first.close()
+    daemon.lock_netns(name).close()
