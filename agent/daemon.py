@@ -185,13 +185,28 @@ def _choose_kind(cfg: Config) -> str:
         raise ConfigError("backend", str(exc)) from None
 
 
+def _device_rate(cfg: Config, name: str, serves: str, kind: str) -> int | None:
+    """Device ``name``'s rate: ``link_rate``, else the driver's speed. The htb backend needs one (an error naming
+    why there is none); a ``link_rate`` above the driver's speed is logged: HTB then sends faster than the NIC, so
+    the queue forms in the NIC's ring, below the agent's classes, and priority is lost there."""
+    configured, speed = cfg.rate_of(name, serves), detect.interface_speed_bps(name)
+    if kind == "htb" and configured and speed and configured > speed:
+        log.warning("link_rate %s bit/s of %s is above the speed its driver reports (%s bit/s): the queue will form "
+                    "in the NIC, below the agent's classes, where priority does not hold; set link_rate to the "
+                    "link's real rate", f"{configured:,}", name, f"{speed:,}")
+    if kind == "htb" and (configured or speed) is None:
+        state = detect.operstate(name)
+        down = f" (its link is {state}: a driver reports a speed only with a carrier)"
+        down = "" if state in ("up", "unknown", "") else down
+        raise ConfigError("link_rate", f"{name} reports no speed{down}; set link_rate for the htb backend (one "
+                                       f"rate, or a table such as link_rate = {{ {name} = \"25gbit\" }})")
+    return configured or speed
+
+
 def _prepare_device(cfg: Config, ipr: IPRoute, link: links.Link, serves: str, kind: str) -> Takeover:
     """The checks of one queue device, no changes: its rate, a previous agent's tree to adopt, or the tree to
     record and whether it may be replaced."""
-    rate = cfg.rate_of(link.name, serves) or detect.interface_speed_bps(link.name)
-    if kind == "htb" and rate is None:
-        raise ConfigError("link_rate", f"{link.name} reports no speed; set link_rate for the htb backend (one "
-                                       f"rate, or a table such as link_rate = {{ {link.name} = \"25gbit\" }})")
+    rate = _device_rate(cfg, link.name, serves, kind)
     backend = make_backend(kind, cfg.levels, rate, cfg.queue_limit_packets, cfg.min_share, cfg.min_rate_bps)
     previous = _load_state(cfg, link.name)
     if not (previous and previous.get("ifindex") == link.index):

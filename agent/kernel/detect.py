@@ -78,3 +78,11 @@ def interface_speed_bps(ifname: str) -> int | None:
     except (OSError, ValueError):
         return None
     return mbps * 10**6 if mbps > 0 else None
+
+
+def operstate(ifname: str) -> str:
+    """The interface's operational state as /sys says it (``up``, ``down``, ``lowerlayerdown``, ...); "" unknown."""
+    try:
+        return Path(f"/sys/class/net/{ifname}/operstate").read_text().strip()
+    except OSError:
+        return ""
