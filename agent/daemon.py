@@ -553,7 +553,8 @@ def _run(cfg: Config) -> int:
                 start_metrics_server(cfg.metrics_address, api)
             _serve(cfg, api, held, table, Notifier(), _describe(egress), stop)
         finally:
-            rec.teardown()
+            if touched:  # else nothing was changed: a killed agent's table (its flows' marks) stays, as its trees do
+                rec.teardown()
             restored = []
             for t in reversed(list(touched)):
                 try:  # one device that cannot be restored does not keep the others taken over

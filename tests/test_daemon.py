@@ -68,3 +68,26 @@ def test_a_link_rate_above_the_drivers_speed_is_logged_and_a_down_link_named(mon
     with pytest.raises(ConfigError, match=r"eth0 reports no speed; set link_rate"):
         daemon._device_rate(from_dict({"interface": "eth0"}), "eth0", "eth0", "htb")
     assert daemon._device_rate(from_dict({"interface": "eth0"}), "eth0", "eth0", "prio") is None
+
+
+def test_a_start_that_changed_nothing_leaves_the_nftables_table(monkeypatch, tmp_path):
+    """The first state file cannot be written (``state_dir`` read-only): the start stops before any device is
+    changed, and the nftables table stays too. Before, the failed start deleted the table (a killed agent's: the
+    marks that kept its flows prioritised while their shims registered again) and logged a warning when there was
+    none."""
+    from tensorlane.agent.config import Config
+    from tensorlane.agent.kernel.links import Egress, Link
+    from tensorlane.agent.kernel.qdisc import HtbBackend
+    from tensorlane.agent.reconcile import Reconciler
+
+    link = Link("eth0", 2)
+    plan = [daemon.Takeover(link, "eth0", HtbBackend(2, 10**9), None, True)]
+    calls = []
+    monkeypatch.setattr(daemon, "prepare", lambda cfg, ipr: ("htb", [Egress("eth0", 2, (link,))], plan))
+    monkeypatch.setattr(daemon, "restore_orphans", lambda cfg, ipr, plan: [])
+    monkeypatch.setattr(daemon, "record", lambda cfg, t: (_ for _ in ()).throw(OSError(30, "Read-only file system")))
+    monkeypatch.setattr(Reconciler, "teardown", lambda self: calls.append("teardown"))
+    monkeypatch.setattr(daemon, "restore_device", lambda *a: calls.append("restore"))
+    with pytest.raises(daemon.StartupError, match="cannot write the state file of eth0 .* nothing was changed"):
+        daemon._run(Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(tmp_path)))
+    assert calls == []
