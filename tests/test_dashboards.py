@@ -2,9 +2,9 @@
 the dashboards pass the rules of Grafana's dashboard linter (grafana/dashboard-linter, mirrored here: datasource
 variable, multi-select job and instance with "All" = .+, job and instance matchers, $__rate_interval, units,
 descriptions, not editable), "All" stays within tensorlane's scrape jobs, the fleet links to the host, every
-query parses and names only metrics the agent exports, and the rules pass `promtool check rules` and `promtool
-test rules` (a test case per rule), each alert with a runbook section. Evaluating the panels against a live
-Prometheus is in test_metrics_prometheus.py."""
+query parses and names only metrics the agent exports and labels they have, and the rules pass `promtool check
+rules` and `promtool test rules` (a test case per rule), each alert with a runbook section. Evaluating the panels
+against a live Prometheus is in test_metrics_prometheus.py."""
 from __future__ import annotations
 
 import re
@@ -163,6 +163,45 @@ def test_queries_and_rules_name_only_metrics_the_agent_exports(kernel):  # noqa:
     rules = (DASHBOARDS / "rules.yml").read_text()
     used |= set(re.findall(r"\b(tensorlane_[a-z0-9_]+)", rules))
     assert used and not used - exported, f"not exported by the agent: {sorted(used - exported)}"
+
+
+def test_queries_and_rules_use_only_labels_their_metrics_have(kernel):  # noqa: F811
+    """A label matcher of a selector names a label of that metric, and a ``by``/``on``/``group_left`` list names a
+    label of the metrics the expression reads (a recording rule's through its own expression), or ``job`` and
+    ``instance``: a wrong label name selects nothing, silently (an alert that never fires, a panel that is empty).
+    The test above checks the metric names only."""
+    import yaml
+
+    from tensorlane.agent.metrics import make_registry
+
+    api = fake_api(job_policy="shortest", job_share="auto")
+    registry, _ = make_registry(api)
+    request(api, op="register", job="a", level=0, flows=[flow(1)])
+    request(api, op="register", job="b", level=0, flows=[flow(2)])
+    api.jobs.observe({0}, 1.0)  # one sample: the link's busy share
+    request(api, op="report", job="a", session="s", levels=[{"level": 0, "allreduces": 1, "bytes": 1,
+                                                                 "comm_s": 0.1}], step_bytes=4096, compute_s=0.5)
+    labels: dict[str, set] = {}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in fam.samples:
+            labels.setdefault(sample.name, set()).update(sample.labels, {"job", "instance"})
+    rules = [r for g in yaml.safe_load((DASHBOARDS / "rules.yml").read_text())["groups"] for r in g["rules"]]
+    exprs = [(f"rule {r.get('alert') or r['record']}", r["expr"]) for r in rules]
+    exprs += [(f"{name}: {title}", build.expand(e)) for name in DASHBOARD_NAMES
+              for title, _, e in build.queries(load(name))]
+    names = re.compile(r"\b(tensorlane:[a-z0-9_:]+|(?:tensorlane|process)_[a-z0-9_]+)(\{[^}]*\})?")
+    for r in rules:  # a recording rule's series have the labels of what it reads
+        if "record" in r:
+            labels[r["record"]] = set().union(*(labels[m] for m, _ in names.findall(r["expr"])))
+    for where, expr in exprs:
+        used = names.findall(expr)
+        for metric, matchers in used:
+            for label in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers):
+                assert label in labels[metric], f"{where}: {metric} has no label {label!r}"
+        read = set().union(*(labels[m] for m, _ in used))
+        for clause in re.findall(r"\b(?:by|on|without|ignoring|group_left|group_right)\s*\(([^)]*)\)", expr):
+            for label in filter(None, (x.strip() for x in clause.split(","))):
+                assert label in read, f"{where}: no metric it reads has the label {label!r}"
 
 
 def test_rules_pass_promtool_check_and_unit_tests():
