@@ -2,7 +2,8 @@
 2001:2::/64), the agent on host 1. A UDP flow registered at level 0 leaves with the level's DSCP in its traffic
 class (read by the receiver, IPV6_RECVTCLASS) through the level's class, and `tensorlane verify` judges it ok; a
 user's TCP connection over IPv6 is found in the kernel's tables (ownership) and queued at its level, and a flow it
-does not hold is refused; SIGTERM leaves the host as it was.
+does not hold is refused; SIGTERM leaves the host as it was. On IPv6-only hosts the shim's gloo connections are
+registered per level and training ends as plain DDP's.
 
 Every child is forked and reaped; the testbed is a context manager."""
 from __future__ import annotations
@@ -135,3 +136,40 @@ def test_ipv6_flows_are_marked_queued_verified_and_owned(bed):
         sent = {lvl: b - class_bytes(st2)[lvl] for lvl, b in class_bytes(st3).items()}
         assert sent[1] >= 1_000_000, sent  # the data segments at level 1 (its pure ACKs at level 0: ack_priority)
     assert tc_dump(h1) == before and h1.run(["nft", "list", "tables"]).stdout == tables
+
+
+def test_the_shim_over_ipv6_registers_each_levels_connections(tmp_path):
+    """Hosts with IPv6 addresses only (gloo takes an interface's IPv4 address where it has one): the shim's gloo
+    connections are IPv6, found in /proc/self/net/tcp6 and registered per level; training ends as plain DDP's."""
+    import torch
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with Testbed(hosts=2, rate="200mbit", name="t6s", ipv6=True) as tb, running_agents(tb, levels=3) as agents:
+        for h in tb.hosts:
+            h.run(["ip", "addr", "del", f"{h.ip}/24", "dev", "eth0"])
+        procs = []
+        for rank, host in enumerate(tb.hosts):
+            env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE="2",
+                       MASTER_ADDR=tb.host(1).ip6, MASTER_PORT="29720", GLOO_SOCKET_IFNAME="eth0",
+                       TENSORLANE_JOB="shim6")
+            procs.append(host.popen([sys.executable, os.path.join(repo, "tests", "shim_worker.py"), "--out",
+                                     str(tmp_path), "--agent-socket", agents[host.index].socket, "--modes",
+                                     "ddp,overlap", "--levels", "3", "--steps", "30", "--step-sleep", "0.05"],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        try:
+            deadline, flows = time.monotonic() + 60, []
+            while {f["level"] for f in flows} != {0, 1, 2} and time.monotonic() < deadline:
+                time.sleep(0.2)
+                with agents[1].client() as c:
+                    flows = c.list(job="shim6")["flows"]
+            outputs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(5)
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert {f["level"] for f in flows} == {0, 1, 2}, flows
+    assert {(f["src"], f["dst"]) for f in flows} == {(tb.host(1).ip6, tb.host(2).ip6)}, flows
+    ref, got = torch.load(tmp_path / "ddp-0.pt"), torch.load(tmp_path / "overlap-0.pt")
+    assert max(float((got[k] - ref[k]).abs().max() / ref[k].abs().max()) for k in ref) <= 1e-5
