@@ -142,21 +142,41 @@ def lock_state_dir(cfg: Config) -> int:
 NETNS_LOCK = "tensorlane-agent"  # the abstract Unix socket an agent holds in its network namespace
 
 
-def lock_netns(name: str = NETNS_LOCK) -> socket.socket:
+def lock_netns(name: str = NETNS_LOCK) -> socket.socket | None:
     """Hold the abstract Unix socket ``name`` for this agent's life (the returned socket; the kernel frees it when
     the process ends, however): abstract names are per network namespace, like the agent's nftables table
-    ``inet tensorlane``. A second agent in the namespace with another ``state_dir`` (one per NIC, or a copy of
-    the service's config) passed the ``state_dir`` lock, and the two replaced each other's table every pass
-    (dropping each other's flow marks) until one exited and deleted the other's. Nothing changed on failure."""
+    ``inet tensorlane``. A second agent in the namespace with another ``state_dir`` (one per NIC, or a copy of the
+    service's config) passed the ``state_dir`` lock, and the two replaced each other's table every pass (dropping
+    each other's flow marks) until one exited and deleted the other's. Nothing changed on failure.
+
+    Abstract names have no permissions: any local user may take this one first. An agent runs as root (or as
+    this agent's user); a name held by no such process is a squatter's, and this agent starts without the lock
+    (one error logged) rather than be kept down by it. Returns None then."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.bind("\0" + name)
+        return sock
     except OSError as exc:
         sock.close()
-        holders = ", ".join(_socket_holders(name)) or "unknown"
-        raise StartupError(f"another tensorlane agent (pid {holders}) runs in this network namespace ({exc}); one "
-                           "agent manages every interface of a namespace (interfaces = [...]): stop it first") from None
-    return sock
+        error = exc
+    holders = _socket_holders(name)
+    agents = [pid for pid in holders if _uid_of(pid) in (0, os.geteuid())]
+    if agents or not holders:  # (none found: /proc unreadable, or it went meanwhile) refused, as before
+        raise StartupError(f"another tensorlane agent (pid {', '.join(agents) or 'unknown'}) runs in this network "
+                           f"namespace ({error}); one agent manages every interface of a namespace "
+                           "(interfaces = [...]): stop it first")
+    log.error("the abstract socket @%s, which tells agents of this network namespace apart, is held by pid %s of "
+              "another user: not an agent; starting without it (a second agent in this namespace would not be "
+              "refused)", name, ", ".join(holders))
+    return None
+
+
+def _uid_of(pid: str) -> int | None:
+    """The owner of process ``pid`` (its /proc directory), or None when it is gone."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
 
 
 def _socket_holders(name: str) -> list[str]:
@@ -518,7 +538,7 @@ def run(cfg: Config) -> int:
     """
     lock = lock_state_dir(cfg)
     try:
-        with lock_netns():
+        with lock_netns() or contextlib.nullcontext():
             return _run(cfg)
     finally:
         os.close(lock)

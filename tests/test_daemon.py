@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 
 import pytest
 
@@ -91,3 +92,35 @@ def test_a_start_that_changed_nothing_leaves_the_nftables_table(monkeypatch, tmp
     with pytest.raises(daemon.StartupError, match="cannot write the state file of eth0 .* nothing was changed"):
         daemon._run(Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(tmp_path)))
     assert calls == []
+
+
+@pytest.mark.netns  # root: a holder of another user
+def test_a_squatter_on_the_namespace_lock_does_not_keep_the_agent_down(caplog):
+    """Abstract socket names have no permissions: a user (nobody) who takes the agents' name first does not stop
+    an agent from starting; the agent starts without the lock and says so (one error naming the pid)."""
+    name = f"tensorlane-test-sq-{os.getpid()}"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery from here on
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            held.bind("\0" + name)
+            os.write(w, b"1")
+            signal.alarm(30)  # killed by the parent long before
+            os.pause()
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"1"
+        with caplog.at_level(logging.ERROR, logger="tensorlane.agent"):
+            assert daemon.lock_netns(name) is None
+        assert f"held by pid {pid} of another user: not an agent" in caplog.text
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+    daemon.lock_netns(name).close()  # free again once the squatter is gone
