@@ -94,9 +94,23 @@ def agree_job_id(job: str | None = None, group=None) -> str:
     job = job or default_job_id()
     if job is not None:
         return clean_job_id(job)
-    box = [f"job-{uuid.uuid4().hex[:12]}" if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return clean_job_id(str(box[0]))
+    return clean_job_id(broadcast_token(f"job-{uuid.uuid4().hex[:12]}", group=group))
+
+
+TOKEN_BYTES = 64  # the longest token broadcast_token carries (job and run tokens are 16 and 20 characters)
+
+
+def broadcast_token(token: str, group=None) -> str:
+    """Rank 0's ``token`` (ASCII, at most TOKEN_BYTES) on every rank of ``group``: one uint8 tensor broadcast
+    (on the current CUDA device where the group is NCCL's). Not ``broadcast_object_list``: that needs NumPy on
+    the receiving ranks, which ``tensorlane[shim]`` does not install. Usage: ``run = broadcast_token("run-1f")``
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    raw = token.encode("ascii")[:TOKEN_BYTES] if dist.get_rank() == 0 else b""
+    buf = torch.zeros(TOKEN_BYTES, dtype=torch.uint8, device=device)
+    buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=0, group=group)
+    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode("ascii")
 
 
 @dataclass
@@ -983,9 +997,7 @@ def agree_run(group=None) -> str:
     """A token of this run of the job, the same on every rank (rank 0 draws it; a collective on ``group``). The
     agent uses it to notice two jobs that use the same job id on one host. Usage: ``run = agree_run(groups[0])``
     """
-    box = [f"run-{uuid.uuid4().hex[:16]}" if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return str(box[0])
+    return broadcast_token(f"run-{uuid.uuid4().hex[:16]}", group=group)
 
 
 def _connect(levels: int, agent_socket: str | None, job: str | None) -> tuple[list, AgentLink, dict, str]:

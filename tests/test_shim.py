@@ -384,6 +384,31 @@ def test_default_job_id_from_environment(monkeypatch):
     assert default_job_id() == "j_mine"
 
 
+@pytest.mark.torch
+def test_ranks_agree_on_job_and_run_tokens_without_numpy(tmp_path):
+    """``pip install tensorlane[shim]`` brings torch without NumPy: the ranks' agreement on the job id and the run
+    token (what ``attach`` does first) needs none (``broadcast_object_list`` raised "Numpy is not available" on
+    rank 1, and the other rank then died in its first forward)."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    procs = [subprocess.Popen([sys.executable, "-c", TOKEN_SCRIPT, str(tmp_path / "store"), str(rank)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    tokens = [o.split() for o, _ in outs]
+    assert tokens[0] == tokens[1] and tokens[0][0].startswith("job-") and tokens[0][1].startswith("run-"), tokens
+
+
+TOKEN_SCRIPT = r"""
+import sys
+sys.modules["numpy"] = None  # as in a venv with tensorlane[shim] only
+import torch.distributed as dist
+from tensorlane.shim.ddp import agree_job_id, agree_run
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 2), rank=int(sys.argv[2]), world_size=2)
+print(agree_job_id(), agree_run(), flush=True)
+dist.destroy_process_group()
+"""
+
+
 REFUSALS = {  # scenario of tests/refusal_worker.py -> what the error says
     "grad_zeroed_later": "gradients were changed between backward() and optimizer.step()",
     "double_step": "optimizer.step() without a synchronized backward()",
