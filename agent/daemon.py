@@ -113,6 +113,28 @@ def _save_state(cfg: Config, device: str, state: dict) -> None:
         raise
 
 
+# What the agent cannot start without, by capability bit: tc and nftables; the qdisc probe's throwaway namespace.
+NEEDED_CAPS = {"CAP_NET_ADMIN": 12, "CAP_SYS_ADMIN": 21}
+
+
+def missing_capabilities(status: str | None = None) -> list[str]:
+    """The capabilities of NEEDED_CAPS missing from this process's effective set (``CapEff`` of
+    ``/proc/self/status``, or of ``status``). Usage: ``missing_capabilities("CapEff: 1000") == ["CAP_SYS_ADMIN"]``
+    """
+    if status is None:
+        status = Path("/proc/self/status").read_text()
+    eff = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("CapEff:")), 0)
+    return [name for name, bit in NEEDED_CAPS.items() if not eff >> bit & 1]
+
+
+def check_privileges() -> None:
+    """Refuse to start, before anything is made or changed, without the capabilities the agent needs."""
+    missing = missing_capabilities()
+    if missing:
+        raise StartupError(f"the agent must run as root: this process lacks {' and '.join(missing)} (tc, nftables "
+                           "and the qdisc probe's network namespace need them); nothing was changed")
+
+
 def lock_state_dir(cfg: Config) -> int:
     """Hold a lock on ``state_dir`` (the directory itself: nothing is left behind) for this agent's life (the
     returned descriptor): a second agent with the same ``state_dir`` (the same config run by hand beside the
@@ -536,6 +558,7 @@ def run(cfg: Config) -> int:
     Every device is checked before any is changed; devices are taken over one by one, and every device touched
     is restored on the way out, whatever stopped the agent.
     """
+    check_privileges()
     lock = lock_state_dir(cfg)
     try:
         with lock_netns() or contextlib.nullcontext():

@@ -158,3 +158,19 @@ def test_flags_without_a_file_keep_an_empty_metrics_address(monkeypatch):
     assert main(["agent", "--interface", "eth0", "--metrics-address", ""]) == 0
     assert main(["agent", "--interface", "eth0"]) == 0
     assert [c.metrics_address for c in seen] == ["", "127.0.0.1:9477"]
+
+
+def test_an_agent_without_root_is_refused_by_name_before_anything_is_made(tmp_path, monkeypatch, capsys):
+    """Without CAP_NET_ADMIN and CAP_SYS_ADMIN the agent stops with one line (exit 2), before its state_dir is made;
+    it died in the qdisc probe with a traceback ("PermissionError: mount rundir failed")."""
+    from tensorlane.agent import daemon
+    from tensorlane.cli import main
+
+    assert daemon.missing_capabilities("CapEff:\t0000000000001000\n") == ["CAP_SYS_ADMIN"]
+    assert daemon.missing_capabilities("CapEff:\t000001ffffffffff\n") == []
+    monkeypatch.setattr(daemon, "missing_capabilities", lambda: ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"])
+    conf = tmp_path / "agent.toml"
+    conf.write_text(f'interface = "eth0"\nstate_dir = "{tmp_path / "state"}"\n')
+    assert main(["agent", "--config", str(conf)]) == 2
+    assert "must run as root: this process lacks CAP_NET_ADMIN and CAP_SYS_ADMIN" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()
