@@ -30,6 +30,7 @@ from tensorlane.agent.notify import Notifier
 from tensorlane.agent.reconcile import Device, Reconciler
 from tensorlane.agent.server import Server
 from tensorlane.agent.state import FlowTable
+from tensorlane.units import fmt_rate
 
 log = logging.getLogger("tensorlane.agent")
 
@@ -227,28 +228,34 @@ def _choose_kind(cfg: Config) -> str:
         raise ConfigError("backend", str(exc)) from None
 
 
-def _device_rate(cfg: Config, name: str, serves: str, kind: str) -> int | None:
-    """Device ``name``'s rate: ``link_rate``, else the driver's speed. The htb backend needs one (an error naming
-    why there is none); a ``link_rate`` above the driver's speed is logged: HTB then sends faster than the NIC, so
-    the queue forms in the NIC's ring, below the agent's classes, and priority is lost there."""
-    configured, speed = cfg.rate_of(name, serves), detect.interface_speed_bps(name)
+def _device_rate(cfg: Config, link: links.Link, serves: str, kind: str) -> int | None:
+    """Device ``link``'s rate: ``link_rate``, else the driver's speed (not a veth's or tun's placeholder). The htb
+    backend needs one (an error naming why there is none); a ``link_rate`` above the driver's speed is logged: HTB
+    then sends faster than the NIC, so the queue forms in the NIC's ring, below the agent's classes, and priority
+    is lost there."""
+    name = link.name
+    configured, speed = cfg.rate_of(name, serves), detect.interface_speed_bps(name, link.kind)
     if kind == "htb" and configured and speed and configured > speed:
         log.warning("link_rate %s bit/s of %s is above the speed its driver reports (%s bit/s): the queue will form "
                     "in the NIC, below the agent's classes, where priority does not hold; set link_rate to the "
                     "link's real rate", f"{configured:,}", name, f"{speed:,}")
     if kind == "htb" and (configured or speed) is None:
-        state = detect.operstate(name)
-        down = f" (its link is {state}: a driver reports a speed only with a carrier)"
-        down = "" if state in ("up", "unknown", "") else down
-        raise ConfigError("link_rate", f"{name} reports no speed{down}; set link_rate for the htb backend (one "
-                                       f"rate, or a table such as link_rate = {{ {name} = \"25gbit\" }})")
+        if link.kind in detect.PLACEHOLDER_SPEED_KINDS:
+            said = f"its {link.kind} driver's speed is a placeholder"
+        else:
+            state = detect.operstate(name)
+            down = "" if state in ("up", "unknown", "") else \
+                f" (its link is {state}: a driver reports a speed only with a carrier)"
+            said = f"it reports no speed{down}"
+        raise ConfigError("link_rate", f"{name}: {said}; set link_rate for the htb backend (one rate, or a table "
+                                       f"such as link_rate = {{ {name} = \"25gbit\" }})")
     return configured or speed
 
 
 def _prepare_device(cfg: Config, ipr: IPRoute, link: links.Link, serves: str, kind: str) -> Takeover:
     """The checks of one queue device, no changes: its rate, a previous agent's tree to adopt, or the tree to
     record and whether it may be replaced."""
-    rate = _device_rate(cfg, link.name, serves, kind)
+    rate = _device_rate(cfg, link, serves, kind)
     backend = make_backend(kind, cfg.levels, rate, cfg.queue_limit_packets, cfg.min_share, cfg.min_rate_bps)
     previous = _load_state(cfg, link.name)
     if not (previous and previous.get("ifindex") == link.index):
@@ -552,6 +559,12 @@ def _describe(egress: list[links.Egress]) -> str:
                      f"{eg.name} (queues on {', '.join(q.name for q in eg.queues)})" for eg in egress)
 
 
+def _rates(plan: list[Takeover]) -> str:
+    """``, eth0 shaped to 200mbit``: each device's shaping rate for the log (nothing for the prio backend)."""
+    shaped = [f"{t.link.name} shaped to {fmt_rate(t.backend.rate)}" for t in plan if getattr(t.backend, "rate", None)]
+    return "".join(f", {s}" for s in shaped)
+
+
 def run(cfg: Config) -> int:
     """Run the agent in the foreground until SIGTERM/SIGINT. Returns the process exit status.
 
@@ -588,8 +601,8 @@ def _run(cfg: Config) -> int:
                 take_over(cfg, ipr, t)
             rec.inherit(rec.install())  # a killed agent's marks stay while its jobs register again
             rec.reconcile(table)
-            log.info("managing %s with the %s backend: %d levels, DSCP %s", _describe(egress), kind, cfg.levels,
-                     list(cfg.dscp))
+            log.info("managing %s with the %s backend: %d levels, DSCP %s%s", _describe(egress), kind, cfg.levels,
+                     list(cfg.dscp), _rates(plan))
             api = Api(cfg, table, rec, kind)
             if cfg.metrics_address:
                 from tensorlane.agent.metrics import start_metrics_server

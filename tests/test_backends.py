@@ -44,6 +44,20 @@ def test_choose_backend():
         detect.choose_backend("prio", {"htb"}, link_rate_given=False)
 
 
+def test_a_veths_placeholder_speed_is_no_link_rate(monkeypatch):
+    """A veth's driver reports 10000 Mb/s whatever the link: taken as the rate, an agent without ``link_rate`` on
+    a 200 mbit testbed link shaped it at 10 gbit (no queue of its own, no priority) and said nothing. Now it is
+    no speed, and the agent asks for ``link_rate``; a NIC's speed is still taken."""
+
+    class Sysfs:
+        read_text = staticmethod(lambda: "10000\n")
+
+    monkeypatch.setattr(detect, "Path", lambda path: Sysfs)
+    assert detect.interface_speed_bps("eth0", "veth") is None
+    assert detect.interface_speed_bps("eth0", "tun") is None
+    assert detect.interface_speed_bps("eth0") == 10**10
+
+
 @pytest.mark.netns
 def test_probe_finds_what_this_kernel_has():
     found = detect.probe_qdiscs(("prio", "htb", "pfifo"))

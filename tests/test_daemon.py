@@ -50,25 +50,29 @@ def test_a_link_rate_above_the_drivers_speed_is_logged_and_a_down_link_named(mon
     device reports no speed (a physical NIC, not a veth)."""
     from tensorlane.agent.config import ConfigError, from_dict
     from tensorlane.agent.kernel import detect
+    from tensorlane.agent.kernel.links import Link
 
-    monkeypatch.setattr(detect, "interface_speed_bps", lambda name: 10**10)
+    eth0 = Link("eth0", 2)
+    monkeypatch.setattr(detect, "interface_speed_bps", lambda name, kind="": 10**10)
     cfg = from_dict({"interface": "eth0", "link_rate": "25gbit"})
     with caplog.at_level(logging.WARNING, logger="tensorlane.agent"):
-        assert daemon._device_rate(cfg, "eth0", "eth0", "htb") == 25 * 10**9
+        assert daemon._device_rate(cfg, eth0, "eth0", "htb") == 25 * 10**9
     assert "above the speed its driver reports (10,000,000,000 bit/s)" in caplog.text
     caplog.clear()
-    assert daemon._device_rate(from_dict({"interface": "eth0", "link_rate": "8gbit"}), "eth0", "eth0", "htb") == 8e9
-    assert daemon._device_rate(cfg, "eth0", "eth0", "prio") == 25 * 10**9  # prio does not shape
+    assert daemon._device_rate(from_dict({"interface": "eth0", "link_rate": "8gbit"}), eth0, "eth0", "htb") == 8e9
+    assert daemon._device_rate(cfg, eth0, "eth0", "prio") == 25 * 10**9  # prio does not shape
     assert not caplog.text
-    monkeypatch.setattr(detect, "interface_speed_bps", lambda name: None)
+    monkeypatch.setattr(detect, "interface_speed_bps", lambda name, kind="": None)
     monkeypatch.setattr(detect, "operstate", lambda name: "down")
-    with pytest.raises(ConfigError, match=r"eth0 reports no speed \(its link is down: a driver reports a speed "
+    with pytest.raises(ConfigError, match=r"eth0: it reports no speed \(its link is down: a driver reports a speed "
                                           r"only with a carrier\); set link_rate"):
-        daemon._device_rate(from_dict({"interface": "eth0"}), "eth0", "eth0", "htb")
+        daemon._device_rate(from_dict({"interface": "eth0"}), eth0, "eth0", "htb")
     monkeypatch.setattr(detect, "operstate", lambda name: "up")
-    with pytest.raises(ConfigError, match=r"eth0 reports no speed; set link_rate"):
-        daemon._device_rate(from_dict({"interface": "eth0"}), "eth0", "eth0", "htb")
-    assert daemon._device_rate(from_dict({"interface": "eth0"}), "eth0", "eth0", "prio") is None
+    with pytest.raises(ConfigError, match=r"eth0: it reports no speed; set link_rate"):
+        daemon._device_rate(from_dict({"interface": "eth0"}), eth0, "eth0", "htb")
+    assert daemon._device_rate(from_dict({"interface": "eth0"}), eth0, "eth0", "prio") is None
+    with pytest.raises(ConfigError, match=r"v0: its veth driver's speed is a placeholder; set link_rate"):
+        daemon._device_rate(from_dict({"interface": "v0"}), Link("v0", 3, "veth"), "v0", "htb")
 
 
 def test_a_start_that_changed_nothing_leaves_the_nftables_table(monkeypatch, tmp_path):

@@ -177,8 +177,10 @@ def test_agent_runs_from_the_wheel_without_torch(wheel, tmp_path):
     sock = f"/run/tensorlane/twh-{os.getpid()}.sock"
     with Testbed(hosts=1, rate="100mbit", name="twh", shape_hosts=False) as tb:
         host = tb.host(1)
-        agent = host.popen([str(cli), "agent", "--interface", host.ifname, "--socket", sock, "--metrics-address",
-                            ""], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        conf = tmp_path / "agent.toml"  # a veth's driver speed is a placeholder: the rate is the config's
+        conf.write_text(f'interface = "{host.ifname}"\nlink_rate = "100mbit"\n')
+        agent = host.popen([str(cli), "agent", "--config", str(conf), "--socket", sock, "--metrics-address", ""],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + 20
             status = None

@@ -71,8 +71,15 @@ def choose_backend(wanted: str, available: set[str], link_rate_given: bool) -> s
     return wanted
 
 
-def interface_speed_bps(ifname: str) -> int | None:
-    """The link speed the driver reports in /sys (None for virtual devices such as veth)."""
+# Device kinds whose driver reports a fixed speed that says nothing of the link (veth 10000 Mb/s, tun 10 Mb/s).
+PLACEHOLDER_SPEED_KINDS = frozenset({"veth", "tun"})
+
+
+def interface_speed_bps(ifname: str, kind: str = "") -> int | None:
+    """The link speed the driver reports in /sys; None where it reports none, or for a device of ``kind`` (its
+    IFLA_INFO_KIND) in PLACEHOLDER_SPEED_KINDS. Usage: ``interface_speed_bps("eth0", link.kind)``"""
+    if kind in PLACEHOLDER_SPEED_KINDS:
+        return None
     try:
         mbps = int(Path(f"/sys/class/net/{ifname}/speed").read_text().strip())
     except (OSError, ValueError):
