@@ -119,12 +119,13 @@ def verify(socket_path: str, seconds: float, interface: str | None = None) -> di
 def format_report(report: dict) -> str:
     """The table `tensorlane verify` prints."""
     where = report["interface"] if isinstance(report["interface"], str) else ", ".join(report["interface"])
+    job = max([12, *(len(r["job"]) for r in report["flows"])])  # the shim's own ids are 16 characters, a UUID 36
     lines = [f"capture on {where} for {report['seconds']}s",
-             f"{'flow':<52} {'job':<12} {'lvl':>3} {'queue':>7} {'dscp want':>9} {'seen':>8} {'pkts':>7}  verdict"]
+             f"{'flow':<52} {'job':<{job}} {'lvl':>3} {'queue':>7} {'dscp want':>9} {'seen':>8} {'pkts':>7}  verdict"]
     for r in report["flows"]:
         flow = f"{r['proto']} {r['src']}:{r['sport']} -> {r['dst']}:{r['dport']}"
         seen = ",".join(map(str, r["seen_dscp"])) or "-"
-        lines.append(f"{flow:<52} {r['job']:<12} {r['level']:>3} {r['queue']:>7} {r['expected_dscp']:>9} "
+        lines.append(f"{flow:<52} {r['job']:<{job}} {r['level']:>3} {r['queue']:>7} {r['expected_dscp']:>9} "
                      f"{seen:>8} {r['packets']:>7}  {r['verdict']}")
     verified = sum(r["verdict"] == "ok" for r in report["flows"])
     idle = sum(r["verdict"] == "no traffic" for r in report["flows"])

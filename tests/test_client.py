@@ -66,3 +66,16 @@ def test_a_socket_that_refuses_this_user_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", refuse)
     with pytest.raises(AgentUnavailable, match=r"refuses this user \(permission denied\).*allowed_groups"):
         AgentClient(os.fspath(tmp_path / "agent.sock")).connect()
+
+
+def test_the_verify_table_keeps_its_columns_with_long_job_ids():
+    """The shim's own job ids (``job-`` and 12 hex digits) and torchrun's run ids (UUIDs) are longer than 12
+    characters: the job column widens to the longest, so the columns after it stay under their headings."""
+    from tensorlane.agent.verify import format_report
+
+    row = {"proto": "tcp", "src": "198.18.0.1", "sport": 34267, "dst": "198.18.0.2", "dport": 58222, "level": 3,
+           "queue": "7a1:13", "expected_dscp": 18, "seen_dscp": [18], "packets": 4, "verdict": "ok"}
+    flows = [dict(row, job="job-3b446be6e099"), dict(row, job="a")]
+    header, *rows = format_report({"interface": "eth0", "seconds": 2.0, "flows": flows, "ok": True}).splitlines()[1:4]
+    ends = {header.index("queue") + len("queue")} | {r.index("7a1:13") + len("7a1:13") for r in rows}
+    assert len(ends) == 1, [header, *rows]
