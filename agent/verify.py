@@ -13,6 +13,26 @@ from tensorlane.client import AgentClient
 from tensorlane.flows import FlowKey
 
 
+class CaptureError(RuntimeError):
+    """The capture could not start: no such interface here, or no raw packet socket (CAP_NET_RAW)."""
+
+
+def _capture(iface, seconds: float, on_packet) -> None:
+    """Call ``on_packet`` for each frame seen on ``iface`` (a name or a list) for ``seconds``; CaptureError, naming
+    the interfaces, where the capture cannot start."""
+    from scapy.sendrecv import sniff
+
+    try:
+        # No BPF filter: scapy compiles one through libpcap, which a minimal host lacks; ``_key`` skips what is not
+        # IP (ARP, LLDP: a few frames), so the capture needs only a raw packet socket.
+        sniff(iface=iface, timeout=seconds, prn=on_packet, store=False)
+    except PermissionError as exc:
+        raise CaptureError(f"cannot capture ({exc.strerror}): a raw packet socket needs root (CAP_NET_RAW)") from None
+    except (OSError, ValueError) as exc:
+        where = iface if isinstance(iface, str) else ", ".join(iface)
+        raise CaptureError(f"cannot capture on {where}: {exc} (an interface of this network namespace)") from None
+
+
 def _key(pkt) -> FlowKey | None:
     from scapy.layers.inet import IP, TCP, UDP
     from scapy.layers.inet6 import IPv6
@@ -51,7 +71,6 @@ def verify(socket_path: str, seconds: float, interface: str | None = None) -> di
     import scapy.layers.inet  # noqa: F401 - the dissectors must be loaded before the capture starts
     import scapy.layers.inet6  # noqa: F401
     import scapy.layers.l2  # noqa: F401
-    from scapy.sendrecv import sniff
 
     with AgentClient(socket_path) as agent:
         flows = agent.list()["flows"]
@@ -76,9 +95,7 @@ def verify(socket_path: str, seconds: float, interface: str | None = None) -> di
                 s["bytes"] += len(pkt)
                 s["dscp"][d] = s["dscp"].get(d, 0) + 1
 
-        # No BPF filter: scapy compiles one through libpcap, which a minimal host lacks; ``_key`` skips what is not
-        # IP (ARP, LLDP: a few frames), so the capture needs only a raw packet socket.
-        sniff(iface=iface, timeout=seconds, prn=on_packet, store=False)
+        _capture(iface, seconds, on_packet)
         after = agent.status()
     dscp_of = {c["level"]: c.get("dscp") for c in before["classes"]}
     class_of = {c["level"]: c["class"] for c in before["classes"]}

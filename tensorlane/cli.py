@@ -113,15 +113,26 @@ def _status(args) -> int:
 
 
 def _verify(args) -> int:
-    from tensorlane.agent.verify import format_report, verify
+    from tensorlane.agent.verify import CaptureError, format_report, verify
 
     try:
         report = verify(args.socket, args.seconds, args.interface)
-    except (AgentUnavailable, AgentError) as exc:
+    except (AgentUnavailable, AgentError, CaptureError) as exc:
         print(f"tensorlane verify: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["ok"] else 1
+
+
+def _seconds(text: str) -> float:
+    """``--seconds``: a capture length above 0 (argparse's type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds above 0, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_status)
     v = sub.add_parser("verify", help="capture traffic and check each registered flow's DSCP and queue")
     v.add_argument("--socket", default=DEFAULT_SOCKET)
-    v.add_argument("--seconds", type=float, default=5.0)
+    v.add_argument("--seconds", type=_seconds, default=5.0, help="how long to capture (default 5)")
     v.add_argument("--interface", help="capture here instead of on the agent's interfaces")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=_verify)

@@ -79,3 +79,26 @@ def test_the_verify_table_keeps_its_columns_with_long_job_ids():
     header, *rows = format_report({"interface": "eth0", "seconds": 2.0, "flows": flows, "ok": True}).splitlines()[1:4]
     ends = {header.index("queue") + len("queue")} | {r.index("7a1:13") + len("7a1:13") for r in rows}
     assert len(ends) == 1, [header, *rows]
+
+
+def test_verify_names_what_keeps_the_capture_from_starting(monkeypatch, capsys):
+    """An interface that is not here, or no raw socket (no CAP_NET_RAW), is one line and exit 1 (both were
+    tracebacks); a capture of 0 or fewer seconds is a usage error."""
+    from tensorlane.agent import verify
+    from tensorlane.cli import main
+
+    with pytest.raises(verify.CaptureError, match="cannot capture on tl-none0: .*not found"):
+        verify._capture("tl-none0", 0.1, print)
+
+    def refused(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr("scapy.sendrecv.sniff", refused)
+    with pytest.raises(verify.CaptureError, match=r"needs root \(CAP_NET_RAW\)"):
+        verify._capture(["eth0"], 0.1, print)
+    monkeypatch.setattr(verify, "verify", lambda *a: verify._capture("eth0", 0.1, print))
+    assert main(["verify", "--seconds", "1"]) == 1
+    assert capsys.readouterr().err.startswith("tensorlane verify: cannot capture")
+    for bad in ("0", "-1", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            main(["verify", "--seconds", bad])
