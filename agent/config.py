@@ -17,12 +17,15 @@ from tensorlane.policies.levels import dscp_table
 BACKENDS = ("auto", "htb", "prio")
 
 
+FILE_FIELD = "<file>"  # the ``field`` of an error about the file itself (absent, not TOML)
+
+
 class ConfigError(ValueError):
     """A configuration value is wrong; ``field`` names it."""
 
     def __init__(self, field_name: str, message: str):
-        """``message`` about the setting ``field_name`` (``field``)."""
-        super().__init__(f"config field '{field_name}': {message}")
+        """``message`` about the setting ``field_name`` (``field``), or about the file (FILE_FIELD)."""
+        super().__init__(message if field_name == FILE_FIELD else f"config field '{field_name}': {message}")
         self.field = field_name
 
 
@@ -423,9 +426,9 @@ def load_config(path: str, overrides: dict | None = None) -> Config:
         with open(path, "rb") as fh:
             raw = tomllib.load(fh)
     except FileNotFoundError:
-        raise ConfigError("<file>", f"no config file at {path}") from None
+        raise ConfigError(FILE_FIELD, f"no config file at {path}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("<file>", f"{path} is not valid TOML: {exc}") from None
+        raise ConfigError(FILE_FIELD, f"{path} is not valid TOML: {exc}") from None
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if "interface" in overrides:  # the command line's one interface replaces the file's choice
         for key in ("interfaces", "training_subnets"):

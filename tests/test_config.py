@@ -119,7 +119,7 @@ def test_load_reports_bad_toml_and_missing_file(tmp_path):
     path.write_text("interface = \n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(str(path))
-    with pytest.raises(ConfigError, match="no config file"):
+    with pytest.raises(ConfigError, match="^no config file"):  # no "config field '<file>'" before it
         load_config(str(tmp_path / "absent.toml"))
 
 
