@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m bench NAME [ARGS]``: run benchmark NAME's ``main(ARGS)`` and stamp its ``--json`` file."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
-        out = sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr
+        out = sys.stdout if not argv or argv[0] in ("-h", "--help") else sys.stderr  # the list asked for: stdout
         if argv and argv[0] not in ("-h", "--help"):
             print(f"bench: unknown benchmark {argv[0]!r}", file=out)
         print("usage: python -m bench NAME [ARGS...]   (NAME --help for its options)\n\nbenchmarks:", file=out)

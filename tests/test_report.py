@@ -376,3 +376,15 @@ def test_the_average_row_names_the_floor_alone_gives():
     row = report._mix_avg_row(mix, "static", "average", 0.80)
     assert row.ratio == "0.85" and "alone 16.40 s (0.82x FIFO, a floor: no job beats its time alone)" in \
         row.alternatives, row.alternatives
+
+
+def test_python_m_bench_alone_lists_the_benchmarks_on_stdout(capsys):
+    """The README's ``python -m bench  # the list of benchmarks``: the list on stdout and exit 0 (it went to stderr
+    with exit 2, as a usage error); an unknown name is still one (stderr, 2)."""
+    import bench
+
+    assert bench.main([]) == 0
+    out = capsys.readouterr()
+    assert "contention" in out.out and not out.err
+    assert bench.main(["nosuch"]) == 2
+    assert "unknown benchmark 'nosuch'" in capsys.readouterr().err
