@@ -124,6 +124,9 @@ def _verify(args) -> int:
     return 0 if report["ok"] else 1
 
 
+SOCKET_HELP = f"the agent's API socket (default {DEFAULT_SOCKET})"
+
+
 def _seconds(text: str) -> float:
     """``--seconds``: a capture length above 0 (argparse's type)."""
     try:
@@ -149,14 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only check the config (each error names its field; exit 2) and exit: nothing is changed")
     a.set_defaults(func=_agent)
     s = sub.add_parser("status", help="show a running agent's classes, flows and counters")
-    s.add_argument("--socket", default=DEFAULT_SOCKET)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--socket", default=DEFAULT_SOCKET, help=SOCKET_HELP)
+    s.add_argument("--json", action="store_true", help="print the agent's reply as JSON")
     s.set_defaults(func=_status)
     v = sub.add_parser("verify", help="capture traffic and check each registered flow's DSCP and queue")
-    v.add_argument("--socket", default=DEFAULT_SOCKET)
+    v.add_argument("--socket", default=DEFAULT_SOCKET, help=SOCKET_HELP)
     v.add_argument("--seconds", type=_seconds, default=5.0, help="how long to capture (default 5)")
     v.add_argument("--interface", help="capture here instead of on the agent's interfaces")
-    v.add_argument("--json", action="store_true")
+    v.add_argument("--json", action="store_true", help="print the report as JSON")
     v.set_defaults(func=_verify)
     return p
 
