@@ -1,6 +1,7 @@
 """The shim's conformance matrix (issue 12): real training-loop idioms x {hook, overlap} x {2, 3 ranks}, each
 cell compared with plain DDP parameter by parameter (and buffer by buffer), plus what the loop observed along the
-way (per-step losses, eval outputs, clip norms, GradScaler scales), within 1e-5 relative max abs diff.
+way (per-step losses, eval outputs, clip norms, GradScaler scales): bit for bit at 2 ranks on CPU, within 1e-5
+relative max abs diff otherwise.
 
 The worker (tests/conformance_worker.py) runs every idiom in every mode in ONE torchrun launch per world size,
 plus a second, fresh launch that resumes the mid-run checkpoint; a module-scoped fixture runs the launches once
@@ -41,6 +42,9 @@ WORLDS = (2, 3)
 MAIN = list(worker.MAIN_IDIOMS)
 SHIM_MODES = ("hook", "overlap")
 DEVICE = os.environ.get("TENSORLANE_CONFORMANCE_DEVICE", "cpu")
+# At 2 ranks gloo sums every element in one order, the shim's pieces as DDP's whole buckets, so on CPU every cell must
+# equal DDP bit for bit: a difference of rounding there is a different computation, which TOLERANCE would let through
+EXACT_WORLD = 2 if DEVICE == "cpu" else None
 LAUNCH_TIMEOUT_S = 420
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -179,6 +183,7 @@ def test_cell_matches_ddp(launches, idiom, mode, world):
                     d, key = max_rel_diff(cell[what], hook[what])
                     assert d <= TOLERANCE, f"rank {rank}: {what} differs from hook mode's: {d:.3g} at {key!r}"
         return
+    limit = 0.0 if world == EXACT_WORLD else TOLERANCE
     for rank in range(world):
         cell, meta = load_cell(res, idiom, mode, rank)
         ref, ref_meta = load_cell(res, ref_idiom, "ddp", rank)
@@ -186,12 +191,12 @@ def test_cell_matches_ddp(launches, idiom, mode, world):
         assert not any(meta["errors"]), f"rank {rank}: the cell raised on some rank:\n" + \
             next(e for e in meta["errors"] if e)
         d, key = max_rel_diff(cell["state"], ref["state"])
-        assert d <= TOLERANCE, f"rank {rank}: state_dict differs from DDP: max rel diff {d:.3g} at {key!r}"
+        assert d <= limit, f"rank {rank}: state_dict differs from DDP: max rel diff {d:.3g} at {key!r}"
         if idiom == "checkpoint_resume":  # the resumed run saw only the second half of the steps
             n = len(cell["extras"]["loss"])
             ref = {"extras": {"loss": ref["extras"]["loss"][-n:]}}
         d, key = max_rel_diff(cell["extras"], ref["extras"])
-        assert d <= TOLERANCE, f"rank {rank}: the loop observed different {key!r}: max rel diff {d:.3g}"
+        assert d <= limit, f"rank {rank}: the loop observed different {key!r}: max rel diff {d:.3g}"
 
 
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 120)
