@@ -604,17 +604,15 @@ def _wait(state: ShimState, pend, pieces) -> list[bool]:
     return done
 
 
-def _average_into_grads(state: ShimState) -> bool:
-    """Overlap mode, a read of the gradients between backward() and step(): wait for this iteration's all-reduces
-    and write the averages into ``.grad`` (where it still holds what DDP wrote at backward, as marked), so that the
-    loop reads what DDP's reads; the iteration's pending steps are dropped and ``step()`` takes the optimizer's own
-    step on ``.grad`` (``Deferred.step_synced``), so a change the loop makes next (clipping) acts as under DDP.
-    Returns whether anything was pending."""
+def _write_averages(state: ShimState, pends: list) -> bool:
+    """Wait for the all-reduces of the unstamped ``pends`` and write each average into ``.grad`` where it still holds
+    what DDP wrote at the last synchronized backward (as marked); their pending steps are dropped. Returns whether
+    any parameter was still pending."""
     d = state.deferred
     marked = {id(p): (g, version) for p, g, version in d.marks}
     live = False
     with d.watch.paused():
-        for pend in d.unstamped:
+        for pend in pends:
             mine = [(p, o) for p, o, _n, _c in pend.params if d.pending.get(id(p)) is pend]
             if not mine:  # (a backward's buckets that a later backward all-reduced again)
                 continue
@@ -626,9 +624,40 @@ def _average_into_grads(state: ShimState) -> bool:
                     g.copy_(_grad_view(pend.buffer, p, o))
                 pend.applied.add(id(p))
                 d.pending.pop(id(p), None)
+    return live
+
+
+def _average_into_grads(state: ShimState) -> bool:
+    """Overlap mode, a read of the gradients between backward() and step(): wait for this iteration's all-reduces
+    and write the averages into ``.grad`` (``_write_averages``), so that the loop reads what DDP's reads; ``step()``
+    then takes the optimizer's own step on ``.grad`` (``Deferred.step_synced``), so a change the loop makes next
+    (clipping) acts as under DDP. Returns whether anything was pending."""
+    d = state.deferred
+    live = _write_averages(state, d.unstamped)
     d.unstamped = []
     d.synced = d.synced or live
     return live
+
+
+def _average_unstepped(state: ShimState) -> None:
+    """Overlap mode, the first gradient of a backward that follows a synchronized backward no ``step()`` followed
+    (accumulation without ``no_sync``, a step skipped with the gradients kept): under DDP ``.grad`` holds the
+    average by now and the new gradient adds to it, so write the averages first (``_write_averages``), before any
+    gradient of this backward accumulates. ``step()`` then takes the optimizer's own step if this backward is not
+    synchronized (``no_sync``); a synchronized one all-reduces the sum and defers its step as usual."""
+    d = state.deferred
+    stale = [pend for pend in d.previous if any(pend is q for q in d.unstamped)]
+    d.previous = []
+    if state.mode != "overlap" or not stale:
+        return
+    for pend in stale:
+        for p, *_ in pend.params:
+            if d.pending.get(id(p)) is pend:
+                ov.check_unstepped(pend, p)
+    d.unstamped = [q for q in d.unstamped if not any(q is pend for pend in stale)]
+    if _write_averages(state, stale):
+        d.synced = True
+        d.watch.unwatch()  # .grad holds DDP's averages now
 
 
 class Handle:
@@ -727,10 +756,16 @@ class Handle:
                 setattr(self.optimizer, name, own)
 
     def _grad_seen(self, p):
-        key, seen = id(p), self.state.deferred.got_grad
+        """A hook on ``p``'s gradient, before it accumulates: notes it, and at a backward that follows one no
+        ``step()`` did, first makes ``.grad`` DDP's average (``_average_unstepped``)."""
+        key, state = id(p), self.state
+        d = state.deferred
+        seen = d.got_grad
 
         def hook(_grad):
             seen.add(key)
+            if d.previous:
+                _average_unstepped(state)
         return hook
 
     def _flush_hook(self, *_args, **_kwargs) -> None:

@@ -25,8 +25,11 @@ What overlap mode cannot reproduce, and how it is caught:
   functionally by another): parameters seen so in the probe are applied at the start of every forward; one that
   is caught so later raises.
 - ``step()`` without a synchronized ``backward()`` since the previous one (a step after ``no_sync`` only, or two
-  steps on one gradient) raises; a ``backward()`` with no ``step()`` afterwards keeps DDP's semantics (the
-  gradient accumulates and is all-reduced with the next one).
+  steps on one gradient) raises. A ``backward()`` with no ``step()`` afterwards (accumulation without ``no_sync``, a
+  step skipped with the gradients kept) keeps DDP's semantics: at the first gradient of the next backward the
+  shim waits for its all-reduces and writes the averages into ``.grad``, to which the new gradient then adds, as
+  under DDP (before 2026-12 ``.grad`` kept this rank's own gradient there, and the sum was all-reduced again:
+  equal up to float rounding only).
 - parameters that DDP all-reduces but the attached optimizer does not hold (a second optimizer, or code that
   updates them itself), and step hooks on the optimizer (``register_step_pre_hook``/``post_hook``, or global
   ones): in overlap mode ``.grad`` holds this rank's own gradient until the deferred step, and that step is taken
@@ -200,13 +203,15 @@ class Deferred:
         self.watch = GradWatch(self.note_read)  # the loop's reads of the gradients after backward (Handle sets it)
         self.synced = False  # a read made this iteration's .grad DDP's average before step(): step() takes it now
         self.averaged_on_read = 0  # iterations in which a read after the probe waited for the averages
+        self.previous: list = []  # Pendings of the last synchronized backward, until step() (a later backward
+        # that finds them still unstamped writes their averages into .grad first: ddp._average_unstepped)
 
     # -- the user's optimizer.step() ----------------------------------------------------------------------
     def release(self) -> None:
         """Once closed: drop the pending steps, the parameters and the guard (whose ``on_use`` is the handle, which
         holds the model); the counters stay for ``stats()``. Not the optimizer's own step, which a wrapper of the
         shim's ``step`` made by someone else still calls."""
-        self.pending, self.unstamped, self.marks, self.holders = {}, [], [], {}
+        self.pending, self.unstamped, self.marks, self.holders, self.previous = {}, [], [], {}, []
         self.guard = self.norms = self.on_state_use = self.stamped_state = None  # (on_state_use: the handle)
         self.watch.unwatch()
         self.watch.on_read = self.note_read  # (the handle's)
@@ -241,6 +246,7 @@ class Deferred:
             pend.skip = {id(p) for p, *_ in pend.params if p.grad is None}  # DDP left no gradient (unused)
             pend.grads = {id(p): (p.grad, p.grad._version) for p, *_ in pend.params if p.grad is not None}
         self.unstamped = []
+        self.previous = []
         self.marks = []
         self.steps += 1
         self.stamped_state = self.watch_state()
@@ -342,6 +348,7 @@ class Deferred:
         while probing, note early-used parameters."""
         self.marks = [(p, p.grad, p.grad._version if p.grad is not None else -1) for p in params]
         self.synced = False
+        self.previous = [] if probing else list(self.unstamped)
         self.watch.unwatch()  # (a gradient tensor of the last iteration freed since, whose id may come back)
         self.watch.watch([g for p, g, _v in self.marks if id(p) in self.bucketed])  # (the others are per rank)
         if probing:

@@ -76,6 +76,7 @@ class Ctx:
     def __init__(self, mode: str, rank: int, world: int, device: torch.device, steps: int, args):
         self.mode, self.rank, self.world, self.device, self.steps, self.args = mode, rank, world, device, steps, args
         self.handle = None
+        self.others: list = []  # handles of further DDP models (attach_other), closed by run_cell
         self.model = None
         self.extras: dict[str, list[float]] = {}
 
@@ -92,6 +93,13 @@ class Ctx:
         self.handle = shim.attach(model, optimizer=optimizer if self.mode == "overlap" else None,
                                   levels=self.args.levels, agent_socket=self.args.agent_socket,
                                   link_bps=self.args.link_bps)
+
+    def attach_other(self, model: DDP, optimizer) -> None:
+        """``attach`` for a second DDP model of the same loop (a GAN's generator), in the same mode."""
+        if self.mode != "ddp":
+            self.others.append(shim.attach(model, optimizer=optimizer if self.mode == "overlap" else None,
+                                           levels=self.args.levels, agent_socket=self.args.agent_socket,
+                                           link_bps=self.args.link_bps))
 
     # -- data: the same on every mode, different per rank and step ---------------------------------------------
     def gen(self, step: int, micro: int = 0) -> torch.Generator:
@@ -1245,6 +1253,115 @@ def _grad_scaler_after_warmup(ctx: Ctx):
         ctx.record("skipped", float(scaler.get_scale() < scale))
 
 
+# -- review 4 (a researcher's loops, continued): a backward that no step() follows, two DDP models, and more ----------
+@idiom("accumulate_without_no_sync")
+def _accumulate_without_no_sync(ctx: Ctx):
+    """Gradient accumulation without ``no_sync()``: two micro-batches, each backward synchronized, one step (under
+    DDP ``.grad`` holds the first average when the second backward adds to it)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        for micro in range(2):
+            x, y = ctx.images(step, micro)
+            loss = F.cross_entropy(model(x), y) / 2
+            loss.backward()
+            ctx.record("loss", loss.item())
+        opt.step()
+        opt.zero_grad()
+
+
+@idiom("skip_step_keep_grads")
+def _skip_step_keep_grads(ctx: Ctx):
+    """The step skipped when the loss (all-reduced: the same decision on every rank) is over the mean of the earlier
+    ones, zero_grad() only after a step taken (the skipped gradients add to the next); ReduceLROnPlateau fed the
+    all-reduced loss."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.0)
+    ctx.attach(model, opt)
+    seen = []
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        mean = float(mean) / ctx.world
+        skip = bool(seen) and mean > sum(seen) / len(seen)
+        seen.append(mean)
+        if not skip:
+            opt.step()
+            opt.zero_grad()
+        sched.step(mean)
+        ctx.record("loss", mean)
+        ctx.record("skipped", float(skip))
+        ctx.record("lr", opt.param_groups[0]["lr"])
+
+
+@idiom("no_sync_skipped_step")
+def _no_sync_skipped_step(ctx: Ctx):
+    """Accumulation with ``no_sync()`` (two micro-batches, the first under it) whose step is skipped at iteration 3
+    with the gradients kept, so the next iteration's micro-batches add to that synchronized average."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        for micro in range(2):
+            x, y = ctx.images(step, micro)
+            with model.no_sync() if micro == 0 else contextlib.nullcontext():
+                loss = F.cross_entropy(model(x), y) / 2
+                loss.backward()
+            ctx.record("loss", loss.item())
+        if step != WARMUP:
+            opt.step()
+            opt.zero_grad()
+
+
+class Generator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(99)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+
+    def forward(self, z):
+        return self.net(z)
+
+
+def discriminator() -> nn.Module:
+    torch.manual_seed(98)
+    return nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+
+
+@idiom("gan_two_models")
+def _gan_two_models(ctx: Ctx):
+    """A GAN: generator and discriminator each a DDP model with its own optimizer, each attached; zero_grad() right
+    after each step, so the discriminator's gradients from the generator's backward add to its next backward (DCGAN
+    with zero_grad placed so). The generator's parameters are compared too."""
+    gen = DDP(Generator().to(ctx.device), bucket_cap_mb=ctx.args.bucket_cap_mb)
+    disc = ctx.ddp(discriminator())
+    opt_g = torch.optim.Adam(gen.parameters(), lr=2e-3, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(disc.parameters(), lr=2e-3, betas=(0.5, 0.999))
+    ctx.attach(disc, opt_d)
+    ctx.attach_other(gen, opt_g)
+    for step in range(ctx.steps):
+        g = ctx.gen(step)
+        real, z = (torch.randn(16, 16, generator=g) + 1.0).to(ctx.device), torch.randn(16, 8, generator=g)
+        fake = gen(z.to(ctx.device))
+        loss_d = F.softplus(-disc(real)).mean() + F.softplus(disc(fake.detach())).mean()
+        loss_d.backward()
+        opt_d.step()
+        opt_d.zero_grad()
+        loss_g = F.softplus(-disc(fake)).mean()
+        loss_g.backward()
+        opt_g.step()
+        opt_g.zero_grad()
+        ctx.record("loss_d", loss_d.item())
+        ctx.record("loss_g", loss_g.item())
+    for p in gen.module.parameters():  # (a forward-free read: the guard applies the generator's last step first)
+        ctx.record("generator", p)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
@@ -1262,8 +1379,9 @@ def run_cell(name: str, mode: str, args, rank: int, world: int, device: torch.de
             stats = ctx.handle.stats()
         except Exception:  # noqa: BLE001
             stats = {"stats_error": traceback.format_exc()}
+    for handle in [h for h in (ctx.handle, *ctx.others) if h is not None]:
         try:
-            ctx.handle.close()
+            handle.close()
         except Exception:  # noqa: BLE001
             error = (error or "") + "handle.close() raised:\n" + traceback.format_exc()
     seconds = time.perf_counter() - t0
@@ -1275,8 +1393,8 @@ def run_cell(name: str, mode: str, args, rank: int, world: int, device: torch.de
             error = (error or "") + "state_dict() raised:\n" + traceback.format_exc()
     errors: list = [None] * world
     dist.all_gather_object(errors, error)  # every rank knows whether the cell failed somewhere
-    if ctx.handle is not None and not args.keep_groups:  # each attach made `levels` groups: free them
-        for group in getattr(getattr(ctx.handle, "state", None), "groups", None) or []:
+    for handle in [h for h in (ctx.handle, *ctx.others) if h is not None and not args.keep_groups]:
+        for group in getattr(getattr(handle, "state", None), "groups", None) or []:  # each attach made `levels`
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(group)
     base = os.path.join(args.out, f"{name}-{mode}-{rank}")
