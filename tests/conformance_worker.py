@@ -1362,6 +1362,77 @@ def _gan_two_models(ctx: Ctx):
         ctx.record("generator", p)
 
 
+@idiom("freeze_midrun")
+def _freeze_midrun(ctx: Ctx):
+    """The first conv frozen halfway through (``requires_grad_(False)``; DDP built with find_unused_parameters=True,
+    which such a loop needs); the optimizer keeps it (its grad is None from then on)."""
+    model = ctx.ddp(convnet(), find_unused_parameters=True)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+
+    def freeze(step):
+        if step == ctx.steps // 2:
+            model.module[0].requires_grad_(False)
+    plain_loop(ctx, model, opt, before_forward=freeze)
+
+
+@idiom("eval_before_step")
+def _eval_before_step(ctx: Ctx):
+    """Validation between backward() and step() every other iteration (model.eval(), torch.no_grad(), BatchNorm);
+    the eval outputs are compared too."""
+    model = ctx.ddp(convnet(batchnorm=True))
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    x_eval = ctx.images(10_000)[0]
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if step % 2 == 1:
+            model.eval()
+            with torch.no_grad():
+                ctx.record("eval_out", model(x_eval))
+            model.train()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
+@idiom("sampler_last_batch")
+def _sampler_last_batch(ctx: Ctx):
+    """A DataLoader over a DistributedSampler, ``set_epoch`` every epoch, drop_last=False: the last batch of each
+    epoch is smaller (2 epochs)."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    g = torch.Generator().manual_seed(5)
+    data = TensorDataset(torch.randn(44, 3, 8, 8, generator=g), torch.randint(0, 10, (44,), generator=g))
+    sampler = DistributedSampler(data, num_replicas=ctx.world, rank=ctx.rank, shuffle=True, seed=3)
+    loader = DataLoader(data, batch_size=8, sampler=sampler, drop_last=False)
+    model = ctx.ddp(convnet())
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ctx.record("loss", loss.item())
+            ctx.record("batch", len(x))
+
+
+@idiom("parameter_hooks")
+def _parameter_hooks(ctx: Ctx):
+    """Hooks of the user's on parameters: a gradient hook halving the first conv's gradient (``register_hook``) and a
+    post-accumulate-grad hook logging a norm (this rank's gradient, before DDP averages it); the norms compared."""
+    model = ctx.ddp(convnet())
+    model.module[0].weight.register_hook(lambda grad: grad * 0.5)
+    model.module[5].weight.register_post_accumulate_grad_hook(lambda p: ctx.record("norm", p.grad.norm().item()))
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

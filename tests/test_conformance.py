@@ -227,6 +227,7 @@ def test_references_exercise_the_idioms(launches, world):
                  "skip_step_keep_grads"):
         skipped = extras[name]["skipped"]
         assert 1 <= int(skipped.sum()) < len(skipped), (name, skipped)
+    assert extras["sampler_last_batch"]["batch"].min() < extras["sampler_last_batch"]["batch"].max()  # a short one
     for name in MAIN:
         if name.endswith(("_before", "_after")):
             assert len(set(extras[name]["lr"].tolist())) >= 3, (name, extras[name]["lr"])
