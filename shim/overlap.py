@@ -18,9 +18,10 @@ What overlap mode cannot reproduce, and how it is caught:
   mode for the rest of the run (one warning; ``stats()["mode_reason"]``). The probe also compares each
   gradient's norm (``GradScaler`` unscales in place without moving the version counter) and notices a step
   taken through ``GradScaler.step``. A change that first appears later and reads the gradients first (clipping,
-  ``.grad.mul_``, ``unscale_``) is exact (the :class:`GradWatch` below); one that does not read them (``zero_``,
-  ``.grad = None``, a second backward) raises at that ``step()``, before the update it concerns is applied (seen by
-  version, identity, or a ``GradScaler`` caller).
+  ``.grad.mul_``, ``unscale_``) is exact (the :class:`GradWatch` below), and so is a second backward (its first
+  gradient makes ``.grad`` DDP's average first, below); one that does not read them (``zero_``, ``.grad = None``)
+  raises at that ``step()``, before the update it concerns is applied (seen by version, identity, or a
+  ``GradScaler`` caller).
 - a parameter used in a forward pass before its module's forward pre-hook ran (a parameter of one module used
   functionally by another): parameters seen so in the probe are applied at the start of every forward; one that
   is caught so later raises.

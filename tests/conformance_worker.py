@@ -1318,6 +1318,27 @@ def _no_sync_skipped_step(ctx: Ctx):
             opt.zero_grad()
 
 
+@idiom("second_backward_late")
+def _second_backward_late(ctx: Ctx):
+    """From iteration 3 on, two losses on one forward backpropagated separately (the first with retain_graph=True:
+    DDP synchronizes only it), the total gradient norm logged before step() on odd iterations."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        loss.backward(retain_graph=step >= WARMUP)
+        if step >= WARMUP:
+            (0.1 * out.pow(2).mean()).backward()
+            if step % 2:
+                ctx.record("grad_norm", total_grad_norm(model))
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
 class Generator(nn.Module):
     def __init__(self):
         super().__init__()
