@@ -29,7 +29,7 @@ What overlap mode cannot reproduce, and how it is caught:
   steps on one gradient) raises. A ``backward()`` with no ``step()`` afterwards (accumulation without ``no_sync``, a
   step skipped with the gradients kept) keeps DDP's semantics: at the first gradient of the next backward the
   shim waits for its all-reduces and writes the averages into ``.grad``, to which the new gradient then adds, as
-  under DDP (before 2026-12 ``.grad`` kept this rank's own gradient there, and the sum was all-reduced again:
+  under DDP (before 2026-11-27 ``.grad`` kept this rank's own gradient there, and the sum was all-reduced again:
   equal up to float rounding only).
 - parameters that DDP all-reduces but the attached optimizer does not hold (a second optimizer, or code that
   updates them itself), and step hooks on the optimizer (``register_step_pre_hook``/``post_hook``, or global

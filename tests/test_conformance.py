@@ -43,7 +43,7 @@ MAIN = list(worker.MAIN_IDIOMS)
 SHIM_MODES = ("hook", "overlap")
 DEVICE = os.environ.get("TENSORLANE_CONFORMANCE_DEVICE", "cpu")
 # At 2 ranks gloo sums every element in one order, the shim's pieces as DDP's whole buckets, so on CPU every cell must
-# equal DDP bit for bit: a difference of rounding there is a different computation (until 2026-12 accumulation
+# equal DDP bit for bit: a difference of rounding there is a different computation (until 2026-11-27 accumulation
 # without no_sync all-reduced the sum of the gradients instead of adding to DDP's average: 2e-7 on the losses,
 # which TOLERANCE let through)
 EXACT_WORLD = 2 if DEVICE == "cpu" else None
