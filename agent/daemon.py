@@ -51,7 +51,7 @@ class Takeover:
     adopted: bool
 
     def device(self) -> Device:
-        return Device(self.link.name, self.link.index, self.backend, self.serves)
+        return Device(self.link.name, self.link.index, self.backend, self.serves, self.link.kind)
 
 
 def state_path(cfg: Config, device: str) -> Path:

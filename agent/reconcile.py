@@ -44,6 +44,7 @@ class Device:
     index: int
     backend: object
     serves: str = ""
+    kind: str = ""  # IFLA_INFO_KIND ("" for a NIC): a veth's driver speed is a placeholder (detect)
 
 
 class Reconciler:

@@ -29,7 +29,7 @@ def link_rate_bps(api, device) -> int | None:
         return int(rate)
     from tensorlane.agent.kernel import detect
 
-    return detect.interface_speed_bps(device.name)
+    return detect.interface_speed_bps(device.name, device.kind)
 
 
 def class_label(spec) -> str:
