@@ -107,10 +107,13 @@ def test_lightning_ddp_strategy_with_shim_hook(tmp_path):
         plain, plain_rec = load(tmp_path, "plain", rank)
         assert plain_rec["global_step"] == 6 and plain_rec["world_size"] == 2, plain_rec
         assert plain_rec["initial_changed"]  # it trained
+        assert min(plain_rec["grad_norms"]) > 0.05, plain_rec["grad_norms"]  # gradient_clip_val clipped every step
+        assert len(set(plain_rec["lrs"])) == 3, plain_rec["lrs"]  # the step-interval scheduler ran
         for variant in variants:
             got, rec = load(tmp_path, variant, rank)
             assert rec["global_step"] == 6, rec
-            assert rel_diff(got, plain) <= 1e-5, variant
+            assert (rec["grad_norms"], rec["lrs"]) == (plain_rec["grad_norms"], plain_rec["lrs"]), variant
+            assert rel_diff(got, plain) == 0.0, variant  # bit for bit
             check_shim_record(tb, rank, rec, f"{job}-{variant}")
             assert rec["stats"]["mode"] == "hook"  # Lightning steps with a closure: hook mode only
     for variant in variants:
@@ -118,7 +121,7 @@ def test_lightning_ddp_strategy_with_shim_hook(tmp_path):
 
 
 # variant -> the mode the shim must end in (overlap requested every time: shim.attach(model, optimizer))
-ACCELERATE_MODES = {"basic": "overlap", "clip": "hook", "accum": "overlap"}
+ACCELERATE_MODES = {"basic": "overlap", "clip": "hook", "accum": "overlap", "accum_manual": "overlap"}
 
 
 def test_accelerate_prepare_then_attach(tmp_path):
@@ -136,14 +139,16 @@ def test_accelerate_prepare_then_attach(tmp_path):
             got, rec = load(tmp_path, f"shim-{kind}", rank)
             assert plain_rec["distributed_type"] == "MULTI_CPU" and plain_rec["num_processes"] == 2, plain_rec
             assert plain_rec["ddp"] == "DistributedDataParallel" and plain_rec["backend"] == "gloo", plain_rec
-            assert plain_rec["steps"] == rec["steps"] == (3 if kind == "accum" else 6), (plain_rec, rec)
+            assert plain_rec["steps"] == rec["steps"] == (3 if kind.startswith("accum") else 6), (plain_rec, rec)
             assert plain_rec["initial_changed"]  # it trained
-            assert rel_diff(got, plain) <= 1e-5, kind
+            assert rel_diff(got, plain) == 0.0, kind  # bit for bit
             check_shim_record(tb, rank, rec, f"{job}-{kind}")
             stats = rec["stats"]
             assert stats["mode"] == mode, (kind, stats["mode"], stats.get("mode_reason"))
             if mode == "hook":
                 assert "clip" in stats["mode_reason"], stats["mode_reason"]
+            if mode == "overlap":  # accum_manual: the forwards after the first micro-batch of the 2 overlapped steps
+                assert stats["overlap"]["averaged_on_forward"] == (2 if kind == "accum_manual" else 0), stats
             if kind == "clip":  # clipping was active (the norm of the averaged gradient, the same with the shim)
                 assert min(plain_rec["grad_norms"]) > 0.05, plain_rec["grad_norms"]
                 assert rec["grad_norms"] == pytest.approx(plain_rec["grad_norms"], rel=1e-5)

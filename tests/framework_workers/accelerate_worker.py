@@ -11,9 +11,12 @@ requested):
   to hook mode: clipping acts on the averaged gradient);
 - ``accum``: ``gradient_accumulation_steps=2`` and ``with accelerator.accumulate(model)`` (no_sync on every
   other micro-batch; the optimizer steps only on synchronized ones), and ``opt.zero_grad(set_to_none=True)``
-  (Accelerate reads the signature of the optimizer's ``zero_grad``, which the shim wraps).
+  (Accelerate reads the signature of the optimizer's ``zero_grad``, which the shim wraps);
+- ``accum_manual``: the older Hugging Face ``no_trainer`` scripts' accumulation: every micro-batch's backward
+  synchronized (no ``accumulate``, no ``no_sync``), ``loss / 2``, and every second one ``opt.step()``,
+  ``lr_scheduler.step()`` (a LambdaLR warm-up given to ``prepare``), ``opt.zero_grad()``; AdamW.
 
-    python tests/framework_workers/accelerate_worker.py --out DIR --variants basic,clip,accum --levels 3 \
+    python tests/framework_workers/accelerate_worker.py --out DIR --variants basic,clip,accum,accum_manual --levels 3 \
         --agent-socket /run/tensorlane/fwa-h1/agent.sock --job fw-acc
 """
 from __future__ import annotations
@@ -40,9 +43,15 @@ def train(kind: str, with_shim: bool, args) -> tuple[dict, dict]:
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum)
     net = common.make_model()
     initial = common.params_of(net)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
     loader = torch.utils.data.DataLoader(common.dataset(), batch_size=8, shuffle=False)
-    model, opt, loader = accelerator.prepare(net, opt, loader)
+    sched = None
+    if kind == "accum_manual":
+        opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
+        model, opt, loader, sched = accelerator.prepare(net, opt, loader, sched)
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+        model, opt, loader = accelerator.prepare(net, opt, loader)
     job = f"{args.job}-{kind}"
     record = {"variant": kind, "shim": with_shim, "distributed_type": accelerator.distributed_type.name,
               "num_processes": accelerator.num_processes, "ddp": type(model).__name__, "backend":
@@ -56,6 +65,15 @@ def train(kind: str, with_shim: bool, args) -> tuple[dict, dict]:
     loss_fn = nn.CrossEntropyLoss()
     steps = micro = 0
     for x, y in loader:
+        if kind == "accum_manual":  # every backward synchronized: under DDP each all-reduces last average + own
+            accelerator.backward(loss_fn(model(x), y) / 2)
+            micro += 1
+            if micro % 2 == 0:
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                steps += 1
+            continue
         ctx = accelerator.accumulate(model) if accum > 1 else contextlib.nullcontext()
         with ctx:
             accelerator.backward(loss_fn(model(x), y))
@@ -83,7 +101,7 @@ def train(kind: str, with_shim: bool, args) -> tuple[dict, dict]:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--variants", default="basic,clip,accum")
+    p.add_argument("--variants", default="basic,clip,accum,accum_manual")
     p.add_argument("--levels", type=int, default=3)
     p.add_argument("--agent-socket", default=None)
     p.add_argument("--job", default="fw-acc")

@@ -2,7 +2,10 @@
 
 Launched by hand in each testbed host namespace (no torchrun): LOCAL_RANK=0 tells Lightning the processes
 are created externally; NODE_RANK, MASTER_ADDR and MASTER_PORT do the rest. Trains the same model with
-``DDPStrategy(process_group_backend="gloo")`` once per variant:
+``DDPStrategy(process_group_backend="gloo")`` once per variant, with what Lightning does between backward and
+the step in the loop: ``gradient_clip_val`` (norm, active on every step), ``configure_optimizers`` returning an
+LR scheduler with ``"interval": "step"``, and ``on_before_optimizer_step`` logging the gradients' norms with
+``lightning.pytorch.utilities.grad_norm`` (recorded: they must be the same with the shim):
 
 - ``plain``: Lightning's own DDP;
 - ``shim``:  ``DDPStrategy(..., ddp_comm_state=shim.comm_state(..., module=model),
@@ -29,9 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (puts the repository on sys.path)
 import lightning.pytorch as L  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from lightning.pytorch.utilities import grad_norm  # noqa: E402
 
 import tensorlane.shim.lightning as shim_lightning  # noqa: E402
 from tensorlane import shim  # noqa: E402
+
+CLIP_NORM = 0.05  # under this model's gradient norm: Lightning clips on every step
 
 
 class Net(L.LightningModule):
@@ -39,13 +45,23 @@ class Net(L.LightningModule):
         super().__init__()
         self.net = common.make_model()
         self.loss = nn.CrossEntropyLoss()
+        self.grad_norms: list[float] = []
+        self.lrs: list[float] = []
 
     def training_step(self, batch, _idx):
         x, y = batch
         return self.loss(self.net(x), y)
 
+    def on_before_optimizer_step(self, optimizer):  # after backward, before Lightning clips
+        norms = grad_norm(self.net, norm_type=2)
+        self.log_dict(norms)
+        self.grad_norms.append(float(norms["grad_2.0_norm_total"]))
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 def train(variant: str, args) -> tuple[dict, dict]:
@@ -65,10 +81,11 @@ def train(variant: str, args) -> tuple[dict, dict]:
     trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=args.nodes, strategy=strategy,
                         max_steps=args.steps, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-                        callbacks=callbacks)
+                        gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm", callbacks=callbacks)
     trainer.fit(model, loader)
     record["global_step"] = trainer.global_step
     record["world_size"] = trainer.world_size
+    record["grad_norms"], record["lrs"] = model.grad_norms, model.lrs
     record["initial_changed"] = any(not torch.equal(initial[k], v) for k, v in common.params_of(model.net).items())
     if state is not None:
         record["hook_registered_by_callback"] = callbacks[0].registered_here
