@@ -1124,7 +1124,8 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
         compiled = isinstance(getattr(model, "_orig_mod", None), torch.nn.parallel.DistributedDataParallel)
         raise TypeError("shim.attach needs a torch.nn.parallel.DistributedDataParallel model" + (
             "; this is a torch.compile'd one: attach the DDP model, then compile it "
-            "(handle = shim.attach(ddp, opt); model = torch.compile(ddp))" if compiled else ""))
+            "(handle = shim.attach(ddp, opt); model = torch.compile(ddp)); with Accelerate, leave dynamo_backend "
+            "unset and compile what prepare() returns after attach" if compiled else ""))
     _check_levels(levels, partition_bytes)
     group = getattr(model, "process_group", None)
     if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):
