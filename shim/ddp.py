@@ -317,6 +317,7 @@ class ShimState:
             out["overlap"] = {"steps_deferred": self.deferred.steps, "flushes": self.deferred.flushes,
                               "flushed_on_use": self.deferred.flushed_on_use,
                               "averaged_on_read": self.deferred.averaged_on_read,
+                              "averaged_unstepped": self.deferred.averaged_unstepped,
                               "early_parameters": len(self.deferred.early)}
         return out
 
@@ -657,6 +658,7 @@ def _average_unstepped(state: ShimState) -> None:
     d.unstamped = [q for q in d.unstamped if not any(q is pend for pend in stale)]
     if _write_averages(state, stale):
         d.synced = True
+        d.averaged_unstepped += 1
         d.watch.unwatch()  # .grad holds DDP's averages now
 
 

@@ -204,6 +204,7 @@ class Deferred:
         self.watch = GradWatch(self.note_read)  # the loop's reads of the gradients after backward (Handle sets it)
         self.synced = False  # a read made this iteration's .grad DDP's average before step(): step() takes it now
         self.averaged_on_read = 0  # iterations in which a read after the probe waited for the averages
+        self.averaged_unstepped = 0  # backward passes that found an unstepped one's averages to write first
         self.previous: list = []  # Pendings of the last synchronized backward, until step() (a later backward
         # that finds them still unstamped writes their averages into .grad first: ddp._average_unstepped)
 

@@ -147,8 +147,8 @@ def test_accelerate_prepare_then_attach(tmp_path):
             assert stats["mode"] == mode, (kind, stats["mode"], stats.get("mode_reason"))
             if mode == "hook":
                 assert "clip" in stats["mode_reason"], stats["mode_reason"]
-            if mode == "overlap":  # accum_manual: the forwards after the first micro-batch of the 2 overlapped steps
-                assert stats["overlap"]["averaged_on_forward"] == (2 if kind == "accum_manual" else 0), stats
+            if mode == "overlap":  # accum_manual: the backwards after the first micro-batch of the 2 overlapped steps
+                assert stats["overlap"]["averaged_unstepped"] == (2 if kind == "accum_manual" else 0), stats
             if kind == "clip":  # clipping was active (the norm of the averaged gradient, the same with the shim)
                 assert min(plain_rec["grad_norms"]) > 0.05, plain_rec["grad_norms"]
                 assert rec["grad_norms"] == pytest.approx(plain_rec["grad_norms"], rel=1e-5)
