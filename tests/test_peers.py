@@ -90,10 +90,12 @@ def _reuse_pid(pid: int, lifetime_s: float) -> int | None:
         with open("/proc/sys/kernel/ns_last_pid", "w") as fh:
             fh.write(str(pid - 1))
         child = os.fork()
-        if child == 0:
-            signal.alarm(int(lifetime_s))
-            os.pause()
-            os._exit(0)
+        if child == 0:  # the child: no pytest machinery from here on
+            try:
+                signal.alarm(int(lifetime_s))
+                signal.pause()
+            finally:
+                os._exit(0)
         if child == pid:
             return child
         os.kill(child, signal.SIGKILL)
