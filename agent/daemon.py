@@ -39,6 +39,11 @@ class StartupError(RuntimeError):
     """The agent cannot start; nothing on the host was changed."""
 
 
+class NotReady(StartupError):
+    """A device cannot be taken over yet (its link is down, so its driver reports no speed): the agent starts
+    without it and retries each pass, as for an interface that appears later (:class:`HeldDevices`)."""
+
+
 @dataclass
 class Takeover:
     """A queue device the agent will manage: its tree's backend, the record of its previous tree, and whether
@@ -240,13 +245,12 @@ def _device_rate(cfg: Config, link: links.Link, serves: str, kind: str) -> int |
                     "in the NIC, below the agent's classes, where priority does not hold; set link_rate to the "
                     "link's real rate", f"{configured:,}", name, f"{speed:,}")
     if kind == "htb" and (configured or speed) is None:
-        if link.kind in detect.PLACEHOLDER_SPEED_KINDS:
-            said = f"its {link.kind} driver's speed is a placeholder"
-        else:
-            state = detect.operstate(name)
-            down = "" if state in ("up", "unknown", "") else \
-                f" (its link is {state}: a driver reports a speed only with a carrier)"
-            said = f"it reports no speed{down}"
+        state = "" if link.kind in detect.PLACEHOLDER_SPEED_KINDS else detect.operstate(name)
+        if state not in ("up", "unknown", ""):
+            raise NotReady(f"{name} reports no speed: its link is {state} (a driver reports a speed only with a "
+                           "carrier); taken over once it is up, or set link_rate for the htb backend")
+        said = f"its {link.kind} driver's speed is a placeholder" if link.kind in detect.PLACEHOLDER_SPEED_KINDS \
+            else "it reports no speed"
         raise ConfigError("link_rate", f"{name}: {said}; set link_rate for the htb backend (one rate, or a table "
                                        f"such as link_rate = {{ {name} = \"25gbit\" }})")
     return configured or speed
@@ -435,13 +439,23 @@ def check_socket_group(cfg: Config) -> None:
 def prepare(cfg: Config, ipr: IPRoute) -> tuple[str, list[links.Egress], list[Takeover]]:
     """All checks, no changes: the backend kind, the managed interfaces and a Takeover per queue device."""
     try:
-        egress = links.resolve(ipr, cfg.interfaces, cfg.training_subnets)
+        egress = links.resolve(ipr, cfg.interfaces, cfg.training_subnets, absent_ok=True)
     except links.LinkError as exc:
         raise ConfigError("interface" if len(cfg.interfaces) == 1 else "interfaces", str(exc)) from None
     kind = _choose_kind(cfg)
     check_socket_group(cfg)
     check_metrics_address(cfg)
-    return kind, egress, [_prepare_device(cfg, ipr, q, eg.name, kind) for eg in egress for q in eg.queues]
+    plan = []
+    for eg in egress:
+        if not eg.index:
+            log.warning("%s: no such interface (yet): the agent starts without it and takes it over when it "
+                        "appears; every pass fails naming it until then", eg.name)
+        for q in eg.queues:
+            try:
+                plan.append(_prepare_device(cfg, ipr, q, eg.name, kind))
+            except NotReady as exc:
+                log.warning("%s; the agent starts without it and retries each pass", exc)
+    return kind, egress, plan
 
 
 def record(cfg: Config, t: Takeover) -> None:
@@ -555,8 +569,8 @@ def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str
 
 def _describe(egress: list[links.Egress]) -> str:
     """``eth0, bond0 (queues on eth2, eth3)``: the managed interfaces for the log."""
-    return ", ".join(eg.name if [q.name for q in eg.queues] == [eg.name] else
-                     f"{eg.name} (queues on {', '.join(q.name for q in eg.queues)})" for eg in egress)
+    return ", ".join(f"{eg.name} (absent)" if not eg.index else eg.name if [q.name for q in eg.queues] == [eg.name]
+                     else f"{eg.name} (queues on {', '.join(q.name for q in eg.queues)})" for eg in egress)
 
 
 def _rates(plan: list[Takeover]) -> str:

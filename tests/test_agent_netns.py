@@ -487,6 +487,32 @@ def test_a_managed_interface_renamed_moved_or_re_created_is_followed(tb):
             host.run(["ip", "link", "del", "tly"], check=False)
 
 
+def test_an_interface_absent_at_start_is_taken_over_when_it_appears(tb):
+    """A configured interface that is not there yet at start (a NIC or bond still coming up at boot) does not stop
+    the agent: it manages the others, says which is absent (``status``, every pass failing by name), and takes the
+    interface over once it appears. Before, the start was refused (exit 2), and systemd or the supervisor had to
+    retry it."""
+    h1 = tb.host(1)
+    extra = {"interfaces": ["eth0", "tlw"], "reconcile_interval_s": 0.3, **TRUST}
+    try:
+        with running_agents(tb, hosts=[1], backend="htb", config_extra=extra) as agents:
+            def state(present: bool):
+                st = agents[1].status()
+                tlw = next(i for i in st["interfaces"] if i["name"] == "tlw")
+                failing = "tlw: no such interface" in st["reconcile"]["failing"]
+                return st if tlw["present"] is present and failing is not present else None
+
+            wait_for("tlw absent, the pass failing by name", lambda: state(False))
+            assert "qdisc htb 7a1: root" in tc_dump(h1, "eth0")  # the interface that is there: managed
+            h1.run(["ip", "link", "add", "tlw", "type", "veth", "peer", "name", "tlwp"])
+            st = wait_for("tlw taken over once it appears", lambda: "qdisc htb 7a1: root" in tc_dump(h1, "tlw")
+                          and state(True))
+            assert [d["device"] for d in st["devices"]] == ["eth0", "tlw"] and st["reconcile"]["failing"] == ""
+        assert "7a1:" not in tc_dump(h1, "tlw")  # given back at stop
+    finally:
+        h1.run(["ip", "link", "del", "tlw"], check=False)
+
+
 def test_a_rule_replaced_in_place_and_a_foreign_filter_are_repaired(tb):
     """A rule of the agent's table replaced by another (the count of rules unchanged) and tc filters attached to the
     agent's qdisc and parent class: the next pass puts the rule back and removes the filters. Before, neither was

@@ -62,6 +62,8 @@ def test_resolve_names_and_refuses_what_cannot_be_managed():
         ("eth0", 2, ["eth0"]), ("bond0", 6, ["eth2", "eth3"])]
     with pytest.raises(LinkError, match="no interface named 'eth9'"):
         resolve(ipr, ("eth0", "eth9"), ())
+    absent = resolve(ipr, ("eth0", "eth9"), (), absent_ok=True)  # the agent's start: followed by name from then on
+    assert [(e.name, e.index, e.queues) for e in absent][1] == ("eth9", 0, ())
     with pytest.raises(LinkError, match="eth2 carries the queues of both bond0 and eth2"):
         resolve(ipr, ("bond0", "eth2"), ())
 

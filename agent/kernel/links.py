@@ -97,18 +97,20 @@ def routed_interfaces(routes, subnets: tuple[str, ...], links: dict[str, Link]) 
     return [by_index[i] for i in sorted(found)]
 
 
-def resolve(ipr, names: tuple[str, ...], subnets: tuple[str, ...]) -> list[Egress]:
+def resolve(ipr, names: tuple[str, ...], subnets: tuple[str, ...], absent_ok: bool = False) -> list[Egress]:
     """The managed interfaces: ``names``, or (when empty) those routed to ``subnets``; each with its queue
-    devices. Raises LinkError naming what is missing."""
+    devices. Raises LinkError naming what is missing; with ``absent_ok`` a named interface that is not here is an
+    Egress of index 0 with no queues (the agent follows it by name: taken over once it appears)."""
     links = read_links(ipr)
     if not names:
         names = tuple(routed_interfaces(ipr.get_routes(), subnets, links))
         if not names:
             raise LinkError(f"no interface has a route to the training subnets {', '.join(subnets)}")
     missing = [n for n in names if n not in links]
-    if missing:
+    if missing and not absent_ok:
         raise LinkError(f"no interface named {missing[0]!r} in this network namespace")
-    out = [Egress(n, links[n].index, queue_links(links[n], links)) for n in names]
+    out = [Egress(n, links[n].index, queue_links(links[n], links)) if n in links else Egress(n, 0, ())
+           for n in names]
     seen: dict[str, str] = {}
     for eg in out:
         for q in eg.queues:
