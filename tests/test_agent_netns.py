@@ -49,7 +49,8 @@ def test_refuses_foreign_root_without_take_over(tb, tmp_path):
     assert tc_dump(h1) == before and "tensorlane" not in nft_tables(h1)
 
 
-@pytest.mark.parametrize("kwargs,field", [({"config_extra": {"interface": "nosuch0"}}, "interface"),
+@pytest.mark.parametrize("kwargs,field", [({"config_extra": {"interfaces": "auto",  # (an absent one is followed)
+                                                            "training_subnets": ["10.99.0.0/16"]}}, "interfaces"),
                                           ({"levels": 7}, "levels"),
                                           ({"config_extra": {"dscp": {"0": 99}}}, "dscp")])
 def test_config_errors_stop_before_the_kernel(tb, kwargs, field, tmp_path):
