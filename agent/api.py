@@ -130,13 +130,14 @@ class Api:
             floor = self.policy.most_urgent_level(peer) if self.jobs.enabled else 0
             uid = peer.uid
             must_own = self.policy.must_own(peer)
-            try:
-                with peer.pinned():  # the pid names the process that connected throughout (not one reusing it)
-                    if must_own or (self.policy.check_ownership and peer.uid != 0):
+            foreign = []
+            if must_own or (self.policy.check_ownership and peer.uid != 0):
+                try:
+                    with peer.pinned():  # the pid names the process that connected throughout (not one reusing it)
                         self._check_netns(peer)  # trusted users too, except root (it can enter any namespace)
-                    foreign = not_owned(peer.pid, req.flows) if must_own else []
-            except ProcessLookupError:
-                raise ProtocolError("not_owner", f"process {peer.pid} is gone") from None
+                        foreign = not_owned(peer.pid, req.flows) if must_own else []
+                except ProcessLookupError:
+                    raise ProtocolError("not_owner", f"process {peer.pid} is gone") from None
             if foreign:
                 raise ProtocolError("not_owner", f"flow {foreign[0]} is not a socket of process {peer.pid} "
                                     "in this agent's network namespace"

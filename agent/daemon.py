@@ -16,11 +16,13 @@ import logging
 import os
 import signal
 import socket
+import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
 
 from tensorlane.agent.api import Api
 from tensorlane.agent.config import Config, ConfigError
@@ -171,40 +173,47 @@ NETNS_LOCK = "tensorlane-agent"  # the abstract Unix socket an agent holds in it
 
 
 def lock_netns(name: str = NETNS_LOCK) -> socket.socket | None:
-    """Hold the abstract Unix socket ``name`` for this agent's life (the returned socket; the kernel frees it when
-    the process ends, however): abstract names are per network namespace, like the agent's nftables table
-    ``inet tensorlane``. A second agent in the namespace with another ``state_dir`` (one per NIC, or a copy of the
-    service's config) passed the ``state_dir`` lock, and the two replaced each other's table every pass (dropping
-    each other's flow marks) until one exited and deleted the other's. Nothing changed on failure.
+    """Hold the abstract Unix socket ``name`` for this agent's life (the returned socket, listening; the kernel
+    frees it when the process ends, however): abstract names are per network namespace, like the agent's nftables
+    table ``inet tensorlane``. A second agent in the namespace with another ``state_dir`` (one per NIC, or a copy
+    of the service's config) passed the ``state_dir`` lock, and the two replaced each other's table every pass
+    (dropping each other's flow marks) until one exited and deleted the other's. Nothing changed on failure.
 
-    Abstract names have no permissions: any local user may take this one first. An agent runs as root (or as
-    this agent's user); a name held by no such process is a squatter's, and this agent starts without the lock
-    (one error logged) rather than be kept down by it. Returns None then."""
+    Abstract names have no permissions: any local user may take this one first. So the holder is asked who it is:
+    a connection to it tells the credentials its listener had at ``listen()`` (SO_PEERCRED). Root or this agent's
+    user: an agent, the start is refused. Anyone else, or no listener (a name bound and kept, passed on, or held
+    by a setuid program it was handed to): a squatter, and this agent starts without the lock (one error logged)
+    rather than be kept down by any local user. Returns None then."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.bind("\0" + name)
+        sock.listen(64)
         return sock
     except OSError as exc:
         sock.close()
         error = exc
-    holders = _socket_holders(name)
-    agents = [pid for pid in holders if _uid_of(pid) in (0, os.geteuid())]
-    if agents or not holders:  # (none found: /proc unreadable, or it went meanwhile) refused, as before
-        raise StartupError(f"another tensorlane agent (pid {', '.join(agents) or 'unknown'}) runs in this network "
-                           f"namespace ({error}); one agent manages every interface of a namespace "
-                           "(interfaces = [...]): stop it first")
-    log.error("the abstract socket @%s, which tells agents of this network namespace apart, is held by pid %s of "
-              "another user: not an agent; starting without it (a second agent in this namespace would not be "
-              "refused)", name, ", ".join(holders))
+    holder = _listener(name)
+    if holder is not None and holder[1] in (0, os.geteuid()):
+        raise StartupError(f"another tensorlane agent (pid {holder[0]}) runs in this network namespace ({error}); "
+                           "one agent manages every interface of a namespace (interfaces = [...]): stop it first")
+    who = f"pid {holder[0]} (uid {holder[1]})" if holder else f"pid {', '.join(_socket_holders(name)) or 'unknown'}"
+    log.error("the abstract socket @%s, which tells agents of this network namespace apart, is held by %s, which "
+              "is not an agent: starting without it (a second agent in this namespace would not be refused)",
+              name, who)
     return None
 
 
-def _uid_of(pid: str) -> int | None:
-    """The owner of process ``pid`` (its /proc directory), or None when it is gone."""
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
+def _listener(name: str) -> tuple[int, int] | None:
+    """``(pid, uid)`` the listener on the abstract Unix socket ``name`` had at ``listen()``, or None when none
+    answers at once (not listening, or its queue full)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as probe:
+        try:
+            probe.connect("\0" + name)
+            pid, uid, _gid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                  struct.calcsize("3i")))
+        except OSError:
+            return None
+    return pid, uid
 
 
 def _socket_holders(name: str) -> list[str]:
@@ -375,11 +384,12 @@ class HeldDevices:
         for index, t in list(self.stranded.items()):
             name = stranded_name(t.link.name, index)
             try:
-                if _has_our_root(ipr, index):
+                root = _root_handle(ipr, index)
+                if root in (handle(MAJOR), 0):  # ours, or the kernel's default (a restore that stopped half-way)
                     restore_device(self.cfg, ipr, name, t.snap)
                     log.info("restored %s (index %d), given back earlier", t.link.name, index)
-                else:
-                    state_path(self.cfg, name).unlink(missing_ok=True)  # someone replaced our tree: not ours now
+                else:  # someone else's root there now: not ours to replace
+                    state_path(self.cfg, name).unlink(missing_ok=True)
                 del self.stranded[index]
             except Exception as exc:  # noqa: BLE001 - the record stays for the next agent
                 log.error("restoring %s (index %d) failed again: %s (%s is kept)", t.link.name, index, exc,
@@ -450,6 +460,9 @@ def prepare(cfg: Config, ipr: IPRoute) -> tuple[str, list[links.Egress], list[Ta
         if not eg.index:
             log.warning("%s: no such interface (yet): the agent starts without it and takes it over when it "
                         "appears; every pass fails naming it until then", eg.name)
+        elif not eg.queues:
+            log.warning("%s has no members (yet): the agent takes them over as they join; every pass fails "
+                        "naming it until then", eg.name)
         for q in eg.queues:
             try:
                 plan.append(_prepare_device(cfg, ipr, q, eg.name, kind))
@@ -502,6 +515,7 @@ def _serve(cfg: Config, api: Api, held: HeldDevices, table: FlowTable, notifier:
             problems = held.follow(rec.ipr)
         except Exception as exc:  # noqa: BLE001 - (a netlink error reading the links) the pass goes on
             problems = [f"reading the links: {exc}"]
+        api.jobs.budget = rec.share_budget()  # the devices held may have changed (taken over, given back)
         rec.reconcile(table, problems)
         notifier.watchdog()
 
@@ -530,6 +544,15 @@ def _no_reload(*_) -> None:
     devices stayed taken over), and systemd counts death by SIGHUP as a clean exit, so it did not restart it."""
     log.warning("SIGHUP: the agent does not reload its configuration and keeps running with the one it started "
                 "with; restart it to apply a change (docs/deploy.md#what-running-jobs-see)")
+
+
+def _root_handle(ipr: IPRoute, index: int) -> int | None:
+    """The handle of the device's root qdisc (0: the kernel's default), or None when the device is gone."""
+    try:
+        qdiscs = ipr.get_qdiscs(index=index)
+    except NetlinkError:
+        return None
+    return next((q["handle"] for q in qdiscs if q["parent"] == snapshot.TC_H_ROOT), 0)
 
 
 def _has_our_root(ipr: IPRoute, index: int) -> bool:
@@ -598,11 +621,14 @@ def _run(cfg: Config) -> int:
     with IPRoute() as ipr:
         kind, egress, plan = prepare(cfg, ipr)
         table = FlowTable(cfg.levels, cfg.max_flows)
+        layout = plan[0].backend if plan else make_backend(  # the class layout (no device here yet: any rate)
+            kind, cfg.levels, 10**9, cfg.queue_limit_packets, cfg.min_share, cfg.min_rate_bps)
         rec = Reconciler([t.device() for t in plan], cfg.dscp, {eg.name: eg.index for eg in egress}, ipr,
-                         ack_level=0 if cfg.ack_priority else None)
+                         ack_level=0 if cfg.ack_priority else None, layout=layout)
         restore_orphans(cfg, ipr, plan)
         held = HeldDevices(cfg, kind, [eg.name for eg in egress], rec)
         touched = held.takeovers  # every device taken over, at start-up or later, is restored on the way out
+        installed = False  # the nftables table made (or a killed agent's adopted): deleted on the way out
         stop = _stop_on_signals()
         try:
             for t in plan:
@@ -613,6 +639,7 @@ def _run(cfg: Config) -> int:
                                        "nothing was changed on it") from None
                 touched.append(t)
                 take_over(cfg, ipr, t)
+            installed = True
             rec.inherit(rec.install())  # a killed agent's marks stay while its jobs register again
             rec.reconcile(table)
             log.info("managing %s with the %s backend: %d levels, DSCP %s%s", _describe(egress), kind, cfg.levels,
@@ -623,8 +650,8 @@ def _run(cfg: Config) -> int:
                 start_metrics_server(cfg.metrics_address, api)
             _serve(cfg, api, held, table, Notifier(), _describe(egress), stop)
         finally:
-            if touched:  # else nothing was changed: a killed agent's table (its flows' marks) stays, as its trees do
-                rec.teardown()
+            if installed or touched:  # else nothing was changed: a killed agent's table (its flows' marks) stays
+                rec.teardown()  # (touched: devices held now; a device that left since is no longer in it)
             restored = []
             for t in reversed(list(touched)):
                 try:  # one device that cannot be restored does not keep the others taken over

@@ -45,14 +45,14 @@ class Peer:
         """Names of the peer's groups: primary and supplementary, as the kernel recorded them at connect() (from
         /proc where it cannot tell, while the process is alive)."""
         gids = {self.gid, *(self.gids or ())}
-        if self.gids is None:
+        if self.gids is None:  # (more than 256 groups, or no SO_PEERGROUPS): read while the peer is pinned
             try:
-                with open(f"/proc/{self.pid}/status") as fh:
+                with self.pinned(), open(f"/proc/{self.pid}/status") as fh:
                     for line in fh:
                         if line.startswith("Groups:"):
                             gids.update(int(g) for g in line.split()[1:])
-            except OSError:
-                pass
+            except (OSError, ProcessLookupError):  # gone: its primary group only
+                gids = {self.gid}
         names = set()
         for g in gids:
             try:
@@ -71,8 +71,8 @@ class Peer:
         if self.sock is not None:
             try:
                 fd = self.sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-            except OSError as exc:
-                if exc.errno == errno.ESRCH:
+            except OSError as exc:  # ESRCH, or EINVAL (kernels 6.5-6.15): the peer has exited
+                if exc.errno in (errno.ESRCH, errno.EINVAL):
                     raise ProcessLookupError(self.pid) from None
         try:
             yield
@@ -85,15 +85,14 @@ class Peer:
 
 
 def peer_groups(conn: socket.socket) -> tuple[int, ...] | None:
-    """The peer's supplementary groups at connect() (SO_PEERGROUPS), or None where the kernel cannot tell."""
-    size = 4 * 64
-    for _ in range(2):
+    """The peer's supplementary groups at connect() (SO_PEERGROUPS), or None where the kernel cannot tell or they
+    are more than 256 (Python's getsockopt takes at most 1024 bytes: ``Peer.groups`` then reads /proc, pinned)."""
+    for size in (4 * 64, 1024):
         try:
             raw = conn.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size)
         except OSError as exc:
             if exc.errno != errno.ERANGE:
                 return None
-            size = 4 * 65536  # NGROUPS_MAX
             continue
         return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
     return None

@@ -51,11 +51,12 @@ class Reconciler:
     """Owns the kernel objects of the managed interfaces: a queue tree per device, one nftables table."""
 
     def __init__(self, devices: list[Device], dscp: tuple[int, ...], interfaces: dict[str, int], ipr, nft=None,
-                 ack_level: int | None = 0):
+                 ack_level: int | None = 0, layout=None):
         """``devices`` carry the queues of ``interfaces`` (name -> index: what is matched as output interface);
-        pure ACKs of less urgent levels go to ``ack_level``'s class (None: each flow's ACKs at its own level)."""
+        pure ACKs of less urgent levels go to ``ack_level``'s class (None: each flow's ACKs at its own level);
+        ``layout``: a backend of the class layout, where no device is held yet (default: the first device's)."""
         self.devices = list(devices)
-        self.backend = self.devices[0].backend  # the class layout, the same on every device
+        self.backend = layout or self.devices[0].backend  # the class layout, the same on every device
         self.dscp = dscp
         self.ack_level = ack_level
         self.interfaces = dict(interfaces)
@@ -101,7 +102,7 @@ class Reconciler:
     def share_budget(self) -> float:
         """The share of the link the job parts may take in all on every device (``HtbBackend.share_budget``; 1.0
         for a backend without guarantees)."""
-        return min((dev.backend.share_budget() for dev in self.devices), default=1.0)
+        return min((dev.backend.share_budget() for dev in self.devices), default=self.backend.share_budget())
 
     def link_bps(self) -> int | None:
         """The slowest managed device's link rate in bits/s (None where no backend knows one)."""

@@ -112,6 +112,7 @@ def test_a_squatter_on_the_namespace_lock_does_not_keep_the_agent_down(caplog):
             os.setuid(65534)
             held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             held.bind("\0" + name)
+            held.listen(1)  # (an agent listens: the squatter's credentials are then the kernel's answer)
             os.write(w, b"1")
             signal.alarm(30)  # killed by the parent long before
             signal.pause()
@@ -122,7 +123,7 @@ def test_a_squatter_on_the_namespace_lock_does_not_keep_the_agent_down(caplog):
         assert os.read(r, 1) == b"1"
         with caplog.at_level(logging.ERROR, logger="tensorlane.agent"):
             assert daemon.lock_netns(name) is None
-        assert f"held by pid {pid} of another user: not an agent" in caplog.text
+        assert f"held by pid {pid} (uid 65534), which is not an agent" in caplog.text
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)

@@ -64,6 +64,7 @@ def test_resolve_names_and_refuses_what_cannot_be_managed():
         resolve(ipr, ("eth0", "eth9"), ())
     absent = resolve(ipr, ("eth0", "eth9"), (), absent_ok=True)  # the agent's start: followed by name from then on
     assert [(e.name, e.index, e.queues) for e in absent][1] == ("eth9", 0, ())
+    assert [(e.name, e.index, e.queues) for e in resolve(ipr, ("bond1",), (), absent_ok=True)] == [("bond1", 8, ())]
     with pytest.raises(LinkError, match="eth2 carries the queues of both bond0 and eth2"):
         resolve(ipr, ("bond0", "eth2"), ())
 
@@ -181,7 +182,8 @@ def test_a_device_whose_give_back_failed_keeps_its_record_where_no_new_device_ov
     monkeypatch.setattr(daemon, "take_over", lambda cfg, ipr, t: calls.append(("take", t.link.index)))
     monkeypatch.setattr(snapshot, "restore", restore)
     monkeypatch.setattr(HtbBackend, "owns", lambda self, ipr, index: True)
-    monkeypatch.setattr(daemon, "_has_our_root", lambda ipr, index: True)
+    roots = {2: 0x7A10000}  # the device's root qdisc handle: the agent's
+    monkeypatch.setattr(daemon, "_root_handle", lambda ipr, index: roots.get(index))
     cfg = Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(tmp_path))
     first = [link_msg(1, "lo"), link_msg(2, "eth0")]
     start = prepare(cfg, None, read_links(FakeIPRoute(first))["eth0"], "eth0", "htb")
@@ -204,6 +206,7 @@ def test_a_device_whose_give_back_failed_keeps_its_record_where_no_new_device_ov
     calls.clear()
     assert held.follow(FakeIPRoute(swapped)) == [] and list(held.stranded) == [2]  # fails again
     failing[0] = False
+    roots[2] = 0  # the failed restore stopped half-way: the kernel's default root, the record the only original
     held.restore_stranded(FakeIPRoute(swapped))  # on exit
     assert calls == [("restore", 2), ("take", 9), ("restore", 2)] and held.stranded == {}
     assert recorded() == {"agent-eth0.json": 9}

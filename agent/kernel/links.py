@@ -97,10 +97,22 @@ def routed_interfaces(routes, subnets: tuple[str, ...], links: dict[str, Link]) 
     return [by_index[i] for i in sorted(found)]
 
 
+def _queues(link: Link, links: dict[str, Link], absent_ok: bool) -> tuple[Link, ...]:
+    """``queue_links``; with ``absent_ok`` a bond with no members yet has none (followed: its members are taken
+    over as they join)."""
+    try:
+        return queue_links(link, links)
+    except LinkError:
+        if not absent_ok:
+            raise
+        return ()
+
+
 def resolve(ipr, names: tuple[str, ...], subnets: tuple[str, ...], absent_ok: bool = False) -> list[Egress]:
     """The managed interfaces: ``names``, or (when empty) those routed to ``subnets``; each with its queue
     devices. Raises LinkError naming what is missing; with ``absent_ok`` a named interface that is not here is an
-    Egress of index 0 with no queues (the agent follows it by name: taken over once it appears)."""
+    Egress of index 0 with no queues, a bond with no members one with no queues (the agent follows them by name:
+    taken over once they appear)."""
     links = read_links(ipr)
     if not names:
         names = tuple(routed_interfaces(ipr.get_routes(), subnets, links))
@@ -109,7 +121,7 @@ def resolve(ipr, names: tuple[str, ...], subnets: tuple[str, ...], absent_ok: bo
     missing = [n for n in names if n not in links]
     if missing and not absent_ok:
         raise LinkError(f"no interface named {missing[0]!r} in this network namespace")
-    out = [Egress(n, links[n].index, queue_links(links[n], links)) if n in links else Egress(n, 0, ())
+    out = [Egress(n, links[n].index, _queues(links[n], links, absent_ok)) if n in links else Egress(n, 0, ())
            for n in names]
     seen: dict[str, str] = {}
     for eg in out:
