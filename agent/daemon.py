@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import socket
-import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from tensorlane.agent.api import Api
 from tensorlane.agent.config import Config, ConfigError
-from tensorlane.agent.kernel import detect, links, snapshot
+from tensorlane.agent.kernel import detect, links, snapshot, sockdiag
 from tensorlane.agent.kernel.qdisc import MAJOR, fmt_handle, handle, make_backend
 from tensorlane.agent.notify import Notifier
 from tensorlane.agent.reconcile import Device, Reconciler
@@ -173,47 +172,40 @@ NETNS_LOCK = "tensorlane-agent"  # the abstract Unix socket an agent holds in it
 
 
 def lock_netns(name: str = NETNS_LOCK) -> socket.socket | None:
-    """Hold the abstract Unix socket ``name`` for this agent's life (the returned socket, listening; the kernel
-    frees it when the process ends, however): abstract names are per network namespace, like the agent's nftables
-    table ``inet tensorlane``. A second agent in the namespace with another ``state_dir`` (one per NIC, or a copy
-    of the service's config) passed the ``state_dir`` lock, and the two replaced each other's table every pass
-    (dropping each other's flow marks) until one exited and deleted the other's. Nothing changed on failure.
+    """Hold the abstract Unix socket ``name`` for this agent's life (the returned socket; the kernel frees it when
+    the process ends, however): abstract names are per network namespace, like the agent's nftables table
+    ``inet tensorlane``. A second agent in the namespace with another ``state_dir`` (one per NIC, or a copy of the
+    service's config) passed the ``state_dir`` lock, and the two replaced each other's table every pass (dropping
+    each other's flow marks) until one exited and deleted the other's. Nothing changed on failure.
 
-    Abstract names have no permissions: any local user may take this one first. So the holder is asked who it is:
-    a connection to it tells the credentials its listener had at ``listen()`` (SO_PEERCRED). Root or this agent's
-    user: an agent, the start is refused. Anyone else, or no listener (a name bound and kept, passed on, or held
-    by a setuid program it was handed to): a squatter, and this agent starts without the lock (one error logged)
-    rather than be kept down by any local user. Returns None then."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        sock.bind("\0" + name)
-        sock.listen(64)
-        return sock
-    except OSError as exc:
-        sock.close()
-        error = exc
-    holder = _listener(name)
-    if holder is not None and holder[1] in (0, os.geteuid()):
-        raise StartupError(f"another tensorlane agent (pid {holder[0]}) runs in this network namespace ({error}); "
-                           "one agent manages every interface of a namespace (interfaces = [...]): stop it first")
-    who = f"pid {holder[0]} (uid {holder[1]})" if holder else f"pid {', '.join(_socket_holders(name)) or 'unknown'}"
-    log.error("the abstract socket @%s, which tells agents of this network namespace apart, is held by %s, which "
-              "is not an agent: starting without it (a second agent in this namespace would not be refused)",
-              name, who)
-    return None
-
-
-def _listener(name: str) -> tuple[int, int] | None:
-    """``(pid, uid)`` the listener on the abstract Unix socket ``name`` had at ``listen()``, or None when none
-    answers at once (not listening, or its queue full)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as probe:
+    Abstract names have no permissions: any local user may take this one first. The kernel says who made the
+    socket that holds it (sock_diag's ``UNIX_DIAG_UID``, fixed at ``socket()``: passing it on changes nothing).
+    Root or this agent's user: an agent, the start is refused. Anyone else: a squatter, and this agent starts
+    without the lock (one error logged) rather than be kept down by any local user. Returns None then."""
+    for _ in range(3):  # (a holder that goes between the bind and the question: bind again)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            probe.connect("\0" + name)
-            pid, uid, _gid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                  struct.calcsize("3i")))
-        except OSError:
+            sock.bind("\0" + name)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+        try:
+            uids = sockdiag.unix_name_uids(name)
+        except OSError as exc:  # the kernel cannot tell (no unix_diag): refused, as a second agent would be
+            raise StartupError(f"the abstract socket @{name} is held ({error}) and this kernel cannot tell by whom "
+                               f"({exc}): another tensorlane agent may run in this network namespace") from None
+        if any(uid in (0, os.geteuid()) for uid in uids):
+            holders = ", ".join(_socket_holders(name)) or "unknown"
+            raise StartupError(f"another tensorlane agent (pid {holders}) runs in this network namespace ({error}); "
+                               "one agent manages every interface of a namespace (interfaces = [...]): stop it first")
+        if uids:
+            log.error("the abstract socket @%s, which tells agents of this network namespace apart, is held by a "
+                      "socket of uid %s (pid %s), not an agent's: starting without it (a second agent in this "
+                      "namespace would not be refused)", name, ", ".join(map(str, sorted(set(uids)))),
+                      ", ".join(_socket_holders(name)) or "unknown")
             return None
-    return pid, uid
+    raise StartupError(f"the abstract socket @{name} is held, by no socket the kernel lists ({error})")
 
 
 def _socket_holders(name: str) -> list[str]:

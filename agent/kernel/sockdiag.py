@@ -8,6 +8,7 @@ network namespace, so a socket of another namespace is never found. Usage::
     diag = SockDiag()
     found = diag.tcp("198.18.0.1", 41000, "198.18.0.2", 29500)   # (state, inode) or None
     many = diag.tcp_many([("198.18.0.1", 41000, "198.18.0.2", 29500), ...])   # batched, in order
+    owners = unix_name_uids("tensorlane-agent")   # the uids that made the abstract Unix sockets of that name
 """
 from __future__ import annotations
 
@@ -20,7 +21,14 @@ from collections.abc import Iterator, Sequence
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
 NLM_F_REQUEST = 1
+NLM_F_DUMP = 0x300
 NLMSG_ERROR = 2
+NLMSG_DONE = 3
+UDIAG_SHOW_NAME, UDIAG_SHOW_UID = 0x01, 0x40
+UNIX_DIAG_NAME, UNIX_DIAG_UID = 0, 7
+_UNIX_REQ = struct.Struct("=BBHIII2I")  # unix_diag_req: family, protocol, pad, states, ino, show, cookie[2]
+_UNIX_MSG = 16  # unix_diag_msg: family, type, state, pad, ino, cookie[2]; its attributes follow
+_ATTR = struct.Struct("=HH")  # rtattr: len, type
 INET_DIAG_NOCOOKIE = 0xFFFFFFFF
 BATCH = 64  # requests per send: their answers (about 1 KiB each with overhead) fit the receive buffer
 _HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
@@ -113,3 +121,44 @@ class SockDiag:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def unix_name_uids(name: str, timeout_s: float = 1.0) -> list[int]:
+    """The uids of the processes that made the abstract Unix sockets named ``name`` in this network namespace
+    (``UNIX_DIAG_UID``: the socket's owner, fixed at ``socket()``; passing the socket on or handing it to a
+    setuid program does not change it). One dump of the namespace's Unix sockets. Raises OSError where the kernel
+    cannot answer (no ``unix_diag``)."""
+    want = b"\0" + name.encode()
+    body = _UNIX_REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, UDIAG_SHOW_NAME | UDIAG_SHOW_UID,
+                          INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as sock:
+        sock.settimeout(timeout_s)
+        sock.send(_HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + body)
+        uids: list[int] = []
+        while True:
+            data = sock.recv(1 << 16)
+            pos = 0
+            while pos + _HDR.size <= len(data):
+                length, kind, _flags, _seq, _pid = _HDR.unpack_from(data, pos)
+                msg = data[pos:pos + length]
+                pos += max(_HDR.size, (length + 3) & ~3)
+                if kind == NLMSG_DONE:
+                    return uids
+                if kind == NLMSG_ERROR:
+                    code = -struct.unpack_from("=i", msg, _HDR.size)[0]
+                    raise OSError(code, f"sock_diag (unix): {errno.errorcode.get(code, code)}")
+                attrs = _unix_attrs(msg[_HDR.size + _UNIX_MSG:])
+                if attrs.get(UNIX_DIAG_NAME) == want and UNIX_DIAG_UID in attrs:
+                    uids.append(struct.unpack_from("=I", attrs[UNIX_DIAG_UID])[0])
+
+
+def _unix_attrs(data: bytes) -> dict[int, bytes]:
+    """A unix_diag_msg's attributes: ``{type: payload}``."""
+    out, pos = {}, 0
+    while pos + _ATTR.size <= len(data):
+        length, kind = _ATTR.unpack_from(data, pos)
+        if length < _ATTR.size:
+            break
+        out[kind] = data[pos + _ATTR.size:pos + length]
+        pos += (length + 3) & ~3
+    return out
