@@ -327,7 +327,8 @@ class Api:
         rates = [d["link_rate_bps"] for d in devices]
         return {
             "version": VERSION, "interfaces": self._interfaces(), "backend": self.backend,
-            "link_rate_bps": sum(rates) if all(rates) else None, "uptime_s": round(time.time() - self.started, 3),
+            "link_rate_bps": sum(rates) if rates and all(rates) else None,  # (no device held: None)
+            "uptime_s": round(time.time() - self.started, 3),
             "flows": len(self.table.flows), "jobs": self.table.jobs(), "job_policy": self.jobs.describe(),
             "job_conflicts": self.table.conflicts(), "min_share": getattr(self.rec.backend, "min_share", 0.0),
             "min_rate_bps": getattr(self.rec.backend, "min_rate", 0),

@@ -343,7 +343,7 @@ class HeldDevices:
         self.takeovers.remove(t)
         here = any(link.index == t.link.index for link in now.values())
         try:
-            if here and t.backend.owns(ipr, t.link.index):
+            if here and _root_handle(ipr, t.link.index) in (handle(MAJOR), 0):  # ours, or a half-done restore's
                 log.warning("%s (index %d) no longer carries %s's queues (renamed, or out of its bond): restoring "
                             "its tree", t.link.name, t.link.index, t.serves)
                 restore_device(self.cfg, ipr, t.link.name, t.snap)
@@ -507,7 +507,8 @@ def _serve(cfg: Config, api: Api, held: HeldDevices, table: FlowTable, notifier:
             problems = held.follow(rec.ipr)
         except Exception as exc:  # noqa: BLE001 - (a netlink error reading the links) the pass goes on
             problems = [f"reading the links: {exc}"]
-        api.jobs.budget = rec.share_budget()  # the devices held may have changed (taken over, given back)
+        if api.jobs.follow_link(rec.share_budget(), rec.link_bps()):  # the devices held changed: the parts follow
+            rec.set_shares(api.jobs.shares)
         rec.reconcile(table, problems)
         notifier.watchdog()
 
@@ -544,12 +545,9 @@ def _root_handle(ipr: IPRoute, index: int) -> int | None:
         qdiscs = ipr.get_qdiscs(index=index)
     except NetlinkError:
         return None
+    if not qdiscs:  # (a device that is here always shows a root, noqueue at least: none, it is gone)
+        return None
     return next((q["handle"] for q in qdiscs if q["parent"] == snapshot.TC_H_ROOT), 0)
-
-
-def _has_our_root(ipr: IPRoute, index: int) -> bool:
-    """Whether the device's root qdisc is a tensorlane one (handle ``7a1:``)."""
-    return any(q["parent"] == snapshot.TC_H_ROOT and q["handle"] == handle(MAJOR) for q in ipr.get_qdiscs(index=index))
 
 
 def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str]:
@@ -573,7 +571,7 @@ def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str
             if mine[index] != name:
                 path.unlink(missing_ok=True)
             continue
-        if _has_our_root(ipr, index):
+        if _root_handle(ipr, index) in (handle(MAJOR), 0):  # ours, or the default a restore stopped half-way at
             log.warning("%s (index %d) was left taken over by an agent that is gone, and no configured interface is "
                         "it now (no longer configured, or renamed): restoring it", name, index)
             restore_device(cfg, ipr, name, snap)

@@ -278,6 +278,17 @@ class JobScheduler:
         self.sending = sending
         return self._reshare()
 
+    def follow_link(self, budget: float, link_bps: float | None) -> bool:
+        """The devices held changed (one taken over or given back, or the first one at last): the parts' budget
+        (``Reconciler.share_budget``) and the link rate follow; whether the parts changed. Usage:
+        ``if jobs.follow_link(rec.share_budget(), rec.link_bps()): rec.set_shares(jobs.shares)``"""
+        if (budget, link_bps) == (self.budget, self.link_bps):
+            return False
+        self.budget, self.link_bps = budget, link_bps
+        if self.share_auto:
+            self.job_share = min(AUTO_SHARES[self.saturated], budget)
+        return self.enabled and self._reshare()
+
     def _reshare(self) -> bool:
         """Recompute ``shares`` from the bands, the part in force and the sending jobs; whether they changed."""
         shares = job_shares(self.bands, self.job_share, self.sending, self.budget, self.weights)

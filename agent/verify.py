@@ -76,7 +76,10 @@ def verify(socket_path: str, seconds: float, interface: str | None = None) -> di
         flows = agent.list()["flows"]
         before = agent.status()
         # The managed interfaces (a bond, not its members: each packet is seen once, marked).
-        iface = interface or [i["name"] for i in before["interfaces"] if i["name"]]
+        # One that is absent (not there yet, or gone) is left out: it carries nothing to capture.
+        iface = interface or [i["name"] for i in before["interfaces"] if i["name"] and i.get("present", True)]
+        if not iface:
+            raise CaptureError("no managed interface is here to capture on (tensorlane status: present false)")
         want = {FlowKey(f["proto"], f["src"], f["sport"], f["dst"], f["dport"]): f for f in flows}
         seen: dict[FlowKey, dict] = {}
         urgent = min((c for c in before["classes"] if c.get("level") is not None), key=lambda c: c["level"],

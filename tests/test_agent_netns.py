@@ -505,6 +505,9 @@ def test_an_interface_absent_at_start_is_taken_over_when_it_appears(tb):
 
             st = wait_for("tlw absent, the pass failing by name", lambda: state(False))
             assert st["devices"] == [] and "tensorlane" in nft_tables(h1)
+            out = h1.run([sys.executable, "-m", "tensorlane", "verify", "--socket", agents[1].socket, "--seconds",
+                          "0.5"], check=False)  # nothing to capture on: said so, not a capture error
+            assert out.returncode == 1 and "no managed interface is here" in out.stderr, out
             h1.run(["ip", "link", "add", "tlw", "type", "veth", "peer", "name", "tlwp"])
             st = wait_for("tlw taken over once it appears", lambda: "qdisc htb 7a1: root" in tc_dump(h1, "tlw")
                           and state(True))

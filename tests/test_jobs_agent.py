@@ -414,6 +414,19 @@ def test_job_share_guarantees_follow_the_set_of_jobs():
     assert rec.backend.shares == {} and rec.backend.guaranteed(0) == base
 
 
+def test_the_parts_follow_the_link_when_the_devices_held_change():
+    """An agent that started holding no device took its parts' budget from the class layout alone; when the
+    devices held change (one taken over, given back) the budget and the link rate follow, and so do the parts:
+    "auto"'s part stays within the new budget. Nothing changes while they stay the same."""
+    api, rec = make_api(job_policy="static", job_priority={"a": 0, "b": 1}, job_share="auto")
+    request(api, op="register", job="a", level=0, flows=[flow(1)])
+    request(api, op="register", job="b", level=0, flows=[flow(2)])
+    before = dict(api.jobs.shares)
+    assert before and not api.jobs.follow_link(api.jobs.budget, api.jobs.link_bps)  # unchanged: nothing
+    assert api.jobs.follow_link(0.1, 10**8) and api.jobs.link_bps == 10**8  # a budget below the parts in force
+    assert api.jobs.job_share <= 0.1 and sum(api.jobs.shares.values()) <= 0.1 + 1e-9, api.jobs.shares
+
+
 def test_job_share_parts_follow_the_jobs_that_are_sending():
     """With three jobs or more (``job_share_among = "sending"``, the default) each of the k jobs whose band's
     classes the samples found backlogged within ``job_hold_s`` gets ``job_share / k``, the idle ones

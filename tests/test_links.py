@@ -136,6 +136,7 @@ def test_a_bonds_members_are_followed_as_they_leave_and_join(monkeypatch, tmp_pa
     monkeypatch.setattr(daemon, "take_over", lambda cfg, ipr, t: calls.append(("take", t.link.name, t.backend.shares)))
     monkeypatch.setattr(daemon, "restore_device", lambda cfg, ipr, name, snap: calls.append(("restore", name)))
     monkeypatch.setattr(HtbBackend, "owns", lambda self, ipr, index: True)
+    monkeypatch.setattr(daemon, "_root_handle", lambda ipr, index: 0x7A10000)  # the agent's root on each
     cfg = Config(interfaces=("bond0",), link_rate_bps=10**9, state_dir=str(tmp_path))
     links = read_links(FakeIPRoute(HOST))
     start = [prepare(cfg, None, q, "bond0", "htb") for q in queue_links(links["bond0"], links)]
