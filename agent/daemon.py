@@ -545,8 +545,12 @@ def _root_handle(ipr: IPRoute, index: int) -> int | None:
         qdiscs = ipr.get_qdiscs(index=index)
     except NetlinkError:
         return None
-    if not qdiscs:  # (a device that is here always shows a root, noqueue at least: none, it is gone)
-        return None
+    if not qdiscs:  # gone, or here and down with the kernel's noop root, which the dump leaves out
+        try:
+            ipr.link("get", index=index)
+        except NetlinkError:
+            return None
+        return 0
     return next((q["handle"] for q in qdiscs if q["parent"] == snapshot.TC_H_ROOT), 0)
 
 

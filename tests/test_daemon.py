@@ -129,3 +129,17 @@ def test_a_squatter_on_the_namespace_lock_does_not_keep_the_agent_down(caplog):
         os.waitpid(pid, 0)
         os.close(r)
     daemon.lock_netns(name).close()  # free again once the squatter is gone
+
+
+@pytest.mark.netns  # root: a network namespace of its own
+def test_a_down_device_with_the_noop_root_is_here_not_gone():
+    """The kernel's dump leaves a down device's noop root out: such a device is here with the default root (a
+    restore that stopped half-way is finished on it), not gone (its record dropped). In a fresh namespace ``lo``
+    is down with noop."""
+    import subprocess
+    import sys
+
+    code = ("from pyroute2 import IPRoute; from tensorlane.agent import daemon\n"
+            "with IPRoute() as ipr: print(daemon._root_handle(ipr, 1), daemon._root_handle(ipr, 99999))")
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.split() == ["0", "None"], out

@@ -148,8 +148,11 @@ def unix_name_uids(name: str, timeout_s: float = 1.0) -> list[int]:
                     code = -struct.unpack_from("=i", msg, _HDR.size)[0]
                     raise OSError(code, f"sock_diag (unix): {errno.errorcode.get(code, code)}")
                 attrs = _unix_attrs(msg[_HDR.size + _UNIX_MSG:])
-                if attrs.get(UNIX_DIAG_NAME) == want and UNIX_DIAG_UID in attrs:
-                    uids.append(struct.unpack_from("=I", attrs[UNIX_DIAG_UID])[0])
+                if attrs.get(UNIX_DIAG_NAME) != want:
+                    continue
+                if UNIX_DIAG_UID not in attrs:  # (Linux before 5.3 ignores UDIAG_SHOW_UID)
+                    raise OSError(errno.EOPNOTSUPP, "sock_diag (unix): this kernel reports no UNIX_DIAG_UID")
+                uids.append(struct.unpack_from("=I", attrs[UNIX_DIAG_UID])[0])
 
 
 def _unix_attrs(data: bytes) -> dict[int, bytes]:
