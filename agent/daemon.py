@@ -554,6 +554,14 @@ def _root_handle(ipr: IPRoute, index: int) -> int | None:
     return next((q["handle"] for q in qdiscs if q["parent"] == snapshot.TC_H_ROOT), 0)
 
 
+def _link_name(ipr: IPRoute, index: int) -> str | None:
+    """The name of the device with ifindex ``index``, or None when there is none."""
+    try:
+        return ipr.link("get", index=index)[0].get_attr("IFLA_IFNAME")
+    except (NetlinkError, IndexError):
+        return None
+
+
 def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str]:
     """Restore the devices a previous agent of ours left taken over (killed) that this agent will not hold: one
     this configuration no longer manages (removing an interface from the config never leaves it taken over), or
@@ -575,7 +583,10 @@ def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str
             if mine[index] != name:
                 path.unlink(missing_ok=True)
             continue
-        if _root_handle(ipr, index) in (handle(MAJOR), 0):  # ours, or the default a restore stopped half-way at
+        root = _root_handle(ipr, index)
+        # ours; or the default root a restore stopped half-way at, on the device recorded (its name: an index can
+        # be another device's now, one moved in from another namespace keeps its index)
+        if root == handle(MAJOR) or (root == 0 and _link_name(ipr, index) == state.get("interface")):
             log.warning("%s (index %d) was left taken over by an agent that is gone, and no configured interface is "
                         "it now (no longer configured, or renamed): restoring it", name, index)
             restore_device(cfg, ipr, name, snap)

@@ -143,3 +143,29 @@ def test_a_down_device_with_the_noop_root_is_here_not_gone():
             "with IPRoute() as ipr: print(daemon._root_handle(ipr, 1), daemon._root_handle(ipr, 99999))")
     out = subprocess.run(["unshare", "-n", sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and out.stdout.split() == ["0", "None"], out
+
+
+@pytest.mark.netns  # root: a network namespace of its own
+def test_a_killed_agents_record_on_a_default_root_is_restored_only_on_the_device_it_names(tmp_path):
+    """A record whose device shows the default root (a restore that stopped half-way) is restored by the next
+    agent where the device at its index still has the recorded name; one naming another device (an index taken
+    by a device moved in from another namespace) is dropped, nothing done to that device. In a fresh namespace,
+    on ``lo`` (index 1, noop root), with records of a dead agent."""
+    import json
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names no process: the records' agent is gone
+    for name, iface in (("lo", "lo"), ("eth7:1", "eth7")):
+        (tmp_path / f"agent-{name}.json").write_text(json.dumps({
+            "ifindex": 1, "interface": iface, "serves": iface, "backend": "htb", "pid": dead.pid,
+            "snapshot": {"ifname": iface, "ifindex": 1, "objects": []}}))
+    code = ("import sys; from pyroute2 import IPRoute; from tensorlane.agent import daemon\n"
+            "from tensorlane.agent.config import Config\n"
+            "cfg = Config(interfaces=('eth0',), link_rate_bps=10**9, state_dir=sys.argv[1])\n"
+            "with IPRoute() as ipr: print(daemon.restore_orphans(cfg, ipr, []))")
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == "['lo']", out
+    assert list(tmp_path.glob("agent-*.json")) == []  # both records gone: one restored, one not its device's
