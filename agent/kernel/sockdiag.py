@@ -48,14 +48,20 @@ def _request(seq: int, src: str, sport: int, dst: str, dport: int) -> bytes:
     return _HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq, 0) + body
 
 
-def _answers(data: bytes) -> Iterator[tuple[int, tuple[int, int] | None]]:
-    """``(seq, (state, inode) or None)`` of each netlink message in ``data``; OSError for a kernel error other
-    than "no such socket" or an unexpected message."""
+def _messages(data: bytes) -> Iterator[tuple[int, int, bytes]]:
+    """``(type, seq, message)`` of each netlink message in the datagram ``data`` (header included)."""
     pos = 0
     while pos + _HDR.size <= len(data):
         length, kind, _flags, seq, _pid = _HDR.unpack_from(data, pos)
-        msg = data[pos:pos + length]
+        yield kind, seq, data[pos:pos + length]
         pos += max(_HDR.size, (length + 3) & ~3)
+
+
+def _answers(data: bytes) -> Iterator[tuple[int, tuple[int, int] | None]]:
+    """``(seq, (state, inode) or None)`` of each netlink message in ``data``; OSError for a kernel error other
+    than "no such socket" or an unexpected message."""
+    for kind, seq, msg in _messages(data):
+        length = len(msg)
         if kind == NLMSG_ERROR:
             code = -struct.unpack_from("=i", msg, _HDR.size)[0]
             if code not in (errno.ENOENT, 0):
@@ -136,12 +142,7 @@ def unix_name_uids(name: str, timeout_s: float = 1.0) -> list[int]:
         sock.send(_HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + body)
         uids: list[int] = []
         while True:
-            data = sock.recv(1 << 16)
-            pos = 0
-            while pos + _HDR.size <= len(data):
-                length, kind, _flags, _seq, _pid = _HDR.unpack_from(data, pos)
-                msg = data[pos:pos + length]
-                pos += max(_HDR.size, (length + 3) & ~3)
+            for kind, _seq, msg in _messages(sock.recv(1 << 16)):
                 if kind == NLMSG_DONE:
                     return uids
                 if kind == NLMSG_ERROR:
