@@ -135,7 +135,8 @@ class Api:
                 try:
                     with peer.pinned():  # the pid names the process that connected throughout (not one reusing it)
                         self._check_netns(peer)  # trusted users too, except root (it can enter any namespace)
-                        foreign = not_owned(peer.pid, req.flows) if must_own else []
+                        if must_own:
+                            foreign = not_owned(peer.pid, req.flows)
                 except ProcessLookupError:
                     raise ProtocolError("not_owner", f"process {peer.pid} is gone") from None
             if foreign:

@@ -246,22 +246,26 @@ def _device_rate(cfg: Config, link: links.Link, serves: str, kind: str) -> int |
                     "in the NIC, below the agent's classes, where priority does not hold; set link_rate to the "
                     "link's real rate", f"{configured:,}", name, f"{speed:,}")
     if kind == "htb" and (configured or speed) is None:
-        state = "" if link.kind in detect.PLACEHOLDER_SPEED_KINDS else detect.operstate(name)
+        placeholder = link.kind in detect.PLACEHOLDER_SPEED_KINDS
+        state = "" if placeholder else detect.operstate(name)
         if state not in ("up", "unknown", ""):
             raise NotReady(f"{name} reports no speed: its link is {state} (a driver reports a speed only with a "
                            "carrier); taken over once it is up, or set link_rate for the htb backend")
-        said = f"its {link.kind} driver's speed is a placeholder" if link.kind in detect.PLACEHOLDER_SPEED_KINDS \
-            else "it reports no speed"
+        said = f"its {link.kind} driver's speed is a placeholder" if placeholder else "it reports no speed"
         raise ConfigError("link_rate", f"{name}: {said}; set link_rate for the htb backend (one rate, or a table "
                                        f"such as link_rate = {{ {name} = \"25gbit\" }})")
     return configured or speed
 
 
+def _backend(cfg: Config, kind: str, rate: int | None):
+    """The ``kind`` backend of the configured levels, queues and guarantees, shaping to ``rate``."""
+    return make_backend(kind, cfg.levels, rate, cfg.queue_limit_packets, cfg.min_share, cfg.min_rate_bps)
+
+
 def _prepare_device(cfg: Config, ipr: IPRoute, link: links.Link, serves: str, kind: str) -> Takeover:
     """The checks of one queue device, no changes: its rate, a previous agent's tree to adopt, or the tree to
     record and whether it may be replaced."""
-    rate = _device_rate(cfg, link, serves, kind)
-    backend = make_backend(kind, cfg.levels, rate, cfg.queue_limit_packets, cfg.min_share, cfg.min_rate_bps)
+    backend = _backend(cfg, kind, _device_rate(cfg, link, serves, kind))
     previous = _load_state(cfg, link.name)
     if not (previous and previous.get("ifindex") == link.index):
         previous = _state_of_index(cfg, link.index) or previous  # renamed while no agent ran: its record, by index
@@ -626,8 +630,7 @@ def _run(cfg: Config) -> int:
     with IPRoute() as ipr:
         kind, egress, plan = prepare(cfg, ipr)
         table = FlowTable(cfg.levels, cfg.max_flows)
-        layout = plan[0].backend if plan else make_backend(  # the class layout (no device here yet: any rate)
-            kind, cfg.levels, 10**9, cfg.queue_limit_packets, cfg.min_share, cfg.min_rate_bps)
+        layout = plan[0].backend if plan else _backend(cfg, kind, 10**9)  # the class layout (no device yet: any rate)
         rec = Reconciler([t.device() for t in plan], cfg.dscp, {eg.name: eg.index for eg in egress}, ipr,
                          ack_level=0 if cfg.ack_priority else None, layout=layout)
         restore_orphans(cfg, ipr, plan)

@@ -51,7 +51,7 @@ class Peer:
                     for line in fh:
                         if line.startswith("Groups:"):
                             gids.update(int(g) for g in line.split()[1:])
-            except (OSError, ProcessLookupError):  # gone: its primary group only
+            except OSError:  # (ProcessLookupError too) gone: its primary group only
                 gids = {self.gid}
         names = set()
         for g in gids:
@@ -60,7 +60,6 @@ class Peer:
             except KeyError:
                 names.add(str(g))
         return names
-
 
     @contextlib.contextmanager
     def pinned(self):
@@ -87,15 +86,11 @@ class Peer:
 def peer_groups(conn: socket.socket) -> tuple[int, ...] | None:
     """The peer's supplementary groups at connect() (SO_PEERGROUPS), or None where the kernel cannot tell or they
     are more than 256 (Python's getsockopt takes at most 1024 bytes: ``Peer.groups`` then reads /proc, pinned)."""
-    for size in (4 * 64, 1024):
-        try:
-            raw = conn.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size)
-        except OSError as exc:
-            if exc.errno != errno.ERANGE:
-                return None
-            continue
-        return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
-    return None
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)
+    except OSError:  # (ERANGE: more than 256)
+        return None
+    return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
 
 
 def credentials(conn: socket.socket) -> Peer:
