@@ -96,6 +96,12 @@ class Reconciler:
             log.warning("the nftables table cannot be updated in place (%s); making it afresh", exc)
             self.nft.run(nftables.delete_table_commands() + self._table_commands())
         listing = nftables.list_table(self.nft)
+        if stale := nftables.stale_level_commands(listing, self.backend.levels):
+            log.warning("removing the nftables chains of levels beyond the %d configured (a killed agent's); their "
+                        "flows' marks move to level %d until they register again",
+                        self.backend.levels, self.backend.levels - 1)
+            self.nft.run(stale)
+            listing = nftables.list_table(self.nft)
         self._shape = nftables.table_shape(listing)
         return listing
 

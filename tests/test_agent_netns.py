@@ -578,3 +578,35 @@ def test_a_killed_agents_marks_are_kept_while_the_jobs_register_again(tb, tmp_pa
             assert "9732" in marks() and time.monotonic() - started < INHERIT_S  # still within the window
             wait_for("the mark nobody registered again dropped", lambda: "9732" not in marks(), INHERIT_S + 3)
             assert "9731 . 9730 : goto level1" in marks() and agent.status()["reconcile"]["errors"] == 0
+
+
+def test_a_killed_agents_chains_beyond_fewer_levels_are_removed_and_its_marks_kept_at_the_last(tb, tmp_path):
+    """SIGKILL with 4 levels and a flow at level 3, then an agent with 2 levels: the chains ``level2`` and
+    ``level3`` (whose rules put packets in classes the new tree no longer has) are removed at start, the killed
+    agent's mark kept at level 1 while its job registers again, and the pass repairs nothing after. Before
+    (until 2026-11-27) they stayed in the table for the agent's life, and the mark kept sending into them."""
+    h1, h2 = tb.host(1), tb.host(2)
+    extra = {"reconcile_interval_s": 0.5, **TRUST}
+
+    def table() -> str:
+        return h1.run(["nft", "list", "table", "inet", "tensorlane"]).stdout
+
+    with pytest.raises(AgentStartError, match="exited with -9"):
+        with running_agents(tb, levels=4, hosts=[1], backend="htb", workdir=str(tmp_path),
+                            config_extra=extra) as agents:
+            with agents[1].client() as agent:
+                agent.register("job-f", 3, [flow(h1, 9741, h2, 9740)])
+            assert "chain level3" in table()
+            agents[1].proc.kill()
+            agents[1].proc.wait(5)
+    with running_agents(tb, levels=2, hosts=[1], backend="htb", config_extra=extra) as agents:
+        listed = table()
+        assert "chain level1" in listed and "chain level2" not in listed and "chain level3" not in listed, listed
+        assert "9741 . 9740 : goto level1" in listed
+        with agents[1].client() as agent:
+            agent.register("job-f", 0, [flow(h1, 9741, h2, 9740)])
+            assert "9741 . 9740 : goto level0" in table()
+            time.sleep(1.2)  # two passes
+            st = agent.status()
+            assert st["reconcile"]["errors"] == 0 and st["reconcile"]["repairs"] == 0, st["reconcile"]
+    assert "tensorlane" not in nft_tables(h1)

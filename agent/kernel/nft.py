@@ -224,6 +224,25 @@ def table_shape(listing: dict | None) -> list[str] | None:
     return out
 
 
+def stale_level_commands(listing: dict | None, levels: int) -> list[dict]:
+    """Commands that remove the level chains beyond ``levels`` from a listed table (an agent killed with more
+    ``levels`` left them), first moving the map elements that jump to one to the least urgent level ``levels - 1``
+    (a chain is deleted only once nothing refers to it; empty: none left)."""
+    stale = set()
+    for item in (listing or {}).get("nftables", []):
+        name = item.get("chain", {}).get("name", "")
+        if name.startswith("level") and name[5:].isdigit() and int(name[5:]) >= levels:
+            stale.add(int(name[5:]))
+    if not stale:
+        return []
+    moved = [k for k, lvl in parse_map_elements(listing).items() if lvl >= levels]
+    cmds = element_commands("delete", [(k, None) for k in moved])
+    cmds += element_commands("add", [(k, levels - 1) for k in moved])
+    cmds += [{"delete": {"chain": {"family": FAMILY, "table": TABLE, "name": level_chain(lvl)}}}
+             for lvl in sorted(stale)]
+    return cmds
+
+
 def list_table(nft: Nft) -> dict | None:
     """The agent's table as JSON, or None when it does not exist."""
     try:
