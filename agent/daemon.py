@@ -442,6 +442,31 @@ def check_socket_group(cfg: Config) -> None:
             raise ConfigError("socket_group", f"no group {cfg.socket_group!r} on this host") from None
 
 
+def host_notes(cfg: Config, ipr: IPRoute) -> list[str]:
+    """What this host makes of ``cfg`` now, for ``--check-config``, which changes nothing and does not fail on it
+    (it may differ at the agent's start: a bond or a route that comes up later): the interfaces it would manage,
+    absent ones, a bond without members, an interface named twice through a bond, a ``socket_group`` not here."""
+    notes = []
+    try:
+        egress = links.resolve(ipr, cfg.interfaces, cfg.training_subnets, absent_ok=True)
+    except links.LinkError as exc:
+        notes.append(f"the agent would refuse to start here now: {exc}")
+        egress = []
+    for eg in egress:
+        if not eg.index:
+            notes.append(f"{eg.name}: no such interface here now (the agent starts without it and takes it over "
+                         "when it appears)")
+        elif not eg.queues:
+            notes.append(f"{eg.name}: a bond without members now (taken over as they join)")
+        else:
+            notes.append(f"{eg.name}: here, queues on {', '.join(q.name for q in eg.queues)}")
+    try:
+        check_socket_group(cfg)
+    except ConfigError as exc:
+        notes.append(f"the agent would refuse to start here now: {exc}")
+    return notes
+
+
 def prepare(cfg: Config, ipr: IPRoute) -> tuple[str, list[links.Egress], list[Takeover]]:
     """All checks, no changes: the backend kind, the managed interfaces and a Takeover per queue device."""
     try:

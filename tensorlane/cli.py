@@ -32,12 +32,29 @@ def _agent(args) -> int:
         return 2
     if args.check_config:  # parsed and checked as the agent would at start, nothing run or changed
         print(f"tensorlane agent: {args.config or 'the flags'}: ok")
+        _print_host_notes(cfg)
         return 0
     try:
         return run(cfg)
     except (ConfigError, StartupError) as exc:
         print(f"{err}tensorlane agent: {exc}", file=sys.stderr)
         return 2
+
+
+def _print_host_notes(cfg) -> None:
+    """``--check-config``: what this host makes of the file now (``daemon.host_notes``), on stderr; not a failure
+    (the interfaces may differ at the agent's start)."""
+    from pyroute2 import IPRoute
+
+    from tensorlane.agent.daemon import host_notes
+
+    try:
+        with IPRoute() as ipr:
+            notes = host_notes(cfg, ipr)
+    except OSError as exc:
+        notes = [f"the interfaces could not be read: {exc}"]
+    for note in notes:
+        print(f"tensorlane agent: on this host: {note}", file=sys.stderr)
 
 
 def format_status(st: dict) -> str:

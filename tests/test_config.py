@@ -145,6 +145,14 @@ def test_check_config_checks_a_file_and_changes_nothing(tmp_path, capsys):
     assert "ok" in capsys.readouterr().out
     assert main(["agent", "--check-config", "--config", str(bad)]) == 2
     assert "config field 'levels'" in capsys.readouterr().err
+    # what the host makes of it now, on stderr, not a failure: an interface absent (it may come up before the
+    # agent starts), one here with its queue devices, a socket_group not on this host
+    absent = tmp_path / "absent.toml"
+    absent.write_text('interfaces = ["lo", "tl-absent0"]\nlink_rate = "1gbit"\nsocket_group = "tl-no-group"\n')
+    assert main(["agent", "--check-config", "--config", str(absent)]) == 0
+    err = capsys.readouterr().err
+    assert "tl-absent0: no such interface here now" in err and "lo: here, queues on lo" in err, err
+    assert "no group 'tl-no-group' on this host" in err, err
 
 
 def test_flags_without_a_file_keep_an_empty_metrics_address(monkeypatch):
