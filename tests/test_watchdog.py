@@ -195,6 +195,39 @@ def test_agentctl_watchdog_restarts_a_stalled_agent():
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def test_agentctl_retries_a_refused_start_until_stop(tmp_path):
+    """An agent that refuses its start (exit status 2) is started again by the supervisor every
+    ``tensorlane_restart_pause_s``, as systemd's ``Restart=on-failure`` does (some refusals pass later at boot);
+    ``start`` still fails at once with the log's tail, and ``stop`` ends the retries. Until 2026-11-27 the
+    supervisor ended on exit status 2 where systemd retried. The refusal here is the config's (nothing is
+    touched)."""
+    run_dir = tmp_path / "run"
+    paths = {"ctl": str(tmp_path / "tensorlane-agentctl"), "config": str(tmp_path / "agent.toml"),
+             "log": str(tmp_path / "agent.log")}
+    with open(paths["config"], "w") as fh:
+        fh.write('interface = "tl-none0"\nlevels = 9\n')  # refused: levels out of range
+    render("tensorlane-agentctl.j2", paths["ctl"], tensorlane_venv=VENV, tensorlane_config_file=paths["config"],
+           tensorlane_run_dir=str(run_dir), tensorlane_log_file=paths["log"], tensorlane_watchdog_s=WATCHDOG_S,
+           tensorlane_restart_pause_s=RESTART_PAUSE_S, tensorlane_start_timeout_s=20, tensorlane_stop_timeout_s=20)
+    try:
+        start = subprocess.run([paths["ctl"], "start"], capture_output=True, text=True, timeout=60)
+        assert start.returncode == 1, start.stdout + start.stderr
+        assert "starts it again every 1 s" in start.stderr and "config field 'levels'" in start.stderr, start.stderr
+
+        def launches() -> int:
+            return open(paths["log"]).read().count(" agent --config ")
+
+        assert _wait(lambda: launches() >= 3, 15), _log(paths)  # retried after each refusal
+    finally:
+        stop = subprocess.run([paths["ctl"], "stop"], capture_output=True, text=True, timeout=60)
+    # "stopped" where stop met an agent just started again (it exits 2 on its own or takes SIGTERM)
+    assert stop.returncode == 0 and ("not running" in stop.stdout or "stopped" in stop.stdout), stop.stdout
+    seen = launches()
+    time.sleep(2 * RESTART_PAUSE_S + 0.5)
+    assert launches() == seen, _log(paths)  # stop ended the retries
+    assert not (run_dir / "agentctl-supervisor.pid").exists()
+
+
 def _log(paths: dict) -> str:
     try:
         return "\nlog:\n" + open(paths["log"]).read()[-4000:]
