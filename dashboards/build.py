@@ -169,7 +169,7 @@ def allreduce_mean(by: str) -> str:
 
 def borrowed() -> str:
     """Packets per second each class sent on tokens borrowed from the link (above its own tiny HTB rate)."""
-    return with_level(f"rate(tensorlane_class_borrows_total{sel()}{RATE})")
+    return with_level(f"rate(tensorlane_class_borrowed_packets_total{sel()}{RATE})")
 
 
 def default_waiting() -> str:

@@ -110,7 +110,7 @@ def test_borrowing_and_process_panels(name):
     """Each level borrowing while the default class waits; the agent's own process_* metrics."""
     by_title = {p["title"]: p for p in build.panels(load(name))}
     exprs = " ".join(t["expr"] for t in by_title["HTB borrowing by level, default class waiting"]["targets"])
-    assert "tensorlane_class_borrows_total" in exprs and 'level="default"' in exprs
+    assert "tensorlane_class_borrowed_packets_total" in exprs and 'level="default"' in exprs
     assert "process_cpu_seconds_total" in by_title["Agent CPU"]["targets"][0]["expr"]
     assert "process_resident_memory_bytes" in by_title["Agent memory"]["targets"][0]["expr"]
 

@@ -148,7 +148,7 @@ def test_exposition_passes_promtool_lint_and_has_no_reserved_labels(kernel):
             "tensorlane_api_request_duration_seconds", "tensorlane_reconcile_errors", "tensorlane_backend_info",
             "tensorlane_build_info", "tensorlane_job_allreduce_seconds",
             "tensorlane_link_rate_bytes_per_second", "tensorlane_agent_connections_refused",
-            "tensorlane_class_lends", "tensorlane_class_borrows", "tensorlane_class_tokens_seconds",
+            "tensorlane_class_lent_packets", "tensorlane_class_borrowed_packets", "tensorlane_class_tokens_seconds",
             "tensorlane_class_ctokens_seconds", "tensorlane_class_guaranteed_rate_bytes_per_second",
             "process_cpu_seconds", "process_resident_memory_bytes"} <= exported
 
@@ -210,8 +210,8 @@ def test_class_counters_info_and_link_rate(kernel):
     kernel.classes[DEFAULT] = zero(packets=2**40, lends=7, borrows=293, tokens=-0.064, ctokens=0.001)
     s = scrape(registry)
     assert value(s, "tensorlane_class_sent_packets_total", **{"class": "7a1:14"}) == 2**40  # no 32-bit wrap
-    assert value(s, "tensorlane_class_lends_total", **{"class": "7a1:14"}) == 7
-    assert value(s, "tensorlane_class_borrows_total", **{"class": "7a1:14"}) == 293
+    assert value(s, "tensorlane_class_lent_packets_total", **{"class": "7a1:14"}) == 7
+    assert value(s, "tensorlane_class_borrowed_packets_total", **{"class": "7a1:14"}) == 293
     assert value(s, "tensorlane_class_tokens_seconds", **{"class": "7a1:14"}) == -0.064
     assert value(s, "tensorlane_class_ctokens_seconds", **{"class": "7a1:14"}) == 0.001
     kernel.classes = {cid: {k: v for k, v in zero().items() if k not in tcstats.HTB_KEYS} for cid in kernel.classes}

@@ -277,7 +277,7 @@ def check_job_policy(prom: Prometheus, end: float, h3: str) -> None:
 
 def check_htb_and_process(prom: Prometheus, end: float, h1: str, h2: str) -> None:
     """The scrapes carry HTB's borrow statistics and tokens, the packet counters and the agents' process_*."""
-    queries = ['tensorlane_class_borrows_total * on (instance, device, class) group_left (level) '
+    queries = ['tensorlane_class_borrowed_packets_total * on (instance, device, class) group_left (level) '
                'tensorlane_class_info{level="default"}',
                "count by (instance) (tensorlane_class_tokens_seconds) and count by (instance) "
                "(tensorlane_class_sent_packets_total)",

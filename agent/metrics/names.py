@@ -63,9 +63,9 @@ CLASS_OVERLIMITS = Name("tensorlane_class_overlimits", "Times the class was thro
 CLASS_REQUEUES = Name("tensorlane_class_requeues", "Packets requeued by the class", DEVICE_CLASS)
 CLASS_BACKLOG_BYTES = Name("tensorlane_class_backlog_bytes", "Bytes queued in the class now", DEVICE_CLASS)
 CLASS_BACKLOG_PACKETS = Name("tensorlane_class_backlog_packets", "Packets queued in the class now", DEVICE_CLASS)
-CLASS_LENDS = Name("tensorlane_class_lends",
+CLASS_LENDS = Name("tensorlane_class_lent_packets",
                    "Packets the HTB class sent within its own rate (HTB lends, 32-bit kernel counter)", DEVICE_CLASS)
-CLASS_BORROWS = Name("tensorlane_class_borrows",
+CLASS_BORROWS = Name("tensorlane_class_borrowed_packets",
                      "Packets the HTB class sent with tokens borrowed from its parent, above its own rate "
                      "(HTB borrows, 32-bit kernel counter)", DEVICE_CLASS)
 CLASS_TOKENS = Name("tensorlane_class_tokens_seconds",
