@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -467,6 +468,29 @@ def host_notes(cfg: Config, ipr: IPRoute) -> list[str]:
     return notes
 
 
+def check_socket_path(cfg: Config) -> None:
+    """``socket`` must be a path the agent can bind: its directory made (or there) and writable, and nothing there
+    but a socket (a previous agent's, replaced at bind). Checked before anything changes: the bind came after the
+    take-over, where a directory it could not make stopped the agent with a traceback and exit status 1, which a
+    supervisor restarts, taking the devices over and giving them back every few seconds; and any file at the path
+    was deleted."""
+    directory = os.path.dirname(cfg.socket)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("socket", f"cannot make the directory of {cfg.socket}: {exc}") from None
+    try:
+        st = os.lstat(cfg.socket)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise ConfigError("socket", f"cannot use {cfg.socket}: {exc}") from None
+    if st is not None and not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError("socket", f"{cfg.socket} exists and is not a socket; refusing to replace it")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError("socket", f"cannot create {cfg.socket}: its directory {directory} is not writable")
+
+
 def prepare(cfg: Config, ipr: IPRoute) -> tuple[str, list[links.Egress], list[Takeover]]:
     """All checks, no changes: the backend kind, the managed interfaces and a Takeover per queue device."""
     try:
@@ -475,6 +499,7 @@ def prepare(cfg: Config, ipr: IPRoute) -> tuple[str, list[links.Egress], list[Ta
         raise ConfigError("interface" if len(cfg.interfaces) == 1 else "interfaces", str(exc)) from None
     kind = _choose_kind(cfg)
     check_socket_group(cfg)
+    check_socket_path(cfg)
     check_metrics_address(cfg)
     plan = []
     for eg in egress:

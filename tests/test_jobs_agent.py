@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import socket
 import time
 
 import pytest
@@ -977,3 +978,23 @@ def test_the_sweep_reads_a_bounded_turn_of_owners_and_comes_round_to_all(monkeyp
     assert turns[0][0] == 100 and sorted(set().union(*turns[:3])) == list(range(100, 100 + n))  # all in 3 sweeps
     wrapped = api_mod.SWEEP_OWNERS - 10  # the third sweep read the last 10 pids, then came round to the first
     assert turns[3] == list(range(100 + wrapped, 100 + wrapped + api_mod.SWEEP_OWNERS))
+
+
+def test_a_socket_path_the_agent_cannot_bind_is_a_config_error_before_the_takeover(tmp_path):
+    """Checked in prepare(), before any device changes: before, the bind came after the take-over, so a directory it
+    could not make ended the agent with a traceback (exit status 1: a supervisor restarted it, taking the devices
+    over and back every few seconds), and a file at the socket's path was deleted."""
+    from tensorlane.agent.daemon import check_socket_path
+
+    afile = tmp_path / "not-a-socket"
+    afile.write_text("keep me")
+    with pytest.raises(ConfigError, match="exists and is not a socket"):
+        check_socket_path(from_dict({"interface": "eth0", "socket": str(afile)}))
+    assert afile.read_text() == "keep me"
+    with pytest.raises(ConfigError, match="cannot make the directory"):
+        check_socket_path(from_dict({"interface": "eth0", "socket": str(afile / "sub" / "agent.sock")}))
+    check_socket_path(from_dict({"interface": "eth0", "socket": str(tmp_path / "new" / "agent.sock")}))
+    old = socket.socket(socket.AF_UNIX)
+    old.bind(str(tmp_path / "old.sock"))  # a previous agent's socket: replaced at bind, as before
+    check_socket_path(from_dict({"interface": "eth0", "socket": str(tmp_path / "old.sock")}))
+    old.close()
