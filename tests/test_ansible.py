@@ -248,6 +248,10 @@ REFUSALS = {
     "watchdog under two passes": ({"tensorlane_interfaces": ["eth0"], "tensorlane_watchdog_s": 8,
                                    "tensorlane_reconcile_interval_s": 5},
                                   "tensorlane_watchdog_s (8) must be more than twice tensorlane_reconcile_interval_s"),
+    "config_extra repeating a setting the role writes": ({"tensorlane_interfaces": ["eth0"],
+                                                          "tensorlane_config_extra": {"levels": 3, "min_share": 0.02}},
+                                                         "tensorlane_config_extra sets levels, which the role writes "
+                                                         "itself: set tensorlane_levels instead"),
     "the public PyPI": ({"tensorlane_interfaces": ["eth0"], "tensorlane_link_rate": "1gbit"},
                         "tensorlane is not published on the public PyPI"),
 }
