@@ -331,15 +331,17 @@ class HeldDevices:
             except links.LinkError as exc:
                 problems.append(str(exc))
         held = {(t.link.name, t.link.index, t.serves): t for t in self.takeovers}
-        for key in held.keys() - want.keys():
-            self._give_back(ipr, held[key], now)
-        for key in want.keys() - held.keys():
-            problem = self._take(ipr, want[key], key[2])
-            if problem:
-                problems.append(problem)
-        devices = [t.device() for t in self.takeovers]
-        if devices != self.rec.devices or index != self.rec.interfaces:
-            self.rec.follow(devices, index)
+        try:
+            for key in held.keys() - want.keys():
+                self._give_back(ipr, held[key], now)
+            for key in want.keys() - held.keys():
+                problem = self._take(ipr, want[key], key[2])
+                if problem:
+                    problems.append(problem)
+        finally:  # whatever failed: the pass applies trees to the devices held now, never to one given back
+            devices = [t.device() for t in self.takeovers]
+            if devices != self.rec.devices or index != self.rec.interfaces:
+                self.rec.follow(devices, index)
         return problems
 
     def _give_back(self, ipr, t: Takeover, now: dict[str, links.Link]) -> None:
@@ -398,6 +400,8 @@ class HeldDevices:
             t = _prepare_device(self.cfg, ipr, link, serves, self.kind)
         except (StartupError, ConfigError) as exc:
             return f"{link.name}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - (netlink: EBUSY, ENOBUFS, the device gone meanwhile) nothing changed
+            return f"{link.name}: reading its tree: {exc}"
         t.backend.set_shares(self.rec.shares)
         try:
             record(self.cfg, t)

@@ -156,6 +156,43 @@ def test_a_bonds_members_are_followed_as_they_leave_and_join(monkeypatch, tmp_pa
     assert calls == [("restore", "eth2")] and rec.devices == []  # eth4 is gone: nothing to restore on it
 
 
+def test_a_take_over_that_raises_does_not_keep_a_given_back_device_in_the_reconcilers_hands(monkeypatch, tmp_path):
+    """In one pass eth0 is renamed away (given back: its tree restored, its record removed) and eth1 comes, whose
+    tree cannot be read (a netlink error: EBUSY, ENOBUFS, the device gone meanwhile). The pass reports eth1 and
+    the reconciler no longer holds the renamed device. Before, the error left ``follow`` before the reconciler
+    was told: the pass put the agent's tree back on the renamed device, which was never restored (shown on veths
+    in a namespace: its tbf root lost for good)."""
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    from tensorlane.agent import daemon
+    from tensorlane.agent.config import Config
+    from tensorlane.agent.kernel.qdisc import HtbBackend
+    from tensorlane.agent.reconcile import Reconciler
+
+    calls = []
+
+    def prepare(cfg, ipr, link, serves, kind):
+        if link.name == "eth1":
+            raise NetlinkError(16, "Device or resource busy")
+        return daemon.Takeover(link, serves, HtbBackend(2, 10**9), None, False)
+
+    monkeypatch.setattr(daemon, "_prepare_device", prepare)
+    monkeypatch.setattr(daemon, "record", lambda cfg, t: calls.append(("record", t.link.name)))
+    monkeypatch.setattr(daemon, "take_over", lambda cfg, ipr, t: calls.append(("take", t.link.name)))
+    monkeypatch.setattr(daemon, "restore_device", lambda cfg, ipr, name, snap: calls.append(("restore", name)))
+    monkeypatch.setattr(daemon, "_root_handle", lambda ipr, index: 0x7A10000)
+    cfg = Config(interfaces=("eth0", "eth1"), link_rate_bps=10**9, state_dir=str(tmp_path))
+    first = [link_msg(1, "lo"), link_msg(2, "eth0")]
+    start = prepare(cfg, None, read_links(FakeIPRoute(first))["eth0"], "eth0", "htb")
+    rec = Reconciler([start.device()], (46, 26), {"eth0": 2, "eth1": 0}, FakeIPRoute(first), nft=object())
+    held = daemon.HeldDevices(cfg, "htb", ["eth0", "eth1"], rec)
+    held.takeovers.append(start)
+    problems = held.follow(FakeIPRoute([link_msg(1, "lo"), link_msg(2, "old0"), link_msg(3, "eth1")]))
+    assert calls == [("restore", "eth0")] and held.takeovers == []
+    assert problems[-1] == "eth1: reading its tree: (16, 'Device or resource busy')", problems
+    assert rec.devices == [] and rec.interfaces == {"eth0": 0, "eth1": 3}
+
+
 def test_a_device_whose_give_back_failed_keeps_its_record_where_no_new_device_overwrites_it(monkeypatch, tmp_path):
     """eth0 is renamed away and a new eth0 comes while the old device's restore fails: the old record is kept as
     ``agent-eth0:2.json`` (no device can have that name), found by its index, dropped once the device is held
