@@ -534,10 +534,17 @@ def take_over(cfg: Config, ipr: IPRoute, t: Takeover) -> None:
 
 
 def restore_device(cfg: Config, ipr: IPRoute, name: str, snap: snapshot.Snapshot) -> list[str]:
-    """Put device ``name``'s recorded tree ``snap`` back and clear its state file. Returns warnings."""
+    """Put device ``name``'s recorded tree ``snap`` back and clear its state file. Returns warnings. Raises OSError,
+    the state file kept (the only record of the original), when the device is here without the recorded root (a
+    refused or lost netlink request: the agent's root not deleted, or the original's not made again)."""
     warnings = snapshot.restore(snap, ipr)
     for w in warnings:
         log.warning("restore %s: %s", name, w)
+    root = _root_handle(ipr, snap.ifindex)  # None: the device is gone, and its tree with it
+    want = 0 if snap.root_is_default else snap.root.handle
+    if root is not None and root != want:
+        raise OSError(f"{name}'s root is {fmt_handle(root) if root else 'the default'}, not the recorded "
+                      f"{fmt_handle(want) if want else 'default'} ({'; '.join(warnings) or 'no error reported'})")
     try:
         state_path(cfg, name).unlink(missing_ok=True)
     except OSError as exc:  # (state_dir read-only): the device is restored; the next agent finds our tree gone
@@ -647,7 +654,11 @@ def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str
         if root == handle(MAJOR) or (root == 0 and _link_name(ipr, index) == state.get("interface")):
             log.warning("%s (index %d) was left taken over by an agent that is gone, and no configured interface is "
                         "it now (no longer configured, or renamed): restoring it", name, index)
-            restore_device(cfg, ipr, name, snap)
+            try:
+                restore_device(cfg, ipr, name, snap)
+            except Exception as exc:  # noqa: BLE001 - its record stays, for the next agent (nothing else changed)
+                log.error("restoring %s (index %d) failed: %s (its state file is kept)", name, index, exc)
+                continue
             restored.append(name)
         path.unlink(missing_ok=True)
     return restored

@@ -169,3 +169,49 @@ def test_a_killed_agents_record_on_a_default_root_is_restored_only_on_the_device
                          text=True, timeout=30)
     assert out.returncode == 0 and out.stdout.strip() == "['lo']", out
     assert list(tmp_path.glob("agent-*.json")) == []  # both records gone: one restored, one not its device's
+
+
+@pytest.mark.parametrize("left", [0, 0x7A10000], ids=["original-not-made", "ours-not-deleted"])
+def test_a_restore_that_did_not_put_the_root_back_keeps_the_record(monkeypatch, tmp_path, caplog, left):
+    """The device's recorded root (a tbf 1:) is not back after the restore: a request refused or lost on the way
+    (ENOBUFS, EBUSY), so the device keeps the kernel's default root, or the agent's, whose deletion the restore
+    does not check. The state file, the only record of the original, is kept (the caller strands it, or leaves
+    it to the next agent). Before, it was removed and ``restored`` logged: on veths in a namespace the tbf was lost
+    for good, or (the agent's root left) the next agent refused to start, its tree with no record. A record that
+    an agent's start-up finds for a device it does not manage stays too, and the start goes on."""
+    from tensorlane.agent.config import Config
+    from tensorlane.agent.kernel import snapshot
+
+    root = snapshot.TcObject("qdisc", 0x10000, snapshot.TC_H_ROOT, 0, [], "tbf")
+    snap = snapshot.Snapshot("tlx", 7, [root])
+    cfg = Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(tmp_path))
+    roots, works = {7: left}, []
+
+    def restore(snap, ipr):
+        if works:
+            roots[7] = 0x10000
+            return []
+        return ["restoring qdisc tbf 0x10000: ENOBUFS"]
+
+    monkeypatch.setattr(snapshot, "restore", restore)
+    monkeypatch.setattr(daemon, "_root_handle", lambda ipr, index: roots.get(index))
+    monkeypatch.setattr(daemon, "_link_name", lambda ipr, index: "tlx")
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)  # its pid names no process: the record's agent is gone
+    state = {"ifindex": 7, "interface": "tlx", "serves": "tlx", "backend": "htb", "pid": dead,
+             "snapshot": snap.to_json()}
+    daemon._save_state(cfg, "tlx", state)
+    with pytest.raises(OSError, match=r"tlx's root is .*, not the recorded 1: \(restoring qdisc tbf 0x10000: ENOBUFS"):
+        daemon.restore_device(cfg, None, "tlx", snap)
+    assert daemon.state_path(cfg, "tlx").exists()
+    with caplog.at_level(logging.ERROR, logger="tensorlane.agent"):
+        assert daemon.restore_orphans(cfg, None, []) == []
+    assert "restoring tlx (index 7) failed" in caplog.text and daemon.state_path(cfg, "tlx").exists()
+    works.append(True)  # put back now: the record goes
+    assert daemon.restore_orphans(cfg, None, []) == ["tlx"] and not daemon.state_path(cfg, "tlx").exists()
+    daemon._save_state(cfg, "tlx", state)
+    roots.clear()  # the device is gone, its tree with it: nothing to keep
+    daemon.restore_device(cfg, None, "tlx", snap)
+    assert not daemon.state_path(cfg, "tlx").exists()
