@@ -9,6 +9,7 @@ Usage: ``sys.exit(run(load_config(path)))``
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import grp
 import json
@@ -605,25 +606,40 @@ def _no_reload(*_) -> None:
 
 
 def _root_handle(ipr: IPRoute, index: int) -> int | None:
-    """The handle of the device's root qdisc (0: the kernel's default), or None when the device is gone."""
+    """The handle of the device's root qdisc (0: the kernel's default), or None when the device is gone. Raises
+    NetlinkError where a dump fails (ENOBUFS, EBUSY) and the device is here: taken for gone, its record was
+    dropped and the agent's tree left on it for good."""
     try:
         qdiscs = ipr.get_qdiscs(index=index)
     except NetlinkError:
-        return None
-    if not qdiscs:  # gone, or here and down with the kernel's noop root, which the dump leaves out
-        try:
-            ipr.link("get", index=index)
-        except NetlinkError:
+        if _gone(ipr, index):
             return None
-        return 0
+        raise
+    if not qdiscs:  # gone, or here and down with the kernel's noop root, which the dump leaves out
+        return None if _gone(ipr, index) else 0
     return next((q["handle"] for q in qdiscs if q["parent"] == snapshot.TC_H_ROOT), 0)
 
 
+def _gone(ipr: IPRoute, index: int) -> bool:
+    """Whether no device has ifindex ``index`` (the kernel answers ENODEV); another error is raised."""
+    try:
+        ipr.link("get", index=index)
+    except NetlinkError as exc:
+        if exc.code == errno.ENODEV:
+            return True
+        raise
+    return False
+
+
 def _link_name(ipr: IPRoute, index: int) -> str | None:
-    """The name of the device with ifindex ``index``, or None when there is none."""
+    """The name of the device with ifindex ``index``, or None when there is none (another error is raised)."""
     try:
         return ipr.link("get", index=index)[0].get_attr("IFLA_IFNAME")
-    except (NetlinkError, IndexError):
+    except NetlinkError as exc:
+        if exc.code == errno.ENODEV:
+            return None
+        raise
+    except IndexError:
         return None
 
 
@@ -648,18 +664,18 @@ def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str
             if mine[index] != name:
                 path.unlink(missing_ok=True)
             continue
-        root = _root_handle(ipr, index)
-        # ours; or the default root a restore stopped half-way at, on the device recorded (its name: an index can
-        # be another device's now, one moved in from another namespace keeps its index)
-        if root == handle(MAJOR) or (root == 0 and _link_name(ipr, index) == state.get("interface")):
-            log.warning("%s (index %d) was left taken over by an agent that is gone, and no configured interface is "
-                        "it now (no longer configured, or renamed): restoring it", name, index)
-            try:
+        try:
+            root = _root_handle(ipr, index)
+            # ours; or the default root a restore stopped half-way at, on the device recorded (its name: an index
+            # can be another device's now, one moved in from another namespace keeps its index)
+            if root == handle(MAJOR) or (root == 0 and _link_name(ipr, index) == state.get("interface")):
+                log.warning("%s (index %d) was left taken over by an agent that is gone, and no configured interface "
+                            "is it now (no longer configured, or renamed): restoring it", name, index)
                 restore_device(cfg, ipr, name, snap)
-            except Exception as exc:  # noqa: BLE001 - its record stays, for the next agent (nothing else changed)
-                log.error("restoring %s (index %d) failed: %s (its state file is kept)", name, index, exc)
-                continue
-            restored.append(name)
+                restored.append(name)
+        except Exception as exc:  # noqa: BLE001 - its record stays, for the next agent (nothing else changed)
+            log.error("restoring %s (index %d) failed: %s (its state file is kept)", name, index, exc)
+            continue
         path.unlink(missing_ok=True)
     return restored
 

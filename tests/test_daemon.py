@@ -215,3 +215,50 @@ def test_a_restore_that_did_not_put_the_root_back_keeps_the_record(monkeypatch, 
     roots.clear()  # the device is gone, its tree with it: nothing to keep
     daemon.restore_device(cfg, None, "tlx", snap)
     assert not daemon.state_path(cfg, "tlx").exists()
+
+
+def test_a_failed_dump_is_not_taken_for_a_device_gone(monkeypatch, tmp_path, caplog):
+    """A qdisc dump that fails (ENOBUFS) on a device that is here raises; ENODEV alone says it is gone. Before,
+    any error read as gone: a give-back removed the record and left the agent's tree on the device (shown on
+    veths in a namespace, ENOBUFS injected once: the renamed device kept 7a1: after the agent's exit, its tbf lost
+    for good), and the next agent's start dropped a killed agent's record the same way."""
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    from tensorlane.agent.config import Config
+    from tensorlane.agent.kernel import snapshot
+
+    class Ipr:
+        def __init__(self, qdiscs, link_error=None):
+            self.qdiscs, self.link_error = qdiscs, link_error
+
+        def get_qdiscs(self, index):
+            if isinstance(self.qdiscs, Exception):
+                raise self.qdiscs
+            return self.qdiscs
+
+        def link(self, cmd, index):
+            if self.link_error:
+                raise NetlinkError(self.link_error, os.strerror(self.link_error))
+            return [{"index": index}]
+
+    busy = NetlinkError(105, "No buffer space available")
+    with pytest.raises(NetlinkError, match="No buffer space"):
+        daemon._root_handle(Ipr(busy), 7)
+    assert daemon._root_handle(Ipr(busy, link_error=19), 7) is None  # ENODEV: gone
+    assert daemon._root_handle(Ipr(()), 7) == 0  # here, down, with the noop root the dump leaves out
+    assert daemon._root_handle(Ipr((), link_error=19), 7) is None
+    with pytest.raises(NetlinkError):
+        daemon._root_handle(Ipr((), link_error=105), 7)
+
+    cfg = Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(tmp_path))
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    daemon._save_state(cfg, "tlx", {"ifindex": 7, "interface": "tlx", "serves": "tlx", "backend": "htb",
+                                    "pid": dead, "snapshot": snapshot.Snapshot("tlx", 7).to_json()})
+    with caplog.at_level(logging.ERROR, logger="tensorlane.agent"):
+        assert daemon.restore_orphans(cfg, Ipr(busy), []) == []
+    assert "restoring tlx (index 7) failed" in caplog.text and daemon.state_path(cfg, "tlx").exists()
+    assert daemon.restore_orphans(cfg, Ipr(busy, link_error=19), []) == []  # gone: its record goes
+    assert not daemon.state_path(cfg, "tlx").exists()
