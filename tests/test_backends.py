@@ -28,6 +28,8 @@ class RecordingIPRoute:
         self.calls.append((command, kind, handle, kw))
         if command in ("add", "replace"):
             self.qdiscs[handle] = kind
+        elif command == "del" and kw.get("parent") == 0xFFFFFFFF:  # the root, and the tree under it
+            self.qdiscs.clear()
 
     def get_qdiscs(self, index=None):
         class Msg(dict):
@@ -92,6 +94,30 @@ def test_prio_backend_requests():
     assert backend.owns(ipr, 7)
     ipr.calls.clear()
     backend.apply(ipr, 7)  # in place: the root is replaced, not added again; leaves already there
+    assert [c[0] for c in ipr.calls] == ["replace"]
+
+
+def test_a_tree_of_the_other_backend_is_adopted_and_made_afresh():
+    """A killed agent's tree of the other backend (``backend = "auto"`` picks htb once ``link_rate`` is set) is
+    ours (the state file then keeps the original), and ``apply`` deletes it before making its own: the kernel
+    cannot change a qdisc's kind in place. Before, it was taken for a foreign root: with ``take_over_root`` it was
+    recorded as the original over the killed agent's record, and the take-over failed with EINVAL (emulated on a
+    veth with a tbf at 7a1:: the original tbf 1: lost for good, the 7a1: tree "restored")."""
+    ipr = RecordingIPRoute()
+    PrioBackend(levels=3).apply(ipr, 7)
+    htb = HtbBackend(levels=3, link_rate_bps=10**9)
+    assert htb.owns(ipr, 7)
+    ipr.calls.clear()
+    htb.apply(ipr, 7)
+    assert ipr.calls[0] == ("del", None, None, {"parent": 0xFFFFFFFF})  # (index: a parameter of its own)
+    assert ipr.calls[1][:3] == ("replace", "htb", 0x7A10000) and ipr.qdiscs[0x7A10000] == "htb"
+    prio = PrioBackend(levels=3)
+    assert prio.owns(ipr, 7)
+    ipr.calls.clear()
+    prio.apply(ipr, 7)
+    assert ipr.calls[0][0] == "del" and ipr.calls[1][:3] == ("replace", "prio", 0x7A10000)
+    ipr.calls.clear()
+    prio.apply(ipr, 7)  # its own kind: changed in place, nothing deleted
     assert [c[0] for c in ipr.calls] == ["replace"]
 
 

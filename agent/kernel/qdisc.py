@@ -128,7 +128,7 @@ class HtbBackend:
         """Create the tree, or bring an existing one of ours to the desired parameters in place; one of ours with
         another class layout (adopted from an agent of another ``levels``) is made afresh (:meth:`stale_layout`)."""
         qdiscs = ipr.get_qdiscs(index=index)
-        have = {q["handle"]: q.get_attr("TCA_KIND") for q in qdiscs}
+        have = _drop_other_kind(ipr, index, {q["handle"]: q.get_attr("TCA_KIND") for q in qdiscs}, "htb")
         if have.get(self.root) == "htb" and (why := self.stale_layout(ipr, index, qdiscs)):
             log.warning("the tensorlane tree on device %d has %s: making it afresh", index, why)
             ipr.tc("del", "htb", index=index, handle=self.root)
@@ -197,9 +197,8 @@ class HtbBackend:
         return (self.root, self.parent_class)
 
     def owns(self, ipr, index: int) -> bool:
-        """Whether the interface's root qdisc is one of ours."""
-        return any(q["parent"] == 0xFFFFFFFF and q["handle"] == self.root and q.get_attr("TCA_KIND") == "htb"
-                   for q in ipr.get_qdiscs(index=index))
+        """Whether the interface's root qdisc is one of ours (of either backend: :func:`owns_root`)."""
+        return owns_root(ipr, index)
 
 
 class PrioBackend:
@@ -231,7 +230,8 @@ class PrioBackend:
         return 1.0
 
     def apply(self, ipr, index: int) -> None:
-        have = {q["handle"]: q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index=index)}
+        have = _drop_other_kind(ipr, index, {q["handle"]: q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index=index)},
+                                "prio")
         bands = self.levels + 1
         # Unclassified traffic, whatever its TOS, goes to the default (last) band.
         opts = {"bands": bands, "priomap": [self.levels] * 16}
@@ -247,8 +247,26 @@ class PrioBackend:
         return (self.root,)
 
     def owns(self, ipr, index: int) -> bool:
-        return any(q["parent"] == 0xFFFFFFFF and q["handle"] == self.root and q.get_attr("TCA_KIND") == "prio"
-                   for q in ipr.get_qdiscs(index=index))
+        """Whether the interface's root qdisc is one of ours (of either backend: :func:`owns_root`)."""
+        return owns_root(ipr, index)
+
+
+def owns_root(ipr, index: int) -> bool:
+    """Whether device ``index``'s root qdisc is tensorlane's (handle ``7a1:``), of either backend's kind: an agent
+    killed with the other backend (``backend = "auto"`` picks htb once ``link_rate`` is set) left it, and its state
+    file records the original. Taken for a foreign root, it was recorded as the original over that record."""
+    return any(q["parent"] == snapshot.TC_H_ROOT and q["handle"] == handle(MAJOR) for q in ipr.get_qdiscs(index=index))
+
+
+def _drop_other_kind(ipr, index: int, have: dict[int, str], kind: str) -> dict[int, str]:
+    """Delete device ``index``'s tensorlane root of another kind than ``kind`` (the other backend's, adopted): the
+    kernel cannot change a qdisc's kind in place (EINVAL). Returns ``have`` (handle -> kind), emptied then."""
+    other = have.get(handle(MAJOR))
+    if other is None or other == kind:
+        return have
+    log.warning("the tensorlane root on device %d is %s, not %s: making it afresh", index, other, kind)
+    ipr.tc("del", index=index, parent=snapshot.TC_H_ROOT)
+    return {}
 
 
 def _chain(msg) -> int:
