@@ -660,10 +660,8 @@ def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str
             continue  # not ours to judge (an older agent's file without a pid, or unreadable): left as it is
         if pid != os.getpid() and Path(f"/proc/{pid}").exists():
             continue  # another running agent's
-        if index in mine:  # a device the plan holds (its record adopted): recorded again under its name now
-            if mine[index] != name:
-                path.unlink(missing_ok=True)
-            continue
+        if index in mine:  # a device the plan holds (its record adopted): recorded again under its name, then this
+            continue       # record goes (drop_superseded), not before: a failed write would have lost the only one
         try:
             root = _root_handle(ipr, index)
             # ours; or the default root a restore stopped half-way at, on the device recorded (its name: an index
@@ -678,6 +676,21 @@ def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str
             continue
         path.unlink(missing_ok=True)
     return restored
+
+
+def drop_superseded(cfg: Config, t: Takeover) -> None:
+    """Remove the records of ``t``'s device under other names (renamed while no agent ran, or a stranded one's:
+    adopted with that record), once its own is written (:func:`record`). A running agent's are left alone."""
+    for name, path in _state_files(cfg):
+        if name == t.link.name:
+            continue
+        try:
+            state = json.loads(path.read_text())
+            pid, index = int(state["pid"]), int(state["ifindex"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if index == t.link.index and (pid == os.getpid() or not Path(f"/proc/{pid}").exists()):
+            path.unlink(missing_ok=True)
 
 
 def _describe(egress: list[links.Egress]) -> str:
@@ -726,6 +739,7 @@ def _run(cfg: Config) -> int:
                 except OSError as exc:
                     raise StartupError(f"cannot write the state file of {t.link.name} in {cfg.state_dir}: {exc}; "
                                        "nothing was changed on it") from None
+                drop_superseded(cfg, t)
                 touched.append(t)
                 take_over(cfg, ipr, t)
             installed = True

@@ -262,3 +262,34 @@ def test_a_failed_dump_is_not_taken_for_a_device_gone(monkeypatch, tmp_path, cap
     assert "restoring tlx (index 7) failed" in caplog.text and daemon.state_path(cfg, "tlx").exists()
     assert daemon.restore_orphans(cfg, Ipr(busy, link_error=19), []) == []  # gone: its record goes
     assert not daemon.state_path(cfg, "tlx").exists()
+
+
+def test_a_record_adopted_under_an_old_name_stays_until_the_new_one_is_written(monkeypatch, tmp_path):
+    """eth0 was renamed from old0 while no agent ran: the start adopts old0's record. Its state file cannot be
+    written (ENOSPC): the old record stays (the start changed nothing); written, the old one goes. Before,
+    restore_orphans removed it before the write: on veths in a namespace the failed start left the adopted tree
+    with no record, and every later agent refused to start ('a tensorlane root qdisc but no state file'), the
+    original lost."""
+    from tensorlane.agent.config import Config
+    from tensorlane.agent.kernel import snapshot
+    from tensorlane.agent.kernel.links import Egress, Link
+    from tensorlane.agent.kernel.qdisc import HtbBackend
+
+    cfg = Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(tmp_path))
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    daemon._save_state(cfg, "old0", {"ifindex": 2, "interface": "old0", "serves": "old0", "backend": "htb",
+                                     "pid": dead, "snapshot": snapshot.Snapshot("old0", 2).to_json()})
+    link = Link("eth0", 2)
+    plan = [daemon.Takeover(link, "eth0", HtbBackend(2, 10**9), snapshot.Snapshot("old0", 2), True)]
+    record = daemon.record
+    monkeypatch.setattr(daemon, "prepare", lambda cfg, ipr: ("htb", [Egress("eth0", 2, (link,))], plan))
+    monkeypatch.setattr(daemon, "record", lambda cfg, t: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(daemon.StartupError, match="cannot write the state file of eth0"):
+        daemon._run(cfg)
+    assert [p.name for p in tmp_path.glob("agent-*.json")] == ["agent-old0.json"]
+    record(cfg, plan[0])
+    daemon.drop_superseded(cfg, plan[0])
+    assert [p.name for p in tmp_path.glob("agent-*.json")] == ["agent-eth0.json"]
