@@ -165,6 +165,22 @@ def test_queries_and_rules_name_only_metrics_the_agent_exports(kernel):  # noqa:
     assert used and not used - exported, f"not exported by the agent: {sorted(used - exported)}"
 
 
+def test_the_refusals_the_alert_counts_start_at_zero():
+    """TensorlaneRegistrationsRefused takes ``increase()`` of each refusal's series, which misses a series' first
+    count: every outcome its matcher names is a series from the agent's start, at zero (until 2026-11-27 only
+    ``ok`` was, so the first refusals of each kind after a start were not counted)."""
+    from tensorlane.agent.metrics import make_registry
+    from tensorlane.agent.metrics.api import REGISTER_REFUSALS
+
+    rules = (DASHBOARDS / "rules.yml").read_text()
+    matcher = re.search(r'op="register",\s*outcome=~"([^"]+)"', rules)
+    assert matcher and set(matcher.group(1).split("|")) == set(REGISTER_REFUSALS), matcher
+    registry, _ = make_registry(fake_api())
+    text = generate_latest(registry).decode()
+    for outcome in REGISTER_REFUSALS:
+        assert f'tensorlane_api_requests_total{{op="register",outcome="{outcome}"}} 0.0' in text, outcome
+
+
 def test_queries_and_rules_use_only_labels_their_metrics_have(kernel):  # noqa: F811
     """A label matcher of a selector names a label of that metric, and a ``by``/``on``/``group_left`` list names a
     label of the metrics the expression reads (a recording rule's through its own expression), or ``job`` and

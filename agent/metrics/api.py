@@ -18,6 +18,9 @@ from tensorlane.agent.metrics import names
 from tensorlane.agent.metrics.base import Source, without_created
 from tensorlane.agent.protocol import OPS
 
+# The refusals of a registration (the protocol's error codes of ``register``), started at zero with each agent:
+# the alert TensorlaneRegistrationsRefused takes increase() of each, which misses a series' first count.
+REGISTER_REFUSALS = ("forbidden", "limit", "not_owner", "foreign_netns", "bad_level", "bad_flow", "bad_job")
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -34,6 +37,8 @@ class ApiSource(Source):
         for op in OPS:  # every op starts at zero, so that the first request is an increase Prometheus sees
             self.requests.labels(op, "ok")
             self.duration.labels(op)
+        for outcome in REGISTER_REFUSALS:  # and so do the refusals the alert counts
+            self.requests.labels("register", outcome)
         api.observers.append(self.observe)
 
     def observe(self, op: str, outcome: str, seconds: float) -> None:
