@@ -735,6 +735,45 @@ def test_http_server_serves_metrics_and_health(kernel):
         server.close()
 
 
+def test_http_server_bounds_idle_and_broken_clients(kernel, monkeypatch, capfd):
+    """Any local user can connect to the metrics address: idle connections held a thread and a file descriptor
+    each, for ever (some thousand took the agent's open files, and its API socket then accepted no one), and each
+    reset connection printed a traceback. Now at most MAX_CLIENTS are served at once, the rest closed at once; a
+    silent client goes after the handler's timeout; resets are logged, bounded, without tracebacks."""
+
+    from tensorlane.agent import metrics
+
+    monkeypatch.setattr(metrics._ThreadingServer, "MAX_CLIENTS", 3, raising=False)
+    monkeypatch.setattr(metrics._Handler, "timeout", 0.5)
+    server = start_metrics_server("127.0.0.1:0", fake_api())
+    host, port = server.httpd.server_address
+    threads = threading.active_count()
+    idle = []
+    try:
+        for _ in range(20):
+            s = socket.create_connection((host, port), timeout=5)
+            idle.append(s)
+        time.sleep(0.2)
+        assert threading.active_count() <= threads + 3  # (before: one thread per connection)
+        closed = sum(s.recv(1) == b"" for s in idle[3:])
+        assert closed == 17  # refused at once
+        t0 = time.monotonic()
+        assert all(s.recv(1) == b"" for s in idle[:3])  # the silent ones: dropped after the timeout
+        assert time.monotonic() - t0 < 3
+        for _ in range(10):  # a request line cut short by a reset
+            with socket.create_connection((host, port), timeout=5) as s:
+                s.sendall(b"GET /metr")
+                time.sleep(0.01)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        time.sleep(0.3)
+        assert get(f"http://{server.address}/metrics")[0] == 200  # served again
+        assert "Traceback" not in capfd.readouterr().err
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+
+
 def test_health_turns_503_when_reconcile_passes_stop():
     api = fake_api()
     now = [0.0]

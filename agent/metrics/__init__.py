@@ -22,6 +22,7 @@ import ipaddress
 import json
 import logging
 import socket
+import sys
 import threading
 import time
 from socketserver import ThreadingMixIn
@@ -30,6 +31,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import GCCollector, PlatformCollector, ProcessCollector, make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from tensorlane.agent.logs import RefusalLog
 from tensorlane.agent.metrics import names
 from tensorlane.agent.metrics.api import ApiSource
 from tensorlane.agent.metrics.base import Scrape, Source
@@ -147,17 +149,66 @@ def make_app(registry: CollectorRegistry, health: Health):
 
 
 class _Handler(WSGIRequestHandler):
-    """The request handler, without an access log."""
+    """The request handler, without an access log; a client silent for ``timeout`` seconds is dropped."""
+
+    timeout = 10.0  # (a socket timeout for each read and write: an idle client does not keep its thread)
 
     def log_message(self, *args):
         """No access log on the agent's stderr."""
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    """One daemon thread per request; the address may be reused at once."""
+    """One daemon thread per request, at most ``MAX_CLIENTS`` at once (beyond, a connection is closed at once);
+    the address may be reused at once.
+
+    Any local user can connect to the metrics address. Unbounded, every idle connection held a thread and a file
+    descriptor of the agent for ever: some thousand of them took the agent's open files, and its API socket then
+    accepted no one, root included. A client error (a reset, a timeout) is logged at most once per 10 s, not as a
+    traceback on stderr per connection."""
 
     daemon_threads = True
+    block_on_close = False  # (close() does not wait for clients that are slow to go)
     allow_reuse_address = True
+    MAX_CLIENTS = 16
+
+    def server_activate(self):
+        """Listen, and make the slots of the concurrent clients."""
+        super().server_activate()
+        self.slots = threading.BoundedSemaphore(self.MAX_CLIENTS)
+        self.refusals = RefusalLog(log, 10.0)
+        self.log_lock = threading.Lock()  # (the refusal log is noted from the clients' threads)
+
+    def process_request(self, request, client_address):
+        """Serve ``request`` in a thread if a slot is free, else close it (counted in the log)."""
+        if not self.slots.acquire(blocking=False):
+            self._note("metrics busy", logging.WARNING, "closed a metrics connection from %s: %d clients are served "
+                       "already", client_address[0], self.MAX_CLIENTS)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except RuntimeError as exc:  # (no thread could start): the slot is free again
+            self.slots.release()
+            self._note("metrics thread", logging.WARNING, "cannot serve a metrics request: %s", exc)
+            self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address):
+        """Serve, then free the slot."""
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request, client_address):
+        """A client that reset, timed out or sent garbage: one bounded log line, no traceback."""
+        exc = sys.exc_info()[1]
+        self._note("metrics client error", logging.INFO, "metrics request from %s failed: %s: %s", client_address[0],
+                   type(exc).__name__, exc)
+
+    def _note(self, reason: str, level: int, msg: str, *args) -> None:
+        """Log through the bounded refusal log (noted from the clients' threads too)."""
+        with self.log_lock:
+            self.refusals.note(reason, level, msg, *args)
 
 
 class MetricsServer:
