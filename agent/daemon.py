@@ -144,29 +144,47 @@ def check_privileges() -> None:
                            "and the qdisc probe's network namespace need them); nothing was changed")
 
 
-def lock_state_dir(cfg: Config) -> int:
-    """Hold a lock on ``state_dir`` (the directory itself: nothing is left behind) for this agent's life (the
-    returned descriptor): a second agent with the same ``state_dir`` (the same config run by hand beside the
-    service) would adopt the running agent's trees, take its socket and fight its reconciler over every flow.
-    Nothing changed on failure."""
-    import fcntl
+STATE_LOCK = "agent.lock"  # the file in state_dir an agent holds its lock on (only the agent's user can open it)
 
+
+def lock_state_dir(cfg: Config) -> int:
+    """Hold a lock on ``state_dir`` for this agent's life (the returned descriptor): a second agent with the same
+    ``state_dir`` (the same config run by hand beside the service) would adopt the running agent's trees, take its
+    socket and fight its reconciler over every flow. Nothing changed on failure.
+
+    The lock is on the file ``state_dir/agent.lock``, mode 0600, which only the agent's user can open. It was on
+    the directory itself, which any user who may read it (``/run/tensorlane`` is 0755) can open and lock as well: a
+    user waiting in ``flock`` got the lock the moment the agent exited and kept every later agent from starting
+    ("another tensorlane agent (pid unknown) runs")."""
+    import fcntl
+    import stat
+
+    path = os.path.join(cfg.state_dir, STATE_LOCK)
     try:
         os.makedirs(cfg.state_dir, exist_ok=True)
-        fd = os.open(cfg.state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
     except OSError as exc:
         raise StartupError(f"state_dir {cfg.state_dir} is not usable: {exc}") from None
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise StartupError(f"{path} is not a file of this agent's user (uid {st.st_uid}): someone else made it, "
+                               f"and could hold the lock; remove it, and keep {cfg.state_dir} writable by root only")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, 0o600)  # (no one else may open it: a reader could lock it too)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         pids = set()
-        for _device, path in _state_files(cfg):
+        for _device, state in _state_files(cfg):
             with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):
-                pids.add(str(int(json.loads(path.read_text())["pid"])))
+                pids.add(str(int(json.loads(state.read_text())["pid"])))
         raise StartupError(f"another tensorlane agent (pid {', '.join(sorted(pids)) or 'unknown'}) runs with "
                            f"state_dir {cfg.state_dir}; stop it first (two agents would fight over the same "
                            "devices)") from None
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 

@@ -293,3 +293,43 @@ def test_a_record_adopted_under_an_old_name_stays_until_the_new_one_is_written(m
     record(cfg, plan[0])
     daemon.drop_superseded(cfg, plan[0])
     assert [p.name for p in tmp_path.glob("agent-*.json")] == ["agent-eth0.json"]
+
+
+def test_a_reader_of_state_dir_cannot_hold_the_agents_lock(tmp_path):
+    """The state_dir lock was a flock on the directory, which any user who may read it (/run/tensorlane is 0755)
+    can open and lock too: one waiting in flock got it the moment the agent exited, and no agent started again
+    ("another tensorlane agent (pid unknown)"). The lock is on ``agent.lock`` now, mode 0600: the directory's
+    flock stops nothing; a second agent is still refused; a lock file that is a link or not the agent's is refused."""
+    import fcntl
+
+    from tensorlane.agent.config import Config
+
+    cfg = Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(tmp_path / "state"))
+    os.makedirs(cfg.state_dir)
+    squat = os.open(cfg.state_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(squat, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what any reader of the directory could do
+        fd = daemon.lock_state_dir(cfg)
+    finally:
+        os.close(squat)
+    try:
+        st = os.stat(os.path.join(cfg.state_dir, daemon.STATE_LOCK))
+        assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
+        with pytest.raises(daemon.StartupError, match="another tensorlane agent"):
+            daemon.lock_state_dir(cfg)
+    finally:
+        os.close(fd)
+    os.close(daemon.lock_state_dir(cfg))  # free again
+    lock = os.path.join(cfg.state_dir, daemon.STATE_LOCK)
+    os.unlink(lock)
+    os.symlink(str(tmp_path / "elsewhere"), lock)
+    with pytest.raises(daemon.StartupError, match="not usable"):
+        daemon.lock_state_dir(cfg)
+    assert not (tmp_path / "elsewhere").exists()
+    if os.geteuid() == 0:
+        os.unlink(lock)
+        with open(lock, "w"):
+            pass
+        os.chown(lock, 65534, 65534)
+        with pytest.raises(daemon.StartupError, match="not a file of this agent's user"):
+            daemon.lock_state_dir(cfg)
