@@ -2,7 +2,8 @@
 
 A client may register only flows of its own sockets: a TCP flow must be an established connection of the
 process with exactly that 5-tuple; a UDP flow needs a socket of the process bound to the source address and
-port (connected to the destination, or not connected at all). "Its own sockets" are the ``socket:[INODE]``
+port, or to the wildcard address of the flow's family (``0.0.0.0`` for IPv4, ``::`` for IPv6), connected to the
+destination or not connected at all. "Its own sockets" are the ``socket:[INODE]``
 links in ``/proc/PID/fd``; they count only if they are sockets of the AGENT's network namespace: asked of the
 kernel by 5-tuple through the agent's own sock_diag socket (``agent/kernel/sockdiag.py``), or found in that
 namespace's tables (``/proc/self/net/{tcp,udp}{,6}`` read by the agent; the sweep reads them once per pass).
@@ -121,6 +122,16 @@ def _by_port(sockets: Iterable[Socket]) -> dict[tuple[str, int], list[Socket]]:
     return index
 
 
+def _wildcard_of(laddr: str, src: str) -> bool:
+    """Whether ``laddr`` is the wildcard address of ``src``'s family: ``0.0.0.0`` for an IPv4 source, ``::`` for
+    an IPv6 one. A wildcard of the other family is not (an IPv4 socket bound to ``0.0.0.0:P`` sends no IPv6; an
+    IPv6 one bound to ``[::]:P`` sends IPv4 only when it is not IPV6_V6ONLY, which the tables do not say): with
+    any wildcard, a user's socket on port P owned every UDP flow of port P of the other family, so it could
+    register another user's flow (a socket of that family on the same port, which the kernel lets coexist) at the
+    least urgent level first, and the owner's own registration was refused ``conflict``."""
+    return _unspecified(laddr) and (":" in laddr) == (":" in src)
+
+
 def _owns(key: FlowKey, candidates: Iterable[Socket]) -> bool:
     for proto, laddr, lport, raddr, rport, state in candidates:
         if proto != key.proto or lport != key.sport:
@@ -128,7 +139,7 @@ def _owns(key: FlowKey, candidates: Iterable[Socket]) -> bool:
         if key.proto == "tcp":
             if state == TCP_ESTABLISHED and (laddr, raddr, rport) == (key.src, key.dst, key.dport):
                 return True
-        elif (laddr == key.src or _unspecified(laddr)) and (
+        elif (laddr == key.src or _wildcard_of(laddr, key.src)) and (
                 (raddr, rport) == (key.dst, key.dport) or (_unspecified(raddr) and rport == 0)):
             return True
     return False

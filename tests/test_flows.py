@@ -1,6 +1,7 @@
 """shim.flows on loopback with real sockets (no privileges, no torch)."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -258,3 +259,30 @@ def test_sweep_chooses_lookups_by_the_namespaces_socket_count(monkeypatch):
     assert ownership.lookups_cheaper(20000 // ownership.ROWS_PER_LOOKUP)
     monkeypatch.setattr(ownership, "tcp_rows", lambda proc="self": 300)
     assert not ownership.lookups_cheaper(ownership.EXACT_LOOKUPS_MAX + 1)
+
+
+def test_a_udp_wildcard_socket_owns_flows_of_its_own_family_only():
+    """An unconnected UDP socket bound to a wildcard owns the UDP flows of its port, but only of its family. Before,
+    a user's socket on 0.0.0.0:P owned the IPv6 flow of another user's socket on [fd00::1]:P (and an IPV6_V6ONLY
+    socket on [::]:P the IPv4 flow of one on 198.18.0.1:P): the kernel lets those sockets coexist, so the user
+    could register the other's flow first at the least urgent level, and the owner was refused ``conflict``."""
+    from tensorlane.agent.ownership import not_owned, owns
+    from tensorlane.agent.protocol import FlowKey
+
+    v4 = FlowKey("udp", "198.18.0.1", 5555, "198.18.0.2", 6666)
+    v6 = FlowKey("udp", "fd00::1", 5555, "fd00::2", 6666)
+    any4 = [("udp", "0.0.0.0", 5555, "0.0.0.0", 0, 7)]
+    any6 = [("udp", "::", 5555, "::", 0, 7)]
+    assert owns(v4, any4) and not owns(v6, any4)
+    assert owns(v6, any6) and not owns(v4, any6)
+    assert owns(v4, [("udp", "198.18.0.1", 5555, "198.18.0.2", 6666, 1)])  # bound and connected: as before
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s4, \
+            socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s6:
+        s4.bind(("0.0.0.0", 0))
+        port = s4.getsockname()[1]
+        s6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        s6.bind(("::", port))  # (the kernel lets the two share the port)
+        mine4, mine6 = v4._replace(sport=port), v6._replace(sport=port)
+        assert not_owned(os.getpid(), [mine4, mine6]) == []  # each by the socket of its family
+        s6.close()
+        assert not_owned(os.getpid(), [mine4, mine6]) == [mine6]  # the IPv4 socket does not own the IPv6 flow
