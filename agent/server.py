@@ -34,6 +34,7 @@ import os
 import resource
 import selectors
 import socket
+import stat
 import threading
 import time
 from collections import OrderedDict, deque
@@ -122,13 +123,7 @@ class Server:
             log.warning("open-file limit %d is below max_connections = %d: connections beyond it wait in the "
                         "listen backlog", fds, self.max_conns)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        if os.path.exists(path):
-            os.unlink(path)
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(path)
-        if group is not None:
-            os.chown(path, -1, grp.getgrnam(group).gr_gid)
-        os.chmod(path, mode)
+        self.listener = self._bind(path, mode, None if group is None else grp.getgrnam(group).gr_gid)
         self.listener.listen(128)
         self.listener.setblocking(False)
         self.sel = selectors.DefaultSelector()
@@ -143,6 +138,30 @@ class Server:
         self.refusals = api.refusal_log  # one bounded log for the server's and the API's refusals
         self.watched: dict[int, int] = {}  # pid -> pidfd
         api.server = self  # read by the metrics (agent/metrics/connections.py), from their threads
+
+    @staticmethod
+    def _bind(path: str, mode: int, gid: int | None) -> socket.socket:
+        """A Unix socket bound at ``path``, made with ``mode`` (and group ``gid``) by the bind itself: a stale
+        socket there is replaced; anything else is refused, not deleted. Before, a ``chmod`` and ``chown`` of the
+        path after the bind followed a symbolic link put there meanwhile (a socket directory others may write to):
+        root changed the mode of a file of the link's choosing; and any file at the path was deleted."""
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise OSError(errno.EEXIST, f"{path} exists and is not a socket: not removed; remove it or choose "
+                                            "another socket path")
+            os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o777 & ~mode)  # (the agent's one thread here: the metrics threads create no files)
+        try:
+            sock.bind(path)
+            if gid is not None:
+                os.chown(path, -1, gid, follow_symlinks=False)  # (a link put there since: the link's, not its target's)
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            os.umask(old)
+        return sock
 
     def serve(self, stop: threading.Event, every_s: float, periodic) -> None:
         """Serve until ``stop`` is set, calling ``periodic()`` every ``every_s`` seconds."""

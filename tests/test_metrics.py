@@ -1053,3 +1053,43 @@ def test_the_server_runs_a_reorder_a_report_held_back_when_it_is_due(kernel, ser
     server.api.reorder = reorder
     server.api.reorder_at = time.monotonic() + 0.3
     assert done.wait(5) and server.api.reorder_at is None
+
+
+def test_the_api_socket_is_made_with_its_mode_and_follows_no_link(monkeypatch, tmp_path):
+    """The socket file gets ``socket_mode`` (and ``socket_group``) from the bind itself. Before, the server bound,
+    then ran chown and chmod on the path, which follow a symbolic link someone put there meanwhile (a socket
+    directory others may write to): root gave the link's target the socket's mode. Here the link is put there
+    at the chown, the moment a racing user would need; the target keeps its mode. A file at the path that is not a
+    socket is refused, not deleted; a stale socket is replaced."""
+    import os
+    import stat
+
+    from tensorlane.agent import server as server_mod
+
+    cfg = from_dict({"interface": "eth0", "link_rate": "200mbit", "reconcile_interval_s": 1})
+    api = Api(cfg, FlowTable(4), FakeRec(4), "htb")
+    path, target = tmp_path / "agent.sock", tmp_path / "precious"
+    target.write_text("x")
+    target.chmod(0o600)
+    real_chown = os.chown
+
+    def racing_chown(p, uid, gid, **kw):
+        os.replace(str(tmp_path / "link"), p)  # the user's link takes the socket's place
+        return real_chown(p, uid, gid, **kw)
+
+    os.symlink(str(target), str(tmp_path / "link"))
+    monkeypatch.setattr(os, "chown", racing_chown)
+    server = server_mod.Server(api, str(path), 0o666, group="root")
+    server.close()
+    monkeypatch.setattr(os, "chown", real_chown)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+
+    server = server_mod.Server(api, str(path), 0o660)
+    assert stat.S_ISSOCK(path.lstat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o660
+    server.listener.close()  # (the socket file stays: stale)
+    server = server_mod.Server(api, str(path), 0o600)  # a stale socket is replaced
+    server.close()
+    path.write_text("not a socket")
+    with pytest.raises(OSError, match="is not a socket"):
+        server_mod.Server(api, str(path), 0o600)
+    assert path.read_text() == "not a socket"
