@@ -115,7 +115,10 @@ def _save_state(cfg: Config, device: str, state: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     try:
-        tmp.write_text(json.dumps(state))
+        tmp.unlink(missing_ok=True)  # (made afresh, through no link: the agent writes it as root)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644),
+                       "w") as fh:
+            fh.write(json.dumps(state))
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
@@ -162,6 +165,14 @@ def lock_state_dir(cfg: Config) -> int:
     path = os.path.join(cfg.state_dir, STATE_LOCK)
     try:
         os.makedirs(cfg.state_dir, exist_ok=True)
+        st = os.stat(cfg.state_dir)
+        wrong = ([f"owned by uid {st.st_uid}"] if st.st_uid != os.geteuid() else []) + (
+            ["writable by others"] if st.st_mode & 0o022 else [])
+        if wrong:  # (another user could plant records, which the agent restores onto devices, or links it writes)
+            raise StartupError(f"state_dir {cfg.state_dir} is {' and '.join(wrong)} (mode "
+                               f"{stat.S_IMODE(st.st_mode):04o}): the agent restores the trees its records there "
+                               "describe and writes them as root, so only its own user may write there; make it the "
+                               "agent user's, mode 0755")
         fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
     except OSError as exc:
         raise StartupError(f"state_dir {cfg.state_dir} is not usable: {exc}") from None

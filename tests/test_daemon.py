@@ -333,3 +333,25 @@ def test_a_reader_of_state_dir_cannot_hold_the_agents_lock(tmp_path):
         os.chown(lock, 65534, 65534)
         with pytest.raises(daemon.StartupError, match="not a file of this agent's user"):
             daemon.lock_state_dir(cfg)
+
+
+def test_a_state_dir_others_may_write_is_refused(tmp_path):
+    """The agent restores the trees its records in ``state_dir`` describe, and writes them there as root: a
+    directory others may write to (or another user's) let any user plant a record or a link. Refused at start,
+    before anything changes, naming what is wrong."""
+    from tensorlane.agent.config import Config
+
+    state = tmp_path / "state"
+    state.mkdir()
+    cfg = Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(state))
+    for mode in (0o777, 0o1777, 0o775):
+        state.chmod(mode)
+        with pytest.raises(daemon.StartupError, match="is writable by others"):
+            daemon.lock_state_dir(cfg)
+    state.chmod(0o755)
+    if os.geteuid() == 0:
+        os.chown(state, 65534, 65534)
+        with pytest.raises(daemon.StartupError, match="owned by uid 65534"):
+            daemon.lock_state_dir(cfg)
+        os.chown(state, 0, 0)
+    os.close(daemon.lock_state_dir(cfg))
