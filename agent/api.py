@@ -418,7 +418,7 @@ class Api:
         start = bisect.bisect_right(pids, self._swept_to)
         turn = (pids[start:] + pids[:start])[:SWEEP_OWNERS]
         self._swept_to = turn[-1]
-        gone = not_owned_by_owners({pid: sorted(by_pid[pid]) for pid in turn})
+        gone = not_owned_by_owners({pid: list(by_pid[pid]) for pid in turn})  # (unsorted: 50,000 cost 50 ms)
         gone = self.table.drop(gone)
         if gone:
             self._push([], [], gone)

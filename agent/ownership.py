@@ -21,7 +21,6 @@ Usage::
 """
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Iterable, Mapping
 
@@ -111,8 +110,14 @@ def sockets_of(pid: int, table: Mapping[int, Socket] | None = None) -> list[Sock
     return [table[i] for i in inodes if i in table]
 
 
+_UNSPECIFIED = frozenset({"0.0.0.0", "::"})  # as the socket tables' addresses are written (str of an ip_address)
+
+
 def _unspecified(addr: str) -> bool:
-    return ipaddress.ip_address(addr).is_unspecified
+    """Whether ``addr``, an address of the socket tables (``agent_sockets``: canonical text), is unspecified. A
+    string compare: parsing it per flow and socket was half of a sweep's cost (a user's one UDP socket can own
+    ``max_flows_per_user`` flows)."""
+    return addr in _UNSPECIFIED
 
 
 def _by_port(sockets: Iterable[Socket]) -> dict[tuple[str, int], list[Socket]]:
