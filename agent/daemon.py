@@ -155,11 +155,11 @@ def lock_state_dir(cfg: Config) -> int:
     ``state_dir`` (the same config run by hand beside the service) would adopt the running agent's trees, take its
     socket and fight its reconciler over every flow. Nothing changed on failure.
 
-    The lock is on the file ``state_dir/agent.lock``, mode 0600, which only the agent's user can open. It was on
+    The lock is on the file ``state_dir/agent.lock``, mode 0600, which only the agent's user can open (removed
+    as the agent exits: :func:`unlock_state_dir`). It was on
     the directory itself, which any user who may read it (``/run/tensorlane`` is 0755) can open and lock as well: a
     user waiting in ``flock`` got the lock the moment the agent exited and kept every later agent from starting
     ("another tensorlane agent (pid unknown) runs")."""
-    import fcntl
     import stat
 
     path = os.path.join(cfg.state_dir, STATE_LOCK)
@@ -173,9 +173,21 @@ def lock_state_dir(cfg: Config) -> int:
                                f"{stat.S_IMODE(st.st_mode):04o}): the agent restores the trees its records there "
                                "describe and writes them as root, so only its own user may write there; make it the "
                                "agent user's, mode 0755")
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+        for _ in range(3):  # (a file the agent before removed as it exited, after we opened it: open it afresh)
+            fd = _lock_file(cfg, path)
+            if fd is not None:
+                return fd
     except OSError as exc:
         raise StartupError(f"state_dir {cfg.state_dir} is not usable: {exc}") from None
+    raise StartupError(f"{path} keeps being replaced: is another agent starting and stopping with this state_dir?")
+
+
+def _lock_file(cfg: Config, path: str) -> int | None:
+    """Open, check and lock ``path`` (:func:`lock_state_dir`); None when it was removed or replaced meanwhile."""
+    import fcntl
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
@@ -184,6 +196,9 @@ def lock_state_dir(cfg: Config) -> int:
         if stat.S_IMODE(st.st_mode) & 0o077:
             os.fchmod(fd, 0o600)  # (no one else may open it: a reader could lock it too)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not _same_file(fd, path):
+            os.close(fd)
+            return None
     except BlockingIOError:
         os.close(fd)
         pids = set()
@@ -197,6 +212,29 @@ def lock_state_dir(cfg: Config) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not removed, not replaced)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def unlock_state_dir(cfg: Config, fd: int) -> None:
+    """Give the ``state_dir`` lock back, removing its file (nothing is left behind): removed while still held, so an
+    agent that opened it meanwhile finds it gone once it has the lock, and opens a new one (:func:`_lock_file`)."""
+    path = os.path.join(cfg.state_dir, STATE_LOCK)
+    try:
+        if _same_file(fd, path):
+            os.unlink(path)
+    except OSError as exc:  # (state_dir read-only by now): the file stays, harmless
+        log.warning("cannot remove %s: %s", path, exc)
+    finally:
+        os.close(fd)
 
 
 NETNS_LOCK = "tensorlane-agent"  # the abstract Unix socket an agent holds in its network namespace
@@ -746,7 +784,7 @@ def run(cfg: Config) -> int:
         with lock_netns() or contextlib.nullcontext():
             return _run(cfg)
     finally:
-        os.close(lock)
+        unlock_state_dir(cfg, lock)
 
 
 def _run(cfg: Config) -> int:

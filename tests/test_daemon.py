@@ -319,9 +319,15 @@ def test_a_reader_of_state_dir_cannot_hold_the_agents_lock(tmp_path):
             daemon.lock_state_dir(cfg)
     finally:
         os.close(fd)
-    os.close(daemon.lock_state_dir(cfg))  # free again
+    daemon.unlock_state_dir(cfg, daemon.lock_state_dir(cfg))  # free again
     lock = os.path.join(cfg.state_dir, daemon.STATE_LOCK)
-    os.unlink(lock)
+    assert not os.path.exists(lock)  # removed as the agent exits: nothing left behind
+    fd = daemon.lock_state_dir(cfg)
+    os.unlink(lock)  # (as an agent that exits does) while another opened it: that one locks the new file
+    other = daemon.lock_state_dir(cfg)
+    assert os.fstat(other).st_ino == os.stat(lock).st_ino
+    os.close(fd)
+    daemon.unlock_state_dir(cfg, other)
     os.symlink(str(tmp_path / "elsewhere"), lock)
     with pytest.raises(daemon.StartupError, match="not usable"):
         daemon.lock_state_dir(cfg)
