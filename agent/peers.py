@@ -18,12 +18,35 @@ import pwd
 import signal
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 
 from tensorlane.agent.protocol import ProtocolError
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5
+
+
+NAME_TTL_S = 10.0  # a uid's name is looked up again after this long (users renamed or added meanwhile)
+_names: dict[int, tuple[str, float]] = {}  # uid -> (name, when looked up)
+
+
+def user_name(uid: int) -> str:
+    """The name of ``uid`` (its number when it has none), remembered for ``NAME_TTL_S``: every connection asks it
+    (access, limits, log lines), and the passwd lookup was a quarter of the agent's work while one user connected
+    and closed in a loop, refused ``user_limit`` 25,000 times a second."""
+    now = time.monotonic()
+    hit = _names.get(uid)
+    if hit is not None and now - hit[1] < NAME_TTL_S:
+        return hit[0]
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = str(uid)
+    if len(_names) >= 4096:  # bounded: uids are many only on odd hosts
+        _names.clear()
+    _names[uid] = (name, now)
+    return name
 
 
 @dataclass(frozen=True)
@@ -36,10 +59,7 @@ class Peer:
 
     @property
     def user(self) -> str:
-        try:
-            return pwd.getpwuid(self.uid).pw_name
-        except KeyError:
-            return str(self.uid)
+        return user_name(self.uid)
 
     def groups(self) -> set[str]:
         """Names of the peer's groups: primary and supplementary, as the kernel recorded them at connect() (from

@@ -124,7 +124,7 @@ class Server:
                         "listen backlog", fds, self.max_conns)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self.listener = self._bind(path, mode, None if group is None else grp.getgrnam(group).gr_gid)
-        self.listener.listen(128)
+        self.listener.listen(socket.SOMAXCONN)  # (a full backlog refuses connect() with EAGAIN, root's too)
         self.listener.setblocking(False)
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.listener, READ, ("listen", None))

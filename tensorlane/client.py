@@ -14,6 +14,7 @@ import itertools
 import json
 import re
 import socket
+import time
 
 DEFAULT_SOCKET = "/run/tensorlane/agent.sock"
 MAX_MESSAGE_BYTES = 64 * 1024
@@ -64,7 +65,7 @@ class AgentClient:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(self.timeout)
             try:
-                s.connect(self.path)
+                self._connect(s)
             except PermissionError:
                 s.close()
                 raise AgentUnavailable(
@@ -78,6 +79,21 @@ class AgentClient:
                 raise AgentUnavailable(f"no agent at {self.path}: {exc}") from None
             self._sock = s
         return self
+
+    def _connect(self, s: socket.socket) -> None:
+        """Connect ``s``, waiting up to ``timeout`` while the agent's listen backlog is full: a Unix socket with a
+        timeout gets EAGAIN at once then, where a blocking one would wait (another user connecting in a loop filled
+        it, and three requests of root's in four failed ``Resource temporarily unavailable``)."""
+        deadline = time.monotonic() + (self.timeout if self.timeout is not None else 1e9)
+        pause = 0.001
+        while True:
+            try:
+                return s.connect(self.path)
+            except BlockingIOError:
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
 
     def close(self) -> None:
         if self._sock is not None:

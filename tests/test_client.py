@@ -102,3 +102,57 @@ def test_verify_names_what_keeps_the_capture_from_starting(monkeypatch, capsys):
     for bad in ("0", "-1", "nan", "soon"):
         with pytest.raises(SystemExit):
             main(["verify", "--seconds", bad])
+
+
+def fill_backlog(path: str) -> list[socket.socket]:
+    """Connections to the listener at ``path`` (which accepts none) until its backlog is full."""
+    fillers = []
+    for _ in range(64):
+        s = socket.socket(socket.AF_UNIX)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BlockingIOError:
+            s.close()
+            return fillers
+        fillers.append(s)
+    pytest.fail("the backlog never filled")
+
+
+def test_connect_waits_while_the_agents_backlog_is_full(tmp_path):
+    """A Unix socket with a timeout gets EAGAIN at once when the listener's backlog is full (a blocking one would
+    wait): another user connecting and closing in a loop filled the agent's backlog, and three of four of root's
+    requests failed "Resource temporarily unavailable". The client now waits up to its timeout for room."""
+    import time
+
+    path = str(tmp_path / "agent.sock")
+    with socket.socket(socket.AF_UNIX) as srv:
+        srv.bind(path)
+        srv.listen(1)
+        fillers = fill_backlog(path)
+
+        def drain():
+            time.sleep(0.3)
+            for _ in fillers:
+                srv.accept()[0].close()
+            conn, _ = srv.accept()
+            with conn:
+                assert conn.recv(1000).startswith(b'{"op":"hello"')
+                conn.sendall(b'{"id":1,"ok":true,"result":{"version":"x"}}\n')
+
+        t = threading.Thread(target=drain)
+        t.start()
+        try:
+            with AgentClient(path, timeout=3) as client:
+                assert client.request("hello") == {"version": "x"}
+        finally:
+            t.join(timeout=5)
+            for s in fillers:
+                s.close()
+        fillers = fill_backlog(path)  # nothing accepts now: refused after the timeout, not at once, not hung
+        t0 = time.monotonic()
+        with pytest.raises(AgentUnavailable, match="Resource temporarily unavailable"):
+            AgentClient(path, timeout=0.3).connect()
+        assert 0.25 < time.monotonic() - t0 < 2
+        for s in fillers:
+            s.close()

@@ -134,3 +134,23 @@ def test_a_peer_whose_pid_now_names_another_process_is_not_judged_by_its_sockets
                 deadline = time.monotonic() + 10
                 while os.waitpid(holder, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
                     time.sleep(0.01)
+
+
+def test_a_uids_name_is_looked_up_once_in_a_while(monkeypatch):
+    """Every connection asks its peer's name (access, limits, log lines): a user connecting and closing in a loop
+    made the passwd lookup a quarter of the agent's work. Names are remembered for ``NAME_TTL_S``."""
+    import pwd
+
+    from tensorlane.agent import peers
+
+    calls = []
+    real = pwd.getpwuid
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: calls.append(uid) or real(uid))
+    monkeypatch.setattr(peers, "_names", {})
+    clock = [100.0]
+    monkeypatch.setattr(peers.time, "monotonic", lambda: clock[0])
+    assert peers.Peer(1, 0, 0).user == "root" == peers.Peer(2, 0, 0).user
+    assert peers.Peer(3, 2**31 - 7, 0).user == str(2**31 - 7)  # no such user: its number
+    assert calls == [0, 2**31 - 7]
+    clock[0] += peers.NAME_TTL_S
+    assert peers.Peer(1, 0, 0).user == "root" and calls == [0, 2**31 - 7, 0]
