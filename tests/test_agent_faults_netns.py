@@ -411,7 +411,7 @@ def test_state_dir_read_only_or_full_mid_run(fz, fault):
     h1 = fz.host(1)
     st = "/run/tensorlane/fz-h1-state"
     os.makedirs(st, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", st], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0755", "tmpfs", st], check=True)
     add_veth(h1, "tlx", "10mbit")
     try:
         before = {dev: tc_dump(h1, dev) for dev in ("eth0", "tlx")}
