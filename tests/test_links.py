@@ -305,3 +305,28 @@ def test_a_large_tables_listing_is_kept_to_a_share_of_the_agents_time(monkeypatc
     SlowNft.fail_change = True  # the incremental change fails: the full pass lists at once
     rec.apply(table, [key], [], [])
     assert SlowNft.lists == 7  # listed, installed, listed again
+
+
+def test_statuss_marking_counters_are_listed_within_a_share_of_the_agents_time(monkeypatch):
+    """``status`` reads the chains' counters by listing the table, as slow as the pass's listing with many flows
+    (any user may ask): an answer is given again while younger than 1 / FLOW_CHECK_SHARE times its listing took."""
+    from tensorlane.agent import reconcile
+    from tensorlane.agent.kernel.qdisc import HtbBackend
+
+    clock = [1000.0]
+    monkeypatch.setattr(reconcile.time, "monotonic", lambda: clock[0])
+    listed = []
+
+    class SlowNft:
+        def run(self, commands):
+            listed.append(1)
+            clock[0] += 0.5
+            return {"nftables": [{"rule": {"chain": "level0", "expr": [{"counter": {"packets": len(listed),
+                                                                                    "bytes": 1}}]}}]}
+
+    rec = reconcile.Reconciler([], (46, 26), {}, None, nft=SlowNft(), layout=HtbBackend(2, 10**9))
+    assert rec.counters() == {0: {"packets": 1, "bytes": 1}}
+    clock[0] += 5.0
+    assert rec.counters() == {0: {"packets": 1, "bytes": 1}} and len(listed) == 1  # within 10 s of it
+    clock[0] += 0.5 / reconcile.FLOW_CHECK_SHARE
+    assert rec.counters() == {0: {"packets": 2, "bytes": 1}}
