@@ -678,6 +678,7 @@ class Handle:
         self.closed = False
         self.plan: dict = {}  # what the default policy decided (shim.plan), in stats()["plan"]
         self._recorder = None  # shim.plan.Recorder while the first iteration is being measured
+        self._unhooked: list = []  # overlap mode: parameters frozen at attach, without the gradient hook yet
 
     @property
     def link(self) -> AgentLink | None:
@@ -694,7 +695,9 @@ class Handle:
     # -- overlap mode plumbing ------------------------------------------------------------------------------
     def _install_overlap(self) -> None:
         opt, root = self.optimizer, self.model.module
-        params = [p for p in root.parameters() if p.requires_grad]
+        # every parameter, trainable now or not: one frozen after DDP was made (a backbone frozen for a warm-up) is
+        # in DDP's buckets, and once unfrozen its gradient, its deferred step and its uses are watched as the others'
+        params = list(root.parameters())
         owners = [m for m in root.modules() if any(True for _ in m.parameters(recurse=False))]
         holders: dict = {}
         for m in owners:
@@ -730,7 +733,10 @@ class Handle:
         self._hooks.append(self.model.register_forward_pre_hook(hook(self._disarm), prepend=True))
         self._hooks.append(self.model.register_forward_hook(hook(self._watch_grads)))
         for p in params:
-            self._hooks.append(p.register_hook(self._grad_seen(p)))
+            if p.requires_grad:
+                self._hooks.append(p.register_hook(self._grad_seen(p)))
+            else:  # (a tensor hook needs requires_grad): hooked once it is unfrozen, at a forward
+                self._unhooked.append(p)
         flush = hook(self._flush_hook)
         for m in [self.model, *owners] if root in owners else [self.model, root, *owners]:
             self._hooks.append(m.register_state_dict_pre_hook(flush))
@@ -876,9 +882,30 @@ class Handle:
                 d.guard.arm([p for p in state.options["params"] if id(p) in d.pending])
         return None
 
+    def _hook_unfrozen(self) -> None:
+        """Give the parameters frozen at attach and trainable now the gradient hook the others got at attach. Once
+        the probe is over, those DDP does not all-reduce (frozen when DDP was made: stepped at ``step()`` itself)
+        need none, and in hook mode none does: they leave the list, which then costs a forward nothing."""
+        state = self.state
+        if state.mode == "hook":
+            self._unhooked = []
+            return
+        bucketed = state.deferred.bucketed if state.mode == "overlap" else None
+        frozen = []
+        for p in self._unhooked:
+            if bucketed is not None and id(p) not in bucketed:
+                continue
+            if p.requires_grad:
+                self._hooks.append(p.register_hook(self._grad_seen(p)))
+            else:
+                frozen.append(p)
+        self._unhooked = frozen
+
     def _root_pre_forward(self, _module, _inputs) -> None:
         d = self.state.deferred
         self._disarm()  # also when the inner module is called directly
+        if self._unhooked:
+            self._hook_unfrozen()
         if self.state.mode == "overlap" and d.early:
             for p in self.state.options["params"]:
                 if id(p) in d.early:
@@ -939,6 +966,7 @@ class Handle:
             self._recorder.remove()
         for h in self._hooks:
             h.remove()
+        self._unhooked = []
         self._put_back("step", self._step_attr, self._own_step)
         self._put_back("zero_grad", self._zero_grad_attr, self._own_zero_grad)
         if d is not None:

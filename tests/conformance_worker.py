@@ -1454,6 +1454,48 @@ def _parameter_hooks(ctx: Ctx):
     plain_loop(ctx, model, opt)
 
 
+
+@idiom("unfreeze_late_grad_norm")
+def _unfreeze_late_grad_norm(ctx: Ctx):
+    """Fine-tuning: the first conv frozen after DDP is made and before attach (DDP all-reduces it: built with
+    find_unused_parameters=True), unfrozen at iteration 3; the total gradient norm logged from then on, between
+    backward() and step()."""
+    model = ctx.ddp(convnet(), find_unused_parameters=True)
+    model.module[0].requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        if step == WARMUP:
+            model.module[0].requires_grad_(True)
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if step >= WARMUP:
+            ctx.record("grad_norm", total_grad_norm(model))
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
+@idiom("unfreeze_late_ema")
+def _unfreeze_late_ema(ctx: Ctx):
+    """The same frozen-then-unfrozen first conv, with an EMA of the weights written by hand (a loop over the
+    parameters, in order) after every step(); the EMA is compared too."""
+    model = ctx.ddp(convnet(), find_unused_parameters=True)
+    model.module[0].requires_grad_(False)
+    ema = [p.detach().clone() for p in model.module.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+
+    def update(_step):
+        with torch.no_grad():
+            for e, p in zip(ema, model.module.parameters(), strict=True):
+                e.mul_(0.8).add_(p, alpha=0.2)
+    plain_loop(ctx, model, opt, after_step=update,
+               before_forward=lambda step: step == WARMUP and model.module[0].requires_grad_(True))
+    for e in ema:
+        ctx.record("ema", e)
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
