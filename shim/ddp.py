@@ -378,6 +378,8 @@ def priority_hook(state: ShimState, bucket):
 
     Usage: ``ddp.register_comm_hook(state, priority_hook)`` (state from ``attach`` or ``comm_state()``)
     """
+    if bucket.index() == 0 and _join_divides_by_active(state):  # (DDP launches bucket 0 first, on every rank)
+        raise RuntimeError(f"tensorlane: {JOIN_ACTIVE}")
     if state.closed:
         return _plain_allreduce(state, bucket)
     if state.groups is None:
@@ -420,6 +422,8 @@ def overlap_hook(state: ShimState, bucket):
     Usage: ``ddp.register_comm_hook(state, overlap_hook)`` (``attach(model, optimizer)`` does it)
     """
     d = state.deferred
+    if bucket.index() == 0 and _join_divides_by_active(state):
+        raise RuntimeError(f"tensorlane: {JOIN_ACTIVE}")
     if state.closed:
         return _plain_allreduce(state, bucket)
     if bucket.index() == 0 and state.mode != "hook" and _joining(state):  # DDP launches bucket 0 first
@@ -446,11 +450,35 @@ def overlap_hook(state: ShimState, bucket):
     return fut
 
 
+def _ddp_of(state: ShimState):
+    """The DDP model of ``attach`` (None for a state of ``comm_state()``, or once closed)."""
+    ddp = state.options.get("ddp")
+    ref = state.options.get("ddp_ref")
+    return ddp if ddp is not None or ref is None else ref()
+
+
 def _joining(state: ShimState) -> bool:
     """Whether the DDP model runs inside an enabled ``join()`` (``torch.distributed.algorithms.Join`` sets its
     ``_join_config`` on every rank when the context is made)."""
-    cfg = getattr(state.options.get("ddp"), "_join_config", None)
+    cfg = getattr(_ddp_of(state), "_join_config", None)
     return bool(getattr(cfg, "enable", False))
+
+
+JOIN_ACTIVE = ("DDP's join(divide_by_initial_world_size=False): once a rank has joined, plain DDP divides each "
+               "gradient by the number of ranks still training, which it does only without a communication hook "
+               "(any hook, the shim's as DDP's own, gets the bucket undivided, and cannot know that number); the shim "
+               "divides by the world size, so the steps after the first rank joins would differ from plain DDP's. "
+               "Nothing has been all-reduced in this iteration. Use join() with divide_by_initial_world_size=True (the "
+               "default), or do not attach")
+
+
+def _join_divides_by_active(state: ShimState) -> bool:
+    """Whether the DDP model runs inside a ``join(divide_by_initial_world_size=False)`` that can go on after a rank
+    has joined (``throw_on_early_termination=False``): plain DDP then divides by the ranks not joined yet."""
+    ddp = _ddp_of(state)
+    cfg = getattr(ddp, "_join_config", None)
+    return bool(getattr(cfg, "enable", False)) and not getattr(cfg, "throw_on_early_termination", False) \
+        and getattr(ddp, "_divide_by_initial_world_size", True) is False
 
 
 def _decide(state: ShimState) -> None:
@@ -1177,6 +1205,7 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
         raise ValueError(f"policy must be one of {PLANNER_POLICIES}, not {policy!r}")
     params = [p for p in model.module.parameters() if p.requires_grad]
     state = ShimState(None, dist.get_world_size(), {}, None, levels=levels, require_overlap=require_overlap)
+    state.options["ddp_ref"] = weakref.ref(model)  # (weak: DDP keeps the state for good, the model must go)
     _set_layer_levels(state, params, "layer_order" if policy == "planner" else policy)
     if partition_bytes is not None:
         element = params[0].element_size() if params else 4

@@ -483,6 +483,51 @@ def test_ddp_on_a_subgroup_is_refused_before_any_collective(tmp_path):
     assert "refused: shim.attach supports DDP over every rank of the default process group" in outs[0][0], outs
 
 
+JOIN_ACTIVE_SCRIPT = r"""
+import sys, torch, torch.distributed as dist
+from tensorlane import shim
+rank, mode = int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 2), rank=rank, world_size=2)
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+before = [p.detach().clone() for p in model.parameters()]
+if mode != "ddp":
+    shim.attach(model, opt if mode == "overlap" else None, levels=2, agent_socket="/nonexistent/tl.sock")
+try:
+    with model.join(divide_by_initial_world_size=False):
+        for step in range(3 - rank):  # rank 1 joins first: DDP divides the last step's gradient by 1
+            model(torch.ones(2, 4) * (step + rank)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    print("trained")
+except RuntimeError as exc:
+    same = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    print("refused:", "unchanged" if same else "changed", exc)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_join_dividing_by_the_active_ranks_is_refused(tmp_path):
+    """DDP's join(divide_by_initial_world_size=False) divides by the ranks still training, which DDP does only
+    without a comm hook (the shim's divides by the world size): both modes refuse on every rank at the first
+    backward inside it, before anything is all-reduced or stepped (until 2026-11-27 both trained on, silently
+    apart from DDP once a rank had joined)."""
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    for mode in ("ddp", "hook", "overlap"):
+        store = str(tmp_path / f"store-{mode}")
+        procs = [subprocess.Popen([sys.executable, "-c", JOIN_ACTIVE_SCRIPT, store, str(r), mode],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for r in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert all(p.returncode == 0 for p in procs), outs
+        for out, _err in outs:
+            if mode == "ddp":
+                assert "trained" in out, outs
+            else:
+                assert "refused: unchanged" in out and "divide_by_initial_world_size=False" in out, (mode, outs)
+
 def test_option_values_that_mean_nothing_are_refused():
     from tensorlane.shim.ddp import _check_levels
 
