@@ -707,6 +707,7 @@ class Handle:
         self.plan: dict = {}  # what the default policy decided (shim.plan), in stats()["plan"]
         self._recorder = None  # shim.plan.Recorder while the first iteration is being measured
         self._unhooked: list = []  # overlap mode: parameters frozen at attach, without the gradient hook yet
+        self._forward_watch = None  # overlap mode: ov.ForwardWatch, on the mode stack during the probe's forwards
 
     @property
     def link(self) -> AgentLink | None:
@@ -760,6 +761,11 @@ class Handle:
         self._hooks.append(root.register_forward_pre_hook(hook(self._root_pre_forward), prepend=True))
         self._hooks.append(self.model.register_forward_pre_hook(hook(self._disarm), prepend=True))
         self._hooks.append(self.model.register_forward_hook(hook(self._watch_grads)))
+        # the probe's forward: parameters used before their module's forward (not where torch.compile runs modules:
+        # a mode on the stack changes what dynamo runs in that forward, and there every parameter is applied early)
+        if not any(hasattr(m, "_orig_mod") for m in root.modules()):
+            self._forward_watch = ov.ForwardWatch(d)
+            self._hooks.append(root.register_forward_hook(hook(self._end_forward_watch)))
         for p in params:
             if p.requires_grad:
                 self._hooks.append(p.register_hook(self._grad_seen(p)))
@@ -929,11 +935,18 @@ class Handle:
                 frozen.append(p)
         self._unhooked = frozen
 
+    def _end_forward_watch(self, *_args) -> None:
+        if self._forward_watch is not None:
+            self._forward_watch.pop()
+
     def _root_pre_forward(self, _module, _inputs) -> None:
         d = self.state.deferred
         self._disarm()  # also when the inner module is called directly
         if self._unhooked:
             self._hook_unfrozen()
+        if self.state.mode == "probing" and self._forward_watch is not None:
+            self._forward_watch.pop()  # (left by a forward that raised)
+            self._forward_watch.push()
         if self.state.mode == "overlap" and d.early:
             for p in self.state.options["params"]:
                 if id(p) in d.early:
@@ -984,6 +997,7 @@ class Handle:
         except RuntimeError as exc:  # a refusal was raised already: clean up all the same
             warnings.warn(f"tensorlane: close() dropped updates it could not apply exactly: {exc}", stacklevel=2)
         self._disarm()  # the guard and the gradient watch off this thread's mode stack
+        self._end_forward_watch()
         d = self.state.deferred
         if d is not None:
             for pend in {id(p): p for p in d.pending.values()}.values():

@@ -23,8 +23,9 @@ What overlap mode cannot reproduce, and how it is caught:
   raises at that ``step()``, before the update it concerns is applied (seen by version, identity, or a
   ``GradScaler`` caller).
 - a parameter used in a forward pass before its module's forward pre-hook ran (a parameter of one module used
-  functionally by another): parameters seen so in the probe are applied at the start of every forward; one that
-  is caught so later raises.
+  functionally by another, or read by a parent before its module runs): parameters seen so in the probe (a
+  :class:`ForwardWatch` on its forward) are applied at the start of every forward; one that is caught so later
+  raises (where its use saved it for backward, or its module did not run).
 - ``step()`` without a synchronized ``backward()`` since the previous one (a step after ``no_sync`` only, or two
   steps on one gradient) raises. A ``backward()`` with no ``step()`` afterwards (accumulation without ``no_sync``, a
   step skipped with the gradients kept) keeps DDP's semantics: at the first gradient of the next backward the
@@ -637,6 +638,44 @@ class GradWatch(TorchFunctionMode):
                     any(id(t) in self.ids for t in _tensors(args, kwargs)):
                 self.unwatch()
                 self.on_read()
+        return func(*args, **kwargs)
+
+
+class ForwardWatch(TorchFunctionMode):
+    """While probing, during the model's forward: notes (in ``deferred.early``) each parameter that a torch operation
+    uses before any module holding it has begun its forward in this pass -- a parent reading a child's weight first
+    (a statistic under ``no_grad``, an embedding looked up in an output layer's weight), or a module's parameter used
+    by another that runs first. In overlap mode that use would come before the module's forward pre-hook applies
+    the parameter's step, and nothing raises where the use saves no tensor for backward: such parameters are
+    applied at the start of every forward instead. One Python call per operation, in the probe's forward only.
+
+    Usage: ``watch = ForwardWatch(deferred); watch.push()`` at the root's pre-forward; ``watch.pop()`` at its end
+    """
+
+    def __init__(self, deferred):
+        super().__init__()
+        self.deferred = deferred
+        self.thread: int | None = None
+
+    def push(self) -> None:
+        if self.thread is None:
+            torch._C._push_on_torch_function_stack(self)
+            self.thread = threading.get_ident()
+
+    def pop(self) -> None:
+        n = torch._C._len_torch_function_stack()
+        if self.thread == threading.get_ident() and n > 0 and torch._C._get_function_stack_at(n - 1) is self:
+            torch._C._pop_torch_function_stack()
+            self.thread = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        d = self.deferred
+        for t in _tensors(args, kwargs):
+            mods = d.holders.get(id(t))
+            if mods and id(t) not in d.early and not any(m in d.probe.ran for m in mods) \
+                    and _function_name(func) not in METADATA:
+                d.early.add(id(t))
         return func(*args, **kwargs)
 
 

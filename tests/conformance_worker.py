@@ -1496,6 +1496,55 @@ def _unfreeze_late_ema(ctx: Ctx):
     for e in ema:
         ctx.record("ema", e)
 
+
+class ScaledByHead(nn.Module):
+    """A parent whose forward reads its head's weight (a statistic, under no_grad) before the head runs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.trunk = nn.Linear(32, 64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = self.head.weight.abs().mean()
+        return self.head(torch.relu(self.trunk(x))) / scale
+
+
+@idiom("parent_reads_child_weight")
+def _parent_reads_child_weight(ctx: Ctx):
+    """A parameter read by a parent's forward before its own module runs (no_grad: nothing is saved for backward,
+    so autograd would not notice a stale value)."""
+    model = ctx.ddp(ScaledByHead())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-2)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, batch=ctx.vectors)
+
+
+class HeadEmbeddingLM(nn.Module):
+    """Input embeddings looked up in the output layer's weight (tied by use, not by a shared module), before the
+    output layer runs: an embedding saves only its indices for backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.hidden = nn.Linear(50, 16)
+        self.out = nn.Linear(16, 50, bias=False)
+
+    def forward(self, tokens):
+        e = F.embedding(tokens, self.out.weight.t())  # (50 rows of 16 columns, transposed: 16 x 50 -> rows 0..15)
+        return self.out(torch.tanh(self.hidden(e.mean(1))))
+
+
+@idiom("embedding_from_output_layer")
+def _embedding_from_output_layer(ctx: Ctx):
+    """The output layer's weight used as the input embedding table (``F.embedding``) before the layer runs."""
+    model = ctx.ddp(HeadEmbeddingLM())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-2)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, batch=lambda step: tuple(t % 16 for t in ctx.tokens(step)))
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
