@@ -743,6 +743,7 @@ class Handle:
             opt._opt_called = True  # what an LR scheduler's own wrapper records (it then does not warn)
             return self._user_step(closure)
         step._wrapped_by_lr_sched = True  # LR schedulers made after attach leave it as it is
+        step.tensorlane_handle = weakref.ref(self)  # (attach refuses a second overlap attach of this optimizer)
         opt.step = self._step_attr = step
         d.guard = ov.UseGuard(self._flush_on_use)
         d.watch.on_read = self._grads_read  # (release() gives it back its own: the state outlives the handle)
@@ -1212,6 +1213,13 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
                            "without a hook of its own, or do not attach")
     if optimizer is not None:
         optimizer = ov.inner_optimizer(optimizer)
+        ref = getattr(optimizer.__dict__.get("step"), "tensorlane_handle", None)
+        if ref is not None and ref() is not None and not ref().closed:
+            raise ValueError("tensorlane: this optimizer is already given to shim.attach for another DDP model "
+                             "(overlap mode takes over its step() and its state, for one model). Give it to one "
+                             "attach only: the parameters it holds outside that model's DDP are stepped at step(), "
+                             "with their gradients as their own DDP leaves them, so attach the other model without "
+                             "the optimizer (hook mode)")
     if dist.get_backend() != "gloo":
         warnings.warn("tensorlane's shim is tested with gloo; with NCCL sockets the flows are found the same way, "
                       "over IB/RoCE use NCCL_IB_TC per communicator instead (see docs/shim.md)", stacklevel=2)

@@ -1545,6 +1545,46 @@ def _embedding_from_output_layer(ctx: Ctx):
     ctx.attach(model, opt)
     plain_loop(ctx, model, opt, batch=lambda step: tuple(t % 16 for t in ctx.tokens(step)))
 
+
+class EncoderDecoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.encoder = nn.Sequential(nn.Linear(32, 64), nn.ReLU())
+        self.decoder = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+@idiom("two_ddp_one_optimizer")
+def _two_ddp_one_optimizer(ctx: Ctx):
+    """An encoder and a decoder each wrapped in DDP, one optimizer over both. The optimizer can go to one attach
+    only (a second overlap attach of it is refused, before any collective); the other model is attached without it
+    (hook mode), and the optimizer's step takes its parameters at step(), as its DDP averaged them. The encoder's
+    parameters are compared too."""
+    net = EncoderDecoder()
+    enc = DDP(net.encoder.to(ctx.device), bucket_cap_mb=ctx.args.bucket_cap_mb)
+    dec = ctx.ddp(net.decoder)
+    opt = torch.optim.Adam([*enc.parameters(), *dec.parameters()], lr=2e-3)
+    ctx.attach(dec, opt)
+    if ctx.mode == "overlap":
+        try:
+            shim.attach(enc, opt, levels=ctx.args.levels, agent_socket=ctx.args.agent_socket)
+        except ValueError as exc:
+            assert "already given to shim.attach" in str(exc), exc
+        else:
+            raise AssertionError("a second overlap attach of one optimizer was not refused")
+    if ctx.mode != "ddp":
+        ctx.others.append(shim.attach(enc, levels=ctx.args.levels, agent_socket=ctx.args.agent_socket,
+                                      link_bps=ctx.args.link_bps))
+    for step in range(ctx.steps):
+        x, y = ctx.vectors(step)
+        loss = F.cross_entropy(dec(enc(x)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+    for p in enc.module.parameters():
+        ctx.record("encoder", p)
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
