@@ -342,7 +342,7 @@ class ShimState:
         self.closed = True
         # DDP keeps this state for good (its comm hook, held in C++, where the garbage collector cannot follow it):
         # nothing in it may lead back to the model, or the model and its process groups are never freed
-        for key in ("ddp", "module", "params"):
+        for key in ("ddp", "module", "params", "recorder"):
             self.options.pop(key, None)
         self.order_source = None
         if self.deferred is not None:
@@ -384,6 +384,7 @@ def priority_hook(state: ShimState, bucket):
         return _plain_allreduce(state, bucket)
     if state.groups is None:
         state.start()
+    _plan_due(state, bucket)
     if state.order_source is not None:
         _learn_order(state, bucket)
     buf = bucket.buffer()
@@ -426,6 +427,7 @@ def overlap_hook(state: ShimState, bucket):
         raise RuntimeError(f"tensorlane: {JOIN_ACTIVE}")
     if state.closed:
         return _plain_allreduce(state, bucket)
+    _plan_due(state, bucket)
     if bucket.index() == 0 and state.mode != "hook" and _joining(state):  # DDP launches bucket 0 first
         if state.mode == "overlap":  # every step so far was exact; the next one could not be
             raise RuntimeError(f"tensorlane overlap mode: {ov.JOIN}. join() was entered after overlap mode had "
@@ -1018,7 +1020,17 @@ class Handle:
         self.closed = True
 
 
-def _agree(prof, rate: float | None):
+def _plan_due(state: ShimState, bucket) -> None:
+    """At the first bucket of a synchronized backward (the same point on every rank, unlike a forward, which one
+    rank may run alone: a validation on rank 0), once the measured iteration is over: agree on the profile and
+    install the plan (a collective on the first level's group), before this backward's pieces are cut."""
+    rec = state.options.get("recorder")
+    if rec is not None and rec.done and bucket.index() == 0:
+        del state.options["recorder"]
+        rec.consume()
+
+
+def _agree(prof, rate: float | None, group=None):
     """Make every rank plan from the same inputs (a collective): each layer's slowest forward and backward over
     the ranks, and the slowest link (None if any rank does not know its link). Ranks that planned from their own
     measurements would cut buckets differently and their all-reduces would not match."""
@@ -1028,7 +1040,7 @@ def _agree(prof, rate: float | None):
     vals = [layer.fwd_s for layer in prof.layers] + [layer.bwd_s for layer in prof.layers]
     vals.append(1.0 if rate is None else -float(rate))
     t = torch.tensor(vals, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     v = t.tolist()
     layers = tuple(Layer(layer.name, layer.params_bytes, v[i], v[n + i]) for i, layer in enumerate(prof.layers))
     return Profile(prof.name, layers, prof.dag), (None if v[-1] > 0 else -v[-1])
@@ -1039,7 +1051,7 @@ def _apply_plan(handle: Handle, prof, owners: list, levels: int, link_bps: float
     """Plan with ``prof`` (one layer per owner module) and install the per-parameter levels and partition size."""
     from tensorlane.shim.plan import choose
 
-    prof, rate = _agree(prof, link_bps or handle.link.link_bps)
+    prof, rate = _agree(prof, link_bps or handle.link.link_bps, group=handle.state.groups[0])
     if rate is None:
         handle.plan.update(status="layer_order: link rate unknown on some rank (pass link_bps= or run agents)",
                            source=source)
@@ -1080,11 +1092,11 @@ def _start_planner(handle: Handle, model, levels: int, profile, link_bps: float 
         return
 
     def planned(rec: Recorder) -> None:
-        rec.remove()
         _apply_plan(handle, rec.profile("measured"), owners, levels, link_bps, fixed, "measured")
 
     handle.plan["status"] = "measuring the first iteration (layer_order until then)"
     handle._recorder = Recorder(owners, on_done=planned)
+    handle.state.options["recorder"] = handle._recorder  # consumed by the comm hook (_plan_due)
 
 
 def _priority_groups(levels: int, master_port: str | None) -> tuple[list, dict[int, list[dict]]]:

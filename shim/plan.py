@@ -52,10 +52,12 @@ class Recorder:
     ``done`` becomes true at the end of the first backward after a forward, whatever parameters it reached: the
     same iteration on every rank (``on_done`` agrees on the profile over the ranks, a collective). Waiting for every
     parameter's gradient instead left a rank whose iteration did not use a branch (``find_unused_parameters``)
-    measuring while the others agreed alone: a hang, or a collective mismatch. ``on_done(recorder)`` is then called
-    from the next forward pre-hook (outside autograd), where ``profile()`` builds the :class:`Profile` (a layer this
-    rank did not run or reach counts 0 s here; the agreement takes every rank's largest) and ``remove()`` drops the
-    hooks.
+    measuring while the others agreed alone: a hang, or a collective mismatch. ``consume()`` then calls
+    ``on_done(recorder)``, where ``profile()`` builds the :class:`Profile` (a layer this rank did not run or reach
+    counts 0 s here; the agreement takes every rank's largest), and drops the hooks. The shim calls it from its comm
+    hook at the first bucket of the next synchronized backward, a point every rank reaches alike: a forward is not
+    one (until 2026-11-27 it was the next forward pre-hook, and a validation forward that rank 0 runs alone after the
+    first iteration agreed alone: a hang, or a collective mismatch with the other ranks' barrier).
     """
 
     def __init__(self, modules: list, on_done=None):
@@ -79,11 +81,15 @@ class Recorder:
         def hook(_module, _inputs):
             if not self.done:
                 self.fwd_start[i] = time.perf_counter()
-            elif not self.consumed:  # the next forward after a measured iteration: hand the profile over here,
-                self.consumed = True  # outside autograd (on_done may remove the hooks)
-                if self.on_done is not None:
-                    self.on_done(self)
         return hook
+
+    def consume(self) -> None:
+        """Once ``done``: hand the profile to ``on_done`` (once), and drop the hooks."""
+        if self.done and not self.consumed:
+            self.consumed = True
+            self.remove()
+            if self.on_done is not None:
+                self.on_done(self)
 
     def _post(self, i: int):
         def hook(_module, _inputs, _output):
@@ -102,7 +108,7 @@ class Recorder:
         self.ready[id(p)] = time.perf_counter()
 
     def _backward_ended(self) -> None:
-        self.done = True  # on_done runs at the next forward pre-hook
+        self.done = True  # consume() hands it over (the shim: at the next synchronized backward's first bucket)
 
     def profile(self, name: str = "measured") -> Profile:
         """The measured profile: layer i's backward is the time between the gradients of layer i + 1 and i."""

@@ -1585,6 +1585,27 @@ def _two_ddp_one_optimizer(ctx: Ctx):
     for p in enc.module.parameters():
         ctx.record("encoder", p)
 
+
+@idiom("rank0_validation_barrier")
+def _rank0_validation_barrier(ctx: Ctx):
+    """Validation on rank 0 alone (``model.module``, eval, no_grad) after the first iteration and every fourth,
+    the other ranks waiting at a barrier: a forward that one rank runs alone (the planner's agreement on its
+    measurement, a collective, was made at the forward after the measured iteration: on rank 0 here, alone)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    x_eval = ctx.images(10_000)[0]
+
+    def validate(step):
+        if step % 4 == 0:
+            if ctx.rank == 0:
+                model.eval()
+                with torch.no_grad():
+                    ctx.record("eval_out", model.module(x_eval))
+                model.train()
+            dist.barrier()
+    plain_loop(ctx, model, opt, after_step=validate)
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
