@@ -504,6 +504,9 @@ def _decide(state: ShimState) -> None:
     elif not not_stepped:
         state.mode = "overlap"
         state.mode_reason = "the first iteration showed a loop that overlap mode reproduces exactly"
+        # from here on only the parameters DDP all-reduces need watching (and those trainable now, as before): a
+        # parameter frozen when DDP was made (the base weights of a LoRA fine-tuning) costs nothing per iteration
+        state.options["params"] = [p for p in state.options["params"] if id(p) in d.bucketed or p.requires_grad]
     elif pr.backwards >= PROBE_MAX_BACKWARDS:
         state.fallback(f"optimizer.step() was not seen in {pr.backwards} synchronized iterations (a framework "
                        "calls the optimizer's original step, or GradScaler skipped every step)")
