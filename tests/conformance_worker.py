@@ -1606,6 +1606,35 @@ def _rank0_validation_barrier(ctx: Ctx):
             dist.barrier()
     plain_loop(ctx, model, opt, after_step=validate)
 
+
+@idiom("prepend_hook_after_attach")
+def _prepend_hook_after_attach(ctx: Ctx):
+    """A forward pre-hook of the user's registered after attach with ``prepend=True`` (so it runs before the shim's
+    own) that logs the layer's weight norm; the norms are compared too."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    model.module[5].register_forward_pre_hook(lambda m, _i: ctx.record("norm", m.weight.norm().item()), prepend=True)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("global_forward_pre_hook")
+def _global_forward_pre_hook(ctx: Ctx):
+    """A global module forward pre-hook (``register_module_forward_pre_hook``: runs before every module's own
+    hooks) logging each linear layer's weight norm; the norms are compared too."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+
+    def log(m, _inputs):
+        if isinstance(m, nn.Linear):
+            ctx.record("norm", m.weight.norm().item())
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(log)
+    try:
+        plain_loop(ctx, model, opt)
+    finally:
+        hook.remove()
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
