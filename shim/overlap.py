@@ -713,13 +713,15 @@ def _norms(grads: list) -> list | None:
 
 
 def called_by_grad_scaler(depth: int = 8) -> bool:
-    """Whether this ``step()`` is being called by ``GradScaler.step`` (which unscales, and may skip, first)."""
+    """Whether this ``step()`` is being called by ``GradScaler.step`` (which unscales, and may skip, first) of an
+    enabled scaler: a disabled one (``GradScaler(enabled=False)``, the AMP switch turned off) calls the optimizer's
+    step and nothing else."""
     f = sys._getframe(1)
     for _ in range(depth):
         if f is None:
             return False
         if os.path.basename(f.f_code.co_filename) == "grad_scaler.py":
-            return True
+            return getattr(f.f_locals.get("self"), "_enabled", True) is not False
         f = f.f_back
     return False
 

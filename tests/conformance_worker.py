@@ -1635,6 +1635,27 @@ def _global_forward_pre_hook(ctx: Ctx):
     finally:
         hook.remove()
 
+
+@idiom("grad_scaler_disabled")
+def _grad_scaler_disabled(ctx: Ctx):
+    """The usual AMP switch turned off: ``GradScaler(enabled=False)`` and ``autocast(enabled=False)``, the loop
+    still calling ``scaler.scale(loss).backward()``, ``scaler.step(opt)``, ``scaler.update()`` (a disabled scaler's
+    step is the optimizer's own)."""
+    dev = ctx.device.type
+    model = ctx.ddp(convnet())
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    scaler = torch.amp.GradScaler(dev, enabled=False)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        with torch.autocast(dev, dtype=torch.float16, enabled=False):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
