@@ -484,7 +484,79 @@ def _function_name(func) -> str:
     return name
 
 
-class UseGuard(TorchFunctionMode):
+def _on_stack(mode) -> bool:
+    """Whether ``mode`` is on this thread's torch-function mode stack."""
+    return any(torch._C._get_function_stack_at(i) is mode for i in range(torch._C._len_torch_function_stack()))
+
+
+def _insert_low(mode) -> None:
+    """Put ``mode`` on this thread's torch-function mode stack below the modes already there (above a
+    ``DeviceContext``, ``torch.device(...)`` or ``set_default_device``, which keeps the bottom)."""
+    from torch.utils._device import DeviceContext
+
+    n = torch._C._len_torch_function_stack()
+    held = [torch._C._pop_torch_function_stack() for _ in range(n)][::-1]  # bottom first
+    keep = 0
+    while keep < len(held) and isinstance(held[keep], DeviceContext):
+        keep += 1
+    for m in (*held[:keep], mode, *held[keep:]):
+        torch._C._push_on_torch_function_stack(m)
+
+
+def _take_out(mode) -> bool:
+    """Remove ``mode`` from this thread's torch-function mode stack wherever it is (the modes above it stay, in
+    order); False when it is not there."""
+    n = torch._C._len_torch_function_stack()
+    for i in range(n - 1, -1, -1):
+        if torch._C._get_function_stack_at(i) is mode:
+            above = [torch._C._pop_torch_function_stack() for _ in range(n - 1 - i)]
+            torch._C._pop_torch_function_stack()
+            for m in reversed(above):
+                torch._C._push_on_torch_function_stack(m)
+            return True
+    return False
+
+
+class StackMode(TorchFunctionMode):
+    """A mode the shim leaves on the training thread's torch-function mode stack across the loop's own code (from
+    a forward's end or ``step()`` to the next forward). It goes in below the modes already there and comes out
+    from wherever it is, so that a mode of the user's entered before it and exited after (``with Counter():
+    loss.backward(); opt.step()``) pops itself at its exit, as it does without the shim: ``TorchFunctionMode``'s
+    ``__exit__`` pops whatever is on top, and until 2026-11-27 that was the shim's mode, lost from then on (an EMA
+    after ``step()`` read weights before their update, 4e-3 off), while the user's stayed on the stack.
+    ``handling`` counts this mode's handlers running: torch takes a mode off the stack while its handler runs and
+    puts it back after, so it is not to be taken out (nor put in again) meanwhile.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.thread: int | None = None  # the thread whose mode stack holds it (None: on no stack)
+        self.handling = 0
+
+    def _enter_stack(self) -> None:
+        me = threading.get_ident()
+        if self.thread == me and not self.handling and not _on_stack(self):
+            self.thread = None  # taken off by someone else (code popping more modes than it pushed)
+        if self.thread is None:
+            _insert_low(self)
+            self.thread = me
+
+    def _leave_stack(self) -> None:
+        if self.thread == threading.get_ident() and not self.handling:
+            _take_out(self)
+            self.thread = None
+
+    @contextlib.contextmanager
+    def _off_stack(self):
+        out = self.thread == threading.get_ident() and not self.handling and _take_out(self)
+        try:
+            yield
+        finally:
+            if out:
+                _insert_low(self)
+
+
+class UseGuard(StackMode):
     """Overlap mode between a stamping ``step()`` and the next forward of the model: the first torch operation
     that uses a watched parameter (or a tensor on its storage) beyond its metadata calls ``on_use()`` before it
     runs (``Handle`` passes a flush: the pending updates are applied, as DDP's step would have done). Pushed on
@@ -501,45 +573,29 @@ class UseGuard(TorchFunctionMode):
         self.starts: list = []  # sorted storage starts of the watched parameters, and their ends
         self.ends: list = []
         self.armed = False
-        self.thread: int | None = None  # the thread whose mode stack holds the guard (None: on no stack)
 
     def arm(self, params) -> None:
-        """Watch ``params`` from now on (pushing the guard on this thread's mode stack if it is not there)."""
+        """Watch ``params`` from now on (putting the guard on this thread's mode stack if it is not there)."""
         self.ids = {id(p) for p in params}
         spans = sorted(s for p in params if (s := _span(p)))
         self.starts, self.ends = [a for a, _ in spans], [b for _, b in spans]
-        me = threading.get_ident()
-        if self.thread is None:
-            torch._C._push_on_torch_function_stack(self)
-            self.thread = me
-        self.armed = self.thread == me  # on another thread than the one holding it: not watched
-
-    def _on_top(self) -> bool:
-        n = torch._C._len_torch_function_stack()
-        return self.thread == threading.get_ident() and n > 0 and torch._C._get_function_stack_at(n - 1) is self
+        self._enter_stack()
+        self.armed = self.thread == threading.get_ident()  # on another thread than the one holding it: not watched
 
     def disarm(self) -> None:
-        """Stop watching; pop the guard when it is on top of this thread's stack (not inside its own handler).
-        Cheap when there is nothing to do (every forward calls it)."""
+        """Stop watching; the guard leaves this thread's stack (not from inside its own handler: later). Cheap when
+        there is nothing to do (every forward calls it)."""
         if not self.armed and self.thread is None:
             return
         self.armed = False
         self.ids, self.starts, self.ends = set(), [], []
-        if self._on_top():
-            torch._C._pop_torch_function_stack()
-            self.thread = None
+        self._leave_stack()
 
     @contextlib.contextmanager
     def paused(self):
         """Off the stack for a block that only touches metadata (``zero_grad``): no cost per operation there."""
-        if not self._on_top():
+        with self._off_stack():
             yield
-            return
-        torch._C._pop_torch_function_stack()
-        try:
-            yield
-        finally:
-            torch._C._push_on_torch_function_stack(self)
 
     def forget(self, p) -> None:
         """``p``'s update has been applied: its use no longer needs a flush."""
@@ -566,13 +622,17 @@ class UseGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.armed and _function_name(func) not in METADATA and self.uses(args, kwargs):
-            self.armed = False
-            self.on_use()
-        return func(*args, **kwargs)
+        self.handling += 1
+        try:
+            if self.armed and _function_name(func) not in METADATA and self.uses(args, kwargs):
+                self.armed = False
+                self.on_use()
+            return func(*args, **kwargs)
+        finally:
+            self.handling -= 1
 
 
-class GradWatch(TorchFunctionMode):
+class GradWatch(StackMode):
     """Calls ``on_read()`` before the first torch operation on the training thread that uses a watched gradient (one
     that DDP wrote at the last synchronized backward) beyond its metadata and zeroing it: a logged norm, a step
     skipped on it, clipping. ``Handle`` passes a function that, while probing, notes the read (the probe then falls
@@ -590,7 +650,6 @@ class GradWatch(TorchFunctionMode):
         self.grads: list = []
         self.ids: set = set()
         self.quiet = 0
-        self.thread: int | None = None  # the thread whose mode stack holds it (None: on no stack)
 
     def watch(self, grads) -> None:
         self.grads = [g for g in grads if g is not None]
@@ -600,48 +659,39 @@ class GradWatch(TorchFunctionMode):
         self.grads, self.ids = [], set()
 
     def push(self) -> None:
-        if self.thread is None:
-            torch._C._push_on_torch_function_stack(self)
-            self.thread = threading.get_ident()
-
-    def _on_top(self) -> bool:
-        n = torch._C._len_torch_function_stack()
-        return self.thread == threading.get_ident() and n > 0 and torch._C._get_function_stack_at(n - 1) is self
+        self._enter_stack()
 
     def pop(self) -> None:
-        """Off the stack when it is on top of this thread's (an exact TorchFunctionMode stack discipline)."""
-        if self._on_top():
-            torch._C._pop_torch_function_stack()
-            self.thread = None
+        self._leave_stack()
 
     @contextlib.contextmanager
     def paused(self):
         """The shim's own uses (the probe's checks and real step, stamping, deferred steps, writing the averages)
-        and zero_grad: not the loop reading gradients. Off the stack meanwhile when it is on top (no cost per
-        operation there), else only not noting reads."""
-        top = self._on_top()
-        if top:
-            torch._C._pop_torch_function_stack()
+        and zero_grad: not the loop reading gradients. Off the stack meanwhile (no cost per operation there), or
+        inside its own handler only not noting reads."""
         self.quiet += 1
         try:
-            yield
+            with self._off_stack():
+                yield
         finally:
             self.quiet -= 1
-            if top:
-                torch._C._push_on_torch_function_stack(self)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.ids and not self.quiet:
-            name = _function_name(func)
-            if name not in METADATA and name not in GRAD_OVERWRITES and \
-                    any(id(t) in self.ids for t in _tensors(args, kwargs)):
-                self.unwatch()
-                self.on_read()
-        return func(*args, **kwargs)
+        self.handling += 1
+        try:
+            if self.ids and not self.quiet:
+                name = _function_name(func)
+                if name not in METADATA and name not in GRAD_OVERWRITES and \
+                        any(id(t) in self.ids for t in _tensors(args, kwargs)):
+                    self.unwatch()
+                    self.on_read()
+            return func(*args, **kwargs)
+        finally:
+            self.handling -= 1
 
 
-class ForwardWatch(TorchFunctionMode):
+class ForwardWatch(StackMode):
     """While probing, during the model's forward: notes (in ``deferred.early``) each parameter that a torch operation
     uses before any module holding it has begun its forward in this pass -- a parent reading a child's weight first
     (a statistic under ``no_grad``, an embedding looked up in an output layer's weight), or a module's parameter used
@@ -655,18 +705,12 @@ class ForwardWatch(TorchFunctionMode):
     def __init__(self, deferred):
         super().__init__()
         self.deferred = deferred
-        self.thread: int | None = None
 
     def push(self) -> None:
-        if self.thread is None:
-            torch._C._push_on_torch_function_stack(self)
-            self.thread = threading.get_ident()
+        self._enter_stack()
 
     def pop(self) -> None:
-        n = torch._C._len_torch_function_stack()
-        if self.thread == threading.get_ident() and n > 0 and torch._C._get_function_stack_at(n - 1) is self:
-            torch._C._pop_torch_function_stack()
-            self.thread = None
+        self._leave_stack()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

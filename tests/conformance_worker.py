@@ -1656,6 +1656,45 @@ def _grad_scaler_disabled(ctx: Ctx):
         opt.zero_grad()
         ctx.record("loss", loss.item())
 
+
+class OpCounter(torch.overrides.TorchFunctionMode):
+    """A user's torch-function mode: counts the torch operations of a block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@idiom("user_function_mode")
+def _user_function_mode(ctx: Ctx):
+    """A mode of the user's (an operation counter) entered before the forward and exited after step(), an EMA of
+    the weights written by hand after it: the mode's exit must pop the user's mode (TorchFunctionMode.__exit__ pops
+    whatever is on top), and the EMA see the updated weights; the EMA is compared too."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    ema = [p.detach().clone() for p in model.module.parameters()]
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        counter = OpCounter()
+        with counter:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+        stack = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+        assert not any(m is counter for m in stack), "the user's mode is still on the stack after its block"
+        opt.zero_grad()
+        with torch.no_grad():
+            for e, p in zip(ema, model.module.parameters(), strict=True):
+                e.mul_(0.8).add_(p, alpha=0.2)
+        ctx.record("loss", loss.item())
+    for e in ema:
+        ctx.record("ema", e)
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

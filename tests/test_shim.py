@@ -536,3 +536,32 @@ def test_option_values_that_mean_nothing_are_refused():
             _check_levels(levels, partition)
     _check_levels(1, 1)
     _check_levels(5, None)
+
+
+@pytest.mark.torch
+def test_shim_modes_leave_a_users_mode_to_its_own_exit():
+    """The shim's torch-function modes go onto the stack below the modes already there and leave it by identity: a
+    user's mode entered before the guard was armed and exited after pops itself (TorchFunctionMode.__exit__ pops
+    whatever is on top: it popped the guard until 2026-11-27, which was lost from then on), and a torch.device
+    context keeps the bottom."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from tensorlane.shim import overlap as ov
+
+    class Mine(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    p = torch.nn.Parameter(torch.ones(3))
+    used = []
+    guard, mine = ov.UseGuard(lambda: used.append(1)), Mine()
+    with torch.device("cpu"):
+        with mine:
+            guard.arm([p])
+        assert not ov._on_stack(mine) and ov._on_stack(guard)
+        p.sum()
+        assert used == [1]  # still watching after the user's exit
+        guard.disarm()
+        assert torch._C._len_torch_function_stack() == 1  # the DeviceContext alone
+    assert torch._C._len_torch_function_stack() == 0
