@@ -426,7 +426,17 @@ class StateView(collections.defaultdict):
     def plain(self) -> collections.defaultdict:
         return collections.defaultdict(dict, dict.items(self))
 
-    def __reduce__(self):
+    def copy(self) -> collections.defaultdict:
+        """A shallow copy, as ``optimizer.state.copy()`` and ``copy.copy`` give under DDP: a ``defaultdict`` (the
+        inherited ones gave a plain ``dict``, and ``copy.copy`` raised a TypeError), once the pending updates are
+        applied."""
+        self._use()
+        return self.plain()
+
+    __copy__ = copy
+
+    def __reduce__(self):  # (copy.deepcopy, pickle, torch.save: the pending updates applied first)
+        self._use()
         return (collections.defaultdict, (dict,), None, None, iter(dict.items(self)))
 
 
@@ -441,7 +451,7 @@ def _state_method(name):
 
 
 for _name in ("__getitem__", "__setitem__", "__delitem__", "__contains__", "__iter__", "__len__", "get", "keys",
-              "values", "items", "pop", "popitem", "clear", "update", "setdefault", "copy", "__eq__", "__repr__"):
+              "values", "items", "pop", "popitem", "clear", "update", "setdefault", "__eq__", "__repr__"):
     setattr(StateView, _name, _state_method(_name))
 
 

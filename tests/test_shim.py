@@ -565,3 +565,32 @@ def test_shim_modes_leave_a_users_mode_to_its_own_exit():
         guard.disarm()
         assert torch._C._len_torch_function_stack() == 1  # the DeviceContext alone
     assert torch._C._len_torch_function_stack() == 0
+
+
+@pytest.mark.torch
+def test_optimizer_state_view_copies_as_the_optimizers_own():
+    """optimizer.state in overlap mode (shim.overlap.StateView): its copies are what DDP's loop gets, a defaultdict
+    (copy.copy raised a TypeError and .copy() gave a plain dict until 2026-11-27), made once the pending updates
+    are applied; a deep copy and pickling give a defaultdict too."""
+    import collections
+    import copy
+    import pickle
+
+    from tensorlane.shim.overlap import StateView
+
+    class Deferred:
+        pending = {"x": 1}
+
+        def __init__(self):
+            self.flushes = 0
+
+        def on_state_use(self):
+            self.flushes += 1
+
+    d = Deferred()
+    view = StateView(collections.defaultdict(dict, {1: {"step": 3}}), d)
+    for make in (copy.copy, lambda v: v.copy(), copy.deepcopy, lambda v: pickle.loads(pickle.dumps(v))):
+        got = make(view)
+        assert type(got) is collections.defaultdict and got == {1: {"step": 3}}, got
+        assert got[2] == {}  # (a defaultdict)
+    assert d.flushes == 4  # each applied the pending updates first
