@@ -1006,6 +1006,9 @@ class Handle:
         self._end_forward_watch()
         d = self.state.deferred
         if d is not None:
+            if self.state.mode == "overlap" and d.unstamped:  # closed between backward() and step(): .grad holds
+                _write_averages(self.state, d.unstamped)  # this rank's own gradient; under DDP the average, which
+                d.unstamped = []  # the optimizer's own step (given back below) then takes
             for pend in {id(p): p for p in d.pending.values()}.values():
                 for fut in pend.futures:  # steps never asked for: let their all-reduces end before we leave
                     fut.wait()

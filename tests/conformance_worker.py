@@ -1695,6 +1695,24 @@ def _user_function_mode(ctx: Ctx):
     for e in ema:
         ctx.record("ema", e)
 
+
+@idiom("close_before_step")
+def _close_before_step(ctx: Ctx):
+    """``handle.close()`` between backward() and step() at iteration 5 (a time budget reached, the rest of the run
+    as plain DDP): the step after it takes DDP's averaged gradients."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if step == 5 and ctx.handle is not None:
+            ctx.handle.close()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
