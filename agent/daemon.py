@@ -590,7 +590,18 @@ def prepare(cfg: Config, ipr: IPRoute) -> tuple[str, list[links.Egress], list[Ta
 
 
 def record(cfg: Config, t: Takeover) -> None:
-    """Record ``t``'s previous tree in its state file (before anything on the device changes)."""
+    """Record ``t``'s previous tree in its state file (before anything on the device changes). A record of another
+    device already under that name (two managed interfaces that swapped names while no agent ran: it is the only
+    record of the other one until that one's is written) is first kept aside under :func:`stranded_name`, where
+    :func:`drop_superseded` or the next agent finds it by its index; overwritten, a start stopped in between
+    left that device's tree with no record."""
+    path = state_path(cfg, t.link.name)
+    try:
+        index = int(json.loads(path.read_text())["ifindex"])
+    except (OSError, ValueError, KeyError, TypeError):
+        index = t.link.index
+    if index != t.link.index:
+        os.replace(path, state_path(cfg, stranded_name(t.link.name, index)))
     _save_state(cfg, t.link.name, {"ifindex": t.link.index, "interface": t.link.name, "serves": t.serves,
                                    "backend": t.backend.kind, "pid": os.getpid(), "snapshot": t.snap.to_json()})
 

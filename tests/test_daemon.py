@@ -361,3 +361,54 @@ def test_a_state_dir_others_may_write_is_refused(tmp_path):
             daemon.lock_state_dir(cfg)
         os.chown(state, 0, 0)
     os.close(daemon.lock_state_dir(cfg))
+
+
+def test_swapped_names_keep_both_records_until_both_are_written(monkeypatch, tmp_path):
+    """eth0 and eth1 swapped names while no agent ran (docs/agent.md: each adopted with the record of its index):
+    agent-eth0.json records index 2 (now eth1), agent-eth1.json index 3 (now eth0). Writing eth0's record
+    (index 3) overwrites agent-eth0.json, the only record of index 2, and drop_superseded then removes
+    agent-eth1.json; a start that stops before eth1's record is written (ENOSPC here; a crash the same) must
+    still leave a record of index 2, whose device keeps the killed agent's tree."""
+    import json
+
+    from tensorlane.agent.config import Config
+    from tensorlane.agent.kernel import snapshot
+    from tensorlane.agent.kernel.links import Egress, Link
+    from tensorlane.agent.kernel.qdisc import HtbBackend
+
+    cfg = Config(interfaces=("eth0", "eth1"), link_rate_bps=10**9, state_dir=str(tmp_path))
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    for name, index in (("eth0", 2), ("eth1", 3)):
+        daemon._save_state(cfg, name, {"ifindex": index, "interface": name, "serves": name, "backend": "htb",
+                                       "pid": dead, "snapshot": snapshot.Snapshot(name, index).to_json()})
+    eth0, eth1 = Link("eth0", 3), Link("eth1", 2)
+    plan = [daemon.Takeover(eth0, "eth0", HtbBackend(2, 10**9), snapshot.Snapshot("eth1", 3), True),
+            daemon.Takeover(eth1, "eth1", HtbBackend(2, 10**9), snapshot.Snapshot("eth0", 2), True)]
+    record = daemon.record
+
+    def failing_record(cfg, t):
+        if t.link.name == "eth1":
+            raise OSError(28, "No space left on device")
+        record(cfg, t)
+
+    class Rec:
+        def __init__(self, *a, **k):
+            pass
+
+        def teardown(self):
+            pass
+
+    monkeypatch.setattr(daemon, "prepare", lambda cfg, ipr: ("htb", [Egress("eth0", 3, (eth0,)),
+                                                                     Egress("eth1", 2, (eth1,))], plan))
+    monkeypatch.setattr(daemon, "record", failing_record)
+    monkeypatch.setattr(daemon, "take_over", lambda cfg, ipr, t: None)  # (nothing touches a device here)
+    monkeypatch.setattr(daemon, "Reconciler", Rec)
+    monkeypatch.setattr(daemon, "restore_device", lambda cfg, ipr, name, snap: daemon.state_path(cfg, name).unlink())
+    monkeypatch.setattr(daemon, "_stop_on_signals", lambda: None)
+    with pytest.raises(daemon.StartupError, match="cannot write the state file of eth1"):
+        daemon._run(cfg)
+    indexes = sorted(json.loads(p.read_text())["ifindex"] for p in tmp_path.glob("agent-*.json"))
+    assert 2 in indexes, indexes  # eth1 (index 2) still has the killed agent's tree: its record must stay
