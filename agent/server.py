@@ -124,6 +124,7 @@ class Server:
                         "listen backlog", fds, self.max_conns)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self.listener = self._bind(path, mode, None if group is None else grp.getgrnam(group).gr_gid)
+        self._inode = os.lstat(path).st_ino  # what close() removes: this socket, not a file put there since
         self.listener.listen(socket.SOMAXCONN)  # (a full backlog refuses connect() with EAGAIN, root's too)
         self.listener.setblocking(False)
         self.sel = selectors.DefaultSelector()
@@ -541,4 +542,8 @@ class Server:
         self.sel.close()
         self.listener.close()
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            st = os.lstat(self.path)
+            if stat.S_ISSOCK(st.st_mode) and st.st_ino == self._inode:
+                os.unlink(self.path)
+            else:
+                log.warning("%s is no longer the agent's socket (replaced since the start): left as it is", self.path)

@@ -51,7 +51,7 @@ def _print_host_notes(cfg) -> None:
     try:
         with IPRoute() as ipr:
             notes = host_notes(cfg, ipr)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - (pyroute2's NetlinkError is no OSError) a note, never a failure
         notes = [f"the interfaces could not be read: {exc}"]
     for note in notes:
         print(f"tensorlane agent: on this host: {note}", file=sys.stderr)

@@ -1093,3 +1093,9 @@ def test_the_api_socket_is_made_with_its_mode_and_follows_no_link(monkeypatch, t
     with pytest.raises(OSError, match="is not a socket"):
         server_mod.Server(api, str(path), 0o600)
     assert path.read_text() == "not a socket"
+    path.unlink()
+    server = server_mod.Server(api, str(path), 0o600)
+    path.unlink()
+    path.write_text("put here since")  # the agent's socket replaced while it ran: close() leaves the new file
+    server.close()
+    assert path.read_text() == "put here since"
