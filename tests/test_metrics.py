@@ -767,6 +767,17 @@ def test_http_server_bounds_idle_and_broken_clients(kernel, monkeypatch, capfd):
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         time.sleep(0.3)
         assert get(f"http://{server.address}/metrics")[0] == 200  # served again
+        # clients that each send a byte within every read's timeout: cut off at the request's deadline
+        monkeypatch.setattr(metrics._ThreadingServer, "REQUEST_DEADLINE_S", 1.5, raising=False)
+        slow = [socket.create_connection((host, port), timeout=5) for _ in range(3)]
+        idle.extend(slow)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.5:
+            for s in slow:
+                with contextlib.suppress(OSError):
+                    s.sendall(b"G")
+            time.sleep(0.3)
+        assert get(f"http://{server.address}/metrics")[0] == 200  # (before: every slot held for as long as they sent)
         assert "Traceback" not in capfd.readouterr().err
     finally:
         for s in idle:

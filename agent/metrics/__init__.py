@@ -157,6 +157,14 @@ class _Handler(WSGIRequestHandler):
         """No access log on the agent's stderr."""
 
 
+def _cut_off(request: socket.socket) -> None:
+    """End a request that outlived its deadline: its thread's next read or write fails, and the slot is free."""
+    try:
+        request.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # (already gone)
+
+
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     """One daemon thread per request, at most ``MAX_CLIENTS`` at once (beyond, a connection is closed at once);
     the address may be reused at once.
@@ -170,13 +178,25 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
     block_on_close = False  # (close() does not wait for clients that are slow to go)
     allow_reuse_address = True
     MAX_CLIENTS = 16
+    # A request's whole life, reading it and writing the answer: a client that sends a byte every few seconds
+    # passes each read's timeout, and 16 of them held every slot (scrapes and /healthz refused) for as long as
+    # they liked. Prometheus' own scrape timeout is 10 s by default.
+    REQUEST_DEADLINE_S = 15.0
 
     def server_activate(self):
         """Listen, and make the slots of the concurrent clients."""
         super().server_activate()
         self.slots = threading.BoundedSemaphore(self.MAX_CLIENTS)
         self.refusals = RefusalLog(log, 10.0)
-        self.log_lock = threading.Lock()  # (the refusal log is noted from the clients' threads)
+        self.log_lock = threading.Lock()  # (the refusal log is noted from the clients' threads; also deadlines)
+        self.deadlines: dict = {}  # request socket -> when it is cut off
+        self.closed = threading.Event()
+        threading.Thread(target=self._reap, name="tensorlane-metrics-reaper", daemon=True).start()
+
+    def server_close(self):
+        """Close the listener; the reaper ends."""
+        self.closed.set()
+        super().server_close()
 
     def process_request(self, request, client_address):
         """Serve ``request`` in a thread if a slot is free, else close it (counted in the log)."""
@@ -193,11 +213,25 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
             self.shutdown_request(request)
 
     def process_request_thread(self, request, client_address):
-        """Serve, then free the slot."""
+        """Serve (cut off after ``REQUEST_DEADLINE_S``: :meth:`_reap`), then free the slot."""
+        with self.log_lock:
+            self.deadlines[request] = time.monotonic() + self.REQUEST_DEADLINE_S
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self.log_lock:
+                self.deadlines.pop(request, None)
             self.slots.release()
+
+    def _reap(self) -> None:
+        """One thread for the server's life: every 0.5 s, end the requests past their deadline (their thread's next
+        read or write fails, and the slot is free)."""
+        while not self.closed.wait(0.5):
+            now = time.monotonic()
+            with self.log_lock:
+                late = [r for r, at in self.deadlines.items() if at <= now]
+            for request in late:
+                _cut_off(request)
 
     def handle_error(self, request, client_address):
         """A client that reset, timed out or sent garbage: one bounded log line, no traceback."""
