@@ -1094,6 +1094,8 @@ def test_the_api_socket_is_made_with_its_mode_and_follows_no_link(monkeypatch, t
     server.close()
     monkeypatch.setattr(os, "chown", real_chown)
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert path.is_symlink()  # not the agent's socket any more: close() left it (the next start refuses it)
+    path.unlink()
 
     server = server_mod.Server(api, str(path), 0o660)
     assert stat.S_ISSOCK(path.lstat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o660

@@ -18,6 +18,7 @@ Usage: ``server = start_metrics_server("127.0.0.1:9477", api)`` (``server.close(
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -159,10 +160,8 @@ class _Handler(WSGIRequestHandler):
 
 def _cut_off(request: socket.socket) -> None:
     """End a request that outlived its deadline: its thread's next read or write fails, and the slot is free."""
-    try:
+    with contextlib.suppress(OSError):  # (already gone)
         request.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # (already gone)
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
@@ -194,8 +193,9 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         threading.Thread(target=self._reap, name="tensorlane-metrics-reaper", daemon=True).start()
 
     def server_close(self):
-        """Close the listener; the reaper ends."""
-        self.closed.set()
+        """Close the listener; the reaper ends (none where the listener could not be made)."""
+        if hasattr(self, "closed"):
+            self.closed.set()
         super().server_close()
 
     def process_request(self, request, client_address):
