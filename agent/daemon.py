@@ -589,6 +589,15 @@ def prepare(cfg: Config, ipr: IPRoute) -> tuple[str, list[links.Egress], list[Ta
     return kind, egress, plan
 
 
+def _index_here(index: int) -> bool:
+    """Whether a device of this network namespace has ifindex ``index``."""
+    try:
+        socket.if_indextoname(index)
+    except OSError:
+        return False
+    return True
+
+
 def record(cfg: Config, t: Takeover) -> None:
     """Record ``t``'s previous tree in its state file (before anything on the device changes). A record of another
     device already under that name (two managed interfaces that swapped names while no agent ran: it is the only
@@ -600,7 +609,7 @@ def record(cfg: Config, t: Takeover) -> None:
         index = int(json.loads(path.read_text())["ifindex"])
     except (OSError, ValueError, KeyError, TypeError):
         index = t.link.index
-    if index != t.link.index:
+    if index != t.link.index and _index_here(index):  # (a device gone: its tree went with it, nothing to keep)
         os.replace(path, state_path(cfg, stranded_name(t.link.name, index)))
     _save_state(cfg, t.link.name, {"ifindex": t.link.index, "interface": t.link.name, "serves": t.serves,
                                    "backend": t.backend.kind, "pid": os.getpid(), "snapshot": t.snap.to_json()})

@@ -384,7 +384,8 @@ def test_swapped_names_keep_both_records_until_both_are_written(monkeypatch, tmp
     for name, index in (("eth0", 2), ("eth1", 3)):
         daemon._save_state(cfg, name, {"ifindex": index, "interface": name, "serves": name, "backend": "htb",
                                        "pid": dead, "snapshot": snapshot.Snapshot(name, index).to_json()})
-    eth0, eth1 = Link("eth0", 3), Link("eth1", 2)
+    monkeypatch.setattr(daemon, "_index_here", lambda index: True)  # both devices are here (a record of a device
+    eth0, eth1 = Link("eth0", 3), Link("eth1", 2)                   # gone is overwritten: its tree went with it)
     plan = [daemon.Takeover(eth0, "eth0", HtbBackend(2, 10**9), snapshot.Snapshot("eth1", 3), True),
             daemon.Takeover(eth1, "eth1", HtbBackend(2, 10**9), snapshot.Snapshot("eth0", 2), True)]
     record = daemon.record
