@@ -12,6 +12,21 @@ import pytest
 from tensorlane.agent import daemon
 
 
+def dead_agents_record(cfg, name: str, index: int, snap=None) -> dict:
+    """Save the state file of device ``name`` (ifindex ``index``) as an agent that is gone left it (its pid names
+    no process: a child that exited); returns the record."""
+    from tensorlane.agent.kernel import snapshot
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    state = {"ifindex": index, "interface": name, "serves": name, "backend": "htb", "pid": pid,
+             "snapshot": (snap or snapshot.Snapshot(name, index)).to_json()}
+    daemon._save_state(cfg, name, state)
+    return state
+
+
 def test_sighup_is_logged_and_neither_stops_nor_kills_the_agent(caplog):
     """SIGHUP (an operator's ``kill -HUP`` or ``systemctl kill -s HUP``, expecting a reload) killed the agent with
     its default action: no restore, and systemd does not restart a unit whose main process died of SIGHUP."""
@@ -196,13 +211,7 @@ def test_a_restore_that_did_not_put_the_root_back_keeps_the_record(monkeypatch, 
     monkeypatch.setattr(snapshot, "restore", restore)
     monkeypatch.setattr(daemon, "_root_handle", lambda ipr, index: roots.get(index))
     monkeypatch.setattr(daemon, "_link_name", lambda ipr, index: "tlx")
-    dead = os.fork()
-    if dead == 0:
-        os._exit(0)
-    os.waitpid(dead, 0)  # its pid names no process: the record's agent is gone
-    state = {"ifindex": 7, "interface": "tlx", "serves": "tlx", "backend": "htb", "pid": dead,
-             "snapshot": snap.to_json()}
-    daemon._save_state(cfg, "tlx", state)
+    state = dead_agents_record(cfg, "tlx", 7, snap)
     with pytest.raises(OSError, match=r"tlx's root is .*, not the recorded 1: \(restoring qdisc tbf 0x10000: ENOBUFS"):
         daemon.restore_device(cfg, None, "tlx", snap)
     assert daemon.state_path(cfg, "tlx").exists()
@@ -225,7 +234,6 @@ def test_a_failed_dump_is_not_taken_for_a_device_gone(monkeypatch, tmp_path, cap
     from pyroute2.netlink.exceptions import NetlinkError
 
     from tensorlane.agent.config import Config
-    from tensorlane.agent.kernel import snapshot
 
     class Ipr:
         def __init__(self, qdiscs, link_error=None):
@@ -251,12 +259,7 @@ def test_a_failed_dump_is_not_taken_for_a_device_gone(monkeypatch, tmp_path, cap
         daemon._root_handle(Ipr((), link_error=105), 7)
 
     cfg = Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(tmp_path))
-    dead = os.fork()
-    if dead == 0:
-        os._exit(0)
-    os.waitpid(dead, 0)
-    daemon._save_state(cfg, "tlx", {"ifindex": 7, "interface": "tlx", "serves": "tlx", "backend": "htb",
-                                    "pid": dead, "snapshot": snapshot.Snapshot("tlx", 7).to_json()})
+    dead_agents_record(cfg, "tlx", 7)
     with caplog.at_level(logging.ERROR, logger="tensorlane.agent"):
         assert daemon.restore_orphans(cfg, Ipr(busy), []) == []
     assert "restoring tlx (index 7) failed" in caplog.text and daemon.state_path(cfg, "tlx").exists()
@@ -276,12 +279,7 @@ def test_a_record_adopted_under_an_old_name_stays_until_the_new_one_is_written(m
     from tensorlane.agent.kernel.qdisc import HtbBackend
 
     cfg = Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(tmp_path))
-    dead = os.fork()
-    if dead == 0:
-        os._exit(0)
-    os.waitpid(dead, 0)
-    daemon._save_state(cfg, "old0", {"ifindex": 2, "interface": "old0", "serves": "old0", "backend": "htb",
-                                     "pid": dead, "snapshot": snapshot.Snapshot("old0", 2).to_json()})
+    dead_agents_record(cfg, "old0", 2)
     link = Link("eth0", 2)
     plan = [daemon.Takeover(link, "eth0", HtbBackend(2, 10**9), snapshot.Snapshot("old0", 2), True)]
     record = daemon.record
@@ -377,13 +375,8 @@ def test_swapped_names_keep_both_records_until_both_are_written(monkeypatch, tmp
     from tensorlane.agent.kernel.qdisc import HtbBackend
 
     cfg = Config(interfaces=("eth0", "eth1"), link_rate_bps=10**9, state_dir=str(tmp_path))
-    dead = os.fork()
-    if dead == 0:
-        os._exit(0)
-    os.waitpid(dead, 0)
     for name, index in (("eth0", 2), ("eth1", 3)):
-        daemon._save_state(cfg, name, {"ifindex": index, "interface": name, "serves": name, "backend": "htb",
-                                       "pid": dead, "snapshot": snapshot.Snapshot(name, index).to_json()})
+        dead_agents_record(cfg, name, index)
     monkeypatch.setattr(daemon, "_index_here", lambda index: True)  # both devices are here (a record of a device
     eth0, eth1 = Link("eth0", 3), Link("eth1", 2)                   # gone is overwritten: its tree went with it)
     plan = [daemon.Takeover(eth0, "eth0", HtbBackend(2, 10**9), snapshot.Snapshot("eth1", 3), True),
