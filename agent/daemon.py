@@ -160,8 +160,6 @@ def lock_state_dir(cfg: Config) -> int:
     the directory itself, which any user who may read it (``/run/tensorlane`` is 0755) can open and lock as well: a
     user waiting in ``flock`` got the lock the moment the agent exited and kept every later agent from starting
     ("another tensorlane agent (pid unknown) runs")."""
-    import stat
-
     path = os.path.join(cfg.state_dir, STATE_LOCK)
     try:
         os.makedirs(cfg.state_dir, exist_ok=True)
@@ -185,7 +183,6 @@ def lock_state_dir(cfg: Config) -> int:
 def _lock_file(cfg: Config, path: str) -> int | None:
     """Open, check and lock ``path`` (:func:`lock_state_dir`); None when it was removed or replaced meanwhile."""
     import fcntl
-    import stat
 
     fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
     try:
@@ -515,6 +512,15 @@ def check_socket_group(cfg: Config) -> None:
             raise ConfigError("socket_group", f"no group {cfg.socket_group!r} on this host") from None
 
 
+def _waiting_for(eg: links.Egress) -> str | None:
+    """What a managed interface the agent cannot take over yet waits for (None: it is here, with its queues)."""
+    if not eg.index:
+        return "no such interface here now (the agent starts without it and takes it over when it appears)"
+    if not eg.queues:
+        return "a bond without members now (its members are taken over as they join)"
+    return None
+
+
 def host_notes(cfg: Config, ipr: IPRoute) -> list[str]:
     """What this host makes of ``cfg`` now, for ``--check-config``, which changes nothing and does not fail on it
     (it may differ at the agent's start: a bond or a route that comes up later): the interfaces it would manage,
@@ -526,13 +532,8 @@ def host_notes(cfg: Config, ipr: IPRoute) -> list[str]:
         notes.append(f"the agent would refuse to start here now: {exc}")
         egress = []
     for eg in egress:
-        if not eg.index:
-            notes.append(f"{eg.name}: no such interface here now (the agent starts without it and takes it over "
-                         "when it appears)")
-        elif not eg.queues:
-            notes.append(f"{eg.name}: a bond without members now (taken over as they join)")
-        else:
-            notes.append(f"{eg.name}: here, queues on {', '.join(q.name for q in eg.queues)}")
+        why = _waiting_for(eg)
+        notes.append(f"{eg.name}: {why or 'here, queues on ' + ', '.join(q.name for q in eg.queues)}")
     try:
         check_socket_group(cfg)
     except ConfigError as exc:
@@ -575,12 +576,8 @@ def prepare(cfg: Config, ipr: IPRoute) -> tuple[str, list[links.Egress], list[Ta
     check_metrics_address(cfg)
     plan = []
     for eg in egress:
-        if not eg.index:
-            log.warning("%s: no such interface (yet): the agent starts without it and takes it over when it "
-                        "appears; every pass fails naming it until then", eg.name)
-        elif not eg.queues:
-            log.warning("%s has no members (yet): the agent takes them over as they join; every pass fails "
-                        "naming it until then", eg.name)
+        if why := _waiting_for(eg):
+            log.warning("%s: %s; every pass fails naming it until then", eg.name, why)
         for q in eg.queues:
             try:
                 plan.append(_prepare_device(cfg, ipr, q, eg.name, kind))
@@ -604,13 +601,12 @@ def record(cfg: Config, t: Takeover) -> None:
     record of the other one until that one's is written) is first kept aside under :func:`stranded_name`, where
     :func:`drop_superseded` or the next agent finds it by its index; overwritten, a start stopped in between
     left that device's tree with no record."""
-    path = state_path(cfg, t.link.name)
-    try:
-        index = int(json.loads(path.read_text())["ifindex"])
-    except (OSError, ValueError, KeyError, TypeError):
-        index = t.link.index
+    previous = None
+    with contextlib.suppress(StartupError):  # (a file that is not an agent's record: overwritten, as before)
+        previous = _load_state(cfg, t.link.name)
+    index = previous["ifindex"] if previous else t.link.index
     if index != t.link.index and _index_here(index):  # (a device gone: its tree went with it, nothing to keep)
-        os.replace(path, state_path(cfg, stranded_name(t.link.name, index)))
+        os.replace(state_path(cfg, t.link.name), state_path(cfg, stranded_name(t.link.name, index)))
     _save_state(cfg, t.link.name, {"ifindex": t.link.index, "interface": t.link.name, "serves": t.serves,
                                    "backend": t.backend.kind, "pid": os.getpid(), "snapshot": t.snap.to_json()})
 
@@ -738,15 +734,11 @@ def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str
     alone. Returns the devices restored (their recorded names)."""
     mine = {t.link.index: t.link.name for t in plan}
     restored = []
-    for name, path in _state_files(cfg):
+    for name, path, state, index in _records_not_running(cfg):
         try:
-            state = json.loads(path.read_text())
-            pid, index = int(state["pid"]), int(state["ifindex"])
             snap = snapshot.Snapshot.from_json(state["snapshot"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not ours to judge (an older agent's file without a pid, or unreadable): left as it is
-        if pid != os.getpid() and Path(f"/proc/{pid}").exists():
-            continue  # another running agent's
+        except (ValueError, KeyError, TypeError):
+            continue  # not an agent's record: left as it is
         if index in mine:  # a device the plan holds (its record adopted): recorded again under its name, then this
             continue       # record goes (drop_superseded), not before: a failed write would have lost the only one
         try:
@@ -768,16 +760,24 @@ def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str
 def drop_superseded(cfg: Config, t: Takeover) -> None:
     """Remove the records of ``t``'s device under other names (renamed while no agent ran, or a stranded one's:
     adopted with that record), once its own is written (:func:`record`). A running agent's are left alone."""
+    for name, path, _state, index in _records_not_running(cfg):
+        if name != t.link.name and index == t.link.index:
+            path.unlink(missing_ok=True)
+
+
+def _records_not_running(cfg: Config) -> list[tuple[str, Path, dict, int]]:
+    """``(device, path, record, ifindex)`` of each state file whose agent is this one or gone, not another running
+    agent's (one sharing ``state_dir``); a file without a pid or unreadable is left out (not ours to judge)."""
+    out = []
     for name, path in _state_files(cfg):
-        if name == t.link.name:
-            continue
         try:
             state = json.loads(path.read_text())
             pid, index = int(state["pid"]), int(state["ifindex"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if index == t.link.index and (pid == os.getpid() or not Path(f"/proc/{pid}").exists()):
-            path.unlink(missing_ok=True)
+        if pid == os.getpid() or not Path(f"/proc/{pid}").exists():
+            out.append((name, path, state, index))
+    return out
 
 
 def _describe(egress: list[links.Egress]) -> str:
