@@ -32,6 +32,24 @@ INHERIT_S = 5.0  # a killed agent's marks kept this long by the next one: the sh
 FLOW_CHECK_SHARE = 0.05
 
 
+class _Paced:
+    """A listing of the whole nftables table, run again only once 1 / ``FLOW_CHECK_SHARE`` times its last duration
+    has passed since it last ran; ``result`` keeps what the last run gave (``due``, then ``ran``)."""
+
+    def __init__(self, result):
+        self.at, self.took, self.result = -float("inf"), 0.0, result
+
+    def due(self, now: float) -> bool:
+        return now - self.at >= self.took / FLOW_CHECK_SHARE
+
+    def ran(self, started: float, result) -> None:
+        self.at, self.took, self.result = started, time.monotonic() - started, result
+
+    def reset(self) -> None:
+        """Due at once, whatever the last run cost."""
+        self.at = -float("inf")
+
+
 @dataclass
 class ReconcileStats:
     passes: int = 0
@@ -75,9 +93,8 @@ class Reconciler:
         self.shares: dict[int, float] = {}  # the job policy's guaranteed shares (set_shares), for a device taken later
         self._egress: dict[tuple[str, str], tuple[str, float]] = {}  # (src, dst) -> (interface, when looked up)
         self._backlog_sock: socket.socket | None = None  # the job policy's samples: one netlink socket, reused
-        # when the flows' part of a pass last ran, how long it took, and what it failed on ("": nothing)
-        self._flows_checked: tuple[float, float, str] = (-float("inf"), 0.0, "")
-        self._counted: tuple[float, float, dict] = (-float("inf"), 0.0, {})  # counters(): when, how long, what
+        self._flows_paced = _Paced("")  # the flows' part of a pass; its result: what it failed on ("": nothing)
+        self._counters_paced = _Paced({})  # counters()
 
     def _table_commands(self) -> list[dict]:
         classids = [self.backend.classid(lvl) for lvl in range(self.backend.levels)]
@@ -187,7 +204,7 @@ class Reconciler:
             self.nft.run(cmds)
         except nftables.NftError as exc:
             log.warning("incremental update failed (%s); reconciling fully", exc)
-            self._flows_checked = (-float("inf"), 0.0, "")  # the flows' part runs now, whatever it cost last time
+            self._flows_paced.reset()  # the flows' part runs now, whatever it cost last time
             self.reconcile(table)
 
     def reconcile(self, table: FlowTable, problems: list[str] = ()) -> int:
@@ -224,9 +241,8 @@ class Reconciler:
         ``failed``. Skipped while less than 1 / ``FLOW_CHECK_SHARE`` times its last duration has passed since it
         last ran (a large table: :data:`FLOW_CHECK_SHARE`); a failed change runs it at once (:meth:`apply`)."""
         started = time.monotonic()
-        last, took, failure = self._flows_checked
-        if started - last < took / FLOW_CHECK_SHARE:
-            failed.extend(filter(None, [failure]))  # not run again yet: its last outcome stands
+        if not self._flows_paced.due(started):
+            failed.extend(filter(None, [self._flows_paced.result]))  # not run again yet: its last outcome stands
             return 0
         failure = ""
         try:
@@ -236,7 +252,7 @@ class Reconciler:
             failed.append(failure)
             return 0
         finally:
-            self._flows_checked = (started, time.monotonic() - started, failure)
+            self._flows_paced.ran(started, failure)
 
     def _check_flows(self, table: FlowTable) -> int:
         """List the table, put its chains and rules back if they changed, and make the map's elements the flow
@@ -305,12 +321,9 @@ class Reconciler:
         again while it is younger than 1 / ``FLOW_CHECK_SHARE`` times the listing took, so that any user's
         ``status`` calls take at most that share of the agent's time."""
         started = time.monotonic()
-        at, took, counted = self._counted
-        if started - at < took / FLOW_CHECK_SHARE:
-            return counted
-        counted = nftables.chain_counters(nftables.list_table(self.nft))
-        self._counted = (started, time.monotonic() - started, counted)
-        return counted
+        if self._counters_paced.due(started):
+            self._counters_paced.ran(started, nftables.chain_counters(nftables.list_table(self.nft)))
+        return self._counters_paced.result
 
     def teardown(self) -> None:
         """Remove the nftables table (the qdisc is restored by the daemon from its snapshot)."""
