@@ -187,7 +187,7 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         super().server_activate()
         self.slots = threading.BoundedSemaphore(self.MAX_CLIENTS)
         self.refusals = RefusalLog(log, 10.0)
-        self.log_lock = threading.Lock()  # (the refusal log is noted from the clients' threads; also deadlines)
+        self.lock = threading.Lock()  # (the refusal log and the deadlines are used from the clients' threads)
         self.deadlines: dict = {}  # request socket -> when it is cut off
         self.closed = threading.Event()
         threading.Thread(target=self._reap, name="tensorlane-metrics-reaper", daemon=True).start()
@@ -214,12 +214,12 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 
     def process_request_thread(self, request, client_address):
         """Serve (cut off after ``REQUEST_DEADLINE_S``: :meth:`_reap`), then free the slot."""
-        with self.log_lock:
+        with self.lock:
             self.deadlines[request] = time.monotonic() + self.REQUEST_DEADLINE_S
         try:
             super().process_request_thread(request, client_address)
         finally:
-            with self.log_lock:
+            with self.lock:
                 self.deadlines.pop(request, None)
             self.slots.release()
 
@@ -228,7 +228,7 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         read or write fails, and the slot is free)."""
         while not self.closed.wait(0.5):
             now = time.monotonic()
-            with self.log_lock:
+            with self.lock:
                 late = [r for r, at in self.deadlines.items() if at <= now]
             for request in late:
                 _cut_off(request)
@@ -241,7 +241,7 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 
     def _note(self, reason: str, level: int, msg: str, *args) -> None:
         """Log through the bounded refusal log (noted from the clients' threads too)."""
-        with self.log_lock:
+        with self.lock:
             self.refusals.note(reason, level, msg, *args)
 
 
