@@ -543,7 +543,8 @@ class StackMode(TorchFunctionMode):
         self.thread: int | None = None  # the thread whose mode stack holds it (None: on no stack)
         self.handling = 0
 
-    def _enter_stack(self) -> None:
+    def push(self) -> None:
+        """On this thread's mode stack, below the modes there (once: a second push changes nothing)."""
         me = threading.get_ident()
         if self.thread == me and not self.handling and not _on_stack(self):
             self.thread = None  # taken off by someone else (code popping more modes than it pushed)
@@ -551,7 +552,8 @@ class StackMode(TorchFunctionMode):
             _insert_low(self)
             self.thread = me
 
-    def _leave_stack(self) -> None:
+    def pop(self) -> None:
+        """Off this thread's mode stack, wherever it is (not from inside its own handler)."""
         if self.thread == threading.get_ident() and not self.handling:
             _take_out(self)
             self.thread = None
@@ -589,7 +591,7 @@ class UseGuard(StackMode):
         self.ids = {id(p) for p in params}
         spans = sorted(s for p in params if (s := _span(p)))
         self.starts, self.ends = [a for a, _ in spans], [b for _, b in spans]
-        self._enter_stack()
+        self.push()
         self.armed = self.thread == threading.get_ident()  # on another thread than the one holding it: not watched
 
     def disarm(self) -> None:
@@ -599,7 +601,7 @@ class UseGuard(StackMode):
             return
         self.armed = False
         self.ids, self.starts, self.ends = set(), [], []
-        self._leave_stack()
+        self.pop()
 
     @contextlib.contextmanager
     def paused(self):
@@ -668,12 +670,6 @@ class GradWatch(StackMode):
     def unwatch(self) -> None:
         self.grads, self.ids = [], set()
 
-    def push(self) -> None:
-        self._enter_stack()
-
-    def pop(self) -> None:
-        self._leave_stack()
-
     @contextlib.contextmanager
     def paused(self):
         """The shim's own uses (the probe's checks and real step, stamping, deferred steps, writing the averages)
@@ -715,12 +711,6 @@ class ForwardWatch(StackMode):
     def __init__(self, deferred):
         super().__init__()
         self.deferred = deferred
-
-    def push(self) -> None:
-        self._enter_stack()
-
-    def pop(self) -> None:
-        self._leave_stack()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
