@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import logging
 import math
 import time
@@ -21,14 +22,19 @@ from tensorlane.agent.jobs import JobScheduler
 from tensorlane.agent.kernel.qdisc import fmt_handle
 from tensorlane.agent.logs import RefusalLog
 from tensorlane.agent.metrics.jobs import JobReports
-from tensorlane.agent.ownership import netns_of, not_owned, not_owned_by_owners
+from tensorlane.agent.ownership import netns_of, not_owned, not_owned_by_owners, still_sending
 from tensorlane.agent.peers import AccessPolicy, Peer
 from tensorlane.agent.protocol import ProtocolError
 from tensorlane.client import LIST_PAGE
+from tensorlane.flows import FlowKey
 from tensorlane.policies.jobs import REPORTED_INPUTS
 
 log = logging.getLogger("tensorlane.api")
 SWEEP_OWNERS = 512  # owner processes whose sockets one sweep reads (/proc/PID/fd each); the next sweep goes on
+# A TCP flow whose owner closed its socket (or exited) keeps its level while the kernel still sends what was written
+# before the close (``ownership.still_sending``), at most this long; a sweep looks up at most DRAIN_CHECKS of them.
+DRAIN_MAX_S = 60.0
+DRAIN_CHECKS = 1024
 REPORT_REORDER_S = 2.0  # one user's reports reorder the jobs at most this often; a later change waits (reorder_at)
 
 
@@ -331,7 +337,8 @@ class Api:
             "version": VERSION, "interfaces": self._interfaces(), "backend": self.backend,
             "link_rate_bps": sum(rates) if rates and all(rates) else None,  # (no device held: None)
             "uptime_s": round(time.time() - self.started, 3),
-            "flows": len(self.table.flows), "jobs": self.table.jobs(), "job_policy": self.jobs.describe(),
+            "flows": len(self.table.flows), "draining_flows": len(self.table.draining),
+            "jobs": self.table.jobs(), "job_policy": self.jobs.describe(),
             "job_conflicts": self.table.conflicts(), "min_share": getattr(self.rec.backend, "min_share", 0.0),
             "min_rate_bps": getattr(self.rec.backend, "min_rate", 0),
             "ack_priority": getattr(self.rec, "ack_level", None) is not None,
@@ -379,14 +386,37 @@ class Api:
         return levels
 
     def drop_owner(self, pid: int) -> int:
-        """The process ``pid`` exited: remove the flows it owned. Returns how many."""
-        gone = self.table.drop_pid(pid)
+        """The process ``pid`` exited: remove the flows it owned, but for those whose kernel socket still sends
+        (``_let_go``). Returns how many went."""
+        gone = self._let_go(sorted(self.table.by_pid.get(pid, ())))
         if gone:
             self._push([], [], gone)
             self.record("owner_exit", "removed")
             self.refusal_log.note("owner exited", logging.INFO, "process %d exited: removed its %d flows", pid,
                                   len(gone))  # bounded: a user can start and end processes at will
         return len(gone)
+
+    def _let_go(self, keys: list[FlowKey]) -> list[FlowKey]:
+        """Flows whose owner let go of the socket (closed it, or exited): those whose kernel socket still sends
+        what was written before the close keep their level until it is done (``DRAIN_MAX_S`` at most: ``sweep``),
+        so that a transfer's last megabytes are not sent unclassified; the others are removed. Returns those."""
+        sending = set(still_sending(keys))
+        if sending:
+            self.table.drain([k for k in keys if k in sending], time.monotonic() + DRAIN_MAX_S)
+        return self.table.drop([k for k in keys if k not in sending])
+
+    def _drained(self) -> list[FlowKey]:
+        """Draining flows whose kernel socket is done sending, or that drained ``DRAIN_MAX_S``: removed from the
+        table; returns them. At most ``DRAIN_CHECKS`` are looked up per call, the longest draining first (those
+        still sending go to the back)."""
+        draining = self.table.draining
+        now = time.monotonic()
+        turn = list(itertools.islice(draining, DRAIN_CHECKS))
+        sending = set(still_sending([k for k in turn if draining[k] > now]))
+        for key in turn:
+            if key in sending:
+                draining[key] = draining.pop(key)
+        return self.table.drop([k for k in turn if k not in sending])
 
     def sample_sending(self, now: float) -> bool:
         """Under a job policy with three jobs or more (two with ``job_share = "auto"``): sample which levels' classes
@@ -410,16 +440,17 @@ class Api:
         process moved to another namespace and holds only a look-alike there). The namespace's socket tables are
         read once per pass. A pass reads at most ``SWEEP_OWNERS`` owners, in pid order from after the last pass's:
         a user who registers from thousands of processes makes the sweep take turns, not stall the agent's loop (an
-        owner's exit is seen at once through its pidfd, ``Server.MAX_WATCHED``). Returns how many flows went."""
+        owner's exit is seen at once through its pidfd, ``Server.MAX_WATCHED``). A closed socket's flow that the
+        kernel still sends keeps its level until it is done (``_let_go``). Returns how many flows went."""
+        gone = self._drained() if self.table.draining else []
         by_pid = self.table.by_pid
-        if not by_pid:
-            return 0
-        pids = sorted(by_pid)
-        start = bisect.bisect_right(pids, self._swept_to)
-        turn = (pids[start:] + pids[:start])[:SWEEP_OWNERS]
-        self._swept_to = turn[-1]
-        gone = not_owned_by_owners({pid: list(by_pid[pid]) for pid in turn})  # (unsorted: 50,000 cost 50 ms)
-        gone = self.table.drop(gone)
+        if by_pid:
+            pids = sorted(by_pid)
+            start = bisect.bisect_right(pids, self._swept_to)
+            turn = (pids[start:] + pids[:start])[:SWEEP_OWNERS]
+            self._swept_to = turn[-1]
+            owners = {pid: list(by_pid[pid]) for pid in turn}  # (unsorted: sorting 50,000 flows cost 50 ms)
+            gone += self._let_go(not_owned_by_owners(owners))
         if gone:
             self._push([], [], gone)
             self.record("socket_closed", "removed")

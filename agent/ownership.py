@@ -18,6 +18,7 @@ Usage::
     if netns_of(pid) != netns_of("self"): refuse
     foreign = not_owned(pid, flows)                       # one client: exact kernel lookups (sock_diag)
     gone = not_owned_by_owners({pid: flows, ...})         # the sweep: exact lookups, or the tables read once
+    keep = still_sending(gone)                            # closed, the kernel still sends: kept until done
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from tensorlane.agent.kernel.sockdiag import SockDiag
 from tensorlane.flows import FlowKey, parse_proc_net_tcp, socket_inodes
 
 TCP_ESTABLISHED = 0x01
+# closed by every process that held it, the kernel still sends its queued bytes and FIN (FIN_WAIT1, LAST_ACK, CLOSING)
+TCP_CLOSED_SENDING = frozenset({0x04, 0x09, 0x0B})
 EXACT_LOOKUPS_MAX = 256  # up to this many TCP flows, exact lookups whatever the tables hold
 ROWS_PER_LOOKUP = 3  # one exact lookup (~12 us) costs about what 3 rows of the text tables do (~4 us each)
 _DIAG = SockDiag()  # the agent's namespace: a socket of another one is never found
@@ -230,3 +233,18 @@ def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]]) -> list[FlowKey
     for pid, inodes in held.items():
         gone += _unowned(flows_of[pid], [table[i] for i in inodes if i in table])
     return gone
+
+
+def still_sending(flows: Iterable[FlowKey]) -> list[FlowKey]:
+    """The TCP flows among ``flows`` whose socket no process holds any more (closed, or its process exited) and
+    whose kernel still sends what was written to it before the close, then its FIN (``TCP_CLOSED_SENDING``, inode
+    0). A ``close()`` right after the last ``send()`` returns while up to the send buffer's size (megabytes) is
+    still to go. [] when the kernel cannot answer (no sock_diag)."""
+    tcp = [k for k in flows if k.proto == "tcp"]
+    if not tcp:
+        return []
+    try:
+        found = _DIAG.tcp_many([(k.src, k.sport, k.dst, k.dport) for k in tcp])
+    except OSError:
+        return []
+    return [k for k, f in zip(tcp, found, strict=True) if f is not None and f[0] in TCP_CLOSED_SENDING and f[1] == 0]

@@ -49,6 +49,9 @@ class FlowTable:
         self.floors: dict[str, dict[int, int]] = {}  # job -> floor -> its flows (the job's tier: agent/jobs.py)
         self.users: dict[str, dict[int | None, int]] = {}  # job -> uid -> its flows (who may speak for the job)
         self.level_of = level_of  # entry -> effective level (a job policy replaces it: agent/jobs.py)
+        # flows whose owner let go of the socket while the kernel still sends what was written to it (``drain``):
+        # key -> monotonic deadline, oldest first; no longer in ``by_pid``
+        self.draining: dict[FlowKey, float] = {}
 
     def effective_level(self, key: FlowKey) -> int:
         """The level flow ``key`` gets in the kernel (``level_of`` of its entry)."""
@@ -120,6 +123,7 @@ class FlowTable:
                 del runs[old.run]
                 if not runs:
                     del self.runs[old.job]
+        self.draining.pop(key, None)
         if old.pid is not None:
             keys = self.by_pid.get(old.pid)
             if keys is not None:
@@ -143,13 +147,20 @@ class FlowTable:
         """The jobs in which user ``uid`` registered flows."""
         return set(self.of_user.get(uid, ()))
 
-    def drop_pid(self, pid: int) -> list[FlowKey]:
-        """Remove every flow owned by process ``pid`` (it exited); return them."""
-        gone = sorted(self.by_pid.get(pid, ()))
-        for key in gone:
-            self._forget_owner(key)
-            del self.flows[key]
-        return gone
+    def drain(self, keys: list[FlowKey], until: float) -> None:
+        """Keep ``keys`` (registered flows whose owner closed the socket or exited) at their level until ``until``
+        or until ``drop``: the kernel still sends what was written before the close. They no longer count as
+        their process's (``by_pid``); they stay their job's and their user's."""
+        for key in keys:
+            entry = self.flows[key]
+            if entry.pid is not None:
+                owned = self.by_pid[entry.pid]
+                owned.discard(key)
+                if not owned:
+                    del self.by_pid[entry.pid]
+                self.flows[key] = entry._replace(pid=None)
+            self.draining.pop(key, None)  # (re-inserted: the oldest stay first)
+            self.draining[key] = until
 
     def drop(self, keys: list[FlowKey]) -> list[FlowKey]:
         """Remove ``keys`` whatever their job (their sockets are gone); return those that were present."""

@@ -7,7 +7,9 @@ through the agent's Unix socket: refused ``foreign_netns``. The same socket pass
 over SCM_RIGHTS: refused ``not_owner`` (the socket is not in the agent's tables). A trusted user in a private
 namespace: ``foreign_netns`` too. The victim then registers normally and the kernel's map carries its level.
 Sweep: a process registers legitimately, moves into a private namespace and keeps a look-alike 5-tuple there;
-while it still holds the original socket the flow stays, once it closes it the flow goes within 1 s.
+while it still holds the original socket the flow stays, once it closes it the flow goes within 1 s. A connection
+closed (or whose process exited) while the kernel still holds bytes written to it keeps its level until they are
+sent (the receiver reads them only later), then goes.
 
 Every child is forked, bounded in time, killed and reaped in ``finally``; a private namespace dies with its
 process; the testbed is a context manager.
@@ -41,6 +43,8 @@ SERVER_PORT = 47300
 VICTIM_PORT = 47311
 MOVER_PORT = 47321
 OPERATOR_PORT = 47331
+DRAIN_PORTS = (47341, 47342)  # the writer's two connections (closed while it runs; left open when it exits)
+DRAIN_SERVER_PORT = 47340
 H1, H2 = "198.18.0.1", "198.18.0.2"
 CHILD_LIFETIME_S = 120.0  # no child outlives this, whatever happens to the parent
 
@@ -412,3 +416,81 @@ def test_sweep_drops_a_flow_whose_owner_moved_to_a_private_namespace(bed):
     assert elapsed <= 1.0, f"flow went only after {elapsed:.2f} s"
     assert (flow["proto"], H1, MOVER_PORT, H2, SERVER_PORT) not in kernel_map(tb)
     print(f"sweep removed the moved flow {elapsed:.3f} s after the original socket closed")
+
+
+def class_bytes(status: dict, level: int | None) -> int:
+    """Bytes through the class of ``level`` (None: the tree's default class, where unmarked packets go)."""
+    return sum(c.get("bytes", 0) for c in status["classes"] if c["level"] == level)
+
+
+def test_a_closed_connections_queued_bytes_keep_their_level_until_sent(bed):
+    tb, agent, spawn = bed
+    flows = [flow_dict(port, DRAIN_SERVER_PORT) for port in DRAIN_PORTS]
+
+    def receive(chan):  # host 2: accepts both connections, reads nothing until told, then everything
+        enter_netns(tb.host(2).name)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)  # (inherited by the accepted ends)
+        listener.bind((H2, DRAIN_SERVER_PORT))
+        listener.listen(4)
+        listener.settimeout(10)
+        chan.send({"ready": True})
+        conns = [listener.accept()[0] for _ in DRAIN_PORTS]
+        chan.recv(CHILD_LIFETIME_S)
+        received = []
+        for conn in conns:
+            conn.settimeout(10)
+            n = 0
+            while data := conn.recv(1 << 20):
+                n += len(data)
+            received.append(n)
+        chan.send({"received": received})
+
+    def write(chan):  # host 1, as nobody: fills both connections' buffers, closes one, then exits holding the other
+        enter_netns(tb.host(1).name)
+        become(NOBODY)
+        conns = [connect_from(H1, port, H2, DRAIN_SERVER_PORT) for port in DRAIN_PORTS]
+        reply = request(agent.socket, {"op": "register", "job": "drainer", "level": 1, "flows": flows})
+        written = []
+        for conn in conns:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+            conn.setblocking(False)
+            n = 0
+            with contextlib.suppress(BlockingIOError):
+                while n < 64 << 20:  # the peer reads nothing: the buffers fill (bounded)
+                    n += conn.send(b"z" * 65536)
+            written.append(n)
+        conns[0].close()  # (the sweep sees it)
+        chan.send({"reply": reply, "written": written})
+        chan.recv(CHILD_LIFETIME_S)
+        # returns: the process exits with conns[1] open (its pidfd is watched)
+
+    r = spawn(receive)
+    assert r.recv()["ready"]
+    before = agent.status()
+    w = spawn(write)
+    msg = w.recv()
+    assert msg["reply"]["ok"], msg
+    written = msg["written"]
+    assert min(written) > 65536, written
+    w.send({"exit": True})
+    os.waitpid(w.pid, 0)
+    w.pid = None
+    time.sleep(1.2)  # two sweep passes after the close and the exit
+    st = agent.status()
+    assert st["draining_flows"] == 2, st["draining_flows"]
+    assert {key(f) for f in flows} <= set(registered(agent.socket))
+    assert {kernel_map(tb).get(key(f)) for f in flows} == {1}  # still at their level in the kernel
+    r.send({"read": True})
+    assert r.recv(30)["received"] == written
+    t0 = time.monotonic()
+    while {key(f) for f in flows} & set(registered(agent.socket)):
+        assert time.monotonic() - t0 < 3.0, "drained flows still registered 3 s after their bytes arrived"
+        time.sleep(0.05)
+    after = agent.status()
+    assert after["draining_flows"] == 0
+    level1 = class_bytes(after, 1) - class_bytes(before, 1)
+    unmarked = class_bytes(after, None) - class_bytes(before, None)
+    assert level1 >= sum(written), (level1, unmarked, written)  # every data segment at level 1
+    assert unmarked < sum(written) / 20, (level1, unmarked, written)  # not the data: a few pure ACKs, the FINs' ACKs

@@ -56,3 +56,18 @@ def test_the_per_job_and_per_user_indexes_follow_every_change():
     assert t.job_users("j") == {1000} and t.job_floor("j") == 2
     t.drop([A])
     assert not (t.users or t.floors or t.of_user) and t.job_users("j") == set()
+
+
+def test_draining_flows_leave_their_process_and_stay_their_jobs():
+    """``drain``: the owner let go of the socket while the kernel still sends; the flow is no longer its process's
+    (an exit or sweep of it does not see it again), still its job's and user's, until ``drop``."""
+    t = FlowTable(levels=2)
+    t.register("j", 1, (A, B), pid=7, uid=1000)
+    t.drain([A], until=5.0)
+    assert t.by_pid == {7: {B}} and t.flows[A].pid is None and t.draining == {A: 5.0}
+    assert t.by_level()[1] == [A, B] and t.user_flows(1000) == 2
+    t.drain([B], until=6.0)
+    assert t.by_pid == {} and list(t.draining) == [A, B]
+    assert t.drop([A]) == [A] and list(t.draining) == [B]
+    t.register("j", 0, (B,), pid=8, uid=1000)  # the same 5-tuple registered again: owned, not draining
+    assert t.draining == {} and t.by_pid == {8: {B}}
