@@ -64,7 +64,8 @@ def format_status(st: dict) -> str:
                        + (" (absent: deleted, renamed or moved away)" if i.get("present") is False else "")
                        + (f" (queues on {', '.join(i['queues'])})" if i["queues"] not in ([i["name"]], []) else "")
                        for i in st["interfaces"])
-    lines = [f"backend {st['backend']}  link {st.get('link_rate_bps') or '-'} bit/s  flows {st['flows']}  "
+    draining = f" ({st['draining_flows']} draining)" if st.get("draining_flows") else ""
+    lines = [f"backend {st['backend']}  link {st.get('link_rate_bps') or '-'} bit/s  flows {st['flows']}{draining}  "
              f"jobs {len(st['jobs'])}  uptime {st['uptime_s']:.0f}s",
              f"interfaces {ifaces}",
              f"{'level':>7} {'class':>8} {'dscp':>4} {'flows':>6} {'sent_bytes':>14} {'marked_bytes':>14} "

@@ -32,6 +32,7 @@ from agent_clients import CLONE_NEWNET, request
 
 from bench.agents import running_agents
 from tensorlane.agent.ownership import netns_of, not_owned
+from tensorlane.cli import format_status
 from tensorlane.flows import FlowKey, own_tcp_flows
 from testbed import Testbed
 
@@ -480,6 +481,7 @@ def test_a_closed_connections_queued_bytes_keep_their_level_until_sent(bed):
     time.sleep(1.2)  # two sweep passes after the close and the exit
     st = agent.status()
     assert st["draining_flows"] == 2, st["draining_flows"]
+    assert " (2 draining)  jobs " in format_status(st)
     assert {key(f) for f in flows} <= set(registered(agent.socket))
     assert {kernel_map(tb).get(key(f)) for f in flows} == {1}  # still at their level in the kernel
     r.send({"read": True})
