@@ -235,8 +235,8 @@ def test_sock_diag_finds_a_tcp_socket_by_its_5_tuple():
             c6.connect(("::ffff:127.0.0.1", port))
             with srv.accept()[0]:
                 sport, sport6 = c.getsockname()[1], c6.getsockname()[1]
-                assert diag.tcp("127.0.0.1", sport, "127.0.0.1", port) == (1, os.fstat(c.fileno()).st_ino)
-                assert diag.tcp("127.0.0.1", sport6, "127.0.0.1", port) == (1, os.fstat(c6.fileno()).st_ino)
+                assert diag.tcp("127.0.0.1", sport, "127.0.0.1", port) == (1, os.fstat(c.fileno()).st_ino, os.geteuid())
+                assert diag.tcp("127.0.0.1", sport6, "127.0.0.1", port) == (1, os.fstat(c6.fileno()).st_ino, os.geteuid())
                 assert diag.tcp("127.0.0.1", sport, "127.0.0.2", port) is None
     diag.close()
 

@@ -785,6 +785,61 @@ def test_http_server_bounds_idle_and_broken_clients(kernel, monkeypatch, capfd):
         server.close()
 
 
+def test_one_local_user_cannot_take_every_metrics_slot(kernel, monkeypatch):
+    """A local user opened 16 idle connections (each cut off at its deadline, then opened again) and every scrape
+    was refused. Now one peer holds at most MAX_PER_PEER requests: a local one is the user that made the socket
+    (sock_diag), whatever address of 127.0.0.0/8 it connects from; another user's scrape (Prometheus') is served."""
+    import os
+
+    from tensorlane.agent import metrics
+
+    monkeypatch.setattr(metrics._Handler, "timeout", 5.0)
+    server = start_metrics_server("127.0.0.1:0", fake_api())
+    host, port = server.httpd.server_address
+    cap = metrics._ThreadingServer.MAX_PER_PEER
+    idle = []
+    try:
+        for i in range(cap + 6):  # root, from 127.0.0.2 ... 127.0.0.11
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((f"127.0.0.{2 + i}", 0))
+            s.settimeout(5)
+            s.connect((host, port))
+            idle.append(s)
+        time.sleep(0.3)
+        refused = []
+        for s in idle:
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                refused.append(s.recv(1) == b"")  # closed at once; the served ones wait (BlockingIOError)
+        assert sum(refused) == 6, refused
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # another user (nobody), as Prometheus would be: served beside the idle ones
+            code = 1
+            try:
+                os.close(r)
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                os.write(w, str(get(f"http://{server.address}/metrics")[0]).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        with os.fdopen(r) as fh:
+            status = fh.read()
+        assert os.waitpid(pid, 0)[1] == 0 and status == "200", status
+        # a client whose socket is not this host's is its address (a loopback connection stands for both)
+        with socket.create_server(("127.0.0.1", 0)) as lst, socket.create_connection(lst.getsockname()) as a, \
+                lst.accept()[0] as b:
+            assert server.httpd._peer(b, ("198.51.100.7", 40000)) == ("address", "198.51.100.7")
+            assert server.httpd._peer(b, a.getsockname()) == ("uid", os.geteuid())
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+
+
 def test_health_turns_503_when_reconcile_passes_stop():
     api = fake_api()
     now = [0.0]

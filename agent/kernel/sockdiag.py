@@ -6,7 +6,7 @@ hash lookup in the kernel, answered with the socket's state and inode. The netli
 network namespace, so a socket of another namespace is never found. Usage::
 
     diag = SockDiag()
-    found = diag.tcp("198.18.0.1", 41000, "198.18.0.2", 29500)   # (state, inode) or None
+    found = diag.tcp("198.18.0.1", 41000, "198.18.0.2", 29500)   # TcpSocket(state, inode, uid) or None
     many = diag.tcp_many([("198.18.0.1", 41000, "198.18.0.2", 29500), ...])   # batched, in order
     owners = unix_name_uids("tensorlane-agent")   # the uids that made the abstract Unix sockets of that name
 """
@@ -17,6 +17,7 @@ import itertools
 import socket
 import struct
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -36,7 +37,17 @@ _REQ = struct.Struct("=BBBBI")  # inet_diag_req_v2 head: family, protocol, ext, 
 _ID = struct.Struct(">HH16s16s")  # inet_diag_sockid head: sport, dport (big-endian), src, dst
 _ID_TAIL = struct.Struct("=III")  # if, cookie[2]
 _MSG_STATE = _HDR.size + 1  # inet_diag_msg: family, state, ...
-_MSG_INODE = _HDR.size + 4 + 48 + 16  # ... after timer, retrans, the sockid, expires, rqueue, wqueue, uid
+_MSG_UID = _HDR.size + 4 + 48 + 12  # ... after timer, retrans, the sockid, expires, rqueue, wqueue
+_MSG_INODE = _MSG_UID + 4
+
+
+class TcpSocket(NamedTuple):
+    """What the kernel says of one TCP socket: its state (``TCP_ESTABLISHED`` = 1, ...), its inode (0: held by no
+    process) and the uid of the user that made it."""
+
+    state: int
+    inode: int
+    uid: int
 
 
 def _request(seq: int, src: str, sport: int, dst: str, dport: int) -> bytes:
@@ -57,8 +68,8 @@ def _messages(data: bytes) -> Iterator[tuple[int, int, bytes]]:
         pos += max(_HDR.size, (length + 3) & ~3)
 
 
-def _answers(data: bytes) -> Iterator[tuple[int, tuple[int, int] | None]]:
-    """``(seq, (state, inode) or None)`` of each netlink message in ``data``; OSError for a kernel error other
+def _answers(data: bytes) -> Iterator[tuple[int, TcpSocket | None]]:
+    """``(seq, TcpSocket or None)`` of each netlink message in ``data``; OSError for a kernel error other
     than "no such socket" or an unexpected message."""
     for kind, seq, msg in _messages(data):
         length = len(msg)
@@ -70,7 +81,8 @@ def _answers(data: bytes) -> Iterator[tuple[int, tuple[int, int] | None]]:
         elif kind != SOCK_DIAG_BY_FAMILY or length < _MSG_INODE + 4:
             raise OSError(errno.EPROTO, f"sock_diag: unexpected answer type {kind}")
         else:
-            yield seq, (msg[_MSG_STATE], struct.unpack_from("=I", msg, _MSG_INODE)[0])
+            uid, inode = struct.unpack_from("=II", msg, _MSG_UID)
+            yield seq, TcpSocket(msg[_MSG_STATE], inode, uid)
 
 
 class SockDiag:
@@ -88,13 +100,13 @@ class SockDiag:
             self._sock = s
         return self._sock
 
-    def tcp(self, src: str, sport: int, dst: str, dport: int) -> tuple[int, int] | None:
-        """``(state, inode)`` of the TCP socket whose local end is ``src:sport`` and remote end ``dst:dport``, or
+    def tcp(self, src: str, sport: int, dst: str, dport: int) -> TcpSocket | None:
+        """The TCP socket whose local end is ``src:sport`` and remote end ``dst:dport``, or
         None if this namespace has none. An IPv4 flow is also looked for as a dual-stack (v4-mapped) socket.
         Raises OSError when the kernel cannot answer (no sock_diag): the caller falls back to the tables."""
         return self.tcp_many([(src, sport, dst, dport)])[0]
 
-    def tcp_many(self, flows: Sequence[tuple[str, int, str, int]]) -> list[tuple[int, int] | None]:
+    def tcp_many(self, flows: Sequence[tuple[str, int, str, int]]) -> list[TcpSocket | None]:
         """``tcp`` for each ``(src, sport, dst, dport)`` of ``flows``, in order: up to ``BATCH`` requests go out in
         one send and their answers are matched by sequence number (a sweep of hundreds of flows makes a few
         system calls per flow less). Usage: ``diag.tcp_many([("10.0.0.1", 41000, "10.0.0.2", 29500)])``"""
@@ -106,8 +118,8 @@ class SockDiag:
                 found[i] = f
         return found
 
-    def _lookup_many(self, addrs: Sequence[tuple[str, int, str, int]]) -> list[tuple[int, int] | None]:
-        out: list[tuple[int, int] | None] = [None] * len(addrs)
+    def _lookup_many(self, addrs: Sequence[tuple[str, int, str, int]]) -> list[TcpSocket | None]:
+        out: list[TcpSocket | None] = [None] * len(addrs)
         sock = self._socket()
         for first in range(0, len(addrs), BATCH):
             waiting: dict[int, int] = {}

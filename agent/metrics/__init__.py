@@ -32,6 +32,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import GCCollector, PlatformCollector, ProcessCollector, make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from tensorlane.agent.kernel.sockdiag import SockDiag
 from tensorlane.agent.logs import RefusalLog
 from tensorlane.agent.metrics import names
 from tensorlane.agent.metrics.api import ApiSource
@@ -165,8 +166,8 @@ def _cut_off(request: socket.socket) -> None:
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    """One daemon thread per request, at most ``MAX_CLIENTS`` at once (beyond, a connection is closed at once);
-    the address may be reused at once.
+    """One daemon thread per request, at most ``MAX_CLIENTS`` at once and ``MAX_PER_PEER`` of one peer (beyond, a
+    connection is closed at once); the address may be reused at once.
 
     Any local user can connect to the metrics address. Unbounded, every idle connection held a thread and a file
     descriptor of the agent for ever: some thousand of them took the agent's open files, and its API socket then
@@ -181,6 +182,10 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
     # passes each read's timeout, and 16 of them held every slot (scrapes and /healthz refused) for as long as
     # they liked. Prometheus' own scrape timeout is 10 s by default.
     REQUEST_DEADLINE_S = 15.0
+    # A peer is the user that made the client's socket when it is a socket of this host (sock_diag; whatever
+    # address of 127.0.0.0/8 it connects from), else the client's address. With the slots alone, one local user's
+    # 16 connections, each cut off at its deadline and opened again, held every slot: every scrape refused.
+    MAX_PER_PEER = 4
 
     def server_activate(self):
         """Listen, and make the slots of the concurrent clients."""
@@ -189,6 +194,9 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         self.refusals = RefusalLog(log, 10.0)
         self.lock = threading.Lock()  # (the refusal log and the deadlines are used from the clients' threads)
         self.deadlines: dict = {}  # request socket -> when it is cut off
+        self.peers: dict = {}  # request socket -> its peer (``_peer``)
+        self.held: dict = {}  # peer -> its requests served now
+        self.diag = SockDiag()  # (used by the accepting thread only)
         self.closed = threading.Event()
         threading.Thread(target=self._reap, name="tensorlane-metrics-reaper", daemon=True).start()
 
@@ -196,32 +204,71 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         """Close the listener; the reaper ends (none where the listener could not be made)."""
         if hasattr(self, "closed"):
             self.closed.set()
+            self.diag.close()
         super().server_close()
 
+    def _peer(self, request, client_address) -> tuple:
+        """Who connects: ``("uid", UID)`` when the client's socket is one of this host's (the kernel names the user
+        that made it), else ``("address", ADDRESS)``."""
+        host, port = client_address[:2]
+        try:
+            here = request.getsockname()
+            found = self.diag.tcp(host, port, here[0], here[1])
+        except (OSError, ValueError):  # no sock_diag, or an address it cannot take (an IPv6 scope): by address
+            found = None
+        return ("address", host) if found is None else ("uid", found.uid)
+
     def process_request(self, request, client_address):
-        """Serve ``request`` in a thread if a slot is free, else close it (counted in the log)."""
+        """Serve ``request`` in a thread if its peer holds fewer than ``MAX_PER_PEER`` and a slot is free, else
+        close it (counted in the log)."""
+        peer = self._peer(request, client_address)
+        with self.lock:
+            mine = self.held.get(peer, 0) < self.MAX_PER_PEER
+            if mine:
+                self.held[peer] = self.held.get(peer, 0) + 1
+        if not mine:
+            self._note("metrics peer busy", logging.WARNING, "closed a metrics connection from %s (%s %s): it has %d "
+                       "requests served already", client_address[0], *peer, self.MAX_PER_PEER)
+            self.shutdown_request(request)
+            return
         if not self.slots.acquire(blocking=False):
+            self._let_go(peer)
             self._note("metrics busy", logging.WARNING, "closed a metrics connection from %s: %d clients are served "
                        "already", client_address[0], self.MAX_CLIENTS)
             self.shutdown_request(request)
             return
+        with self.lock:
+            self.peers[request] = peer
         try:
             super().process_request(request, client_address)
         except RuntimeError as exc:  # (no thread could start): the slot is free again
-            self.slots.release()
+            self._done(request)
             self._note("metrics thread", logging.WARNING, "cannot serve a metrics request: %s", exc)
             self.shutdown_request(request)
 
     def process_request_thread(self, request, client_address):
-        """Serve (cut off after ``REQUEST_DEADLINE_S``: :meth:`_reap`), then free the slot."""
+        """Serve (cut off after ``REQUEST_DEADLINE_S``: :meth:`_reap`), then free the slot and the peer's."""
         with self.lock:
             self.deadlines[request] = time.monotonic() + self.REQUEST_DEADLINE_S
         try:
             super().process_request_thread(request, client_address)
         finally:
-            with self.lock:
-                self.deadlines.pop(request, None)
-            self.slots.release()
+            self._done(request)
+
+    def _done(self, request) -> None:
+        """``request`` is over: its slot and its peer's part are free."""
+        with self.lock:
+            self.deadlines.pop(request, None)
+            peer = self.peers.pop(request, None)
+        if peer is not None:
+            self._let_go(peer)
+        self.slots.release()
+
+    def _let_go(self, peer) -> None:
+        with self.lock:
+            left = self.held.pop(peer) - 1
+            if left:
+                self.held[peer] = left
 
     def _reap(self) -> None:
         """One thread for the server's life: every 0.5 s, end the requests past their deadline (their thread's next
