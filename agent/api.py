@@ -9,6 +9,7 @@ Usage: ``api = Api(cfg, table, rec, "htb"); api.handle(line, peer)``
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -25,6 +26,7 @@ from tensorlane.agent.metrics.jobs import JobReports
 from tensorlane.agent.ownership import netns_of, not_owned, not_owned_by_owners, still_sending
 from tensorlane.agent.peers import AccessPolicy, Peer
 from tensorlane.agent.protocol import ProtocolError
+from tensorlane.agent.state import job_id_base, user_job_id
 from tensorlane.client import LIST_PAGE
 from tensorlane.flows import FlowKey
 from tensorlane.policies.jobs import REPORTED_INPUTS
@@ -72,6 +74,8 @@ class Api:
         try:
             req = protocol.parse_request(line)
             rid, op = req.id, req.op
+            if req.job is not None and peer is not None and not self.policy.privileged(peer):
+                req = dataclasses.replace(req, job=self._users_job(req, peer))
             reply = protocol.ok(rid, getattr(self, f"_op_{req.op}")(req, peer))
             outcome = "ok"
         except ProtocolError as exc:
@@ -175,7 +179,26 @@ class Api:
             reply["conflict"] = (f"job id {req.job!r} is also used by another run on this host ({len(runs)} runs): "
                                  "the agent treats them as one job (one band, one order); give each job its own id "
                                  "(TENSORLANE_JOB, or torchrun --rdzv-id)")
+        elif req.job != job_id_base(req.job):
+            reply["conflict"] = (f"job id {job_id_base(req.job)!r} is in use by another user on this host: this "
+                                 f"job's flows are registered as its own job {req.job!r}, at their levels; give this "
+                                 "job its own id (TENSORLANE_JOB, or torchrun --rdzv-id)")
         return reply
+
+    def _users_job(self, req, peer) -> str:
+        """The job a user's request is about: the id it names, or the user's own job under that id
+        (``state.user_job_id``: ``ID@USER``) once another user held the id on this host when the user first
+        registered under it. So a user who takes a job id first (every id a job will use is on its command line,
+        ``--rdzv-id``) no longer keeps its owner's flows out of the queues: they go under the owner's own job, at
+        their levels, with the id's configured priority or intensity; a log line and the reply say so."""
+        own = user_job_id(req.job, peer.user)
+        if own in self.table.by_job:
+            return own
+        if req.op == "register" and self.table.job_users(req.job) - {peer.uid}:
+            self.refusal_log.note("job id taken", logging.WARNING, "job id %r is in use by another user on this host: "
+                                  "%s's flows are registered under %r", req.job, peer.user, own)
+            return own
+        return req.job
 
     def _check_job_user(self, job: str, peer) -> None:
         """A user (not root, not trusted) may join a job id on this host only while every flow of it is theirs: the

@@ -51,6 +51,7 @@ import math
 import time
 from collections import deque
 
+from tensorlane.agent.state import job_id_base
 from tensorlane.flows import FlowKey
 from tensorlane.policies.jobs import (
     AUTO_SHARES,
@@ -177,7 +178,7 @@ class JobScheduler:
         if self.timed:
             now_s = self.clock() if now is None else now
         order, ranks = job_order(self.policy, sorted(jobs), now_s=now_s, epoch_s=self.epoch_s,
-                                 priority=self.priority, intensity=self.intensity, link_bps=self.link_bps,
+                                 **self._tables(jobs), link_bps=self.link_bps,
                                  **{name: self.inputs_of(name, keys) for name in self.inputs})
         bands = tiered_bands(order, self.levels, ranks, floors)
         old = self.bands
@@ -206,12 +207,18 @@ class JobScheduler:
         self.shares = job_shares(bands, self.job_share, self.sending, self.budget, self.weights)
         return sorted(shifted)
 
+    def _tables(self, jobs) -> dict[str, dict]:
+        """``job_priority`` and ``job_intensity`` for ``jobs``: a user's own job under an id another user holds
+        (``state.user_job_id``) has the id's entries, as the job that holds the id does."""
+        return {name: {job: table[job_id_base(job)] for job in jobs if job_id_base(job) in table}
+                for name, table in (("priority", self.priority), ("intensity", self.intensity))}
+
     def rank_check(self) -> None:
         """Rank the jobs present with the inputs reported now, changing nothing: raises ``ValueError`` where the
         policy cannot rank them (``Api`` refuses such a report before it reorders anything)."""
         keys = self._keys(self.jobs)
-        job_order(self.policy, sorted(self.jobs), now_s=self.clock(), epoch_s=self.epoch_s, priority=self.priority,
-                  intensity=self.intensity, link_bps=self.link_bps,
+        job_order(self.policy, sorted(self.jobs), now_s=self.clock(), epoch_s=self.epoch_s, **self._tables(self.jobs),
+                  link_bps=self.link_bps,
                   **{name: self.inputs_of(name, keys) for name in self.inputs})
 
     def rerank_wanted(self) -> bool:

@@ -15,6 +15,19 @@ from typing import NamedTuple
 from tensorlane.agent.protocol import ProtocolError
 from tensorlane.flows import FlowKey
 
+USER_JOB_MARK = "@"  # never in a job id a client names (protocol: letters, digits, "_.:-"): only the agent makes it
+
+
+def user_job_id(job: str, user: str) -> str:
+    """User ``user``'s own job under the id ``job`` when another user holds that id on this host: ``job@user``.
+    No client can name it, so no one can take it first."""
+    return f"{job}{USER_JOB_MARK}{user}"
+
+
+def job_id_base(job: str) -> str:
+    """The id a job was registered under: ``job`` itself, or the id of a user's own job (``user_job_id``)."""
+    return job.split(USER_JOB_MARK, 1)[0]
+
 
 class FlowEntry(NamedTuple):
     """What the agent knows about one registered flow (a tuple of atomic values: not tracked by the GC)."""

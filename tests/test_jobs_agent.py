@@ -759,28 +759,40 @@ def test_a_report_that_underflows_the_intensity_is_ranked_and_the_agent_keeps_se
 
 
 def test_a_user_cannot_join_another_users_job_id():
-    """A job id in use by one user's flows on this host is refused to another user (``forbidden``): otherwise the
-    second could report the job's inputs (reorder it) or hold a flow under its id. Root and trusted users may join;
-    a free id, or one whose flows are all the user's own, is taken as before. A user's reports for a job that is not
-    all theirs feed neither the order nor the metrics."""
-    api, rec = make_api(job_policy="shortest", check_ownership=False, trusted_users=["ops"])
+    """A job id in use by one user's flows on this host is not joined by another user: the second could report the
+    job's inputs (reorder it) or hold a flow under its id. Until 2026-11-27 it was refused (``forbidden``), so a
+    user who took an id first (every id a job will use is on its command line) kept the owner's flows out of the
+    queues. Now the second user's flows go under its own job ``ID@USER``, which no client can name (no one takes it
+    first), with the id's configured priority; its reports count for that job only. Root and trusted users may
+    join; a free id, or one whose flows are all the user's own, is taken as before."""
+    api, rec = make_api(job_policy="static", job_priority={"prod": 0, "other": 1}, check_ownership=False,
+                        trusted_users=["ops"])
     alice, bob = Peer(pid=1, uid=1000, gid=1000), Peer(pid=2, uid=1001, gid=1001)
     request(api, alice, op="register", job="prod", level=0, flows=[flow(1)])
     request(api, alice, op="register", job="prod", level=1, flows=[flow(2)])  # the same user: as before
-    reply = json.loads(api.handle(json.dumps({"op": "register", "job": "prod", "level": 0,
-                                              "flows": [flow(3)]}).encode(), bob))
-    assert reply["error"]["code"] == "forbidden" and "in use by another user" in reply["error"]["message"]
-    assert set(rec.kernel) == {key(1), key(2)}  # nothing changed
+    own = f"prod@{bob.user}"
+    r = request(api, bob, op="register", job="prod", level=0, flows=[flow(3)])
+    assert r["job"] == own and "in use by another user" in r["conflict"]
+    assert api.table.jobs() == {"prod": 2, own: 1} and set(rec.kernel) == {key(1), key(2), key(3)}
+    assert api.jobs._tables({own})["priority"] == {own: 0}  # the id's priority, as the job that holds it
+    assert request(api, bob, op="register", job="prod", level=1, flows=[flow(4)])["job"] == own  # stays its own
+    reply = json.loads(api.handle(json.dumps({"op": "register", "job": own, "level": 0,
+                                              "flows": [flow(5)]}).encode(), alice))
+    assert reply["error"]["code"] == "bad_job"  # no client names a user's own job
     levels = [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.1}]
     r = request(api, bob, op="report", job="prod", session="s-bob", levels=levels, step_bytes=1)
-    assert r["counted_as"] is None and r["step_bytes"].startswith("ignored")
+    assert r["job"] == own and r["counted_as"] is not None  # bob's own job's series, not alice's
+    assert own in api.reports.snapshot() and "prod" not in api.reports.snapshot()
     r = request(api, bob, op="report", job="nothing-here", session="s-bob", levels=levels)
     assert r["counted_as"] is None  # no series for a job with no flows of bob's
     assert "nothing-here" not in api.reports.snapshot()
-    request(api, op="register", job="prod", level=0, flows=[flow(4)])  # root may
+    assert [f["job"] for f in request(api, bob, op="list", job="prod")["flows"]] == [own, own]
+    assert request(api, bob, op="unregister", job="prod")["removed"] == 2  # its own job's, not alice's
+    assert api.table.jobs() == {"prod": 2} and set(rec.kernel) == {key(1), key(2)}
+    request(api, op="register", job="prod", level=0, flows=[flow(6)])  # root may join
     r = request(api, alice, op="report", job="prod", session="s-alice", levels=levels, step_bytes=5)
-    assert r["step_bytes"].startswith("ignored") and r["counted_as"] is None  # prod is no longer alice's alone
-    assert request(api, op="report", job="prod", session="s-root", levels=levels, step_bytes=5)["step_bytes"] == "taken"
+    assert r["counted_as"] is None  # prod is no longer alice's alone
+    assert request(api, alice, op="register", job="prod", level=0, flows=[flow(7)])["job"] == f"prod@{alice.user}"
 
 
 def test_bad_flow_types_and_deep_json_are_clear_errors():
