@@ -767,6 +767,7 @@ class Handle:
         self._hooks.append(root.register_forward_pre_hook(hook(self._root_pre_forward), prepend=True))
         self._hooks.append(self.model.register_forward_pre_hook(hook(self._disarm), prepend=True))
         self._hooks.append(self.model.register_forward_hook(hook(self._watch_grads)))
+        self._hooks.append(root.register_forward_hook(hook(self._rearm_guard)))
         # the probe's forward: parameters used before their module's forward (not where torch.compile runs modules:
         # a mode on the stack changes what dynamo runs in that forward, and there every parameter is applied early)
         if not any(hasattr(m, "_orig_mod") for m in root.modules()):
@@ -851,6 +852,22 @@ class Handle:
         self._disarm_guard()  # (below the watch a moment ago)
         if not d.awaiting_step():
             d.watch.unwatch()
+
+    def _rearm_guard(self, *_args) -> None:
+        """The model's forward has ended with stamped updates still pending: modules it did not run (a branch that a
+        validation forward skips, one unused in this iteration). Under DDP those parameters were updated at
+        ``step()``, so until the next forward the guard watches them again (an EMA or a logged norm of the weights
+        after the validation applies them first). Until 2026-11-27 the guard stayed off after any forward: such an
+        EMA read the branch's weights before their update (2.6e-3 off after 8 steps)."""
+        state = self.state
+        if self.closed or state is None or state.mode != "overlap" or state.deferred.guard is None:
+            return
+        d = state.deferred
+        left = [p for p in state.options["params"]
+                if (pend := d.pending.get(id(p))) is not None and pend.hparams is not None
+                and id(p) not in pend.applied]
+        if left:
+            d.guard.arm(left)
 
     def _disarm_guard(self) -> None:
         """Stop the parameter guard (a flush's own uses of the parameters are not the loop's)."""

@@ -1713,6 +1713,35 @@ def _close_before_step(ctx: Ctx):
         opt.zero_grad()
         ctx.record("loss", loss.item())
 
+
+@idiom("eval_partial_then_ema")
+def _eval_partial_then_ema(ctx: Ctx):
+    """After step(): a validation forward under no_grad that does not run every module (the auxiliary branch is
+    for training only), then an EMA of every weight kept by hand; the EMA compared too."""
+    net = Branchy()
+    del net.never
+    model = ctx.ddp(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    ema = [p.detach().clone() for p in model.parameters()]
+    for step in range(ctx.steps):
+        x, y = ctx.vectors(step)
+        loss = F.cross_entropy(model(x, use_branch=True), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            ctx.record("val", model(x, use_branch=False))
+        model.train()
+        with torch.no_grad():
+            for e, p in zip(ema, model.parameters(), strict=True):
+                e.lerp_(p, 0.1)
+        ctx.record("loss", loss.item())
+    for i, e in enumerate(ema):
+        ctx.record(f"ema{i}", e)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
