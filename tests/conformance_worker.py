@@ -1714,6 +1714,120 @@ def _close_before_step(ctx: Ctx):
         ctx.record("loss", loss.item())
 
 
+class SAM(torch.optim.Optimizer):
+    """Sharpness-Aware Minimization as most code has it (github.com/davda54/sam, ASAM with ``adaptive=True``): a
+    wrapper whose ``param_groups`` are its base optimizer's; ``first_step`` perturbs the weights along the
+    gradient, ``second_step`` restores them (``p.data = old_p``) and takes the base optimizer's step."""
+
+    def __init__(self, params, base_optimizer, rho=0.05, adaptive=False, **kwargs):
+        super().__init__(params, dict(rho=rho, adaptive=adaptive, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+        self.defaults.update(self.base_optimizer.defaults)
+
+    @torch.no_grad()
+    def first_step(self, zero_grad=False):
+        grad_norm = torch.norm(torch.stack([((torch.abs(p) if g["adaptive"] else 1.0) * p.grad).norm(p=2)
+                                            for g in self.param_groups for p in g["params"] if p.grad is not None]))
+        for g in self.param_groups:
+            scale = g["rho"] / (grad_norm + 1e-12)
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                self.state[p]["old_p"] = p.data.clone()
+                p.add_((torch.pow(p, 2) if g["adaptive"] else 1.0) * p.grad * scale.to(p))
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad=False):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+        if zero_grad:
+            self.zero_grad()
+
+
+def sam_loop(ctx: Ctx, adaptive: bool, first_no_sync: bool) -> None:
+    model = ctx.ddp(convnet())
+    opt = SAM(model.parameters(), torch.optim.SGD, rho=0.05, adaptive=adaptive, lr=0.05, momentum=0.9)
+    ctx.attach(model, opt.base_optimizer)  # the optimizer that steps (SAM itself is not per-parameter)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        with (model.no_sync() if first_no_sync else contextlib.nullcontext()):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        opt.first_step(zero_grad=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.second_step(zero_grad=True)
+        ctx.record("loss", loss.item())
+
+
+@idiom("sam")
+def _sam(ctx: Ctx):
+    """SAM: two forward-backward passes per step, both synchronized, the weights perturbed in between along the
+    first (averaged) gradients and restored by ``p.data = old_p`` before the base SGD's step."""
+    sam_loop(ctx, adaptive=False, first_no_sync=False)
+
+
+@idiom("asam_local_perturbation")
+def _asam_local_perturbation(ctx: Ctx):
+    """ASAM with the first pass under ``no_sync()`` (each rank perturbs along its own gradient, saving one
+    all-reduce per step), the second synchronized."""
+    sam_loop(ctx, adaptive=True, first_no_sync=True)
+
+
+@idiom("lookahead_data")
+def _lookahead_data(ctx: Ctx):
+    """A hand-written Lookahead (k=2, alpha=0.5) in old-style code: slow weights as clones, every second step
+    ``slow += alpha * (p.data - slow)`` and ``p.data.copy_(slow)`` after step(), all through ``.data``."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    slow = [p.detach().clone() for p in model.parameters()]
+
+    def sync(step):
+        if (step + 1) % 2 == 0:
+            for p, s in zip(model.parameters(), slow, strict=True):
+                s.add_(p.data - s, alpha=0.5)
+                p.data.copy_(s)
+    plain_loop(ctx, model, opt, after_step=sync)
+
+
+
+class LayerDropNet(nn.Module):
+    """An MLP of residual blocks, each block skipped at random in training (LayerDrop / stochastic depth), with a
+    per-rank generator: a block may be used on one rank and not another, or on none."""
+
+    def __init__(self, gen):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.inp = nn.Linear(32, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.out = nn.Linear(32, 10)
+        self.gen = gen
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        for b in self.blocks:
+            if float(torch.rand((), generator=self.gen)) >= 0.5:
+                h = h + torch.relu(b(h))
+        return self.out(h)
+
+
+@idiom("layerdrop_per_rank")
+def _layerdrop_per_rank(ctx: Ctx):
+    """LayerDrop with find_unused_parameters=True: each block used or dropped at random, per rank and step; SGD
+    with momentum and weight decay."""
+    model = ctx.ddp(LayerDropNet(torch.Generator().manual_seed(7 + 31 * ctx.rank)), find_unused_parameters=True)
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, batch=ctx.vectors)
+
+
+
 @idiom("eval_partial_then_ema")
 def _eval_partial_then_ema(ctx: Ctx):
     """After step(): a validation forward under no_grad that does not run every module (the auxiliary branch is
