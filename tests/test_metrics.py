@@ -840,6 +840,62 @@ def test_one_local_user_cannot_take_every_metrics_slot(kernel, monkeypatch):
         server.close()
 
 
+def test_a_users_subordinate_uids_count_as_that_user_at_the_metrics_address(kernel, monkeypatch, tmp_path):
+    """A user with a subordinate uid range (``/etc/subuid``, the default for rootless containers) runs processes
+    as any of those uids through ``newuidmap``: each uid was a peer of its own, so one user held every slot (16
+    uids, one idle connection each) and Prometheus' scrapes were refused. Now a uid of a user's subordinate range
+    counts as that user: the fifth connection of the range is refused."""
+    import os
+
+    from tensorlane.agent import metrics
+
+    subuid = tmp_path / "subuid"
+    subuid.write_text("4242:100000:65536\n")
+    monkeypatch.setattr(metrics, "SUBUID", str(subuid))
+    monkeypatch.setattr(metrics._Handler, "timeout", 5.0)
+    server = start_metrics_server("127.0.0.1:0", fake_api())
+    host, port = server.httpd.server_address
+    cap = metrics._ThreadingServer.MAX_PER_PEER
+    hold_r, hold_w = os.pipe()
+    children, refused = [], []
+    try:
+        for i in range(cap + 1):  # one connection each from 100000 ... 100004, all held at once
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.close(r)
+                    os.close(hold_w)
+                    os.setgroups([])
+                    os.setgid(100000 + i)
+                    os.setuid(100000 + i)
+                    s = socket.create_connection((host, port), timeout=5)
+                    time.sleep(0.3)
+                    s.setblocking(False)
+                    try:
+                        closed = s.recv(1) == b""
+                    except BlockingIOError:
+                        closed = False
+                    os.write(w, b"1" if closed else b"0")
+                    os.close(w)
+                    os.read(hold_r, 1)  # held until the parent is done
+                    code = 0
+                finally:
+                    os._exit(code)
+            os.close(w)
+            children.append(pid)
+            with os.fdopen(r) as fh:
+                refused.append(fh.read() == "1")
+        assert refused == [False] * cap + [True], refused
+    finally:
+        os.close(hold_w)
+        os.close(hold_r)
+        for pid in children:
+            os.waitpid(pid, 0)
+        server.close()
+
+
 def test_health_turns_503_when_reconcile_passes_stop():
     api = fake_api()
     now = [0.0]

@@ -22,6 +22,8 @@ import contextlib
 import ipaddress
 import json
 import logging
+import os
+import pwd
 import socket
 import sys
 import threading
@@ -165,6 +167,28 @@ def _cut_off(request: socket.socket) -> None:
         request.shutdown(socket.SHUT_RDWR)
 
 
+SUBUID = "/etc/subuid"  # USER:FIRST:COUNT: the uids a user may run processes as (newuidmap: rootless containers)
+
+
+def _subuid_ranges(path: str) -> list[tuple[int, int, int]]:
+    """``(first, end, owner uid)`` of each subordinate uid range in ``path`` (USER a name or a uid; lines that name
+    no user are skipped); [] where it cannot be read."""
+    try:
+        with open(path) as fh:
+            lines = fh.read(1 << 20).splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        name, first, count = ([*line.strip().split(":"), "", ""])[:3]
+        try:
+            owner = int(name) if name.isdigit() else pwd.getpwnam(name).pw_uid
+            out.append((int(first), int(first) + int(count), owner))
+        except (KeyError, ValueError):
+            continue
+    return out
+
+
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     """One daemon thread per request, at most ``MAX_CLIENTS`` at once and ``MAX_PER_PEER`` of one peer (beyond, a
     connection is closed at once); the address may be reused at once.
@@ -197,6 +221,7 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         self.peers: dict = {}  # request socket -> its peer (``_peer``)
         self.held: dict = {}  # peer -> its requests served now
         self.diag = SockDiag()  # (used by the accepting thread only)
+        self.subuids: tuple = (None, [])  # (SUBUID's stat when read, its ranges): ``_owner``
         self.closed = threading.Event()
         threading.Thread(target=self._reap, name="tensorlane-metrics-reaper", daemon=True).start()
 
@@ -216,7 +241,19 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
             found = self.diag.tcp(host, port, here[0], here[1])
         except (OSError, ValueError):  # no sock_diag, or an address it cannot take (an IPv6 scope): by address
             found = None
-        return ("address", host) if found is None else ("uid", found.uid)
+        return ("address", host) if found is None else ("uid", self._owner(found.uid))
+
+    def _owner(self, uid: int) -> int:
+        """``uid``, or the user whose subordinate range (``SUBUID``) holds it: a user runs processes as any uid of
+        its range (newuidmap), and 16 of them, one connection each, held every slot."""
+        try:
+            st = os.stat(SUBUID)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp != self.subuids[0]:
+            self.subuids = (stamp, _subuid_ranges(SUBUID) if stamp else [])
+        return next((owner for first, end, owner in self.subuids[1] if first <= uid < end), uid)
 
     def process_request(self, request, client_address):
         """Serve ``request`` in a thread if its peer holds fewer than ``MAX_PER_PEER`` and a slot is free, else
