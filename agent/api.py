@@ -423,10 +423,14 @@ class Api:
         """Flows whose owner let go of the socket (closed it, or exited): those whose kernel socket still sends
         what was written before the close keep their level until it is done (``DRAIN_MAX_S`` at most: ``sweep``),
         so that a transfer's last megabytes are not sent unclassified; the others are removed. Returns those."""
-        sending = set(still_sending(keys))
+        sending = set(still_sending(keys, self._uid_of))
         if sending:
             self.table.drain([k for k in keys if k in sending], time.monotonic() + DRAIN_MAX_S)
         return self.table.drop([k for k in keys if k not in sending])
+
+    def _uid_of(self, key: FlowKey) -> int | None:
+        """The user that registered flow ``key``."""
+        return self.table.flows[key].uid
 
     def _drained(self) -> list[FlowKey]:
         """Draining flows whose kernel socket is done sending, or that drained ``DRAIN_MAX_S``: removed from the
@@ -435,7 +439,7 @@ class Api:
         draining = self.table.draining
         now = time.monotonic()
         turn = list(itertools.islice(draining, DRAIN_CHECKS))
-        sending = set(still_sending([k for k in turn if draining[k] > now]))
+        sending = set(still_sending([k for k in turn if draining[k] > now], self._uid_of))
         for key in turn:
             if key in sending:
                 draining[key] = draining.pop(key)

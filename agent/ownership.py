@@ -18,12 +18,12 @@ Usage::
     if netns_of(pid) != netns_of("self"): refuse
     foreign = not_owned(pid, flows)                       # one client: exact kernel lookups (sock_diag)
     gone = not_owned_by_owners({pid: flows, ...})         # the sweep: exact lookups, or the tables read once
-    keep = still_sending(gone)                            # closed, the kernel still sends: kept until done
+    keep = still_sending(gone, uid_of)                    # closed, its user's kernel socket still sends: kept
 """
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from tensorlane.agent.kernel.sockdiag import SockDiag
 from tensorlane.flows import FlowKey, parse_proc_net_tcp, socket_inodes
@@ -235,10 +235,11 @@ def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]]) -> list[FlowKey
     return gone
 
 
-def still_sending(flows: Iterable[FlowKey]) -> list[FlowKey]:
+def still_sending(flows: Iterable[FlowKey], uid_of: Callable[[FlowKey], int | None]) -> list[FlowKey]:
     """The TCP flows among ``flows`` whose socket no process holds any more (closed, or its process exited) and
     whose kernel still sends what was written to it before the close, then its FIN (``TCP_CLOSED_SENDING``, inode
-    0). A ``close()`` right after the last ``send()`` returns while up to the send buffer's size (megabytes) is
+    0), and was made by the flow's user (``uid_of``: another user's socket of the same addresses keeps nothing).
+    A ``close()`` right after the last ``send()`` returns while up to the send buffer's size (megabytes) is
     still to go. [] when the kernel cannot answer (no sock_diag)."""
     tcp = [k for k in flows if k.proto == "tcp"]
     if not tcp:
@@ -247,4 +248,5 @@ def still_sending(flows: Iterable[FlowKey]) -> list[FlowKey]:
         found = _DIAG.tcp_many([(k.src, k.sport, k.dst, k.dport) for k in tcp])
     except OSError:
         return []
-    return [k for k, f in zip(tcp, found, strict=True) if f is not None and f[0] in TCP_CLOSED_SENDING and f[1] == 0]
+    return [k for k, f in zip(tcp, found, strict=True)
+            if f is not None and f.state in TCP_CLOSED_SENDING and f.inode == 0 and f.uid == uid_of(k)]

@@ -1013,6 +1013,57 @@ def test_the_sweep_reads_a_bounded_turn_of_owners_and_comes_round_to_all(monkeyp
     assert turns[3] == list(range(100 + wrapped, 100 + wrapped + api_mod.SWEEP_OWNERS))
 
 
+def test_a_closed_flow_keeps_its_level_only_while_its_own_users_socket_sends():
+    """A flow whose socket was closed keeps its level while the kernel still sends its queued bytes (``_let_go``,
+    ``_drained``). That was looked up by the flow's addresses alone: another user who made a socket of the same
+    addresses (the victim's closed while draining, the address pair free again) and closed it with bytes queued
+    kept the victim's flow registered, its own bytes at the victim's level, until the deadline. Now only a socket
+    of the user that registered the flow keeps it."""
+    import os
+
+    lst = socket.create_server(("127.0.0.1", 0))
+    lst.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # another user (nobody): its socket closed with bytes queued that no one reads (FIN_WAIT1)
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # (made as nobody: the socket is its)
+            s.connect(lst.getsockname())
+            s.setblocking(False)
+            try:
+                while True:
+                    s.send(b"x" * 65536)
+            except BlockingIOError:
+                pass
+            os.write(w, str(s.getsockname()[1]).encode())
+            s.close()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as fh:
+        sport = int(fh.read())
+    os.waitpid(pid, 0)
+    try:
+        theirs = FlowKey("tcp", "127.0.0.1", sport, "127.0.0.1", lst.getsockname()[1])
+        api, _rec = make_api(check_ownership=False)
+        api.table.register("victim", 0, (theirs,), pid=12345, uid=1000)  # a flow of user 1000 with those addresses
+        assert api._let_go([theirs]) == [theirs] and not api.table.draining  # not 1000's socket: removed
+        api.table.register("victim", 0, (theirs,), pid=12345, uid=65534)  # its own user's: it drains
+        assert api._let_go([theirs]) == [] and list(api.table.draining) == [theirs]
+        api.table.unregister("victim")
+        api.table.register("victim", 0, (theirs,), pid=12345, uid=1000)
+        api.table.drain([theirs], time.monotonic() + 60)  # 1000's closed socket drained, then nobody's took over
+        assert api._drained() == [theirs] and theirs not in api.table.flows
+    finally:
+        lst.close()
+
+
 def test_a_socket_path_the_agent_cannot_bind_is_a_config_error_before_the_takeover(tmp_path):
     """Checked in prepare(), before any device changes: before, the bind came after the take-over, so a directory it
     could not make ended the agent with a traceback (exit status 1: a supervisor restarted it, taking the devices
