@@ -1772,31 +1772,6 @@ def _sam(ctx: Ctx):
     sam_loop(ctx, adaptive=False, first_no_sync=False)
 
 
-@idiom("asam_local_perturbation")
-def _asam_local_perturbation(ctx: Ctx):
-    """ASAM with the first pass under ``no_sync()`` (each rank perturbs along its own gradient, saving one
-    all-reduce per step), the second synchronized."""
-    sam_loop(ctx, adaptive=True, first_no_sync=True)
-
-
-@idiom("lookahead_data")
-def _lookahead_data(ctx: Ctx):
-    """A hand-written Lookahead (k=2, alpha=0.5) in old-style code: slow weights as clones, every second step
-    ``slow += alpha * (p.data - slow)`` and ``p.data.copy_(slow)`` after step(), all through ``.data``."""
-    model = ctx.ddp(convnet())
-    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    ctx.attach(model, opt)
-    slow = [p.detach().clone() for p in model.parameters()]
-
-    def sync(step):
-        if (step + 1) % 2 == 0:
-            for p, s in zip(model.parameters(), slow, strict=True):
-                s.add_(p.data - s, alpha=0.5)
-                p.data.copy_(s)
-    plain_loop(ctx, model, opt, after_step=sync)
-
-
-
 class LayerDropNet(nn.Module):
     """An MLP of residual blocks, each block skipped at random in training (LayerDrop / stochastic depth), with a
     per-rank generator: a block may be used on one rank and not another, or on none."""
