@@ -18,6 +18,7 @@ import urllib.request
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from test_security_netns import NOBODY, in_child
 
 from tensorlane.agent import protocol
 from tensorlane.agent.api import Api
@@ -812,23 +813,9 @@ def test_one_local_user_cannot_take_every_metrics_slot(kernel, monkeypatch):
             with contextlib.suppress(BlockingIOError):
                 refused.append(s.recv(1) == b"")  # closed at once; the served ones wait (BlockingIOError)
         assert sum(refused) == 6, refused
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # another user (nobody), as Prometheus would be: served beside the idle ones
-            code = 1
-            try:
-                os.close(r)
-                os.setgroups([])
-                os.setgid(65534)
-                os.setuid(65534)
-                os.write(w, str(get(f"http://{server.address}/metrics")[0]).encode())
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(w)
-        with os.fdopen(r) as fh:
-            status = fh.read()
-        assert os.waitpid(pid, 0)[1] == 0 and status == "200", status
+        # another user (nobody), as Prometheus would be: served beside the idle ones
+        status, pid = in_child(lambda: get(f"http://{server.address}/metrics")[0], uid=NOBODY)
+        assert os.waitpid(pid, 0)[1] == 0 and status == 200, status
         # a client whose socket is not this host's is its address (a loopback connection stands for both)
         with socket.create_server(("127.0.0.1", 0)) as lst, socket.create_connection(lst.getsockname()) as a, \
                 lst.accept()[0] as b:
