@@ -138,11 +138,15 @@ class FlowTable:
                     del self.runs[old.job]
         self.draining.pop(key, None)
         if old.pid is not None:
-            keys = self.by_pid.get(old.pid)
-            if keys is not None:
-                keys.discard(key)
-                if not keys:
-                    del self.by_pid[old.pid]
+            self._leave_pid(key, old.pid)
+
+    def _leave_pid(self, key: FlowKey, pid: int) -> None:
+        """Drop ``key`` from process ``pid``'s flows (``by_pid``)."""
+        keys = self.by_pid.get(pid)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self.by_pid[pid]
 
     def job_floor(self, job: str) -> int:
         """The most urgent level any of ``job``'s registering users may use (its tier under a job policy)."""
@@ -167,10 +171,7 @@ class FlowTable:
         for key in keys:
             entry = self.flows[key]
             if entry.pid is not None:
-                owned = self.by_pid[entry.pid]
-                owned.discard(key)
-                if not owned:
-                    del self.by_pid[entry.pid]
+                self._leave_pid(key, entry.pid)
                 self.flows[key] = entry._replace(pid=None)
             self.draining.pop(key, None)  # (re-inserted: the oldest stay first)
             self.draining[key] = until

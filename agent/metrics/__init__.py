@@ -269,7 +269,7 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
             self.shutdown_request(request)
             return
         if not self.slots.acquire(blocking=False):
-            self._let_go(peer)
+            self._release_peer(peer)
             self._note("metrics busy", logging.WARNING, "closed a metrics connection from %s: %d clients are served "
                        "already", client_address[0], self.MAX_CLIENTS)
             self.shutdown_request(request)
@@ -298,10 +298,11 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
             self.deadlines.pop(request, None)
             peer = self.peers.pop(request, None)
         if peer is not None:
-            self._let_go(peer)
+            self._release_peer(peer)
         self.slots.release()
 
-    def _let_go(self, peer) -> None:
+    def _release_peer(self, peer) -> None:
+        """One request of ``peer`` is over (or was refused after it was counted)."""
         with self.lock:
             left = self.held.pop(peer) - 1
             if left:
