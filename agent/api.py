@@ -190,15 +190,26 @@ class Api:
         (``state.user_job_id``: ``ID@USER``) once another user held the id on this host when the user first
         registered under it. So a user who takes a job id first (every id a job will use is on its command line,
         ``--rdzv-id``) no longer keeps its owner's flows out of the queues: they go under the owner's own job, at
-        their levels, with the id's configured priority or intensity; a log line and the reply say so."""
-        own = user_job_id(req.job, peer.user)
-        if own in self.table.by_job:
+        their levels, with the id's configured priority or intensity; a log line and the reply say so.
+
+        The user's own job is found by the user's uid among the jobs it holds flows in, not by its name: a name
+        lookup that fails for a while (the uid then) would otherwise start a second job for the same run. An
+        unregister that names flows the user still holds under the id itself (registered before another user
+        joined it) is about those."""
+        base = req.job
+        own = next((job for job in sorted(self.table.user_jobs(peer.uid)) if job != base and job_id_base(job) == base),
+                   None)
+        if own is not None:
+            if req.op == "unregister" and req.flows and all(
+                    (e := self.table.flows.get(k)) is not None and e.job == base for k in req.flows):
+                return base
             return own
-        if req.op == "register" and self.table.job_users(req.job) - {peer.uid}:
+        if req.op == "register" and self.table.job_users(base) - {peer.uid}:
+            own = user_job_id(base, peer.user)
             self.refusal_log.note("job id taken", logging.WARNING, "job id %r is in use by another user on this host: "
-                                  "%s's flows are registered under %r", req.job, peer.user, own)
+                                  "%s's flows are registered under %r", base, peer.user, own)
             return own
-        return req.job
+        return base
 
     def _check_job_user(self, job: str, peer) -> None:
         """A user (not root, not trusted) may join a job id on this host only while every flow of it is theirs: the

@@ -795,6 +795,29 @@ def test_a_user_cannot_join_another_users_job_id():
     assert request(api, alice, op="register", job="prod", level=0, flows=[flow(7)])["job"] == f"prod@{alice.user}"
 
 
+def test_a_users_own_job_is_found_by_uid_and_its_flows_under_the_id_can_be_unregistered(monkeypatch):
+    """A user's own job ``ID@USER`` is found by its uid, not its name: a name lookup that failed for a while (the
+    uid then) started a second job for the same run, in another band. And a user whose flows are under the id itself
+    (registered before root joined it) and under its own job unregisters the former by naming them: the request
+    meant its own job, where they are not (``conflict``), so they stayed until their sockets closed."""
+    import tensorlane.agent.peers as peers
+
+    api, rec = make_api(job_policy="static", job_priority={"prod": 0}, check_ownership=False)
+    alice = Peer(pid=1, uid=1000, gid=1000)
+    names = {1000: "alice"}
+    monkeypatch.setattr(peers, "user_name", lambda uid: names.get(uid, str(uid)))
+    request(api, alice, op="register", job="prod", level=0, flows=[flow(1), flow(2)])
+    request(api, op="register", job="prod", level=0, flows=[flow(3)])  # root joins alice's job
+    assert request(api, alice, op="register", job="prod", level=1, flows=[flow(4)])["job"] == "prod@alice"
+    names.clear()  # the name lookup fails now: the uid
+    assert request(api, alice, op="register", job="prod", level=1, flows=[flow(5)])["job"] == "prod@alice"
+    assert api.table.jobs() == {"prod": 3, "prod@alice": 2}
+    r = request(api, alice, op="unregister", job="prod", flows=[flow(1)])
+    assert r == {"job": "prod", "removed": 1}  # the flow under the id itself, named
+    assert request(api, alice, op="unregister", job="prod")["removed"] == 2  # no flows named: its own job's
+    assert api.table.jobs() == {"prod": 2} and set(rec.kernel) == {key(2), key(3)}
+
+
 def test_bad_flow_types_and_deep_json_are_clear_errors():
     api, _rec = make_api()
     for line, code in ((json.dumps({"op": "register", "job": "j", "level": 0, "flows": [dict(flow(1), proto=[])]}),
