@@ -789,7 +789,8 @@ def test_http_server_bounds_idle_and_broken_clients(kernel, monkeypatch, capfd):
 def test_one_local_user_cannot_take_every_metrics_slot(kernel, monkeypatch):
     """A local user opened 16 idle connections (each cut off at its deadline, then opened again) and every scrape
     was refused. Now one peer holds at most MAX_PER_PEER requests: a local one is the user that made the socket
-    (sock_diag), whatever address of 127.0.0.0/8 it connects from; another user's scrape (Prometheus') is served."""
+    (sock_diag), whatever address of 127.0.0.0/8 it connects from, a remote one its IPv4 address or IPv6 /64; another
+    user's scrape (Prometheus') is served."""
     import os
 
     from tensorlane.agent import metrics
@@ -820,6 +821,11 @@ def test_one_local_user_cannot_take_every_metrics_slot(kernel, monkeypatch):
         with socket.create_server(("127.0.0.1", 0)) as lst, socket.create_connection(lst.getsockname()) as a, \
                 lst.accept()[0] as b:
             assert server.httpd._peer(b, ("198.51.100.7", 40000)) == ("address", "198.51.100.7")
+            assert server.httpd._peer(b, ("::ffff:198.51.100.7", 40000)) == ("address", "198.51.100.7")
+            for remote in ("2001:db8:1:2::7", "2001:db8:1:2:ab:cd:ef:1", "2001:db8:1:2::8"):
+                # an IPv6 client by its /64: one host may send from any address of it
+                assert server.httpd._peer(b, (remote, 40000, 0, 0)) == ("address", "2001:db8:1:2::/64")
+            assert server.httpd._peer(b, ("fe80::1%eth0", 40000, 0, 2)) == ("address", "fe80::/64")
             assert server.httpd._peer(b, a.getsockname()) == ("uid", os.geteuid())
     finally:
         for s in idle:

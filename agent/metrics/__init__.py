@@ -189,6 +189,21 @@ def _subuid_ranges(path: str) -> list[tuple[int, int, int]]:
     return out
 
 
+def _remote_peer(host: str) -> tuple:
+    """A remote client as a peer: its IPv4 address (a v4-mapped IPv6 one too), or its IPv6 /64. A host is given a
+    /64 and may send from any address of it (privacy addresses, or many on purpose), so by address one remote host
+    held every slot, 4 requests per address."""
+    try:
+        addr = ipaddress.ip_address(host.split("%", 1)[0])  # (a link-local address's scope is no part of the peer)
+    except ValueError:
+        return ("address", host)
+    if addr.version == 6 and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    if addr.version == 4:
+        return ("address", str(addr))
+    return ("address", str(ipaddress.ip_network((int(addr) >> 64 << 64, 64))))
+
+
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     """One daemon thread per request, at most ``MAX_CLIENTS`` at once and ``MAX_PER_PEER`` of one peer (beyond, a
     connection is closed at once); the address may be reused at once.
@@ -234,14 +249,14 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 
     def _peer(self, request, client_address) -> tuple:
         """Who connects: ``("uid", UID)`` when the client's socket is one of this host's (the kernel names the user
-        that made it), else ``("address", ADDRESS)``."""
+        that made it), else ``("address", ADDRESS)`` (``_remote_peer``)."""
         host, port = client_address[:2]
         try:
             here = request.getsockname()
             found = self.diag.tcp(host, port, here[0], here[1])
         except (OSError, ValueError):  # no sock_diag, or an address it cannot take (an IPv6 scope): by address
             found = None
-        return ("address", host) if found is None else ("uid", self._owner(found.uid))
+        return _remote_peer(host) if found is None else ("uid", self._owner(found.uid))
 
     def _owner(self, uid: int) -> int:
         """``uid``, or the user whose subordinate range (``SUBUID``) holds it: a user runs processes as any uid of
