@@ -10,11 +10,13 @@ row; a missing key shows "-".
 
 Outputs: ``--page`` (default ``README.md`` in the results directory: ``results/README.md``), written whole; in
 ``--readme`` only the short block between ``<!-- perf-table:begin -->`` and ``<!-- perf-table:end -->`` (a headline
-figure per benchmark and a link to the page); ``--img-dir``/bench-NAME.png. Running it twice changes nothing.
-``--check`` writes nothing and exits 1 when the page, the README's block or a plot is not what the JSON files give.
+figure per benchmark and a link to the page); in ``--jobs-doc`` (default ``docs/jobs-measured.md`` beside the
+README, when it exists) only the jobs benchmark's per-policy table between ``<!-- jobs-figures:begin -->`` and
+``<!-- jobs-figures:end -->``; ``--img-dir``/bench-NAME.png. Running it twice changes nothing. ``--check`` writes
+nothing and exits 1 when the page, a block or a plot is not what the JSON files give.
 
 Usage: ``python -m bench.report [--results results] [--readme README.md] [--page results/README.md]
-[--img-dir docs/img] [--check] [--print]`` (also ``make report``).
+[--jobs-doc docs/jobs-measured.md] [--img-dir docs/img] [--check] [--print]`` (also ``make report``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ import sys
 
 BEGIN = "<!-- perf-table:begin -->"
 END = "<!-- perf-table:end -->"
+# The jobs benchmark's per-policy table in docs/jobs-measured.md (beside the README, when that file exists)
+FIGURES_BEGIN = "<!-- jobs-figures:begin -->"
+FIGURES_END = "<!-- jobs-figures:end -->"
+JOBS_DOC = os.path.join("docs", "jobs-measured.md")
 # (name, file, required): the order of the table
 BENCHES = (("contention", "contention.json", True), ("priority", "priority.json", True), ("jobs", "jobs.json", True),
            ("control-plane", "control-plane.json", True), ("shim-overhead", "shim-overhead.json", True),
@@ -945,23 +951,23 @@ def render_jobs_figures(d: dict, results_rel: str = "results") -> str:
 
 # ---------------------------------------------------------------------------------------------------- README
 
-def split_readme(text: str) -> tuple[str, str, str]:
-    """``(before, section, after)`` around the markers (``before`` ends with BEGIN, ``after`` starts with END).
+def split_readme(text: str, begin: str = BEGIN, end: str = END, where: str = "the README") -> tuple[str, str, str]:
+    """``(before, section, after)`` around the markers (``before`` ends with ``begin``, ``after`` starts with ``end``).
 
-    Raises ReportError when a marker is missing, repeated or out of order.
+    Raises ReportError, naming ``where``, when a marker is missing, repeated or out of order.
     """
-    nb, ne = text.count(BEGIN), text.count(END)
+    nb, ne = text.count(begin), text.count(end)
     if nb != 1 or ne != 1:
-        raise ReportError(f"the README must hold exactly one {BEGIN} and one {END} (found {nb} and {ne})")
-    i, j = text.index(BEGIN), text.index(END)
+        raise ReportError(f"{where} must hold exactly one {begin} and one {end} (found {nb} and {ne})")
+    i, j = text.index(begin), text.index(end)
     if j < i:
-        raise ReportError(f"{END} comes before {BEGIN} in the README")
-    return text[:i + len(BEGIN)], text[i + len(BEGIN):j], text[j:]
+        raise ReportError(f"{end} comes before {begin} in {where}")
+    return text[:i + len(begin)], text[i + len(begin):j], text[j:]
 
 
-def replace_section(text: str, section: str) -> str:
+def replace_section(text: str, section: str, begin: str = BEGIN, end: str = END, where: str = "the README") -> str:
     """``text`` with only what lies between the markers replaced by ``section``. Idempotent."""
-    before, _, after = split_readme(text)
+    before, _, after = split_readme(text, begin, end, where)
     return f"{before}\n{section.strip()}\n{after}"
 
 
@@ -1236,9 +1242,12 @@ def _read(path: str) -> str | None:
         return fh.read()
 
 
-def generate(results_dir: str, readme: str, page: str, img_dir: str, plots: set[str]) -> dict[str, str]:
-    """``{path: text}`` of the README (its block replaced) and the results page, from ``results_dir``'s files.
-    Paths written into the README are relative to it (the repository root); those in the page to the page."""
+def generate(results_dir: str, readme: str, page: str, img_dir: str, plots: set[str],
+             jobs_doc: str | None = None) -> dict[str, str]:
+    """``{path: text}`` of the README (its block replaced), the results page and, when ``jobs_doc`` exists and
+    ``jobs.json`` has ``mixes``, ``jobs_doc`` (its jobs-figures block replaced), from ``results_dir``'s files.
+    Paths written into the README and ``jobs_doc`` are relative to the README (the repository root); those in the
+    page to the page."""
     base, page_dir = os.path.dirname(os.path.abspath(readme)), os.path.dirname(os.path.abspath(page))
     results, results_rel = load(results_dir), _rel(results_dir, base)
     text = _read(readme)
@@ -1246,7 +1255,12 @@ def generate(results_dir: str, readme: str, page: str, img_dir: str, plots: set[
         raise ReportError(f"{readme} does not exist")
     page_text = render_page(results, load_one(os.path.join(results_dir, "validate.json")), results_rel,
                             _rel(img_dir, page_dir), _rel(base, page_dir), plots)
-    return {readme: replace_section(text, render_headline(results, _rel(page, base), results_rel)), page: page_text}
+    texts = {readme: replace_section(text, render_headline(results, _rel(page, base), results_rel)), page: page_text}
+    jobs, doc = results["jobs"].get("data") or {}, _read(jobs_doc) if jobs_doc else None
+    if doc is not None and isinstance(jobs.get("mixes"), list):
+        texts[jobs_doc] = replace_section(doc, render_jobs_figures(jobs, results_rel), FIGURES_BEGIN, FIGURES_END,
+                                          jobs_doc)
+    return texts
 
 
 def check(texts: dict[str, str], expected_plots: set[str], plots: set[str], img_dir: str, out=print) -> int:
@@ -1266,20 +1280,23 @@ def check(texts: dict[str, str], expected_plots: set[str], plots: set[str], img_
 
 
 def build(results_dir: str, readme: str, img_dir: str, check_only: bool = False, out=print,
-          page: str | None = None) -> int:
+          page: str | None = None, jobs_doc: str | None = None) -> int:
     """Render from ``results_dir`` and update (or, with ``check_only``, compare) ``readme``'s block, the results page
-    (default ``results_dir``/README.md) and the plots; 0 ok, 1 stale.
+    (default ``results_dir``/README.md), ``jobs_doc``'s block (default docs/jobs-measured.md beside ``readme``, if it
+    exists) and the plots; 0 ok, 1 stale.
 
     Usage: ``build("results", "README.md", "docs/img")``
     """
     page = page or os.path.join(results_dir, "README.md")
+    jobs_doc = jobs_doc or os.path.join(os.path.dirname(readme), JOBS_DOC)
     results = load(results_dir)
     expected_plots = {n for n, e in results.items() if e.get("data") is not None}
     if check_only:
         plots = {n for n in expected_plots if os.path.exists(os.path.join(img_dir, f"bench-{n}.png"))}
-        return check(generate(results_dir, readme, page, img_dir, plots), expected_plots, plots, img_dir, out)
+        return check(generate(results_dir, readme, page, img_dir, plots, jobs_doc), expected_plots, plots, img_dir,
+                     out)
     plots = set(write_plots(results, img_dir))
-    for path, text in generate(results_dir, readme, page, img_dir, plots).items():
+    for path, text in generate(results_dir, readme, page, img_dir, plots, jobs_doc).items():
         if _read(path) == text:
             out(f"bench.report: {path}: unchanged")
             continue
@@ -1298,6 +1315,8 @@ def main(argv=None) -> int:
     p.add_argument("--results", default="results", help="directory of the benchmarks' JSON files (%(default)s)")
     p.add_argument("--readme", default="README.md", help="the file with the perf-table markers (%(default)s)")
     p.add_argument("--page", help="the results page (default: README.md in the --results directory)")
+    p.add_argument("--jobs-doc", help="the file with the jobs-figures markers, updated if it exists (default: "
+                   f"{JOBS_DOC} beside --readme)")
     p.add_argument("--img-dir", default=os.path.join("docs", "img"), help="where the PNG plots go (%(default)s)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if anything is out of date")
     p.add_argument("--print", action="store_true", dest="show", help="also print the results page it renders")
@@ -1306,14 +1325,15 @@ def main(argv=None) -> int:
         print(f"bench.report: {args.readme} does not exist", file=sys.stderr)
         return 2
     page = args.page or os.path.join(args.results, "README.md")
+    jobs_doc = args.jobs_doc or os.path.join(os.path.dirname(args.readme), JOBS_DOC)
     try:
-        code = build(args.results, args.readme, args.img_dir, check_only=args.check, page=page)
+        code = build(args.results, args.readme, args.img_dir, check_only=args.check, page=page, jobs_doc=jobs_doc)
     except (ReportError, OSError) as exc:
         print(f"bench.report: {exc}", file=sys.stderr)
         return 2
     if args.show:
         plots = {n for n, _, _ in BENCHES if os.path.exists(os.path.join(args.img_dir, f"bench-{n}.png"))}
-        print(generate(args.results, args.readme, page, args.img_dir, plots)[page])
+        print(generate(args.results, args.readme, page, args.img_dir, plots, jobs_doc)[page])
     return code
 
 
