@@ -1,6 +1,6 @@
 """bench.report: the results page and the README's headline block from small synthetic JSON files (missing files
 and keys included), marker replacement (idempotent, nothing outside the markers touched), ``--check`` and the PNG
-plots."""
+plots; docs/jobs-measured.md's per-policy table (its jobs-figures block) and the repository's files up to date."""
 from __future__ import annotations
 
 import json
