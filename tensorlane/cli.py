@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from tensorlane import __version__
@@ -119,11 +120,27 @@ def _reported(jp: dict, job: str, link_bps: float | None) -> str:
     return ", ".join(parts)
 
 
+def _socket(args) -> str:
+    """The socket ``status`` and ``verify`` ask: ``--socket``, else ``$TENSORLANE_AGENT_SOCKET`` (what the shim
+    reads), else the agent's default."""
+    return args.socket or os.environ.get("TENSORLANE_AGENT_SOCKET") or DEFAULT_SOCKET
+
+
+def _unavailable(cmd: str, exc: Exception) -> str:
+    """The line for an agent that cannot be reached; where none listens, how to name another socket."""
+    hint = ("; an agent on another socket (its config's `socket`): --socket PATH or TENSORLANE_AGENT_SOCKET"
+            if str(exc).startswith("no agent at") else "")
+    return f"tensorlane {cmd}: {exc}{hint}"
+
+
 def _status(args) -> int:
     try:
-        with AgentClient(args.socket) as agent:
+        with AgentClient(_socket(args)) as agent:
             st = agent.status()
-    except (AgentUnavailable, AgentError) as exc:
+    except AgentUnavailable as exc:
+        print(_unavailable("status", exc), file=sys.stderr)
+        return 1
+    except AgentError as exc:
         print(f"tensorlane status: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(st, indent=2) if args.json else format_status(st))
@@ -134,15 +151,18 @@ def _verify(args) -> int:
     from tensorlane.agent.verify import CaptureError, format_report, verify
 
     try:
-        report = verify(args.socket, args.seconds, args.interface)
-    except (AgentUnavailable, AgentError, CaptureError) as exc:
+        report = verify(_socket(args), args.seconds, args.interface)
+    except AgentUnavailable as exc:
+        print(_unavailable("verify", exc), file=sys.stderr)
+        return 1
+    except (AgentError, CaptureError) as exc:
         print(f"tensorlane verify: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["ok"] else 1
 
 
-SOCKET_HELP = f"the agent's API socket (default {DEFAULT_SOCKET})"
+SOCKET_HELP = f"the agent's API socket (default $TENSORLANE_AGENT_SOCKET, else {DEFAULT_SOCKET})"
 
 
 def _seconds(text: str) -> float:
@@ -170,11 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only check the config (each error names its field; exit 2) and exit: nothing is changed")
     a.set_defaults(func=_agent)
     s = sub.add_parser("status", help="show a running agent's classes, flows and counters")
-    s.add_argument("--socket", default=DEFAULT_SOCKET, help=SOCKET_HELP)
+    s.add_argument("--socket", help=SOCKET_HELP)
     s.add_argument("--json", action="store_true", help="print the agent's reply as JSON")
     s.set_defaults(func=_status)
     v = sub.add_parser("verify", help="capture traffic and check each registered flow's DSCP and queue")
-    v.add_argument("--socket", default=DEFAULT_SOCKET, help=SOCKET_HELP)
+    v.add_argument("--socket", help=SOCKET_HELP)
     v.add_argument("--seconds", type=_seconds, default=5.0, help="how long to capture (default 5)")
     v.add_argument("--interface", help="capture here instead of on the agent's interfaces")
     v.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -156,3 +156,18 @@ def test_connect_waits_while_the_agents_backlog_is_full(tmp_path):
         assert 0.25 < time.monotonic() - t0 < 2
         for s in fillers:
             s.close()
+
+
+@pytest.mark.parametrize("cmd", ["status", "verify"])
+def test_status_and_verify_ask_the_socket_the_shim_is_told(tmp_path, monkeypatch, capsys, cmd):
+    """``tensorlane status`` and ``verify`` default to ``$TENSORLANE_AGENT_SOCKET``, as the shim does (they asked
+    /run/tensorlane/agent.sock whatever it said), ``--socket`` wins, and "no agent" says how to name another."""
+    from tensorlane.cli import main
+
+    env_sock, flag_sock = str(tmp_path / "env.sock"), str(tmp_path / "flag.sock")
+    monkeypatch.setenv("TENSORLANE_AGENT_SOCKET", env_sock)
+    assert main([cmd, "--seconds", "1"] if cmd == "verify" else [cmd]) == 1
+    err = capsys.readouterr().err
+    assert f"no agent at {env_sock} " in err and "--socket PATH or TENSORLANE_AGENT_SOCKET" in err, err
+    assert main([cmd, "--socket", flag_sock]) == 1
+    assert f"no agent at {flag_sock} " in capsys.readouterr().err
