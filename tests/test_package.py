@@ -109,6 +109,25 @@ def test_agent_and_cli_never_load_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_the_checkouts_folder_in_front_of_an_install_says_so(tmp_path):
+    """A script run from a checkout's root finds its ``tensorlane/`` folder before the installed package, and
+    ``from tensorlane import shim`` failed "cannot import name 'shim'": it now says why and what to do. (``-S``: no
+    site-packages, so no editable install maps the subpackages.)"""
+    import shutil
+
+    shutil.copytree(REPO / "tensorlane", tmp_path / "tensorlane", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    (tmp_path / "shim").mkdir()
+    r = subprocess.run([sys.executable, "-S", "-c", "from tensorlane import shim"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "tensorlane.shim cannot be imported: this `tensorlane` is the folder" in r.stderr, r.stderr
+    assert "Run it from another folder, or install the checkout with `pip install -e .`" in r.stderr
+    r = subprocess.run([sys.executable, "-S", "-c", "import tensorlane; tensorlane.nothing"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert "AttributeError: module 'tensorlane' has no attribute 'nothing'" in r.stderr, r.stderr
+
+
 def test_version_is_stated_once():
     """``tensorlane --version`` and the API report the package metadata's version; the Ansible role's default
     version to install is the same."""
