@@ -1160,6 +1160,22 @@ def _connect(levels: int, agent_socket: str | None, job: str | None) -> tuple[li
     return groups, link, flows, job
 
 
+def _not_ddp(model) -> str:
+    """What ``attach`` says of a model that is not DDP: its type, and where this process is not part of a
+    distributed job, that this is why a framework handed back the bare model (Accelerate's ``prepare()`` wraps it
+    in DDP only with several processes)."""
+    why = f", not a {type(model).__name__}"
+    if not dist.is_available() or not dist.is_initialized():
+        return why + ("; torch.distributed is not initialized in this process: with Accelerate or Lightning this is "
+                      "a single process, whose model is not wrapped (start the processes with torchrun, e.g. "
+                      "torchrun --nproc-per-node 2 train.py; `accelerate launch --cpu` starts one process per "
+                      "machine)")
+    if dist.get_world_size() == 1:
+        return why + ("; the process group has one process, where Accelerate and Lightning do not wrap the model "
+                      "(start several, e.g. torchrun --nproc-per-node 2 train.py)")
+    return why
+
+
 def _check_levels(levels: int, partition_bytes: int | None = None) -> None:
     if not 1 <= levels <= 5:
         raise ValueError(f"levels must be 1..5 (the DSCP table's distinct switch queues), not {levels}")
@@ -1233,7 +1249,7 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
         raise TypeError("shim.attach needs a torch.nn.parallel.DistributedDataParallel model" + (
             "; this is a torch.compile'd one: attach the DDP model, then compile it "
             "(handle = shim.attach(ddp, opt); model = torch.compile(ddp)); with Accelerate, leave dynamo_backend "
-            "unset and compile what prepare() returns after attach" if compiled else ""))
+            "unset and compile what prepare() returns after attach" if compiled else _not_ddp(model)))
     _check_levels(levels, partition_bytes)
     group = getattr(model, "process_group", None)
     if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):

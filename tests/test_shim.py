@@ -160,10 +160,27 @@ def test_attach_refuses_a_compiled_ddp_model_with_the_order_to_use(tmp_path):
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
         with pytest.raises(TypeError, match=r"attach the DDP model, then compile it"):
             shim.attach(torch.compile(ddp, backend="eager"), agent_socket="/nonexistent/tl.sock")
-        with pytest.raises(TypeError, match=r"DistributedDataParallel model$"):
+        with pytest.raises(TypeError, match=r"DistributedDataParallel model, not a Linear; the process group has "
+                                            r"one process"):
             shim.attach(torch.nn.Linear(2, 2))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.torch
+def test_attach_of_a_bare_model_outside_a_distributed_job_says_how_to_start_one():
+    """A script run as one process (``python train.py``, or ``accelerate launch --cpu --num_processes 2``, which
+    starts one on one machine) gets the bare model from Accelerate's ``prepare()``: attach names the model's type
+    and says the processes are started with torchrun (it said only that it needs a DDP model)."""
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    assert not dist.is_initialized()
+    with pytest.raises(TypeError, match=r"not a Sequential; torch.distributed is not initialized in this process.*"
+                                        r"torchrun --nproc-per-node 2 train.py"):
+        shim.attach(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
 @pytest.mark.torch
