@@ -1156,7 +1156,8 @@ def _connect(levels: int, agent_socket: str | None, job: str | None) -> tuple[li
             link.add(level, fl)
     if not any(flows.values()):  # every peer on this host: its connections are loopback, which no NIC carries
         log.warning("tensorlane: no connection of the shim's process groups leaves this host (its peers are all on "
-                    "it, over loopback): nothing to prioritise on the network here; stats()['flows'] stays empty")
+                    "it, over loopback): nothing to prioritise on the network here; stats()['flows'] counts 0 at every "
+                    "level")
     return groups, link, flows, job
 
 

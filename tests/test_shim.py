@@ -168,6 +168,30 @@ def test_attach_refuses_a_compiled_ddp_model_with_the_order_to_use(tmp_path):
 
 
 @pytest.mark.torch
+def test_a_job_with_no_connection_off_the_host_warns_what_stats_shows(tmp_path, caplog):
+    """Ranks that are all on one host (here a world of one) register nothing: the warning describes
+    ``stats()["flows"]`` as it is, a count of 0 per level (it said the dict "stays empty")."""
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        with caplog.at_level("WARNING", logger="tensorlane.shim"):
+            handle = shim.attach(ddp, levels=2, agent_socket=str(tmp_path / "none.sock"))
+        try:
+            assert handle.stats()["flows"] == {0: 0, 1: 0}
+            assert "no connection of the shim's process groups leaves this host" in caplog.text
+            assert "stats()['flows'] counts 0 at every level" in caplog.text, caplog.text
+        finally:
+            handle.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_attach_of_a_bare_model_outside_a_distributed_job_says_how_to_start_one():
     """A script run as one process (``python train.py``, or ``accelerate launch --cpu --num_processes 2``, which
     starts one on one machine) gets the bare model from Accelerate's ``prepare()``: attach names the model's type
