@@ -524,7 +524,8 @@ def _waiting_for(eg: links.Egress) -> str | None:
 def host_notes(cfg: Config, ipr: IPRoute) -> list[str]:
     """What this host makes of ``cfg`` now, for ``--check-config``, which changes nothing and does not fail on it
     (it may differ at the agent's start: a bond or a route that comes up later): the interfaces it would manage,
-    absent ones, a bond without members, an interface named twice through a bond, a ``socket_group`` not here."""
+    absent ones, a bond without members, an interface named twice through a bond, a ``socket_group`` not here, and
+    per queue device a missing link rate or a root qdisc the agent may not replace (``_device_notes``)."""
     notes = []
     try:
         egress = links.resolve(ipr, cfg.interfaces, cfg.training_subnets, absent_ok=True)
@@ -534,10 +535,38 @@ def host_notes(cfg: Config, ipr: IPRoute) -> list[str]:
     for eg in egress:
         why = _waiting_for(eg)
         notes.append(f"{eg.name}: {why or 'here, queues on ' + ', '.join(q.name for q in eg.queues)}")
+        for q in [] if why else eg.queues:
+            notes += _device_notes(cfg, ipr, q, eg.name)
     try:
         check_socket_group(cfg)
     except ConfigError as exc:
         notes.append(f"the agent would refuse to start here now: {exc}")
+    return notes
+
+
+def _device_notes(cfg: Config, ipr: IPRoute, link: links.Link, serves: str) -> list[str]:
+    """``host_notes`` of one queue device, read only: the link rate the htb backend needs, and a root qdisc of
+    another's that the agent would refuse to replace without ``take_over_root`` (both stopped the start of an agent
+    whose file ``--check-config`` had passed without a word)."""
+    notes = []
+    kind = cfg.backend if cfg.backend != "auto" else ("htb" if cfg.link_rate_bps is not None else None)
+    try:
+        _device_rate(cfg, link, serves, kind or "htb")
+    except ConfigError as exc:
+        notes.append("the agent would refuse to start here now" + (
+            "" if kind else " where it picks the htb backend (backend = \"auto\" does on a kernel without the prio "
+                            "qdisc)") + f": {exc}")
+    except NotReady as exc:
+        notes.append(str(exc))
+    try:
+        roots = [q for q in ipr.get_qdiscs(index=link.index) if q["parent"] == snapshot.TC_H_ROOT]
+    except NetlinkError as exc:
+        return [*notes, f"{link.name}: its qdiscs could not be read: {exc}"]
+    root = roots[0] if roots else None
+    if root is not None and root["handle"] and root["handle"] >> 16 != MAJOR and not cfg.take_over_root:
+        notes.append(f"the agent would refuse to start here now: {link.name} has a root qdisc "
+                     f"'{root.get_attr('TCA_KIND')}' (handle {fmt_handle(root['handle'])}) that tensorlane did not "
+                     "create; set take_over_root = true to replace it and restore it on exit")
     return notes
 
 

@@ -155,6 +155,46 @@ def test_check_config_checks_a_file_and_changes_nothing(tmp_path, capsys):
     assert "no group 'tl-no-group' on this host" in err, err
 
 
+def test_check_config_notes_a_missing_link_rate_and_a_foreign_root_qdisc(monkeypatch):
+    """``--check-config``'s notes name the two refusals a first start on a veth (the testbed's hosts) meets: no
+    link_rate where the driver's speed is a placeholder, and a root qdisc tensorlane did not create without
+    take_over_root. It said only "eth0: here, queues on eth0", and the agent then refused to start."""
+    from pyroute2.netlink.rtnl.tcmsg import tcmsg
+
+    from tensorlane.agent import daemon
+    from tensorlane.agent.kernel import links, snapshot
+    from tensorlane.agent.kernel.qdisc import MAJOR, handle
+
+    veth = links.Link("tl-v0", 7, "veth")
+    monkeypatch.setattr(links, "resolve", lambda *a, **k: [links.Egress("tl-v0", 7, (veth,))])
+
+    def root(h):
+        msg = tcmsg()
+        msg["handle"], msg["parent"] = h, snapshot.TC_H_ROOT
+        msg["attrs"] = [("TCA_KIND", "htb")]
+        return msg
+
+    class Ipr:
+        qdiscs = [root(handle(1))]
+
+        def get_qdiscs(self, index):
+            assert index == 7
+            return self.qdiscs
+
+    notes = daemon.host_notes(from_dict({"interface": "tl-v0"}), Ipr())
+    assert notes[0] == "tl-v0: here, queues on tl-v0", notes
+    assert any("config field 'link_rate': tl-v0: its veth driver's speed is a placeholder" in n for n in notes), notes
+    assert any("tl-v0 has a root qdisc 'htb' (handle 1:) that tensorlane did not create; set take_over_root = true"
+               in n for n in notes), notes
+    ipr = Ipr()
+    assert daemon.host_notes(from_dict({"interface": "tl-v0", "link_rate": "1gbit", "take_over_root": True}),
+                             ipr) == ["tl-v0: here, queues on tl-v0"]
+    assert daemon.host_notes(from_dict({"interface": "tl-v0", "link_rate": "1gbit"}), ipr)[1:]  # refused
+    ipr.qdiscs = [root(handle(MAJOR))]  # a previous agent's tree: adopted at start, no note
+    assert daemon.host_notes(from_dict({"interface": "tl-v0", "link_rate": "1gbit"}), ipr) == [
+        "tl-v0: here, queues on tl-v0"]
+
+
 def test_flags_without_a_file_keep_an_empty_metrics_address(monkeypatch):
     """``tensorlane agent --interface eth0 --metrics-address ""`` disables /metrics, as with a file (docs/agent.md);
     an absent flag leaves the default."""
