@@ -338,7 +338,13 @@ class ShimState:
 
     def close(self) -> None:
         """Stop reporting, withdraw the flows and free the per-level groups (for a state made by ``comm_state()``
-        call it once training is over; ``Handle.close`` calls it). Idempotent."""
+        call it once training is over; ``Handle.close`` calls it). Idempotent. A ``comm_state()`` closed before its
+        hook ever ran warns: nothing went through the shim (Lightning on CPU without the ``CommHook`` callback)."""
+        if self.groups is None and not self.closed:
+            warnings.warn("tensorlane: the shim's comm hook never ran, so no all-reduce went through it and nothing "
+                          "was prioritised: Lightning registers ddp_comm_hook only on CUDA; on CPU also pass "
+                          "callbacks=[tensorlane.shim.lightning.CommHook(state)] to the Trainer (docs/frameworks.md)",
+                          stacklevel=2)
         self.closed = True
         # DDP keeps this state for good (its comm hook, held in C++, where the garbage collector cannot follow it):
         # nothing in it may lead back to the model, or the model and its process groups are never freed

@@ -192,6 +192,33 @@ def test_a_job_with_no_connection_off_the_host_warns_what_stats_shows(tmp_path, 
 
 
 @pytest.mark.torch
+def test_a_comm_state_closed_before_its_hook_ran_warns(tmp_path):
+    """Lightning on CPU ignores ``ddp_comm_hook`` without the ``CommHook`` callback: training ran as plain DDP and
+    ``state.close()`` said nothing. It now warns, once, naming the callback; a state whose hook ran does not."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    state = shim.comm_state(levels=2)
+    with pytest.warns(UserWarning, match=r"comm hook never ran.*CommHook\(state\)"):
+        state.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state.close()  # idempotent, and quiet the second time
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        started = shim.comm_state(levels=2, agent_socket=str(tmp_path / "none.sock"))
+        started.start()  # what the first hook call does
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            started.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_attach_of_a_bare_model_outside_a_distributed_job_says_how_to_start_one():
     """A script run as one process (``python train.py``, or ``accelerate launch --cpu --num_processes 2``, which
     starts one on one machine) gets the bare model from Accelerate's ``prepare()``: attach names the model's type
