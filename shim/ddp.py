@@ -54,6 +54,7 @@ from tensorlane.shim.report import Reporter
 log = logging.getLogger("tensorlane.shim")
 PLANNER_POLICIES = ("planner", "layer_order", "flat")
 _TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
 PROBE_MAX_BACKWARDS = 16  # synchronized iterations without a step() seen before overlap mode gives up
 AGREE_TIMEOUT_S = 10.0  # close(): how long to wait for the compute time's all-reduce in flight before freeing groups
 
@@ -70,9 +71,15 @@ def _collect_at_exit() -> None:
 
 
 def _disabled(disable: bool | None) -> bool:
+    """``disable``, else ``$TENSORLANE_DISABLE``; a value that is neither true nor false is refused (a typo such as
+    ``ture`` left the shim on, silently, in a run meant to be plain DDP)."""
     if disable is not None:
         return disable
-    return os.environ.get("TENSORLANE_DISABLE", "").strip().lower() in _TRUE
+    raw = os.environ.get("TENSORLANE_DISABLE", "").strip().lower()
+    if raw not in _TRUE + _FALSE:
+        raise ValueError(f"TENSORLANE_DISABLE={os.environ['TENSORLANE_DISABLE']!r} is neither true "
+                         f"({', '.join(_TRUE)}) nor false ({', '.join(v for v in _FALSE if v)}, or unset)")
+    return raw in _TRUE
 
 
 def default_job_id() -> str | None:

@@ -235,6 +235,27 @@ def test_attach_of_a_bare_model_outside_a_distributed_job_says_how_to_start_one(
 
 
 @pytest.mark.torch
+def test_a_mistyped_tensorlane_disable_is_refused_before_anything_happens(monkeypatch):
+    """``TENSORLANE_DISABLE=ture`` left the shim on, silently, in a run meant to be plain DDP. A value that is neither
+    true nor false is refused, naming the variable, before ``attach`` looks at the model; the spellings of true and
+    false are taken as before."""
+    import torch
+
+    from tensorlane import shim
+
+    model = torch.nn.Linear(2, 2)  # (not DDP: attach would refuse it next, so a refusal naming the variable is first)
+    monkeypatch.setenv("TENSORLANE_DISABLE", "ture")
+    with pytest.raises(ValueError, match=r"TENSORLANE_DISABLE='ture' is neither true \(1, true, yes, on\) nor false"):
+        shim.attach(model)
+    monkeypatch.setenv("TENSORLANE_DISABLE", " Yes ")
+    assert shim.attach(model).stats()["mode"] == "disabled"
+    for off in ("0", "off", ""):
+        monkeypatch.setenv("TENSORLANE_DISABLE", off)
+        with pytest.raises(TypeError, match="DistributedDataParallel"):
+            shim.attach(model)
+
+
+@pytest.mark.torch
 def test_attach_refuses_a_model_that_has_a_comm_hook_before_any_collective(tmp_path):
     """A communication hook of the user's already on the DDP model (fp16 compression, a builtin one): DDP takes one,
     so ``attach`` refuses, naming it, before it creates a group or wraps the optimizer (DDP's own "can only be
