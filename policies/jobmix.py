@@ -49,16 +49,31 @@ class MixJob:
 
 
 def link_rates(sending: Sequence[int], order: Sequence[int] | None, job_share: float, present: Collection[int],
-               among: str = "sending", counted: Collection[int] | None = None) -> dict[int, float]:
+               among: str = "sending", counted: Collection[int] | None = None,
+               borrow: str = "order") -> dict[int, float]:
     """The share of the link each sending job gets now (see the module docstring); ``present``: the jobs started
     and not finished; ``counted``: the jobs the agent counts as sending (default: ``sending``, as if it saw them at
     once). The parts are the agent's own (``policies.jobs.job_shares``, each job on a level of its own); a part
     counted for a job that is not sending goes, like all the link left, to the most urgent sending job.
+
+    ``borrow="even"`` models a design the agent does not have (docs/jobs-measured.md, "What an order costs on
+    stagger4"): each job present keeps ``job_share / n``, the most urgent one present also the link the parts
+    leave, and what the parts of the jobs not sending leave unused is shared evenly by the jobs sending (HTB's
+    borrowing among classes of one ``prio`` with equal quanta), so nothing follows samples (``among`` and
+    ``counted`` do not apply).
     Usage: ``link_rates([0, 1], None, 0.8, {0, 1}) == {0: 0.5, 1: 0.5}``"""
     if not sending:
         return {}
     if order is None:
         return {j: 1.0 / len(sending) for j in sending}
+    if borrow not in ("order", "even"):
+        raise ValueError(f"borrow must be 'order' or 'even', not {borrow!r}")
+    if borrow == "even":
+        part = {j: job_share / len(present) for j in present}
+        part[min(present, key=list(order).index)] += 1.0 - job_share
+        rates = {j: part[j] for j in sending}
+        spare = max(0.0, 1.0 - sum(rates.values())) / len(sending)
+        return {j: rate + spare for j, rate in rates.items()}
     if among not in SHARE_AMONG:
         raise ValueError(f"among must be one of {', '.join(SHARE_AMONG)}, not {among!r}")
     bands = {j: (level, 1) for level, j in enumerate(sorted(present))}
@@ -71,11 +86,12 @@ def link_rates(sending: Sequence[int], order: Sequence[int] | None, job_share: f
 
 
 def simulate_mix(jobs: Sequence[MixJob], order: Sequence[int] | None = None, job_share: float = 0.0,
-                 among: str = "sending", sample_s: float = 0.0, hold_s: float = 0.0) -> list[float]:
+                 among: str = "sending", sample_s: float = 0.0, hold_s: float = 0.0,
+                 borrow: str = "order") -> list[float]:
     """Each job's JCT (from its offset to the end of its last iteration's communication) under FIFO
     (``order=None``) or a job order with ``job_share``; with ``sample_s > 0`` the parts follow the jobs found
-    sending at sample ticks ``0, sample_s, 2 sample_s, ...`` within ``hold_s`` before the last tick. Bounded: at
-    most 4 events per iteration and job, plus the ticks."""
+    sending at sample ticks ``0, sample_s, 2 sample_s, ...`` within ``hold_s`` before the last tick; ``borrow``:
+    as :func:`link_rates`. Bounded: at most 4 events per iteration and job, plus the ticks."""
     if order is not None and sorted(order) != list(range(len(jobs))):
         raise ValueError(f"order must list every job index once, not {order!r}")
     if sample_s < 0 or hold_s < 0 or not (math.isfinite(sample_s) and math.isfinite(hold_s)):
@@ -102,7 +118,7 @@ def simulate_mix(jobs: Sequence[MixJob], order: Sequence[int] | None = None, job
             seen.update((i, now) for i in sending)
             counted = {i for i, t in seen.items() if now - t <= hold_s + EPS and i in present}
             next_tick += sample_s
-        rates = link_rates(sending, order, job_share, present, among, counted if sample_s > 0 else None)
+        rates = link_rates(sending, order, job_share, present, among, counted if sample_s > 0 else None, borrow)
         now += _advance(phase, remaining, rates, [next_tick - now] if sample_s > 0 else [])
     raise RuntimeError("simulate_mix: event bound exceeded")  # cannot happen: every event ends a phase
 

@@ -17,6 +17,23 @@ def test_link_rates_by_hand():
         link_rates([0, 1], [0, 1], 0.5, {0, 1}, among="all")
 
 
+def test_even_borrowing_by_hand():
+    """``borrow="even"`` (a design the agent does not have): parts of the jobs present, the most urgent present
+    job's part also holds the link the parts leave, and what idle jobs' parts leave is shared evenly by the jobs
+    sending; two jobs: the agent's own parts (the order's borrowing) give the same."""
+    present = {0, 1, 2}
+    assert link_rates([1, 2], [0, 1, 2], 0.9, present, borrow="even") == pytest.approx({1: 0.5, 2: 0.5})
+    assert link_rates([0, 2], [0, 1, 2], 0.9, present, borrow="even") == pytest.approx({0: 0.55, 2: 0.45})
+    assert link_rates([2], [0, 1, 2], 0.9, present, borrow="even") == pytest.approx({2: 1.0})
+    for sending in ([0, 1], [1]):
+        assert link_rates(sending, [1, 0], 0.2, {0, 1}, borrow="even") == pytest.approx(
+            link_rates(sending, [1, 0], 0.2, {0, 1}))
+    with pytest.raises(ValueError, match="borrow"):
+        link_rates([0, 1], [0, 1], 0.5, {0, 1}, borrow="fair")
+    jobs = [MixJob(0.5, 0.5, 4), MixJob(0.5, 0.5, 4, offset_s=0.25), MixJob(0.3, 0.4, 4, offset_s=0.1)]
+    assert simulate_mix(jobs, [2, 0, 1], 0.9999, borrow="even") == pytest.approx(simulate_mix(jobs), rel=1e-3)
+
+
 def test_one_job_takes_its_iterations():
     assert simulate_mix([MixJob(0.3, 0.2, 5, offset_s=1.0)]) == pytest.approx([2.5])
 
