@@ -99,6 +99,9 @@ def format_status(st: dict) -> str:
                      + (f"; sending {', '.join(jp['sending'])}" if jp.get("sending") else ""))
     for job, n in sorted(st["jobs"].items()):
         lines.append(f"job {job}: {n} flows")
+    for job, runs in sorted((st.get("job_conflicts") or {}).items()):  # two jobs with one id: one band, one place
+        lines.append(f"job id conflict: {job} is used by {len(runs)} runs ({', '.join(runs)}): the job policy treats "
+                     "them as one job; give each job its own id")
     return "\n".join(lines)
 
 

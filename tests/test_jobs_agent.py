@@ -134,9 +134,13 @@ def test_two_runs_with_one_job_id_are_a_visible_conflict(caplog):
     assert "also used by another run on this host (2 runs)" in other["conflict"]
     assert "job id 'none' is used by 2 runs on this host (run-a, run-b)" in caplog.text
     assert request(api, op="status")["job_conflicts"] == {"none": ["run-a", "run-b"]}
+    from tensorlane.cli import format_status  # docs/jobs.md: `tensorlane status` lists them
+    assert ("\njob id conflict: none is used by 2 runs (run-a, run-b): the job policy treats them as one job; give "
+            "each job its own id") in format_status(request(api, op="status"))
     request(api, op="register", job="solo", level=0, flows=[flow(4)])  # no run (an older client): no conflict
     request(api, op="unregister", job="none", flows=[flow(3)])
     assert request(api, op="status")["job_conflicts"] == {}  # run-b's flows gone: one run left
+    assert "job id conflict" not in format_status(request(api, op="status"))
     with pytest.raises(AssertionError, match="bad_request"):
         request(api, op="register", job="x", level=0, flows=[flow(5)], run="no spaces")
 
