@@ -124,8 +124,8 @@ def job_order(policy: str, job_ids: Sequence[str], now_s: float = 0.0, epoch_s: 
     (jobs with equal rank values share a band in ``job_bands``).
 
     - ``none``: every job rank 0 (one band: the job plays no part);
-    - ``static``: by ``priority[job]`` (smaller first; TensorLights TLsOne), ties by id; jobs not in ``priority``
-      rank after every listed one, all alike;
+    - ``static``: by ``priority[job]`` (smaller first; TensorLights TLsOne), ties by id and sharing a band; jobs
+      not in ``priority`` rank after every listed one, all alike;
     - ``rotate``: ``hashed_rotation_order`` of epoch ``rotation_epoch(now_s, epoch_s)`` (TensorLights TLsRR
       without a shared job list), ranks 0, 1, 2, ...;
     - ``alternate``: ``alternating_rotation_order`` of that epoch (every pair swaps every epoch pair), ranks as
