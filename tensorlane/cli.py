@@ -97,6 +97,12 @@ def format_status(st: dict) -> str:
         lines.append(f"job policy {jp['policy']}: order {order or '-'}; job_share "
                      f"{jp.get('job_share', 0):g}{auto}" + (f" ({parts})" if parts else "")
                      + (f"; sending {', '.join(jp['sending'])}" if jp.get("sending") else ""))
+        bands = jp.get("bands") or {}  # jobs of one band share its levels: the order alone does not say so
+        if bands:
+            lines.append("job bands: " + ", ".join(
+                f"{j} level{'s' if b['levels'] > 1 else ''} {b['first_level']}"
+                + (f"-{b['first_level'] + b['levels'] - 1}" if b["levels"] > 1 else "")
+                for j in jp.get("order", []) if (b := bands.get(j))))
     for job, n in sorted(st["jobs"].items()):
         lines.append(f"job {job}: {n} flows")
     for job, runs in sorted((st.get("job_conflicts") or {}).items()):  # two jobs with one id: one band, one place

@@ -581,7 +581,12 @@ def test_status_table_shows_the_job_order_and_parts():
         request(api, op="register", job=job, level=0, flows=[flow(port)])
     request(api, op="report", job="b", session="s", levels=[{"level": 0, "allreduces": 1, "bytes": 8, "comm_s": 0}],
             step_bytes=4096)
-    assert "job policy shortest: order b (4096 B/step), a; job_share 0.2" in format_status(request(api, op="status"))
+    text = format_status(request(api, op="status"))
+    assert "job policy shortest: order b (4096 B/step), a; job_share 0.2" in text, text
+    assert "\njob bands: b levels 0-1, a levels 2-3\n" in text, text  # docs/jobs.md: unreported jobs share a band
+    request(api, op="register", job="c", level=0, flows=[flow(3)])
+    text = format_status(request(api, op="status"))
+    assert "\njob bands: b levels 0-1, a levels 2-3, c levels 2-3\n" in text, text
     api, _ = make_api(job_policy="measured_intensity")  # a 200 Mbit/s link: 2.5 MB take 0.1 s
     request(api, op="register", job="a", level=0, flows=[flow(1)])
     request(api, op="report", job="a", session="s", levels=[{"level": 0, "allreduces": 1, "bytes": 8, "comm_s": 0}],
