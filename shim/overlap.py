@@ -165,6 +165,7 @@ class Pending:
     skip: set = field(default_factory=set)  # id(param) with no .grad at step(): the optimizer skips them
     created: dict = field(default_factory=dict)  # id(param) -> param._version when the bucket was launched
     grads: dict = field(default_factory=dict)  # id(param) -> (its .grad, that tensor's version) when stamped
+    autocast: dict = field(default_factory=dict)  # autocast's state at step() (autocast_state), for the step
 
 
 @dataclass
@@ -243,8 +244,10 @@ class Deferred:
                                    "same gradients); overlap mode cannot reproduce DDP there. Use hook mode.")
             return  # nothing to update, as under DDP (no gradients)
         hp = hyperparameters(self.optimizer)
+        amp = autocast_state({p.device.type for p in params})
         for pend in self.unstamped:
             pend.hparams = hp
+            pend.autocast = amp
             pend.versions = {id(p): p._version for p, *_ in pend.params}
             pend.skip = {id(p) for p, *_ in pend.params if p.grad is None}  # DDP left no gradient (unused)
             pend.grads = {id(p): (p.grad, p.grad._version) for p, *_ in pend.params if p.grad is not None}
@@ -300,10 +303,13 @@ class Deferred:
                                "iteration (overlap mode then falls back to hook mode), or attach without the "
                                "optimizer (hook mode).")
 
-    def step_subset(self, params: list, hparams: list) -> None:
+    def step_subset(self, params: list, hparams: list, autocast: dict | None = None) -> None:
         """One step of the user's optimizer over ``params`` only, with the hyperparameters ``hparams`` (one dict per
         param group, as stamped by ``step()``; a group added since then is not stepped, as under DDP, where the
-        step came first); the groups are restored afterwards."""
+        step came first), under autocast as it was at ``step()`` (``autocast``, from :func:`autocast_state`; the
+        deferred step runs in the next forward, typically inside the loop's ``torch.autocast``, where Adafactor's
+        ``row_var @ col_var`` would run in bf16: until 2026-11-27 it did, 3e-2 from DDP after 8 steps); the groups
+        are restored afterwards."""
         opt = self.optimizer
         self.check_step_hooks()
         if self.stamped_state is not None and opt.state is not self.stamped_state:
@@ -326,7 +332,7 @@ class Deferred:
             for g in later:
                 g["params"] = []
             quiet = contextlib.nullcontext() if self.stamped_state is None else self.stamped_state.quiet()
-            with torch.no_grad(), quiet:
+            with torch.no_grad(), quiet, autocast_as(autocast or {}):
                 self.orig_step()
         finally:
             for g, (ps, current) in zip(stamped, saved, strict=True):
@@ -363,6 +369,23 @@ class Deferred:
                     self.early.add(id(p))
         self.probe.ran = set()
         self.got_grad.clear()  # in place: the gradient hooks hold this set
+
+
+def autocast_state(device_types) -> dict:
+    """Autocast's state now, ``{device type: (enabled, dtype)}``, for the device types among ``device_types`` that
+    have autocast."""
+    return {dt: (torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
+            for dt in sorted(device_types) if torch.amp.is_autocast_available(dt)}
+
+
+@contextlib.contextmanager
+def autocast_as(state: dict):
+    """Autocast as ``state`` (:func:`autocast_state`) says, for the device types it names, within the block."""
+    with contextlib.ExitStack() as stack:
+        for dt, (enabled, dtype) in state.items():
+            if torch.is_autocast_enabled(dt) != enabled or (enabled and torch.get_autocast_dtype(dt) != dtype):
+                stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled))
+        yield
 
 
 def coupled_steps(optimizer) -> bool:

@@ -1831,6 +1831,19 @@ def _eval_partial_then_ema(ctx: Ctx):
         ctx.record(f"ema{i}", e)
 
 
+# -- review 7 (loops not yet in the matrix) -------------------------------------------------------------------------
+@idiom("adafactor_autocast")
+def _adafactor_autocast(ctx: Ctx):
+    """Adafactor (fp32 parameters, one dtype: per parameter) with the forward under torch.autocast in bfloat16 and
+    step() outside it: its factored second moment is a matmul (row_var @ col_var), which autocast runs in bf16. The
+    deferred step runs in the next forward's pre-hooks, inside autocast: it must run as step() did (until
+    2026-11-27 it ran in bf16 there, silently: 3e-2 relative from DDP after 8 steps at 2 ranks)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, forward_context=lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16))
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
