@@ -122,6 +122,11 @@ METADATA = frozenset((
     "retains_grad", "_backward_hooks", "_post_accumulate_grad_hooks", "numel", "size", "dim", "__len__",
     "data_ptr", "untyped_storage", "stride", "storage_offset", "is_contiguous", "element_size", "get_device",
     "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "__hash__"))
+# what hands out a tensor's memory itself: whatever reads it next (torch.save writing a tensor that shares a
+# parameter's storage: a state_dict() taken before step(), a detached alias) needs no torch operation, so for the
+# parameter guard these are uses (until 2026-11-27 they were metadata: such a checkpoint held the values before the
+# update, silently, 7e-2 relative off; idiom state_dict_kept_saved)
+STORAGE_ACCESS = frozenset(("untyped_storage", "storage", "_typed_storage"))
 # what code may do to a gradient without reading its values (zero_grad(set_to_none=False), model.zero_grad())
 GRAD_OVERWRITES = frozenset(("zero_", "_foreach_zero_", "fill_", "detach_"))
 
@@ -491,7 +496,8 @@ def user_stacklevel() -> int:
 def _span(t) -> tuple[int, int] | None:
     """The bytes ``[start, end)`` of a tensor's storage (None when it has none: sparse, meta, empty)."""
     try:
-        st = t.untyped_storage()
+        with torch._C.DisableTorchFunction():  # the shim's own look at the storage is no use of it (STORAGE_ACCESS)
+            st = t.untyped_storage()
         start = st.data_ptr()
         return (start, start + st.nbytes()) if start else None
     except (RuntimeError, NotImplementedError, TypeError):
@@ -659,7 +665,8 @@ class UseGuard(StackMode):
         kwargs = kwargs or {}
         self.handling += 1
         try:
-            if self.armed and _function_name(func) not in METADATA and self.uses(args, kwargs):
+            name = _function_name(func)
+            if self.armed and (name not in METADATA or name in STORAGE_ACCESS) and self.uses(args, kwargs):
                 self.armed = False
                 self.on_use()
             return func(*args, **kwargs)

@@ -1844,6 +1844,28 @@ def _adafactor_autocast(ctx: Ctx):
     plain_loop(ctx, model, opt, forward_context=lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16))
 
 
+@idiom("state_dict_kept_saved")
+def _state_dict_kept_saved(ctx: Ctx):
+    """model.module.state_dict() taken once before the loop (its tensors share the parameters' storage) and
+    torch.save'd after some step()s: the saved file holds the values after that step; what it holds is compared.
+    torch.save reads the memory through untyped_storage() alone, which the guard took for metadata until
+    2026-11-27: the file held the values before the pending update, silently (7e-2 relative off)."""
+    import io
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    sd = model.module.state_dict()
+
+    def save(step):
+        if step % 3 == 1:
+            buf = io.BytesIO()
+            torch.save(sd, buf)
+            buf.seek(0)
+            for k, v in torch.load(buf).items():
+                ctx.record(f"saved_{k}", v)
+    plain_loop(ctx, model, opt, after_step=save)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
