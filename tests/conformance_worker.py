@@ -1866,6 +1866,19 @@ def _state_dict_kept_saved(ctx: Ctx):
     plain_loop(ctx, model, opt, after_step=save)
 
 
+@idiom("ddp_wrapper_pre_hook")
+def _ddp_wrapper_pre_hook(ctx: Ctx):
+    """A forward pre-hook on the DDP model itself (not its module), registered before attach, logging the first
+    layer's weight norm at every forward: it runs before the inner module's forward, so the guard must still be
+    armed there (until 2026-11-27 it was disarmed at the DDP model's forward: the norm was read before the pending
+    update, silently, 3.8e-4 relative off)."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    model.register_forward_pre_hook(lambda m, _i: ctx.record("hook_norm", m.module[0].weight.norm().item()))
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
