@@ -504,14 +504,16 @@ def _decide(state: ShimState) -> None:
     held = {id(p) for g in d.optimizer.param_groups for p in g["params"]}
     flags = torch.tensor([0.0 if pr.stepped else 1.0, float(pr.grads_changed), float(pr.closure),
                           float(pr.sparse), float(bool(d.bucketed - held)), float(ov.step_hooks(d.optimizer) > 0),
-                          float(pr.compiled), float(ov.coupled_steps(d.optimizer)), float(pr.grads_read)],
+                          float(pr.compiled), float(ov.coupled_steps(d.optimizer)), float(pr.grads_read),
+                          float(pr.random and not pr.closure)],
                          dtype=torch.float64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=state.groups[0])
-    not_stepped, changed, closure, sparse, unoptimized, hooks, compiled, coupled, read = \
+    not_stepped, changed, closure, sparse, unoptimized, hooks, compiled, coupled, read, random = \
         (v > 0 for v in flags.tolist())
     reasons = ((ov.GRADS_CHANGED, changed), (ov.CLOSURE, closure), (ov.SPARSE, sparse),
                (ov.UNOPTIMIZED, unoptimized), (ov.STEP_HOOKS, hooks), (ov.COMPILED, compiled), (ov.COUPLED, coupled),
-               (ov.GRADS_READ, read and not changed))  # (a change reads them too: one reason is enough)
+               (ov.GRADS_READ, read and not changed),  # (a change reads them too: one reason is enough)
+               (ov.RANDOM, random))
     if any(f for _r, f in reasons):
         state.fallback("; ".join(r for r, f in reasons if f))
     elif not not_stepped:
@@ -954,7 +956,10 @@ class Handle:
         if state.mode == "probing":
             with d.watch.paused():  # (the probe's own checks read the gradients too)
                 d.probe_step(closure)
-                return d.orig_step() if closure is None else d.orig_step(closure)
+                rng = ov.rng_states()
+                out = d.orig_step() if closure is None else d.orig_step(closure)
+                d.probe.random |= any(not torch.equal(a, b) for a, b in zip(rng, ov.rng_states(), strict=True))
+                return out
         with d.watch.paused():
             if d.synced:  # a read made .grad DDP's average: nothing is pending, the step is DDP's own
                 return d.step_synced(closure)

@@ -109,6 +109,9 @@ BUCKET_VIEW = ("DDP(gradient_as_bucket_view=True): the gradients are views of DD
 GRADS_READ = ("the loop reads gradients after backward() (a logged gradient norm, a step skipped when the norm is too "
               "large or not finite, GradScaler's inf/NaN check): in overlap mode .grad holds this rank's own gradient "
               "until the deferred step, not DDP's average, so what the loop read, and decided, would differ")
+RANDOM = ("the optimizer's step draws from torch's random number generator (noise added to the update, as in SGLD, "
+          "with per_parameter_optimizer=True): overlap mode takes the step later and in parts, interleaved with the "
+          "next forward's draws (dropout), so every draw would differ")
 STEP_HOOKS = ("the optimizer has step hooks (register_step_pre_hook/register_step_post_hook, or global ones): "
               "overlap mode takes each step later and in parts, so the hooks would run out of time and once per part")
 
@@ -184,6 +187,7 @@ class Probe:
     sparse: bool = False  # a bucket of sparse gradients (an embedding with sparse=True)
     compiled: bool = False  # step() ran under torch.compile, or the optimizer's step is a compiled function
     grads_read: bool = False  # a torch operation used a gradient DDP wrote (GradWatch), beyond metadata and zeroing
+    random: bool = False  # the optimizer's step drew from torch's random number generator (rng_states changed)
     ran: set = field(default_factory=set)  # id(module) of modules whose forward ran since the last backward
 
 
@@ -391,6 +395,14 @@ def autocast_as(state: dict):
             if torch.is_autocast_enabled(dt) != enabled or (enabled and torch.get_autocast_dtype(dt) != dtype):
                 stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled))
         yield
+
+
+def rng_states() -> list:
+    """torch's default generators' states: the CPU one's, and each CUDA device's once CUDA is initialised."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
 
 
 def coupled_steps(optimizer) -> bool:

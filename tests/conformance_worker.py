@@ -1844,15 +1844,18 @@ def _adafactor_autocast(ctx: Ctx):
     plain_loop(ctx, model, opt, forward_context=lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16))
 
 
-@idiom("state_dict_kept_saved")
-def _state_dict_kept_saved(ctx: Ctx):
-    """model.module.state_dict() taken once before the loop (its tensors share the parameters' storage) and
-    torch.save'd after some step()s: the saved file holds the values after that step; what it holds is compared.
-    torch.save reads the memory through untyped_storage() alone, which the guard took for metadata until
-    2026-11-27: the file held the values before the pending update, silently (7e-2 relative off)."""
+@idiom("kept_state_dict_wrapper_hook")
+def _kept_state_dict_wrapper_hook(ctx: Ctx):
+    """Two uses of the weights after step() that no torch operation on a parameter shows: a forward pre-hook on the
+    DDP model itself (not its module, registered before attach) logging the first layer's weight norm, which runs
+    before the inner module's forward; and model.module.state_dict() taken once before the loop (its tensors share
+    the parameters' storage), torch.save'd after some step()s, which reads them through untyped_storage() alone.
+    Both must see the values after the update (until 2026-11-27: the norm 3.8e-4 and the saved file 7e-2 relative
+    off, silently); the norms and the saved tensors are compared."""
     import io
     model = ctx.ddp(convnet())
     opt = sgd(model.parameters())
+    model.register_forward_pre_hook(lambda m, _i: ctx.record("hook_norm", m.module[0].weight.norm().item()))
     ctx.attach(model, opt)
     sd = model.module.state_dict()
 
@@ -1866,16 +1869,33 @@ def _state_dict_kept_saved(ctx: Ctx):
     plain_loop(ctx, model, opt, after_step=save)
 
 
-@idiom("ddp_wrapper_pre_hook")
-def _ddp_wrapper_pre_hook(ctx: Ctx):
-    """A forward pre-hook on the DDP model itself (not its module), registered before attach, logging the first
-    layer's weight norm at every forward: it runs before the inner module's forward, so the guard must still be
-    armed there (until 2026-11-27 it was disarmed at the DDP model's forward: the norm was read before the pending
-    update, silently, 3.8e-4 relative off)."""
-    model = ctx.ddp(convnet())
-    opt = sgd(model.parameters())
-    model.register_forward_pre_hook(lambda m, _i: ctx.record("hook_norm", m.module[0].weight.norm().item()))
-    ctx.attach(model, opt)
+class NoisySGD(torch.optim.SGD):
+    """SGD plus Gaussian noise on each update (SGLD-style), drawn from the global generator."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(torch.randn_like(p), alpha=1e-3)
+
+
+@idiom("noisy_optimizer_dropout")
+def _noisy_optimizer_dropout(ctx: Ctx):
+    """An optimizer declared per parameter (per_parameter_optimizer=True) that draws noise from the global generator
+    (SGLD-style), and a model with dropout (the same generator). Overlap mode would take the draws later and in parts,
+    interleaved with dropout's: the probe sees the step change the generator's state and falls back to hook mode
+    (until 2026-11-27 it overlapped, silently: 0.16 relative from DDP after 8 steps)."""
+    torch.manual_seed(1234)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 10))
+    model = ctx.ddp(net)
+    opt = NoisySGD(model.parameters(), lr=0.05, momentum=0.9)
+    if ctx.mode != "ddp":
+        ctx.handle = shim.attach(model, optimizer=opt if ctx.mode == "overlap" else None, levels=ctx.args.levels,
+                                 agent_socket=ctx.args.agent_socket, link_bps=ctx.args.link_bps,
+                                 per_parameter_optimizer=True if ctx.mode == "overlap" else None)
+    torch.manual_seed(4321)
     plain_loop(ctx, model, opt)
 
 
