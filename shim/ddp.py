@@ -765,7 +765,10 @@ class Handle:
         step._wrapped_by_lr_sched = True  # LR schedulers made after attach leave it as it is
         step.tensorlane_handle = weakref.ref(self)  # (attach refuses a second overlap attach of this optimizer)
         opt.step = self._step_attr = step
-        d.guard = ov.UseGuard(self._flush_on_use)
+        def state_tensors(p):  # (dict.get: not a use of optimizer.state, which would flush)
+            st = dict.get(opt.state, p)
+            return [v for v in st.values() if isinstance(v, torch.Tensor)] if st else []
+        d.guard = ov.UseGuard(self._flush_on_use, state_tensors)
         d.watch.on_read = self._grads_read  # (release() gives it back its own: the state outlives the handle)
         self._own_zero_grad = opt.__dict__.get("zero_grad")
         zero_grad_of = opt.zero_grad
@@ -871,7 +874,7 @@ class Handle:
         until the inner module's forward begins (``_root_pre_forward``): a forward pre-hook of the user's on the DDP
         model itself runs before that, and may use the weights (until 2026-11-27 the guard was disarmed here, and
         such a hook logging a weight norm read it before its update, silently: 3.8e-4 relative off;
-        ``ddp_wrapper_pre_hook``)."""
+        ``kept_state_dicts_wrapper_hook``)."""
         d = None if self.state is None else self.state.deferred
         if d is None:
             return

@@ -128,7 +128,7 @@ METADATA = frozenset((
 # what hands out a tensor's memory itself: whatever reads it next (torch.save writing a tensor that shares a
 # parameter's storage: a state_dict() taken before step(), a detached alias) needs no torch operation, so for the
 # parameter guard these are uses (until 2026-11-27 they were metadata: such a checkpoint held the values before the
-# update, silently, 7e-2 relative off; idiom state_dict_kept_saved)
+# update, silently, 7e-2 relative off; idiom kept_state_dicts_wrapper_hook)
 STORAGE_ACCESS = frozenset(("untyped_storage", "storage", "_typed_storage"))
 # what code may do to a gradient without reading its values (zero_grad(set_to_none=False), model.zero_grad())
 GRAD_OVERWRITES = frozenset(("zero_", "_foreach_zero_", "fill_", "detach_"))
@@ -616,21 +616,36 @@ class UseGuard(StackMode):
     the torch-function mode stack of the thread that called ``step()`` and left there, disarmed, until it can be
     popped (at the next forward, ``flush()`` or ``close()``); a disarmed guard passes every operation through.
 
+    ``related(p)`` (optional) gives further tensors that the pending update of ``p`` changes in place: its optimizer
+    state (Adam's moments, which a ``optimizer.state_dict()`` kept from an earlier step shares; until 2026-11-27 a
+    ``torch.save`` of one after ``step()`` held the moments before the update, silently,
+    ``kept_state_dicts_wrapper_hook``). Their memory is watched as the parameter's, until ``p``'s update is applied.
+
     Usage: ``guard = UseGuard(handle.flush); guard.arm(params)`` after ``step()``; ``guard.disarm()`` at forward
     """
 
-    def __init__(self, on_use):
+    def __init__(self, on_use, related=None):
         super().__init__()
         self.on_use = on_use
+        self.related = related
         self.ids: set = set()
-        self.starts: list = []  # sorted storage starts of the watched parameters, and their ends
+        self.starts: list = []  # sorted storage starts of the watched parameters (and related tensors), their ends
         self.ends: list = []
+        self.owned: dict = {}  # id(param) -> the storage spans of its related tensors
         self.armed = False
 
     def arm(self, params) -> None:
         """Watch ``params`` from now on (putting the guard on this thread's mode stack if it is not there)."""
         self.ids = {id(p) for p in params}
-        spans = sorted(s for p in params if (s := _span(p)))
+        self.owned = {}
+        spans = [s for p in params if (s := _span(p))]
+        if self.related is not None:
+            for p in params:
+                extra = [s for t in self.related(p) if (s := _span(t))]
+                if extra:
+                    self.owned[id(p)] = extra
+                    spans += extra
+        spans.sort()
         self.starts, self.ends = [a for a, _ in spans], [b for _, b in spans]
         self.push()
         self.armed = self.thread == threading.get_ident()  # on another thread than the one holding it: not watched
@@ -641,7 +656,7 @@ class UseGuard(StackMode):
         if not self.armed and self.thread is None:
             return
         self.armed = False
-        self.ids, self.starts, self.ends = set(), [], []
+        self.ids, self.starts, self.ends, self.owned = set(), [], [], {}
         self.pop()
 
     @contextlib.contextmanager
@@ -653,10 +668,10 @@ class UseGuard(StackMode):
     def forget(self, p) -> None:
         """``p``'s update has been applied: its use no longer needs a flush."""
         self.ids.discard(id(p))
-        span = _span(p)
-        i = bisect.bisect_left(self.starts, span[0]) if span else len(self.starts)
-        if i < len(self.starts) and self.starts[i] == span[0]:
-            del self.starts[i], self.ends[i]
+        for span in (_span(p), *self.owned.pop(id(p), ())):
+            i = bisect.bisect_left(self.starts, span[0]) if span else len(self.starts)
+            if i < len(self.starts) and self.starts[i] == span[0]:
+                del self.starts[i], self.ends[i]
 
     def uses(self, args, kwargs) -> bool:
         """Whether any tensor among the arguments is a watched parameter or lives on one's storage."""

@@ -1844,27 +1844,36 @@ def _adafactor_autocast(ctx: Ctx):
     plain_loop(ctx, model, opt, forward_context=lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16))
 
 
-@idiom("kept_state_dict_wrapper_hook")
-def _kept_state_dict_wrapper_hook(ctx: Ctx):
-    """Two uses of the weights after step() that no torch operation on a parameter shows: a forward pre-hook on the
-    DDP model itself (not its module, registered before attach) logging the first layer's weight norm, which runs
-    before the inner module's forward; and model.module.state_dict() taken once before the loop (its tensors share
-    the parameters' storage), torch.save'd after some step()s, which reads them through untyped_storage() alone.
-    Both must see the values after the update (until 2026-11-27: the norm 3.8e-4 and the saved file 7e-2 relative
-    off, silently); the norms and the saved tensors are compared."""
+@idiom("kept_state_dicts_wrapper_hook")
+def _kept_state_dicts_wrapper_hook(ctx: Ctx):
+    """Uses of the weights after step() that no torch operation on a parameter shows: a forward pre-hook on the DDP
+    model itself (not its module, registered before attach) logging the first layer's weight norm, which runs before
+    the inner module's forward; model.module.state_dict() taken once before the loop (its tensors share the
+    parameters' storage) and optimizer.state_dict() taken once after the first step (its tensors are the momentum
+    buffers, updated in place), each torch.save'd after some later step()s, which reads them through
+    untyped_storage() alone. All must see the values after the update (until 2026-11-27: the norm 3.8e-4, the saved
+    weights 7e-2 and the saved momenta about 1 relative off, silently); the norms and the saved tensors are
+    compared."""
     import io
     model = ctx.ddp(convnet())
     opt = sgd(model.parameters())
     model.register_forward_pre_hook(lambda m, _i: ctx.record("hook_norm", m.module[0].weight.norm().item()))
     ctx.attach(model, opt)
-    sd = model.module.state_dict()
+    kept = {"model": model.module.state_dict()}
+
+    def saved(obj) -> dict:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        return torch.load(buf)
 
     def save(step):
-        if step % 3 == 1:
-            buf = io.BytesIO()
-            torch.save(sd, buf)
-            buf.seek(0)
-            for k, v in torch.load(buf).items():
+        if step == 0:
+            kept["opt"] = opt.state_dict()
+        if step % 3 == 1:  # the optimizer's first: a flush for the model's would apply its pending updates too
+            for i, st in saved(kept["opt"])["state"].items():
+                ctx.record(f"saved_momentum_{i}", st["momentum_buffer"])
+            for k, v in saved(kept["model"]).items():
                 ctx.record(f"saved_{k}", v)
     plain_loop(ctx, model, opt, after_step=save)
 
