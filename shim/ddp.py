@@ -874,7 +874,7 @@ class Handle:
         until the inner module's forward begins (``_root_pre_forward``): a forward pre-hook of the user's on the DDP
         model itself runs before that, and may use the weights (until 2026-11-27 the guard was disarmed here, and
         such a hook logging a weight norm read it before its update, silently: 3.8e-4 relative off;
-        ``kept_state_dicts_wrapper_hook``)."""
+        ``kept_tensors_saved_wrapper_hook``)."""
         d = None if self.state is None else self.state.deferred
         if d is None:
             return

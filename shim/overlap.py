@@ -127,8 +127,9 @@ METADATA = frozenset((
     "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "__hash__"))
 # what hands out a tensor's memory itself: whatever reads it next (torch.save writing a tensor that shares a
 # parameter's storage: a state_dict() taken before step(), a detached alias) needs no torch operation, so for the
-# parameter guard these are uses (until 2026-11-27 they were metadata: such a checkpoint held the values before the
-# update, silently, 7e-2 relative off; idiom kept_state_dicts_wrapper_hook)
+# parameter guard these are uses, and for the gradient watch reads (until 2026-11-27 they were metadata: such a
+# checkpoint held the values before the update, silently, 7e-2 relative off, idiom kept_tensors_saved_wrapper_hook; a
+# torch.save of the gradients between backward() and step() held this rank's own, 1.25 relative off)
 STORAGE_ACCESS = frozenset(("untyped_storage", "storage", "_typed_storage"))
 # what code may do to a gradient without reading its values (zero_grad(set_to_none=False), model.zero_grad())
 GRAD_OVERWRITES = frozenset(("zero_", "_foreach_zero_", "fill_", "detach_"))
@@ -619,7 +620,7 @@ class UseGuard(StackMode):
     ``related(p)`` (optional) gives further tensors that the pending update of ``p`` changes in place: its optimizer
     state (Adam's moments, which a ``optimizer.state_dict()`` kept from an earlier step shares; until 2026-11-27 a
     ``torch.save`` of one after ``step()`` held the moments before the update, silently,
-    ``kept_state_dicts_wrapper_hook``). Their memory is watched as the parameter's, until ``p``'s update is applied.
+    ``kept_tensors_saved_wrapper_hook``). Their memory is watched as the parameter's, until ``p``'s update is applied.
 
     Usage: ``guard = UseGuard(handle.flush); guard.arm(params)`` after ``step()``; ``guard.disarm()`` at forward
     """
@@ -745,7 +746,7 @@ class GradWatch(StackMode):
         try:
             if self.ids and not self.quiet:
                 name = _function_name(func)
-                if name not in METADATA and name not in GRAD_OVERWRITES and \
+                if (name not in METADATA or name in STORAGE_ACCESS) and name not in GRAD_OVERWRITES and \
                         any(id(t) in self.ids for t in _tensors(args, kwargs)):
                     self.unwatch()
                     self.on_read()

@@ -1844,16 +1844,17 @@ def _adafactor_autocast(ctx: Ctx):
     plain_loop(ctx, model, opt, forward_context=lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16))
 
 
-@idiom("kept_state_dicts_wrapper_hook")
-def _kept_state_dicts_wrapper_hook(ctx: Ctx):
-    """Uses of the weights after step() that no torch operation on a parameter shows: a forward pre-hook on the DDP
-    model itself (not its module, registered before attach) logging the first layer's weight norm, which runs before
-    the inner module's forward; model.module.state_dict() taken once before the loop (its tensors share the
-    parameters' storage) and optimizer.state_dict() taken once after the first step (its tensors are the momentum
-    buffers, updated in place), each torch.save'd after some later step()s, which reads them through
-    untyped_storage() alone. All must see the values after the update (until 2026-11-27: the norm 3.8e-4, the saved
-    weights 7e-2 and the saved momenta about 1 relative off, silently); the norms and the saved tensors are
-    compared."""
+@idiom("kept_tensors_saved_wrapper_hook")
+def _kept_tensors_saved_wrapper_hook(ctx: Ctx):
+    """Uses of the weights, gradients and optimizer state that no torch operation on them shows: a forward pre-hook
+    on the DDP model itself (not its module, registered before attach) logging the first layer's weight norm, which
+    runs before the inner module's forward; model.module.state_dict() taken once before the loop (its tensors share
+    the parameters' storage) and optimizer.state_dict() taken once after the first step (its tensors are the
+    momentum buffers, updated in place), each torch.save'd after some later step()s; and a dump of the gradients
+    (torch.save({name: p.grad})) between backward() and step() in some iterations after the probe. torch.save reads a
+    tensor through untyped_storage() alone. All must see what DDP's loop sees there (until 2026-11-27: the norm
+    3.8e-4, the saved weights 7e-2, the saved momenta about 1 and the saved gradients 1.25 relative off, silently:
+    this rank's own gradients); the norms and the saved tensors are compared."""
     import io
     model = ctx.ddp(convnet())
     opt = sgd(model.parameters())
@@ -1867,7 +1868,14 @@ def _kept_state_dicts_wrapper_hook(ctx: Ctx):
         buf.seek(0)
         return torch.load(buf)
 
-    def save(step):
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if step >= 2 and step % 2 == 0:
+            for k, v in saved({n: p.grad for n, p in model.module.named_parameters()}).items():
+                ctx.record(f"saved_grad_{k}", v)
+        opt.step()
         if step == 0:
             kept["opt"] = opt.state_dict()
         if step % 3 == 1:  # the optimizer's first: a flush for the model's would apply its pending updates too
@@ -1875,7 +1883,8 @@ def _kept_state_dicts_wrapper_hook(ctx: Ctx):
                 ctx.record(f"saved_momentum_{i}", st["momentum_buffer"])
             for k, v in saved(kept["model"]).items():
                 ctx.record(f"saved_{k}", v)
-    plain_loop(ctx, model, opt, after_step=save)
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
 
 
 class NoisySGD(torch.optim.SGD):
