@@ -728,6 +728,7 @@ class Handle:
         self._recorder = None  # shim.plan.Recorder while the first iteration is being measured
         self._unhooked: list = []  # overlap mode: parameters frozen at attach, without the gradient hook yet
         self._forward_watch = None  # overlap mode: ov.ForwardWatch, on the mode stack during the probe's forwards
+        self._owned: dict = {}  # overlap mode: id(module) -> the parameters it held at attach (_pre_forward)
 
     @property
     def link(self) -> AgentLink | None:
@@ -750,6 +751,7 @@ class Handle:
         owners = [m for m in root.modules() if any(True for _ in m.parameters(recurse=False))]
         holders: dict = {}
         for m in owners:
+            self._owned[id(m)] = list(m.parameters(recurse=False))
             for p in m.parameters(recurse=False):
                 holders.setdefault(id(p), []).append(id(m))
         d = self.state.deferred = ov.Deferred(opt, holders)
@@ -1012,7 +1014,14 @@ class Handle:
         if self.state.mode == "probing":
             d.probe.ran.add(id(module))
         elif self.state.mode == "overlap" and d.pending:
-            for p in module.parameters(recurse=False):
+            # the parameters it held at attach, not those it holds now: torch.func.functional_call(model.module,
+            # tensors) puts other tensors in their place for that forward, and where those share the parameters'
+            # memory (detached aliases kept from before) the forward reads it; the guard is off by then (until
+            # 2026-11-27 nothing was applied there: the outputs 9e-2 relative off, silently; idiom
+            # functional_call_traced)
+            for p in self._owned.get(id(module), ()):
+                _apply(self.state, p)
+            for p in module.parameters(recurse=False):  # (one put there since attach: not in DDP's buckets)
                 _apply(self.state, p)
 
     # -- public -------------------------------------------------------------------------------------------
@@ -1067,6 +1076,7 @@ class Handle:
         for h in self._hooks:
             h.remove()
         self._unhooked = []
+        self._owned = {}
         self._put_back("step", self._step_attr, self._own_step)
         self._put_back("zero_grad", self._zero_grad_attr, self._own_zero_grad)
         if d is not None:

@@ -634,6 +634,7 @@ class UseGuard(StackMode):
         self.ends: list = []
         self.owned: dict = {}  # id(param) -> the storage spans of its related tensors
         self.armed = False
+        self.calls = None  # while armed: a global forward pre-hook that sees TorchScript modules called (_called)
 
     def arm(self, params) -> None:
         """Watch ``params`` from now on (putting the guard on this thread's mode stack if it is not there)."""
@@ -650,6 +651,19 @@ class UseGuard(StackMode):
         self.starts, self.ends = [a for a, _ in spans], [b for _, b in spans]
         self.push()
         self.armed = self.thread == threading.get_ident()  # on another thread than the one holding it: not watched
+        if self.armed and self.calls is None:
+            self.calls = torch.nn.modules.module.register_module_forward_pre_hook(self._called)
+
+    def _called(self, module, _args) -> None:
+        """A module is called while the guard is armed: a TorchScript one (``torch.jit.trace``/``script`` of the
+        model, which shares its parameters) runs its operations in C++, where no torch-function mode sees them, so
+        its call is a use of its parameters and buffers. Until 2026-11-27 a model traced before training and run
+        after ``step()`` read the weights before their update, silently: 9e-2 relative off (idiom
+        ``functional_call_traced``)."""
+        if self.armed and isinstance(module, torch.jit.ScriptModule) and self.thread == threading.get_ident() \
+                and self.uses(([*module.parameters(), *module.buffers()],), {}):
+            self.armed = False
+            self.on_use()
 
     def disarm(self) -> None:
         """Stop watching; the guard leaves this thread's stack (not from inside its own handler: later). Cheap when
@@ -658,6 +672,9 @@ class UseGuard(StackMode):
             return
         self.armed = False
         self.ids, self.starts, self.ends, self.owned = set(), [], [], {}
+        if self.calls is not None:
+            self.calls.remove()
+            self.calls = None
         self.pop()
 
     @contextlib.contextmanager
@@ -796,7 +813,18 @@ class ModuleHook:
 
     @torch.compiler.disable  # under torch.compile the shim's work (waits, optimizer steps) runs eagerly, untraced
     def __call__(self, *args, **kwargs):
-        return None if self.fn is None else self.fn(*args, **kwargs)
+        if self.fn is None:
+            return None
+        tracing = torch._C._get_tracing_state()
+        if tracing is None:
+            return self.fn(*args, **kwargs)
+        # torch.jit.trace of the model (after step(): the pending updates are applied here): the shim's work is not
+        # the model's, and the tracer refused its futures (until 2026-11-27 the trace raised "Tried to trace Future")
+        torch._C._set_tracing_state(None)
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            torch._C._set_tracing_state(tracing)
 
     def __deepcopy__(self, memo):
         return ModuleHook()

@@ -1917,6 +1917,41 @@ def _noisy_optimizer_dropout(ctx: Ctx):
     plain_loop(ctx, model, opt)
 
 
+# -- review s7 (loops not yet in the matrix, 2) -------------------------------------------------------------------
+@idiom("functional_call_traced")
+def _functional_call_traced(ctx: Ctx):
+    """Weights read after step() by code that does not run the model's own modules' forwards: torch.func.functional_call
+    of model.module with detached aliases of its parameters kept from before the loop (they share the parameters'
+    memory; the module's forward runs with them in the parameters' place), a torch.jit.trace of model.module made
+    before the loop (it shares the parameters, and runs its operations in C++) called after step(), and a second
+    trace made after step() halfway through, called in the later iterations. All must see the updated weights (until
+    2026-11-27 the aliased and the early traced outputs were 9e-2 relative off, silently, and the trace after step()
+    raised the tracer's "Tried to trace Future"); the outputs are compared."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    aliases = {k: v.detach() for k, v in model.module.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the tracer's warnings about the shim's hooks)
+        early = torch.jit.trace(model.module, ctx.images(999)[0])
+    late = []
+
+    def after(step):
+        x, _y = ctx.images(step + 1000)
+        with torch.no_grad():
+            if step % 3 == 0:
+                ctx.record("aliased", torch.func.functional_call(model.module, aliases, (x,)))
+            elif step % 3 == 1:
+                ctx.record("traced_early", early(x))
+            elif not late:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    late.append(torch.jit.trace(model.module, x))
+            else:
+                ctx.record("traced_late", late[0](x))
+    plain_loop(ctx, model, opt, after_step=after)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
