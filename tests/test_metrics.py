@@ -61,8 +61,11 @@ class FakeRec:
     def link_bps(self) -> int | None:
         return getattr(self.backend, "rate", None)
 
-    def set_shares(self, shares) -> bool:
-        return self.backend.set_shares(shares)
+    prios: dict = {}
+
+    def set_shares(self, shares, prios=None) -> bool:
+        self.prios = dict(prios or {})
+        return self.backend.set_shares(shares, prios)
 
 
 class Kernel:

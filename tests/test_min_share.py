@@ -237,3 +237,69 @@ def test_job_share_auto_gives_large_parts_while_the_jobs_saturate_the_link(tb):
     assert after["7a1:10"] == after["7a1:12"] == pytest.approx(small, rel=0.02), after
     # the stream's first second or so ran at the small part, before a window of samples found the link saturated
     assert got["low_bps"] >= 0.3 * large, got
+
+
+def class_prios(host) -> dict[str, int]:
+    """``{class handle: HTB prio}`` of host's eth0 (leaf classes: ``tc class show`` prints prio only for those)."""
+    out = {}
+    for line in host.run(["tc", "class", "show", "dev", "eth0"]).stdout.splitlines():
+        words = line.split()
+        if words[:2] == ["class", "htb"] and "prio" in words:
+            out[words[2]] = int(words[words.index("prio") + 1])
+    return out
+
+
+@pytest.mark.parametrize("borrow", ["order", "even"])
+def test_job_borrow_even_shares_an_idle_jobs_part_among_the_jobs_sending(tb, borrow):
+    """Three jobs in a static order, ``job_share = 0.6``: "flood" (120 Mbit/s of UDP, first), "idle" (registered,
+    sends nothing) and "paced" (20 Mbit/s of UDP, last), the agent shaping at 40 Mbit/s (a sender in Python keeps
+    a class's queue full at that rate; a full queue blocks it, so what it sends is what its class got), nothing
+    sampled. With
+    ``job_borrow = "order"`` and the parts among the jobs present the flood's class borrows all that the idle job's
+    part leaves (HTB prio = level): the paced job gets its part, 0.2 of the link (``"sending"`` would give it 0.3
+    through samples, above). With ``"even"`` every job's first level has ``prio`` 0 in the kernel, the flood's class holds
+    what the parts leave (0.55 of the link) and the idle part is borrowed in equal turns: the paced job gets about
+    0.2 + (1 - 0.55 - 0.2) / 2 = 0.325 of the link; when the jobs leave, the classes are back at their levels' prio."""
+    h1, h2 = tb.host(1), tb.host(2)
+    rate = int(0.4 * tb.rate_bps)
+    cfg = {**TRUST, "job_policy": "static", "job_priority": {"flood": 0, "idle": 1, "paced": 2}, "job_share": 0.6,
+           "job_borrow": borrow, "job_share_among": "present", "link_rate": rate}
+    with running_agents(tb, levels=4, hosts=[1], backend="htb", config_extra=cfg) as agents:
+        with agents[1].client() as c:
+            for job, port in (("flood", 43120), ("idle", 43121), ("paced", 43122)):
+                c.register(job, 0, [{"proto": "udp", "src": h1.ip, "sport": port, "dst": h2.ip, "dport": port + 100}])
+        prios = class_prios(h1)
+        recvs = [h2.popen(PY + ["testbed.udpprobe", "recv", "--port", str(port), "--seconds", str(SECONDS + 3)],
+                          stdout=subprocess.PIPE, text=True) for port in (43220, 43222)]
+        senders = [h1.popen(PY + ["testbed.udpprobe", "send", "--dst", h2.ip, "--port", str(port + 100), "--sport",
+                                  str(port), "--pps", str(int(mbit * 1e6 / 8 / 1000)), "--seconds", str(SECONDS)],
+                            stdout=subprocess.DEVNULL)
+                   for port, mbit in ((43120, 120), (43122, 20))]
+        try:
+            for p in senders:
+                p.wait(SECONDS + 10)
+            floodout, _ = recvs[0].communicate(timeout=20)
+            out, _ = recvs[1].communicate(timeout=20)
+        finally:
+            for p in (*senders, *recvs):
+                if p.poll() is None:
+                    p.kill()
+                p.wait(5)
+        st = agents[1].status()["job_policy"]
+        with agents[1].client() as c:
+            for job in ("flood", "idle"):
+                c.unregister(job)
+        after = class_prios(h1)
+    # the paced job's part of what crossed the link: a blocked sender catches up with its schedule after SECONDS
+    # (both send until the receivers stop), so the receivers' counts span more than SECONDS
+    paced, flood = json.loads(out)["packets"], json.loads(floodout)["packets"]
+    share = paced / (paced + flood)
+    print(borrow, share, paced, flood, prios, st["level_shares"])
+    assert after == {"7a1:10": 0, "7a1:11": 1, "7a1:12": 2, "7a1:13": 3, "7a1:14": 4}, after
+    if borrow == "order":
+        assert prios == after and st["level_shares"] == pytest.approx({"0": 0.2, "1": 0.2, "2": 0.2}), st
+        assert share <= 0.23, share  # its part (0.18 here)
+    else:
+        assert prios == {"7a1:10": 0, "7a1:11": 0, "7a1:12": 0, "7a1:13": 1, "7a1:14": 4}, prios
+        assert st["level_shares"] == pytest.approx({"0": 0.55, "1": 0.2, "2": 0.2}), st
+        assert share >= 0.27, share  # its part and half of the idle job's (0.30 here)
