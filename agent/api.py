@@ -65,7 +65,7 @@ class Api:
         self.reorder_at: float | None = None  # when a reorder a report asked for is due (the server's loop runs it)
         table.level_of = self.jobs.level_of
         self.jobs.update(table)
-        reconciler.set_shares(self.jobs.shares, self.jobs.prios)
+        reconciler.set_shares(self.jobs.shares)
 
     def handle(self, line: bytes, peer: Peer | None = None) -> bytes:
         """Answer one request line from ``peer`` (None: the agent itself) with one reply line; never raises."""
@@ -109,8 +109,7 @@ class Api:
             mine = set(added) | set(moved)
             moved = moved + [k for k in shifted if k not in mine]
         self.rec.apply(self.table, added, moved, removed)
-        # the jobs' guarantees (and prios) follow the set of jobs, the classes changed in place
-        self.rec.set_shares(self.jobs.shares, self.jobs.prios)
+        self.rec.set_shares(self.jobs.shares)  # the jobs' guarantees follow the set of jobs (classes in place)
 
     def reorder(self) -> int:
         """At an epoch boundary (the server's timer), when a job's reported inputs changed (``shortest``,
@@ -129,8 +128,7 @@ class Api:
             else:
                 self.refusal_log.note("job order changed", logging.INFO, "job order changed: moved %d flows",
                                       len(shifted))
-        # ties can join or split bands (reported inputs), the first job change: the parts follow
-        self.rec.set_shares(self.jobs.shares, self.jobs.prios)
+        self.rec.set_shares(self.jobs.shares)  # ties can join or split bands (reported inputs): the parts follow
         return len(shifted)
 
     def _op_register(self, req, peer) -> dict:
@@ -380,13 +378,8 @@ class Api:
 
     def _device_classes(self, stats: dict[int, dict]) -> list[dict]:
         """One device's leaf classes with their kernel counters."""
-        return [{"level": spec.level, "class": fmt_handle(spec.classid), "prio": self._prio(spec),
+        return [{"level": spec.level, "class": fmt_handle(spec.classid), "prio": spec.prio,
                  **stats.get(spec.classid, {})} for spec in self.rec.backend.leaves()]
-
-    def _prio(self, spec) -> int:
-        """A leaf's HTB ``prio`` now: its level's under ``job_borrow = "even"`` (``Reconciler.prios``), else its
-        own."""
-        return self.rec.prios.get(spec.level, spec.prio) if spec.level is not None else spec.prio
 
     def _interfaces(self) -> list[dict]:
         """Each managed interface, whether it is here (``present``: not deleted, renamed or moved away), the devices
@@ -411,7 +404,7 @@ class Api:
         for i, spec in enumerate(self.rec.backend.leaves()):
             rows = [d["classes"][i] for d in devices]
             entry = dict(rows[0]) if len(rows) == 1 else {
-                "level": spec.level, "class": fmt_handle(spec.classid), "prio": self._prio(spec),  # (no device: gone)
+                "level": spec.level, "class": fmt_handle(spec.classid), "prio": spec.prio,  # (no device: all gone)
                 **{k: sum(r.get(k, 0) for r in rows) for k in _summed_keys(rows)}}
             if spec.level is not None:
                 entry |= {"dscp": self.cfg.dscp[spec.level], "flows": len(by_level[spec.level]),
@@ -472,7 +465,7 @@ class Api:
             self.rec.stats.last_error = f"sampling the classes' backlog: {exc}"
             self.refusal_log.note("sampling", logging.WARNING, "sampling the classes' backlog: %s", exc)  # bounded
             return False
-        return self.jobs.observe(backlogged, now) and self.rec.set_shares(self.jobs.shares, self.jobs.prios)
+        return self.jobs.observe(backlogged, now) and self.rec.set_shares(self.jobs.shares)
 
     def sweep(self) -> int:
         """Remove flows whose owners no longer hold their sockets in the agent's network namespace (closed, or the

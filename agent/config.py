@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from tensorlane import units
 from tensorlane.client import DEFAULT_SOCKET, JOB_ID_RE
-from tensorlane.policies.jobs import JOB_BORROW, JOB_POLICIES, ROTATING, SHARE_AMONG, TIMED
+from tensorlane.policies.jobs import JOB_POLICIES, ROTATING, SHARE_AMONG, TIMED
 from tensorlane.policies.levels import dscp_table
 
 BACKENDS = ("auto", "htb", "prio")
@@ -91,10 +91,6 @@ class Config:
     # the parts of job_share: "sending" (each of k jobs with queued bytes gets job_share / k, as FIFO gives each
     # about 1/k; sampled with three jobs or more) or "present" (job_share / n of the n jobs on the host)
     job_share_among: str = "sending"
-    # what the parts leave, and the parts not used: "order" (to the most urgent job sending, by HTB prio = level) or
-    # "even" (the first job present holds what the parts leave as its guarantee; unused parts are borrowed evenly by
-    # the jobs sending; the parts are among the jobs present, nothing sampled; docs/jobs.md, "job_borrow")
-    job_borrow: str = "order"
     # with job_share_among = "sending": how often the server samples the classes, and how long a job counts as
     # sending after a sample last found it so (0: until the next sample); docs/jobs.md, "How quickly the parts follow"
     job_sample_s: float = 0.05
@@ -202,17 +198,9 @@ def _job_policy(raw: dict, min_shares: float) -> dict:
     among = _want(raw, "job_share_among", str)
     if among not in SHARE_AMONG:
         raise ConfigError("job_share_among", f"expected one of {', '.join(SHARE_AMONG)}, got {among!r}")
-    borrow = _want(raw, "job_borrow", str)
-    if borrow not in JOB_BORROW:
-        raise ConfigError("job_borrow", f"expected one of {', '.join(JOB_BORROW)}, got {borrow!r}")
-    if borrow == "even":  # the parts are the jobs present's: nothing follows the jobs sending
-        if "job_share_among" in raw and among != "present":
-            raise ConfigError("job_share_among", f"job_borrow = \"even\" splits the parts among the jobs present "
-                                                 f"(\"present\"), not {among!r}")
-        among = "present"
     sample = _number(raw, "job_sample_s", 0.01, 1.0, " seconds")
     hold = _number(raw, "job_hold_s", 0.0, 10.0, " seconds")
-    for name in ("job_share", "job_share_among", "job_borrow", "job_sample_s", "job_hold_s"):
+    for name in ("job_share", "job_share_among", "job_sample_s", "job_hold_s"):
         if name in raw and policy == "none":
             raise ConfigError(name, f"only used with a job policy ({', '.join(JOB_POLICIES[1:])}), not 'none'")
     if "job_sample_s" in raw and among != "sending" and share != "auto" and policy not in TIMED:
@@ -224,8 +212,7 @@ def _job_policy(raw: dict, min_shares: float) -> dict:
         raise ConfigError("job_hold_s", f"{hold:g} s holds a job no longer than 0 does: the samples come at least "
                                         f"job_sample_s = {sample:g} s apart; give 0 or more than {sample:g}")
     return {"job_policy": policy, "rotate_epoch_s": epoch, "job_priority": priority, "job_intensity": intensity,
-            "job_share": share, "job_share_among": among, "job_borrow": borrow, "job_sample_s": sample,
-            "job_hold_s": hold}
+            "job_share": share, "job_share_among": among, "job_sample_s": sample, "job_hold_s": hold}
 
 
 def _connection_limits(raw: dict) -> dict:
@@ -428,10 +415,6 @@ def from_dict(raw: dict) -> Config:
     values |= _endpoints(raw)
     values |= _service(raw, values["levels"])
     values |= _job_policy(raw, values["min_share"] * (values["levels"] + 1))
-    if values["job_borrow"] == "even" and values["level_limits"]:  # a limited tier's bands overlap the others'
-        raise ConfigError("job_borrow", "\"even\" cannot be used with level_limits: a job's levels take HTB prio "
-                                        "from their place in its band, so a user held to less urgent levels would "
-                                        "borrow beside the most urgent ones (use \"order\")")
     values |= _connection_limits(raw)
     values |= _access(raw)
     return Config(**values)

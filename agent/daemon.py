@@ -467,7 +467,7 @@ class HeldDevices:
             return f"{link.name}: {exc}"
         except Exception as exc:  # noqa: BLE001 - (netlink: EBUSY, ENOBUFS, the device gone meanwhile) nothing changed
             return f"{link.name}: reading its tree: {exc}"
-        t.backend.set_shares(self.rec.shares, self.rec.prios)
+        t.backend.set_shares(self.rec.shares)
         try:
             record(self.cfg, t)
         except OSError as exc:
@@ -686,7 +686,7 @@ def _serve(cfg: Config, api: Api, held: HeldDevices, table: FlowTable, notifier:
         except Exception as exc:  # noqa: BLE001 - (a netlink error reading the links) the pass goes on
             problems = [f"reading the links: {exc}"]
         if api.jobs.follow_link(rec.share_budget(), rec.link_bps()):  # the devices held changed: the parts follow
-            rec.set_shares(api.jobs.shares, api.jobs.prios)
+            rec.set_shares(api.jobs.shares)
         rec.reconcile(table, problems)
         notifier.watchdog()
 

@@ -59,9 +59,7 @@ from tensorlane.policies.jobs import (
     REPORTED,
     ROTATING,
     TIMED,
-    band_prios,
     banded_level,
-    even_shares,
     job_order,
     job_shares,
     link_saturated,
@@ -95,7 +93,6 @@ class JobScheduler:
         self.share_auto = configured == "auto"  # the part follows whether the jobs saturate the link
         self.job_share = AUTO_SHARES[0] if self.share_auto else float(configured)  # the part in force
         self.share_among = getattr(cfg, "job_share_among", "sending")
-        self.borrow = getattr(cfg, "job_borrow", "order")  # "even": the first job's guarantee, unused parts evenly
         self.sample_s = float(cfg.job_sample_s)  # how often the server samples the classes' backlog
         self.busy: deque[bool] = deque(maxlen=max(1, round(AUTO_WINDOW_S / self.sample_s)))  # "auto": the samples
         self.saturated = False  # "auto": the jobs keep the link saturated (the part is AUTO_SHARES[1])
@@ -107,9 +104,6 @@ class JobScheduler:
         self.budget = budget
         self.clock = clock
         self.enabled = self.policy != "none"
-        if self.borrow == "even" and self.enabled and not guarantees:
-            log.warning("job_borrow = \"even\" needs the htb backend's guarantees: under sch_prio the job order "
-                        "is strict")
         self.jobs: frozenset[str] = frozenset()
         self.epoch: int | None = None
         self.order: tuple[str, ...] = ()
@@ -118,7 +112,6 @@ class JobScheduler:
         self.floors: dict[str, int] = {}  # job -> the most urgent level its users may ask for (its tier of bands)
         self.weights: dict[str, float] = {}  # job -> its weight among the parts (policies.jobs.tier_weights)
         self.shares: dict[int, float] = {}  # level -> guaranteed share of the link (job_share among the jobs)
-        self.prios: dict[int, int] = {}  # level -> its class's HTB prio where not its level (job_borrow = "even")
         self.backlogged_at: dict[str, float] = {}  # job -> when a sample last found it sending (monotonic)
         self.sending: frozenset[str] = frozenset()  # the jobs seen backlogged within hold_s (their parts: 1/k)
         self.share_changes = 0  # how many times the sending jobs changed the parts (status)
@@ -211,16 +204,8 @@ class JobScheduler:
         if len(bands) < 2:  # "auto": the samples of other jobs say nothing of the next ones
             self.busy.clear()
             self._saturate(False, time.monotonic())
-        self.shares = self._parts()
-        self.prios = band_prios(bands) if self.borrow == "even" and len(bands) >= 2 else {}
+        self.shares = job_shares(bands, self.job_share, self.sending, self.budget, self.weights)
         return sorted(shifted)
-
-    def _parts(self) -> dict[int, float]:
-        """The levels' guaranteed shares now: ``policies.jobs.even_shares`` (``job_borrow = "even"``: the first job
-        holds what the parts leave) or ``policies.jobs.job_shares`` (the parts of the jobs sending or present)."""
-        if self.borrow == "even":
-            return even_shares(self.order, self.bands, self.job_share, self.budget)
-        return job_shares(self.bands, self.job_share, self.sending, self.budget, self.weights)
 
     def _tables(self, jobs) -> dict[str, dict]:
         """``job_priority`` and ``job_intensity`` for ``jobs``: a user's own job under an id another user holds
@@ -313,7 +298,7 @@ class JobScheduler:
 
     def _reshare(self) -> bool:
         """Recompute ``shares`` from the bands, the part in force and the sending jobs; whether they changed."""
-        shares = self._parts()
+        shares = job_shares(self.bands, self.job_share, self.sending, self.budget, self.weights)
         if shares == self.shares:
             return False
         self.shares = shares
@@ -330,12 +315,9 @@ class JobScheduler:
         out = {"policy": self.policy, "order": list(self.order), "changes": self.changes,
                "bands": {job: {"first_level": b[0], "levels": b[1]} for job, b in self.bands.items()},
                "job_share": self.job_share if self.enabled else 0.0, "job_share_among": self.share_among,
-               "job_borrow": self.borrow,
                "job_sample_s": self.sample_s, "job_hold_s": self.hold_s,
                "sending": sorted(self.sending), "share_changes": self.share_changes,
                "level_shares": {str(lvl): round(v, 6) for lvl, v in sorted(self.shares.items())}}
-        if self.prios:  # job_borrow = "even": each level's HTB prio, its place in its job's band
-            out["level_prios"] = {str(lvl): p for lvl, p in self.prios.items()}
         if self.share_auto:  # whether the jobs saturate the link, the share of busy samples, seconds saturated
             busy, since = self.link_busy(), self.saturated_since
             out |= {"job_share_auto": True, "saturated": self.saturated,

@@ -91,7 +91,6 @@ class Reconciler:
         self._inherited: dict[FlowKey, int] = {}  # a killed agent's marks, kept until _inherit_until (inherit())
         self._inherit_until = 0.0
         self.shares: dict[int, float] = {}  # the job policy's guaranteed shares (set_shares), for a device taken later
-        self.prios: dict[int, int] = {}  # and its classes' prio (job_borrow = "even")
         self._egress: dict[tuple[str, str], tuple[str, float]] = {}  # (src, dst) -> (interface, when looked up)
         self._backlog_sock: socket.socket | None = None  # the job policy's samples: one netlink socket, reused
         self._flows_paced = _Paced("")  # the flows' part of a pass; its result: what it failed on ("": nothing)
@@ -140,15 +139,13 @@ class Reconciler:
         """The slowest managed device's link rate in bits/s (None where no backend knows one)."""
         return min((r for dev in self.devices if (r := getattr(dev.backend, "rate", None))), default=None)
 
-    def set_shares(self, shares: dict[int, float], prios: dict[int, int] | None = None) -> bool:
+    def set_shares(self, shares: dict[int, float]) -> bool:
         """Give the levels in ``shares`` that guaranteed share of each device's link (the job policy's
-        ``job_share``; the other levels keep ``min_share``), and the levels in ``prios`` that HTB ``prio``
-        (``job_borrow = "even"``; the others keep their level): the classes are changed in place. A failure is
-        counted and logged, and the next full pass applies the trees again. Returns whether anything changed."""
+        ``job_share``; the other levels keep ``min_share``): the classes are changed in place. A failure is counted
+        and logged, and the next full pass applies the trees again. Returns whether anything changed."""
         before = {dev.name: dev.backend.rates() for dev in self.devices if hasattr(dev.backend, "rates")}
-        prios = dict(prios or {})
-        changed = [dev for dev in self.devices if dev.backend.set_shares(shares, prios)]  # every device's
-        self.shares, self.prios = dict(shares), prios
+        changed = [dev for dev in self.devices if dev.backend.set_shares(shares)]  # every device's, no short cut
+        self.shares = dict(shares)
         if not changed:
             return False
         try:

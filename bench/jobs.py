@@ -140,12 +140,9 @@ POLICIES = ("fifo", "static", "rotate", "alternate", "intensity", "shortest", "m
 # steps first (the agents' job_policy "slowdown"), its jobs as measured_intensity's (the shim in hook mode at one
 # level, whose reports carry the window of its last steps); ``static_auto`` and ``shortest_auto``, those orders
 # with the agents' job_share "auto" (the part follows whether the jobs saturate the link) instead of the mix's
-# recommended job_share: what an agent finds by itself beside what the operator sets by the mix's kind;
-# ``static_even``, ``intensity_even`` and ``shortest_even``, those orders with the agents' job_borrow "even" (the
-# first job holds what the parts leave, unused parts borrowed evenly, nothing sampled) beside the run's own
+# recommended job_share: what an agent finds by itself beside what the operator sets by the mix's kind
 OPT_IN_POLICIES = ("static_levels", "intensity_hook", "static_present", "intensity_present", "static_held",
-                   "intensity_held", "shortest_held", "fifo_control", "slowdown", "static_auto", "shortest_auto",
-                   "static_even", "intensity_even", "shortest_even")
+                   "intensity_held", "shortest_held", "fifo_control", "slowdown", "static_auto", "shortest_auto")
 CONTROLS = ("fifo", "fifo_control")  # FIFO and its A/A control: what the policies are judged against
 HELD_S = 0.2
 SOLOS = ("solo", "solo_shim")
@@ -156,24 +153,21 @@ AGENT_POLICY = {"solo": "none", "solo_shim": "none", "fifo": "none", "static": "
                 "static_levels": "static", "intensity_hook": "intensity", "measured_intensity": "measured_intensity",
                 "static_present": "static", "intensity_present": "intensity", "static_held": "static",
                 "intensity_held": "intensity", "shortest_held": "shortest", "fifo_control": "none",
-                "slowdown": "slowdown", "static_auto": "static", "shortest_auto": "shortest",
-                "static_even": "static", "intensity_even": "intensity", "shortest_even": "shortest"}
+                "slowdown": "slowdown", "static_auto": "static", "shortest_auto": "shortest"}
 PHASE_AGENT = {"static_present": {"job_share_among": "present"},  # a phase's own agent settings: they win
                "intensity_present": {"job_share_among": "present"},
                "static_held": {"job_hold_s": HELD_S}, "intensity_held": {"job_hold_s": HELD_S},
                "shortest_held": {"job_hold_s": HELD_S},  # a held phase's hold: the run's held_s
-               "static_auto": {"job_share": "auto"}, "shortest_auto": {"job_share": "auto"},
-               **{f"{p}_even": {"job_borrow": "even"} for p in ("static", "intensity", "shortest")}}
+               "static_auto": {"job_share": "auto"}, "shortest_auto": {"job_share": "auto"}}
 SAMPLED = ("job_sample_s", "job_hold_s")  # agent settings only for parts among the jobs sending
 # what each job runs: plain DDP at one level, DDP with the shim (overlap, the shim's levels in layer order), or
 # (``shortest``) the shim in hook mode at one level, unpartitioned: plain DDP's schedule (one all-reduce per DDP
 # bucket), with the reports of its step bytes that the agents order the jobs by
 JOB_MODE = {"solo_shim": "shim_overlap", "levels": "shim_overlap", "static_levels": "shim_overlap",
             "shortest": "shim", "shortest_held": "shim", "intensity_hook": "shim", "measured_intensity": "shim",
-            "slowdown": "shim", "shortest_auto": "shim", "shortest_even": "shim"}
+            "slowdown": "shim", "shortest_auto": "shim"}
 HOOK_ONE_LEVEL = {"levels": 1, "shim_policy": "layer_order"}
 JOB_SHIM = {"shortest": HOOK_ONE_LEVEL, "shortest_held": HOOK_ONE_LEVEL, "shortest_auto": HOOK_ONE_LEVEL,
-            "shortest_even": HOOK_ONE_LEVEL,
             "intensity_hook": HOOK_ONE_LEVEL,
             "measured_intensity": {**HOOK_ONE_LEVEL, "warmup": 4},  # (a real job's first steps are few of many)
             "slowdown": {**HOOK_ONE_LEVEL, "warmup": 4}}  # (ranked once the compute time is agreed, as above)
@@ -659,13 +653,10 @@ def agent_extra(phase: str, specs: list[dict], epoch_s: float, overrides: dict |
         extra["job_intensity"] = {s["id"]: float(s["intensity"]) for s in specs}
     overrides = dict(overrides or {})
     if extra["job_policy"] == "none":
-        for key in ("job_share", "job_share_among", "job_borrow", *SAMPLED):  # refused without a job order
+        for key in ("job_share", "job_share_among", *SAMPLED):  # the agent refuses them without a job order
             overrides.pop(key, None)
     merged = extra | overrides | own
-    if merged.get("job_borrow") == "even":  # the parts of the jobs present, nothing sampled
-        merged.pop("job_share_among", None)
-        merged.pop("job_hold_s", None)
-    if merged.get("job_share_among", "sending") != "sending" or merged.get("job_borrow") == "even":
+    if merged.get("job_share_among", "sending") != "sending":
         for key in SAMPLED:
             merged.pop(key, None)
     return merged
@@ -887,7 +878,6 @@ def run_mix(ctx: dict, mix: str, specs: list[dict], phases, reps: int) -> dict:
     agent = mix_agent(out["kind"], ctx["agent"])
     out["job_share"] = agent.get("job_share", agent_default("job_share"))
     out["job_hold_s"] = agent.get("job_hold_s", agent_default("job_hold_s"))
-    out["job_borrow"] = agent.get("job_borrow", agent_default("job_borrow"))
     if any(p in PHASE_AGENT and "job_hold_s" in PHASE_AGENT[p] for p in phases):
         out["held_s"] = ctx["held_s"]
     ids = [s["id"] for s in specs]
@@ -958,14 +948,13 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
         levels: int = 4, progress=print, port_base: int = 29700, workdir: str | None = None,
         ack_priority: bool | None = None, job_share: float | None = None, min_rate: str | int | None = None,
         queue_limit: int | None = None, job_share_among: str | None = None, job_sample_s: float | None = None,
-        job_hold_s: float | None = None, held_s: float = HELD_S, job_borrow: str | None = None) -> dict:
+        job_hold_s: float | None = None, held_s: float = HELD_S) -> dict:
     """Run the benchmark on a fresh testbed ``name`` (2 hosts; 4 with ``spread4``: :data:`MIX_HOSTS`); return
     ``{"mixes": [...], ...}`` (docs/jobs-measured.md).
 
     ``policies``: the phases (``solo`` and the policies, FIFO as ``fifo``); ``reps`` > 1 repeats every phase (order
     rotating) and takes each job's mean JCT. ``min_share``, ``min_rate`` (a rate, bits/s or 0), ``queue_limit``
-    (packets per class), ``ack_priority``, ``job_share``, ``job_share_among``, ``job_sample_s``, ``job_hold_s``,
-    ``job_borrow`` None:
+    (packets per class), ``ack_priority``, ``job_share``, ``job_share_among``, ``job_sample_s``, ``job_hold_s`` None:
     the agent's default (not passed; the job fields go only to the phases with a job order). ``held_s``: the
     ``job_hold_s`` of the held phases (``static_held``, ``intensity_held``, ``shortest_held``).
     Usage: ``run(quick=True)``
@@ -997,8 +986,6 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
                     "job_share_passed": job_share is not None,
                     "job_share_among": agent_default("job_share_among") if job_share_among is None else job_share_among,
                     "job_share_among_passed": job_share_among is not None,
-                    "job_borrow": agent_default("job_borrow") if job_borrow is None else job_borrow,
-                    "job_borrow_passed": job_borrow is not None,
                     "job_sample_s": agent_default("job_sample_s") if job_sample_s is None else job_sample_s,
                     "job_hold_s": agent_default("job_hold_s") if job_hold_s is None else job_hold_s,
                     "job_sampling_passed": job_sample_s is not None or job_hold_s is not None, "machine": machine(),
@@ -1017,7 +1004,7 @@ def run(mixes=None, quick: bool = False, name: str = "tj", rate: str = DEFAULT_R
         result["link_bps"] = tb.rate_bps
         passed = {"min_share": min_share, "min_rate": min_rate, "queue_limit_packets": queue_limit,
                   "ack_priority": ack_priority, "job_share": job_share, "job_share_among": job_share_among,
-                  "job_sample_s": job_sample_s, "job_hold_s": job_hold_s, "job_borrow": job_borrow}
+                  "job_sample_s": job_sample_s, "job_hold_s": job_hold_s}
         ctx = {"tb": tb, "workdir": workdir, "levels": levels, "progress": progress,
                "agent": {k: v for k, v in passed.items() if v is not None},
                "ports": itertools.count(port_base + 1), "epoch_factor": epoch_factor, "epoch_s": epoch_s,
@@ -1122,9 +1109,6 @@ def main(argv=None) -> int:
     p.add_argument("--job-share-among", choices=("sending", "present"), default=None,
                    help="how the agents split job_share: among the jobs sending or all present (default: the "
                         "agent's own, not passed)")
-    p.add_argument("--job-borrow", choices=("order", "even"), default=None,
-                   help="the agents' job_borrow: what the parts leave goes by the order, or is the first job's "
-                        "guarantee with unused parts borrowed evenly (default: the agent's own, not passed)")
     p.add_argument("--job-sample-s", type=float, default=None,
                    help="the agents' job_sample_s: how often they sample which jobs are sending (default: the "
                         "agent's own, not passed)")
@@ -1149,7 +1133,7 @@ def main(argv=None) -> int:
                  queue_limit=args.queue_limit,
                  levels=args.levels, progress=progress_printer(), job_share=args.job_share,
                  job_share_among=args.job_share_among, job_sample_s=args.job_sample_s, job_hold_s=args.job_hold_s,
-                 held_s=args.held_s, job_borrow=args.job_borrow,
+                 held_s=args.held_s,
                  ack_priority=None if args.ack_priority is None else args.ack_priority == "on")
     show_figures(format_table(result), result, args.json)
     return 0

@@ -261,8 +261,7 @@ JOBS_POLICY_NAMES = {"fifo": "FIFO", "static": "static", "rotate": "rotate", "al
                      "static_held": "static (held)", "intensity_held": "intensity (held)",
                      "shortest_held": "shortest (held)", "fifo_control": "FIFO again (A/A control)",
                      "slowdown": "slowdown", "static_auto": "static (job_share auto)",
-                     "shortest_auto": "shortest (job_share auto)", "static_even": "static (borrow even)",
-                     "intensity_even": "intensity (borrow even)", "shortest_even": "shortest (borrow even)"}
+                     "shortest_auto": "shortest (job_share auto)"}
 HELD_S = 0.2  # bench.jobs.HELD_S: the held phases' hold in a file that does not give its own held_s
 JOBS_CONTROLS = ("fifo", "fifo_control")  # bench.jobs.CONTROLS: what the policies are judged against, not policies
 

@@ -9,12 +9,11 @@ policy ``none``, ``static``, ``rotate``, ``alternate``, ``intensity``, ``shortes
 reported compute time and bytes), ``slowdown_rank`` (how far a job's last steps ran behind its ideal step),
 ``job_bands`` (each job's contiguous band of levels), ``banded_level`` (a flow's effective level: its job's band,
 with the level the client asked for compressed inside) and ``job_shares`` (the link's share guaranteed to each band,
-so that no order leaves a job less than its part), or, where the parts are borrowed evenly (``job_borrow =
-"even"``), ``even_shares`` and ``band_prios`` (each level's HTB prio). Rotation is ``hashed_rotation_order``: the
-relative order of two jobs depends only on those two ids and the epoch number, so agents that see different sets of
-jobs still agree on every pair they share (TensorLights' positional rotation,
-``policies.papers.tensorlights.rotate_job_order``, does not). :class:`Job` is the job as the paper reproductions
-(``policies.papers.tensorlights``, ``policies.papers.crux``) see it.
+so that no order leaves a job less than its part). Rotation is ``hashed_rotation_order``: the relative order of two
+jobs depends only on those two ids and the epoch number, so agents that see different sets of jobs still agree on
+every pair they share (TensorLights' positional rotation, ``policies.papers.tensorlights.rotate_job_order``, does
+not). :class:`Job` is the job as the paper reproductions (``policies.papers.tensorlights``,
+``policies.papers.crux``) see it.
 """
 from __future__ import annotations
 
@@ -33,9 +32,6 @@ REPORTED = {"shortest": ("step_bytes",), "measured_intensity": ("step_bytes", "c
             "slowdown": ("tail_bytes", "compute_s", "window_start", "window_steps")}
 REPORTED_INPUTS = tuple(dict.fromkeys(name for names in REPORTED.values() for name in names))  # each once
 SHARE_AMONG = ("sending", "present")  # how job_share is split: among the jobs sending (1/k), or all present (1/n)
-# what the parts leave, and the parts a job does not use: to the most urgent job sending, by the classes' HTB prio
-# ("order"), or held by the first job present as its guarantee and borrowed evenly by the jobs sending ("even")
-JOB_BORROW = ("order", "even")
 INTENSITY_STEP = 1.1  # measured_intensity: jobs whose intensities differ by less than one such factor may share a band
 SLOWDOWN_WINDOW = 4  # slowdown: the steps a shim's window spans (``window_steps`` at most this)
 # job_share = "auto": the parts while the jobs leave the link idle at times (an order interleaves them), and while
@@ -392,52 +388,3 @@ def link_saturated(busy: Sequence[bool], was: bool, window: int) -> bool:
     recent = list(busy)[-window:]
     fraction = sum(map(bool, recent)) / window
     return fraction >= AUTO_BUSY[1] or (was and fraction >= AUTO_BUSY[0])
-
-
-def even_shares(order: Sequence[str], bands: Mapping[str, tuple[int, int]], job_share: float,
-                budget: float = 1.0) -> dict[int, float]:
-    """The guaranteed shares under ``job_borrow = "even"``: ``job_share / n`` for each of the ``n`` jobs in
-    ``bands`` (on its band's first level; jobs that share a band add up), and what the parts leave of ``budget``
-    (``HtbBackend.share_budget``) to the band of the first job of ``order`` as well, so all parts together are
-    ``budget``. The parts change only when a job comes or goes (or the order changes), never with which jobs send:
-    a class that does not use its part leaves it to the classes of its HTB ``prio`` that send, in equal turns
-    (every leaf has the same quantum), and :func:`band_prios` gives every job's first level ``prio`` 0. So the
-    first job's order holds only its larger guarantee, and the jobs sending share evenly what the others leave
-    (``policies.jobmix.link_rates(..., borrow="even")``; docs/jobs-measured.md). Empty with fewer than two jobs;
-    ``job_share = 0``: the first job's band holds all of ``budget``.
-
-    Usage: ``even_shares(("x", "y"), {"x": (0, 2), "y": (2, 2)}, 0.5, 0.9) == {0: 0.65, 2: 0.25}``
-    """
-    if not 0.0 <= job_share < 1.0:
-        raise ValueError(f"job_share must be in [0, 1), not {job_share!r}")
-    if not 0.0 <= budget <= 1.0:
-        raise ValueError(f"budget must be in [0, 1], not {budget!r}")
-    if len(bands) < 2:
-        return {}
-    first = next((j for j in order if j in bands), None)
-    if first is None or set(bands) - set(order):
-        raise ValueError("order must name every job of bands")
-    part = min(job_share, budget) / len(bands)
-    out: dict[int, float] = {}
-    for band in bands.values():
-        out[band[0]] = out.get(band[0], 0.0) + part
-    lead = bands[first][0]
-    out[lead] += max(0.0, budget - part * len(bands))
-    return {level: round(v, 9) for level, v in out.items()}
-
-
-def band_prios(bands: Mapping[str, tuple[int, int]]) -> dict[int, int]:
-    """Each level's HTB ``prio`` under ``job_borrow = "even"``: its place within its job's band (the band's first
-    level 0, the next 1, ...), so a job's levels keep strict priority among themselves while every job's first level
-    borrows alike. Bands must not overlap (one tier of users: ``level_limits`` is refused with ``even``); levels in
-    no band are left out (their ``prio`` stays their level).
-
-    Usage: ``band_prios({"x": (0, 2), "y": (2, 2)}) == {0: 0, 1: 1, 2: 0, 3: 1}``
-    """
-    out: dict[int, int] = {}
-    for first, width in set(bands.values()):
-        for place in range(width):
-            if first + place in out:
-                raise ValueError(f"bands {dict(bands)} overlap at level {first + place}")
-            out[first + place] = place
-    return dict(sorted(out.items()))

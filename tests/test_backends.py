@@ -153,22 +153,6 @@ def test_htb_change_rates_touches_only_the_classes_whose_rate_moved():
     assert len(floored.rate_changes(before)) == 5
 
 
-def test_htb_prios_change_in_place_with_the_shares():
-    """``job_borrow = "even"``: a level's class takes the ``prio`` the job policy gives it (its place in its job's
-    band), changed in place like a rate; the default class keeps the last ``prio``; a ``prio`` at or past it is
-    refused, changing nothing."""
-    ipr, b = RecordingIPRoute(), HtbBackend(levels=4, link_rate_bps=100_000_000, min_share=0.01)
-    before = b.rates()
-    assert b.set_shares({}, {0: 0, 1: 0, 2: 0, 3: 1})
-    assert [(fmt_handle(c.classid), c.prio) for c in b.rate_changes(before)] == [("7a1:11", 0), ("7a1:12", 0),
-                                                                                  ("7a1:13", 1)]
-    b.apply(ipr, 7)
-    assert [c[3]["prio"] for c in ipr.calls if c[0] == "replace-class" and "prio" in c[3]] == [0, 0, 0, 1, 4]
-    with pytest.raises(ValueError, match="prio"):
-        b.set_shares({}, {0: 4})
-    assert b.prios == {0: 0, 1: 0, 2: 0, 3: 1} and not b.set_shares({}, {0: 0, 1: 0, 2: 0, 3: 1})
-
-
 def test_htb_guarantee_is_min_share_raised_to_min_rate_within_what_the_link_leaves():
     slow = HtbBackend(levels=4, link_rate_bps=50_000_000, min_share=0.01, min_rate=2_500_000)
     assert slow.guaranteed(None) == slow.guaranteed(3) == 2_500_000  # 1 % of 50 Mbit/s is only 0.5 Mbit/s

@@ -16,7 +16,7 @@ import pytest
 from tensorlane.agent.api import Api
 from tensorlane.agent.config import ConfigError, from_dict
 from tensorlane.agent.jobs import JobScheduler
-from tensorlane.agent.kernel.qdisc import HtbBackend, PrioBackend, fmt_handle
+from tensorlane.agent.kernel.qdisc import HtbBackend, PrioBackend
 from tensorlane.agent.peers import Peer
 from tensorlane.agent.reconcile import Device, ReconcileStats
 from tensorlane.agent.state import FlowTable
@@ -61,12 +61,9 @@ class RecordingRec:
     def link_bps(self) -> int | None:
         return getattr(self.backend, "rate", None)
 
-    prios: dict = {}
-
-    def set_shares(self, shares, prios=None) -> bool:
-        """The classes' guarantees and prios the job policy asks for (the backend keeps them, no kernel)."""
-        self.prios = dict(prios or {})
-        return self.backend.set_shares(shares, prios)
+    def set_shares(self, shares) -> bool:
+        """The classes' guarantees the job policy asks for (the backend keeps them, no kernel)."""
+        return self.backend.set_shares(shares)
 
     def egress(self, keys, ipr=None) -> dict:
         return dict.fromkeys(keys, "eth0")
@@ -123,7 +120,6 @@ def test_policy_none_keeps_the_requested_level():
     assert rec.kernel == {key(1): 2, key(2): 0}
     assert request(api, op="status")["job_policy"] == {"policy": "none", "order": [], "changes": 0, "bands": {},
                                                        "job_share": 0.0, "job_share_among": "sending",
-                                                       "job_borrow": "order",
                                                        "job_sample_s": 0.05, "job_hold_s": 0.0, "sending": [],
                                                        "share_changes": 0, "level_shares": {}}
 
@@ -387,11 +383,6 @@ def test_full_reconcile_and_status_use_effective_levels():
     ({"job_policy": "static", "job_hold_s": 0.05}, "job_hold_s"),  # no longer than a sample: holds nothing
     ({"job_policy": "static", "job_sample_s": 0.02, "job_hold_s": 0.02}, "job_hold_s"),
     ({"job_policy": "static", "min_share": 0.1, "job_share": 0.6}, "job_share"),  # 5 classes x 0.1 + 0.6 > 1
-    ({"job_policy": "static", "job_borrow": "fair"}, "job_borrow"),
-    ({"job_borrow": "even"}, "job_borrow"),                                     # without a job order: a mistake
-    ({"job_policy": "static", "job_borrow": "even", "job_share_among": "sending"}, "job_share_among"),
-    ({"job_policy": "static", "job_borrow": "even", "job_hold_s": 0.2}, "job_hold_s"),  # nothing sampled
-    ({"job_policy": "static", "job_borrow": "even", "level_limits": {"alice": 2}}, "job_borrow"),  # tiers overlap
 ])
 def test_bad_job_config_names_the_field(fields, field):
     with pytest.raises(ConfigError) as info:
@@ -426,34 +417,6 @@ def test_job_share_guarantees_follow_the_set_of_jobs():
     request(api, op="unregister", job="b")
     request(api, op="unregister", job="c")
     assert rec.backend.shares == {} and rec.backend.guaranteed(0) == base
-
-
-def test_job_borrow_even_gives_the_first_job_what_the_parts_leave_and_each_band_its_prios():
-    """``job_borrow = "even"``: each of n jobs is guaranteed ``job_share / n`` on its band's first level, the first
-    job also what the parts leave of the budget; every band's first level takes HTB ``prio`` 0 and its next levels
-    1, 2, ... (so the jobs sending borrow the unused parts in equal turns); nothing is sampled. The classes change
-    in place, ``prio`` included; with one job left, every class is back at its level's ``prio`` and ``min_share``."""
-    api, rec = make_api(job_policy="static", job_priority={"a": 0, "b": 1, "c": 2}, job_share=0.6,
-                        job_borrow="even")
-    budget = rec.backend.share_budget()
-    for i, job in enumerate("ab"):
-        request(api, op="register", job=job, level=0, flows=[flow(i + 1)])
-    assert rec.backend.shares == pytest.approx({0: budget - 0.3, 2: 0.3}) and rec.prios == {0: 0, 1: 1, 2: 0, 3: 1}
-    before = rec.backend.rates()
-    request(api, op="register", job="c", level=0, flows=[flow(3)])  # bands 0, 1, 2-3
-    assert rec.backend.shares == pytest.approx({0: budget - 0.4, 1: 0.2, 2: 0.2})
-    assert rec.prios == {0: 0, 1: 0, 2: 0, 3: 1} and not api.jobs.samples_wanted()
-    changed = {fmt_handle(c.classid): (c.rate * 8, c.prio) for c in rec.backend.rate_changes(before)}
-    assert changed == {"7a1:10": (int(200e6 * (budget - 0.4)), 0), "7a1:11": (40_000_000, 0),
-                       "7a1:12": (40_000_000, 0)}  # b moved from band 2-3 to 1, its prio from 1 to 0
-    st = request(api, op="status")
-    assert st["job_policy"]["job_borrow"] == "even" and st["job_policy"]["job_share_among"] == "present"
-    assert st["job_policy"]["level_prios"] == {"0": 0, "1": 0, "2": 0, "3": 1}
-    assert [c["prio"] for c in st["classes"]] == [0, 0, 0, 1, 4]
-    request(api, op="unregister", job="b")
-    request(api, op="unregister", job="c")
-    assert rec.backend.shares == {} and rec.prios == {} and [rec.backend.prio(s) for s in rec.backend.leaves()] == [
-        0, 1, 2, 3, 4]
 
 
 def test_the_parts_follow_the_link_when_the_devices_held_change():

@@ -115,12 +115,6 @@ def test_mixes_design():
     assert AGENT_POLICY["shortest_auto"] == "shortest" and JOB_MODE["shortest_auto"] == JOB_MODE["shortest"]
     assert JOB_SHIM["shortest_auto"] == JOB_SHIM["shortest"]
     assert agent_extra("fifo", [], 2.4, sampled) == {"job_policy": "none"}
-    # static_even, ... (opt-in): the order with job_borrow "even", which takes the parts of the jobs present and
-    # samples nothing: the run's job_share_among and sampling fields never reach it
-    even = agent_extra("shortest_even", [], 2.4, {**sampled, "job_share_among": "sending"})
-    assert even == {"job_policy": "shortest", "job_share": 0.8, "job_borrow": "even"}
-    assert JOB_MODE["shortest_even"] == JOB_MODE["shortest"] and JOB_SHIM["shortest_even"] == JOB_SHIM["shortest"]
-    assert agent_extra("fifo", [], 2.4, {"job_borrow": "even"}) == {"job_policy": "none"}
     assert agent_extra("static_present", [], 2.4, sampled) == {"job_policy": "static", "job_priority": {},
                                                                "job_share": 0.8, "job_share_among": "present"}
     # static_levels (opt-in): static's table, the jobs on the shim

@@ -61,11 +61,8 @@ class FakeRec:
     def link_bps(self) -> int | None:
         return getattr(self.backend, "rate", None)
 
-    prios: dict = {}
-
-    def set_shares(self, shares, prios=None) -> bool:
-        self.prios = dict(prios or {})
-        return self.backend.set_shares(shares, prios)
+    def set_shares(self, shares) -> bool:
+        return self.backend.set_shares(shares)
 
 
 class Kernel:

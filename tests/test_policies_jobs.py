@@ -15,9 +15,7 @@ from tensorlane.policies.jobs import (
     JOB_POLICIES,
     Job,
     alternating_rotation_order,
-    band_prios,
     banded_level,
-    even_shares,
     hashed_rotation_order,
     job_bands,
     job_order,
@@ -313,34 +311,6 @@ def test_job_shares_give_every_job_its_part(jobs, prios, levels, share) -> None:
     assert sum(shares.values()) == pytest.approx(share)
     assert set(shares) == {first for first, _ in bands.values()}
     assert all(shares[bands[j][0]] >= share / len(jobs) - 1e-12 for j in jobs)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from("abcdefghij"), min_size=2, max_size=10, unique=True),
-       st.lists(st.integers(0, 3), min_size=10, max_size=10), st.integers(1, 7), st.floats(0.0, 0.95),
-       st.floats(0.5, 1.0))
-def test_even_shares_hold_the_budget_and_the_first_job_the_rest(jobs, prios, levels, share, budget) -> None:
-    """``job_borrow = "even"``: all parts together are the budget (HTB borrows nothing while every job sends), each
-    on a band's first level, every job's band holds at least its equal part of ``min(job_share, budget)`` and the
-    first job's band what they leave beside; every level of a band takes its place in the band as ``prio``."""
-    order, ranks = job_order("static", jobs, priority=dict(zip("abcdefghij", prios, strict=True)))
-    bands = job_bands(order, levels, ranks)
-    shares = even_shares(order, bands, share, budget)
-    part = min(share, budget) / len(jobs)
-    assert sum(shares.values()) == pytest.approx(budget) and set(shares) == {b[0] for b in bands.values()}
-    assert all(shares[bands[j][0]] >= part - 1e-9 for j in jobs)
-    assert shares[bands[order[0]][0]] >= part + budget - min(share, budget) - 1e-9
-    prios = band_prios(bands)
-    assert sorted(prios) == list(range(levels))
-    assert all(prios[first + i] == i for first, width in bands.values() for i in range(width))
-
-
-def test_even_shares_and_band_prios_refuse_what_they_cannot_give():
-    assert even_shares(("a",), {"a": (0, 4)}, 0.5) == {}  # one job: nothing to guarantee against
-    with pytest.raises(ValueError, match="order"):
-        even_shares(("a",), {"a": (0, 2), "b": (2, 2)}, 0.5)
-    with pytest.raises(ValueError, match="overlap"):
-        band_prios({"a": (0, 4), "b": (2, 1)})  # two tiers' bands (level_limits): refused with "even"
 
 
 @settings(max_examples=300, deadline=None)

@@ -12,10 +12,8 @@ below every level.
   What keeps a flow out of a timeout is an absolute rate (packets per minimum RTO), so on a slow link the fraction
   is raised to ``min_rate``, within what the job shares and half the link leave to all classes. With
   ``min_share = 0`` the guarantee is tiny (link/1000) and priority is strict. A job policy may raise the guarantee
-  of some levels (``set_shares``: ``job_share`` split among the jobs, ``policies.jobs.job_shares``), and under
-  ``job_borrow = "even"`` set a level's ``prio`` to its place in its job's band (``policies.jobs.band_prios``: every
-  job's first level borrows alike; every leaf has the same quantum, so classes of one ``prio`` borrow in equal
-  turns); the classes are changed in place. It shapes at the link rate, so the queue forms here and not in the NIC.
+  of some levels (``set_shares``: ``job_share`` split among the jobs, ``policies.jobs.job_shares``); the classes are
+  changed in place. It shapes at the link rate, so the queue forms here and not in the NIC.
 - ``prio`` (when the kernel has sch_prio): one band per level plus a default band; no shaping, relies on the NIC
   (with BQL) to keep its own ring short.
 
@@ -71,7 +69,6 @@ class HtbBackend:
         self.min_share = min_share
         self.min_rate = min_rate  # bits/s: every class's guarantee at least this, where the link leaves room
         self.shares: dict[int, float] = {}  # level -> a larger guaranteed share of the link (the job policy's)
-        self.prios: dict[int, int] = {}  # level -> its class's prio where not its level (job_borrow = "even")
         self.root = handle(MAJOR)
         self.parent_class = handle(MAJOR, 1)
         self.classes = [ClassSpec(lvl, handle(MAJOR, 0x10 + lvl), lvl, handle(0x100 + lvl)) for lvl in range(levels)]
@@ -113,27 +110,18 @@ class HtbBackend:
         free = min(0.5, 1.0 - sum(self.shares.values()))
         return max(0, min(self.min_rate, int(self.rate * free / len(self.leaves()))))
 
-    def prio(self, spec: ClassSpec) -> int:
-        """A leaf's HTB ``prio``: its level's from ``set_shares`` (``job_borrow = "even"``), else its own."""
-        return self.prios.get(spec.level, spec.prio) if spec.level is not None else spec.prio
-
-    def set_shares(self, shares: dict[int, float], prios: dict[int, int] | None = None) -> bool:
-        """Set the levels' guaranteed shares (``{level: share}``; the others keep ``min_share``) and their classes'
-        ``prio`` (``{level: prio}``; the others keep their level); whether that changed anything (then ``apply`` or
-        ``change_rates`` brings the classes to it, in place). Cheap when nothing changed: the agent asks after
-        every request."""
-        prios = {} if prios is None else prios
-        if shares == self.shares and prios == self.prios:
+    def set_shares(self, shares: dict[int, float]) -> bool:
+        """Set the levels' guaranteed shares (``{level: share}``; the others keep ``min_share``); whether that
+        changed anything (then ``apply`` brings the classes to it, in place). Cheap when nothing changed: the
+        agent asks after every request."""
+        if shares == self.shares:
             return False
         shares = {int(lvl): float(v) for lvl, v in shares.items()}
         if any(not 0 <= lvl < self.levels or not 0.0 <= v < 1.0 for lvl, v in shares.items()):
             raise ValueError(f"shares {shares} outside levels 0..{self.levels - 1} or [0, 1)")
-        prios = {int(lvl): int(p) for lvl, p in prios.items()}
-        if any(not 0 <= lvl < self.levels or not 0 <= p < self.default.prio for lvl, p in prios.items()):
-            raise ValueError(f"prios {prios} outside levels 0..{self.levels - 1} or prio 0..{self.default.prio - 1}")
-        if shares == self.shares and prios == self.prios:
+        if shares == self.shares:
             return False
-        self.shares, self.prios = shares, prios
+        self.shares = shares
         return True
 
     def apply(self, ipr, index: int) -> None:
@@ -177,7 +165,7 @@ class HtbBackend:
         """A leaf's parameters: its guaranteed rate, the link as its ceiling, its prio (rates in bytes/s)."""
         floor = self.guaranteed(spec.level) // 8
         return ClassRates(spec.classid, floor, self.rate // 8, max(4 * MTU_BYTES, self._burst(floor * 8)),
-                          self._burst(self.rate), 4 * MTU_BYTES, self.prio(spec))
+                          self._burst(self.rate), 4 * MTU_BYTES, spec.prio)
 
     def _leaf_class(self, ipr, index: int, spec: ClassSpec) -> None:
         """Create a leaf class, or change it in place (:meth:`_leaf_rates`)."""
@@ -185,18 +173,17 @@ class HtbBackend:
         ipr.tc("replace-class", "htb", index=index, handle=spec.classid, parent=self.parent_class,
                rate=c.rate, ceil=c.ceil, burst=c.burst, cburst=c.cburst, prio=c.prio, quantum=c.quantum)
 
-    def rates(self) -> dict[int, tuple[int, int]]:
-        """Every leaf's guaranteed rate in bits/s and its ``prio``, by class id (what :meth:`change_rates` compares
-        with)."""
-        return {spec.classid: (self.guaranteed(spec.level), self.prio(spec)) for spec in self.leaves()}
+    def rates(self) -> dict[int, int]:
+        """Every leaf's guaranteed rate in bits/s, by class id (what :meth:`change_rates` compares with)."""
+        return {spec.classid: self.guaranteed(spec.level) for spec in self.leaves()}
 
-    def rate_changes(self, before: dict[int, tuple[int, int]]) -> list[ClassRates]:
-        """The leaves whose guaranteed rate or ``prio`` differs from ``before`` (:meth:`rates` before a
-        :meth:`set_shares`), with what they must become."""
+    def rate_changes(self, before: dict[int, int]) -> list[ClassRates]:
+        """The leaves whose guaranteed rate differs from ``before`` (:meth:`rates` before a :meth:`set_shares`),
+        with what they must become."""
         return [self._leaf_rates(spec) for spec in self.leaves()
-                if before.get(spec.classid) != (self.guaranteed(spec.level), self.prio(spec))]
+                if before.get(spec.classid) != self.guaranteed(spec.level)]
 
-    def change_rates(self, ipr, index: int, before: dict[int, tuple[int, int]]) -> int:
+    def change_rates(self, ipr, index: int, before: dict[int, int]) -> int:
         """Change in place only :meth:`rate_changes`; the tree must exist. One netlink message per changed class,
         built without pyroute2's rate tables (``htbclass``), where :meth:`apply` makes a dump and one pyroute2
         request per class: the job policy's parts change several times a second. ``ipr`` is not used (the
@@ -234,8 +221,8 @@ class PrioBackend:
     def leaves(self) -> list[ClassSpec]:
         return [*self.classes, self.default]
 
-    def set_shares(self, shares: dict[int, float], prios: dict[int, int] | None = None) -> bool:
-        """sch_prio has no guarantee to give, and its bands' order is fixed: nothing changes."""
+    def set_shares(self, shares: dict[int, float]) -> bool:
+        """sch_prio has no guarantee to give: nothing changes."""
         return False
 
     def share_budget(self) -> float:
