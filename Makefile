@@ -10,7 +10,7 @@ bootstrap:
 
 # The linter runs first: `make test` fails on any finding.
 test: lint
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=30 $(PYTEST_ARGS)
 
 test-unit: bootstrap
 	$(PY) -m pytest -ra -m "not netns" $(PYTEST_ARGS)
