@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.optim.optimizer as torch_optimizer
 
-from tensorlane.client import DEFAULT_SOCKET, clean_job_id
+from tensorlane.client import agent_socket as resolve_socket
+from tensorlane.client import clean_job_id
 from tensorlane.flows import new_flows, own_tcp_flows
 from tensorlane.policies.cutting import parameter_levels, pieces_of
 from tensorlane.shim import overlap as ov
@@ -1191,7 +1192,7 @@ def _connect(levels: int, agent_socket: str | None, job: str | None) -> tuple[li
     _collect_at_exit()
     groups, flows = _priority_groups(levels, os.environ.get("MASTER_PORT"))
     job = agree_job_id(job, group=groups[0])
-    link = AgentLink(agent_socket or os.environ.get("TENSORLANE_AGENT_SOCKET", DEFAULT_SOCKET), job,
+    link = AgentLink(resolve_socket(agent_socket), job,
                      rank=dist.get_rank(), run=agree_run(group=groups[0]))
     for level, fl in flows.items():
         if fl:

@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 from tensorlane import __version__
-from tensorlane.client import DEFAULT_SOCKET, AgentClient, AgentError, AgentUnavailable
+from tensorlane.client import DEFAULT_SOCKET, AgentClient, AgentError, AgentUnavailable, agent_socket
 
 
 def _agent(args) -> int:
@@ -132,7 +131,7 @@ def _reported(jp: dict, job: str, link_bps: float | None) -> str:
 def _socket(args) -> str:
     """The socket ``status`` and ``verify`` ask: ``--socket``, else ``$TENSORLANE_AGENT_SOCKET`` (what the shim
     reads), else the agent's default."""
-    return args.socket or os.environ.get("TENSORLANE_AGENT_SOCKET") or DEFAULT_SOCKET
+    return agent_socket(args.socket)
 
 
 def _unavailable(cmd: str, exc: Exception) -> str:

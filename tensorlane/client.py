@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import socket
 import time
@@ -27,6 +28,14 @@ MAX_COMPUTE_S = 86400.0  # a report's compute seconds per training step: at most
 MAX_WINDOW_STEPS = 1024  # a report's steps in its window (job_policy "slowdown")
 JOB_ID_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}\Z")  # \Z: "$" would take a trailing newline
 JOB_ID_RULE = "1-64 characters of letters, digits, '_.:-', starting with a letter or digit"
+SOCKET_ENV = "TENSORLANE_AGENT_SOCKET"
+
+
+def agent_socket(path: str | None = None) -> str:
+    """The agent socket a client asks: ``path``, else ``$TENSORLANE_AGENT_SOCKET`` where set and not empty, else
+    :data:`DEFAULT_SOCKET`. The CLI and the shim both resolve it here, so they never ask different agents.
+    Usage: ``agent_socket(None) == "/run/tensorlane/agent.sock"`` with the variable unset or empty"""
+    return path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
 
 
 def clean_job_id(raw: str) -> str:

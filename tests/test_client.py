@@ -171,3 +171,21 @@ def test_status_and_verify_ask_the_socket_the_shim_is_told(tmp_path, monkeypatch
     assert f"no agent at {env_sock} " in err and "--socket PATH or TENSORLANE_AGENT_SOCKET" in err, err
     assert main([cmd, "--socket", flag_sock]) == 1
     assert f"no agent at {flag_sock} " in capsys.readouterr().err
+
+
+def test_the_cli_and_the_shim_ask_the_same_socket(monkeypatch):
+    """``agent_socket``: an explicit path, else ``$TENSORLANE_AGENT_SOCKET`` where set and not empty (an empty one,
+    ``export TENSORLANE_AGENT_SOCKET=``, is the default: the shim once asked the socket "" there while the CLI asked
+    the default), else the default; the CLI's ``--socket`` goes through it too."""
+    from types import SimpleNamespace
+
+    from tensorlane import cli
+    from tensorlane.client import DEFAULT_SOCKET, agent_socket
+
+    monkeypatch.delenv("TENSORLANE_AGENT_SOCKET", raising=False)
+    assert agent_socket() == agent_socket(None) == DEFAULT_SOCKET
+    monkeypatch.setenv("TENSORLANE_AGENT_SOCKET", "")
+    assert agent_socket() == cli._socket(SimpleNamespace(socket=None)) == DEFAULT_SOCKET
+    monkeypatch.setenv("TENSORLANE_AGENT_SOCKET", "/run/x.sock")
+    assert agent_socket() == cli._socket(SimpleNamespace(socket=None)) == "/run/x.sock"
+    assert agent_socket("/run/y.sock") == cli._socket(SimpleNamespace(socket="/run/y.sock")) == "/run/y.sock"
