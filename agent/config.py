@@ -203,6 +203,10 @@ def _job_policy(raw: dict, min_shares: float) -> dict:
     for name in ("job_share", "job_share_among", "job_sample_s", "job_hold_s"):
         if name in raw and policy == "none":
             raise ConfigError(name, f"only used with a job policy ({', '.join(JOB_POLICIES[1:])}), not 'none'")
+    for name in ("job_share_among", "job_hold_s", "job_sample_s"):  # no parts to split, follow or hold
+        if name in raw and share == 0 and policy != "none" and not (name == "job_sample_s" and policy in TIMED):
+            raise ConfigError(name, "job_share = 0 gives the jobs no parts (a strict order): nothing to split, "
+                                    "sample or hold")
     if "job_sample_s" in raw and among != "sending" and share != "auto" and policy not in TIMED:
         raise ConfigError("job_sample_s", f"only used with job_share_among = \"sending\", job_share = \"auto\" or "
                                           f"job_policy = \"slowdown\", not {among!r}")

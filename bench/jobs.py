@@ -656,6 +656,9 @@ def agent_extra(phase: str, specs: list[dict], epoch_s: float, overrides: dict |
         for key in ("job_share", "job_share_among", *SAMPLED):  # the agent refuses them without a job order
             overrides.pop(key, None)
     merged = extra | overrides | own
+    if merged.get("job_share") == 0:  # a strict order: no parts to split, sample or hold (the agent refuses them)
+        for key in ("job_share_among", "job_hold_s", *(() if merged["job_policy"] == "slowdown" else SAMPLED)):
+            merged.pop(key, None)
     if merged.get("job_share_among", "sending") != "sending":
         for key in SAMPLED:
             merged.pop(key, None)

@@ -383,6 +383,9 @@ def test_full_reconcile_and_status_use_effective_levels():
     ({"job_policy": "static", "job_hold_s": 0.05}, "job_hold_s"),  # no longer than a sample: holds nothing
     ({"job_policy": "static", "job_sample_s": 0.02, "job_hold_s": 0.02}, "job_hold_s"),
     ({"job_policy": "static", "min_share": 0.1, "job_share": 0.6}, "job_share"),  # 5 classes x 0.1 + 0.6 > 1
+    ({"job_policy": "static", "job_share": 0, "job_hold_s": 0.2}, "job_hold_s"),  # no parts: nothing to hold
+    ({"job_policy": "static", "job_share": 0, "job_sample_s": 0.02}, "job_sample_s"),
+    ({"job_policy": "static", "job_share": 0, "job_share_among": "present"}, "job_share_among"),
 ])
 def test_bad_job_config_names_the_field(fields, field):
     with pytest.raises(ConfigError) as info:
@@ -398,6 +401,9 @@ def test_good_job_config_defaults():
     cfg = from_dict({"interface": "eth0", "job_policy": "alternate", "rotate_epoch_s": 3})
     assert (cfg.job_policy, cfg.rotate_epoch_s, cfg.job_share) == ("alternate", 3.0, 0.2)
     assert from_dict({"interface": "eth0", "job_policy": "static", "job_share": 0.8}).job_share == 0.8
+    # slowdown re-ranks every job_sample_s, parts or none
+    cfg = from_dict({"interface": "eth0", "job_policy": "slowdown", "job_share": 0, "job_sample_s": 0.02})
+    assert cfg.job_sample_s == 0.02
 
 
 def test_job_share_guarantees_follow_the_set_of_jobs():

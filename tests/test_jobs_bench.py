@@ -115,6 +115,9 @@ def test_mixes_design():
     assert AGENT_POLICY["shortest_auto"] == "shortest" and JOB_MODE["shortest_auto"] == JOB_MODE["shortest"]
     assert JOB_SHIM["shortest_auto"] == JOB_SHIM["shortest"]
     assert agent_extra("fifo", [], 2.4, sampled) == {"job_policy": "none"}
+    # job_share 0 (a strict order): the agent refuses the parts' fields, so a held phase runs without them
+    strict = agent_extra("static_held", [], 2.4, {**sampled, "job_share": 0})
+    assert strict == {"job_policy": "static", "job_priority": {}, "job_share": 0}
     assert agent_extra("static_present", [], 2.4, sampled) == {"job_policy": "static", "job_priority": {},
                                                                "job_share": 0.8, "job_share_among": "present"}
     # static_levels (opt-in): static's table, the jobs on the shim
