@@ -906,6 +906,24 @@ def test_health_turns_503_when_reconcile_passes_stop():
     assert code == 503 and body["status"] == "stalled"
 
 
+def test_reconcile_stalled_gauge_says_what_healthz_says_whatever_the_interval():
+    """``tensorlane_reconcile_stalled`` (what TensorlaneReconcileStalled alerts on) is 1 exactly when ``/healthz``
+    would answer 503: no pass seen for 3 x ``reconcile_interval_s``. With an interval of an hour a healthy agent
+    passes every hour and is never stalled (a 5-minute rate of the passes, the rule before, was 0 between them)."""
+    api = fake_api(reconcile_interval_s=3600)
+    registry, collector = make_registry(api)
+    source = next(src for src in collector.sources if src.name == "reconcile")
+    now = [0.0]
+    source.health = Health(api, clock=lambda: now[0])
+    assert source.health.stall_after_s == 3 * 3600
+    for t in range(0, 4 * 3600, 3600):  # a pass an hour, scraped between
+        now[0] = t + 1800
+        api.rec.stats.passes += 1
+        assert value(scrape(registry), "tensorlane_reconcile_stalled") == 0
+    now[0] += 3 * 3600 + 1  # no pass for three intervals
+    assert value(scrape(registry), "tensorlane_reconcile_stalled") == 1
+
+
 def test_metrics_address_in_use_is_an_error():
     api = fake_api()
     with socket.socket() as s:

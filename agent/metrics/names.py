@@ -123,6 +123,9 @@ CONNECTION_LIMIT = Name("tensorlane_agent_connection_limit", "The socket server'
 RECONCILE_PASSES = Name("tensorlane_reconcile_passes", "Full reconcile passes", DEVICE)
 RECONCILE_REPAIRS = Name("tensorlane_reconcile_repairs", "Kernel map entries repaired by reconcile passes", DEVICE)
 RECONCILE_ERRORS = Name("tensorlane_reconcile_errors", "Reconcile passes that failed", DEVICE)
+RECONCILE_STALLED = Name("tensorlane_reconcile_stalled",
+                         "1 while no reconcile pass was seen for 3 x reconcile_interval_s, at least 15 s (the main "
+                         "loop is stuck: /healthz answers 503)", DEVICE)
 
 # jobs.py
 JOB_ALLREDUCES = Name("tensorlane_job_allreduces",
