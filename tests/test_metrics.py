@@ -833,6 +833,41 @@ def test_one_local_user_cannot_take_every_metrics_slot(kernel, monkeypatch):
         server.close()
 
 
+LINK_LOCAL_PEER = """
+import json, os, socket, subprocess
+from wsgiref.simple_server import WSGIRequestHandler
+from tensorlane.agent import metrics
+for cmd in (["link", "add", "tlm0", "type", "veth", "peer", "name", "tlm1"], ["link", "set", "tlm0", "up"],
+            ["link", "set", "tlm1", "up"], ["link", "set", "lo", "up"],
+            ["addr", "add", "fe80::1/64", "dev", "tlm0", "nodad"]):
+    subprocess.run(["ip", *cmd], check=True)
+server = type("Six", (metrics._ThreadingServer,), {"address_family": socket.AF_INET6})(("::", 0), WSGIRequestHandler)
+try:
+    with socket.create_connection(("fe80::1%tlm0", server.server_address[1]), timeout=5) as c:
+        b, addr = server.socket.accept()
+        with b:
+            print(json.dumps([list(server._peer(b, addr)), os.geteuid()]))
+finally:
+    server.server_close()
+"""
+
+
+@pytest.mark.netns  # root: a network namespace of its own, with a veth
+def test_a_local_client_on_a_link_local_address_is_its_user_not_the_links_prefix():
+    """A local user connecting to the metrics address through a link-local address (``fe80::1%eth0``) was not
+    looked up (the address's scope stopped the sock_diag request) and counted as the remote peer ``fe80::/64``:
+    4 more requests beside its 4 as its user, so two users held all 16 slots (and one held every link-local
+    client's 4). Now the lookup takes the scope's interface, and the client is its user."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", LINK_LOCAL_PEER], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out
+    peer, uid = json.loads(out.stdout)
+    assert peer == ["uid", uid], out.stdout
+
+
 def test_a_users_subordinate_uids_count_as_that_user_at_the_metrics_address(kernel, monkeypatch, tmp_path):
     """A user with a subordinate uid range (``/etc/subuid``, the default for rootless containers) runs processes
     as any of those uids through ``newuidmap``: each uid was a peer of its own, so one user held every slot (16

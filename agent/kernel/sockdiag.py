@@ -50,12 +50,13 @@ class TcpSocket(NamedTuple):
     uid: int
 
 
-def _request(seq: int, src: str, sport: int, dst: str, dport: int) -> bytes:
-    """One exact SOCK_DIAG_BY_FAMILY request (TCP, any state) for a 5-tuple of address strings."""
+def _request(seq: int, src: str, sport: int, dst: str, dport: int, ifindex: int = 0) -> bytes:
+    """One exact SOCK_DIAG_BY_FAMILY request (TCP, any state) for a 5-tuple of address strings; ``ifindex``: the
+    interface of a link-local address's scope (a socket connected through one is bound to it: 0 finds none)."""
     family = socket.AF_INET6 if ":" in src else socket.AF_INET
     body = (_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF)
             + _ID.pack(sport, dport, socket.inet_pton(family, src), socket.inet_pton(family, dst))
-            + _ID_TAIL.pack(0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE))
+            + _ID_TAIL.pack(ifindex, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE))
     return _HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq, 0) + body
 
 
@@ -100,10 +101,13 @@ class SockDiag:
             self._sock = s
         return self._sock
 
-    def tcp(self, src: str, sport: int, dst: str, dport: int) -> TcpSocket | None:
+    def tcp(self, src: str, sport: int, dst: str, dport: int, ifindex: int = 0) -> TcpSocket | None:
         """The TCP socket whose local end is ``src:sport`` and remote end ``dst:dport``, or
         None if this namespace has none. An IPv4 flow is also looked for as a dual-stack (v4-mapped) socket.
-        Raises OSError when the kernel cannot answer (no sock_diag): the caller falls back to the tables."""
+        ``ifindex``: the interface of link-local addresses' scope (``fe80::1%eth0``: the scope is not part of
+        ``src``). Raises OSError when the kernel cannot answer (no sock_diag): the caller falls back to the tables."""
+        if ifindex:
+            return self._lookup_many([(src, sport, dst, dport)], ifindex)[0]
         return self.tcp_many([(src, sport, dst, dport)])[0]
 
     def tcp_many(self, flows: Sequence[tuple[str, int, str, int]]) -> list[TcpSocket | None]:
@@ -118,7 +122,7 @@ class SockDiag:
                 found[i] = f
         return found
 
-    def _lookup_many(self, addrs: Sequence[tuple[str, int, str, int]]) -> list[TcpSocket | None]:
+    def _lookup_many(self, addrs: Sequence[tuple[str, int, str, int]], ifindex: int = 0) -> list[TcpSocket | None]:
         out: list[TcpSocket | None] = [None] * len(addrs)
         sock = self._socket()
         for first in range(0, len(addrs), BATCH):
@@ -127,7 +131,7 @@ class SockDiag:
             for i in range(first, min(first + BATCH, len(addrs))):
                 seq = next(self._seq)
                 waiting[seq] = i
-                requests.append(_request(seq, *addrs[i]))
+                requests.append(_request(seq, *addrs[i], ifindex))
             sock.send(b"".join(requests))
             while waiting:
                 for seq, result in _answers(sock.recv(65536)):

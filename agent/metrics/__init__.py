@@ -222,7 +222,10 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         host, port = client_address[:2]
         try:
             here = request.getsockname()
-            found = self.diag.tcp(host, port, here[0], here[1])
+            # (a link-local address has a scope, the interface: looked up on it, else the client's socket, bound to
+            # it, was not found and a local user was the remote peer fe80::/64 too, 4 requests more)
+            scope = client_address[3] if len(client_address) > 3 else 0
+            found = self.diag.tcp(host.split("%", 1)[0], port, here[0].split("%", 1)[0], here[1], scope)
         except (OSError, ValueError):  # no sock_diag, or an address it cannot take (an IPv6 scope): by address
             found = None
         return _remote_peer(host) if found is None else ("uid", self._owner(found.uid))
