@@ -208,6 +208,8 @@ class Api:
             return own
         if req.op == "register" and self.table.job_users(base) - {peer.uid}:
             own = user_job_id(base, peer.user)
+            if self.table.job_users(own) - {peer.uid}:  # another uid of the same name holds it: its uid too (a
+                own = user_job_id(base, f"{peer.user}:{peer.uid}")  # name has no ":"), not a join of its job
             self.refusal_log.note("job id taken", logging.WARNING, "job id %r is in use by another user on this host: "
                                   "%s's flows are registered under %r", base, peer.user, own)
             return own

@@ -833,6 +833,27 @@ def test_a_users_own_job_is_found_by_uid_and_its_flows_under_the_id_can_be_unreg
     assert api.table.jobs() == {"prod": 2} and set(rec.kernel) == {key(2), key(3)}
 
 
+def test_two_users_of_one_name_do_not_share_an_own_job(monkeypatch):
+    """Two uids with one name (a local and a directory entry of one login, or a uid with no entry, named by its
+    number, beside a user of that name) made the same own job ``ID@USER``: the second joined the first's job, so its
+    flows and reports were another user's (reports then ``ignored`` for both, and an unregister of the job refused
+    for both). Now the second's own job names its uid too (``ID@USER:UID``, a name no passwd entry has)."""
+    import tensorlane.agent.peers as peers
+
+    api, rec = make_api(job_policy="static", job_priority={"prod": 0}, check_ownership=False)
+    owner, first, second = (Peer(pid=p, uid=u, gid=u) for p, u in ((1, 1000), (2, 1001), (3, 1002)))
+    monkeypatch.setattr(peers, "user_name", lambda uid: {1000: "carol", 1001: "alice", 1002: "alice"}[uid])
+    request(api, owner, op="register", job="prod", level=0, flows=[flow(1)])
+    assert request(api, first, op="register", job="prod", level=0, flows=[flow(2)])["job"] == "prod@alice"
+    r = request(api, second, op="register", job="prod", level=0, flows=[flow(3)])
+    assert r["job"] == "prod@alice:1002" and api.table.job_users("prod@alice") == {1001}, r
+    assert request(api, second, op="register", job="prod", level=1, flows=[flow(4)])["job"] == "prod@alice:1002"
+    levels = [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.1}]
+    assert request(api, first, op="report", job="prod", session="s1", levels=levels)["counted_as"] is not None
+    assert request(api, second, op="unregister", job="prod")["removed"] == 2
+    assert api.table.jobs() == {"prod": 1, "prod@alice": 1} and set(rec.kernel) == {key(1), key(2)}
+
+
 def test_bad_flow_types_and_deep_json_are_clear_errors():
     api, _rec = make_api()
     for line, code in ((json.dumps({"op": "register", "job": "j", "level": 0, "flows": [dict(flow(1), proto=[])]}),
