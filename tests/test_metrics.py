@@ -318,6 +318,18 @@ def test_inversion_leaves_out_a_job_share_guarantee():
     assert got.get(L2) == 750_000
 
 
+def test_inversion_leaves_out_min_rates_raise():
+    """``min_rate`` raises every class's guarantee on a slow link (2.5 Mbit/s of 50: 5 % each instead of
+    ``min_share``'s 1 %): that raise is by design, as a job's part is; until 2026-11-27 it was counted, and four
+    lower classes at their guarantee made 20 % of the link against TensorlanePriorityInversion's 8 %."""
+    from tensorlane.agent.metrics.contention import _beyond_min_share
+
+    backend = HtbBackend(4, 50_000_000, min_share=0.01, min_rate=2_500_000)
+    assert backend.guaranteed(3) == backend.guaranteed(None) == 2_500_000 and backend.least() == 500_000
+    allowed = _beyond_min_share(backend, backend.leaves())
+    assert allowed == {c.classid: 250_000.0 for c in backend.leaves()}  # 2 Mbit/s each beyond min_share's 0.5
+
+
 def static_two_jobs(job_share, registered=("job-a", "job-b")):
     """An api under ``job_policy = "static"`` (job-a first) with ``job_share``, its registry, and one flow of each job
     of ``registered`` registered in that order."""

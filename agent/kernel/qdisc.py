@@ -83,7 +83,7 @@ class HtbBackend:
     def _burst(self, rate_bps: int) -> int:
         return max(rate_bps // 8 // 1000, 4 * MTU_BYTES)  # 1 ms of the rate, at least a few packets
 
-    def _least(self) -> int:
+    def least(self) -> int:
         """Every leaf's guarantee before :meth:`floor` and the job parts: ``min_share`` of the link, or (0) a tiny
         one so that `prio` alone decides (TensorLights)."""
         if self.min_share > 0:
@@ -91,17 +91,17 @@ class HtbBackend:
         return max(8_000, min(100_000, self.rate // 1000))
 
     def guaranteed(self, level: int | None) -> int:
-        """A leaf's guaranteed rate in bits/s: :meth:`_least`, with ``min_share`` raised to :meth:`floor`; a
+        """A leaf's guaranteed rate in bits/s: :meth:`least`, with ``min_share`` raised to :meth:`floor`; a
         level's share from ``set_shares`` when that is larger."""
-        base = max(self._least(), self.floor()) if self.min_share > 0 else self._least()
+        base = max(self.least(), self.floor()) if self.min_share > 0 else self.least()
         return max(base, int(self.rate * self.shares.get(level, 0.0))) if level is not None else base
 
     def share_budget(self) -> float:
-        """The share of the link that ``set_shares`` may hand out in all: what every leaf's :meth:`_least` leaves.
+        """The share of the link that ``set_shares`` may hand out in all: what every leaf's :meth:`least` leaves.
         HTB lets a class send up to its guarantee without asking its parent, so guarantees that add up to more
         than the link send more than the link (the queue moves past the host). :meth:`floor` yields to the
         shares by itself. Usage: ``HtbBackend(4, 50_000_000, min_share=0.01).share_budget() == 0.95``"""
-        return max(0.0, 1.0 - len(self.leaves()) * self._least() / self.rate)
+        return max(0.0, 1.0 - len(self.leaves()) * self.least() / self.rate)
 
     def floor(self) -> int:
         """``min_rate``, at most an equal part for every class of what the job shares leave, and of half the link:
