@@ -175,6 +175,7 @@ class Pending:
     created: dict = field(default_factory=dict)  # id(param) -> param._version when the bucket was launched
     grads: dict = field(default_factory=dict)  # id(param) -> (its .grad, that tensor's version) when stamped
     autocast: dict = field(default_factory=dict)  # autocast's state at step() (autocast_state), for the step
+    inference: bool = False  # whether step() ran under torch.inference_mode (the step runs so, not as the forward)
 
 
 @dataclass
@@ -255,9 +256,11 @@ class Deferred:
             return  # nothing to update, as under DDP (no gradients)
         hp = hyperparameters(self.optimizer)
         amp = autocast_state({p.device.type for p in params})
+        inference = torch.is_inference_mode_enabled()
         for pend in self.unstamped:
             pend.hparams = hp
             pend.autocast = amp
+            pend.inference = inference
             pend.versions = {id(p): p._version for p, *_ in pend.params}
             pend.skip = {id(p) for p, *_ in pend.params if p.grad is None}  # DDP left no gradient (unused)
             pend.grads = {id(p): (p.grad, p.grad._version) for p, *_ in pend.params if p.grad is not None}
@@ -313,13 +316,17 @@ class Deferred:
                                "iteration (overlap mode then falls back to hook mode), or attach without the "
                                "optimizer (hook mode).")
 
-    def step_subset(self, params: list, hparams: list, autocast: dict | None = None) -> None:
+    def step_subset(self, params: list, hparams: list, autocast: dict | None = None,
+                    inference: bool | None = None) -> None:
         """One step of the user's optimizer over ``params`` only, with the hyperparameters ``hparams`` (one dict per
         param group, as stamped by ``step()``; a group added since then is not stepped, as under DDP, where the
         step came first), under autocast as it was at ``step()`` (``autocast``, from :func:`autocast_state`; the
         deferred step runs in the next forward, typically inside the loop's ``torch.autocast``, where Adafactor's
-        ``row_var @ col_var`` would run in bf16: until 2026-11-27 it did, 3e-2 from DDP after 8 steps); the groups
-        are restored afterwards."""
+        ``row_var @ col_var`` would run in bf16: until 2026-11-27 it did, 3e-2 from DDP after 8 steps), and in or
+        out of ``torch.inference_mode`` as at ``step()`` (``inference``; None: as now): a validation forward under
+        ``inference_mode`` that takes a parameter's first step would make its new state inference tensors, which the
+        next step outside it cannot update in place (until 2026-11-28 it raised there, ``late_state_inference``);
+        the groups are restored afterwards."""
         opt = self.optimizer
         self.check_step_hooks()
         if self.stamped_state is not None and opt.state is not self.stamped_state:
@@ -342,7 +349,8 @@ class Deferred:
             for g in later:
                 g["params"] = []
             quiet = contextlib.nullcontext() if self.stamped_state is None else self.stamped_state.quiet()
-            with torch.no_grad(), quiet, autocast_as(autocast or {}):
+            mode = torch.inference_mode(inference) if inference is not None else contextlib.nullcontext()
+            with mode, torch.no_grad(), quiet, autocast_as(autocast or {}):
                 self.orig_step()
         finally:
             for g, (ps, current) in zip(stamped, saved, strict=True):

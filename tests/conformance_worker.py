@@ -1952,6 +1952,32 @@ def _functional_call_traced(ctx: Ctx):
     plain_loop(ctx, model, opt, after_step=after)
 
 
+
+# -- review s8 (loops not yet in the matrix, 3) -------------------------------------------------------------------
+@idiom("late_state_inference")
+def _late_state_inference(ctx: Ctx):
+    """A branch first used after the probe (its momentum buffers made by a deferred step), and validation under
+    torch.inference_mode() right after that step() (Lightning's default): the deferred step runs in the validation
+    forward, where it would make the new state inference tensors, which the next step cannot update in place (until
+    2026-11-28 overlap mode raised there, "Inplace update to inference tensor outside InferenceMode", where DDP
+    trains on); set_to_none=False keeps the gradient tensors across steps."""
+    model = ctx.ddp(Branchy(), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    x_eval = ctx.vectors(10_000)[0]
+    for step in range(ctx.steps):
+        x, y = ctx.vectors(step)
+        loss = F.cross_entropy(model(x, use_branch=step >= 3), y)
+        loss.backward()
+        opt.step()
+        if step in (3, 5):
+            model.eval()
+            with torch.inference_mode():
+                ctx.record("eval_out", model(x_eval, use_branch=True))
+            model.train()
+        opt.zero_grad(set_to_none=False)
+        ctx.record("loss", loss.item())
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
