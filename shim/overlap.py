@@ -325,7 +325,7 @@ class Deferred:
         ``row_var @ col_var`` would run in bf16: until 2026-11-27 it did, 3e-2 from DDP after 8 steps), and in or
         out of ``torch.inference_mode`` as at ``step()`` (``inference``; None: as now): a validation forward under
         ``inference_mode`` that takes a parameter's first step would make its new state inference tensors, which the
-        next step outside it cannot update in place (until 2026-11-28 it raised there, ``late_state_inference``);
+        next step outside it cannot update in place (until 2026-11-27 it raised there, ``late_state_inference``);
         the groups are restored afterwards."""
         opt = self.optimizer
         self.check_step_hooks()

@@ -1959,7 +1959,7 @@ def _late_state_inference(ctx: Ctx):
     """A branch first used after the probe (its momentum buffers made by a deferred step), and validation under
     torch.inference_mode() right after that step() (Lightning's default): the deferred step runs in the validation
     forward, where it would make the new state inference tensors, which the next step cannot update in place (until
-    2026-11-28 overlap mode raised there, "Inplace update to inference tensor outside InferenceMode", where DDP
+    2026-11-27 overlap mode raised there, "Inplace update to inference tensor outside InferenceMode", where DDP
     trains on); set_to_none=False keeps the gradient tensors across steps."""
     model = ctx.ddp(Branchy(), find_unused_parameters=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
