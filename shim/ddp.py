@@ -711,6 +711,46 @@ def _average_unstepped(state: ShimState) -> None:
         d.watch.unwatch()  # .grad holds DDP's averages now
 
 
+COMPILED_WRAPPER = (
+    "tensorlane: {what} is refused while the shim has hooks on the model's modules{why}: a module with a hook is one "
+    "dynamo compiles as a graph of its own where plain DDP compiles it with the rest or not at all, and with inductor "
+    "(the default backend) training then differed from plain DDP by float rounding, silently (2.4e-7 on a loss after "
+    "8 Adam steps at 2 ranks, 2026-11-27). Nothing of this forward has run. Wrap a compiled module in DDP instead, "
+    "which was exact: DDP(torch.compile(module)), then attach{alt}")
+
+
+class _CompiledWrapper:
+    """Refuses ``torch.compile(ddp)`` and a module of the DDP model compiled in place (``ddp.module.compile()``)
+    at the first forward, before the model computes anything. ``mark`` is a forward pre-hook on the DDP model that
+    dynamo traces (it is not disabled) when the DDP model is being compiled, and it then sets ``seen``, a write that
+    dynamo replays when the compiled code runs; ``refuse``, a disabled pre-hook (``ov.ModuleHook``) right behind it,
+    runs eagerly and raises. Eagerly, and with ``DDP(torch.compile(module))`` (the DDP model's hooks run outside
+    dynamo), ``is_compiling()`` is false."""
+
+    def __init__(self, root, why: str, alt: str):
+        self.seen = False
+        self.root = weakref.ref(root)
+        self.why, self.alt = why, alt
+
+    def mark(self, _module, _inputs) -> None:
+        self.seen = torch.compiler.is_compiling()  # (every forward: an eager one after the error is not refused)
+
+    def refuse(self, _module, _inputs) -> None:
+        root = self.root()
+        what = None
+        if self.seen:
+            what = "torch.compile of the DDP model itself (torch.compile(ddp), or a compiled function that calls it)"
+        elif root is not None and any(getattr(m, "_compiled_call_impl", None) is not None for m in root.modules()):
+            what = "a module of the DDP model compiled in place (ddp.module.compile(), or a submodule's .compile())"
+        if what is not None:
+            raise RuntimeError(COMPILED_WRAPPER.format(what=what, why=self.why, alt=self.alt))
+
+    def install(self, model) -> list:
+        """Put both hooks on the DDP ``model`` ahead of every other pre-hook; returns their handles."""
+        refuse = model.register_forward_pre_hook(ov.ModuleHook(self.refuse), prepend=True)
+        return [model.register_forward_pre_hook(self.mark, prepend=True), refuse]
+
+
 class Handle:
     """What ``attach`` returns: ``close()``, ``flush()``, ``stats()``."""
 
@@ -799,6 +839,8 @@ class Handle:
                 self._hooks.append(p.register_hook(self._grad_seen(p)))
             else:  # (a tensor hook needs requires_grad): hooked once it is unfrozen, at a forward
                 self._unhooked.append(p)
+        # torch.compile(ddp): refused at its first forward (the module hooks above change what dynamo compiles)
+        self._hooks.extend(_CompiledWrapper(root, " (overlap mode's pre-hooks)", "").install(self.model))
         flush = hook(self._flush_hook)
         for m in [self.model, *owners] if root in owners else [self.model, root, *owners]:
             self._hooks.append(m.register_state_dict_pre_hook(flush))
@@ -1162,6 +1204,11 @@ def _start_planner(handle: Handle, model, levels: int, profile, link_bps: float 
 
     handle.plan["status"] = "measuring the first iteration (layer_order until then)"
     handle._recorder = Recorder(owners, on_done=planned)
+    # torch.compile(ddp) while the Recorder's hooks are on: refused (they go with the Recorder's, after the first
+    # iteration; hook mode then has no module hooks, and compiling the DDP model later was exact)
+    handle._recorder._hooks.extend(_CompiledWrapper(
+        model.module, " (the planner's measurement of the first iteration)",
+        "; or, in hook mode, attach with policy='flat' or a profile= (no module hooks)").install(model))
     handle.state.options["recorder"] = handle._recorder  # consumed by the comm hook (_plan_due)
 
 
@@ -1291,9 +1338,10 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         compiled = isinstance(getattr(model, "_orig_mod", None), torch.nn.parallel.DistributedDataParallel)
         raise TypeError("shim.attach needs a torch.nn.parallel.DistributedDataParallel model" + (
-            "; this is a torch.compile'd one: attach the DDP model, then compile it "
-            "(handle = shim.attach(ddp, opt); model = torch.compile(ddp)); with Accelerate, leave dynamo_backend "
-            "unset and compile what prepare() returns after attach" if compiled else _not_ddp(model)))
+            "; this is a torch.compile'd one: wrap a compiled module in DDP and attach that "
+            "(ddp = DDP(torch.compile(module)); handle = shim.attach(ddp, opt)); compiling the DDP model after "
+            "attach is refused at its first forward (with inductor it was not exact with the shim's module hooks); "
+            "with Accelerate, leave dynamo_backend unset" if compiled else _not_ddp(model)))
     _check_levels(levels, partition_bytes)
     group = getattr(model, "process_group", None)
     if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):

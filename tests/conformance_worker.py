@@ -665,15 +665,6 @@ def _compiled(ctx: Ctx):
     plain_loop(ctx, model, opt)
 
 
-@idiom("compiled_ddp")
-def _compiled_ddp(ctx: Ctx):
-    """torch.compile of the DDP model (PyTorch's recommended order), after attach; backend aot_eager."""
-    ctx.model = ddp = DDP(convnet().to(ctx.device))
-    opt = torch.optim.Adam(ddp.parameters(), lr=2e-3)
-    ctx.attach(ddp, opt)
-    plain_loop(ctx, torch.compile(ddp, backend="aot_eager"), opt)
-
-
 # -- what the optimizer holds, beyond DDP's buckets; hooks around the step and the forward ----------------------------
 @idiom("two_optimizers")
 def _two_optimizers(ctx: Ctx):

@@ -149,7 +149,7 @@ def test_grad_watch_sees_reads_of_watched_gradients_not_metadata_or_zeroing():
 
 @pytest.mark.torch
 def test_attach_refuses_a_compiled_ddp_model_with_the_order_to_use(tmp_path):
-    """``torch.compile(ddp)`` is not a DDP model: attach says to attach first and compile after."""
+    """``torch.compile(ddp)`` is not a DDP model: attach says to wrap a compiled module in DDP instead."""
     import torch
     import torch.distributed as dist
 
@@ -158,11 +158,74 @@ def test_attach_refuses_a_compiled_ddp_model_with_the_order_to_use(tmp_path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
-        with pytest.raises(TypeError, match=r"attach the DDP model, then compile it"):
+        with pytest.raises(TypeError, match=r"wrap a compiled module in DDP and attach that \(ddp = DDP\(torch"):
             shim.attach(torch.compile(ddp, backend="eager"), agent_socket="/nonexistent/tl.sock")
         with pytest.raises(TypeError, match=r"DistributedDataParallel model, not a Linear; the process group has "
                                             r"one process"):
             shim.attach(torch.nn.Linear(2, 2))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
+def test_compiling_the_ddp_model_after_attach_is_refused_at_its_first_forward(tmp_path):
+    """``torch.compile(ddp)`` or ``ddp.module.compile()`` with the shim's module hooks on (overlap mode's pre-hooks,
+    the planner's measurement): a module with a hook is one dynamo compiles on its own, and with inductor training
+    ended 2.4e-7 off plain DDP on a loss after 8 Adam steps at 2 ranks, silently, in both (review s8; 2026-11-27). It
+    is refused at the first forward, before the model computes anything, naming what to do instead;
+    ``DDP(torch.compile(module))`` (exact with inductor), and hook mode without module hooks (``policy="flat"``:
+    exact), are not refused. An eager forward after the error trains on."""
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    def train(model, opt, steps: int = 2) -> None:
+        for _ in range(steps):
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    refused = r"{} .*is refused while the shim has hooks.*Nothing of this forward has run.*DDP\(torch.compile\("
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for overlap, policy, how in ((True, "planner", "ddp"), (False, "planner", "ddp"), (True, "flat", "ddp"),
+                                     (True, "planner", "module"), (False, "planner", "module")):
+            ddp = torch.nn.parallel.DistributedDataParallel(net())
+            opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+            before = [p.detach().clone() for p in ddp.parameters()]
+            handle = shim.attach(ddp, opt if overlap else None, levels=2, policy=policy, link_bps=2e8,
+                                 agent_socket="/nonexistent/tl.sock")
+            try:
+                if how == "ddp":
+                    with pytest.raises(RuntimeError, match=refused.format(r"torch.compile of the DDP model itself")):
+                        torch.compile(ddp, backend="eager")(torch.ones(3, 4))
+                else:
+                    ddp.module.compile(backend="eager")
+                    with pytest.raises(RuntimeError, match=refused.format(r"a module of the DDP model compiled in")):
+                        ddp(torch.ones(3, 4))
+                    ddp.module._compiled_call_impl = None  # (undone: eager again)
+                assert all(torch.equal(a, p) and p.grad is None for a, p in zip(before, ddp.parameters(), strict=True))
+                train(ddp, opt)  # eagerly: not refused
+            finally:
+                handle.close()
+        # hook mode without module hooks: nothing to refuse (exact with inductor, review s8)
+        ddp = torch.nn.parallel.DistributedDataParallel(net())
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+        handle = shim.attach(ddp, levels=2, policy="flat", agent_socket="/nonexistent/tl.sock")
+        train(torch.compile(ddp, backend="eager"), opt)
+        handle.close()
+        for overlap in (True, False):  # DDP of a compiled module: not refused
+            ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(net(), backend="eager"))
+            opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+            handle = shim.attach(ddp, opt if overlap else None, levels=2, link_bps=2e8,
+                                 agent_socket="/nonexistent/tl.sock")
+            train(ddp, opt, steps=3)
+            handle.close()
     finally:
         dist.destroy_process_group()
 
