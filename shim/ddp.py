@@ -770,6 +770,7 @@ class Handle:
         self._unhooked: list = []  # overlap mode: parameters frozen at attach, without the gradient hook yet
         self._forward_watch = None  # overlap mode: ov.ForwardWatch, on the mode stack during the probe's forwards
         self._owned: dict = {}  # overlap mode: id(module) -> the parameters it held at attach (_pre_forward)
+        self._load_versions: dict = {}  # overlap mode: id(param) -> its version when a load_state_dict began
 
     @property
     def link(self) -> AgentLink | None:
@@ -844,7 +845,8 @@ class Handle:
         flush = hook(self._flush_hook)
         for m in [self.model, *owners] if root in owners else [self.model, root, *owners]:
             self._hooks.append(m.register_state_dict_pre_hook(flush))
-            self._hooks.append(m.register_load_state_dict_pre_hook(flush))
+            self._hooks.append(m.register_load_state_dict_pre_hook(hook(self._loading)))
+            self._hooks.append(m.register_load_state_dict_post_hook(hook(self._loaded)))
         self._hooks.append(opt.register_state_dict_pre_hook(flush))
         self._hooks.append(opt.register_load_state_dict_pre_hook(flush))
         self._hooks.append(opt.register_load_state_dict_post_hook(hook(self._rewatch)))  # a new state dict
@@ -882,6 +884,22 @@ class Handle:
 
     def _flush_hook(self, *_args, **_kwargs) -> None:
         self.flush()
+
+    def _loading(self, module, *_args) -> None:
+        """A module's ``load_state_dict`` begins: apply what is stamped (a flush), and note its own parameters'
+        versions (``_loaded`` tells the load's writes from others)."""
+        self.flush()
+        self._load_versions.update({id(p): p._version for p in module.parameters(recurse=False)})
+
+    def _loaded(self, module, _incompatible) -> None:
+        """A module's ``load_state_dict`` has ended: its parameters it wrote are the user's values, not a step taken
+        around the shim (``ov.loaded``)."""
+        d = None if self.state is None else self.state.deferred
+        own = list(module.parameters(recurse=False))
+        if d is not None and not self.closed:
+            ov.loaded(d, own, self._load_versions)
+        for p in own:
+            self._load_versions.pop(id(p), None)
 
     def _rewatch(self, *_args) -> None:
         """After ``optimizer.load_state_dict`` (which replaces ``optimizer.state``): watch the new state."""
@@ -1386,10 +1404,14 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
         return handle
     per_param = per_parameter_optimizer if per_parameter_optimizer is not None else \
         type(optimizer) in ov.PER_PARAMETER_OPTIMIZERS
+    wrapped = ov.wrapped_step(optimizer) and per_parameter_optimizer is not True  # (before the shim's own step)
     handle._install_overlap()
     if getattr(model, "gradient_as_bucket_view", False):
         state.mode = "probing"  # fallback() sets hook mode and says why (or raises with require_overlap)
         state.fallback(ov.BUCKET_VIEW)
+    elif per_param and wrapped:
+        state.mode = "probing"  # fallback() sets hook mode and says why (or raises with require_overlap)
+        state.fallback(ov.STEP_WRAPPED)
     elif per_param:
         state.mode, state.mode_reason = "probing", "overlap asked for: the first iteration runs as hook mode"
     else:

@@ -112,6 +112,11 @@ GRADS_READ = ("the loop reads gradients after backward() (a logged gradient norm
 RANDOM = ("the optimizer's step draws from torch's random number generator (noise added to the update, as in SGLD, "
           "with per_parameter_optimizer=True): overlap mode takes the step later and in parts, interleaved with the "
           "next forward's draws (dropout), so every draw would differ")
+STEP_WRAPPED = ("optimizer.step was replaced on the optimizer before attach by a function of the user's (a "
+                "wrapper that counts or logs its calls, or scales the gradients by a global norm first): overlap mode "
+                "takes each step later and in parts, through that function, so it would run once per part and see "
+                "only that part's parameters (pass per_parameter_optimizer=True if it updates each parameter on its "
+                "own and may run per part)")
 STEP_HOOKS = ("the optimizer has step hooks (register_step_pre_hook/register_step_post_hook, or global ones): "
               "overlap mode takes each step later and in parts, so the hooks would run out of time and once per part")
 
@@ -432,6 +437,22 @@ def compiled_step(step) -> bool:
     """Whether ``optimizer.step()`` is being traced by torch.compile now (a compiled training step that calls it),
     or the step itself is a compiled function (``opt.step = torch.compile(opt.step)``)."""
     return torch.compiler.is_compiling() or hasattr(step, "_torchdynamo_orig_callable")
+
+
+def wrapped_step(optimizer) -> bool:
+    """Whether ``optimizer.step`` is an instance attribute other than torch's LR scheduler wrapper (recognised by its
+    code, not by its ``_wrapped_by_lr_sched`` flag, which ``functools.wraps`` copies onto a user's wrapper of it) or a
+    compiled step (the probe sees that one): the deferred step would call it once per part, on that part's
+    parameters only. Until 2026-11-27 such a wrapper was called so, silently: one that scaled the gradients by their
+    global norm left the parameters 1.1e-3 from DDP after 8 SGD steps at 2 ranks, and a call counter logged 13
+    calls for 8 steps (idiom ``wrapped_optimizer_step``)."""
+    import torch.optim.lr_scheduler as lr_scheduler
+    step = optimizer.__dict__.get("step")
+    if step is None or hasattr(step, "_torchdynamo_orig_callable"):
+        return False
+    code = getattr(step, "__code__", None)
+    ours = os.path.join("optim", os.path.basename(lr_scheduler.__file__).replace(".pyc", ".py"))
+    return not (code is not None and code.co_filename.endswith(ours) and code.co_name == "wrapper")
 
 
 def step_hooks(optimizer) -> int:
@@ -887,6 +908,19 @@ def after_backward_callback(fn) -> None:
     """
     engine = torch.autograd.Variable._execution_engine
     engine.queue_callback(lambda: engine.queue_callback(fn))
+
+
+def loaded(deferred: Deferred, params, before: dict) -> None:
+    """``params`` were written by a ``load_state_dict`` (their version moved since ``before``, noted when it began):
+    a write of the user's, not a step around the shim. Where their last backward's bucket awaits a ``step()``, that
+    bucket's baseline moves to the loaded values, so that :func:`check_unstepped` judges later changes only. Until
+    2026-11-27 a rollback after a NaN loss (``backward()``, no ``step()``, the model and optimizer restored from
+    in-memory copies) raised at the next backward, "changed after backward() although no optimizer.step()", where
+    DDP trained on (idiom ``rollback_after_backward``)."""
+    for p in params:
+        pend = deferred.pending.get(id(p))
+        if pend is not None and pend.hparams is None and id(p) in before and p._version != before[id(p)]:
+            pend.created[id(p)] = p._version
 
 
 def check_unstepped(pend: Pending, p) -> None:

@@ -1969,6 +1969,61 @@ def _late_state_inference(ctx: Ctx):
         opt.zero_grad(set_to_none=False)
         ctx.record("loss", loss.item())
 
+
+# -- review s8 (loops not yet in the matrix, 4) -------------------------------------------------------------------
+@idiom("wrapped_optimizer_step")
+def _wrapped_optimizer_step(ctx: Ctx):
+    """``optimizer.step`` replaced on the instance before attach by a function of the user's: a LARS-like wrapper
+    that scales every gradient by the global norm first, and counts its calls (logged). Overlap mode would call it
+    once per part, on that part's parameters (until 2026-11-27 it did, silently: the parameters 1.1e-3 from DDP
+    after 8 steps, 13 calls counted for 8 steps); it falls back to hook mode at attach. An LR scheduler made before
+    attach (torch's own wrapper of ``step``) still overlaps (the scheduled idioms)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    own, calls = opt.step, [0]
+
+    def step(closure=None):
+        calls[0] += 1
+        with torch.no_grad():
+            grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            torch._foreach_mul_(grads, 1.0 / (1.0 + total.item()))
+        return own(closure)
+    opt.step = step
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+    ctx.record("calls", calls[0])
+
+
+@idiom("rollback_after_backward")
+def _rollback_after_backward(ctx: Ctx):
+    """A NaN loss (every rank, step 4) seen after backward(): the model and the optimizer restored from in-memory
+    copies (``load_state_dict``), no ``step()``, on to the next batch; at step 6 only the last layer is restored
+    (its own ``load_state_dict``) and the step taken on the gradients. Until 2026-11-27 overlap mode raised at the
+    next backward ("changed after backward() although no optimizer.step()"), where DDP trains on."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    snap = (copy.deepcopy(model.module.state_dict()), copy.deepcopy(opt.state_dict()))
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        if step == 4:
+            loss = loss * float("nan")
+        loss.backward()
+        if not torch.isfinite(loss):
+            model.module.load_state_dict(snap[0])
+            opt.load_state_dict(snap[1])
+            opt.zero_grad()
+            ctx.record("rolled_back", step)
+            continue
+        if step == 6:
+            model.module[7].load_state_dict({k[2:]: v for k, v in snap[0].items() if k.startswith("7.")})
+        opt.step()
+        opt.zero_grad()
+        snap = (copy.deepcopy(model.module.state_dict()), copy.deepcopy(opt.state_dict()))
+        ctx.record("loss", loss.item())
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
