@@ -1407,16 +1407,16 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
     wrapped = ov.wrapped_step(optimizer) and per_parameter_optimizer is not True  # (before the shim's own step)
     handle._install_overlap()
     if getattr(model, "gradient_as_bucket_view", False):
-        state.mode = "probing"  # fallback() sets hook mode and says why (or raises with require_overlap)
-        state.fallback(ov.BUCKET_VIEW)
-    elif per_param and wrapped:
-        state.mode = "probing"  # fallback() sets hook mode and says why (or raises with require_overlap)
-        state.fallback(ov.STEP_WRAPPED)
-    elif per_param:
-        state.mode, state.mode_reason = "probing", "overlap asked for: the first iteration runs as hook mode"
+        why = ov.BUCKET_VIEW
+    elif not per_param:
+        why = (f"{type(optimizer).__name__} is not known to update each parameter on its own "
+               "(shim.overlap.PER_PARAMETER_OPTIMIZERS; pass per_parameter_optimizer=True if it does)")
     else:
-        state.mode = "probing"  # fallback() sets hook mode and says why (or raises with require_overlap)
-        state.fallback(f"{type(optimizer).__name__} is not known to update each parameter on its own "
-                       "(shim.overlap.PER_PARAMETER_OPTIMIZERS; pass per_parameter_optimizer=True if it does)")
+        why = ov.STEP_WRAPPED if wrapped else None
+    state.mode = "probing"
+    if why is None:
+        state.mode_reason = "overlap asked for: the first iteration runs as hook mode"
+    else:
+        state.fallback(why)  # sets hook mode and says why (or raises with require_overlap)
     model.register_comm_hook(state, overlap_hook)
     return handle
