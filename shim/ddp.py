@@ -762,6 +762,8 @@ class Handle:
         self._hooks: list = []
         self._step_attr = None  # the function put on optimizer.step (overlap mode)
         self._own_step = None  # what optimizer.step was as an instance attribute before that, if anything
+        self._class_step = None  # the optimizer class's step function at attach (overlap mode's plumbing)
+        self._per_part_ok = False  # attach(per_parameter_optimizer=True): the user's step may run per part
         self._zero_grad_attr = None  # the same for optimizer.zero_grad (overlap mode: the guard pauses there)
         self._own_zero_grad = None
         self.closed = False
@@ -801,6 +803,7 @@ class Handle:
         self.state.options["ddp"] = self.model  # overlap_hook checks for DDP's join()
         d.orig_step = opt.step
         self._own_step = opt.__dict__.get("step")  # an LR scheduler made before attach put its wrapper there
+        self._class_step = type(opt).step
 
         @functools.wraps(d.orig_step)  # the signature (frameworks inspect it), not the behaviour
         def step(closure=None):
@@ -1014,9 +1017,29 @@ class Handle:
                           f"next forward (stats()['overlap']['{counter}'] counts such iterations)",
                           stacklevel=ov.user_stacklevel())
 
+    def _class_step_replaced(self) -> None:
+        """The optimizer's class had its ``step`` replaced after attach (``torch.optim.SGD.step = wrapper``): under
+        DDP ``optimizer.step()`` calls the new function from now on, unless an instance attribute (an LR
+        scheduler's wrapper, made before attach) holds the old one. Hook mode calls it too; overlap mode, which
+        would call it once per part, refuses before it runs (until 2026-11-27 both called the old one, silently)."""
+        opt, d = self.optimizer, self.state.deferred
+        self._class_step = type(opt).step
+        if self._own_step is not None:  # torch's LR scheduler wrapper calls the function it wrapped, as under DDP
+            return
+        if self.closed or self.state.mode == "hook" or self._per_part_ok or not ov.class_step_wrapped(type(opt)):
+            d.orig_step = self._class_step.__get__(opt, type(opt))
+            return
+        raise RuntimeError(
+            f"tensorlane overlap mode: {type(opt).__name__}.step was replaced after attach by a function of the "
+            "user's; overlap mode would take each step later and in parts through it, once per part, each call "
+            "seeing only that part's parameters. Replace it before attach (the shim then uses hook mode), or pass "
+            "per_parameter_optimizer=True to attach if it updates each parameter on its own")
+
     def _user_step(self, closure=None):
         """The user's ``optimizer.step()``: stamps the pending updates in overlap mode (see shim.overlap)."""
         state, d = self.state, self.state.deferred
+        if type(self.optimizer).step is not self._class_step:
+            self._class_step_replaced()
         if self.closed or state.mode == "hook":
             return d.orig_step() if closure is None else d.orig_step(closure)
         if state.mode == "probing":
@@ -1405,6 +1428,7 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
     per_param = per_parameter_optimizer if per_parameter_optimizer is not None else \
         type(optimizer) in ov.PER_PARAMETER_OPTIMIZERS
     wrapped = ov.wrapped_step(optimizer) and per_parameter_optimizer is not True  # (before the shim's own step)
+    handle._per_part_ok = per_parameter_optimizer is True
     handle._install_overlap()
     if getattr(model, "gradient_as_bucket_view", False):
         why = ov.BUCKET_VIEW

@@ -112,11 +112,11 @@ GRADS_READ = ("the loop reads gradients after backward() (a logged gradient norm
 RANDOM = ("the optimizer's step draws from torch's random number generator (noise added to the update, as in SGLD, "
           "with per_parameter_optimizer=True): overlap mode takes the step later and in parts, interleaved with the "
           "next forward's draws (dropout), so every draw would differ")
-STEP_WRAPPED = ("optimizer.step was replaced on the optimizer before attach by a function of the user's (a "
-                "wrapper that counts or logs its calls, or scales the gradients by a global norm first): overlap mode "
-                "takes each step later and in parts, through that function, so it would run once per part and see "
-                "only that part's parameters (pass per_parameter_optimizer=True if it updates each parameter on its "
-                "own and may run per part)")
+STEP_WRAPPED = ("optimizer.step was replaced on the optimizer (or its class) before attach by a function of the "
+                "user's (a wrapper that counts or logs its calls, or scales the gradients by a global norm first): "
+                "overlap mode takes each step later and in parts, through that function, so it would run once per "
+                "part and see only that part's parameters (pass per_parameter_optimizer=True if it updates each "
+                "parameter on its own and may run per part)")
 STEP_HOOKS = ("the optimizer has step hooks (register_step_pre_hook/register_step_post_hook, or global ones): "
               "overlap mode takes each step later and in parts, so the hooks would run out of time and once per part")
 
@@ -440,7 +440,8 @@ def compiled_step(step) -> bool:
 
 
 def wrapped_step(optimizer) -> bool:
-    """Whether ``optimizer.step`` is an instance attribute other than torch's LR scheduler wrapper (recognised by its
+    """Whether ``optimizer.step`` is a function of the user's (:func:`class_step_wrapped` on its class), or an
+    instance attribute other than torch's LR scheduler wrapper (recognised by its
     code, not by its ``_wrapped_by_lr_sched`` flag, which ``functools.wraps`` copies onto a user's wrapper of it) or a
     compiled step (the probe sees that one): the deferred step would call it once per part, on that part's
     parameters only. Until 2026-11-27 such a wrapper was called so, silently: one that scaled the gradients by their
@@ -449,10 +450,29 @@ def wrapped_step(optimizer) -> bool:
     import torch.optim.lr_scheduler as lr_scheduler
     step = optimizer.__dict__.get("step")
     if step is None or hasattr(step, "_torchdynamo_orig_callable"):
-        return False
+        return class_step_wrapped(type(optimizer))
     code = getattr(step, "__code__", None)
     ours = os.path.join("optim", os.path.basename(lr_scheduler.__file__).replace(".pyc", ".py"))
-    return not (code is not None and code.co_filename.endswith(ours) and code.co_name == "wrapper")
+    return not (code is not None and code.co_filename.endswith(ours) and code.co_name == "wrapper") or \
+        class_step_wrapped(type(optimizer))
+
+
+def class_step_wrapped(cls) -> bool:
+    """Whether ``cls.step`` is a function of the user's, not torch's: some function of its chain of wrappers
+    (``__wrapped__``, as ``functools.wraps`` leaves it) is not torch's own code, e.g. ``torch.optim.SGD.step``
+    replaced by a call counter or a gradient scaling (only torch's optimizers are asked: a user's own optimizer class
+    is not known per parameter anyway). Until 2026-11-27 such a class-level wrapper went unseen, as an instance one
+    had (:func:`wrapped_step`)."""
+    root = os.path.dirname(torch.__file__) + os.sep
+    f = getattr(cls, "step", None)
+    for _ in range(32):  # (a chain of wrappers has a few links; a cycle of __wrapped__ must not loop forever)
+        code = getattr(f, "__code__", None)
+        if code is None or not os.path.abspath(code.co_filename).startswith(root):
+            return True
+        f = getattr(f, "__wrapped__", None)
+        if f is None:
+            return False
+    return True
 
 
 def step_hooks(optimizer) -> int:

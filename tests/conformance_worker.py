@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import functools
 import gc
 import json
 import os
@@ -1993,6 +1994,45 @@ def _wrapped_optimizer_step(ctx: Ctx):
     ctx.attach(model, opt)
     plain_loop(ctx, model, opt)
     ctx.record("calls", calls[0])
+
+
+@idiom("class_wrapped_optimizer_step")
+def _class_wrapped_optimizer_step(ctx: Ctx):
+    """``torch.optim.SGD.step`` replaced on the class before attach by a user's wrapper that scales every gradient by
+    the global norm first (as ``wrapped_optimizer_step`` on the instance), and after 4 steps wrapped once more by a
+    call counter that also halves the gradients (a patch applied late). Overlap mode falls back to hook mode at
+    attach, and the later wrapper is called from then on, as under DDP. Until 2026-11-27 neither was seen: overlap
+    mode called the first once per part (the parameters 1.1e-2 from DDP after 8 steps at 2 ranks, 14 calls counted
+    for 8), and kept calling the function of attach time after the second came (4 calls of it missed)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    own, calls = torch.optim.SGD.step, [0, 0]
+
+    @functools.wraps(own)
+    def scaled(self, closure=None):
+        calls[0] += 1
+        with torch.no_grad():
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            torch._foreach_mul_(grads, 1.0 / (1.0 + total.item()))
+        return own(self, closure)
+
+    def counted(self, closure=None):  # (and halves the step: a late wrapper that changed nothing would not show)
+        calls[1] += 1
+        with torch.no_grad():
+            torch._foreach_mul_([p.grad for g in self.param_groups for p in g["params"] if p.grad is not None], 0.5)
+        return scaled(self, closure)
+    def late(step):
+        if step == 4:
+            torch.optim.SGD.step = counted
+    torch.optim.SGD.step = scaled
+    try:
+        ctx.attach(model, opt)
+        plain_loop(ctx, model, opt, before_forward=late)
+    finally:
+        torch.optim.SGD.step = own
+    ctx.record("calls", calls[0])
+    ctx.record("late_calls", calls[1])
 
 
 @idiom("rollback_after_backward")

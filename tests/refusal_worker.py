@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gc
 import json
 import os
@@ -51,11 +52,21 @@ def clamp(w) -> None:
         w.clamp_(-0.1, 0.1)
 
 
+def counted(step):
+    """``step`` behind a call counter (a user's wrapper of an optimizer class's step)."""
+    @functools.wraps(step)
+    def wrapper(*args, **kwargs):
+        wrapper.calls += 1
+        return step(*args, **kwargs)
+    wrapper.calls = 0
+    return wrapper
+
+
 def loop(scenario: str, shim_on: bool, steps: int):
     """Train ``steps`` iterations; returns (parameters, error text or None)."""
     model = DDP(Net(), bucket_cap_mb=0.0001)  # a bucket per parameter: c's step waits for c alone
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    handle = None
+    handle, own_step = None, torch.optim.SGD.step
     if shim_on:
         handle = shim.attach(model, opt, levels=2, policy="layer_order", agent_socket="/nonexistent/tl.sock",
                              require_overlap=scenario == "require_overlap")
@@ -75,6 +86,8 @@ def loop(scenario: str, shim_on: bool, steps: int):
                 next(model.parameters()).grad.zero_()
             if scenario == "step_hook_later" and step == LATE:  # a hook after overlap mode was chosen
                 opt.register_step_post_hook(lambda *_: None)
+            if scenario == "class_step_replaced_later" and step == LATE:  # a call counter on the class's step
+                torch.optim.SGD.step = counted(own_step)
             if scenario == "step_around_shim" and late:  # the optimizer's own step, not the one the shim
                 type(opt).step(opt)  # installed: it reads the gradients, which are made DDP's average first
             elif scenario == "step_around_shim_thread" and late:  # the same from another thread: not seen then
@@ -101,6 +114,8 @@ def loop(scenario: str, shim_on: bool, steps: int):
             opt.zero_grad()
     except RuntimeError as exc:
         error = str(exc)
+    finally:
+        torch.optim.SGD.step = own_step
     if handle is not None and error is None:
         handle.flush()  # the last step's update (after an error: the parameters as they are)
     params = {k: v.detach().clone() for k, v in model.module.named_parameters()}
@@ -117,6 +132,7 @@ SCENARIOS = {"grad_zeroed_later": LATE, "require_overlap": 1,
              "step_around_shim": STEPS,  # its step reads the gradients: averaged first, exact
              "other_optimizer_later": LATE, "step_hook_later": LATE,
              "state_replaced_later": LATE,  # that step would be applied at the next forward, which refuses
+             "class_step_replaced_later": LATE,  # refused at that step(), before it runs
              "early_use": STEPS,  # c's parameters used outside c from the first iteration on: exact, no error
              "param_write_later": STEPS,  # clamped after step(): the guard applies the update first, exact
              "clip_later": STEPS,  # clipping (and a .grad scaled in place) that starts after the probe reads the
