@@ -56,6 +56,8 @@ class ReconcileStats:
     repairs: int = 0
     errors: int = 0
     last_error: str = ""
+    last_pass_s: float | None = None  # time.monotonic() when the last full pass began (health.Health reads it)
+    last_pass_failed: bool = False  # whether that pass failed
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,7 @@ class Reconciler:
         replaced) keeps neither the other devices' trees nor the flows' marks from being repaired. ``problems``
         found before the pass (a managed interface absent: ``daemon.HeldDevices.follow``) fail it too."""
         self.stats.passes += 1
+        self.stats.last_pass_s = time.monotonic()
         failed = list(problems)
         repairs = 0
         for dev in self.devices:
@@ -226,6 +229,7 @@ class Reconciler:
         self.stats.repairs += repairs
         repairs += self._reconcile_flows(table, failed)
         failing = "; ".join(failed)
+        self.stats.last_pass_failed = bool(failed)
         if failed:
             self.stats.errors += 1
             self.stats.last_error = failing

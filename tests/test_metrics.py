@@ -936,39 +936,49 @@ def test_a_users_subordinate_uids_count_as_that_user_at_the_metrics_address(kern
         server.close()
 
 
+def passes(api, at: float, failed: bool = False) -> None:
+    """A full reconcile pass beginning at ``at`` (the reconciler's clock), as ``Reconciler.reconcile`` counts it."""
+    st = api.rec.stats
+    st.passes, st.last_pass_s, st.last_pass_failed = st.passes + 1, at, failed
+
+
 def test_health_turns_503_when_reconcile_passes_stop():
     api = fake_api()
     now = [0.0]
     health = Health(api, stall_after_s=15, clock=lambda: now[0])
     for t in (5, 10, 15, 20):
         now[0] = t
-        api.rec.stats.passes += 1
+        passes(api, t)
         assert health.check()[0] == 200
-    api.rec.stats.errors += 1
-    api.rec.stats.passes += 1
+    passes(api, 21, failed=True)
     code, body = health.check()
     assert code == 200 and body["last_reconcile_failed"] is True
-    now[0] = 36
+    now[0] = 37
     code, body = health.check()
-    assert code == 503 and body["status"] == "stalled"
+    assert code == 503 and body["status"] == "stalled" and body["seconds_since_reconcile"] == 16
 
 
 def test_reconcile_stalled_gauge_says_what_healthz_says_whatever_the_interval():
     """``tensorlane_reconcile_stalled`` (what TensorlaneReconcileStalled alerts on) is 1 exactly when ``/healthz``
     would answer 503: no pass seen for 3 x ``reconcile_interval_s``. With an interval of an hour a healthy agent
-    passes every hour and is never stalled (a 5-minute rate of the passes, the rule before, was 0 between them)."""
+    passes every hour and is never stalled (a 5-minute rate of the passes, the rule before, was 0 between them).
+    Both answer from the pass's own time, not from when they were last asked: the gauge scraped 30 minutes after a
+    pass says stalled when ``/healthz`` does (until 2026-11-27 each noticed a pass only when asked)."""
     api = fake_api(reconcile_interval_s=3600)
     registry, collector = make_registry(api)
     source = next(src for src in collector.sources if src.name == "reconcile")
     now = [0.0]
     source.health = Health(api, clock=lambda: now[0])
+    healthz = Health(api, clock=lambda: now[0])
     assert source.health.stall_after_s == 3 * 3600
     for t in range(0, 4 * 3600, 3600):  # a pass an hour, scraped between
+        passes(api, t)
         now[0] = t + 1800
-        api.rec.stats.passes += 1
         assert value(scrape(registry), "tensorlane_reconcile_stalled") == 0
-    now[0] += 3 * 3600 + 1  # no pass for three intervals
-    assert value(scrape(registry), "tensorlane_reconcile_stalled") == 1
+    now[0] = 3 * 3600 + 3 * 3600 + 1  # no pass for three intervals after the last (at 3 h)
+    assert value(scrape(registry), "tensorlane_reconcile_stalled") == 1 and healthz.check()[0] == 503
+    now[0] -= 2  # a second earlier than three intervals: neither says stalled, though the gauge was asked last
+    assert healthz.check()[0] == 200 and value(scrape(registry), "tensorlane_reconcile_stalled") == 0
 
 
 def test_metrics_address_in_use_is_an_error():

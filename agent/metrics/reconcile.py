@@ -21,7 +21,7 @@ class ReconcileSource(Source):
     name = "reconcile"
 
     def __init__(self, api):
-        """Watch the passes from the first scrape on, as ``/healthz`` does from the agent's start."""
+        """The stall test of ``/healthz`` (``Health`` reads the last pass's time from ``api.rec.stats``)."""
         super().__init__(api)
         self.health = Health(api)
 
