@@ -22,6 +22,7 @@ Usage::
 """
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Callable, Iterable, Mapping
 
@@ -34,6 +35,7 @@ TCP_CLOSED_SENDING = frozenset({0x04, 0x09, 0x0B})
 EXACT_LOOKUPS_MAX = 256  # up to this many TCP flows, exact lookups whatever the tables hold
 ROWS_PER_LOOKUP = 3  # one exact lookup (~12 us) costs about what 3 rows of the text tables do (~4 us each)
 _DIAG = SockDiag()  # the agent's namespace: a socket of another one is never found
+atexit.register(_DIAG.close)  # (its socket, opened at first use, is not left to the interpreter's exit)
 _TABLES = (("tcp", "tcp", False), ("tcp6", "tcp", True), ("udp", "udp", False), ("udp6", "udp", True))
 
 Socket = tuple[str, str, int, str, int, int]  # (proto, laddr, lport, raddr, rport, state)
