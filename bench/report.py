@@ -1279,6 +1279,11 @@ def check(texts: dict[str, str], expected_plots: set[str], plots: set[str], img_
     return 0
 
 
+def jobs_doc_of(readme: str, jobs_doc: str | None = None) -> str:
+    """``jobs_doc``, or the default: docs/jobs-measured.md beside ``readme``."""
+    return jobs_doc or os.path.join(os.path.dirname(readme), JOBS_DOC)
+
+
 def build(results_dir: str, readme: str, img_dir: str, check_only: bool = False, out=print,
           page: str | None = None, jobs_doc: str | None = None) -> int:
     """Render from ``results_dir`` and update (or, with ``check_only``, compare) ``readme``'s block, the results page
@@ -1288,7 +1293,7 @@ def build(results_dir: str, readme: str, img_dir: str, check_only: bool = False,
     Usage: ``build("results", "README.md", "docs/img")``
     """
     page = page or os.path.join(results_dir, "README.md")
-    jobs_doc = jobs_doc or os.path.join(os.path.dirname(readme), JOBS_DOC)
+    jobs_doc = jobs_doc_of(readme, jobs_doc)
     results = load(results_dir)
     expected_plots = {n for n, e in results.items() if e.get("data") is not None}
     if check_only:
@@ -1325,7 +1330,7 @@ def main(argv=None) -> int:
         print(f"bench.report: {args.readme} does not exist", file=sys.stderr)
         return 2
     page = args.page or os.path.join(args.results, "README.md")
-    jobs_doc = args.jobs_doc or os.path.join(os.path.dirname(args.readme), JOBS_DOC)
+    jobs_doc = jobs_doc_of(args.readme, args.jobs_doc)
     try:
         code = build(args.results, args.readme, args.img_dir, check_only=args.check, page=page, jobs_doc=jobs_doc)
     except (ReportError, OSError) as exc:
