@@ -122,13 +122,10 @@ class Server:
         if fds != resource.RLIM_INFINITY and fds < self.max_conns + 64:
             log.warning("open-file limit %d is below max_connections = %d: connections beyond it wait in the "
                         "listen backlog", fds, self.max_conns)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.listener = self._bind(path, mode, None if group is None else grp.getgrnam(group).gr_gid)
-        self._inode = os.lstat(path).st_ino  # what close() removes: this socket, not a file put there since
-        self.listener.listen(socket.SOMAXCONN)  # (a full backlog refuses connect() with EAGAIN, root's too)
-        self.listener.setblocking(False)
+        self._mode, self._gid = mode, None if group is None else grp.getgrnam(group).gr_gid
+        self._path_problem = ""  # what _check_path last found wrong with the socket file ("" when it is ours)
         self.sel = selectors.DefaultSelector()
-        self.sel.register(self.listener, READ, ("listen", None))
+        self._listen()
         self.listen_again: float | None = None  # out of file descriptors: accept again at this time
         self.conns: OrderedDict[socket.socket, _Conn] = OrderedDict()  # least recently active first
         self.users: dict[int, _User] = {}  # unprivileged uids with connections (or a bucket still refilling)
@@ -139,6 +136,55 @@ class Server:
         self.refusals = api.refusal_log  # one bounded log for the server's and the API's refusals
         self.watched: dict[int, int] = {}  # pid -> pidfd
         api.server = self  # read by the metrics (agent/metrics/connections.py), from their threads
+
+    def _listen(self) -> None:
+        """Bind a listener at ``self.path`` (its directory made where missing) and watch it for connections."""
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        sock = self._bind(self.path, self._mode, self._gid)
+        self._inode = os.lstat(self.path).st_ino  # what close() removes: this socket, not a file put there since
+        sock.listen(socket.SOMAXCONN)  # (a full backlog refuses connect() with EAGAIN, root's too)
+        sock.setblocking(False)
+        self.listener = sock
+        self.sel.register(sock, READ, ("listen", None))
+
+    def _check_path(self) -> None:
+        """Bind the socket again where its file was removed (``rm -rf /run/tensorlane``, a tmpfiles clean-up):
+        the listener went on accepting on a path no client could reach, and nothing said so (every shim refused
+        "no agent", the agent healthy). A file of someone else's put there is left alone and reported."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            problem = self._bind_again()
+        except OSError as exc:
+            problem = f"cannot look at the socket file {self.path}: {exc}"
+        else:
+            problem = "" if stat.S_ISSOCK(st.st_mode) and st.st_ino == self._inode else (
+                f"{self.path} was replaced by a file that is not the agent's socket: left as it is, clients cannot "
+                "reach the agent; remove it and the agent binds its socket again")
+        if problem:
+            stats = self.api.rec.stats
+            stats.errors += 1
+            stats.last_error = problem
+            if problem != self._path_problem:
+                log.error("%s", problem)
+        elif self._path_problem:
+            log.warning("the socket file %s is the agent's again", self.path)
+        self._path_problem = problem
+
+    def _bind_again(self) -> str:
+        """A new listener at the removed socket file's path; what went wrong ("" when it listens)."""
+        old = self.listener
+        try:
+            self._listen()
+        except OSError as exc:
+            return f"the socket file {self.path} was removed and cannot be made again: {exc}"
+        if self.listen_again is None:  # (else not watched: out of file descriptors a moment ago)
+            self.sel.unregister(old)
+        self.listen_again = None
+        old.close()
+        self.api.rec.stats.repairs += 1
+        log.warning("the socket file %s was removed: bound it again (clients reach the agent again)", self.path)
+        return ""
 
     @staticmethod
     def _bind(path: str, mode: int, gid: int | None) -> socket.socket:
@@ -215,6 +261,7 @@ class Server:
                 self.sel.register(self.listener, READ, ("listen", None))
             if now >= next_sweep:
                 self._guarded("removing the flows of closed sockets", self.api.sweep)
+                self._guarded("checking the socket file", self._check_path)
                 self._watch_owners()
                 self._forget_users(now)
                 self.refusals.flush()

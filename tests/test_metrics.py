@@ -1291,3 +1291,41 @@ def test_the_api_socket_is_made_with_its_mode_and_follows_no_link(monkeypatch, t
     path.write_text("put here since")  # the agent's socket replaced while it ran: close() leaves the new file
     server.close()
     assert path.read_text() == "put here since"
+
+
+def test_a_removed_socket_file_is_bound_again_and_a_foreign_one_reported(served, tmp_path, caplog):
+    """The API socket's file removed while the agent runs (``rm -rf /run/tensorlane``, a tmpfiles clean-up): the
+    agent binds it again within a sweep, with its mode, and says so. Before, the listener went on accepting on a
+    path no client could reach: every shim got "no agent" and nothing said why. A file of someone else's put there
+    instead is left alone, counted as an error and logged once; removed, the socket comes back."""
+    import logging
+    import os
+    import stat
+
+    def wait_until(check, seconds):
+        deadline = time.monotonic() + seconds
+        while not check():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.05)
+
+    server, _registry = served()
+    path = tmp_path / "agent.sock"
+    before = path.lstat().st_ino
+    with caplog.at_level(logging.WARNING, logger="tensorlane.server"):
+        os.unlink(path)
+        wait_until(lambda: path.exists(), 5)
+        assert path.lstat().st_ino != before and stat.S_IMODE(path.lstat().st_mode) == 0o600
+        _sock, reply = connect(str(path))
+        assert reply["ok"], reply
+        assert "was removed: bound it again" in caplog.text
+        assert server.api.rec.stats.repairs == 1 and server.api.rec.stats.errors == 0
+        os.unlink(path)
+        path.write_text("someone else's")
+        wait_until(lambda: server.api.rec.stats.errors >= 2, 5)
+        assert path.read_text() == "someone else's"
+        assert caplog.text.count("not the agent's socket") == 1
+        assert "not the agent's socket" in server.api.rec.stats.last_error
+        path.unlink()
+        wait_until(lambda: path.exists() and stat.S_ISSOCK(path.lstat().st_mode), 5)
+        _sock, reply = connect(str(path))
+        assert reply["ok"], reply
