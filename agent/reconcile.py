@@ -220,7 +220,10 @@ class Reconciler:
         repairs = 0
         for dev in self.devices:
             try:
-                dev.backend.apply(self.ipr, dev.index)
+                if put_back := dev.backend.apply(self.ipr, dev.index):
+                    log.warning("reconcile: %s's tree was changed behind the agent's back: put back %s", dev.name,
+                                "; ".join(put_back))
+                    repairs += 1
                 if found := qdisc.remove_filters(self.ipr, dev.index, dev.backend.filter_parents()):
                     log.warning("reconcile: removed foreign tc filters from %s's tree (at %d parents)", dev.name, found)
                     repairs += found

@@ -507,3 +507,39 @@ def test_a_foreign_filter_in_another_chain_is_not_repaired_every_pass(fz):
         st = agents[1].status()["reconcile"]
         assert st["repairs"] == repairs and st["errors"] == 0, st
         assert agents[1].stderr_tail(20000).count("removed foreign tc filters") <= 2
+
+
+@pytest.fixture(scope="module")
+def s9f():
+    """A testbed of its own for the faults below (names s9f-*, used by no other test)."""
+    with Testbed(hosts=2, rate="100mbit", name="s9f") as bed:
+        yield bed
+
+
+def test_an_administrators_root_or_deleted_leaf_is_put_back_logged_and_counted(s9f):
+    """``tc qdisc replace dev eth0 root ...`` and a leaf qdisc deleted under the agent: the next pass puts its tree
+    back, logs what it put back and counts a repair (status, metrics). Before, the tree came back and nothing said
+    so: ``repairs`` stayed 0, no line in the log, though a tool on the host fought the agent every pass. On exit the
+    original tree is back."""
+    h1, h2 = s9f.host(1), s9f.host(2)
+    before, tables = tc_dump(h1, "eth0"), nft_tables(h1)
+    with running_agents(s9f, hosts=[1], backend="htb", config_extra=FAST) as agents:
+        agent = agents[1]
+        with agent.client() as c:
+            c.register("job-r", 0, [flow(h1, 9821, h2, 9820)])
+        repairs = agent.status()["reconcile"]["repairs"]
+        h1.run(["tc", "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "tbf", "rate", "10mbit", "burst",
+                "32k", "latency", "50ms"])
+        wait_for("root put back", lambda: ours(h1) == ["eth0"] and agent.status()["reconcile"]["repairs"] > repairs)
+        wait_for("logged", lambda: "put back its root qdisc (tbf 1: was the root)" in agent.stderr_tail())
+        repairs = agent.status()["reconcile"]["repairs"]
+        h1.run(["tc", "qdisc", "del", "dev", "eth0", "parent", "7a1:11"])
+        wait_for("leaf put back", lambda: "qdisc pfifo 101: parent 7a1:11" in h1.run(
+            ["tc", "qdisc", "show", "dev", "eth0"]).stdout and agent.status()["reconcile"]["repairs"] > repairs)
+        wait_for("logged", lambda: "put back 1 leaf qdiscs (101:)" in agent.stderr_tail())
+        passes_again(agent, 4.0)
+        repairs = agent.status()["reconcile"]["repairs"]
+        time.sleep(0.5)  # a tree left alone is no repair
+        assert agent.status()["reconcile"]["repairs"] == repairs
+        assert "9821" in h1.run(["nft", "list", "map", "inet", "tensorlane", "flows4"]).stdout
+    assert tc_dump(h1, "eth0") == before and nft_tables(h1) == tables

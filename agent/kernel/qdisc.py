@@ -124,10 +124,12 @@ class HtbBackend:
         self.shares = shares
         return True
 
-    def apply(self, ipr, index: int) -> None:
+    def apply(self, ipr, index: int) -> list[str]:
         """Create the tree, or bring an existing one of ours to the desired parameters in place; one of ours with
-        another class layout (adopted from an agent of another ``levels``) is made afresh (:meth:`stale_layout`)."""
+        another class layout (adopted from an agent of another ``levels``) is made afresh (:meth:`stale_layout`).
+        Returns what had to be made again (:func:`_put_back`: [] when the root and leaves were all there)."""
         qdiscs = ipr.get_qdiscs(index=index)
+        put_back = _put_back(qdiscs, self.root, [spec.leaf_handle for spec in self.leaves()], "htb")
         have = _drop_other_kind(ipr, index, {q["handle"]: q.get_attr("TCA_KIND") for q in qdiscs}, "htb")
         if have.get(self.root) == "htb" and (why := self.stale_layout(ipr, index, qdiscs)):
             log.warning("the tensorlane tree on device %d has %s: making it afresh", index, why)
@@ -146,6 +148,7 @@ class HtbBackend:
             if have.get(spec.leaf_handle) != "pfifo" or limits.get(spec.leaf_handle) != self.queue_limit:
                 ipr.tc("replace", "pfifo", index=index, handle=spec.leaf_handle, parent=spec.classid,
                        limit=self.queue_limit)
+        return put_back
 
     def stale_layout(self, ipr, index: int, qdiscs) -> str:
         """What makes the HTB tree of ours on device ``index`` another layout than this backend's ("" when none):
@@ -229,9 +232,11 @@ class PrioBackend:
         """sch_prio has no guarantee to give, none to keep within the link."""
         return 1.0
 
-    def apply(self, ipr, index: int) -> None:
-        have = _drop_other_kind(ipr, index, {q["handle"]: q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index=index)},
-                                "prio")
+    def apply(self, ipr, index: int) -> list[str]:
+        """Create the tree or bring ours to the desired parameters; returns what had to be made again."""
+        qdiscs = ipr.get_qdiscs(index=index)
+        put_back = _put_back(qdiscs, self.root, [spec.leaf_handle for spec in self.leaves()], "prio")
+        have = _drop_other_kind(ipr, index, {q["handle"]: q.get_attr("TCA_KIND") for q in qdiscs}, "prio")
         bands = self.levels + 1
         # Unclassified traffic, whatever its TOS, goes to the default (last) band.
         opts = {"bands": bands, "priomap": [self.levels] * 16}
@@ -241,6 +246,7 @@ class PrioBackend:
             if have.get(spec.leaf_handle) != "pfifo":
                 ipr.tc("replace", "pfifo", index=index, handle=spec.leaf_handle, parent=spec.classid,
                        limit=self.queue_limit)
+        return put_back
 
     def filter_parents(self) -> tuple[int, ...]:
         """Where a filter could classify packets in the tree: the root qdisc."""
@@ -256,6 +262,19 @@ def owns_root(ipr, index: int) -> bool:
     killed with the other backend (``backend = "auto"`` picks htb once ``link_rate`` is set) left it, and its state
     file records the original. Taken for a foreign root, it was recorded as the original over that record."""
     return any(q["parent"] == snapshot.TC_H_ROOT and q["handle"] == handle(MAJOR) for q in ipr.get_qdiscs(index=index))
+
+
+def _put_back(qdiscs, root: int, leaves: list[int], kind: str) -> list[str]:
+    """What :meth:`apply` will make again on a device whose qdiscs are ``qdiscs`` (a dump): its root, where
+    another qdisc (or the kernel's default) is the root now, and leaf qdiscs that are gone. A full pass logs and
+    counts these: before, a ``tc qdisc replace ... root`` or a deleted leaf was put back and nothing said so."""
+    top = next((q for q in qdiscs if q["parent"] == snapshot.TC_H_ROOT), None)
+    if top is None or top["handle"] != root or top.get_attr("TCA_KIND") != kind:
+        what = "the default" if top is None or not top["handle"] else (
+            f"{top.get_attr('TCA_KIND')} {fmt_handle(top['handle'])}")
+        return [f"its root qdisc ({what} was the root)"]
+    gone = [h for h in leaves if h not in {q["handle"] for q in qdiscs}]
+    return [f"{len(gone)} leaf qdiscs ({', '.join(map(fmt_handle, gone))})"] if gone else []
 
 
 def _drop_other_kind(ipr, index: int, have: dict[int, str], kind: str) -> dict[int, str]:
