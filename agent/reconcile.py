@@ -268,7 +268,10 @@ class Reconciler:
         if listing is None or nftables.table_shape(listing) != self._shape:
             if listing is not None:
                 log.warning("reconcile: the nftables table's chains or rules changed; putting them back")
-                self.stats.repairs += 1
+            else:  # (before, only its flow entries were counted and logged, as if they alone had gone)
+                log.warning("reconcile: the nftables table inet tensorlane is gone (deleted, or nft flush ruleset); "
+                            "making it again with its flows")
+            self.stats.repairs += 1
             listing = self._install_table()
         have = nftables.parse_map_elements(listing)
         level_of = table.level_of

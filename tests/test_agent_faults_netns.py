@@ -543,3 +543,21 @@ def test_an_administrators_root_or_deleted_leaf_is_put_back_logged_and_counted(s
         assert agent.status()["reconcile"]["repairs"] == repairs
         assert "9821" in h1.run(["nft", "list", "map", "inet", "tensorlane", "flows4"]).stdout
     assert tc_dump(h1, "eth0") == before and nft_tables(h1) == tables
+
+
+def test_nft_flush_ruleset_is_logged_as_the_table_gone_and_counted(s9f):
+    """``nft flush ruleset`` (a firewall reload) deletes the agent's table: the next pass makes it again with its
+    flows, and says that the table was gone. Before, the log said only "added 1 missing flow entries", as if an
+    entry alone had gone, and the table's re-creation was not counted."""
+    h1, h2 = s9f.host(1), s9f.host(2)
+    with running_agents(s9f, hosts=[1], backend="htb", config_extra=FAST) as agents:
+        agent = agents[1]
+        with agent.client() as c:
+            c.register("job-n", 0, [flow(h1, 9831, h2, 9830)])
+        repairs = agent.status()["reconcile"]["repairs"]
+        h1.run(["nft", "flush", "ruleset"])
+        wait_for("table back", lambda: "9831" in h1.run(["nft", "list", "map", "inet", "tensorlane", "flows4"],
+                                                        check=False).stdout)
+        wait_for("logged", lambda: "nftables table inet tensorlane is gone" in agent.stderr_tail())
+        assert agent.status()["reconcile"]["repairs"] >= repairs + 2  # the table and its flow entry
+    assert "tensorlane" not in nft_tables(h1)
