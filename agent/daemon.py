@@ -376,6 +376,7 @@ class HeldDevices:
         self.names = list(names)  # the managed interfaces: as configured, or as the routes named them at start-up
         self.takeovers: list[Takeover] = []  # what is taken over now, in the order taken (restored in reverse)
         self.stranded: dict[int, Takeover] = {}  # by index: given back, but the restore failed (retried on exit)
+        self.speeds: dict[int, int | None] = {}  # by index: the driver's speed at the last pass (_follow_speeds)
 
     def follow(self, ipr) -> list[str]:
         """Give back the devices that no longer carry a managed interface's queues, take over those that came;
@@ -403,11 +404,37 @@ class HeldDevices:
                 problem = self._take(ipr, want[key], key[2])
                 if problem:
                     problems.append(problem)
+            self._follow_speeds()
         finally:  # whatever failed: the pass applies trees to the devices held now, never to one given back
             devices = [t.device() for t in self.takeovers]
             if devices != self.rec.devices or index != self.rec.interfaces:
                 self.rec.follow(devices, index)
         return problems
+
+    def _follow_speeds(self) -> None:
+        """Follow the driver's speed of each device the htb backend shapes (a NIC that renegotiated, 25 to 10 Gbit/s
+        after a cable or switch port change, or back): where no ``link_rate`` is configured for it, the tree is
+        shaped to the new speed (the pass changes its classes in place; the job parts follow); a configured one
+        above the new speed is logged, as at start. Before, the rate of start-up stayed: above the link the queue
+        formed in the NIC, below the classes, where priority does not hold; below it the link was capped. A
+        device that reports no speed now (no carrier) keeps its rate."""
+        if self.kind != "htb":
+            return
+        for t in self.takeovers:
+            speed = detect.interface_speed_bps(t.link.name, t.link.kind)
+            last = self.speeds.get(t.link.index, speed)  # (the first look: start-up judged it already)
+            self.speeds[t.link.index] = speed
+            if speed is None or speed == last and speed == t.backend.rate:
+                continue
+            configured = self.cfg.rate_of(t.link.name, t.serves)
+            if configured is None and speed != t.backend.rate:
+                log.warning("%s's driver reports %s bit/s now, not %s: shaping its tree to that (no link_rate is "
+                            "configured for it)", t.link.name, f"{speed:,}", f"{t.backend.rate:,}")
+                t.backend.rate = speed
+            elif configured and speed != last and configured > speed:
+                log.warning("%s's driver reports %s bit/s now, below its link_rate %s bit/s: the queue will form in "
+                            "the NIC, below the agent's classes, where priority does not hold; set link_rate to the "
+                            "link's real rate", t.link.name, f"{speed:,}", f"{configured:,}")
 
     def _give_back(self, ipr, t: Takeover, now: dict[str, links.Link]) -> None:
         """``t``'s device no longer carries a managed interface's queues: its recorded tree back where the device

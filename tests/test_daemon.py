@@ -406,3 +406,39 @@ def test_swapped_names_keep_both_records_until_both_are_written(monkeypatch, tmp
         daemon._run(cfg)
     indexes = sorted(json.loads(p.read_text())["ifindex"] for p in tmp_path.glob("agent-*.json"))
     assert 2 in indexes, indexes  # eth1 (index 2) still has the killed agent's tree: its record must stay
+
+
+def test_a_nic_that_renegotiates_its_speed_is_shaped_to_it(monkeypatch, caplog):
+    """A NIC shaped to its driver's speed (no ``link_rate``) that renegotiates (25 Gbit/s to 10 after a cable or
+    switch port change, or back): the next pass shapes its tree to the new speed, and logs it. Before, the rate
+    of start-up stayed for the agent's life: above the link the queue formed in the NIC, below the classes, where
+    priority does not hold, silently; below it the link was capped. A configured ``link_rate`` stays, and one
+    above the new speed is logged once; no speed (no carrier) keeps the rate."""
+    from tensorlane.agent.config import from_dict
+    from tensorlane.agent.kernel import detect
+    from tensorlane.agent.kernel.links import Link
+    from tensorlane.agent.kernel.qdisc import HtbBackend
+
+    speed = {"eth0": 25 * 10**9, "eth1": 25 * 10**9}
+    monkeypatch.setattr(detect, "interface_speed_bps", lambda name, kind="": speed[name])
+    cfg = from_dict({"interfaces": ["eth0", "eth1"], "link_rate": {"eth1": "25gbit"}})
+    held = daemon.HeldDevices(cfg, "htb", ["eth0", "eth1"], rec=None)
+    held.takeovers = [daemon.Takeover(Link(name, i), name, HtbBackend(4, 25 * 10**9, min_share=0.01), None, False)
+                      for i, name in ((2, "eth0"), (3, "eth1"))]
+    eth0, eth1 = (t.backend for t in held.takeovers)
+    with caplog.at_level(logging.WARNING, logger="tensorlane.agent"):
+        held._follow_speeds()
+        assert eth0.rate == eth1.rate == 25 * 10**9 and not caplog.text
+        speed.update(eth0=10**10, eth1=10**10)
+        for _ in range(3):
+            held._follow_speeds()
+        assert eth0.rate == 10**10 and eth0.guaranteed(0) == 10**8  # 1 % of the new speed
+        assert eth1.rate == 25 * 10**9  # configured
+        assert caplog.text.count("eth0's driver reports 10,000,000,000 bit/s now, not 25,000,000,000") == 1
+        assert caplog.text.count("eth1's driver reports 10,000,000,000 bit/s now, below its link_rate") == 1
+        speed["eth0"] = None
+        held._follow_speeds()
+        assert eth0.rate == 10**10
+        speed["eth0"] = 25 * 10**9
+        held._follow_speeds()
+        assert eth0.rate == 25 * 10**9
