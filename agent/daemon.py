@@ -405,10 +405,31 @@ class HeldDevices:
                 if problem:
                     problems.append(problem)
             self._follow_speeds()
+            problems += self._records_again()
         finally:  # whatever failed: the pass applies trees to the devices held now, never to one given back
             devices = [t.device() for t in self.takeovers]
             if devices != self.rec.devices or index != self.rec.interfaces:
                 self.rec.follow(devices, index)
+        return problems
+
+    def _records_again(self) -> list[str]:
+        """Write again the state file of each device held whose file was removed while the agent ran (``rm -rf
+        /run/tensorlane``, a tmpfiles clean-up): the record of its original tree, which only the agent's memory
+        holds then. Before, an agent killed after that (SIGKILL, its watchdog) could not be started again, its
+        tree taken for another agent's, and the original tree was lost for good. Returns the problems."""
+        problems = []
+        for t in self.takeovers:
+            path = state_path(self.cfg, t.link.name)
+            if path.exists():
+                continue
+            try:
+                record(self.cfg, t)
+            except OSError as exc:
+                problems.append(f"{t.link.name}: its state file {path} was removed and cannot be written again: {exc}")
+                continue
+            self.rec.stats.repairs += 1
+            log.warning("the state file %s was removed while the agent ran: wrote it again (the record of %s's "
+                        "original tree, which a next agent needs)", path, t.link.name)
         return problems
 
     def _follow_speeds(self) -> None:

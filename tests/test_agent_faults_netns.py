@@ -561,3 +561,29 @@ def test_nft_flush_ruleset_is_logged_as_the_table_gone_and_counted(s9f):
         wait_for("logged", lambda: "nftables table inet tensorlane is gone" in agent.stderr_tail())
         assert agent.status()["reconcile"]["repairs"] >= repairs + 2  # the table and its flow entry
     assert "tensorlane" not in nft_tables(h1)
+
+
+def test_run_directory_removed_then_sigkill_the_next_agent_starts_and_restores(s9f, tmp_path):
+    """``rm -rf`` of the agent's run directory (socket, lock and state files; a tmpfiles clean-up) while it runs:
+    within a pass the socket answers again and the state file is written again; a SIGKILL then (the watchdog) and
+    the next agent adopts the tree and restores the original on exit. Before, the socket stayed unreachable and the
+    next agent refused to start ("a tensorlane root qdisc but no state file"): the original tree was lost."""
+    h1, h2 = s9f.host(1), s9f.host(2)
+    before, tables = tc_dump(h1, "eth0"), nft_tables(h1)  # (the testbed's own htb 1: tree: the original here)
+    with pytest.raises(AgentStartError, match="exited with -9"):
+        with running_agents(s9f, hosts=[1], backend="htb", workdir=str(tmp_path), config_extra=FAST) as agents:
+            agent = agents[1]
+            run_dir = os.path.dirname(agent.socket)
+            subprocess.run(["rm", "-rf", run_dir], check=True)
+            wait_for("state file again", lambda: os.path.exists(f"{run_dir}/agent-eth0.json"))
+            wait_for("socket again", lambda: os.path.exists(agent.socket))
+            assert agent.status()["reconcile"]["repairs"] >= 2
+            with agent.client() as c:
+                c.register("job-d", 0, [flow(h1, 9841, h2, 9840)])
+            wait_for("logged", lambda: "agent-eth0.json was removed while the agent ran" in agent.stderr_tail())
+            agent.proc.kill()
+            agent.proc.wait(5)
+    assert ours(h1) == ["eth0"]
+    with running_agents(s9f, hosts=[1], backend="htb", config_extra=FAST) as agents:
+        assert "adopting the tree left by a previous agent on eth0" in agents[1].stderr_tail()
+    assert tc_dump(h1, "eth0") == before and nft_tables(h1) == tables
