@@ -509,21 +509,14 @@ def test_a_foreign_filter_in_another_chain_is_not_repaired_every_pass(fz):
         assert agents[1].stderr_tail(20000).count("removed foreign tc filters") <= 2
 
 
-@pytest.fixture(scope="module")
-def s9f():
-    """A testbed of its own for the faults below (names s9f-*, used by no other test)."""
-    with Testbed(hosts=2, rate="100mbit", name="s9f") as bed:
-        yield bed
-
-
-def test_an_administrators_root_or_deleted_leaf_is_put_back_logged_and_counted(s9f):
+def test_an_administrators_root_or_deleted_leaf_is_put_back_logged_and_counted(fz):
     """``tc qdisc replace dev eth0 root ...`` and a leaf qdisc deleted under the agent: the next pass puts its tree
     back, logs what it put back and counts a repair (status, metrics). Before, the tree came back and nothing said
     so: ``repairs`` stayed 0, no line in the log, though a tool on the host fought the agent every pass. On exit the
     original tree is back."""
-    h1, h2 = s9f.host(1), s9f.host(2)
+    h1, h2 = fz.host(1), fz.host(2)
     before, tables = tc_dump(h1, "eth0"), nft_tables(h1)
-    with running_agents(s9f, hosts=[1], backend="htb", config_extra=FAST) as agents:
+    with running_agents(fz, hosts=[1], backend="htb", config_extra=FAST) as agents:
         agent = agents[1]
         with agent.client() as c:
             c.register("job-r", 0, [flow(h1, 9821, h2, 9820)])
@@ -545,12 +538,12 @@ def test_an_administrators_root_or_deleted_leaf_is_put_back_logged_and_counted(s
     assert tc_dump(h1, "eth0") == before and nft_tables(h1) == tables
 
 
-def test_nft_flush_ruleset_is_logged_as_the_table_gone_and_counted(s9f):
+def test_nft_flush_ruleset_is_logged_as_the_table_gone_and_counted(fz):
     """``nft flush ruleset`` (a firewall reload) deletes the agent's table: the next pass makes it again with its
     flows, and says that the table was gone. Before, the log said only "added 1 missing flow entries", as if an
     entry alone had gone, and the table's re-creation was not counted."""
-    h1, h2 = s9f.host(1), s9f.host(2)
-    with running_agents(s9f, hosts=[1], backend="htb", config_extra=FAST) as agents:
+    h1, h2 = fz.host(1), fz.host(2)
+    with running_agents(fz, hosts=[1], backend="htb", config_extra=FAST) as agents:
         agent = agents[1]
         with agent.client() as c:
             c.register("job-n", 0, [flow(h1, 9831, h2, 9830)])
@@ -563,15 +556,15 @@ def test_nft_flush_ruleset_is_logged_as_the_table_gone_and_counted(s9f):
     assert "tensorlane" not in nft_tables(h1)
 
 
-def test_run_directory_removed_then_sigkill_the_next_agent_starts_and_restores(s9f, tmp_path):
+def test_run_directory_removed_then_sigkill_the_next_agent_starts_and_restores(fz, tmp_path):
     """``rm -rf`` of the agent's run directory (socket, lock and state files; a tmpfiles clean-up) while it runs:
     within a pass the socket answers again and the state file is written again; a SIGKILL then (the watchdog) and
     the next agent adopts the tree and restores the original on exit. Before, the socket stayed unreachable and the
     next agent refused to start ("a tensorlane root qdisc but no state file"): the original tree was lost."""
-    h1, h2 = s9f.host(1), s9f.host(2)
+    h1, h2 = fz.host(1), fz.host(2)
     before, tables = tc_dump(h1, "eth0"), nft_tables(h1)  # (the testbed's own htb 1: tree: the original here)
     with pytest.raises(AgentStartError, match="exited with -9"):
-        with running_agents(s9f, hosts=[1], backend="htb", workdir=str(tmp_path), config_extra=FAST) as agents:
+        with running_agents(fz, hosts=[1], backend="htb", workdir=str(tmp_path), config_extra=FAST) as agents:
             agent = agents[1]
             run_dir = os.path.dirname(agent.socket)
             subprocess.run(["rm", "-rf", run_dir], check=True)
@@ -584,6 +577,6 @@ def test_run_directory_removed_then_sigkill_the_next_agent_starts_and_restores(s
             agent.proc.kill()
             agent.proc.wait(5)
     assert ours(h1) == ["eth0"]
-    with running_agents(s9f, hosts=[1], backend="htb", config_extra=FAST) as agents:
+    with running_agents(fz, hosts=[1], backend="htb", config_extra=FAST) as agents:
         assert "adopting the tree left by a previous agent on eth0" in agents[1].stderr_tail()
     assert tc_dump(h1, "eth0") == before and nft_tables(h1) == tables
