@@ -588,9 +588,13 @@ class Server:
             self._unwatch(pid)
         self.sel.close()
         self.listener.close()
-        with contextlib.suppress(FileNotFoundError):
+        try:
             st = os.lstat(self.path)
             if stat.S_ISSOCK(st.st_mode) and st.st_ino == self._inode:
                 os.unlink(self.path)
             else:
                 log.warning("%s is no longer the agent's socket (replaced since the start): left as it is", self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # (a read-only directory by now: the exit goes on, the restore is not held up)
+            log.warning("cannot remove the socket file %s: %s", self.path, exc)

@@ -580,3 +580,30 @@ def test_run_directory_removed_then_sigkill_the_next_agent_starts_and_restores(f
     with running_agents(fz, hosts=[1], backend="htb", config_extra=FAST) as agents:
         assert "adopting the tree left by a previous agent on eth0" in agents[1].stderr_tail()
     assert tc_dump(h1, "eth0") == before and nft_tables(h1) == tables
+
+
+READ_ONLY_CLOSE = r"""
+import os, subprocess, sys
+sys.path.insert(0, sys.argv[2])
+from test_metrics import fake_api
+from tensorlane.agent.server import Server
+d = sys.argv[1]
+subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+subprocess.run(["mount", "-t", "tmpfs", "tmpfs", d], check=True)
+server = Server(fake_api(), os.path.join(d, "agent.sock"), 0o600)
+subprocess.run(["mount", "-o", "remount,ro", d], check=True)
+server.close()
+print("closed; the socket file left:", os.path.exists(os.path.join(d, "agent.sock")))
+"""
+
+
+def test_a_socket_directory_read_only_at_exit_does_not_fail_the_exit(tmp_path):
+    """The socket's directory read-only by the time the agent stops (a remount): ``Server.close()`` logs that the
+    file stays and returns, so the exit (and the restore, after it) goes on with status 0; before, only a missing
+    file was allowed for and EROFS raised out of close(). Real read-only tmpfs, in a mount namespace of its own."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run(["unshare", "-m", sys.executable, "-c", READ_ONLY_CLOSE, str(tmp_path), here],
+                         capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(here)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "closed; the socket file left: True" in out.stdout and "cannot remove the socket file" in out.stderr
