@@ -160,6 +160,7 @@ class ShimState:
     options: dict = field(default_factory=dict)  # comm_state(): what start() needs
     order_source: list | None = None  # comm_state() without module: parameters in hook order, to learn levels
     closed: bool = False
+    successor: tuple | None = None  # (state, hook) of a later attach to the same DDP model, made after close()
     lock: threading.Lock = field(default_factory=threading.Lock)
     step_bytes: int = 0  # bytes the last complete synchronized backward all-reduced (the same on every rank)
     tail_bytes: int = 0  # bytes of that backward's last bucket: what DDP waits for after backward (every rank alike)
@@ -395,7 +396,7 @@ def priority_hook(state: ShimState, bucket):
     if bucket.index() == 0 and _join_divides_by_active(state):  # (DDP launches bucket 0 first, on every rank)
         raise RuntimeError(f"tensorlane: {JOIN_ACTIVE}")
     if state.closed:
-        return _plain_allreduce(state, bucket)
+        return _after_close(state, bucket)
     if state.groups is None:
         state.start()
     _plan_due(state, bucket)
@@ -409,6 +410,15 @@ def priority_hook(state: ShimState, bucket):
         state.completed(launched, range(len(launched)))
         return fut.value()[0].value()[0] if buf.is_sparse else buf  # a sparse all-reduce's result is new
     return torch.futures.collect_all(futures).then(finished)
+
+
+def _after_close(state: ShimState, bucket):
+    """After ``close()``: the hook of a later ``attach`` to the same DDP model (DDP keeps the first hook for good, so
+    a new attach, with a new optimizer, chains its state to the closed one), or else DDP's own all-reduce."""
+    if state.successor is not None:
+        later, hook = state.successor
+        return hook(later, bucket)
+    return _plain_allreduce(state, bucket)
 
 
 def _plain_allreduce(state: ShimState, bucket):
@@ -440,7 +450,7 @@ def overlap_hook(state: ShimState, bucket):
     if bucket.index() == 0 and _join_divides_by_active(state):
         raise RuntimeError(f"tensorlane: {JOIN_ACTIVE}")
     if state.closed:
-        return _plain_allreduce(state, bucket)
+        return _after_close(state, bucket)
     _plan_due(state, bucket)
     if bucket.index() == 0 and state.mode != "hook" and _joining(state):  # DDP launches bucket 0 first
         if state.mode == "overlap":  # every step so far was exact; the next one could not be
@@ -921,8 +931,10 @@ class Handle:
             raise RuntimeError(f"tensorlane overlap mode: {type(optimizer).__name__}.step() on parameters that DDP "
                                "all-reduces, with another optimizer than the one given to attach: in overlap mode "
                                "their .grad holds this rank's own gradient until the deferred step, so this update "
-                               "would not be DDP's. It has not been applied. Attach the optimizer that steps them, "
-                               "or use hook mode (shim.attach without optimizer).")
+                               "would not be DDP's. It has not been applied. Where the loop switches to a new "
+                               "optimizer, close the handle and attach that one (handle.close(); handle = "
+                               "shim.attach(model, new_optimizer)) before its first step, or use hook mode "
+                               "(shim.attach without optimizer).")
 
     def _disarm(self, *_args) -> None:
         """The inner module's forward begins (or ``close()``): pending updates are applied from here on, not by the
@@ -1329,6 +1341,25 @@ def _comm_hook_name(model) -> str | None:
     return str(name) if name else None
 
 
+def _shim_state_of(model) -> ShimState | None:
+    """The state of the shim's own comm hook on a DDP model from an earlier ``attach`` (the latest one, following
+    the attaches made after a ``close()``), or None when the model has no hook of the shim's."""
+    for hook, state in getattr(model, "_comm_hooks", None) or []:
+        if hook in (priority_hook, overlap_hook) and isinstance(state, ShimState):
+            while state.successor is not None:
+                state = state.successor[0]
+            return state
+    return None
+
+
+def _register(model, state: ShimState, hook, prior: ShimState | None) -> None:
+    """DDP's ``register_comm_hook``, or, where an earlier attach's closed hook is registered for good, chain to it."""
+    if prior is not None:
+        prior.successor = (state, hook)
+    else:
+        model.register_comm_hook(state, hook)
+
+
 def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | None = None,
                partition_bytes: int | None = None, module=None, policy: str = "layer_order",
                report_interval_s: float = 5.0) -> ShimState:
@@ -1390,7 +1421,12 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
                          f"runs on a group of {dist.get_world_size(group)} of {dist.get_world_size()} ranks (the "
                          "shim's groups and its averaging span the world). Attach nothing to it, or use one DDP "
                          "over all ranks")
-    other = _comm_hook_name(model)
+    prior = _shim_state_of(model)
+    if prior is not None and not prior.closed:
+        raise RuntimeError("tensorlane: this DDP model is attached already and its handle is open; call "
+                           "handle.close() first (it applies what is pending), then attach again (with a new "
+                           "optimizer, for instance)")
+    other = _comm_hook_name(model) if prior is None else None  # (a closed attach's hook is the shim's own)
     if other is not None:  # (DDP's own "can only be called once" came after the groups and the optimizer's wrapping)
         raise RuntimeError(f"tensorlane: the DDP model already has a communication hook ({other}); DDP takes one, "
                            "and the shim's is the one that averages the gradients, by level. Attach to a DDP model "
@@ -1423,7 +1459,7 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
     if policy == "planner":
         _start_planner(handle, model, levels, profile, link_bps, partition_bytes)
     if optimizer is None:
-        model.register_comm_hook(state, priority_hook)
+        _register(model, state, priority_hook, prior)
         return handle
     per_param = per_parameter_optimizer if per_parameter_optimizer is not None else \
         type(optimizer) in ov.PER_PARAMETER_OPTIMIZERS
@@ -1442,5 +1478,5 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
         state.mode_reason = "overlap asked for: the first iteration runs as hook mode"
     else:
         state.fallback(why)  # sets hook mode and says why (or raises with require_overlap)
-    model.register_comm_hook(state, overlap_hook)
+    _register(model, state, overlap_hook, prior)
     return handle

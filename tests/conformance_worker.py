@@ -2064,6 +2064,31 @@ def _rollback_after_backward(ctx: Ctx):
         snap = (copy.deepcopy(model.module.state_dict()), copy.deepcopy(opt.state_dict()))
         ctx.record("loss", loss.item())
 
+# -- review s9 (loops people write): a new optimizer mid-run ----------------------------------------------------
+@idiom("switch_optimizer_reattach")
+def _switch_optimizer_reattach(ctx: Ctx):
+    """Adam for the first half, then a new optimizer (SGD with momentum) over the same parameters, as a two-stage
+    fine-tuning loop makes one: at the switch the shim's handle is closed and the new optimizer attached (overlap
+    mode takes over one optimizer's step(); an optimizer not attached that steps DDP's parameters raises). Until
+    2026-11-27 that second attach was refused: the closed attach's comm hook, which DDP keeps for good, was taken for
+    a hook of the user's."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        if step == ctx.steps // 2:
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            if ctx.handle is not None:
+                ctx.handle.close()
+                ctx.attach(model, opt)
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

@@ -168,6 +168,47 @@ def test_attach_refuses_a_compiled_ddp_model_with_the_order_to_use(tmp_path):
 
 
 @pytest.mark.torch
+def test_attach_again_after_close_with_a_new_optimizer(tmp_path):
+    """A loop that switches to a new optimizer mid-run closes the handle and attaches the new one: DDP keeps the
+    first attach's comm hook for good, so the new attach chains to it (until 2026-11-27 it was refused as "a
+    communication hook" of the user's, the shim's own closed one). A second attach while the first handle is open
+    is refused, saying to close it first; a hook of the user's is still refused."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+        handle = shim.attach(ddp, opt, agent_socket="/nonexistent/tl.sock", link_bps=2e8)
+        with pytest.raises(RuntimeError, match=r"attached already and its handle is open; call handle.close\(\)"):
+            shim.attach(ddp, agent_socket="/nonexistent/tl.sock")
+        for new in (torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), None):
+            ddp(torch.ones(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            handle.close()
+            opt = new or opt
+            handle = shim.attach(ddp, new, agent_socket="/nonexistent/tl.sock", link_bps=2e8)
+        for _ in range(3):
+            ddp(torch.ones(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert handle.stats()["mode"] == "hook"
+        handle.close()
+        other = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        other.register_comm_hook(None, default_hooks.allreduce_hook)
+        with pytest.raises(RuntimeError, match=r"already has a communication hook"):
+            shim.attach(other, agent_socket="/nonexistent/tl.sock")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_compiling_the_ddp_model_after_attach_is_refused_at_its_first_forward(tmp_path):
     """``torch.compile(ddp)`` or ``ddp.module.compile()`` with the shim's module hooks on (overlap mode's pre-hooks,
     the planner's measurement): a module with a hook is one dynamo compiles on its own, and with inductor training
