@@ -26,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import functools
 import gc
@@ -629,6 +630,8 @@ def _apply(state: ShimState, param) -> bool:
         d.pending.pop(id(p), None)
         if d.guard is not None and d.guard.armed:
             d.guard.forget(p)
+            if not d.guard.ids:  # nothing left to watch (the forward has applied every pending update)
+                d.guard.disarm()
     ready = [r for r in ready if id(r[0]) not in pend.skip]
     if not ready:
         return False
@@ -1094,16 +1097,57 @@ class Handle:
 
     def _root_pre_forward(self, _module, _inputs) -> None:
         d = self.state.deferred
-        self._disarm()  # also when the inner module is called directly
+        if self.state.mode == "overlap" and d.guard is not None and d.guard.armed and ov.in_jit_trace():
+            self.flush()  # a torch.jit.trace of the model: the guard's frames would be in the traced graph, which the
+            self._disarm()  # tracer's check then finds different from its second run; exact all the same
+        elif self.state.mode == "overlap" and d.guard is not None and d.guard.armed:
+            # the guard stays armed through the forward for the parameters not applied yet: each module's pre-hook
+            # applies its own (and forgets them), and a use before that, by code that is not their module (a
+            # momentum encoder updated from them at the start of the forward, from an iteration after the probe on,
+            # under no_grad: nothing autograd saves), applies every pending update first. Until 2026-11-27 the guard
+            # left here, and such a use read the weights before their update, silently: the momentum encoder 1.9e-2
+            # relative off after 8 steps (idiom momentum_encoder_after_warmup). The updates whose all-reduces have
+            # completed are applied now (no wait), so that the guard, a Python call per torch operation, watches
+            # only those still in flight, and leaves the mode stack once there are none
+            self._end_grad_watch()
+            self._apply_completed()
+        else:
+            self._disarm()  # also when the inner module is called directly
         if self._unhooked:
             self._hook_unfrozen()
         if self.state.mode == "probing" and self._forward_watch is not None:
             self._forward_watch.pop()  # (left by a forward that raised)
             self._forward_watch.push()
         if self.state.mode == "overlap" and d.early:
-            for p in self.state.options["params"]:
-                if id(p) in d.early:
-                    _apply(self.state, p)
+            with self._unguarded():
+                for p in self.state.options["params"]:
+                    if id(p) in d.early:
+                        _apply(self.state, p)
+
+    @contextlib.contextmanager
+    def _unguarded(self):
+        """Off the guard's mode stack while the shim applies updates in a forward (the guard stays armed there for
+        the parameters not applied yet): the shim's own operations are no use of them, and cost no Python call
+        each. A refusal raised there disarms the guard (what the loop does after catching it is not watched)."""
+        g = self.state.deferred.guard
+        try:
+            with g.paused() if g is not None and g.armed else contextlib.nullcontext():
+                yield
+        except BaseException:
+            if g is not None:
+                g.disarm()
+            raise
+
+    def _apply_completed(self) -> None:
+        """Apply the stamped updates whose all-reduces have all completed (none is waited for)."""
+        d = self.state.deferred
+        with self._unguarded():
+            for pend in {id(pend): pend for pend in d.pending.values()}.values():
+                if pend.hparams is None:
+                    continue
+                for p, _o, _n, covering in pend.params:
+                    if d.pending.get(id(p)) is pend and all(pend.futures[i].done() for i in covering):
+                        _apply(self.state, p)
 
     def _pre_forward(self, module, _inputs) -> None:
         d = self.state.deferred
@@ -1115,10 +1159,13 @@ class Handle:
             # memory (detached aliases kept from before) the forward reads it; the guard is off by then (until
             # 2026-11-27 nothing was applied there: the outputs 9e-2 relative off, silently; idiom
             # functional_call_traced)
-            for p in self._owned.get(id(module), ()):
-                _apply(self.state, p)
-            for p in module.parameters(recurse=False):  # (one put there since attach: not in DDP's buckets)
-                _apply(self.state, p)
+            if ov.in_jit_trace() and d.guard is not None and d.guard.armed:
+                self.flush()  # a torch.jit.trace of a submodule: no guard in the traced graph (see _root_pre_forward)
+            with self._unguarded():
+                for p in self._owned.get(id(module), ()):
+                    _apply(self.state, p)
+                for p in module.parameters(recurse=False):  # (one put there since attach: not in DDP's buckets)
+                    _apply(self.state, p)
 
     # -- public -------------------------------------------------------------------------------------------
     def flush(self) -> None:

@@ -24,8 +24,11 @@ What overlap mode cannot reproduce, and how it is caught:
   ``GradScaler`` caller).
 - a parameter used in a forward pass before its module's forward pre-hook ran (a parameter of one module used
   functionally by another, or read by a parent before its module runs): parameters seen so in the probe (a
-  :class:`ForwardWatch` on its forward) are applied at the start of every forward; one that is caught so later
-  raises (where its use saved it for backward, or its module did not run).
+  :class:`ForwardWatch` on its forward) are applied at the start of every forward; a use that first appears later
+  is seen by the :class:`UseGuard`, which stays armed through the forward for the updates not applied yet, and
+  applies every pending update first (until 2026-11-27 it left at the forward's start: a momentum encoder updated
+  from the online weights at the start of the forward after a warm-up read them before their update, silently;
+  one whose use saved it for backward raised).
 - ``step()`` without a synchronized ``backward()`` since the previous one (a step after ``no_sync`` only, or two
   steps on one gradient) raises. A ``backward()`` with no ``step()`` afterwards (accumulation without ``no_sync``, a
   step skipped with the gradients kept) keeps DDP's semantics: at the first gradient of the next backward the
@@ -655,7 +658,7 @@ class StackMode(TorchFunctionMode):
         try:
             yield
         finally:
-            if out:
+            if out and self.thread is not None:  # (not if popped meanwhile: a guard disarmed off the stack)
                 _insert_low(self)
 
 
@@ -847,6 +850,14 @@ class ForwardWatch(StackMode):
         return func(*args, **kwargs)
 
 
+_JIT = threading.local()  # .tracing: a ModuleHook is running its function for a torch.jit.trace of the model
+
+
+def in_jit_trace() -> bool:
+    """Whether the shim's hook running now was called by a ``torch.jit.trace`` of the model (:class:`ModuleHook`)."""
+    return getattr(_JIT, "tracing", False)
+
+
 class ModuleHook:
     """A hook the shim puts on the user's modules and optimizer. A copy of them (``copy.deepcopy``: an EMA model
     such as ``AveragedModel(model.module)``, a snapshot of the best model; pickling) is not the model being
@@ -870,9 +881,11 @@ class ModuleHook:
         # torch.jit.trace of the model (after step(): the pending updates are applied here): the shim's work is not
         # the model's, and the tracer refused its futures (until 2026-11-27 the trace raised "Tried to trace Future")
         torch._C._set_tracing_state(None)
+        _JIT.tracing = True
         try:
             return self.fn(*args, **kwargs)
         finally:
+            _JIT.tracing = False
             torch._C._set_tracing_state(tracing)
 
     def __deepcopy__(self, memo):

@@ -128,7 +128,8 @@ def loop(scenario: str, shim_on: bool, steps: int):
 # already changed them around the shim before it could be seen)
 SCENARIOS = {"grad_zeroed_later": LATE, "require_overlap": 1,
              "double_step": LATE + 1,  # the iteration's first step() is DDP's too: reading the parameters applies it
-             "step_around_shim_thread": None, "param_write_thread": None, "stale_use": None,
+             "step_around_shim_thread": None, "param_write_thread": None,
+             "stale_use": STEPS,  # c used outside c from LATE on: the guard applies the updates first, exact
              "step_around_shim": STEPS,  # its step reads the gradients: averaged first, exact
              "other_optimizer_later": LATE, "step_hook_later": LATE,
              "state_replaced_later": LATE,  # that step would be applied at the next forward, which refuses
