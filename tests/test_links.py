@@ -131,8 +131,12 @@ def test_a_bonds_members_are_followed_as_they_leave_and_join(monkeypatch, tmp_pa
     def prepare(cfg, ipr, link, serves, kind):
         return daemon.Takeover(link, serves, HtbBackend(2, 10**9), None, False)
 
+    def record(cfg, t):  # (the state file is written, as the real one does: a later pass finds it there)
+        calls.append(("record", t.link.name))
+        daemon.state_path(cfg, t.link.name).write_text("{}")
+
     monkeypatch.setattr(daemon, "_prepare_device", prepare)
-    monkeypatch.setattr(daemon, "record", lambda cfg, t: calls.append(("record", t.link.name)))
+    monkeypatch.setattr(daemon, "record", record)
     monkeypatch.setattr(daemon, "take_over", lambda cfg, ipr, t: calls.append(("take", t.link.name, t.backend.shares)))
     monkeypatch.setattr(daemon, "restore_device", lambda cfg, ipr, name, snap: calls.append(("restore", name)))
     monkeypatch.setattr(HtbBackend, "owns", lambda self, ipr, index: True)
@@ -140,6 +144,8 @@ def test_a_bonds_members_are_followed_as_they_leave_and_join(monkeypatch, tmp_pa
     cfg = Config(interfaces=("bond0",), link_rate_bps=10**9, state_dir=str(tmp_path))
     links = read_links(FakeIPRoute(HOST))
     start = [prepare(cfg, None, q, "bond0", "htb") for q in queue_links(links["bond0"], links)]
+    for t in start:  # recorded when the agent took them over at its start
+        daemon.state_path(cfg, t.link.name).write_text("{}")
     rec = Reconciler([t.device() for t in start], (46, 26), {"bond0": 6}, FakeIPRoute(HOST), nft=object())
     rec.shares = {0: 0.4}
     held = daemon.HeldDevices(cfg, "htb", ["bond0"], rec)
