@@ -23,7 +23,6 @@ from bench.jobs import (
     MIXES,
     OPT_IN_POLICIES,
     PHASES,
-    POLICIES,
     RECOMMENDED,
     TCPI_TOTAL_RTO,
     TCPI_TOTAL_RTO_TIME,
@@ -360,14 +359,18 @@ def test_jobs_quick_smoke():
     from bench.jobs import run
 
     lines = []
-    result = run(quick=True, name="tj2", progress=lines.append, port_base=29950)
+    # every default phase but rotate and alternate, which differ from static only in the agents' policy (their
+    # orders: the unit tests above; rotate moving flows in the kernel's map: tests/test_jobs_agent.py): 2 phases and
+    # about 25 s less
+    phases = tuple(p for p in DEFAULT_PHASES if p not in ("rotate", "alternate"))
+    result = run(quick=True, name="tj2", progress=lines.append, port_base=29950, policies=phases)
     assert result["quick"] and result["iters"] == 4 and result["elapsed_s"] > 0 and result["machine"]["cpus"]
     assert result["min_share"] == 0.01 and result["min_share_passed"] is False
     assert result["job_share"] == 0.2 and result["job_share_passed"] is False
     assert [m["name"] for m in result["mixes"]] == ["collide2"]
     mix = result["mixes"][0]
     assert mix["fits_link"] is True and mix["collides"] is True and mix["recommended"] == "static"
-    assert set(mix["policies"]) == set(POLICIES) and result["policies"] == list(DEFAULT_PHASES)
+    assert set(mix["policies"]) == set(phases) - {"solo", "solo_shim"} and result["policies"] == list(phases)
     ids = [j["job"] for j in mix["jobs"]]
     assert ids == ["tj2-collide2-j0", "tj2-collide2-j1"]
     solo = [j["jct_s"] for j in mix["solo"]["jobs"]]
@@ -393,7 +396,7 @@ def test_jobs_quick_smoke():
     assert mix["policies"]["static"]["share_changes"] == [0]  # two jobs: their parts are not sampled
     assert all(0 < c < 60 for b in mix["policies"].values() for c in b["agent_cpu_s"])  # the agents' CPU seconds
     assert all(mix["policies"][p]["order_changes"][0] >= 1
-               for p in ("static", "rotate", "intensity", "shortest", "measured_intensity"))
+               for p in ("static", "intensity", "shortest", "measured_intensity"))
     # shortest: the agent ordered the jobs by the step bytes their shims reported, the gradients' bytes exactly
     seen = mix["policies"]["shortest"]["orders"][0]
     assert seen["step_bytes"] == {j["job"]: j["gradient_bytes"] for j in mix["jobs"]}, seen
