@@ -286,3 +286,33 @@ def test_a_udp_wildcard_socket_owns_flows_of_its_own_family_only():
         assert not_owned(os.getpid(), [mine4, mine6]) == []  # each by the socket of its family
         s6.close()
         assert not_owned(os.getpid(), [mine4, mine6]) == [mine6]  # the IPv4 socket does not own the IPv6 flow
+
+
+def test_own_flows_asked_of_the_sockets_equal_the_namespaces_tables():
+    """The caller's flows come from its own sockets (getsockname, getpeername, TCP_INFO), another process's from
+    the tables of /proc/PID/net: both give the same flows, IPv4, IPv6 and a dual-stack listener's IPv4-mapped ends
+    (as IPv4) alike, and leave out listeners, a half-closed connection and sockets of other kinds."""
+    import socket
+
+    srv = socket.socket(socket.AF_INET6)
+    srv.bind(("::", 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    held = [srv, socket.socket(socket.AF_UNIX), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)]
+    try:
+        for addr in ("127.0.0.1", "::1", "127.0.0.2"):
+            held.append(socket.create_connection((addr, port), timeout=5))
+            held.append(srv.accept()[0])
+        closing = socket.create_connection(("127.0.0.1", port), timeout=5)
+        peer = srv.accept()[0]
+        held.append(peer)
+        closing.close()  # peer: CLOSE_WAIT, no longer established
+        mine = own_tcp_flows()
+        assert mine == own_tcp_flows(pid=os.getpid())
+        ends = {(f["src"], f["dst"]) for f in mine if port in (f["sport"], f["dport"])}
+        assert ends == {("127.0.0.1", "127.0.0.1"), ("::1", "::1"), ("127.0.0.1", "127.0.0.2"),
+                        ("127.0.0.2", "127.0.0.1")}, mine
+        assert sum(1 for f in mine if port in (f["sport"], f["dport"])) == 6
+    finally:
+        for s in held:
+            s.close()
