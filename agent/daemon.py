@@ -221,6 +221,25 @@ def _same_file(fd: int, path: str) -> bool:
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
+def keep_state_dir_lock(cfg: Config, fd: int) -> tuple[int, str]:
+    """The ``state_dir`` lock ``fd`` still held, or taken afresh where its file was removed while the agent ran
+    (``rm -rf /run/tensorlane``): ``(fd to hold from now on, problem or "")``. Until 2026-11-27 the lock stayed on
+    the removed file, and a second agent with the same ``state_dir`` (another network namespace's) could start."""
+    path = os.path.join(cfg.state_dir, STATE_LOCK)
+    if _same_file(fd, path):
+        return fd, ""
+    try:
+        os.makedirs(cfg.state_dir, mode=0o755, exist_ok=True)
+        new = _lock_file(cfg, path)
+    except (OSError, StartupError) as exc:
+        return fd, f"the state_dir lock {path} was removed and cannot be taken again: {exc}"
+    if new is None:
+        return fd, f"the state_dir lock {path} was removed and is being replaced meanwhile"
+    os.close(fd)
+    log.warning("the state_dir lock %s was removed while the agent ran: took it again", path)
+    return new, ""
+
+
 def unlock_state_dir(cfg: Config, fd: int) -> None:
     """Give the ``state_dir`` lock back, removing its file (nothing is left behind): removed while still held, so an
     agent that opened it meanwhile finds it gone once it has the lock, and opens a new one (:func:`_lock_file`)."""
@@ -371,8 +390,9 @@ class HeldDevices:
     Usage: ``held = HeldDevices(cfg, kind, ["eth0"], rec); ...; problems = held.follow(ipr)``
     """
 
-    def __init__(self, cfg: Config, kind: str, names: list[str], rec: Reconciler):
+    def __init__(self, cfg: Config, kind: str, names: list[str], rec: Reconciler, lock: list[int] | None = None):
         self.cfg, self.kind, self.rec = cfg, kind, rec
+        self.lock = lock  # [fd] of the state_dir lock (run() releases lock[0]): taken again if its file is removed
         self.names = list(names)  # the managed interfaces: as configured, or as the routes named them at start-up
         self.takeovers: list[Takeover] = []  # what is taken over now, in the order taken (restored in reverse)
         self.stranded: dict[int, Takeover] = {}  # by index: given back, but the restore failed (retried on exit)
@@ -406,6 +426,9 @@ class HeldDevices:
                     problems.append(problem)
             self._follow_speeds()
             problems += self._records_again()
+            if self.lock is not None:
+                self.lock[0], problem = keep_state_dir_lock(self.cfg, self.lock[0])
+                problems += [problem] if problem else []
         finally:  # whatever failed: the pass applies trees to the devices held now, never to one given back
             devices = [t.device() for t in self.takeovers]
             if devices != self.rec.devices or index != self.rec.interfaces:
@@ -876,15 +899,15 @@ def run(cfg: Config) -> int:
     is restored on the way out, whatever stopped the agent.
     """
     check_privileges()
-    lock = lock_state_dir(cfg)
+    lock = [lock_state_dir(cfg)]  # (HeldDevices may take it afresh: keep_state_dir_lock)
     try:
         with lock_netns() or contextlib.nullcontext():
-            return _run(cfg)
+            return _run(cfg, lock)
     finally:
-        unlock_state_dir(cfg, lock)
+        unlock_state_dir(cfg, lock[0])
 
 
-def _run(cfg: Config) -> int:
+def _run(cfg: Config, lock: list[int] | None = None) -> int:
     with IPRoute() as ipr:
         kind, egress, plan = prepare(cfg, ipr)
         table = FlowTable(cfg.levels, cfg.max_flows)
@@ -892,7 +915,7 @@ def _run(cfg: Config) -> int:
         rec = Reconciler([t.device() for t in plan], cfg.dscp, {eg.name: eg.index for eg in egress}, ipr,
                          ack_level=0 if cfg.ack_priority else None, layout=layout)
         restore_orphans(cfg, ipr, plan)
-        held = HeldDevices(cfg, kind, [eg.name for eg in egress], rec)
+        held = HeldDevices(cfg, kind, [eg.name for eg in egress], rec, lock)
         touched = held.takeovers  # every device taken over, at start-up or later, is restored on the way out
         installed = False  # the nftables table made (or a killed agent's adopted): deleted on the way out
         stop = _stop_on_signals()

@@ -5,6 +5,7 @@ trees and nftables tables must be as they were before the agent started."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import random
@@ -558,9 +559,10 @@ def test_nft_flush_ruleset_is_logged_as_the_table_gone_and_counted(fz):
 
 def test_run_directory_removed_then_sigkill_the_next_agent_starts_and_restores(fz, tmp_path):
     """``rm -rf`` of the agent's run directory (socket, lock and state files; a tmpfiles clean-up) while it runs:
-    within a pass the socket answers again and the state file is written again; a SIGKILL then (the watchdog) and
-    the next agent adopts the tree and restores the original on exit. Before, the socket stayed unreachable and the
-    next agent refused to start ("a tensorlane root qdisc but no state file"): the original tree was lost."""
+    within a pass the socket answers again, the state file is written again and the state_dir lock is taken again;
+    a SIGKILL then (the watchdog) and the next agent adopts the tree and restores the original on exit. Before, the
+    socket stayed unreachable and the next agent refused to start ("a tensorlane root qdisc but no state file"):
+    the original tree was lost; and the lock stayed on the removed file (until 2026-11-27)."""
     h1, h2 = fz.host(1), fz.host(2)
     before, tables = tc_dump(h1, "eth0"), nft_tables(h1)  # (the testbed's own htb 1: tree: the original here)
     with pytest.raises(AgentStartError, match="exited with -9"):
@@ -570,6 +572,13 @@ def test_run_directory_removed_then_sigkill_the_next_agent_starts_and_restores(f
             subprocess.run(["rm", "-rf", run_dir], check=True)
             wait_for("state file again", lambda: os.path.exists(f"{run_dir}/agent-eth0.json"))
             wait_for("socket again", lambda: os.path.exists(agent.socket))
+            wait_for("lock file again", lambda: os.path.exists(f"{run_dir}/agent.lock"))
+            held = os.open(f"{run_dir}/agent.lock", os.O_RDONLY)
+            try:  # held by the agent again: a second agent with this state_dir (another namespace's) is refused
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(held)
             assert agent.status()["reconcile"]["repairs"] >= 2
             with agent.client() as c:
                 c.register("job-d", 0, [flow(h1, 9841, h2, 9840)])
