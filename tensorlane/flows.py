@@ -181,22 +181,44 @@ def _own_established() -> list[tuple[tuple, tuple]]:
             dup = os.dup(fd)
         except OSError:  # closed meanwhile
             continue
-        try:
-            sock = socket.socket(fileno=dup)
-        except (OSError, ValueError):  # a kind of socket Python cannot wrap
-            os.close(dup)
-            continue
-        with sock:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-                continue
-            try:
-                if sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != TCP_ESTABLISHED:
-                    continue
-                local, remote = sock.getsockname(), sock.getpeername()
-            except OSError:
-                continue
-        ends.append((_sockaddr(local), _sockaddr(remote)))
+        if (pair := _ends(dup)) is not None:
+            ends.append(pair)
     return ends
+
+
+_NONBLOCK_STREAM = socket.SOCK_STREAM | socket.SOCK_NONBLOCK
+
+
+def _ends(fd: int) -> tuple[tuple, tuple] | None:
+    """The (local, remote) ends of the established TCP socket on ``fd`` (None where it is none); ``fd`` is closed.
+    The socket object is made without touching the file's flags: ``socket.socket(fileno=fd)`` puts it in
+    non-blocking mode where ``socket.setdefaulttimeout()`` was called, and ``fd`` is a duplicate, which shares the
+    open file's flags with the process's own fd (its blocking sockets then raised BlockingIOError: a user's, the
+    rendezvous store's). Given its family and type with SOCK_NONBLOCK, Python asks the fd nothing and sets nothing."""
+    try:
+        sock = socket.socket(socket.AF_INET, _NONBLOCK_STREAM, 0, fileno=fd)
+    except (OSError, ValueError):
+        os.close(fd)
+        return None
+    try:
+        family = sock.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN)
+        if family not in (socket.AF_INET, socket.AF_INET6) or \
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) != socket.SOCK_STREAM:
+            return None
+        if family == socket.AF_INET6:  # (its addresses are read as the object's family says)
+            fd = sock.detach()
+            try:
+                sock = socket.socket(socket.AF_INET6, _NONBLOCK_STREAM, 0, fileno=fd)
+            except (OSError, ValueError):
+                os.close(fd)
+                return None
+        if sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != TCP_ESTABLISHED:
+            return None
+        return _sockaddr(sock.getsockname()), _sockaddr(sock.getpeername())
+    except OSError:  # not a socket (the fd reused meanwhile), or no longer connected
+        return None
+    finally:
+        sock.close()
 
 
 def _sockaddr(addr: tuple) -> tuple:

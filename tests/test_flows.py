@@ -316,3 +316,30 @@ def test_own_flows_asked_of_the_sockets_equal_the_namespaces_tables():
     finally:
         for s in held:
             s.close()
+
+
+def test_own_flows_leave_the_sockets_blocking_under_a_default_timeout():
+    """socket.setdefaulttimeout() set by the training script: asking the process's own sockets must not put them
+    (the same open files as the duplicates asked) in non-blocking mode."""
+    import fcntl
+    import socket as socket_mod
+
+    srv = socket_mod.create_server(("127.0.0.1", 0))
+    c = socket_mod.create_connection(srv.getsockname())
+    s, _ = srv.accept()
+    u1, u2 = socket_mod.socketpair()
+    v6 = socket_mod.socket(socket_mod.AF_INET6)
+    before = socket_mod.getdefaulttimeout()
+    try:
+        socket_mod.setdefaulttimeout(5.0)
+        flows = own_tcp_flows()
+    finally:
+        socket_mod.setdefaulttimeout(before)
+    try:
+        assert {"proto": "tcp", "src": "127.0.0.1", "sport": c.getsockname()[1], "dst": "127.0.0.1",
+                "dport": srv.getsockname()[1]} in flows
+        for sock in (c, s, u1, v6):
+            assert not fcntl.fcntl(sock.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK
+    finally:
+        for sock in (srv, c, s, u1, u2, v6):
+            sock.close()
