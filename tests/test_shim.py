@@ -209,6 +209,48 @@ def test_attach_again_after_close_with_a_new_optimizer(tmp_path):
 
 
 @pytest.mark.torch
+def test_a_class_step_replaced_after_attach_is_refused_at_every_step(tmp_path):
+    """Overlap mode refuses a step() once the optimizer's class has its step replaced: at every step(), not at the
+    first one only. Until 2026-11-27 a loop that caught that RuntimeError and stepped again went on in overlap mode
+    with torch's own step, not the replacement that DDP calls: 1.4e-2 off after 8 steps at 2 ranks, silently."""
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    original = torch.optim.SGD.step
+    try:
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        handle = shim.attach(ddp, opt, agent_socket="/nonexistent/tl.sock", link_bps=2e8)
+        for _ in range(3):
+            ddp(torch.ones(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert handle.stats()["mode"] == "overlap"
+        calls = []
+
+        def counted(self, closure=None):
+            calls.append(1)
+            return original(self, closure)
+        torch.optim.SGD.step = counted
+        ddp(torch.ones(3, 4)).sum().backward()
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match=r"SGD.step was replaced after attach"):
+                opt.step()
+        torch.optim.SGD.step = original  # put back: overlap mode goes on
+        opt.step()
+        opt.zero_grad()
+        handle.close()
+        assert not calls
+    finally:
+        torch.optim.SGD.step = original
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_compiling_the_ddp_model_after_attach_is_refused_at_its_first_forward(tmp_path):
     """``torch.compile(ddp)`` or ``ddp.module.compile()`` with the shim's module hooks on (overlap mode's pre-hooks,
     the planner's measurement): a module with a hook is one dynamo compiles on its own, and with inductor training
