@@ -1103,6 +1103,14 @@ class Handle:
         if self.state.mode == "overlap" and d.guard is not None and d.guard.armed and ov.in_jit_trace():
             self.flush()  # a torch.jit.trace of the model: the guard's frames would be in the traced graph, which the
             self._disarm()  # tracer's check then finds different from its second run; exact all the same
+        elif self.state.mode == "overlap" and d.guard is not None and d.guard.armed and \
+                d.guard.thread != threading.get_ident():
+            # a forward on another thread than the one whose mode stack holds the guard (a validation thread started
+            # after step()): no guard watches this thread's operations, so a use of a weight before its module runs
+            # (read by its parent, a momentum encoder) would read it before its update: every pending update is
+            # applied first. Until 2026-11-27 such a thread's outputs read them stale while their all-reduces were
+            # in flight, silently (idiom validation_thread_reads_early)
+            self.flush()
         elif self.state.mode == "overlap" and d.guard is not None and d.guard.armed:
             # the guard stays armed through the forward for the parameters not applied yet: each module's pre-hook
             # applies its own (and forgets them), and a use before that, by code that is not their module (a

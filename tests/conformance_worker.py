@@ -37,6 +37,7 @@ import gc
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -2128,6 +2129,54 @@ def _momentum_encoder_after_warmup(ctx: Ctx):
         loss.backward()
         opt.step()
         opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
+class ReadsFirstEarly(nn.Module):
+    """A large first layer (its all-reduce, DDP's last bucket, ends last) whose weight's norm the parent reads under
+    no_grad before calling it, from its 5th call on (a statistic of the weights, as ``UsesOtherEarly``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.first = nn.Linear(3 * 8 * 8, 4096)
+        self.head = nn.Linear(4096, 10)
+        self.calls = 0
+
+    def forward(self, x):
+        scale = 1.0
+        if self.calls >= 4:
+            with torch.no_grad():
+                scale = self.first.weight.norm()
+        self.calls += 1
+        return self.head(torch.relu(self.first(x.flatten(1)))) * scale
+
+
+@idiom("validation_thread_reads_early")
+def _validation_thread_reads_early(ctx: Ctx):
+    """A validation thread started right after step() (joined before the next forward) runs the inner module, whose
+    parent reads the first layer's weight before that layer runs: no guard watches that thread, so its forward
+    applies every pending update first. Until 2026-11-27 its outputs read the weight before its update while the
+    all-reduce was in flight (the parameters exact, the recorded outputs off, silently)."""
+    inner = ReadsFirstEarly()
+    model = ctx.ddp(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out = {}
+
+        def validate(x=x, out=out):
+            with torch.no_grad():
+                out["val"] = inner(x).double().sum().item()
+        thread = threading.Thread(target=validate)
+        thread.start()
+        thread.join()
+        ctx.record("val", out["val"])
         ctx.record("loss", loss.item())
 
 
