@@ -660,6 +660,9 @@ def _wait(state: ShimState, pend, pieces) -> list[bool]:
     with state.lock:
         state.clock.waited(time.perf_counter() - t0)
     done = [fut.done() for fut in pend.futures]
+    for i, ok in enumerate(done):  # the others found complete are applied too: their wait() (immediate here) is what
+        if ok and i not in pieces:  # orders a CUDA stream after the collective's (done() alone does not, on NCCL)
+            pend.futures[i].wait()
     seen = [i for i, ok in enumerate(done) if ok and i not in pend.timed]
     if seen:
         pend.timed.update(seen)
