@@ -425,10 +425,10 @@ class HeldDevices:
                 if problem:
                     problems.append(problem)
             self._follow_speeds()
-            problems += self._records_again()
-            if self.lock is not None:
+            if self.lock is not None:  # (before the records: no other agent may take them up meanwhile)
                 self.lock[0], problem = keep_state_dir_lock(self.cfg, self.lock[0])
                 problems += [problem] if problem else []
+            problems += self._records_again()
         finally:  # whatever failed: the pass applies trees to the devices held now, never to one given back
             devices = [t.device() for t in self.takeovers]
             if devices != self.rec.devices or index != self.rec.interfaces:
