@@ -1073,6 +1073,14 @@ class Handle:
         with d.watch.paused():
             if d.synced:  # a read made .grad DDP's average: nothing is pending, the step is DDP's own
                 return d.step_synced(closure)
+            if not d.unstamped and d.got_grad and not any(key in d.pending for key in d.got_grad):
+                # a step after a backward DDP did not synchronize (no_sync: Accelerate's LocalSGD entered after
+                # synchronized steps, post-local SGD): DDP steps on this rank's own .grad. Apply what is stamped
+                # first (.grad of a parameter its forward did not apply gets the average, as under DDP), then the
+                # optimizer's own step, now (until 2026-11-27 this raised, a correct loop refused)
+                self.flush()
+                if not d.pending:
+                    return d.step_synced(closure)
             d.stamp([p for g in self.optimizer.param_groups for p in g["params"]], closure)
             if d.pending:
                 d.guard.arm([p for p in state.options["params"] if id(p) in d.pending])

@@ -29,8 +29,10 @@ What overlap mode cannot reproduce, and how it is caught:
   applies every pending update first (until 2026-11-27 it left at the forward's start: a momentum encoder updated
   from the online weights at the start of the forward after a warm-up read them before their update, silently;
   one whose use saved it for backward raised).
-- ``step()`` without a synchronized ``backward()`` since the previous one (a step after ``no_sync`` only, or two
-  steps on one gradient) raises. A ``backward()`` with no ``step()`` afterwards (accumulation without ``no_sync``, a
+- ``step()`` after a ``backward()`` that DDP did not synchronize (``no_sync``: Accelerate's ``LocalSGD``, post-local
+  SGD after synchronized steps) is the optimizer's own step on this rank's ``.grad``, taken at once after the
+  stamped updates are applied, as under DDP (until 2026-11-27 it raised); two steps on one gradient with no
+  ``backward()`` between raise. A ``backward()`` with no ``step()`` afterwards (accumulation without ``no_sync``, a
   step skipped with the gradients kept) keeps DDP's semantics: at the first gradient of the next backward the
   shim waits for its all-reduces and writes the averages into ``.grad``, to which the new gradient then adds, as
   under DDP (before 2026-11-27 ``.grad`` kept this rank's own gradient there, and the sum was all-reduced again:
@@ -259,8 +261,9 @@ class Deferred:
         if not self.unstamped:
             if any(p.grad is not None for p in params):
                 raise RuntimeError("tensorlane overlap mode: optimizer.step() without a synchronized backward() "
-                                   "since the last step (a step after no_sync() alone, or a second step on the "
-                                   "same gradients); overlap mode cannot reproduce DDP there. Use hook mode.")
+                                   "since the last step (a second step on the same gradients, or a no_sync() "
+                                   "backward whose gradient met an update not yet applied); overlap mode cannot "
+                                   "reproduce DDP there. Use hook mode.")
             return  # nothing to update, as under DDP (no gradients)
         hp = hyperparameters(self.optimizer)
         amp = autocast_state({p.device.type for p in params})

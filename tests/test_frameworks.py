@@ -121,7 +121,8 @@ def test_lightning_ddp_strategy_with_shim_hook(tmp_path):
 
 
 # variant -> the mode the shim must end in (overlap requested every time: shim.attach(model, optimizer))
-ACCELERATE_MODES = {"basic": "overlap", "clip": "hook", "accum": "overlap", "accum_manual": "overlap"}
+ACCELERATE_MODES = {"basic": "overlap", "clip": "hook", "accum": "overlap", "accum_manual": "overlap",
+                    "local_sgd": "overlap"}
 
 
 def test_accelerate_prepare_then_attach(tmp_path):
@@ -152,4 +153,5 @@ def test_accelerate_prepare_then_attach(tmp_path):
             if kind == "clip":  # clipping was active (the norm of the averaged gradient, the same with the shim)
                 assert min(plain_rec["grad_norms"]) > 0.05, plain_rec["grad_norms"]
                 assert rec["grad_norms"] == pytest.approx(plain_rec["grad_norms"], rel=1e-5)
-        assert rel_diff(load(tmp_path, f"shim-{kind}", 1)[0], load(tmp_path, f"shim-{kind}", 0)[0]) == 0.0
+        if kind != "local_sgd":  # (its momentum buffers are each rank's own after the local steps, as under DDP)
+            assert rel_diff(load(tmp_path, f"shim-{kind}", 1)[0], load(tmp_path, f"shim-{kind}", 0)[0]) == 0.0

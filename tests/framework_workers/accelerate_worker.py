@@ -15,6 +15,10 @@ requested):
 - ``accum_manual``: the older Hugging Face ``no_trainer`` scripts' accumulation: every micro-batch's backward
   synchronized (no ``accumulate``, no ``no_sync``), ``loss / 2``, and every second one ``opt.step()``,
   ``lr_scheduler.step()`` (a LambdaLR warm-up given to ``prepare``), ``opt.zero_grad()``; AdamW.
+- ``local_sgd``: post-local SGD with Accelerate's ``LocalSGD`` (``accelerate.local_sgd``): two synchronized steps (the
+  probe, then overlap mode), then ``LocalSGD(local_sgd_steps=2)`` entered (``model.no_sync()``: each rank steps on its
+  own gradient, the parameters averaged every second step and at its exit), left after three steps, one
+  synchronized step after it. Until 2026-11-27 the shim refused the first step after ``no_sync`` in overlap mode.
 
     python tests/framework_workers/accelerate_worker.py --out DIR --variants basic,clip,accum,accum_manual --levels 3 \
         --agent-socket /run/tensorlane/fwa-h1/agent.sock --job fw-acc
@@ -64,7 +68,11 @@ def train(kind: str, with_shim: bool, args) -> tuple[dict, dict]:
                              policy="layer_order")
     loss_fn = nn.CrossEntropyLoss()
     steps = micro = 0
+    local_sgd = None
     for x, y in loader:
+        if kind == "local_sgd" and micro == 2:  # after the probe and one overlap step: post-local SGD
+            from accelerate.local_sgd import LocalSGD
+            local_sgd = LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=2).__enter__()
         if kind == "accum_manual":  # every backward synchronized: under DDP each all-reduces last average + own
             accelerator.backward(loss_fn(model(x), y) / 2)
             micro += 1
@@ -87,6 +95,11 @@ def train(kind: str, with_shim: bool, args) -> tuple[dict, dict]:
                 opt.zero_grad()
             steps += accelerator.sync_gradients
             micro += 1
+        if local_sgd is not None:
+            local_sgd.step()
+            if micro == 5:  # averages the parameters, leaves no_sync: synchronized steps again
+                local_sgd.__exit__(None, None, None)
+                local_sgd = None
     record.update(steps=steps, micro_batches=micro)
     if handle is not None:
         record["flows_during"] = common.wait_levels(args.agent_socket, job, args.levels)
