@@ -134,6 +134,14 @@ class LevelStats:
     comm_s: float = 0.0
 
 
+SPAWN_REFUSED = (
+    "tensorlane: the shim's state (shim.comm_state(), or the one shim.attach put on the DDP model) cannot be pickled "
+    "or deep-copied: it holds this process's process groups, threads and locks. Lightning's strategy='ddp_spawn' "
+    "(DDPStrategy(start_method='spawn')) pickles the Trainer, its strategy and callbacks for the processes it starts; "
+    "nothing has trained. Use DDPStrategy(start_method='popen') (Lightning's default: it starts the script again, "
+    "or run it under torchrun) with shim.comm_state() made in each process")
+
+
 @dataclass
 class ShimState:
     """Everything the hooks need, kept plain and explicit (like DDP's default hook states).
@@ -171,6 +179,13 @@ class ShimState:
     _step_acc: int = 0
     _agreeing: tuple | None = None  # (work, tensor) of the clock's all-reduce in flight
 
+
+    def __reduce_ex__(self, _protocol):
+        """Refuse pickling and ``copy.deepcopy`` with a clear error (until 2026-11-27 Python's own "cannot pickle
+        '_thread.lock' object"): the state holds this process's groups, threads and locks. Lightning's
+        ``strategy="ddp_spawn"`` (``DDPStrategy(start_method="spawn")``) pickles the Trainer, its strategy and
+        callbacks, and so ``comm_state()``, for the processes it starts, before any of them trains."""
+        raise TypeError(SPAWN_REFUSED)
     def __post_init__(self):
         if not self.counters:
             self.counters = [LevelStats() for _ in range(self.levels)]

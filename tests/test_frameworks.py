@@ -120,6 +120,25 @@ def test_lightning_ddp_strategy_with_shim_hook(tmp_path):
         assert rel_diff(load(tmp_path, variant, 1)[0], load(tmp_path, variant, 0)[0]) == 0.0
 
 
+def test_lightning_ddp_spawn_refused_clearly(tmp_path):
+    """``DDPStrategy(start_method="spawn")`` pickles the Trainer with the shim's state for the processes it starts:
+    the shim's own TypeError, naming ddp_spawn and the way out, before anything trains (one process, loopback: no
+    testbed needed)."""
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29712", NODE_RANK="0")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TENSORLANE_JOB",
+                "TENSORLANE_DISABLE"):
+        env.pop(var, None)
+    done = subprocess.run([sys.executable, os.path.join(WORKERS, "lightning_worker.py"), "--out", str(tmp_path),
+                           "--variants", "shim-spawn", "--nodes", "1", "--agent-socket", "/nonexistent/tl.sock"],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout[-4000:]
+    _params, rec = load(tmp_path, "shim-spawn", 0)
+    assert "tensorlane" in rec.get("error", "") and "ddp_spawn" in rec["error"], rec
+    assert "start_method='popen'" in rec["error"], rec["error"]
+    assert not rec["initial_changed"], rec
+
+
 # variant -> the mode the shim must end in (overlap requested every time: shim.attach(model, optimizer))
 ACCELERATE_MODES = {"basic": "overlap", "clip": "hook", "accum": "overlap", "accum_manual": "overlap",
                     "local_sgd": "overlap"}

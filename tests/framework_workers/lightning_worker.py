@@ -12,6 +12,9 @@ LR scheduler with ``"interval": "step"``, and ``on_before_optimizer_step`` loggi
   ddp_comm_hook=shim.priority_hook)`` plus ``shim.lightning.CommHook``, the callback that registers the hook where
   Lightning does not (see below);
 - ``shim-learn``: the same without ``module=`` (the levels are learnt from DDP's buckets).
+- ``shim-spawn``: ``shim`` with ``DDPStrategy(start_method="spawn")`` (``strategy="ddp_spawn"``), which pickles the
+  Trainer, and so the shim's state, for the processes it starts: refused with the shim's ``TypeError`` (recorded as
+  ``error``; until 2026-11-27 Python's "cannot pickle '_thread.lock' object"), before anything trains.
 
     python tests/framework_workers/lightning_worker.py --out DIR --variants plain,shim,shim-learn --levels 3 \
         --agent-socket /run/tensorlane/fw-h1/agent.sock --job fw-lightning
@@ -74,7 +77,9 @@ def train(variant: str, args) -> tuple[dict, dict]:
         # DDP's buckets in the second iteration (every piece at the last level until then)
         state = shim.comm_state(args.levels, agent_socket=args.agent_socket, job=f"{args.job}-{variant}",
                                 module=model if variant == "shim" else None)
-        strategy = DDPStrategy(process_group_backend="gloo", ddp_comm_state=state, ddp_comm_hook=shim.priority_hook)
+        spawn = {"start_method": "spawn"} if variant == "shim-spawn" else {}
+        strategy = DDPStrategy(process_group_backend="gloo", ddp_comm_state=state, ddp_comm_hook=shim.priority_hook,
+                               **spawn)
         callbacks.append(shim_lightning.CommHook(state))
     else:
         strategy = DDPStrategy(process_group_backend="gloo")
@@ -82,6 +87,15 @@ def train(variant: str, args) -> tuple[dict, dict]:
                         max_steps=args.steps, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, deterministic=True,
                         gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm", callbacks=callbacks)
+    if variant == "shim-spawn":
+        try:
+            trainer.fit(model, loader)
+        except TypeError as exc:
+            record["error"] = str(exc)
+        record["initial_changed"] = any(not torch.equal(initial[k], v)
+                                        for k, v in common.params_of(model.net).items())
+        state.close()
+        return common.params_of(model.net), record
     trainer.fit(model, loader)
     record["global_step"] = trainer.global_step
     record["world_size"] = trainer.world_size
@@ -114,8 +128,9 @@ def main() -> int:
     for variant in args.variants.split(","):
         params, record = train(variant, args)
         common.save(args.out, variant, rank, params, record)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    if torch.distributed.is_initialized():  # (not after shim-spawn alone: no process trained)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     gc.collect()  # free the DDP models and their process groups now, not in the interpreter's exit (docs/shim.md, Exit)
     return 0
 
