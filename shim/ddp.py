@@ -186,6 +186,11 @@ class ShimState:
         ``strategy="ddp_spawn"`` (``DDPStrategy(start_method="spawn")``) pickles the Trainer, its strategy and
         callbacks, and so ``comm_state()``, for the processes it starts, before any of them trains."""
         raise TypeError(SPAWN_REFUSED)
+
+    def __copy__(self):  # copy.copy as before (it shares the groups and the lock, copying nothing of them)
+        other = type(self).__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        return other
     def __post_init__(self):
         if not self.counters:
             self.counters = [LevelStats() for _ in range(self.levels)]
