@@ -179,7 +179,6 @@ class ShimState:
     _step_acc: int = 0
     _agreeing: tuple | None = None  # (work, tensor) of the clock's all-reduce in flight
 
-
     def __reduce_ex__(self, _protocol):
         """Refuse pickling and ``copy.deepcopy`` with a clear error (until 2026-11-27 Python's own "cannot pickle
         '_thread.lock' object"): the state holds this process's groups, threads and locks. Lightning's
@@ -191,6 +190,7 @@ class ShimState:
         other = type(self).__new__(type(self))
         other.__dict__.update(self.__dict__)
         return other
+
     def __post_init__(self):
         if not self.counters:
             self.counters = [LevelStats() for _ in range(self.levels)]
@@ -1131,18 +1131,18 @@ class Handle:
 
     def _root_pre_forward(self, _module, _inputs) -> None:
         d = self.state.deferred
-        if self.state.mode == "overlap" and d.guard is not None and d.guard.armed and ov.in_jit_trace():
+        guarded = self.state.mode == "overlap" and d.guard is not None and d.guard.armed
+        if guarded and ov.in_jit_trace():
             self.flush()  # a torch.jit.trace of the model: the guard's frames would be in the traced graph, which the
             self._disarm()  # tracer's check then finds different from its second run; exact all the same
-        elif self.state.mode == "overlap" and d.guard is not None and d.guard.armed and \
-                d.guard.thread != threading.get_ident():
+        elif guarded and d.guard.thread != threading.get_ident():
             # a forward on another thread than the one whose mode stack holds the guard (a validation thread started
             # after step()): no guard watches this thread's operations, so a use of a weight before its module runs
             # (read by its parent, a momentum encoder) would read it before its update: every pending update is
             # applied first. Until 2026-11-27 such a thread's outputs read them stale while their all-reduces were
             # in flight, silently (idiom validation_thread_reads_early)
             self.flush()
-        elif self.state.mode == "overlap" and d.guard is not None and d.guard.armed:
+        elif guarded:
             # the guard stays armed through the forward for the parameters not applied yet: each module's pre-hook
             # applies its own (and forgets them), and a use before that, by code that is not their module (a
             # momentum encoder updated from them at the start of the forward, from an iteration after the probe on,

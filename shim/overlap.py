@@ -446,21 +446,21 @@ def compiled_step(step) -> bool:
 
 
 def wrapped_step(optimizer) -> bool:
-    """Whether ``optimizer.step`` is a function of the user's (:func:`class_step_wrapped` on its class), or an
-    instance attribute other than torch's LR scheduler wrapper (recognised by its
-    code, not by its ``_wrapped_by_lr_sched`` flag, which ``functools.wraps`` copies onto a user's wrapper of it) or a
-    compiled step (the probe sees that one): the deferred step would call it once per part, on that part's
-    parameters only. Until 2026-11-27 such a wrapper was called so, silently: one that scaled the gradients by their
-    global norm left the parameters 1.1e-3 from DDP after 8 SGD steps at 2 ranks, and a call counter logged 13
-    calls for 8 steps (idiom ``wrapped_optimizer_step``)."""
+    """Whether ``optimizer.step`` is a function of the user's: an instance attribute other than torch's LR scheduler
+    wrapper (recognised by its code, not by its ``_wrapped_by_lr_sched`` flag, which ``functools.wraps`` copies onto a
+    user's wrapper of it) and than a compiled step (the probe sees that one), or a class ``step`` of the user's
+    (:func:`class_step_wrapped`): the deferred step would call it once per part, on that part's parameters only. Until
+    2026-11-27 such a wrapper was called so, silently: one that scaled the gradients by their global norm left the
+    parameters 1.1e-3 from DDP after 8 SGD steps at 2 ranks, and a call counter logged 13 calls for 8 steps (idiom
+    ``wrapped_optimizer_step``)."""
     import torch.optim.lr_scheduler as lr_scheduler
     step = optimizer.__dict__.get("step")
-    if step is None or hasattr(step, "_torchdynamo_orig_callable"):
-        return class_step_wrapped(type(optimizer))
-    code = getattr(step, "__code__", None)
-    ours = os.path.join("optim", os.path.basename(lr_scheduler.__file__).replace(".pyc", ".py"))
-    return not (code is not None and code.co_filename.endswith(ours) and code.co_name == "wrapper") or \
-        class_step_wrapped(type(optimizer))
+    if step is not None and not hasattr(step, "_torchdynamo_orig_callable"):
+        code = getattr(step, "__code__", None)
+        ours = os.path.join("optim", os.path.basename(lr_scheduler.__file__).replace(".pyc", ".py"))
+        if not (code is not None and code.co_filename.endswith(ours) and code.co_name == "wrapper"):
+            return True
+    return class_step_wrapped(type(optimizer))
 
 
 def class_step_wrapped(cls) -> bool:
