@@ -2180,6 +2180,37 @@ def _validation_thread_reads_early(ctx: Ctx):
         ctx.record("loss", loss.item())
 
 
+# -- session 10 ---------------------------------------------------------------------------------------------------
+@torch.jit.script
+def scripted_norms(weights: list[torch.Tensor]) -> torch.Tensor:
+    """A logged statistic of the weights, as TorchScript (its operations run in C++, out of the guard's sight)."""
+    return torch.stack([w.norm() for w in weights])
+
+
+@idiom("scripted_function_reads_weights")
+def _scripted_function_reads_weights(ctx: Ctx):
+    """Weights read after step() through TorchScript called from Python, which runs its operations in C++: a
+    scripted function given the weights (a logged norm), and a traced copy of the model whose ``forward`` method is
+    called directly (no module call, so no forward pre-hook). Until 2026-11-28 both read the weights before their
+    update, silently (1.1e-1 relative off DDP's records after 8 steps at 2 ranks); the guard now takes such a
+    call as a use."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the tracer's warnings about the shim's hooks)
+        traced = torch.jit.trace(model.module, ctx.images(999)[0])
+    weights = [p for p in model.module.parameters() if p.dim() > 1]
+
+    def after(step):
+        with torch.no_grad():
+            if step % 2 == 0:
+                ctx.record("norms", scripted_norms(weights))
+            else:
+                ctx.record("traced_forward", traced.forward(ctx.images(step + 1000)[0]))
+    plain_loop(ctx, model, opt, after_step=after)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

@@ -94,6 +94,50 @@ def test_use_guard_sees_uses_of_parameters_not_their_metadata():
 
 
 @pytest.mark.torch
+def test_use_guard_sees_torchscript_calls_and_puts_torch_back():
+    """TorchScript runs its operations in C++, out of a torch-function mode's sight: a scripted function given a
+    watched parameter (alone, in a list, in a dict) and a traced module's method called directly are uses; other
+    tensors and another module's method are not; with no guard armed, torch's own ``__call__`` are in place."""
+    import torch
+
+    from tensorlane.shim.overlap import UseGuard
+
+    own = (torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__)
+    lin, other_lin = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    x = torch.ones(1, 4)
+    traced, other_traced = torch.jit.trace(lin, x), torch.jit.trace(other_lin, x)
+    used: list = []
+    guard = UseGuard(lambda: used.append(1))
+
+    def total(t: torch.Tensor) -> torch.Tensor:
+        return t.sum()
+
+    def sums(ts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([t.sum() for t in ts])
+
+    def norms(ts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.stack([t.norm() for t in ts.values()])
+    one, listed, by_name = torch.jit.script(total), torch.jit.script(sums), torch.jit.script(norms)
+    cases = {  # name -> (call, whether it uses a watched parameter)
+        "function": (lambda: one(lin.weight), True),
+        "list": (lambda: listed([x, lin.bias]), True),
+        "dict": (lambda: by_name({"w": lin.weight}), True),
+        "method": (lambda: traced.forward(x), True),
+        "module call": (lambda: traced(x), True),
+        "other tensors": (lambda: listed([x, other_lin.weight]), False),
+        "other module": (lambda: other_traced.forward(x), False),
+    }
+    for name, (call, uses) in cases.items():
+        used.clear()
+        guard.arm([lin.weight, lin.bias])
+        with torch.no_grad():
+            call()
+        assert used == ([1] if uses else []), name
+        guard.disarm()
+        assert (torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__) == own, name
+
+
+@pytest.mark.torch
 def test_grad_watch_sees_reads_of_watched_gradients_not_metadata_or_zeroing():
     """The gradient watch (probe and overlap mode): metadata, zeroing, parameters and other tensors pass; a norm, a
     ``_foreach`` list (clipping), an in-place scale and ``.data`` each call ``on_read`` once, before the operation
