@@ -677,9 +677,8 @@ class _ScriptCallHandle:
 SCRIPT_CALLS = ScriptCalls()
 
 
-def _script_tensors(fn, args, kwargs) -> list:
-    """The tensors a TorchScript call can reach: those among its arguments, in lists, tuples and dicts at any
-    depth, and for a method, its module's parameters and buffers (a scripted module shares the model's)."""
+def _argument_tensors(args, kwargs) -> list:
+    """The tensors among a TorchScript call's arguments, in lists, tuples and dicts at any depth."""
     found, todo = [], [*args, *kwargs.values()]
     while todo:
         a = todo.pop()
@@ -689,11 +688,18 @@ def _script_tensors(fn, args, kwargs) -> list:
             todo.extend(a)
         elif isinstance(a, dict):
             todo.extend(a.values())
-    owner = getattr(fn, "owner", None)  # a ScriptMethod's module (C++), wrapped for its parameters
-    if owner is not None:
-        module = torch.jit._recursive.wrap_cpp_module(owner)
-        found += [*module.parameters(), *module.buffers()]
     return found
+
+
+def _script_module_tensors(cpp_module) -> list:
+    """The parameters and buffers of a TorchScript module (C++, a ``ScriptMethod``'s ``owner``), its submodules'
+    included: the model's own where it was scripted or traced from the model."""
+    try:
+        it = torch._C._jit_debug_module_iterators(cpp_module)  # (what RecursiveScriptModule's own lists use)
+        return [*it["parameters_r"], *it["buffers_r"]]
+    except (AttributeError, KeyError, RuntimeError):  # another torch: the public, slower way
+        module = torch.jit._recursive.wrap_cpp_module(cpp_module)
+        return [*module.parameters(), *module.buffers()]
 
 
 class StackMode(TorchFunctionMode):
@@ -763,11 +769,12 @@ class UseGuard(StackMode):
         self.armed = False
         self.calls = None  # while armed: a global forward pre-hook that sees TorchScript modules called (_called)
         self.script_calls = None  # while armed: sees TorchScript functions and methods called (_script_called)
+        self.scripts: list = []  # while armed: (TorchScript module (C++), whether it holds a watched parameter)
 
     def arm(self, params) -> None:
         """Watch ``params`` from now on (putting the guard on this thread's mode stack if it is not there)."""
         self.ids = {id(p) for p in params}
-        self.owned = {}
+        self.owned, self.scripts = {}, []
         spans = [s for p in params if (s := _span(p))]
         if self.related is not None:
             for p in params:
@@ -790,7 +797,7 @@ class UseGuard(StackMode):
         after ``step()`` read the weights before their update, silently: 9e-2 relative off (idiom
         ``functional_call_traced``)."""
         if self.armed and isinstance(module, torch.jit.ScriptModule) and self.thread == threading.get_ident() \
-                and self.uses(([*module.parameters(), *module.buffers()],), {}):
+                and self._script_uses(getattr(module, "_c", module), lambda: [*module.parameters(), *module.buffers()]):
             self.armed = False
             self.on_use()
 
@@ -799,9 +806,23 @@ class UseGuard(StackMode):
         watched parameter (:func:`_script_tensors`). Until 2026-11-28 such a call read the weights before their
         update, silently: a logged ``scripted_norm(weight)`` after ``step()`` and a traced model's ``forward``
         called directly, 1.1e-1 relative off after 8 steps (idiom ``scripted_function_reads_weights``)."""
-        if self.armed and self.thread == threading.get_ident() and self.uses((_script_tensors(fn, args, kwargs),), {}):
+        if not self.armed or self.thread != threading.get_ident():
+            return
+        owner = getattr(fn, "owner", None)  # a method's module (C++): a scripted module shares the model's tensors
+        if self.uses((_argument_tensors(args, kwargs),), {}) or \
+                (owner is not None and self._script_uses(owner, lambda: _script_module_tensors(owner))):
             self.armed = False
             self.on_use()
+
+    def _script_uses(self, cpp_module, tensors) -> bool:
+        """Whether a TorchScript module holds a watched parameter (``tensors()`` gives its tensors), found once per
+        arming (a module's call, then its ``forward`` method, ask twice; its tensors cost 1-2 ms for 100 modules)."""
+        for seen, uses in self.scripts:
+            if seen == cpp_module:
+                return uses
+        uses = self.uses((tensors(),), {})
+        self.scripts.append((cpp_module, uses))
+        return uses
 
     def disarm(self) -> None:
         """Stop watching; the guard leaves this thread's stack (not from inside its own handler: later). Cheap when
@@ -809,7 +830,7 @@ class UseGuard(StackMode):
         if not self.armed and self.thread is None:
             return
         self.armed = False
-        self.ids, self.starts, self.ends, self.owned = set(), [], [], {}
+        self.ids, self.starts, self.ends, self.owned, self.scripts = set(), [], [], {}, []
         if self.calls is not None:
             self.calls.remove()
             self.calls = None
