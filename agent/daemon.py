@@ -31,7 +31,7 @@ from tensorlane.agent.kernel import detect, links, snapshot, sockdiag
 from tensorlane.agent.kernel.qdisc import MAJOR, fmt_handle, handle, make_backend
 from tensorlane.agent.notify import Notifier
 from tensorlane.agent.reconcile import Device, Reconciler
-from tensorlane.agent.server import Server
+from tensorlane.agent.server import Server, socket_dir_problem
 from tensorlane.agent.state import FlowTable
 from tensorlane.units import fmt_rate
 
@@ -662,6 +662,10 @@ def check_socket_path(cfg: Config) -> None:
         raise ConfigError("socket", f"{cfg.socket} exists and is not a socket; refusing to replace it")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ConfigError("socket", f"cannot create {cfg.socket}: its directory {directory} is not writable")
+    if problem := socket_dir_problem(directory):
+        raise ConfigError("socket", f"another user could replace {cfg.socket} with a socket of its own (every client "
+                                    f"would talk to it): {problem}; make the directory root's or the agent user's, "
+                                    "mode 0755")
 
 
 def prepare(cfg: Config, ipr: IPRoute) -> tuple[str, list[links.Egress], list[Takeover]]:

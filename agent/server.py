@@ -94,6 +94,28 @@ def raise_fd_limit(need: int) -> int:
     return soft
 
 
+def socket_dir_problem(directory: str) -> str:
+    """Why another user could replace the agent's socket in ``directory`` ("" when none can): the directory or one
+    above it owned by a user other than root and the agent's, or writable by group or others without the sticky
+    bit. Such a user could unlink the agent's socket and bind a listener of its own there at any time: every shim
+    would register with it, and their flows would go unmarked (a socket in a world-writable place such as
+    ``/tmp/tensorlane``, made first by a local user). Before, the agent bound its socket there."""
+    path = os.path.realpath(directory)
+    while True:
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            return f"cannot look at {path}: {exc}"
+        if st.st_uid not in (0, os.geteuid()):
+            return f"{path} is owned by uid {st.st_uid}"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return f"{path} is writable by {'others' if st.st_mode & 0o002 else 'its group'} (mode " \
+                   f"{stat.S_IMODE(st.st_mode):04o}, no sticky bit)"
+        if path == os.path.dirname(path):
+            return ""
+        path = os.path.dirname(path)
+
+
 class Server:
     """Serves ``api`` on a Unix socket until told to stop."""
 
@@ -138,8 +160,11 @@ class Server:
         api.server = self  # read by the metrics (agent/metrics/connections.py), from their threads
 
     def _listen(self) -> None:
-        """Bind a listener at ``self.path`` (its directory made where missing) and watch it for connections."""
+        """Bind a listener at ``self.path`` (its directory made where missing, refused where another user could
+        replace the socket: :func:`socket_dir_problem`) and watch it for connections."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        if problem := socket_dir_problem(os.path.dirname(self.path)):
+            raise OSError(errno.EPERM, f"another user could replace the socket: {problem}")
         sock = self._bind(self.path, self._mode, self._gid)
         self._inode = os.lstat(self.path).st_ino  # what close() removes: this socket, not a file put there since
         sock.listen(socket.SOMAXCONN)  # (a full backlog refuses connect() with EAGAIN, root's too)

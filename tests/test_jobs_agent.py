@@ -1141,3 +1141,29 @@ def test_a_socket_path_the_agent_cannot_bind_is_a_config_error_before_the_takeov
     old.bind(str(tmp_path / "old.sock"))  # a previous agent's socket: replaced at bind, as before
     check_socket_path(from_dict({"interface": "eth0", "socket": str(tmp_path / "old.sock")}))
     old.close()
+
+
+def test_a_socket_directory_another_user_could_write_is_refused(tmp_path):
+    """A socket directory owned by another user (one made first in a world-writable place, ``/tmp/tensorlane``) or
+    writable by others without the sticky bit: that user could unlink the agent's socket and bind its own, and every
+    shim would register with it, their flows unmarked. Before, the agent bound its socket there and started; now the
+    start is refused naming the field, and a socket removed while the agent runs is not bound again there."""
+    from tensorlane.agent.daemon import check_socket_path
+    from tensorlane.agent.server import socket_dir_problem
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 65534, 65534)  # nobody made it first
+    with pytest.raises(ConfigError, match="socket.*another user could replace.*owned by uid 65534"):
+        check_socket_path(from_dict({"interface": "eth0", "socket": str(theirs / "agent.sock")}))
+    assert not (theirs / "agent.sock").exists()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ConfigError, match="writable by others"):
+        check_socket_path(from_dict({"interface": "eth0", "socket": str(shared / "agent.sock")}))
+    with pytest.raises(ConfigError, match="owned by uid 65534"):  # a directory above it: renamed away by its owner
+        check_socket_path(from_dict({"interface": "eth0", "socket": str(theirs / "sub" / "agent.sock")}))
+    shared.chmod(0o1777)  # sticky, like /tmp: no one else may unlink the agent's socket
+    check_socket_path(from_dict({"interface": "eth0", "socket": str(shared / "agent.sock")}))
+    assert socket_dir_problem(str(tmp_path)) == ""
