@@ -17,6 +17,7 @@ from tensorlane.client import (
     MAX_COMPUTE_S,
     MAX_FLOWS_PER_MESSAGE,
     MAX_MESSAGE_BYTES,
+    MAX_RANK,
     MAX_REPORT_LEVELS,
     MAX_WINDOW_STEPS,
     OPS,
@@ -162,8 +163,10 @@ def parse_request(line: bytes | str) -> Request:
     if op == "register" and (isinstance(level, bool) or not isinstance(level, int) or level < 0):
         raise ProtocolError("bad_level", f"level must be a non-negative integer, got {level!r}")
     rank = msg.get("rank")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
-        raise ProtocolError("bad_request", f"rank must be a non-negative integer, got {rank!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= MAX_RANK):
+        # (bounded: listed with each of the job's flows, a 4,000-digit rank on a few hundred of one user's flows made
+        # every page of root's list over the 1 MiB of unread replies, and its connection was closed)
+        raise ProtocolError("bad_request", f"rank must be an integer 0..{MAX_RANK}, got {rank!r:.40}")
     flows_raw = msg.get("flows", [] if op == "unregister" else None)
     flows: tuple[FlowKey, ...] = ()
     if op in ("register", "unregister"):

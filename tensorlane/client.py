@@ -26,6 +26,7 @@ OPS = ("register", "unregister", "list", "status", "hello", "report")
 MAX_REPORT_LEVELS = 16
 MAX_COMPUTE_S = 86400.0  # a report's compute seconds per training step: at most a day
 MAX_WINDOW_STEPS = 1024  # a report's steps in its window (job_policy "slowdown")
+MAX_RANK = 2**31 - 1  # a register's rank (torch.distributed's are int32): listed with each flow, so it is bounded
 JOB_ID_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}\Z")  # \Z: "$" would take a trailing newline
 JOB_ID_RULE = "1-64 characters of letters, digits, '_.:-', starting with a letter or digit"
 SOCKET_ENV = "TENSORLANE_AGENT_SOCKET"

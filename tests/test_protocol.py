@@ -19,6 +19,17 @@ def test_register_parses_flows_and_dedups():
     assert r.flows == (FlowKey("tcp", "198.18.0.1", 4000, "198.18.0.2", 5000),)
 
 
+def test_a_rank_is_bounded():
+    """A rank is listed with each of the job's flows: a 4,000-digit rank (JSON allows it) on 600 flows of one user
+    made root's list page 2.4 MB, over the agent's 1 MiB of unread replies: root's list (and ``verify``) failed,
+    "agent closed the connection". Now refused before anything changes, the message clipped."""
+    assert parse_request(req(op="register", job="j", level=0, rank=2**31 - 1, flows=[FLOW])).rank == 2**31 - 1
+    for rank in (2**31, 10**4000, -1, 1.0, True):
+        with pytest.raises(ProtocolError, match=r"rank must be an integer 0\.\.2147483647") as info:
+            parse_request(req(op="register", job="j", level=0, rank=rank, flows=[FLOW]))
+        assert info.value.code == "bad_request" and len(str(info.value)) < 120
+
+
 def test_ipv6_and_mapped_addresses():
     r = parse_request(req(op="register", job="j", level=0, flows=[
         {**FLOW, "src": "::ffff:198.18.0.1", "dst": "::ffff:198.18.0.2"},
