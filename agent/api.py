@@ -26,7 +26,7 @@ from tensorlane.agent.metrics.jobs import JobReports
 from tensorlane.agent.ownership import netns_of, not_owned, not_owned_by_owners, still_sending
 from tensorlane.agent.peers import AccessPolicy, Peer
 from tensorlane.agent.protocol import ProtocolError
-from tensorlane.agent.state import job_id_base, user_job_id
+from tensorlane.agent.state import SHOWN_RUNS, job_id_base, user_job_id
 from tensorlane.client import LIST_PAGE
 from tensorlane.flows import FlowKey
 from tensorlane.policies.jobs import REPORTED_INPUTS
@@ -171,10 +171,11 @@ class Api:
         runs = self.table.runs.get(req.job, {})
         if len(runs) > 1:
             if req.run not in had:  # a new run joined a job id already in use: log once per run
+                shown = ", ".join(sorted(runs)[:SHOWN_RUNS]) + (", ..." if len(runs) > SHOWN_RUNS else "")
                 self.record("job_id_conflict", "seen")
                 self.refusal_log.note("job id conflict", logging.WARNING,
                                       "job id %r is used by %d runs on this host (%s): the agent treats them as "
-                                      "one job; give each job its own id", req.job, len(runs), ", ".join(sorted(runs)))
+                                      "one job; give each job its own id", req.job, len(runs), shown)
             reply["conflict"] = (f"job id {req.job!r} is also used by another run on this host ({len(runs)} runs): "
                                  "the agent treats them as one job (one band, one order); give each job its own id "
                                  "(TENSORLANE_JOB, or torchrun --rdzv-id)")
@@ -369,7 +370,8 @@ class Api:
             "uptime_s": round(time.time() - self.started, 3),
             "flows": len(self.table.flows), "draining_flows": len(self.table.draining),
             "jobs": self.table.jobs(), "job_policy": self.jobs.describe(),
-            "job_conflicts": self.table.conflicts(), "min_share": getattr(self.rec.backend, "min_share", 0.0),
+            "job_conflicts": self.table.conflicts(), "job_conflict_runs": self.table.conflict_runs(),
+            "min_share": getattr(self.rec.backend, "min_share", 0.0),
             "min_rate_bps": getattr(self.rec.backend, "min_rate", 0),
             "ack_priority": getattr(self.rec, "ack_level", None) is not None,
             "classes": self._levels(devices), "devices": devices,

@@ -17,6 +17,11 @@ from tensorlane.flows import FlowKey
 
 USER_JOB_MARK = "@"  # never in a job id a client names (protocol: letters, digits, "_.:-"): only the agent makes it
 
+# Runs of one job id that ``status`` and the log name (the others are counted): one user registering each of its
+# flows under a run token of its own made root's status reply, and the log line of each new run, grow by 66 bytes a
+# flow (16,000 flows: over the agent's 1 MiB of unread replies, and root's status failed).
+SHOWN_RUNS = 8
+
 
 def user_job_id(job: str, user: str) -> str:
     """User ``user``'s own job under the id ``job`` when another user holds that id on this host: ``job@user``.
@@ -218,8 +223,13 @@ class FlowTable:
 
     def conflicts(self) -> dict[str, list[str]]:
         """Job ids that two or more runs use on this host now (two jobs that picked the same id, e.g. the same
-        ``--rdzv-id``): ``{job: [runs]}``. The agent treats them as one job, so this must be visible."""
-        return {job: sorted(runs) for job, runs in self.runs.items() if len(runs) > 1}
+        ``--rdzv-id``): ``{job: [runs]}``, at most ``SHOWN_RUNS`` of each job's runs (the first by name; how many
+        there are: ``conflict_runs``). The agent treats them as one job, so this must be visible."""
+        return {job: sorted(runs)[:SHOWN_RUNS] for job, runs in self.runs.items() if len(runs) > 1}
+
+    def conflict_runs(self) -> dict[str, int]:
+        """How many runs each job id of ``conflicts`` has."""
+        return {job: len(runs) for job, runs in self.runs.items() if len(runs) > 1}
 
     def jobs(self) -> dict[str, int]:
         """Number of flows per job."""

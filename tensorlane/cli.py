@@ -105,8 +105,9 @@ def format_status(st: dict) -> str:
     for job, n in sorted(st["jobs"].items()):
         lines.append(f"job {job}: {n} flows")
     for job, runs in sorted((st.get("job_conflicts") or {}).items()):  # two jobs with one id: one band, one place
-        lines.append(f"job id conflict: {job} is used by {len(runs)} runs ({', '.join(runs)}): the job policy treats "
-                     "them as one job; give each job its own id")
+        n = (st.get("job_conflict_runs") or {}).get(job, len(runs))  # (at most 8 runs named: the others counted)
+        lines.append(f"job id conflict: {job} is used by {n} runs ({', '.join(runs)}{', ...' if n > len(runs) else ''}"
+                     "): the job policy treats them as one job; give each job its own id")
     return "\n".join(lines)
 
 

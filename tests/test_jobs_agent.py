@@ -145,6 +145,29 @@ def test_two_runs_with_one_job_id_are_a_visible_conflict(caplog):
         request(api, op="register", job="x", level=0, flows=[flow(5)], run="no spaces")
 
 
+def test_many_runs_under_one_job_id_do_not_grow_status_or_the_log(caplog):
+    """One user registering each of its flows under a run token of its own (64 characters): status named every run,
+    66 bytes a flow, so 16,000 such flows made root's status reply over the agent's 1 MiB of unread replies (its
+    connection closed: ``tensorlane status`` failed), and the log line of each new run quoted them all (a megabyte
+    every 10 s). Now at most ``SHOWN_RUNS`` are named, the others counted."""
+    from tensorlane.agent.state import SHOWN_RUNS
+    from tensorlane.cli import format_status
+
+    from tensorlane.agent.logs import RefusalLog
+
+    api, _ = make_api()
+    api.refusal_log = RefusalLog(logging.getLogger("tensorlane.api"), 0.0)  # every line logged
+    runs = [f"r{i:05d}".ljust(64, "x") for i in range(40)]
+    with caplog.at_level(logging.WARNING, logger="tensorlane.api"):
+        for i, run in enumerate(runs):
+            request(api, op="register", job="j", level=0, flows=[flow(1000 + i)], run=run)
+    assert "is used by 40 runs" in caplog.records[-1].getMessage()
+    st = request(api, op="status")
+    assert st["job_conflicts"] == {"j": runs[:SHOWN_RUNS]} and st["job_conflict_runs"] == {"j": 40}
+    assert all(len(r.getMessage()) < 1000 for r in caplog.records)
+    assert "job id conflict: j is used by 40 runs (" + ", ".join(runs[:SHOWN_RUNS]) + ", ...)" in format_status(st)
+
+
 def test_static_bands_move_other_jobs_in_the_same_change():
     """j-b (priority 0) before j-a (priority 1): alone j-a has all 4 levels; with j-b it gets 2-3 and its flow
     moves in the same kernel change that adds j-b's; when j-b leaves it moves back."""
