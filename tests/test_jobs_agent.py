@@ -150,10 +150,9 @@ def test_many_runs_under_one_job_id_do_not_grow_status_or_the_log(caplog):
     66 bytes a flow, so 16,000 such flows made root's status reply over the agent's 1 MiB of unread replies (its
     connection closed: ``tensorlane status`` failed), and the log line of each new run quoted them all (a megabyte
     every 10 s). Now at most ``SHOWN_RUNS`` are named, the others counted."""
+    from tensorlane.agent.logs import RefusalLog
     from tensorlane.agent.state import SHOWN_RUNS
     from tensorlane.cli import format_status
-
-    from tensorlane.agent.logs import RefusalLog
 
     api, _ = make_api()
     api.refusal_log = RefusalLog(logging.getLogger("tensorlane.api"), 0.0)  # every line logged
