@@ -27,6 +27,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 
 from tensorlane.agent.kernel.sockdiag import SockDiag
+from tensorlane.agent.peers import account_uid
 from tensorlane.flows import FlowKey, parse_proc_net_tcp, socket_inodes
 
 TCP_ESTABLISHED = 0x01
@@ -251,4 +252,4 @@ def still_sending(flows: Iterable[FlowKey], uid_of: Callable[[FlowKey], int | No
     except OSError:
         return []
     return [k for k, f in zip(tcp, found, strict=True)
-            if f is not None and f.state in TCP_CLOSED_SENDING and f.inode == 0 and f.uid == uid_of(k)]
+            if f is not None and f.state in TCP_CLOSED_SENDING and f.inode == 0 and account_uid(f.uid) == uid_of(k)]

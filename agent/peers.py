@@ -113,10 +113,53 @@ def peer_groups(conn: socket.socket) -> tuple[int, ...] | None:
     return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
 
 
+SUBUID = "/etc/subuid"  # USER:FIRST:COUNT: the uids a user may run processes as (newuidmap: rootless containers)
+_subuids: tuple = (None, [])  # (SUBUID's stat when read, its ranges)
+
+
+def subuid_ranges(path: str) -> list[tuple[int, int, int]]:
+    """``(first, end, owner uid)`` of each subordinate uid range in ``path`` (USER a name or a uid; lines that name
+    no user are skipped); [] where it cannot be read."""
+    try:
+        with open(path) as fh:
+            lines = fh.read(1 << 20).splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        name, first, count = ([*line.strip().split(":"), "", ""])[:3]
+        try:
+            owner = int(name) if name.isdigit() else pwd.getpwnam(name).pw_uid
+            out.append((int(first), int(first) + int(count), owner))
+        except (KeyError, ValueError):
+            continue
+    return out
+
+
+def account_uid(uid: int) -> int:
+    """``uid``, or the user whose subordinate range (``SUBUID``) holds it where ``uid`` is no user of its own (no
+    passwd entry; never root or the agent's user): a user runs processes as any uid of its range (``newuidmap``,
+    and ``newgidmap`` keeps its own group, so an ``allowed_groups`` member stays allowed), and each of those 65,536
+    uids had a user's limits of its own (connections, requests, flows, jobs): one user multiplied them all."""
+    global _subuids
+    if uid in (0, os.geteuid()) or user_name(uid) != str(uid):
+        return uid
+    try:
+        st = os.stat(SUBUID)
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+    except OSError:
+        stamp = None
+    if stamp != _subuids[0]:
+        _subuids = (stamp, subuid_ranges(SUBUID) if stamp else [])
+    return next((owner for first, end, owner in _subuids[1] if first <= uid < end), uid)
+
+
 def credentials(conn: socket.socket) -> Peer:
-    """The connecting process's pid, uid, gid and groups as the kernel recorded them at connect()."""
+    """The connecting process's pid, uid, gid and groups as the kernel recorded them at connect(); a uid of a user's
+    subordinate range is that user's (:func:`account_uid`)."""
     raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return Peer(*struct.unpack("3i", raw), gids=peer_groups(conn), sock=conn)
+    pid, uid, gid = struct.unpack("3i", raw)
+    return Peer(pid, account_uid(uid), gid, gids=peer_groups(conn), sock=conn)
 
 
 @dataclass(frozen=True)

@@ -154,3 +154,35 @@ def test_a_uids_name_is_looked_up_once_in_a_while(monkeypatch):
     assert calls == [0, 2**31 - 7]
     clock[0] += peers.NAME_TTL_S
     assert peers.Peer(1, 0, 0).user == "root" and calls == [0, 2**31 - 7, 0]
+
+
+def test_a_uid_of_a_users_subordinate_range_is_that_user(tmp_path, monkeypatch):
+    """A user runs processes as any uid of its ``/etc/subuid`` range (``newuidmap``; ``newgidmap`` keeps its own
+    group, so an ``allowed_groups`` member stays allowed): each such uid had a user's limits of its own (connections,
+    requests, flows, jobs), so one user had 65,536 times them. Now the agent counts such a uid as its user; a uid
+    with a passwd entry of its own, and root, stay themselves."""
+    from tensorlane.agent import peers
+
+    subuid = tmp_path / "subuid"
+    subuid.write_text("nobody:300000:65536\n")
+    monkeypatch.setattr(peers, "SUBUID", str(subuid))
+    with listener() as (srv, path):
+        for uid, counted_as in ((300007, NOBODY), (NOBODY, NOBODY), (1, 1), (0, 0)):
+            pid = os.fork()
+            if pid == 0:  # a child that connects as ``uid`` and waits for the parent to read its credentials
+                try:
+                    os.setgroups([])
+                    os.setgid(NOBODY)
+                    os.setuid(uid)
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                        s.connect(path)
+                        s.settimeout(10)
+                        s.recv(1)
+                finally:
+                    os._exit(0)
+            conn, _ = srv.accept()
+            with conn:
+                peer = credentials(conn)
+                conn.send(b"x")
+            os.waitpid(pid, 0)
+            assert (peer.pid, peer.uid, peer.user) == (pid, counted_as, peers.user_name(counted_as)), uid

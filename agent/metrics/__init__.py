@@ -23,7 +23,6 @@ import ipaddress
 import json
 import logging
 import os
-import pwd
 import socket
 import sys
 import threading
@@ -48,6 +47,7 @@ from tensorlane.agent.metrics.health import Health
 from tensorlane.agent.metrics.jobpolicy import JobPolicySource
 from tensorlane.agent.metrics.jobs import JobReports, JobsSource
 from tensorlane.agent.metrics.reconcile import ReconcileSource
+from tensorlane.agent.peers import subuid_ranges as _subuid_ranges
 
 log = logging.getLogger("tensorlane.metrics")
 SOURCES = (BuildSource, ClassesSource, ContentionSource, FlowsSource, ApiSource, ConnectionsSource, ReconcileSource,
@@ -137,25 +137,6 @@ def _cut_off(request: socket.socket) -> None:
 
 
 SUBUID = "/etc/subuid"  # USER:FIRST:COUNT: the uids a user may run processes as (newuidmap: rootless containers)
-
-
-def _subuid_ranges(path: str) -> list[tuple[int, int, int]]:
-    """``(first, end, owner uid)`` of each subordinate uid range in ``path`` (USER a name or a uid; lines that name
-    no user are skipped); [] where it cannot be read."""
-    try:
-        with open(path) as fh:
-            lines = fh.read(1 << 20).splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        name, first, count = ([*line.strip().split(":"), "", ""])[:3]
-        try:
-            owner = int(name) if name.isdigit() else pwd.getpwnam(name).pw_uid
-            out.append((int(first), int(first) + int(count), owner))
-        except (KeyError, ValueError):
-            continue
-    return out
 
 
 def _remote_peer(host: str) -> tuple:
