@@ -5,7 +5,9 @@ Every error names the field it is about. Usage: ``cfg = load_config("/etc/tensor
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
+import stat
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 
@@ -424,8 +426,33 @@ def from_dict(raw: dict) -> Config:
     return Config(**values)
 
 
+def others_may_write(path: str) -> str:
+    """Why a user other than root and this process's could change what is at ``path`` ("" when none can): it, or a
+    directory above it, owned by another user, or writable by group or others (a directory with the sticky bit, such
+    as ``/tmp``, excepted: no one else may replace what root made there)."""
+    path = os.path.realpath(path)
+    while True:
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            return f"cannot look at {path}: {exc}"
+        if st.st_uid not in (0, os.geteuid()):
+            return f"{path} is owned by uid {st.st_uid}"
+        if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
+            return (f"{path} is writable by {'others' if st.st_mode & 0o002 else 'its group'} (mode "
+                    f"{stat.S_IMODE(st.st_mode):04o})")
+        if path == os.path.dirname(path):
+            return ""
+        path = os.path.dirname(path)
+
+
 def load_config(path: str, overrides: dict | None = None) -> Config:
-    """Read and validate a TOML config file; ``overrides`` (from command-line flags) win over the file."""
+    """Read and validate a TOML config file; ``overrides`` (from command-line flags) win over the file. A file another
+    user could change is refused: it says whom the agent, root, trusts (``trusted_users``, ``level_limits``,
+    ``check_ownership``) and which trees it restores; before, a group-writable file gave its group all that."""
+    if os.path.exists(path) and (problem := others_may_write(path)):
+        raise ConfigError(FILE_FIELD, f"{path}: another user could change the agent's configuration: {problem}; make "
+                                      "it and its directories root's (or the agent user's), not writable by others")
     try:
         with open(path, "rb") as fh:
             raw = tomllib.load(fh)

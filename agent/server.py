@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from tensorlane.agent import protocol
 from tensorlane.agent.api import Api
+from tensorlane.agent.config import others_may_write
 from tensorlane.agent.logs import RefusalLog  # noqa: F401  (re-exported: agent.server.RefusalLog)
 from tensorlane.agent.metrics.connections import REFUSALS  # what the server refuses, as the metrics count it
 from tensorlane.agent.peers import Peer, credentials
@@ -95,25 +96,11 @@ def raise_fd_limit(need: int) -> int:
 
 
 def socket_dir_problem(directory: str) -> str:
-    """Why another user could replace the agent's socket in ``directory`` ("" when none can): the directory or one
-    above it owned by a user other than root and the agent's, or writable by group or others without the sticky
-    bit. Such a user could unlink the agent's socket and bind a listener of its own there at any time: every shim
-    would register with it, and their flows would go unmarked (a socket in a world-writable place such as
-    ``/tmp/tensorlane``, made first by a local user). Before, the agent bound its socket there."""
-    path = os.path.realpath(directory)
-    while True:
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            return f"cannot look at {path}: {exc}"
-        if st.st_uid not in (0, os.geteuid()):
-            return f"{path} is owned by uid {st.st_uid}"
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            return f"{path} is writable by {'others' if st.st_mode & 0o002 else 'its group'} (mode " \
-                   f"{stat.S_IMODE(st.st_mode):04o}, no sticky bit)"
-        if path == os.path.dirname(path):
-            return ""
-        path = os.path.dirname(path)
+    """Why another user could replace the agent's socket in ``directory`` ("" when none can: ``others_may_write``):
+    such a user could unlink the agent's socket and bind a listener of its own there at any time, and every shim
+    would register with it, their flows unmarked (a socket in a world-writable place such as ``/tmp/tensorlane``, made
+    first by a local user). Before, the agent bound its socket there."""
+    return others_may_write(directory)
 
 
 class Server:

@@ -123,6 +123,32 @@ def test_load_reports_bad_toml_and_missing_file(tmp_path):
         load_config(str(tmp_path / "absent.toml"))
 
 
+def test_a_config_file_another_user_could_change_is_refused(tmp_path):
+    """The file says whom the agent, root, trusts (``trusted_users``, ``level_limits``, ``check_ownership = false``)
+    and which trees it restores: a group-writable file, one another user owns, or one in a directory others may
+    write (they can replace it) gave that user all of it at the next start. Refused now, naming the file; a sticky
+    directory (``/tmp``) and root's own files are fine."""
+    import os
+
+    path = tmp_path / "agent.toml"
+    path.write_text('interface = "eth0"\nlink_rate = "1gbit"\n')
+    load_config(str(path))
+    path.chmod(0o664)
+    with pytest.raises(ConfigError, match="another user could change.*writable by its group"):
+        load_config(str(path))
+    path.chmod(0o644)
+    os.chown(path, 65534, 65534)
+    with pytest.raises(ConfigError, match="owned by uid 65534"):
+        load_config(str(path))
+    os.chown(path, 0, 0)
+    tmp_path.chmod(0o777)
+    with pytest.raises(ConfigError, match="writable by others"):
+        load_config(str(path))
+    tmp_path.chmod(0o1777)
+    assert load_config(str(path)).link_rate_bps == 10**9
+    tmp_path.chmod(0o755)
+
+
 def test_several_interfaces_and_rates_per_device():
     cfg = from_dict({"interfaces": ["eth0", "bond0"], "link_rate": {"eth0": "25gbit", "eth2": "100gbit"}})
     assert cfg.interfaces == ("eth0", "bond0") and cfg.training_subnets == ()
