@@ -23,12 +23,12 @@ from tensorlane.agent.jobs import JobScheduler
 from tensorlane.agent.kernel.qdisc import fmt_handle
 from tensorlane.agent.logs import RefusalLog
 from tensorlane.agent.metrics.jobs import JobReports
-from tensorlane.agent.ownership import netns_of, not_owned, not_owned_by_owners, still_sending
+from tensorlane.agent.ownership import MAX_OWNER_FDS, netns_of, not_owned, not_owned_by_owners, still_sending
 from tensorlane.agent.peers import AccessPolicy, Peer
 from tensorlane.agent.protocol import ProtocolError
 from tensorlane.agent.state import SHOWN_RUNS, job_id_base, user_job_id
 from tensorlane.client import LIST_PAGE
-from tensorlane.flows import FlowKey
+from tensorlane.flows import FlowKey, TooManyFiles
 from tensorlane.policies.jobs import REPORTED_INPUTS
 
 log = logging.getLogger("tensorlane.api")
@@ -149,6 +149,9 @@ class Api:
                             foreign = not_owned(peer.pid, req.flows)
                 except ProcessLookupError:
                     raise ProtocolError("not_owner", f"process {peer.pid} is gone") from None
+                except TooManyFiles as exc:  # (reading them all stalled the agent: seconds at a million)
+                    raise ProtocolError("limit", f"{exc.strerror}: the agent reads at most {MAX_OWNER_FDS} open "
+                                        "files of a process to find its sockets; use a process with fewer") from None
             if foreign:
                 raise ProtocolError("not_owner", f"flow {foreign[0]} is not a socket of process {peer.pid} "
                                     "in this agent's network namespace"
@@ -486,7 +489,9 @@ class Api:
             turn = (pids[start:] + pids[:start])[:SWEEP_OWNERS]
             self._swept_to = turn[-1]
             owners = {pid: list(by_pid[pid]) for pid in turn}  # (unsorted: sorting 50,000 flows cost 50 ms)
-            gone += self._let_go(not_owned_by_owners(owners))
+            read: list[int] = []  # (the owners judged: at most SWEEP_FDS open files are read per pass)
+            gone += self._let_go(not_owned_by_owners(owners, read))
+            self._swept_to = read[-1] if read else self._swept_to
         if gone:
             self._push([], [], gone)
             self.record("socket_closed", "removed")

@@ -23,16 +23,23 @@ Usage::
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 
 from tensorlane.agent.kernel.sockdiag import SockDiag
 from tensorlane.agent.peers import account_uid
-from tensorlane.flows import FlowKey, parse_proc_net_tcp, socket_inodes
+from tensorlane.flows import FlowKey, TooManyFiles, parse_proc_net_tcp, socket_inodes
 
+log = logging.getLogger("tensorlane.ownership")
 TCP_ESTABLISHED = 0x01
 # closed by every process that held it, the kernel still sends its queued bytes and FIN (FIN_WAIT1, LAST_ACK, CLOSING)
 TCP_CLOSED_SENDING = frozenset({0x04, 0x09, 0x0B})
+# A process that owns flows has its open files read (a readlink each, 3-8 us) at each register and sweep: one with
+# a million of them (RLIMIT_NOFILE allows it) stalled the agent's loop for seconds at each. At most MAX_OWNER_FDS of
+# one process are read (a register from a process with more is refused ``limit``), at most SWEEP_FDS in one sweep.
+MAX_OWNER_FDS = 8192
+SWEEP_FDS = 32768
 EXACT_LOOKUPS_MAX = 256  # up to this many TCP flows, exact lookups whatever the tables hold
 ROWS_PER_LOOKUP = 3  # one exact lookup (~12 us) costs about what 3 rows of the text tables do (~4 us each)
 _DIAG = SockDiag()  # the agent's namespace: a socket of another one is never found
@@ -97,9 +104,10 @@ def lookups_cheaper(count: int) -> bool:
 
 
 def inodes_of(pid: int) -> set[int]:
-    """Inodes of the sockets process ``pid`` holds. Raises ProcessLookupError when the process is gone."""
+    """Inodes of the sockets process ``pid`` holds. Raises ProcessLookupError when the process is gone, TooManyFiles
+    when it holds more than ``MAX_OWNER_FDS`` open files."""
     try:
-        return socket_inodes(pid)
+        return socket_inodes(pid, MAX_OWNER_FDS)
     except (FileNotFoundError, ProcessLookupError):
         raise ProcessLookupError(pid) from None
 
@@ -205,18 +213,31 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
     return _unowned(flows, [table[i] for i in inodes if i in table])
 
 
-def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]]) -> list[FlowKey]:
+def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]], read: list[int] | None = None) -> list[FlowKey]:
     """For the periodic sweep: every flow of ``owners`` (pid -> its flows) whose owner no longer holds its socket
-    in the agent's namespace (closed, or the process is gone). Each owner's ``/proc/PID/fd`` is read once; the
+    in the agent's namespace (closed, or the process is gone, or it holds more than ``MAX_OWNER_FDS`` open files,
+    which the agent does not read). Each owner's ``/proc/PID/fd`` is read once, in the order of ``owners``, until
+    ``SWEEP_FDS`` open files were read (``read`` gets the pids judged; the others wait for a later pass); the
     TCP flows are looked up one by one while that is cheaper (``lookups_cheaper``), else the namespace's tables
     are read once for all owners: the cost never grows with owners x sockets."""
     gone: list[FlowKey] = []
     held: dict[int, set[int]] = {}
+    spent = 0
     for pid, flows in owners.items():
+        if spent >= SWEEP_FDS:
+            break
         try:
             held[pid] = inodes_of(pid)
+            spent += len(held[pid]) + 1
         except ProcessLookupError:
             gone += flows
+        except TooManyFiles as exc:
+            log.warning("%s: its flows removed (the agent reads at most %d open files of a process that owns "
+                        "flows)", exc.strerror, MAX_OWNER_FDS)
+            gone += flows
+            spent += MAX_OWNER_FDS
+        if read is not None:
+            read.append(pid)
     if not held:
         return gone
     flows_of = {pid: list(owners[pid]) for pid in held}

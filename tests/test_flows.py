@@ -1,6 +1,7 @@
 """shim.flows on loopback with real sockets (no privileges, no torch)."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -217,6 +218,42 @@ def test_agent_side_ownership_uses_the_callers_namespace_tables():
             child.stdout.close()
     assert not_owned(child.pid, [key]) == [key]  # gone
     assert not_owned_by_owners({child.pid: [key]}) == [key]
+
+
+def test_a_process_with_too_many_open_files_is_not_read(monkeypatch):
+    """Each register and sweep read the owner's open files, a readlink each (3-8 us): a process with a million of
+    them (RLIMIT_NOFILE allows it; 19,000 here cost 160 ms) stalled the agent's one loop for seconds at each of its
+    registers (200 a second) and sweeps (2 a second). Now a register from a process with more than MAX_OWNER_FDS is
+    refused ``limit`` before any link is read, a sweep drops the flows of such an owner (it may open them after
+    registering) and reads at most SWEEP_FDS open files in all, the other owners left to a later pass."""
+    from test_jobs_agent import make_api
+
+    from tensorlane.agent import ownership
+    from tensorlane.agent.peers import Peer
+    from tensorlane.agent.protocol import FlowKey
+
+    monkeypatch.setattr(ownership, "MAX_OWNER_FDS", 200)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        flow = {"proto": "udp", "src": "127.0.0.1", "sport": port, "dst": "127.0.0.2", "dport": 9}
+        key = FlowKey("udp", "127.0.0.1", port, "127.0.0.2", 9)
+        api, _ = make_api()
+        me = Peer(os.getpid(), 65534, 65534)
+        assert ownership.not_owned_by_owners({os.getpid(): [key]}) == []  # few files: read, owned
+        extra = [os.open(os.devnull, os.O_RDONLY) for _ in range(250)]
+        try:
+            reply = json.loads(api.handle(json.dumps({"op": "register", "job": "j", "level": 0,
+                                                      "flows": [flow]}).encode(), me))
+            assert reply["ok"] is False and reply["error"]["code"] == "limit", reply
+            assert "more than 200 open files" in reply["error"]["message"] and not api.table.flows
+            assert ownership.not_owned_by_owners({os.getpid(): [key]}) == [key]  # (opened after registering)
+        finally:
+            for fd in extra:
+                os.close(fd)
+        monkeypatch.setattr(ownership, "SWEEP_FDS", 1)
+        read = []
+        assert ownership.not_owned_by_owners({os.getpid(): [key], 1: [key]}, read) == [] and read == [os.getpid()]
 
 
 def test_sock_diag_finds_a_tcp_socket_by_its_5_tuple():
