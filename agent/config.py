@@ -426,24 +426,31 @@ def from_dict(raw: dict) -> Config:
     return Config(**values)
 
 
+def _with_ancestors(path: str) -> list[str]:
+    """``path`` and every directory above it, up to ``/``."""
+    out = [path]
+    while out[-1] != os.path.dirname(out[-1]):
+        out.append(os.path.dirname(out[-1]))
+    return out
+
+
 def others_may_write(path: str) -> str:
     """Why a user other than root and this process's could change what is at ``path`` ("" when none can): it, or a
-    directory above it, owned by another user, or writable by group or others (a directory with the sticky bit, such
-    as ``/tmp``, excepted: no one else may replace what root made there)."""
-    path = os.path.realpath(path)
-    while True:
+    directory above it, as written or with its links resolved, owned by another user (a symbolic link too: its owner
+    may replace it), or writable by group or others (a directory with the sticky bit, such as ``/tmp``, excepted: no
+    one else may replace what root made there)."""
+    for p in dict.fromkeys(_with_ancestors(os.path.abspath(path)) + _with_ancestors(os.path.realpath(path))):
         try:
-            st = os.stat(path)
+            st = os.lstat(p)
         except OSError as exc:
-            return f"cannot look at {path}: {exc}"
+            return f"cannot look at {p}: {exc}"
         if st.st_uid not in (0, os.geteuid()):
-            return f"{path} is owned by uid {st.st_uid}"
-        if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
-            return (f"{path} is writable by {'others' if st.st_mode & 0o002 else 'its group'} (mode "
+            return f"{p} is {'a symbolic link ' if stat.S_ISLNK(st.st_mode) else ''}owned by uid {st.st_uid}"
+        if (st.st_mode & 0o022 and not stat.S_ISLNK(st.st_mode)
+                and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX)):
+            return (f"{p} is writable by {'others' if st.st_mode & 0o002 else 'its group'} (mode "
                     f"{stat.S_IMODE(st.st_mode):04o})")
-        if path == os.path.dirname(path):
-            return ""
-        path = os.path.dirname(path)
+    return ""
 
 
 def load_config(path: str, overrides: dict | None = None) -> Config:

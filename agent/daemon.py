@@ -26,7 +26,7 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from tensorlane.agent.api import Api
-from tensorlane.agent.config import Config, ConfigError
+from tensorlane.agent.config import Config, ConfigError, others_may_write
 from tensorlane.agent.kernel import detect, links, snapshot, sockdiag
 from tensorlane.agent.kernel.qdisc import MAJOR, fmt_handle, handle, make_backend
 from tensorlane.agent.notify import Notifier
@@ -166,6 +166,8 @@ def lock_state_dir(cfg: Config) -> int:
         st = os.stat(cfg.state_dir)
         wrong = ([f"owned by uid {st.st_uid}"] if st.st_uid != os.geteuid() else []) + (
             ["writable by others"] if st.st_mode & 0o022 else [])
+        if not wrong and (problem := others_may_write(cfg.state_dir)):  # (above it, or through another's link)
+            wrong = [f"not safe from other users: {problem}"]
         if wrong:  # (another user could plant records, which the agent restores onto devices, or links it writes)
             raise StartupError(f"state_dir {cfg.state_dir} is {' and '.join(wrong)} (mode "
                                f"{stat.S_IMODE(st.st_mode):04o}): the agent restores the trees its records there "

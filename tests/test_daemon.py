@@ -2,6 +2,7 @@
 runs in tests/test_agent_netns.py."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -358,6 +359,14 @@ def test_a_state_dir_others_may_write_is_refused(tmp_path):
         with pytest.raises(daemon.StartupError, match="owned by uid 65534"):
             daemon.lock_state_dir(cfg)
         os.chown(state, 0, 0)
+        shared = tmp_path / "shared"  # a sticky directory, like /tmp
+        shared.mkdir()
+        shared.chmod(0o1777)
+        link = shared / "tl-state"  # another user's link to root's directory: it may point it elsewhere later
+        link.symlink_to(state)
+        os.lchown(link, 65534, 65534)
+        with pytest.raises(daemon.StartupError, match="a symbolic link owned by uid 65534"):
+            daemon.lock_state_dir(dataclasses.replace(cfg, state_dir=str(link)))
     os.close(daemon.lock_state_dir(cfg))
 
 

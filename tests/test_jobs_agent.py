@@ -1188,4 +1188,11 @@ def test_a_socket_directory_another_user_could_write_is_refused(tmp_path):
         check_socket_path(from_dict({"interface": "eth0", "socket": str(theirs / "sub" / "agent.sock")}))
     shared.chmod(0o1777)  # sticky, like /tmp: no one else may unlink the agent's socket
     check_socket_path(from_dict({"interface": "eth0", "socket": str(shared / "agent.sock")}))
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o755)
+    link = shared / "tl"  # another user's link, in a sticky directory, to root's directory: it may replace the link
+    link.symlink_to(ours)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(ConfigError, match="a symbolic link owned by uid 65534"):
+        check_socket_path(from_dict({"interface": "eth0", "socket": str(link / "agent.sock")}))
     assert socket_dir_problem(str(tmp_path)) == ""
