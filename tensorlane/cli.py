@@ -142,17 +142,27 @@ def _unavailable(cmd: str, exc: Exception) -> str:
     return f"tensorlane {cmd}: {exc}{hint}"
 
 
+# C0 and C1 control characters but newline and tab, as escapes: printed as they came, an agent's text (an error message,
+# a name in status) could move the cursor, retitle or rewrite the terminal of whoever runs the command (root)
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)}
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters other than newline and tab written as ``\\xNN``."""
+    return text.translate(_ESCAPES)
+
+
 def _status(args) -> int:
     try:
         with AgentClient(_socket(args)) as agent:
             st = agent.status()
     except AgentUnavailable as exc:
-        print(_unavailable("status", exc), file=sys.stderr)
+        print(printable(_unavailable("status", exc)), file=sys.stderr)
         return 1
     except AgentError as exc:
-        print(f"tensorlane status: {exc}", file=sys.stderr)
+        print(printable(f"tensorlane status: {exc}"), file=sys.stderr)
         return 1
-    print(json.dumps(st, indent=2) if args.json else format_status(st))
+    print(json.dumps(st, indent=2) if args.json else printable(format_status(st)))
     return 0
 
 
@@ -162,12 +172,12 @@ def _verify(args) -> int:
     try:
         report = verify(_socket(args), args.seconds, args.interface)
     except AgentUnavailable as exc:
-        print(_unavailable("verify", exc), file=sys.stderr)
+        print(printable(_unavailable("verify", exc)), file=sys.stderr)
         return 1
     except (AgentError, CaptureError) as exc:
-        print(f"tensorlane verify: {exc}", file=sys.stderr)
+        print(printable(f"tensorlane verify: {exc}"), file=sys.stderr)
         return 1
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    print(json.dumps(report, indent=2) if args.json else printable(format_report(report)))
     return 0 if report["ok"] else 1
 
 

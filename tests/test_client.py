@@ -189,3 +189,38 @@ def test_the_cli_and_the_shim_ask_the_same_socket(monkeypatch):
     monkeypatch.setenv("TENSORLANE_AGENT_SOCKET", "/run/x.sock")
     assert agent_socket() == cli._socket(SimpleNamespace(socket=None)) == "/run/x.sock"
     assert agent_socket("/run/y.sock") == cli._socket(SimpleNamespace(socket="/run/y.sock")) == "/run/y.sock"
+
+
+def test_status_writes_what_an_agent_sent_without_terminal_escapes(tmp_path, monkeypatch, capsys):
+    """``tensorlane status`` printed the agent's text as it came: an error message or a name with ESC sequences (a
+    socket that is not the agent's: ``--socket``, ``$TENSORLANE_AGENT_SOCKET``) could clear, retitle or rewrite
+    the terminal of whoever ran it, root. Control characters but newline and tab are written as ``\\xNN`` now;
+    ``--json`` escapes them already."""
+    from tensorlane import cli
+    from tensorlane.client import AgentClient
+
+    path = str(tmp_path / "fake.sock")
+    with socket.socket(socket.AF_UNIX) as srv:
+        srv.bind(path)
+        srv.listen(1)
+
+        def answer():
+            conn, _ = srv.accept()
+            with conn:
+                conn.recv(1000)
+                conn.sendall(b'{"id":1,"ok":false,"error":{"code":"internal","message":"\\u001b]0;owned\\u0007'
+                             b'\\u001b[2J\\u009b"}}\n')
+
+        t = threading.Thread(target=answer)
+        t.start()
+        try:
+            assert cli.main(["status", "--socket", path]) == 1
+        finally:
+            t.join(timeout=5)
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err and "\x9b" not in err and "\\x1b]0;owned\\x07\\x1b[2J\\x9b" in err
+    monkeypatch.setattr(AgentClient, "status", lambda self: {})
+    monkeypatch.setattr(AgentClient, "connect", lambda self: self)
+    monkeypatch.setattr(cli, "format_status", lambda st: "job a\x1b[31mb:\n\t3 flows")
+    assert cli.main(["status", "--socket", path]) == 0
+    assert capsys.readouterr().out == "job a\\x1b[31mb:\n\t3 flows\n"
