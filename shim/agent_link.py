@@ -118,6 +118,8 @@ class AgentLink:
         except (AgentUnavailable, OSError, ValueError) as exc:
             self.counters["failures"] += 1
             why = str(exc) if isinstance(exc, AgentUnavailable) else f"no agent at {self.socket_path} ({exc})"
+            if why.startswith("no agent at"):  # as the CLI says: the agent may listen where its config's `socket` is
+                why += " (an agent on another socket: TENSORLANE_AGENT_SOCKET=PATH or attach(agent_socket=PATH))"
             self._fail(f"{why}; training continues without network priority")
         return False
 

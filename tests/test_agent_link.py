@@ -160,3 +160,18 @@ def test_a_restarted_agent_gets_the_jobs_report_with_the_re_registration(agent):
     finally:
         rep.close()
         link.close()
+
+
+def test_no_agent_at_the_socket_says_how_to_name_another(tmp_path, caplog):
+    """An agent started on its config's own `socket` (the testbed's, one per host) and a job without
+    TENSORLANE_AGENT_SOCKET: the one warning says how to point the shim at it, as `tensorlane status` does."""
+    link = AgentLink(str(tmp_path / "agent.sock"), "job", rank=0, interval_s=60)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tensorlane.shim"):
+            link.add(0, flows(0))
+        assert link.counters["failures"] == 1 and not link.connected
+        assert "TENSORLANE_AGENT_SOCKET=PATH or attach(agent_socket=PATH)" in link.last_error
+        assert link.last_error.endswith("training continues without network priority")
+        assert sum("TENSORLANE_AGENT_SOCKET" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        link.close()
