@@ -346,7 +346,8 @@ def _endpoints(raw: dict) -> dict:
         except ValueError:
             raise ConfigError("socket_mode", f"expected an octal mode such as '0660', got {mode!r}") from None
     if not 0 <= mode <= 0o777:
-        raise ConfigError("socket_mode", f"expected a mode 0..0777, got {oct(mode)}")
+        given = oct(mode) if isinstance(raw.get("socket_mode"), str) else f"{mode} (a TOML integer is decimal)"
+        raise ConfigError("socket_mode", f"expected a mode 0..0777, written 0o660 or \"0660\", got {given}")
     metrics = _want(raw, "metrics_address", str)
     if metrics and not (re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]*):\d{1,5}", metrics)
                         and 1 <= int(metrics.rsplit(":", 1)[1]) <= 65535):

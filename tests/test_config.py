@@ -248,3 +248,13 @@ def test_an_agent_without_root_is_refused_by_name_before_anything_is_made(tmp_pa
     assert main(["agent", "--config", str(conf)]) == 2
     assert "must run as root: this process lacks CAP_NET_ADMIN and CAP_SYS_ADMIN" in capsys.readouterr().err
     assert not (tmp_path / "state").exists()
+
+
+def test_socket_mode_is_octal_and_a_decimal_integer_is_refused_saying_how_to_write_it():
+    for mode in ("0660", 0o660, "0o660"):
+        assert from_dict({"interface": "eth0", "socket_mode": mode}).socket_mode == 0o660
+    # `socket_mode = 660` (the docs' 0660 without its zero, which TOML refuses) is decimal 660 = 0o1224
+    with pytest.raises(ConfigError, match=r"^config field 'socket_mode': .*written 0o660 or \"0660\", got 660 \("):
+        from_dict({"interface": "eth0", "socket_mode": 660})
+    with pytest.raises(ConfigError, match=r"got 0o1777$"):
+        from_dict({"interface": "eth0", "socket_mode": "1777"})
