@@ -18,7 +18,11 @@ from __future__ import annotations
 try:
     from lightning.pytorch import Callback
 except ImportError:  # the standalone distribution
-    from pytorch_lightning import Callback
+    try:
+        from pytorch_lightning import Callback
+    except ImportError:
+        raise ImportError("tensorlane.shim.lightning needs PyTorch Lightning, and neither `lightning` nor "
+                          "`pytorch_lightning` can be imported: pip install lightning (docs/frameworks.md)") from None
 
 from tensorlane.shim.ddp import priority_hook
 

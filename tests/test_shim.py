@@ -875,3 +875,14 @@ def test_optimizer_state_view_copies_as_the_optimizers_own():
         assert type(got) is collections.defaultdict and got == {1: {"step": 3}}, got
         assert got[2] == {}  # (a defaultdict)
     assert d.flushes == 4  # each applied the pending updates first
+
+
+@pytest.mark.torch
+def test_the_lightning_callback_without_lightning_says_what_to_install():
+    """Neither `lightning` nor `pytorch_lightning` importable: one ImportError naming both and the package, not
+    "No module named 'pytorch_lightning'" for code that follows docs/frameworks.md's `import lightning.pytorch`."""
+    code = ("import sys\nsys.modules['lightning'] = sys.modules['pytorch_lightning'] = None\n"
+            "try:\n    import tensorlane.shim.lightning\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == ("tensorlane.shim.lightning needs PyTorch Lightning, and neither `lightning` nor "
+                                  "`pytorch_lightning` can be imported: pip install lightning (docs/frameworks.md)")
