@@ -147,6 +147,9 @@ def format_report(report: dict) -> str:
         seen = ",".join(map(str, r["seen_dscp"])) or "-"
         lines.append(f"{flow:<52} {r['job']:<{job}} {r['level']:>3} {r['queue']:>7} {r['expected_dscp']:>9} "
                      f"{seen:>8} {r['packets']:>7}  {r['verdict']}")
+    if not report["flows"]:  # "0 flows verified" read as a pass on a host where no job had registered yet
+        return "\n".join([lines[0], "no flows registered with the agent: nothing to verify (a job's shim registers "
+                                     "its flows while it trains: run verify then)"])
     verified = sum(r["verdict"] == "ok" for r in report["flows"])
     idle = sum(r["verdict"] == "no traffic" for r in report["flows"])
     lines.append(f"{verified} flows verified, {idle} idle during the capture" if report["ok"]

@@ -81,6 +81,14 @@ def test_the_verify_table_keeps_its_columns_with_long_job_ids():
     assert len(ends) == 1, [header, *rows]
 
 
+def test_verify_with_no_flow_registered_says_there_was_nothing_to_verify():
+    from tensorlane.agent.verify import format_report
+
+    text = format_report({"interface": "eth0", "seconds": 1.0, "flows": [], "queues": {}, "ok": True})
+    assert text.splitlines()[-1].startswith("no flows registered with the agent: nothing to verify")
+    assert "verified" not in text and len(text.splitlines()) == 2  # no table heading over no rows
+
+
 def test_verify_names_what_keeps_the_capture_from_starting(monkeypatch, capsys):
     """An interface that is not here, or no raw socket (no CAP_NET_RAW), is one line and exit 1 (both were
     tracebacks); a capture of 0 or fewer seconds is a usage error."""
