@@ -1409,12 +1409,16 @@ def _not_ddp(model) -> str:
     return why
 
 
-def _check_levels(levels: int, partition_bytes: int | None = None) -> None:
-    if not 1 <= levels <= 5:
-        raise ValueError(f"levels must be 1..5 (the DSCP table's distinct switch queues), not {levels}")
+def _check_levels(levels: int, partition_bytes: int | None = None, report_interval_s: float = 5.0) -> None:
+    if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 5:
+        # (a string, as from os.environ, was a bare "'<=' not supported between instances of 'int' and 'str'")
+        raise ValueError(f"levels must be an integer 1..5 (the DSCP table's distinct switch queues), not {levels!r}")
     if partition_bytes is not None and (isinstance(partition_bytes, bool) or not isinstance(partition_bytes, int)
                                         or partition_bytes < 1):
         raise ValueError(f"partition_bytes must be a positive number of bytes (or None), not {partition_bytes!r}")
+    if isinstance(report_interval_s, bool) or not isinstance(report_interval_s, int | float) \
+            or not report_interval_s > 0:  # (0 or less: the reporter's thread sent reports to the agent in a loop)
+        raise ValueError(f"report_interval_s must be a number of seconds above 0, not {report_interval_s!r}")
 
 
 def _comm_hook_name(model) -> str | None:
@@ -1464,7 +1468,7 @@ def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | N
                                      ddp_comm_hook=shim.priority_hook),
                 callbacks=[shim.lightning.CommHook(state)])   # Lightning registers the hook itself only on CUDA
     """
-    _check_levels(levels, partition_bytes)
+    _check_levels(levels, partition_bytes, report_interval_s)
     if policy not in ("layer_order", "flat"):
         raise ValueError(f"comm_state's policy must be 'layer_order' or 'flat', not {policy!r}")
     return ShimState(None, 0, {}, None if partition_bytes is None else max(1, partition_bytes // 4), levels=levels,
@@ -1503,7 +1507,7 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
             "(ddp = DDP(torch.compile(module)); handle = shim.attach(ddp, opt)); compiling the DDP model after "
             "attach is refused at its first forward (with inductor it was not exact with the shim's module hooks); "
             "with Accelerate, leave dynamo_backend unset" if compiled else _not_ddp(model)))
-    _check_levels(levels, partition_bytes)
+    _check_levels(levels, partition_bytes, report_interval_s)
     group = getattr(model, "process_group", None)
     if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):
         raise ValueError("shim.attach supports DDP over every rank of the default process group; this model's DDP "
