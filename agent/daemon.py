@@ -597,8 +597,9 @@ def _waiting_for(eg: links.Egress) -> str | None:
 def host_notes(cfg: Config, ipr: IPRoute) -> list[str]:
     """What this host makes of ``cfg`` now, for ``--check-config``, which changes nothing and does not fail on it
     (it may differ at the agent's start: a bond or a route that comes up later): the interfaces it would manage,
-    absent ones, a bond without members, an interface named twice through a bond, a ``socket_group`` not here, and
-    per queue device a missing link rate or a root qdisc the agent may not replace (``_device_notes``)."""
+    absent ones, a bond without members, an interface named twice through a bond, a ``socket_group`` not here, a
+    ``link_rate`` table naming a device none of the managed queues are on, and per queue device a missing link rate
+    or a root qdisc the agent may not replace (``_device_notes``)."""
     notes = []
     try:
         egress = links.resolve(ipr, cfg.interfaces, cfg.training_subnets, absent_ok=True)
@@ -610,6 +611,12 @@ def host_notes(cfg: Config, ipr: IPRoute) -> list[str]:
         notes.append(f"{eg.name}: {why or 'here, queues on ' + ', '.join(q.name for q in eg.queues)}")
         for q in [] if why else eg.queues:
             notes += _device_notes(cfg, ipr, q, eg.name)
+    known = {n for eg in egress for n in (eg.name, *(q.name for q in eg.queues))}
+    if isinstance(cfg.link_rate_bps, dict) and egress and not any(_waiting_for(eg) for eg in egress):
+        unused = sorted(set(cfg.link_rate_bps) - known)  # a typo: that device's queues took the driver's speed
+        if unused:
+            notes.append(f"link_rate names {', '.join(unused)}, which carries none of the managed queues here "
+                         f"({', '.join(sorted(known))}): its rate is not used")
     try:
         check_socket_group(cfg)
     except ConfigError as exc:

@@ -219,6 +219,10 @@ def test_check_config_notes_a_missing_link_rate_and_a_foreign_root_qdisc(monkeyp
     ipr.qdiscs = [root(handle(MAJOR))]  # a previous agent's tree: adopted at start, no note
     assert daemon.host_notes(from_dict({"interface": "tl-v0", "link_rate": "1gbit"}), ipr) == [
         "tl-v0: here, queues on tl-v0"]
+    # a per-device table that names another device (a typo): the managed one's rate would not come from it
+    assert daemon.host_notes(from_dict({"interface": "tl-v0", "link_rate": {"tl-v0": "1gbit", "tl-v9": "2gbit"}}),
+                             ipr) == ["tl-v0: here, queues on tl-v0", "link_rate names tl-v9, which carries none "
+                                      "of the managed queues here (tl-v0): its rate is not used"]
 
 
 def test_flags_without_a_file_keep_an_empty_metrics_address(monkeypatch):
