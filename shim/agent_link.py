@@ -95,12 +95,14 @@ class AgentLink:
         if self.link_bps is None:
             mine = agent.list(self.job)["flows"] if self.flows else []
             self.link_bps = job_link_rate(agent.request("status"), mine)
+        again = self._ever_registered
         if self.flows:
             self.counters["registrations"] += 1
             self.counters["reregistrations"] += self._ever_registered
             self._ever_registered = True
-        if self._warned:
-            log.warning("tensorlane: agent at %s is back; flows registered again", self.socket_path)
+        if self._warned:  # ("is back" for an agent started after the job, which was never there, misled)
+            log.warning("tensorlane: agent at %s %s", self.socket_path,
+                        "is back; flows registered again" if again else "answers now; flows registered")
             self._warned = False
         self._instance = instance
         if self.on_registered is not None and self.flows:

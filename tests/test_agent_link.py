@@ -175,3 +175,24 @@ def test_no_agent_at_the_socket_says_how_to_name_another(tmp_path, caplog):
         assert sum("TENSORLANE_AGENT_SOCKET" in r.getMessage() for r in caplog.records) == 1
     finally:
         link.close()
+
+
+def test_an_agent_started_after_the_job_is_said_to_answer_now_not_to_be_back(tmp_path, caplog):
+    path = str(tmp_path / "agent.sock")
+    link = AgentLink(path, "job", rank=0, interval_s=0.2)
+    fake = None
+    try:
+        with caplog.at_level(logging.WARNING, logger="tensorlane.shim"):
+            link.add(0, flows(0))  # no agent yet: one warning
+            fake = FakeAgent(path, levels=4)
+            deadline = time.monotonic() + 5
+            while not link.connected and time.monotonic() < deadline:
+                time.sleep(0.05)
+        messages = [r.getMessage() for r in caplog.records]
+        assert link.connected and link.counters["reregistrations"] == 0, messages
+        assert any(m.endswith("answers now; flows registered") for m in messages), messages
+        assert not any("is back" in m for m in messages), messages
+    finally:
+        link.close()
+        if fake is not None:
+            fake.close()
