@@ -23,6 +23,10 @@ def _agent(args) -> int:
     configure_logging(args.log_level)
     err = journal_prefix(logging.ERROR)
     flags = {"interface": args.interface, "socket": args.socket, "metrics_address": args.metrics_address}
+    if not args.config and not args.interface:  # (it said only "config field 'interface': required")
+        print(f"{err}tensorlane agent: no configuration: --config FILE (TOML, docs/agent.md; the Ansible role's is "
+              "/etc/tensorlane/agent.toml), or --interface IFACE for the defaults", file=sys.stderr)
+        return 2
     try:
         # a flag given empty counts (--metrics-address "" disables /metrics); an absent one is None
         cfg = load_config(args.config, flags) if args.config else from_dict(

@@ -238,6 +238,14 @@ def test_flags_without_a_file_keep_an_empty_metrics_address(monkeypatch):
     assert [c.metrics_address for c in seen] == ["", "127.0.0.1:9477"]
 
 
+def test_an_agent_with_neither_a_file_nor_an_interface_asks_for_config(capsys):
+    from tensorlane.cli import main
+
+    for argv in (["agent"], ["agent", "--check-config"], ["agent", "--socket", "/tmp/x.sock"]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.startswith("tensorlane agent: no configuration: --config FILE (TOML")
+
+
 def test_an_agent_without_root_is_refused_by_name_before_anything_is_made(tmp_path, monkeypatch, capsys):
     """Without CAP_NET_ADMIN and CAP_SYS_ADMIN the agent stops with one line (exit 2), before its state_dir is made;
     it died in the qdisc probe with a traceback ("PermissionError: mount rundir failed")."""
