@@ -1101,7 +1101,18 @@ class Handle:
                 self.flush()
                 if not d.pending:
                     return d.step_synced(closure)
-            d.stamp([p for g in self.optimizer.param_groups for p in g["params"]], closure)
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            if not d.unstamped and not d.got_grad and any(p.grad is not None for p in params):
+                # a second step() with no backward since the last (torch.distributed.checkpoint's get_state_dict
+                # and set_state_dict on an optimizer with no state yet, SGD without momentum: they set every .grad
+                # to zeros and call step() at lr 0): DDP steps again on .grad as it is. The stamped updates applied
+                # first leave there what DDP has (the average, or what the loop wrote since), so the optimizer's
+                # own step, now, is DDP's (until 2026-11-28 this raised: a correct loop refused, idiom
+                # dcp_get_state_dict_stateless)
+                self.flush()
+                if not d.pending:
+                    return d.step_synced(closure)
+            d.stamp(params, closure)
             if d.pending:
                 d.guard.arm([p for p in state.options["params"] if id(p) in d.pending])
         return None

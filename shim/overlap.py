@@ -261,9 +261,8 @@ class Deferred:
         if not self.unstamped:
             if any(p.grad is not None for p in params):
                 raise RuntimeError("tensorlane overlap mode: optimizer.step() without a synchronized backward() "
-                                   "since the last step (a second step on the same gradients, or a no_sync() "
-                                   "backward whose gradient met an update not yet applied); overlap mode cannot "
-                                   "reproduce DDP there. Use hook mode.")
+                                   "since the last step (a no_sync() backward whose gradient met an update not yet "
+                                   "applied); overlap mode cannot reproduce DDP there. Use hook mode.")
             return  # nothing to update, as under DDP (no gradients)
         hp = hyperparameters(self.optimizer)
         amp = autocast_state({p.device.type for p in params})

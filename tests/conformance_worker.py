@@ -2211,6 +2211,26 @@ def _scripted_function_reads_weights(ctx: Ctx):
     plain_loop(ctx, model, opt, after_step=after)
 
 
+@idiom("dcp_get_state_dict_stateless")
+def _dcp_get_state_dict_stateless(ctx: Ctx):
+    """A checkpoint taken with ``torch.distributed.checkpoint.state_dict.get_state_dict`` every 3rd iteration, before
+    the forward, with SGD without momentum: its optimizer state stays empty, so get_state_dict initialises it by
+    setting every ``.grad`` to zeros and calling ``optimizer.step()`` at lr 0 (a second step with no backward since
+    the last). Until 2026-11-28 overlap mode raised there ("optimizer.step() without a synchronized backward()"), a
+    correct loop refused; the saved parameters' sum is compared too."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctx.attach(model, opt)
+
+    def save(step):
+        if step % 3 == 1:
+            msd, _osd = get_state_dict(model, opt)
+            ctx.record("saved", sum(v.double().sum() for v in msd.values()))
+    plain_loop(ctx, model, opt, before_forward=save)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

@@ -2,7 +2,8 @@
 error on every rank, where it can before any parameter differs from plain DDP's (and ``early_use``,
 ``param_write_later``, ``clip_later``, ``grad_write_later`` and ``step_around_shim``, which it reproduces, must
 not). Writes OUT/SCENARIO-RANK.json with the error and the largest relative difference from DDP at that point (DDP
-after the same number of completed steps, :data:`SCENARIOS`; run as the loop of :data:`REFERENCE`).
+after the same number of completed steps, :data:`SCENARIOS`; run as the loop of :data:`REFERENCE`). A second
+step() with no backward between, ``double_step``, raised until 2026-11-28; it is reproduced now.
 
     torchrun --standalone --nproc-per-node 2 tests/refusal_worker.py --out DIR
 """
@@ -127,7 +128,8 @@ def loop(scenario: str, shim_on: bool, steps: int):
 # scenario -> the number of DDP steps the parameters must equal when the error is raised (None: the loop itself
 # already changed them around the shim before it could be seen)
 SCENARIOS = {"grad_zeroed_later": LATE, "require_overlap": 1,
-             "double_step": LATE + 1,  # the iteration's first step() is DDP's too: reading the parameters applies it
+             "double_step": STEPS,  # a second step() with no backward between: the first one's update applied,
+             # then the optimizer's own step on .grad as DDP leaves it (until 2026-11-28 it raised there)
              "step_around_shim_thread": None, "param_write_thread": None,
              "stale_use": STEPS,  # c used outside c from LATE on: the guard applies the updates first, exact
              "step_around_shim": STEPS,  # its step reads the gradients: averaged first, exact
@@ -138,7 +140,7 @@ SCENARIOS = {"grad_zeroed_later": LATE, "require_overlap": 1,
              "param_write_later": STEPS,  # clamped after step(): the guard applies the update first, exact
              "clip_later": STEPS,  # clipping (and a .grad scaled in place) that starts after the probe reads the
              "grad_write_later": STEPS}  # gradients: the watch makes them DDP's average first, exact
-REFERENCE = {"double_step": "plain"}  # the DDP loop to compare with (default: the scenario's own)
+REFERENCE: dict = {}  # the DDP loop to compare with, where not the scenario's own
 
 
 def main() -> int:

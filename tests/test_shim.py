@@ -690,7 +690,6 @@ dist.destroy_process_group()
 
 REFUSALS = {  # scenario of tests/refusal_worker.py -> what the error says
     "grad_zeroed_later": "gradients were changed between backward() and optimizer.step()",
-    "double_step": "optimizer.step() without a synchronized backward()",
     "require_overlap": "overlap mode cannot reproduce this training loop: gradients were changed",
     "step_around_shim_thread": "changed after backward() although no optimizer.step() went through the shim",
     "param_write_thread": "was changed in place between optimizer.step() and the next forward",
@@ -704,7 +703,8 @@ REFUSALS = {  # scenario of tests/refusal_worker.py -> what the error says
 # .grad DDP's average first and the step is taken on it; a parameter used outside its module from an iteration
 # after the probe on, ``stale_use``: the guard, armed through the forward for what is still pending, applies the
 # updates first; until 2026-11-27 it raised there, "used in this forward pass before its step was applied")
-EXACT = ("early_use", "param_write_later", "clip_later", "grad_write_later", "step_around_shim", "stale_use")
+EXACT = ("early_use", "param_write_later", "clip_later", "grad_write_later", "step_around_shim", "stale_use",
+         "double_step")
 
 
 def test_overlap_refuses_what_it_cannot_reproduce(tmp_path):
