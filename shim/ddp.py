@@ -135,8 +135,8 @@ class LevelStats:
 
 
 SPAWN_REFUSED = (
-    "tensorlane: the shim's state (shim.comm_state(), or the one shim.attach put on the DDP model) cannot be pickled "
-    "or deep-copied: it holds this process's process groups, threads and locks. Lightning's strategy='ddp_spawn' "
+    "tensorlane: the shim's state (shim.comm_state(), or the one shim.attach put on the DDP model) cannot be pickled: "
+    "it holds this process's process groups, threads and locks. Lightning's strategy='ddp_spawn' "
     "(DDPStrategy(start_method='spawn')) pickles the Trainer, its strategy and callbacks for the processes it starts; "
     "nothing has trained. Use DDPStrategy(start_method='popen') (Lightning's default: it starts the script again, "
     "or run it under torchrun) with shim.comm_state() made in each process")
@@ -180,11 +180,23 @@ class ShimState:
     _agreeing: tuple | None = None  # (work, tensor) of the clock's all-reduce in flight
 
     def __reduce_ex__(self, _protocol):
-        """Refuse pickling and ``copy.deepcopy`` with a clear error (until 2026-11-27 Python's own "cannot pickle
-        '_thread.lock' object"): the state holds this process's groups, threads and locks. Lightning's
-        ``strategy="ddp_spawn"`` (``DDPStrategy(start_method="spawn")``) pickles the Trainer, its strategy and
-        callbacks, and so ``comm_state()``, for the processes it starts, before any of them trains."""
+        """Refuse pickling with a clear error (until 2026-11-27 Python's own "cannot pickle '_thread.lock' object";
+        ``copy.deepcopy`` takes ``__deepcopy__`` below): the state holds this process's groups, threads and locks.
+        Lightning's ``strategy="ddp_spawn"`` (``DDPStrategy(start_method="spawn")``) pickles the Trainer, its
+        strategy and callbacks, and so ``comm_state()``, for the processes it starts, before any of them trains."""
         raise TypeError(SPAWN_REFUSED)
+
+    def __deepcopy__(self, memo):
+        """A deep copy of the DDP model (``AveragedModel(ddp_model)`` for SWA or an EMA, ``copy.deepcopy(ddp_model)``
+        for a snapshot) copies the states in its ``_comm_hooks``: the copy is not the model being trained (DDP gives
+        it a new reducer, which has no hook), so it gets a closed state, whose hook would be DDP's own all-reduce,
+        not a copy of this process's groups, threads and locks. Until 2026-11-28 that deep copy raised (the pickling
+        refusal above, about Lightning's ddp_spawn; before it "cannot pickle '_thread.lock' object") where plain
+        DDP's loop trains on: a correct loop refused (idiom averaged_model_of_ddp). Pickling still raises."""
+        other = ShimState(groups=None, world=self.world, param_level={}, partition_elems=None, levels=self.levels,
+                          mode=self.mode, mode_reason=self.mode_reason, job=self.job, closed=True)
+        memo[id(self)] = other
+        return other
 
     def __copy__(self):  # copy.copy as before (it shares the groups and the lock, copying nothing of them)
         other = type(self).__new__(type(self))

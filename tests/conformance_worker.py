@@ -2231,6 +2231,36 @@ def _dcp_get_state_dict_stateless(ctx: Ctx):
     plain_loop(ctx, model, opt, before_forward=save)
 
 
+@idiom("averaged_model_of_ddp")
+def _averaged_model_of_ddp(ctx: Ctx):
+    """SWA over the DDP model itself (``AveragedModel(model)``, PyTorch's SWA recipe, a deep copy of the DDP model
+    made after attach) from iteration 3 on, then ``update_bn`` through the copy; and a snapshot
+    ``copy.deepcopy(model)`` kept as a hand-written EMA. Until 2026-11-28 both deep copies raised in both modes (the
+    shim's state in the DDP model's comm hooks refused deep copies, with a message about Lightning's ddp_spawn),
+    where plain DDP trains on."""
+    from torch.optim.swa_utils import update_bn
+
+    model = ctx.ddp(convnet(batchnorm=True))
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    swa = AveragedModel(model)
+    ema = {}
+
+    def average(step):
+        if step >= 3:
+            swa.update_parameters(model)
+        if step == 1:
+            ema["model"] = copy.deepcopy(model)
+        elif step > 1:
+            with torch.no_grad():
+                for e, p in zip(ema["model"].parameters(), model.parameters(), strict=True):
+                    e.lerp_(p, 0.2)
+    plain_loop(ctx, model, opt, after_step=average)
+    update_bn([ctx.images(s)[0] for s in range(100, 103)], swa)
+    for t in [*swa.module.module.parameters(), *swa.module.module.buffers(), *ema["model"].parameters()]:
+        ctx.record("averaged", t)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
