@@ -136,7 +136,9 @@ class LevelStats:
 
 SPAWN_REFUSED = (
     "tensorlane: the shim's state (shim.comm_state(), or the one shim.attach put on the DDP model) cannot be pickled: "
-    "it holds this process's process groups, threads and locks. Lightning's strategy='ddp_spawn' "
+    "it holds this process's process groups, threads and locks. A DDP model with the shim attached is pickled with "
+    "it (torch.save(ddp_model)): save ddp_model.module or its state_dict() instead (copy.deepcopy(ddp_model) works). "
+    "Lightning's strategy='ddp_spawn' "
     "(DDPStrategy(start_method='spawn')) pickles the Trainer, its strategy and callbacks for the processes it starts; "
     "nothing has trained. Use DDPStrategy(start_method='popen') (Lightning's default: it starts the script again, "
     "or run it under torchrun) with shim.comm_state() made in each process")
@@ -792,6 +794,16 @@ class _CompiledWrapper:
             what = "a module of the DDP model compiled in place (ddp.module.compile(), or a submodule's .compile())"
         if what is not None:
             raise RuntimeError(COMPILED_WRAPPER.format(what=what, why=self.why, alt=self.alt))
+
+    def __reduce_ex__(self, _protocol):
+        """Pickling the DDP model (``torch.save(ddp_model)``) reaches this hook first: the shim's clear refusal
+        (SPAWN_REFUSED), not the bare "cannot pickle 'weakref.ReferenceType' object" it was until 2026-11-28."""
+        raise TypeError(SPAWN_REFUSED)
+
+    def __deepcopy__(self, memo):  # a deep copy of the DDP model (AveragedModel(ddp_model)) copies it as before
+        other = _CompiledWrapper.__new__(_CompiledWrapper)
+        other.seen, other.root, other.why, other.alt = False, self.root, self.why, self.alt
+        return other
 
     def install(self, model) -> list:
         """Put both hooks on the DDP ``model`` ahead of every other pre-hook; returns their handles."""

@@ -212,6 +212,35 @@ def test_attach_refuses_a_compiled_ddp_model_with_the_order_to_use(tmp_path):
 
 
 @pytest.mark.torch
+def test_pickling_the_ddp_model_is_refused_clearly_and_deep_copy_works(tmp_path):
+    """``torch.save(ddp_model)`` pickles the shim's state with the model: refused in both modes with the shim's
+    TypeError, which names it and the way out (until 2026-11-28 overlap mode raised a bare "cannot pickle
+    'weakref.ReferenceType' object", and hook mode spoke of Lightning's ddp_spawn alone). ``torch.save`` of
+    ``ddp.module`` and ``copy.deepcopy(ddp)`` work (the conformance idioms whole_model_saved, averaged_model_of_ddp)."""
+    import copy
+    import io
+
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for overlap in (False, True):
+            ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            handle = shim.attach(ddp, opt if overlap else None, agent_socket="/nonexistent/tl.sock", link_bps=2e8)
+            with pytest.raises(TypeError, match=r"torch.save\(ddp_model\)\): save ddp_model.module"):
+                torch.save(ddp, io.BytesIO())
+            torch.save(ddp.module, io.BytesIO())
+            assert copy.deepcopy(ddp).module.weight.equal(ddp.module.weight)
+            handle.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_attach_again_after_close_with_a_new_optimizer(tmp_path):
     """A loop that switches to a new optimizer mid-run closes the handle and attaches the new one: DDP keeps the
     first attach's comm hook for good, so the new attach chains to it (until 2026-11-27 it was refused as "a
