@@ -46,6 +46,28 @@ def owner_modules(root) -> list:
     return out
 
 
+class _CopyInert:
+    """A :class:`Recorder` hook on a module. A copy of the module (``torch.save(model.module)`` or
+    ``copy.deepcopy``: a snapshot, an EMA model) gets an inert one: the copy is not the model being measured, and a
+    closure cannot be pickled (until 2026-11-28 ``torch.save(model.module)`` before the first iteration had ended
+    raised "Can't pickle local object 'Recorder._post.<locals>.hook'" where plain DDP saves; idiom
+    ``whole_model_saved``), while a deep copy shared the closure, so the copy's forwards were timed as the model's."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn=None):
+        self.fn = fn
+
+    def __call__(self, *args):
+        return None if self.fn is None else self.fn(*args)
+
+    def __reduce__(self):
+        return (_CopyInert, ())
+
+    def __deepcopy__(self, memo):
+        return _CopyInert()
+
+
 class Recorder:
     """Times one iteration: per module forward duration and per parameter gradient-ready time (host clock).
 
@@ -72,8 +94,8 @@ class Recorder:
         self._params = [[p for p in m.parameters(recurse=False) if p.requires_grad] for m in modules]
         self._hooks = []
         for i, m in enumerate(modules):
-            self._hooks.append(m.register_forward_pre_hook(self._pre(i)))
-            self._hooks.append(m.register_forward_hook(self._post(i)))
+            self._hooks.append(m.register_forward_pre_hook(_CopyInert(self._pre(i))))
+            self._hooks.append(m.register_forward_hook(_CopyInert(self._post(i))))
             for p in self._params[i]:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad))
 

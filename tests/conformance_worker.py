@@ -34,6 +34,7 @@ import copy
 import datetime
 import functools
 import gc
+import io
 import json
 import os
 import sys
@@ -2259,6 +2260,25 @@ def _averaged_model_of_ddp(ctx: Ctx):
     update_bn([ctx.images(s)[0] for s in range(100, 103)], swa)
     for t in [*swa.module.module.parameters(), *swa.module.module.buffers(), *ema["model"].parameters()]:
         ctx.record("averaged", t)
+
+
+@idiom("whole_model_saved")
+def _whole_model_saved(ctx: Ctx):
+    """The whole module pickled (``torch.save(model.module)``, loaded back with ``weights_only=False``) right after
+    attach and after every step(); the loaded copies' parameters are compared too. Until 2026-11-28 the first save
+    raised in both modes ("Can't pickle local object 'Recorder._post.<locals>.hook'": the planner's timing hooks,
+    on the modules until the first iteration has ended) where plain DDP saves."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+
+    def save(_step):
+        buf = io.BytesIO()
+        torch.save(model.module, buf)
+        buf.seek(0)
+        ctx.record("saved", torch.cat([p.flatten() for p in torch.load(buf, weights_only=False).parameters()]))
+    save(-1)
+    plain_loop(ctx, model, opt, after_step=save)
 
 
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
