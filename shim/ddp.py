@@ -172,6 +172,7 @@ class ShimState:
     order_source: list | None = None  # comm_state() without module: parameters in hook order, to learn levels
     closed: bool = False
     successor: tuple | None = None  # (state, hook) of a later attach to the same DDP model, made after close()
+    copied: bool = False  # a deep copy's (__deepcopy__): in the _comm_hooks of a DDP copy whose reducer has no hook
     lock: threading.Lock = field(default_factory=threading.Lock)
     step_bytes: int = 0  # bytes the last complete synchronized backward all-reduced (the same on every rank)
     tail_bytes: int = 0  # bytes of that backward's last bucket: what DDP waits for after backward (every rank alike)
@@ -196,7 +197,7 @@ class ShimState:
         refusal above, about Lightning's ddp_spawn; before it "cannot pickle '_thread.lock' object") where plain
         DDP's loop trains on: a correct loop refused (idiom averaged_model_of_ddp). Pickling still raises."""
         other = ShimState(groups=None, world=self.world, param_level={}, partition_elems=None, levels=self.levels,
-                          mode=self.mode, mode_reason=self.mode_reason, job=self.job, closed=True)
+                          mode=self.mode, mode_reason=self.mode_reason, job=self.job, closed=True, copied=True)
         memo[id(self)] = other
         return other
 
@@ -1482,6 +1483,10 @@ def _shim_state_of(model) -> ShimState | None:
 
 def _register(model, state: ShimState, hook, prior: ShimState | None) -> None:
     """DDP's ``register_comm_hook``, or, where an earlier attach's closed hook is registered for good, chain to it."""
+    if prior is not None and prior.copied:  # a deep copy of an attached DDP model: DDP's _comm_hooks list came with
+        # it, but its new reducer has no hook, so chaining there would leave the shim unused (silently plain DDP)
+        model._comm_hooks[:] = [(h, st) for h, st in model._comm_hooks if st is not prior]
+        prior = None
     if prior is not None:
         prior.successor = (state, hook)
     else:

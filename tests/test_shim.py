@@ -216,7 +216,8 @@ def test_pickling_the_ddp_model_is_refused_clearly_and_deep_copy_works(tmp_path)
     """``torch.save(ddp_model)`` pickles the shim's state with the model: refused in both modes with the shim's
     TypeError, which names it and the way out (until 2026-11-28 overlap mode raised a bare "cannot pickle
     'weakref.ReferenceType' object", and hook mode spoke of Lightning's ddp_spawn alone). ``torch.save`` of
-    ``ddp.module`` and ``copy.deepcopy(ddp)`` work (the conformance idioms whole_model_saved, averaged_model_of_ddp)."""
+    ``ddp.module`` and ``copy.deepcopy(ddp)`` work (the conformance idioms whole_model_saved,
+    averaged_model_of_ddp), and the shim attached to such a copy runs on it."""
     import copy
     import io
 
@@ -234,7 +235,20 @@ def test_pickling_the_ddp_model_is_refused_clearly_and_deep_copy_works(tmp_path)
             with pytest.raises(TypeError, match=r"torch.save\(ddp_model\)\): save ddp_model.module"):
                 torch.save(ddp, io.BytesIO())
             torch.save(ddp.module, io.BytesIO())
-            assert copy.deepcopy(ddp).module.weight.equal(ddp.module.weight)
+            twin = copy.deepcopy(ddp)
+            assert twin.module.weight.equal(ddp.module.weight)
+            # the shim attached to the copy is used (until 2026-11-28 it chained to the copied state, which the
+            # copy's new reducer never calls: no bucket seen, overlap mode probing for ever, silently plain DDP)
+            twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+            twin_handle = shim.attach(twin, twin_opt if overlap else None, agent_socket="/nonexistent/tl.sock",
+                                      link_bps=2e8)
+            for _ in range(3):
+                twin(torch.ones(3, 4)).sum().backward()
+                twin_opt.step()
+                twin_opt.zero_grad()
+            stats = twin_handle.stats()
+            assert stats["step_bytes"] > 0 and stats["mode"] == ("overlap" if overlap else "hook"), stats
+            twin_handle.close()
             handle.close()
     finally:
         dist.destroy_process_group()
