@@ -173,6 +173,7 @@ class ShimState:
     closed: bool = False
     successor: tuple | None = None  # (state, hook) of a later attach to the same DDP model, made after close()
     copied: bool = False  # a deep copy's (__deepcopy__): in the _comm_hooks of a DDP copy whose reducer has no hook
+    copy_warned: bool = False  # a copy's hook was called all the same (_after_close warned once)
     lock: threading.Lock = field(default_factory=threading.Lock)
     step_bytes: int = 0  # bytes the last complete synchronized backward all-reduced (the same on every rank)
     tail_bytes: int = 0  # bytes of that backward's last bucket: what DDP waits for after backward (every rank alike)
@@ -454,6 +455,12 @@ def _after_close(state: ShimState, bucket):
     if state.successor is not None:
         later, hook = state.successor
         return hook(later, bucket)
+    if state.copied and not state.copy_warned:  # (a framework that deep-copied comm_state() and trains with the copy)
+        state.copy_warned = True
+        warnings.warn("tensorlane: a deep copy of the shim's state (copy.deepcopy of shim.comm_state(), or of a DDP "
+                      "model after attach) is the comm hook of a model being trained: its all-reduces are DDP's "
+                      "own, without priority (the copy holds no process groups). Make the state with "
+                      "shim.comm_state() in the process that trains, and do not copy it", stacklevel=2)
     return _plain_allreduce(state, bucket)
 
 

@@ -255,6 +255,37 @@ def test_pickling_the_ddp_model_is_refused_clearly_and_deep_copy_works(tmp_path)
 
 
 @pytest.mark.torch
+def test_a_copied_comm_state_in_use_warns_once(tmp_path):
+    """A deep copy of ``comm_state()`` is a closed state (it holds no groups): registered as a model's comm hook (a
+    framework that deep-copies its strategy), its all-reduces are DDP's own, the gradients DDP's average, and one
+    warning says that priority is lost, instead of nothing."""
+    import copy
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        ddp = copy.deepcopy(plain)
+        state = copy.deepcopy(shim.comm_state(agent_socket="/nonexistent/tl.sock"))
+        ddp.register_comm_hook(state, shim.priority_hook)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for model in (plain, ddp, ddp):
+                model(torch.ones(3, 4)).sum().backward()
+        lost = [w for w in caught if "deep copy of the shim's state" in str(w.message)]
+        assert len(lost) == 1, [str(w.message) for w in caught]
+        assert all(p.grad.equal(q.grad / 2) for p, q in zip(plain.parameters(), ddp.parameters(), strict=True))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_attach_again_after_close_with_a_new_optimizer(tmp_path):
     """A loop that switches to a new optimizer mid-run closes the handle and attaches the new one: DDP keeps the
     first attach's comm hook for good, so the new attach chains to it (until 2026-11-27 it was refused as "a
