@@ -9,10 +9,12 @@ network namespace, so a socket of another namespace is never found. Usage::
     found = diag.tcp("198.18.0.1", 41000, "198.18.0.2", 29500)   # TcpSocket(state, inode, uid) or None
     many = diag.tcp_many([("198.18.0.1", 41000, "198.18.0.2", 29500), ...])   # batched, in order
     owners = unix_name_uids("tensorlane-agent")   # the uids that made the abstract Unix sockets of that name
+    on_port = diag.udp_port(socket.AF_INET, 5000)  # [UdpSocket(state, inode, laddr, lport, raddr, rport)], one dump
 """
 from __future__ import annotations
 
 import errno
+import ipaddress
 import itertools
 import socket
 import struct
@@ -39,6 +41,10 @@ _ID_TAIL = struct.Struct("=III")  # if, cookie[2]
 _MSG_STATE = _HDR.size + 1  # inet_diag_msg: family, state, ...
 _MSG_UID = _HDR.size + 4 + 48 + 12  # ... after timer, retrans, the sockid, expires, rqueue, wqueue
 _MSG_INODE = _MSG_UID + 4
+_MSG_ID = _HDR.size + 4  # the inet_diag_sockid in an inet_diag_msg
+INET_DIAG_REQ_BYTECODE = 1
+INET_DIAG_BC_S_EQ = 11  # inet_diag_bc_op code: the socket's local port equals the next op's ``no``
+_BC_OP = struct.Struct("=BBH")  # inet_diag_bc_op: code, yes, no
 
 
 class TcpSocket(NamedTuple):
@@ -84,6 +90,43 @@ def _answers(data: bytes) -> Iterator[tuple[int, TcpSocket | None]]:
         else:
             uid, inode = struct.unpack_from("=II", msg, _MSG_UID)
             yield seq, TcpSocket(msg[_MSG_STATE], inode, uid)
+
+
+class UdpSocket(NamedTuple):
+    """One UDP socket as a port dump gives it: state (1 connected, 7 not), inode (0: held by no process), local and
+    remote address (canonical text, a v4-mapped IPv6 one as IPv4, as the socket tables show them) and port."""
+
+    state: int
+    inode: int
+    laddr: str
+    lport: int
+    raddr: str
+    rport: int
+
+
+def _port_dump(seq: int, family: int, protocol: int, port: int) -> bytes:
+    """A SOCK_DIAG_BY_FAMILY dump request of ``family``/``protocol`` with a kernel-side bytecode filter: the local
+    port is ``port`` (the kernel walks its table but answers only those sockets)."""
+    bc = _BC_OP.pack(INET_DIAG_BC_S_EQ, 8, 12) + _BC_OP.pack(0, 0, port)  # yes: accept; no: past the end, reject
+    attr = _ATTR.pack(_ATTR.size + len(bc), INET_DIAG_REQ_BYTECODE) + bc
+    body = (_REQ.pack(family, protocol, 0, 0, 0xFFFFFFFF) + _ID.pack(0, 0, bytes(16), bytes(16))
+            + _ID_TAIL.pack(0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE) + attr)
+    return _HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
+
+
+def _address(family: int, raw: bytes) -> str:
+    if family == socket.AF_INET:
+        return socket.inet_ntop(family, raw[:4])
+    addr = ipaddress.IPv6Address(raw)
+    return str(addr.ipv4_mapped or addr)
+
+
+def _udp_socket(msg: bytes) -> UdpSocket:
+    """The UdpSocket an inet_diag_msg (header included) describes."""
+    fam = msg[_HDR.size]
+    sport, dport, src, dst = _ID.unpack_from(msg, _MSG_ID)
+    inode = struct.unpack_from("=I", msg, _MSG_INODE)[0]
+    return UdpSocket(msg[_MSG_STATE], inode, _address(fam, src), sport, _address(fam, dst), dport)
 
 
 class SockDiag:
@@ -138,6 +181,56 @@ class SockDiag:
                     if seq in waiting:  # else a late answer to an earlier request that timed out
                         out[waiting.pop(seq)] = result
         return out
+
+    def udp(self, src: str, sport: int, dst: str, dport: int) -> UdpSocket | None:
+        """The UDP socket that receives what ``dst:dport`` sends to ``src:sport`` (an exact request: one hash lookup
+        in the kernel, which picks the best match, a connected socket before a bound one, a bound one before a
+        wildcard, among IPv4 and dual-stack IPv6 sockets for an IPv4 ``src``), or None. Raises OSError when the
+        kernel cannot answer (no ``udp_diag``)."""
+        family = socket.AF_INET6 if ":" in src else socket.AF_INET
+        seq = next(self._seq)
+        # (the kernel takes the request's source as the packet's: the remote end; "swapped for historical reasons")
+        body = (_REQ.pack(family, socket.IPPROTO_UDP, 0, 0, 0xFFFFFFFF)
+                + _ID.pack(dport, sport, socket.inet_pton(family, dst), socket.inet_pton(family, src))
+                + _ID_TAIL.pack(0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE))
+        sock = self._socket()
+        sock.send(_HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq, 0) + body)
+        while True:
+            for kind, got, msg in _messages(sock.recv(1 << 16)):
+                if got != seq:  # a late answer to an earlier request that timed out
+                    continue
+                if kind == NLMSG_ERROR:
+                    code = -struct.unpack_from("=i", msg, _HDR.size)[0]
+                    if code in (errno.ENOENT, 0):
+                        return None
+                    raise OSError(code, f"sock_diag (udp): {errno.errorcode.get(code, code)}")
+                if kind != SOCK_DIAG_BY_FAMILY or len(msg) < _MSG_INODE + 4:
+                    raise OSError(errno.EPROTO, f"sock_diag (udp): unexpected answer type {kind}")
+                return _udp_socket(msg)
+
+    def udp_port(self, family: int, port: int) -> list[UdpSocket]:
+        """The UDP sockets of ``family`` (AF_INET, AF_INET6) in this namespace whose local port is ``port``: one dump
+        filtered in the kernel (``INET_DIAG_REQ_BYTECODE``), so the answer holds the sockets of that port only,
+        not the namespace's thousands (``/proc/self/net/udp`` prints them all: 660 ms at 19,000). Raises OSError
+        when the kernel cannot answer (no ``udp_diag``): the caller falls back to the tables."""
+        sock = self._socket()
+        seq = next(self._seq)
+        sock.send(_port_dump(seq, family, socket.IPPROTO_UDP, port))
+        out: list[UdpSocket] = []
+        while True:
+            for kind, got, msg in _messages(sock.recv(1 << 16)):
+                if got != seq:  # a late answer to an earlier request that timed out
+                    continue
+                if kind == NLMSG_DONE:
+                    return out
+                if kind == NLMSG_ERROR:
+                    code = -struct.unpack_from("=i", msg, _HDR.size)[0]
+                    raise OSError(code, f"sock_diag (udp): {errno.errorcode.get(code, code)}")
+                if kind != SOCK_DIAG_BY_FAMILY or len(msg) < _MSG_INODE + 4:
+                    raise OSError(errno.EPROTO, f"sock_diag (udp): unexpected answer type {kind}")
+                found = _udp_socket(msg)
+                if found.lport == port:  # (the filter did its work; a kernel that ignored it is not trusted blindly)
+                    out.append(found)
 
     def close(self) -> None:
         if self._sock is not None:
