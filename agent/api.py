@@ -146,15 +146,19 @@ class Api:
                     with peer.pinned():  # the pid names the process that connected throughout (not one reusing it)
                         self._check_netns(peer)  # trusted users too, except root (it can enter any namespace)
                         if must_own:
-                            foreign = not_owned(peer.pid, req.flows)
+                            fds = dict(zip(req.flows, req.fds, strict=True)) if req.fds is not None else None
+                            foreign = not_owned(peer.pid, req.flows, fds=fds)
                 except ProcessLookupError:
                     raise ProtocolError("not_owner", f"process {peer.pid} is gone") from None
                 except TooManyFiles as exc:  # (reading them all stalled the agent: seconds at a million)
                     raise ProtocolError("limit", f"{exc.strerror}: the agent reads at most {MAX_OWNER_FDS} open "
-                                        "files of a process to find its sockets; use a process with fewer") from None
+                                        "files of a process to find its sockets; name each flow's fd in the "
+                                        "register (field fds: then only those are read), or use a process with "
+                                        "fewer") from None
             if foreign:
-                raise ProtocolError("not_owner", f"flow {foreign[0]} is not a socket of process {peer.pid} "
-                                    "in this agent's network namespace"
+                what = (f"fd {dict(zip(req.flows, req.fds, strict=True))[foreign[0]]} of process {peer.pid} does not "
+                        "hold its socket" if req.fds is not None else f"not a socket of process {peer.pid}")
+                raise ProtocolError("not_owner", f"flow {foreign[0]} is {what} in this agent's network namespace"
                                     + (f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""))
             if must_own:
                 pid = peer.pid
@@ -165,7 +169,8 @@ class Api:
         if users and uid not in users:  # root (or a trusted user) joins a user's job: inputs that user reported
             self.jobs.reported.pop(req.job, None)  # are theirs alone, dropped (_push reorders)
         added, moved = self.table.register(req.job, req.level, req.flows, req.rank, pid=pid, uid=uid, floor=floor,
-                                           run=req.run)
+                                           run=req.run,
+                                           fds=dict(zip(req.flows, req.fds, strict=True)) if req.fds else None)
         self._push(added, moved, [])
         level = self.table.effective_level(req.flows[0])  # one job, one requested level: one effective level
         reply = {"job": req.job, "level": level, "requested_level": req.level, "added": len(added),
@@ -440,6 +445,10 @@ class Api:
             self.table.drain([k for k in keys if k in sending], time.monotonic() + DRAIN_MAX_S)
         return self.table.drop([k for k in keys if k not in sending])
 
+    def _fd_of(self, key: FlowKey) -> int | None:
+        """The owner's fd that holds flow ``key``'s socket, when its register named it."""
+        return self.table.flows[key].fd
+
     def _uid_of(self, key: FlowKey) -> int | None:
         """The user that registered flow ``key``."""
         return self.table.flows[key].uid
@@ -490,7 +499,7 @@ class Api:
             self._swept_to = turn[-1]
             owners = {pid: list(by_pid[pid]) for pid in turn}  # (unsorted: sorting 50,000 flows cost 50 ms)
             read: list[int] = []  # (the owners judged: at most SWEEP_FDS open files are read per pass)
-            gone += self._let_go(not_owned_by_owners(owners, read))
+            gone += self._let_go(not_owned_by_owners(owners, read, self._fd_of))
             self._swept_to = read[-1] if read else self._swept_to
         if gone:
             self._push([], [], gone)

@@ -6,7 +6,9 @@ port, or to the wildcard address of the flow's family (``0.0.0.0`` for IPv4, ``:
 destination or not connected at all. "Its own sockets" are the ``socket:[INODE]``
 links in ``/proc/PID/fd``; they count only if they are sockets of the AGENT's network namespace: asked of the
 kernel by 5-tuple through the agent's own sock_diag socket (``agent/kernel/sockdiag.py``), or found in that
-namespace's tables (``/proc/self/net/{tcp,udp}{,6}`` read by the agent; the sweep reads them once per pass).
+namespace's tables (``/proc/self/net/tcp{,6}`` read by the agent; the sweep reads them at most once per pass);
+UDP sockets by exact sock_diag lookups or port dumps (``udp_sockets``). A client may name the fd that holds each
+flow's socket (``fds``): then only ``/proc/PID/fd/N`` of those fds is read, whatever its count of open files.
 A socket created in another namespace never appears there,
 whatever that namespace's own tables say: a process in a private namespace that gives its loopback the host's
 addresses and opens another job's 5-tuple owns nothing here. ``/proc/PID/net/*`` (the client's view) is never
@@ -17,7 +19,8 @@ Usage::
 
     if netns_of(pid) != netns_of("self"): refuse
     foreign = not_owned(pid, flows)                       # one client: exact kernel lookups (sock_diag)
-    gone = not_owned_by_owners({pid: flows, ...})         # the sweep: exact lookups, or the tables read once
+    foreign = not_owned(pid, flows, fds={flow: fd, ...})  # the client named each flow's fd: only those are read
+    gone = not_owned_by_owners({pid: flows, ...}, fd_of=table_fd)  # the sweep: the same, the TCP tables at most once
     keep = still_sending(gone, uid_of)                    # closed, its user's kernel socket still sends: kept
 """
 from __future__ import annotations
@@ -25,9 +28,10 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 from collections.abc import Callable, Iterable, Mapping
 
-from tensorlane.agent.kernel.sockdiag import SockDiag
+from tensorlane.agent.kernel.sockdiag import SockDiag, UdpSocket
 from tensorlane.agent.peers import account_uid
 from tensorlane.flows import FlowKey, TooManyFiles, parse_proc_net_tcp, socket_inodes
 
@@ -40,6 +44,7 @@ TCP_CLOSED_SENDING = frozenset({0x04, 0x09, 0x0B})
 # one process are read (a register from a process with more is refused ``limit``), at most SWEEP_FDS in one sweep.
 MAX_OWNER_FDS = 8192
 SWEEP_FDS = 32768
+UDP_PORT_DUMPS = 4  # port dumps (``udp_sockets``) per register or sweep, where an exact lookup did not decide
 EXACT_LOOKUPS_MAX = 256  # up to this many TCP flows, exact lookups whatever the tables hold
 ROWS_PER_LOOKUP = 3  # one exact lookup (~12 us) costs about what 3 rows of the text tables do (~4 us each)
 _DIAG = SockDiag()  # the agent's namespace: a socket of another one is never found
@@ -186,70 +191,162 @@ def _tcp_unowned(flows_of: Mapping[int, list[FlowKey]], held: Mapping[int, set[i
     return out
 
 
-def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | None = None) -> list[FlowKey]:
+def udp_sockets(flows: Iterable[FlowKey], inodes: set[int]) -> dict[int, Socket]:
+    """The UDP sockets among ``inodes`` that may own ``flows`` (UDP flows), by inode, asked of the kernel: first
+    one exact sock_diag lookup per flow (the socket that receives what the flow's destination sends to its
+    source: a hash lookup, about 10 us, whatever the namespace's sockets); where that socket is not one of
+    ``inodes`` or does not own the flow by the UDP rule (a dual-stack ``[::]`` socket is found for an IPv4 flow,
+    and owns none), the sockets of the flow's source port, by a dump filtered by port in the kernel (it walks the
+    namespace's UDP sockets in the kernel: about 2 ms at 19,000; at most ``UDP_PORT_DUMPS`` per call, so a user
+    registering other users' flows cannot make a call cost more). The namespace's UDP tables are read instead
+    only when the kernel cannot answer (no ``udp_diag``)."""
+    out: dict[int, Socket] = {}
+    if not inodes:
+        return out
+    try:
+        wanted = set()
+        for k in flows:
+            u = _DIAG.udp(k.src, k.sport, k.dst, k.dport)
+            if u is not None and u.inode in inodes and _owns(k, [_udp_row(u)]):
+                out[u.inode] = _udp_row(u)
+            else:
+                wanted.add((socket.AF_INET6 if ":" in k.src else socket.AF_INET, k.sport))
+        asks = sorted({(socket.AF_INET6, port) for _, port in wanted} | {w for w in wanted if w[0] == socket.AF_INET})
+        for family, port in asks[:UDP_PORT_DUMPS]:
+            for u in _DIAG.udp_port(family, port):
+                if u.inode in inodes:
+                    out[u.inode] = _udp_row(u)
+    except OSError:  # no udp_diag here: read the tables
+        return agent_sockets(inodes, protos=("udp",))
+    return out
+
+
+def _udp_row(u: UdpSocket) -> Socket:
+    return ("udp", u.laddr, u.lport, u.raddr, u.rport, u.state)
+
+
+def fd_inode(pid: int, fd: int) -> int | None:
+    """The inode of the socket on file descriptor ``fd`` of process ``pid`` (``/proc/PID/fd/FD`` is
+    ``socket:[INODE]``); None where that fd is closed, is not a socket, or the process is gone. One readlink,
+    whatever the number of the process's open files."""
+    try:
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return None
+    if target.startswith("socket:[") and target.endswith("]"):
+        return int(target[8:-1])
+    return None
+
+
+def _unowned_by_fd(entries: list[tuple[int, FlowKey, int]]) -> list[int]:
+    """Indexes of ``entries`` (pid, flow, fd) whose fd does not hold the flow's socket in the agent's namespace: the
+    fd must be a socket (one readlink) that is, for TCP, the established socket of that 5-tuple (an exact sock_diag
+    lookup gives its inode), for UDP, a socket of the flow's source port (a port dump) that owns the flow by the UDP
+    rule (``_owns``). O(1) per flow, whatever the process's open files or the namespace's sockets."""
+    inodes = [fd_inode(pid, fd) for pid, _, fd in entries]
+    bad = {i for i, n in enumerate(inodes) if n is None}
+    tcp = [i for i, (_, k, _) in enumerate(entries) if k.proto == "tcp" and i not in bad]
+    udp = [i for i, (_, k, _) in enumerate(entries) if k.proto != "tcp" and i not in bad]
+    try:
+        found = _DIAG.tcp_many([(entries[i][1].src, entries[i][1].sport, entries[i][1].dst, entries[i][1].dport)
+                                for i in tcp]) if tcp else []
+        bad |= {i for i, f in zip(tcp, found, strict=True)
+                if f is None or f[0] != TCP_ESTABLISHED or f[1] != inodes[i]}
+    except OSError:  # no sock_diag here: the tables, for those sockets only
+        table = agent_sockets({inodes[i] for i in tcp}, protos=("tcp",))
+        bad |= {i for i in tcp if not _owns(entries[i][1], [table[inodes[i]]] if inodes[i] in table else [])}
+    rows = udp_sockets([entries[i][1] for i in udp], {inodes[i] for i in udp})
+    bad |= {i for i in udp if not _owns(entries[i][1], [rows[inodes[i]]] if inodes[i] in rows else [])}
+    return sorted(bad)
+
+
+def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | None = None,
+              fds: Mapping[FlowKey, int] | None = None) -> list[FlowKey]:
     """The flows among ``flows`` that process ``pid`` does not own in the agent's network namespace (all of them
-    if the process is gone). TCP flows are looked up one by one in the kernel (sock_diag: a hash lookup, about
-    10 us) when that is cheaper (``lookups_cheaper``); otherwise, and for UDP, the namespace's tables are read
-    (milliseconds: the kernel walks its whole hash table and prints every socket)."""
+    if the process is gone). ``fds``: the client's word for which fd of the process holds each flow's socket: only
+    that fd is looked at (``_unowned_by_fd``), and none of the process's other open files are read (no
+    ``MAX_OWNER_FDS``). Otherwise the process's open files are read (TooManyFiles above ``MAX_OWNER_FDS``); TCP
+    flows are looked up one by one in the kernel (sock_diag: a hash lookup, about 10 us) when that is cheaper
+    (``lookups_cheaper``), else the namespace's TCP tables are read (milliseconds: the kernel walks its whole hash
+    table and prints every socket); UDP flows, by a port dump (``udp_sockets``)."""
     flows = list(flows)
+    if fds is not None:
+        return [flows[i] for i in _unowned_by_fd([(pid, k, fds[k]) for k in flows])]
     try:
         inodes = inodes_of(pid)
     except ProcessLookupError:
         return flows
     if table is None:
         tcp = [k for k in flows if k.proto == "tcp"]
-        if tcp and lookups_cheaper(len(tcp)):
+        udp = [k for k in flows if k.proto != "tcp"]
+        if not tcp or lookups_cheaper(len(tcp)):
             try:
-                foreign = _tcp_unowned({pid: tcp}, {pid: inodes})[pid]
+                foreign = _tcp_unowned({pid: tcp}, {pid: inodes})[pid] if tcp else []
             except OSError:  # no sock_diag here: read the tables
                 pass
             else:
-                udp = [k for k in flows if k.proto != "tcp"]
                 if udp:
-                    rows = agent_sockets(inodes, protos=("udp",))
+                    rows = udp_sockets(udp, inodes)
                     foreign += _unowned(udp, [rows[i] for i in inodes if i in rows])
                 return foreign
         table = agent_sockets(inodes)
     return _unowned(flows, [table[i] for i in inodes if i in table])
 
 
-def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]], read: list[int] | None = None) -> list[FlowKey]:
+def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]], read: list[int] | None = None,
+                        fd_of: Callable[[FlowKey], int | None] | None = None) -> list[FlowKey]:
     """For the periodic sweep: every flow of ``owners`` (pid -> its flows) whose owner no longer holds its socket
-    in the agent's namespace (closed, or the process is gone, or it holds more than ``MAX_OWNER_FDS`` open files,
-    which the agent does not read). Each owner's ``/proc/PID/fd`` is read once, in the order of ``owners``, until
-    ``SWEEP_FDS`` open files were read (``read`` gets the pids judged; the others wait for a later pass); the
-    TCP flows are looked up one by one while that is cheaper (``lookups_cheaper``), else the namespace's tables
-    are read once for all owners: the cost never grows with owners x sockets."""
+    in the agent's namespace (closed, or the process is gone). A flow registered with its fd (``fd_of`` gives it,
+    None for one without) is judged by that fd alone (``_unowned_by_fd``: an fd closed, or reused by another
+    socket, is not the flow's). For the others, each owner's ``/proc/PID/fd`` is read once (an owner that holds
+    more than ``MAX_OWNER_FDS`` open files loses them: the agent does not read so many), in the order of
+    ``owners``, until ``SWEEP_FDS`` open files (fds of flows count one each) were read (``read`` gets the pids
+    judged; the others wait for a later pass); the TCP flows are looked up one by one while that is cheaper
+    (``lookups_cheaper``), else the namespace's TCP tables are read once for all owners; UDP flows by port dumps
+    (``udp_sockets``): the cost never grows with owners x sockets."""
     gone: list[FlowKey] = []
     held: dict[int, set[int]] = {}
+    by_fd: list[tuple[int, FlowKey, int]] = []
+    flows_of: dict[int, list[FlowKey]] = {}
     spent = 0
     for pid, flows in owners.items():
         if spent >= SWEEP_FDS:
             break
-        try:
-            held[pid] = inodes_of(pid)
-            spent += len(held[pid]) + 1
-        except ProcessLookupError:
-            gone += flows
-        except TooManyFiles as exc:
-            log.warning("%s: its flows removed (the agent reads at most %d open files of a process that owns "
-                        "flows)", exc.strerror, MAX_OWNER_FDS)
-            gone += flows
-            spent += MAX_OWNER_FDS
+        rest = []
+        for k in flows:
+            fd = fd_of(k) if fd_of is not None else None
+            if fd is None:
+                rest.append(k)
+            else:
+                by_fd.append((pid, k, fd))
+                spent += 1
+        if rest:
+            try:
+                held[pid] = inodes_of(pid)
+                flows_of[pid] = rest
+                spent += len(held[pid]) + 1
+            except ProcessLookupError:
+                gone += rest
+            except TooManyFiles as exc:
+                log.warning("%s: its flows registered without their fds removed (the agent reads at most %d open "
+                            "files of a process that owns flows)", exc.strerror, MAX_OWNER_FDS)
+                gone += rest
+                spent += MAX_OWNER_FDS
         if read is not None:
             read.append(pid)
+    if by_fd:
+        gone += [by_fd[i][1] for i in _unowned_by_fd(by_fd)]
     if not held:
         return gone
-    flows_of = {pid: list(owners[pid]) for pid in held}
     tcp_count = sum(k.proto == "tcp" for fl in flows_of.values() for k in fl)
-    if lookups_cheaper(tcp_count):  # exact lookups, and the UDP tables only if needed
+    if lookups_cheaper(tcp_count):  # exact lookups, and port dumps for UDP
         try:
             exact = _tcp_unowned(flows_of, held)
         except OSError:
             pass
         else:
             udp = {pid: [k for k in fl if k.proto != "tcp"] for pid, fl in flows_of.items()}
-            rows = agent_sockets(set().union(*held.values()), protos=("udp",)) if any(udp.values()) else {}
+            rows = udp_sockets([k for fl in udp.values() for k in fl], set().union(*held.values()))
             for pid, inodes in held.items():
                 gone += exact[pid] + _unowned(udp[pid], [rows[i] for i in inodes if i in rows])
             return gone

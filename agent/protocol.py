@@ -27,6 +27,9 @@ from tensorlane.flows import FlowKey
 PROTOCOLS = {"tcp": 6, "udp": 17}
 
 
+MAX_FD = 2**31 - 1  # a file descriptor number is a C int (RLIMIT_NOFILE allows up to about 2**30 today)
+
+
 class ProtocolError(ValueError):
     """A request is malformed; ``code`` is a stable machine-readable reason."""
 
@@ -43,6 +46,7 @@ class Request:
     level: int | None = None
     rank: int | None = None
     flows: tuple[FlowKey, ...] = ()
+    fds: tuple[int, ...] | None = None  # register: the fd of the client's process holding each flow's socket (order)
     session: str | None = None
     run: str | None = None  # register: one run of the job (the same on all its ranks), to tell two jobs apart
     counters: tuple[tuple[int, int, int, float], ...] = ()  # report: (level, allreduces, bytes, comm_s)
@@ -129,6 +133,20 @@ def parse_counters(raw) -> tuple[tuple[int, int, int, float], ...]:
     return tuple(out)
 
 
+def _parse_fds(raw, keys: list[FlowKey], flows: tuple[FlowKey, ...]) -> tuple[int, ...]:
+    """``fds`` of a register: one file descriptor number (0..MAX_FD) per flow of ``flows`` as sent (``keys``), in
+    order; a flow sent twice must name the same fd. Returned in the order of the deduplicated ``flows``."""
+    if not isinstance(raw, list) or len(raw) != len(keys):
+        raise ProtocolError("bad_request", f"fds must be a list of one file descriptor per flow ({len(keys)})")
+    by_flow: dict[FlowKey, int] = {}
+    for key, fd in zip(keys, raw, strict=True):
+        if isinstance(fd, bool) or not isinstance(fd, int) or not 0 <= fd <= MAX_FD:
+            raise ProtocolError("bad_request", f"fds must be integers 0..{MAX_FD}, got {fd!r:.40}")
+        if by_flow.setdefault(key, fd) != fd:
+            raise ProtocolError("bad_request", f"flow {key} is given two fds ({by_flow[key]} and {fd})")
+    return tuple(by_flow[k] for k in flows)
+
+
 def parse_request(line: bytes | str) -> Request:
     """Parse and validate one request line; raise ProtocolError with a precise reason."""
     if len(line) > MAX_MESSAGE_BYTES:
@@ -148,7 +166,8 @@ def parse_request(line: bytes | str) -> Request:
     if rid is not None and not isinstance(rid, (int, str)) or isinstance(rid, bool):
         raise ProtocolError("bad_request", "id must be a string or an integer")
     allowed = {"op", "id"} | {
-        "register": {"job", "level", "rank", "flows", "run"}, "unregister": {"job", "flows"}, "list": {"job", "after"},
+        "register": {"job", "level", "rank", "flows", "run", "fds"}, "unregister": {"job", "flows"},
+        "list": {"job", "after"},
         "report": {"job", "session", "levels", "step_bytes", "compute_s", "tail_bytes", "window_start",
                    "window_steps"},
     }.get(op, set())
@@ -176,7 +195,11 @@ def parse_request(line: bytes | str) -> Request:
             raise ProtocolError("bad_flow", "register needs at least one flow")
         if len(flows_raw) > MAX_FLOWS_PER_MESSAGE:
             raise ProtocolError("too_large", f"{len(flows_raw)} flows exceed {MAX_FLOWS_PER_MESSAGE} per message")
-        flows = tuple(dict.fromkeys(parse_flow(f) for f in flows_raw))
+        keys = [parse_flow(f) for f in flows_raw]
+        flows = tuple(dict.fromkeys(keys))
+    fds = None
+    if op == "register" and msg.get("fds") is not None:
+        fds = _parse_fds(msg["fds"], keys, flows)
     run = msg.get("run")
     if run is not None and (not isinstance(run, str) or not JOB_ID_RE.match(run)):
         raise ProtocolError("bad_request", f"run must be {JOB_ID_RULE}; got {run!r}")
@@ -204,7 +227,7 @@ def parse_request(line: bytes | str) -> Request:
                 raise ProtocolError("bad_request", f"window_steps must be at most {MAX_WINDOW_STEPS}, "
                                                    f"got {window_steps!r}")
     after = parse_flow(msg["after"]) if msg.get("after") is not None else None
-    return Request(op=op, id=rid, job=job, level=level, rank=rank, flows=flows, session=session, run=run,
+    return Request(op=op, id=rid, job=job, level=level, rank=rank, flows=flows, fds=fds, session=session, run=run,
                    counters=counters, step_bytes=step_bytes, compute_s=compute_s, tail_bytes=tail_bytes,
                    window_start=window_start, window_steps=window_steps, after=after)
 

@@ -9,7 +9,7 @@ Usage: ``table = FlowTable(levels=4); added, moved = table.register("job-a", 0, 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from tensorlane.agent.protocol import ProtocolError
@@ -45,6 +45,7 @@ class FlowEntry(NamedTuple):
     registered_at: float = 0.0
     floor: int = 0  # the most urgent level the registering user may use (level_limits): bounds the effective level
     run: str | None = None  # the run of the job that registered it (the shim's token): two runs = an id conflict
+    fd: int | None = None  # the owner's fd that holds the flow's socket, when the client named it: the sweep checks it
 
 
 def requested_level(entry: FlowEntry) -> int:
@@ -77,11 +78,13 @@ class FlowTable:
 
     def register(self, job: str, level: int, flows: tuple[FlowKey, ...], rank: int | None = None,
                  pid: int | None = None, uid: int | None = None, floor: int = 0,
-                 run: str | None = None) -> tuple[list[FlowKey], list[FlowKey]]:
+                 run: str | None = None, fds: Mapping[FlowKey, int] | None = None
+                 ) -> tuple[list[FlowKey], list[FlowKey]]:
         """Add ``flows`` for ``job`` at ``level`` (moving the job's own flows that are at another level).
 
         ``floor``: the most urgent level the registering user may use; a job policy never puts the flows above
-        it. ``run``: the run of the job registering (see ``conflicts``). Returns (added, moved). Raises
+        it. ``run``: the run of the job registering (see ``conflicts``). ``fds``: each flow's fd in process ``pid``
+        (kept with the flow for the sweep). Returns (added, moved). Raises
         ProtocolError, changing nothing, when the level is out of range, a flow belongs to another job, or the
         table would overflow.
         """
@@ -101,7 +104,8 @@ class FlowTable:
         now = time.time()
         for key in flows:
             self._forget_owner(key)
-            self.flows[key] = FlowEntry(job, level, rank, pid, uid, now, floor, run)
+            self.flows[key] = FlowEntry(job, level, rank, pid, uid, now, floor, run,
+                                        fds.get(key) if fds is not None and pid is not None else None)
             self.by_job.setdefault(job, set()).add(key)
             mine = self.of_user.setdefault(uid, {})
             mine[job] = mine.get(job, 0) + 1
@@ -177,7 +181,7 @@ class FlowTable:
             entry = self.flows[key]
             if entry.pid is not None:
                 self._leave_pid(key, entry.pid)
-                self.flows[key] = entry._replace(pid=None)
+                self.flows[key] = entry._replace(pid=None, fd=None)
             self.draining.pop(key, None)  # (re-inserted: the oldest stay first)
             self.draining[key] = until
 

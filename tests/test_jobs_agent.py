@@ -1085,7 +1085,8 @@ def test_the_sweep_reads_a_bounded_turn_of_owners_and_comes_round_to_all(monkeyp
     for pid in range(100, 100 + n):
         api.table.register("many", 1, (key(pid),), pid=pid, uid=1000)
     turns = []
-    monkeypatch.setattr(api_mod, "not_owned_by_owners", lambda owners, read=None: turns.append(sorted(owners)) or [])
+    monkeypatch.setattr(api_mod, "not_owned_by_owners",
+                        lambda owners, read=None, fd_of=None: turns.append(sorted(owners)) or [])
     for _ in range(4):
         assert api.sweep() == 0
     assert [len(t) for t in turns] == [api_mod.SWEEP_OWNERS] * 4

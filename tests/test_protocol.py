@@ -30,6 +30,23 @@ def test_a_rank_is_bounded():
         assert info.value.code == "bad_request" and len(str(info.value)) < 120
 
 
+def test_a_registers_fds_are_one_integer_per_flow():
+    """``fds`` (optional): the fd of the client's process that holds each flow's socket, in the order of ``flows``
+    (a flow sent twice names the same fd); anything else is ``bad_request`` and changes nothing. Without it a
+    register is as before (``fds`` None: the agent reads the process's open files)."""
+    other = {**FLOW, "sport": FLOW["sport"] + 1}
+    assert parse_request(req(op="register", job="j", level=0, flows=[FLOW])).fds is None
+    r = parse_request(req(op="register", job="j", level=0, flows=[FLOW, other, FLOW], fds=[5, 2**31 - 1, 5]))
+    assert r.fds == (5, 2**31 - 1) and len(r.flows) == 2
+    for fds in ([], [5], [5, 6, 7, 8], [5, -1, 5], [5, 2**31, 5], [5, True, 5], [5, 1.0, 5], [5, "6", 5],
+                [5, 6, 7], "5", {"5": 5}):
+        with pytest.raises(ProtocolError) as info:
+            parse_request(req(op="register", job="j", level=0, flows=[FLOW, other, FLOW], fds=fds))
+        assert info.value.code == "bad_request" and "fds" in str(info.value) or "two fds" in str(info.value), fds
+    with pytest.raises(ProtocolError, match="unknown field 'fds'"):
+        parse_request(req(op="unregister", job="j", flows=[FLOW], fds=[5]))
+
+
 def test_ipv6_and_mapped_addresses():
     r = parse_request(req(op="register", job="j", level=0, flows=[
         {**FLOW, "src": "::ffff:198.18.0.1", "dst": "::ffff:198.18.0.2"},
