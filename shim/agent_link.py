@@ -10,6 +10,7 @@ import logging
 import threading
 
 from tensorlane.client import AgentClient, AgentError, AgentUnavailable
+from tensorlane.flows import flow_key, own_flow_fds
 
 log = logging.getLogger("tensorlane.shim")
 MAX_FLOWS_PER_REQUEST = 1024
@@ -74,10 +75,13 @@ class AgentLink:
             log.warning("tensorlane: the agent at %s has %d levels: this process's levels from %d on are registered "
                         "at its level %d", self.socket_path, self.agent_levels, self.agent_levels,
                         self.agent_levels - 1)
+        held = own_flow_fds()  # which fd holds each flow's socket: the agent checks those alone
         for level, fl in sorted(flows.items()):
             for i in range(0, len(fl), MAX_FLOWS_PER_REQUEST):
-                reply = agent.register(self.job, self.agent_level(level), fl[i:i + MAX_FLOWS_PER_REQUEST],
-                                       rank=self.rank, run=self.run)
+                part = fl[i:i + MAX_FLOWS_PER_REQUEST]
+                fds = [held.get(flow_key(f)) for f in part]
+                reply = agent.register(self.job, self.agent_level(level), part, rank=self.rank, run=self.run,
+                                       fds=fds if None not in fds else None)
                 if reply.get("conflict") and not self.conflict:
                     self.conflict = reply["conflict"]
                     log.warning("tensorlane: %s", self.conflict)

@@ -151,14 +151,24 @@ class AgentClient:
             raise AgentUnavailable(f"agent at {self.path}: {send_error or exc}") from None
 
     def register(self, job: str, level: int, flows: list[dict], rank: int | None = None,
-                 run: str | None = None) -> dict:
+                 run: str | None = None, fds: list[int] | None = None) -> dict:
         """Register ``flows`` (dicts with proto, src, sport, dst, dport) of ``job`` at ``level``; ``run``: a token
-        all ranks of this run of the job share, so that the agent can tell another job with the same id apart."""
+        all ranks of this run of the job share, so that the agent can tell another job with the same id apart;
+        ``fds``: the fd of this process that holds each flow's socket, in order (``flows.own_flow_fds``): the agent
+        then checks those fds alone, not every open file of the process (it reads at most 8,192 of them)."""
         fields = {"job": job, "level": level, "flows": flows}
+        if fds is not None:
+            fields["fds"] = list(fds)
         if rank is not None:
             fields["rank"] = rank
         if run is not None:
             fields["run"] = run
+        try:
+            return self.request("register", **fields)
+        except AgentError as exc:
+            if fds is None or exc.code != "bad_request" or "unknown field 'fds'" not in str(exc):
+                raise
+        del fields["fds"]  # an agent from before fds (2026-11-28): it reads the process's open files instead
         return self.request("register", **fields)
 
     def unregister(self, job: str, flows: list[dict] | None = None) -> dict:

@@ -1,6 +1,7 @@
 """Flow identity, and a process's own established TCP flows (no torch, no privileges).
 
-Shared by the agent (``FlowKey`` in its table; ``socket_inodes`` for ownership) and the shim (``own_tcp_flows``).
+Shared by the agent (``FlowKey`` in its table; ``socket_inodes`` for ownership) and the shim (``own_tcp_flows``;
+``own_flow_fds``: which fd holds each, sent with a register).
 
 A process's sockets are the ``socket:[INODE]`` links in ``/proc/PID/fd``. The caller's own are asked for their
 addresses and state directly (``getsockname``, ``getpeername``, ``TCP_INFO`` on a duplicate of each fd: a cost per
@@ -188,6 +189,11 @@ def _own_established() -> list[tuple[tuple, tuple]]:
     Until 2026-11-27 this read the namespace's whole /proc/self/net/tcp(6) and parsed every row, per call: with 800
     sockets on the host 16 ms a call, 8 calls per ``shim.attach`` (two per level), half of a conformance cell's
     time; it grows with the host's sockets, this with the process's own."""
+    return [pair for _, pair in _own_established_fds()]
+
+
+def _own_established_fds() -> list[tuple[int, tuple[tuple, tuple]]]:
+    """``(fd, (local, remote))`` of the caller's established TCP sockets (``_own_established``)."""
     ends = []
     for fd in socket_fds("self").values():
         try:
@@ -195,8 +201,19 @@ def _own_established() -> list[tuple[tuple, tuple]]:
         except OSError:  # closed meanwhile
             continue
         if (pair := _ends(dup)) is not None:
-            ends.append(pair)
+            ends.append((fd, pair))
     return ends
+
+
+def own_flow_fds() -> dict[FlowKey, int]:
+    """``{flow: fd}`` of the caller's established TCP flows (as ``own_tcp_flows`` gives them): the fd of this process
+    that holds each flow's socket, for a register's ``fds`` (the agent then checks that fd alone, not every open
+    file of the process: docs/protocol.md)."""
+    out: dict[FlowKey, int] = {}
+    for fd, ((laddr, lport), (raddr, rport)) in _own_established_fds():
+        if laddr.version == raddr.version:
+            out.setdefault(FlowKey("tcp", str(laddr), lport, str(raddr), rport), fd)
+    return out
 
 
 _NONBLOCK_STREAM = socket.SOCK_STREAM | socket.SOCK_NONBLOCK

@@ -22,6 +22,7 @@ class FakeAgent:
         self.path, self.levels, self.instance = path, levels, "one"
         self.flows: dict[tuple, int] = {}
         self.requests: list[dict] = []
+        self.knows_fds = True  # False: an agent from before the register's fds (2026-11-28)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(path)
         self.sock.listen(16)
@@ -38,6 +39,8 @@ class FakeAgent:
         if op == "hello":
             return {"version": "test", "interfaces": ["eth0"], "levels": self.levels, "instance": self.instance}
         if op == "register":
+            if "fds" in req and not self.knows_fds:
+                raise LookupError("unknown field 'fds' for op register")
             if not 0 <= req["level"] < self.levels:
                 raise ValueError(f"level {req['level']} out of range 0..{self.levels - 1}")
             for f in req["flows"]:
@@ -70,6 +73,8 @@ class FakeAgent:
                         reply = {"id": req["id"], "ok": True, "result": self._answer(req)}
                     except ValueError as exc:
                         reply = {"id": req["id"], "ok": False, "error": {"code": "bad_level", "message": str(exc)}}
+                    except LookupError as exc:
+                        reply = {"id": req["id"], "ok": False, "error": {"code": "bad_request", "message": exc.args[0]}}
                     conn.sendall(json.dumps(reply).encode() + b"\n")
 
     def close(self) -> None:
@@ -196,3 +201,27 @@ def test_an_agent_started_after_the_job_is_said_to_answer_now_not_to_be_back(tmp
         link.close()
         if fake is not None:
             fake.close()
+
+
+def test_the_shim_names_the_fd_of_each_flows_socket_and_an_older_agent_still_registers(agent):
+    """The shim sends, with its flows, the fd of this process that holds each one's socket (``fds``): the agent
+    checks that fd alone, so a process with tens of thousands of open files (dataset shards) is not refused. Flows
+    it holds no socket of go without fds; an agent from before fds (``unknown field``) gets the register again
+    without them."""
+    from tensorlane.flows import own_tcp_flows
+
+    with socket.create_server(("127.0.0.1", 0)) as srv, socket.create_connection(srv.getsockname()) as c, \
+            srv.accept()[0]:
+        mine = [f for f in own_tcp_flows() if f["sport"] == c.getsockname()[1]]
+        link = AgentLink(agent.path, "job", rank=0, interval_s=60)
+        try:
+            link.add(0, mine)
+            link.add(1, flows(1))  # no socket of this process: no fds
+            agent.knows_fds = False
+            link.add(0, mine)
+            regs = [r for r in agent.requests if r["op"] == "register"]
+            assert regs[0]["fds"] == [c.fileno()] and "fds" not in regs[1]
+            assert regs[2]["fds"] == [c.fileno()] and "fds" not in regs[3] and regs[3]["flows"] == mine
+            assert link.counters["refusals"] == 0
+        finally:
+            link.close()
