@@ -23,7 +23,15 @@ from tensorlane.agent.jobs import JobScheduler
 from tensorlane.agent.kernel.qdisc import fmt_handle
 from tensorlane.agent.logs import RefusalLog
 from tensorlane.agent.metrics.jobs import JobReports
-from tensorlane.agent.ownership import MAX_OWNER_FDS, netns_of, not_owned, not_owned_by_owners, still_sending
+from tensorlane.agent.ownership import (
+    MAX_OWNER_FDS,
+    UDP_PORT_DUMPS,
+    UndecidedPorts,
+    netns_of,
+    not_owned,
+    not_owned_by_owners,
+    still_sending,
+)
 from tensorlane.agent.peers import AccessPolicy, Peer
 from tensorlane.agent.protocol import ProtocolError
 from tensorlane.agent.state import SHOWN_RUNS, job_id_base, user_job_id
@@ -155,6 +163,11 @@ class Api:
                                         "files of a process to find its sockets; name each flow's fd in the "
                                         "register (field fds: then only those are read), or use a process with "
                                         "fewer") from None
+                except UndecidedPorts as exc:
+                    raise ProtocolError("limit", f"UDP flows of {exc.args[0]} more source ports than the "
+                                        f"{UDP_PORT_DUMPS} the agent looks at in one request need a look at each "
+                                        "port's sockets (another socket answers for their addresses): register "
+                                        "them in several requests") from None
             if foreign:
                 what = (f"fd {dict(zip(req.flows, req.fds, strict=True))[foreign[0]]} of process {peer.pid} does not "
                         "hold its socket" if req.fds is not None else f"not a socket of process {peer.pid}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import random
 import socket
 from collections.abc import Callable, Iterable, Mapping
 
@@ -52,6 +53,11 @@ atexit.register(_DIAG.close)  # (its socket, opened at first use, is not left to
 _TABLES = (("tcp", "tcp", False), ("tcp6", "tcp", True), ("udp", "udp", False), ("udp6", "udp", True))
 
 Socket = tuple[str, str, int, str, int, int]  # (proto, laddr, lport, raddr, rport, state)
+
+
+class UndecidedPorts(Exception):
+    """A register's UDP flows needed more port dumps than ``UDP_PORT_DUMPS`` to be judged: none is taken as another
+    user's, and the client is told to register them in several requests."""
 NetnsId = tuple[int, int]
 
 
@@ -191,15 +197,17 @@ def _tcp_unowned(flows_of: Mapping[int, list[FlowKey]], held: Mapping[int, set[i
     return out
 
 
-def udp_sockets(flows: Iterable[FlowKey], inodes: set[int]) -> dict[int, Socket]:
+def udp_sockets(flows: Iterable[FlowKey], inodes: set[int], undecided: set | None = None) -> dict[int, Socket]:
     """The UDP sockets among ``inodes`` that may own ``flows`` (UDP flows), by inode, asked of the kernel: first
     one exact sock_diag lookup per flow (the socket that receives what the flow's destination sends to its
     source: a hash lookup, about 10 us, whatever the namespace's sockets); where that socket is not one of
     ``inodes`` or does not own the flow by the UDP rule (a dual-stack ``[::]`` socket is found for an IPv4 flow,
     and owns none), the sockets of the flow's source port, by a dump filtered by port in the kernel (it walks the
     namespace's UDP sockets in the kernel: about 2 ms at 19,000; at most ``UDP_PORT_DUMPS`` per call, so a user
-    registering other users' flows cannot make a call cost more). The namespace's UDP tables are read instead
-    only when the kernel cannot answer (no ``udp_diag``)."""
+    registering other users' flows cannot make a call cost more; which ports are dumped is drawn at random, so
+    that a sweep comes to every port in turn). ``undecided`` gets the (family, port) of the ports not dumped: their
+    flows are neither owned nor unowned yet. The namespace's UDP tables are read instead only when the kernel
+    cannot answer (no ``udp_diag``)."""
     out: dict[int, Socket] = {}
     if not inodes:
         return out
@@ -212,7 +220,12 @@ def udp_sockets(flows: Iterable[FlowKey], inodes: set[int]) -> dict[int, Socket]
             else:
                 wanted.add((socket.AF_INET6 if ":" in k.src else socket.AF_INET, k.sport))
         asks = sorted({(socket.AF_INET6, port) for _, port in wanted} | {w for w in wanted if w[0] == socket.AF_INET})
-        for family, port in asks[:UDP_PORT_DUMPS]:
+        if len(asks) > UDP_PORT_DUMPS:
+            dumped = set(random.sample(asks, UDP_PORT_DUMPS))
+            if undecided is not None:
+                undecided.update(a for a in asks if a not in dumped)
+            asks = sorted(dumped)
+        for family, port in asks:
             for u in _DIAG.udp_port(family, port):
                 if u.inode in inodes:
                     out[u.inode] = _udp_row(u)
@@ -223,6 +236,13 @@ def udp_sockets(flows: Iterable[FlowKey], inodes: set[int]) -> dict[int, Socket]
 
 def _udp_row(u: UdpSocket) -> Socket:
     return ("udp", u.laddr, u.lport, u.raddr, u.rport, u.state)
+
+
+def _undecided(k: FlowKey, undecided: set) -> bool:
+    """Whether UDP flow ``k``'s port was not dumped (``udp_sockets``): a dual-stack socket may hold it by IPv6."""
+    return k.proto != "tcp" and bool(undecided) and (
+        (socket.AF_INET6 if ":" in k.src else socket.AF_INET, k.sport) in undecided
+        or (socket.AF_INET6, k.sport) in undecided)
 
 
 def fd_inode(pid: int, fd: int) -> int | None:
@@ -238,11 +258,12 @@ def fd_inode(pid: int, fd: int) -> int | None:
     return None
 
 
-def _unowned_by_fd(entries: list[tuple[int, FlowKey, int]]) -> list[int]:
+def _unowned_by_fd(entries: list[tuple[int, FlowKey, int]], undecided: set) -> list[int]:
     """Indexes of ``entries`` (pid, flow, fd) whose fd does not hold the flow's socket in the agent's namespace: the
     fd must be a socket (one readlink) that is, for TCP, the established socket of that 5-tuple (an exact sock_diag
     lookup gives its inode), for UDP, a socket of the flow's source port (a port dump) that owns the flow by the UDP
-    rule (``_owns``). O(1) per flow, whatever the process's open files or the namespace's sockets."""
+    rule (``_owns``). O(1) per flow, whatever the process's open files or the namespace's sockets. UDP flows whose
+    port was not dumped are in neither (``undecided``)."""
     inodes = [fd_inode(pid, fd) for pid, _, fd in entries]
     bad = {i for i, n in enumerate(inodes) if n is None}
     tcp = [i for i, (_, k, _) in enumerate(entries) if k.proto == "tcp" and i not in bad]
@@ -255,8 +276,9 @@ def _unowned_by_fd(entries: list[tuple[int, FlowKey, int]]) -> list[int]:
     except OSError:  # no sock_diag here: the tables, for those sockets only
         table = agent_sockets({inodes[i] for i in tcp}, protos=("tcp",))
         bad |= {i for i in tcp if not _owns(entries[i][1], [table[inodes[i]]] if inodes[i] in table else [])}
-    rows = udp_sockets([entries[i][1] for i in udp], {inodes[i] for i in udp})
-    bad |= {i for i in udp if not _owns(entries[i][1], [rows[inodes[i]]] if inodes[i] in rows else [])}
+    rows = udp_sockets([entries[i][1] for i in udp], {inodes[i] for i in udp}, undecided)
+    bad |= {i for i in udp if not _owns(entries[i][1], [rows[inodes[i]]] if inodes[i] in rows else [])
+            and not _undecided(entries[i][1], undecided)}
     return sorted(bad)
 
 
@@ -268,10 +290,15 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
     ``MAX_OWNER_FDS``). Otherwise the process's open files are read (TooManyFiles above ``MAX_OWNER_FDS``); TCP
     flows are looked up one by one in the kernel (sock_diag: a hash lookup, about 10 us) when that is cheaper
     (``lookups_cheaper``), else the namespace's TCP tables are read (milliseconds: the kernel walks its whole hash
-    table and prints every socket); UDP flows, by a port dump (``udp_sockets``)."""
+    table and prints every socket); UDP flows, by a port dump (``udp_sockets``). Raises UndecidedPorts where UDP
+    flows of more ports than ``UDP_PORT_DUMPS`` could not be judged."""
     flows = list(flows)
+    undecided: set = set()
     if fds is not None:
-        return [flows[i] for i in _unowned_by_fd([(pid, k, fds[k]) for k in flows])]
+        foreign = [flows[i] for i in _unowned_by_fd([(pid, k, fds[k]) for k in flows], undecided)]
+        if undecided:
+            raise UndecidedPorts(len({port for _, port in undecided}))
+        return foreign
     try:
         inodes = inodes_of(pid)
     except ProcessLookupError:
@@ -286,7 +313,9 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
                 pass
             else:
                 if udp:
-                    rows = udp_sockets(udp, inodes)
+                    rows = udp_sockets(udp, inodes, undecided)
+                    if undecided:
+                        raise UndecidedPorts(len({port for _, port in undecided}))
                     foreign += _unowned(udp, [rows[i] for i in inodes if i in rows])
                 return foreign
         table = agent_sockets(inodes)
@@ -303,7 +332,9 @@ def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]], read: list[int]
     ``owners``, until ``SWEEP_FDS`` open files (fds of flows count one each) were read (``read`` gets the pids
     judged; the others wait for a later pass); the TCP flows are looked up one by one while that is cheaper
     (``lookups_cheaper``), else the namespace's TCP tables are read once for all owners; UDP flows by port dumps
-    (``udp_sockets``): the cost never grows with owners x sockets."""
+    (``udp_sockets``; those of ports beyond ``UDP_PORT_DUMPS`` are kept, for a later pass): the cost never grows
+    with owners x sockets."""
+    undecided: set = set()
     gone: list[FlowKey] = []
     held: dict[int, set[int]] = {}
     by_fd: list[tuple[int, FlowKey, int]] = []
@@ -335,7 +366,7 @@ def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]], read: list[int]
         if read is not None:
             read.append(pid)
     if by_fd:
-        gone += [by_fd[i][1] for i in _unowned_by_fd(by_fd)]
+        gone += [by_fd[i][1] for i in _unowned_by_fd(by_fd, undecided)]
     if not held:
         return gone
     tcp_count = sum(k.proto == "tcp" for fl in flows_of.values() for k in fl)
@@ -346,9 +377,10 @@ def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]], read: list[int]
             pass
         else:
             udp = {pid: [k for k in fl if k.proto != "tcp"] for pid, fl in flows_of.items()}
-            rows = udp_sockets([k for fl in udp.values() for k in fl], set().union(*held.values()))
+            rows = udp_sockets([k for fl in udp.values() for k in fl], set().union(*held.values()), undecided)
             for pid, inodes in held.items():
-                gone += exact[pid] + _unowned(udp[pid], [rows[i] for i in inodes if i in rows])
+                gone += exact[pid] + [k for k in _unowned(udp[pid], [rows[i] for i in inodes if i in rows])
+                                      if not _undecided(k, undecided)]
             return gone
     table = agent_sockets(set().union(*held.values()))
     for pid, inodes in held.items():
