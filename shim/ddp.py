@@ -1436,6 +1436,16 @@ def _connect(levels: int, agent_socket: str | None, job: str | None) -> tuple[li
     return groups, link, flows, job
 
 
+def _fabric_ddp(model):
+    """The DDP model inside Lightning Fabric's ``_FabricModule`` (what ``fabric.setup(model, opt)`` returns with
+    ``strategy="ddp"``): it keeps it as ``_forward_module`` and calls it in its own forward, so ``attach`` takes that
+    one (docs/frameworks.md). Known by its class, without importing Lightning; any other model is returned as it is.
+    Usage: ``model, opt = fabric.setup(net, opt); handle = shim.attach(model, opt)``."""
+    if not any(c.__name__ == "_FabricModule" and c.__module__.endswith("fabric.wrappers") for c in type(model).__mro__):
+        return model
+    return model._forward_module
+
+
 def _not_ddp(model) -> str:
     """What ``attach`` says of a model that is not DDP: its type, and where this process is not part of a
     distributed job, that this is why a framework handed back the bare model (Accelerate's ``prepare()`` wraps it
@@ -1528,7 +1538,8 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
            job: str | None = None, partition_bytes: int | None = None, disable: bool | None = None,
            report_interval_s: float = 5.0, profile=None, link_bps: float | None = None,
            require_overlap: bool = False, per_parameter_optimizer: bool | None = None) -> Handle:
-    """Give ``model`` (a DistributedDataParallel) prioritized all-reduce; with ``optimizer``, overlap mode.
+    """Give ``model`` (a DistributedDataParallel, or Lightning Fabric's wrapper of one) prioritized all-reduce; with
+    ``optimizer``, overlap mode.
 
     Every rank must call it (it creates process groups). ``disable=True`` or TENSORLANE_DISABLE=1 leaves training
     exactly as plain DDP. Options: ``levels`` (1..5), ``policy`` ("planner", the default: ``policies.planner``
@@ -1539,12 +1550,13 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
     policies: a bucket is cut only where its level changes), ``agent_socket`` (default TENSORLANE_AGENT_SOCKET or
     /run/tensorlane/agent.sock), ``job`` (default ``agree_job_id()``), ``report_interval_s`` (how often
     per-level communication counters go to the agent's metrics, ``shim.report``). Overlap mode: ``optimizer`` is a
-    torch optimizer or a framework's wrapper of one (Accelerate's); ``require_overlap=True`` raises instead of
+    torch optimizer or a framework's wrapper of one (Accelerate's, Fabric's); ``require_overlap=True`` raises instead of
     falling back to hook mode when the first iteration shows a loop overlap mode cannot reproduce;
     ``per_parameter_optimizer=True`` declares an optimizer outside ``shim.overlap.PER_PARAMETER_OPTIMIZERS``
     whose update of each parameter depends only on that parameter (otherwise such an optimizer gets hook mode).
     Usage: ``handle = shim.attach(ddp_model, optimizer, levels=4)``
     """
+    model = _fabric_ddp(model)
     if _disabled(disable):
         return Handle(model, optimizer, disabled=True)
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):

@@ -1,5 +1,7 @@
 """Frameworks that own DDP use the shim (docs/frameworks.md): PyTorch Lightning and Hugging Face Accelerate, the
-real libraries (the `frameworks` extra), 2 ranks on the namespace testbed with an agent on each host.
+real libraries (the `frameworks` extra), 2 ranks on the namespace testbed with an agent on each host; Lightning
+Fabric and the Transformers ``Trainer`` (marked ``torch``, not ``netns``): 2 ranks under torchrun on loopback, no
+agent (the shim warns and trains), final parameters compared with the same run without the shim.
 
 Each worker (tests/framework_workers/) trains the same small model once without the shim and once with it, in
 one process per host namespace, gloo over eth0. The test checks that both runs end with the same parameters,
@@ -19,7 +21,6 @@ import pytest
 from bench.agents import running_agents
 from testbed import Testbed
 
-pytestmark = pytest.mark.netns
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "framework_workers")
 LEVELS = 3
@@ -92,6 +93,7 @@ def check_shim_record(tb, rank: int, record: dict, job: str) -> None:
     assert stats["agent"]["registrations"] >= 1 and stats["agent"]["failures"] == 0, stats["agent"]
 
 
+@pytest.mark.netns
 def test_lightning_ddp_strategy_with_shim_hook(tmp_path):
     job = "fw-lightning"
     variants = ("shim", "shim-learn")  # comm_state(module=model); comm_state() learning levels from the buckets
@@ -120,6 +122,7 @@ def test_lightning_ddp_strategy_with_shim_hook(tmp_path):
         assert rel_diff(load(tmp_path, variant, 1)[0], load(tmp_path, variant, 0)[0]) == 0.0
 
 
+@pytest.mark.netns
 def test_lightning_ddp_spawn_refused_clearly(tmp_path):
     """``DDPStrategy(start_method="spawn")`` pickles the Trainer with the shim's state for the processes it starts:
     the shim's own TypeError, naming ddp_spawn and the way out, before anything trains (one process, loopback: no
@@ -144,6 +147,7 @@ ACCELERATE_MODES = {"basic": "overlap", "clip": "hook", "accum": "overlap", "acc
                     "local_sgd": "overlap"}
 
 
+@pytest.mark.netns
 def test_accelerate_prepare_then_attach(tmp_path):
     job = "fw-acc"
     with Testbed(hosts=2, rate="200mbit", name="fwa") as tb, \
@@ -174,3 +178,55 @@ def test_accelerate_prepare_then_attach(tmp_path):
                 assert rec["grad_norms"] == pytest.approx(plain_rec["grad_norms"], rel=1e-5)
         if kind != "local_sgd":  # (its momentum buffers are each rank's own after the local steps, as under DDP)
             assert rel_diff(load(tmp_path, f"shim-{kind}", 1)[0], load(tmp_path, f"shim-{kind}", 0)[0]) == 0.0
+
+
+def run_torchrun(script: str, out, args: list[str], timeout: float = 120) -> str:
+    """``torchrun --standalone --nproc-per-node 2 SCRIPT --out OUT ARGS`` on loopback (gloo), no agent; the output.
+    Fails with the output when it exits non-zero or runs past ``timeout``."""
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               TENSORLANE_AGENT_SOCKET=str(out / "no-agent.sock"))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RUN_ID", "TENSORLANE_JOB", "TENSORLANE_DISABLE", "GLOO_SOCKET_IFNAME"):
+        env.pop(var, None)
+    try:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               os.path.join(WORKERS, script), "--out", str(out), *args], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{script} ran past {timeout} s:\n{(exc.stdout or '')[-4000:]}")
+    if done.returncode != 0:
+        pytest.fail(f"{script} exited {done.returncode}:\n{done.stdout[-6000:]}")
+    return done.stdout
+
+
+# variant -> the mode the shim must end in (shim.attach(model, opt) on what fabric.setup returns; "hook": no opt)
+FABRIC_MODES = {"basic": "overlap", "clip": "hook", "accum": "overlap", "hook": "hook", "save": "overlap"}
+
+
+@pytest.mark.torch
+def test_fabric_setup_then_attach(tmp_path):
+    """Lightning Fabric: ``shim.attach(model, opt)`` on the ``_FabricModule`` and ``_FabricOptimizer`` that
+    ``fabric.setup`` returns; each loop equal to the same loop without the shim bit for bit (parameters, losses,
+    the norms ``fabric.clip_gradients`` returns, momentum buffers), and ``fabric.save`` writes the same file."""
+    run_torchrun("fabric_worker.py", tmp_path, ["--variants", ",".join(FABRIC_MODES), "--levels", str(LEVELS)])
+    for kind, mode in FABRIC_MODES.items():
+        for rank in (0, 1):
+            plain, plain_rec = load(tmp_path, f"plain-{kind}", rank)
+            got, rec = load(tmp_path, f"shim-{kind}", rank)
+            assert plain_rec["world_size"] == 2 and plain_rec["ddp"] == "DistributedDataParallel", plain_rec
+            assert plain_rec["backend"] == "gloo" and plain_rec["initial_changed"], plain_rec
+            assert plain_rec["steps"] == rec["steps"] == 6, (plain_rec, rec)
+            assert rel_diff(got, plain) == 0.0, kind  # bit for bit
+            for key in ("losses", "grad_norms", "optimizer_state", "micro_batches"):
+                assert rec[key] == plain_rec[key], (kind, key)
+            stats = rec["stats"]
+            assert stats["mode"] == mode, (kind, stats["mode"], stats.get("mode_reason"))
+            if kind == "clip":  # clipping was active; the shim fell back to hook mode, saying why
+                assert min(plain_rec["grad_norms"]) > 0.05 and "clipping" in stats["mode_reason"], rec
+            assert [lv["level"] for lv in stats["levels"]] == list(range(LEVELS)), stats["levels"]
+            assert all(lv["allreduces"] >= 1 for lv in stats["levels"]), stats["levels"]
+            if kind == "save":
+                assert rec["resumed_at"] == 3, rec
+        assert rel_diff(load(tmp_path, f"shim-{kind}", 1)[0], load(tmp_path, f"shim-{kind}", 0)[0]) == 0.0
+    # fabric.save after step 3 while the shim's updates were pending: the same bytes as without the shim
+    assert (tmp_path / "ckpt-shim.pt").read_bytes() == (tmp_path / "ckpt-plain.pt").read_bytes()
