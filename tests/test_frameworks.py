@@ -230,3 +230,37 @@ def test_fabric_setup_then_attach(tmp_path):
         assert rel_diff(load(tmp_path, f"shim-{kind}", 1)[0], load(tmp_path, f"shim-{kind}", 0)[0]) == 0.0
     # fabric.save after step 3 while the shim's updates were pending: the same bytes as without the shim
     assert (tmp_path / "ckpt-shim.pt").read_bytes() == (tmp_path / "ckpt-plain.pt").read_bytes()
+
+
+# variant -> how the shim is attached in the TrainerCallback and the mode it must end in
+TRANSFORMERS_MODES = {"default": "hook", "clip": "hook", "noclip": "hook", "accum": "hook"}
+
+
+@pytest.mark.torch
+def test_transformers_trainer_callback_attach(tmp_path):
+    """Hugging Face Transformers' ``Trainer``: a ``TrainerCallback`` attaches at ``on_train_begin`` to
+    ``trainer.model_wrapped`` (Accelerate's DDP model), closes at ``on_train_end``; 8 steps equal to the same
+    ``Trainer`` without the shim bit for bit (parameters, the logged losses, gradient norms and learning rates).
+    Hook mode in every loop: given the optimizer, the shim falls back, since the Trainer runs ``clip_grad_norm_`` after
+    every synchronized backward (for its logged norm even with ``max_grad_norm=0``)."""
+    run_torchrun("transformers_worker.py", tmp_path, ["--variants", ",".join(TRANSFORMERS_MODES),
+                                                      "--levels", str(LEVELS)])
+    for kind, mode in TRANSFORMERS_MODES.items():
+        for rank in (0, 1):
+            plain, plain_rec = load(tmp_path, f"plain-{kind}", rank)
+            got, rec = load(tmp_path, f"shim-{kind}", rank)
+            assert plain_rec["world_size"] == 2 and plain_rec["ddp"] == "DistributedDataParallel", plain_rec
+            assert plain_rec["backend"] == "gloo" and plain_rec["initial_changed"], plain_rec
+            assert plain_rec["global_step"] == rec["global_step"] == 8, (plain_rec, rec)
+            assert rel_diff(got, plain) == 0.0, kind  # bit for bit
+            for key in ("losses", "grad_norms", "lrs"):
+                assert len(rec[key]) == 8 and rec[key] == plain_rec[key], (kind, key)
+            stats = rec["stats"]
+            assert stats["mode"] == mode, (kind, stats["mode"], stats.get("mode_reason"))
+            if kind in ("clip", "noclip"):  # overlap asked for, refused by the probe with its reason
+                assert "gradients were changed" in stats["mode_reason"], stats["mode_reason"]
+            if kind == "clip":
+                assert min(plain_rec["grad_norms"]) > 0.05, plain_rec["grad_norms"]  # clipping bit on every step
+            assert [lv["level"] for lv in stats["levels"]] == list(range(LEVELS)), stats["levels"]
+            assert all(lv["allreduces"] >= 1 for lv in stats["levels"]), stats["levels"]
+        assert rel_diff(load(tmp_path, f"shim-{kind}", 1)[0], load(tmp_path, f"shim-{kind}", 0)[0]) == 0.0
