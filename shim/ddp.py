@@ -1556,7 +1556,8 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
     whose update of each parameter depends only on that parameter (otherwise such an optimizer gets hook mode).
     Usage: ``handle = shim.attach(ddp_model, optimizer, levels=4)``
     """
-    model = _fabric_ddp(model)
+    inner = _fabric_ddp(model)
+    fabric, model = inner is not model, inner
     if _disabled(disable):
         return Handle(model, optimizer, disabled=True)
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -1565,7 +1566,9 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
             "; this is a torch.compile'd one: wrap a compiled module in DDP and attach that "
             "(ddp = DDP(torch.compile(module)); handle = shim.attach(ddp, opt)); compiling the DDP model after "
             "attach is refused at its first forward (with inductor it was not exact with the shim's module hooks); "
-            "with Accelerate, leave dynamo_backend unset" if compiled else _not_ddp(model)))
+            + ("with Lightning Fabric, fabric.setup(torch.compile(module), opt, _reapply_compile=False) wraps the "
+               "compiled module in DDP instead of compiling the DDP model" if fabric else
+               "with Accelerate, leave dynamo_backend unset") if compiled else _not_ddp(model)))
     _check_levels(levels, partition_bytes, report_interval_s)
     group = getattr(model, "process_group", None)
     if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):

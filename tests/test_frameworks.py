@@ -200,15 +200,22 @@ def run_torchrun(script: str, out, args: list[str], timeout: float = 120) -> str
 
 
 # variant -> the mode the shim must end in (shim.attach(model, opt) on what fabric.setup returns; "hook": no opt)
-FABRIC_MODES = {"basic": "overlap", "clip": "hook", "accum": "overlap", "hook": "hook", "save": "overlap"}
+FABRIC_MODES = {"basic": "overlap", "clip": "hook", "accum": "overlap", "hook": "hook", "save": "overlap",
+                "compiled": "overlap"}
 
 
 @pytest.mark.torch
 def test_fabric_setup_then_attach(tmp_path):
     """Lightning Fabric: ``shim.attach(model, opt)`` on the ``_FabricModule`` and ``_FabricOptimizer`` that
     ``fabric.setup`` returns; each loop equal to the same loop without the shim bit for bit (parameters, losses,
-    the norms ``fabric.clip_gradients`` returns, momentum buffers), and ``fabric.save`` writes the same file."""
-    run_torchrun("fabric_worker.py", tmp_path, ["--variants", ",".join(FABRIC_MODES), "--levels", str(LEVELS)])
+    the norms ``fabric.clip_gradients`` returns, momentum buffers), and ``fabric.save`` writes the same file; a DDP of
+    a compiled module (``_reapply_compile=False``) too, and Fabric's compiled DDP model refused, naming that."""
+    run_torchrun("fabric_worker.py", tmp_path, ["--variants", ",".join([*FABRIC_MODES, "compile_refused"]),
+                                                "--levels", str(LEVELS)])
+    for rank in (0, 1):  # fabric.setup(torch.compile(model)) compiles the DDP model: refused, naming the way out
+        _params, rec = load(tmp_path, "shim-compile_refused", rank)
+        assert rec["ddp"] == "OptimizedModule" and "torch.compile'd" in (rec["error"] or ""), rec
+        assert "_reapply_compile=False" in rec["error"], rec["error"]
     for kind, mode in FABRIC_MODES.items():
         for rank in (0, 1):
             plain, plain_rec = load(tmp_path, f"plain-{kind}", rank)
@@ -227,6 +234,8 @@ def test_fabric_setup_then_attach(tmp_path):
             assert all(lv["allreduces"] >= 1 for lv in stats["levels"]), stats["levels"]
             if kind == "save":
                 assert rec["resumed_at"] == 3, rec
+            if kind == "compiled":  # _reapply_compile=False: DDP(compiled module)
+                assert rec["module"] == "OptimizedModule", rec
         assert rel_diff(load(tmp_path, f"shim-{kind}", 1)[0], load(tmp_path, f"shim-{kind}", 0)[0]) == 0.0
     # fabric.save after step 3 while the shim's updates were pending: the same bytes as without the shim
     assert (tmp_path / "ckpt-shim.pt").read_bytes() == (tmp_path / "ckpt-plain.pt").read_bytes()

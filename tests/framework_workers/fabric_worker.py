@@ -8,7 +8,11 @@ per variant:
 - ``clip``: ``fabric.clip_gradients(model, opt, max_norm=0.05)`` before each step (clipping on every step);
 - ``accum``: ``with fabric.no_backward_sync(model, enabled=not last):`` two micro-batches per step;
 - ``hook``: ``shim.attach(model)`` (hook mode, no optimizer);
-- ``save``: ``basic`` with ``fabric.save`` after step 3 and ``fabric.load`` of it into fresh objects, which train on.
+- ``save``: ``basic`` with ``fabric.save`` after step 3 and ``fabric.load`` of it into fresh objects, which train on;
+- ``compiled``: ``fabric.setup(torch.compile(model, backend="eager"), opt, _reapply_compile=False)``: DDP of the
+  compiled module, which ``attach`` takes (overlap mode);
+- ``compile_refused``: ``fabric.setup(torch.compile(model), opt)`` (Fabric compiles the DDP model it makes):
+  ``attach`` refuses it with a ``TypeError`` naming ``_reapply_compile=False`` (recorded as ``error``; nothing trains).
 
     torchrun --nproc-per-node 2 tests/framework_workers/fabric_worker.py --out DIR --variants basic,clip
 """
@@ -34,19 +38,31 @@ CLIP_NORM = 0.05  # under this model's gradient norm: clipping on every step
 STEPS = 6
 
 
-def make(fabric):
+def make(fabric, kind: str = ""):
     net = common.make_model()
+    if kind == "compiled":
+        net = torch.compile(net, backend="eager")
+    if kind == "compile_refused":
+        net = torch.compile(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
     return net, opt
 
 
 def train(fabric, kind: str, with_shim: bool, args) -> tuple[dict, dict]:
-    net, opt = make(fabric)
+    net, opt = make(fabric, kind)
     initial = common.params_of(net)
-    model, opt = fabric.setup(net, opt)
+    model, opt = fabric.setup(net, opt, _reapply_compile=kind != "compiled")
+    if kind == "compile_refused":
+        try:
+            shim.attach(model, opt, levels=args.levels, policy="layer_order")
+            error = None
+        except TypeError as exc:
+            error = str(exc)
+        return common.params_of(net), {"variant": kind, "error": error, "ddp": type(model._forward_module).__name__}
     loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(common.dataset(), batch_size=4, shuffle=False))
     record = {"variant": kind, "shim": with_shim, "world_size": fabric.world_size, "grad_norms": [], "losses": [],
-              "ddp": type(model._forward_module).__name__, "backend": torch.distributed.get_backend()}
+              "ddp": type(model._forward_module).__name__, "module": type(model._forward_module.module).__name__,
+              "backend": torch.distributed.get_backend()}
     handle = None
     if with_shim:
         handle = shim.attach(model, None if kind == "hook" else opt, levels=args.levels, job=f"fw-fabric-{kind}",
@@ -105,7 +121,7 @@ def main() -> int:
     fabric = Fabric(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "2")), strategy="ddp")
     fabric.launch()
     for kind in args.variants.split(","):
-        for with_shim in (False, True):
+        for with_shim in (False, True) if kind != "compile_refused" else (True,):
             params, record = train(fabric, kind, with_shim, args)
             common.save(args.out, f"{'shim' if with_shim else 'plain'}-{kind}", fabric.global_rank, params, record)
     torch.distributed.barrier()
