@@ -1568,7 +1568,8 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
             "attach is refused at its first forward (with inductor it was not exact with the shim's module hooks); "
             + ("with Lightning Fabric, fabric.setup(torch.compile(module), opt, _reapply_compile=False) wraps the "
                "compiled module in DDP instead of compiling the DDP model" if fabric else
-               "with Accelerate, leave dynamo_backend unset") if compiled else _not_ddp(model)))
+               "with Accelerate, leave dynamo_backend unset (with Transformers' Trainer, torch_compile=False)")
+            if compiled else _not_ddp(model)))
     _check_levels(levels, partition_bytes, report_interval_s)
     group = getattr(model, "process_group", None)
     if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):

@@ -251,9 +251,14 @@ def test_transformers_trainer_callback_attach(tmp_path):
     ``trainer.model_wrapped`` (Accelerate's DDP model), closes at ``on_train_end``; 8 steps equal to the same
     ``Trainer`` without the shim bit for bit (parameters, the logged losses, gradient norms and learning rates).
     Hook mode in every loop: given the optimizer, the shim falls back, since the Trainer runs ``clip_grad_norm_`` after
-    every synchronized backward (for its logged norm even with ``max_grad_norm=0``)."""
-    run_torchrun("transformers_worker.py", tmp_path, ["--variants", ",".join(TRANSFORMERS_MODES),
+    every synchronized backward (for its logged norm even with ``max_grad_norm=0``). ``torch_compile=True`` is refused
+    in the callback, naming it."""
+    run_torchrun("transformers_worker.py", tmp_path, ["--variants", ",".join([*TRANSFORMERS_MODES, "compile_refused"]),
                                                       "--levels", str(LEVELS)])
+    for rank in (0, 1):  # torch_compile=True: Accelerate compiles the DDP model; refused before the first step
+        _params, rec = load(tmp_path, "shim-compile_refused", rank)
+        assert rec["ddp"] == "OptimizedModule" and "torch_compile=False" in (rec["error"] or ""), rec
+        assert rec["global_step"] == 0 and not rec["initial_changed"], rec
     for kind, mode in TRANSFORMERS_MODES.items():
         for rank in (0, 1):
             plain, plain_rec = load(tmp_path, f"plain-{kind}", rank)

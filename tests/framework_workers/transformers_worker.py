@@ -10,7 +10,9 @@ at ``on_train_begin`` (the Trainer has prepared the model in DDP and the optimiz
   for and the shim falls back to hook mode (the Trainer's ``clip_grad_norm_`` changes the gradients);
 - ``noclip``: ``max_grad_norm=0``, the optimizer given: hook mode all the same (the Trainer still computes the
   gradients' norm for its logs with ``clip_grad_norm_(..., inf)``, which multiplies them by 1 in place);
-- ``accum``: ``gradient_accumulation_steps=2`` (the Trainer's ``no_sync`` on the first micro-batch), hook mode.
+- ``accum``: ``gradient_accumulation_steps=2`` (the Trainer's ``no_sync`` on the first micro-batch), hook mode;
+- ``compile_refused``: ``torch_compile=True`` (Accelerate compiles the DDP model): ``attach`` in the callback refuses
+  it with a ``TypeError`` naming ``torch_compile``, before the first step (recorded as ``error``; nothing trains).
 
     torchrun --standalone --nproc-per-node 2 tests/framework_workers/transformers_worker.py --out DIR
 """
@@ -68,6 +70,8 @@ class ShimCallback(TrainerCallback):
         self.handle = shim.attach(self.trainer.model_wrapped, opt, **self.options)
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self.handle is None:
+            return
         self.stats = self.handle.stats()
         self.handle.close()  # applies the pending updates (overlap mode) before the model is read or saved
 
@@ -76,7 +80,7 @@ def train(kind: str, with_shim: bool, args) -> tuple[dict, dict]:
     model = Net()
     initial = common.params_of(model.net)
     options = {"default": {}, "clip": {"max_grad_norm": 0.05}, "noclip": {"max_grad_norm": 0.0},
-               "accum": {"gradient_accumulation_steps": 2}}[kind]
+               "accum": {"gradient_accumulation_steps": 2}, "compile_refused": {"torch_compile": True}}[kind]
     targs = TrainingArguments(output_dir=os.path.join(args.out, f"run-{kind}-{with_shim}"), use_cpu=True,
                               ddp_backend="gloo", max_steps=8, per_device_train_batch_size=4, learning_rate=0.05,
                               optim="sgd", weight_decay=1e-4, logging_steps=1, save_strategy="no", report_to="none",
@@ -87,6 +91,16 @@ def train(kind: str, with_shim: bool, args) -> tuple[dict, dict]:
         callback = ShimCallback(trainer, with_optimizer=kind in ("clip", "noclip"), levels=args.levels,
                                 job=f"fw-hf-{kind}", policy="layer_order")
         trainer.add_callback(callback)
+    if kind == "compile_refused":
+        try:
+            trainer.train()
+            error = None
+        except TypeError as exc:  # raised in on_train_begin, before the first step
+            error = str(exc)
+        params = common.params_of(model.net)
+        return params, {"variant": kind, "error": error, "ddp": type(trainer.model_wrapped).__name__,
+                        "global_step": trainer.state.global_step,
+                        "initial_changed": any(not torch.equal(initial[k], v) for k, v in params.items())}
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     record = {"variant": kind, "shim": with_shim, "global_step": trainer.state.global_step,
@@ -110,7 +124,7 @@ def main() -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="transformers|accelerate")
     for kind in args.variants.split(","):
-        for with_shim in (False, True):
+        for with_shim in (False, True) if kind != "compile_refused" else (True,):
             params, record = train(kind, with_shim, args)
             common.save(args.out, f"{'shim' if with_shim else 'plain'}-{kind}", torch.distributed.get_rank(), params,
                         record)
