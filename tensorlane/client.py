@@ -19,6 +19,7 @@ import time
 
 DEFAULT_SOCKET = "/run/tensorlane/agent.sock"
 MAX_MESSAGE_BYTES = 64 * 1024
+MAX_REPLY_BYTES = 4 << 20  # a reply line the client reads at most (a list page is well under the agent's 1 MiB)
 MAX_FLOWS_PER_MESSAGE = 1024
 LIST_PAGE = 2000  # flows per list reply (well under the agent's 1 MiB of unread output); the client asks page by page
 MAX_LIST_PAGES = 1000  # pages the client asks for at most (2 million flows; an agent holds at most max_flows)
@@ -52,6 +53,10 @@ class AgentUnavailable(ConnectionError):
     """No agent answers on the socket (absent, stopped, or too slow)."""
 
 
+class BadReply(AgentUnavailable):
+    """The agent's reply is not one (not JSON, not an object, no ``result`` object, over ``MAX_REPLY_BYTES``)."""
+
+
 class AgentError(RuntimeError):
     """The agent refused a request; ``code`` is its machine-readable reason."""
 
@@ -60,8 +65,20 @@ class AgentError(RuntimeError):
         self.code = code
 
 
+# C0 and C1 control characters but tab: an agent's text goes into the logs of whoever runs its client
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c != 0x09}
+
+
+def agent_text(value, limit: int = 300) -> str:
+    """An agent-supplied ``value`` as one bounded line of text: control characters as ``\\xNN``, at most ``limit``
+    characters. Usage: ``agent_text("a\\x1b[2J") == "a\\\\x1b[2J"``"""
+    text = str(value)[:limit + 1].translate(_CONTROLS)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class AgentClient:
-    """One connection to the agent; requests are synchronous with a timeout (never blocks training long)."""
+    """One connection to the agent; requests are synchronous, each bounded by ``timeout`` as a whole (sending and
+    reading its reply, however the agent dribbles it) and by ``MAX_REPLY_BYTES``: never blocks training long."""
 
     def __init__(self, path: str = DEFAULT_SOCKET, timeout: float = 2.0):
         self.path = path
@@ -118,8 +135,10 @@ class AgentClient:
         self.close()
 
     def request(self, op: str, **fields) -> dict:
-        """Send one request and return its ``result``; raise AgentError or AgentUnavailable."""
+        """Send one request and return its ``result``; raise AgentError or AgentUnavailable (BadReply for a reply
+        that is not one)."""
         self.connect()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         rid = next(self._ids)
         line = json.dumps({"op": op, "id": rid, **fields}, separators=(",", ":")).encode() + b"\n"
         send_error = None
@@ -129,23 +148,46 @@ class AgentClient:
             # The agent may refuse a connection (forbidden, busy, user_limit) and close it before this request
             # is written: its error line is then already here to read, and says more than "Broken pipe".
             send_error = exc
-        self._read_line(send_error)
+        self._read_line(send_error, deadline)
         reply_line, self._buf = self._buf.split(b"\n", 1)
-        reply = json.loads(reply_line)
+        try:
+            reply = json.loads(reply_line)
+        except ValueError as exc:  # (UnicodeDecodeError too)
+            self._bad(f"not JSON ({exc})")
+        if not isinstance(reply, dict):
+            self._bad(f"a JSON {type(reply).__name__}, not an object")
         if not reply.get("ok"):
-            err = reply.get("error") or {}
-            raise AgentError(err.get("code", "error"), err.get("message", "unknown error"))
+            err = reply.get("error")
+            err = err if isinstance(err, dict) else {}
+            raise AgentError(agent_text(err.get("code", "error"), 64),
+                             agent_text(err.get("message", "unknown error"), 1000))
+        if not isinstance(reply.get("result"), dict):
+            self._bad("an ok reply without a result object")
         return reply["result"]
 
-    def _read_line(self, send_error: OSError | None) -> None:
+    def _bad(self, why: str) -> None:
+        self.close()  # what follows on this connection cannot be trusted to line up with the requests
+        raise BadReply(f"agent at {self.path} sent a bad reply: {why}")
+
+    def _read_line(self, send_error: OSError | None, deadline: float | None = None) -> None:
         """Read until ``self._buf`` holds a whole reply line, or raise AgentUnavailable (with ``send_error`` when
-        sending failed and the agent left no line)."""
+        sending failed and the agent left no line) once ``deadline`` passes or the line grows over
+        ``MAX_REPLY_BYTES`` (BadReply): an agent that sends a byte at a time, or an endless line, is cut off."""
         try:
             while b"\n" not in self._buf:
+                if len(self._buf) > MAX_REPLY_BYTES:
+                    self._bad(f"a line over {MAX_REPLY_BYTES} bytes")
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError("timed out")
+                    self._sock.settimeout(left)
                 chunk = self._sock.recv(65536)
                 if not chunk:
                     raise send_error or OSError("agent closed the connection")
                 self._buf += chunk
+        except BadReply:
+            raise
         except OSError as exc:
             self.close()
             raise AgentUnavailable(f"agent at {self.path}: {send_error or exc}") from None
@@ -182,6 +224,8 @@ class AgentClient:
         flows: list[dict] = []
         for _ in range(MAX_LIST_PAGES):  # each page starts after the last one's flow, in the agent's order
             page = self.request("list", **fields)
+            if not isinstance(page.get("flows"), list):
+                self._bad("a list page without a list of flows")
             flows += page["flows"]
             if not page.get("next"):
                 return {"flows": flows}

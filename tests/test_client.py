@@ -2,6 +2,7 @@
 closes before the request is written still raises the agent's error (forbidden, busy), not "Broken pipe"."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -232,3 +233,100 @@ def test_status_writes_what_an_agent_sent_without_terminal_escapes(tmp_path, mon
     monkeypatch.setattr(cli, "format_status", lambda st: "job a\x1b[31mb:\n\t3 flows")
     assert cli.main(["status", "--socket", path]) == 0
     assert capsys.readouterr().out == "job a\\x1b[31mb:\n\t3 flows\n"
+
+
+def misbehaving_listener(path: str, behave) -> threading.Event:
+    """Accept one connection, read the request line and hand the connection to ``behave(conn, stop)``; set the
+    returned event to end it."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    stop = threading.Event()
+
+    def serve():
+        with srv:
+            conn, _ = srv.accept()
+            with conn, conn.makefile("rb") as lines:
+                lines.readline()
+                with contextlib.suppress(OSError):
+                    behave(conn, stop)
+    threading.Thread(target=serve, daemon=True).start()
+    return stop
+
+
+def test_a_reply_sent_a_byte_at_a_time_is_cut_off_at_the_timeout(tmp_path):
+    """The timeout bounds the whole request: an agent that sends a byte every 0.1 s never let a 0.5 s timeout
+    expire (a recv at a time), and held the shim's keep-alive (and a handle's close()) for as long as it went on."""
+    import time
+
+    path = str(tmp_path / "agent.sock")
+
+    def dribble(conn, stop):
+        while not stop.wait(0.1):
+            conn.sendall(b" ")
+    stop = misbehaving_listener(path, dribble)
+    try:
+        start = time.monotonic()
+        with pytest.raises(AgentUnavailable, match="timed out"):
+            AgentClient(path, timeout=0.5).request("hello")
+        assert time.monotonic() - start < 1.5
+    finally:
+        stop.set()
+
+
+def test_an_endless_reply_line_is_cut_off_at_max_reply_bytes(tmp_path):
+    """A 100 MB line (another user's socket, or a broken agent) was read whole into memory, with quadratic copies."""
+    from tensorlane.client import MAX_REPLY_BYTES, BadReply
+
+    path = str(tmp_path / "agent.sock")
+    sent = []
+
+    def flood(conn, stop):
+        chunk = b"x" * (1 << 16)
+        while not stop.is_set() and sum(sent) < 100 << 20:
+            conn.sendall(chunk)
+            sent.append(len(chunk))
+    stop = misbehaving_listener(path, flood)
+    try:
+        with pytest.raises(BadReply, match="over"):
+            AgentClient(path, timeout=10.0).request("hello")
+        assert sum(sent) < MAX_REPLY_BYTES + (4 << 20)  # (what the socket's buffers held besides)
+    finally:
+        stop.set()
+
+
+@pytest.mark.parametrize("line", [b"[1, 2]", b"{not json", b'{"id": 1, "ok": true}',
+                                  b'{"id": 1, "ok": true, "result": 3}', b"\xff\xfe", b'"ok"'])
+def test_a_reply_that_is_not_one_is_a_bad_reply(tmp_path, line):
+    """Each raised AttributeError, KeyError or a bare JSONDecodeError, which the shim's threads did not expect."""
+    from tensorlane.client import BadReply
+
+    path = str(tmp_path / "agent.sock")
+    stop = misbehaving_listener(path, lambda conn, stop: conn.sendall(line + b"\n") or stop.wait(2))
+    try:
+        with pytest.raises(BadReply, match="bad reply"):
+            AgentClient(path, timeout=2.0).request("hello")
+    finally:
+        stop.set()
+
+
+def test_an_error_reply_of_any_shape_is_an_agent_error_in_one_bounded_line(tmp_path):
+    path = str(tmp_path / "agent.sock")
+    error = {"code": "new_code\x1b[2J", "message": "m\x1b]0;pwned\x07" * 500}
+    line = json.dumps({"id": 1, "ok": False, "error": error})
+    stop = misbehaving_listener(path, lambda conn, stop: conn.sendall(line.encode() + b"\n") or stop.wait(2))
+    try:
+        with pytest.raises(AgentError) as err:
+            AgentClient(path, timeout=2.0).request("hello")
+        assert "\x1b" not in str(err.value) and "\x07" not in str(err.value) and len(str(err.value)) < 1200
+        assert err.value.code == "new_code\\x1b[2J"
+    finally:
+        stop.set()
+    path2 = str(tmp_path / "agent2.sock")
+    stop = misbehaving_listener(path2, lambda conn, stop: conn.sendall(b'{"id": 1, "ok": false, "error": "x"}\n')
+                                or stop.wait(2))
+    try:
+        with pytest.raises(AgentError, match="unknown error"):
+            AgentClient(path2, timeout=2.0).request("hello")
+    finally:
+        stop.set()
