@@ -7,9 +7,10 @@ Usage: ``link = AgentLink("/run/tensorlane/agent.sock", job="resnet", rank=0); l
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
-from tensorlane.client import AgentClient, AgentError, AgentUnavailable
+from tensorlane.client import AgentClient, AgentError, AgentUnavailable, agent_text
 from tensorlane.flows import flow_key, own_flow_fds
 
 log = logging.getLogger("tensorlane.shim")
@@ -83,7 +84,7 @@ class AgentLink:
                 reply = agent.register(self.job, self.agent_level(level), part, rank=self.rank, run=self.run,
                                        fds=fds if None not in fds else None)
                 if reply.get("conflict") and not self.conflict:
-                    self.conflict = reply["conflict"]
+                    self.conflict = agent_text(reply["conflict"])
                     log.warning("tensorlane: %s", self.conflict)
 
     def _register_all_if_new(self, agent: AgentClient) -> None:
@@ -121,6 +122,10 @@ class AgentLink:
         except AgentError as exc:  # the agent refused: keep training, say why once
             self.counters["refusals"] += 1
             self._fail(f"agent refused the registration: {exc}")
+        except (KeyError, TypeError, AttributeError) as exc:  # an ok reply whose fields are not what the protocol says
+            self.counters["failures"] += 1
+            self._fail(f"agent at {self.socket_path} sent a bad reply ({type(exc).__name__}: {agent_text(exc)}); "
+                       "training continues without network priority")
         except (AgentUnavailable, OSError, ValueError) as exc:
             self.counters["failures"] += 1
             why = str(exc) if isinstance(exc, AgentUnavailable) else f"no agent at {self.socket_path} ({exc})"
@@ -162,11 +167,14 @@ def job_link_rate(status: dict, flows: list[dict]) -> float | None:
     rate of the managed interface most of them use (a bond's: its members' sum), else the agent's only one;
     None when unknown."""
     by_iface: dict[str, float] = {}
-    for dev in status.get("devices", []):
-        rate = dev.get("link_rate_bps")
-        if isinstance(rate, (int, float)) and rate > 0:
-            by_iface[dev.get("serves", "")] = by_iface.get(dev.get("serves", ""), 0.0) + float(rate)
-    used = [f.get("interface") for f in flows if f.get("interface") in by_iface]
+    devices = status.get("devices")
+    for dev in devices if isinstance(devices, list) else []:  # (an agent's reply: what is not a device is skipped)
+        rate = dev.get("link_rate_bps") if isinstance(dev, dict) else None
+        serves = dev.get("serves", "") if isinstance(dev, dict) else ""
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate < math.inf \
+                and isinstance(serves, str):
+            by_iface[serves] = by_iface.get(serves, 0.0) + float(rate)
+    used = [f.get("interface") for f in flows if isinstance(f, dict) and f.get("interface") in by_iface]
     if used:
         return by_iface[max(set(used), key=used.count)]
     return next(iter(by_iface.values())) if len(by_iface) == 1 else None

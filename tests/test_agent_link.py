@@ -225,3 +225,54 @@ def test_the_shim_names_the_fd_of_each_flows_socket_and_an_older_agent_still_reg
             assert link.counters["refusals"] == 0
         finally:
             link.close()
+
+
+class OddAgent(FakeAgent):
+    """An ok reply whose fields are not what the protocol says: devices that are not devices, a rate of infinity,
+    a conflict message with terminal escapes."""
+
+    def _answer(self, req: dict) -> dict:
+        if req["op"] == "status":
+            return {"devices": [7, {"serves": ["eth0"], "link_rate_bps": 1e9}, {"link_rate_bps": float("inf")}]}
+        result = super()._answer(req)
+        if req["op"] == "register":
+            result["conflict"] = "job 'x\x1b[2J' uses this id" + "!" * 5000
+        return result
+
+
+def test_an_agents_odd_fields_neither_raise_nor_reach_the_log_raw(tmp_path, caplog):
+    """``status`` devices that are not objects raised AttributeError out of link.add() on the training thread (at
+    attach), or ended the keep-alive thread; an infinite rate was taken as the link's; the conflict message went
+    to the log as sent."""
+    fake = OddAgent(str(tmp_path / "agent.sock"), levels=4)
+    link = AgentLink(fake.path, "job", rank=0, interval_s=0.2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tensorlane.shim"):
+            link.add(0, flows(0))
+            time.sleep(0.5)
+        assert link.connected and link.link_bps is None and link._thread.is_alive()
+        assert "\x1b" not in link.conflict and len(link.conflict) < 400
+        assert not any("\x1b" in r.getMessage() for r in caplog.records)
+    finally:
+        link.close()
+        fake.close()
+
+
+def test_an_ok_reply_without_the_fields_the_link_reads_is_one_warning_not_a_traceback(tmp_path, caplog, monkeypatch):
+    from tensorlane.shim import agent_link
+
+    def bad_rate(status, flows):
+        return status["no such field"]  # as any field missing or of the wrong type in a reply would
+    monkeypatch.setattr(agent_link, "job_link_rate", bad_rate)
+    fake = FakeAgent(str(tmp_path / "agent.sock"), levels=4)
+    link = AgentLink(fake.path, "job", rank=0, interval_s=0.1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tensorlane.shim"):
+            link.add(0, flows(0))
+            time.sleep(0.5)
+        assert not link.connected and link.counters["failures"] >= 2 and link._thread.is_alive()
+        assert "sent a bad reply (KeyError" in link.last_error
+        assert sum("bad reply" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        link.close()
+        fake.close()
