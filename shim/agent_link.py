@@ -15,6 +15,7 @@ from tensorlane.flows import flow_key, own_flow_fds
 
 log = logging.getLogger("tensorlane.shim")
 MAX_FLOWS_PER_REQUEST = 1024
+MAX_LOST_WARNINGS = 3  # times the agent going away (and coming back) is a warning; after that, info
 
 
 class AgentLink:
@@ -38,6 +39,7 @@ class AgentLink:
         self.on_registered = None  # called (no arguments, never blocking) once flows are registered with a new agent
         self._instance: str | None = None
         self._warned = False
+        self._lost = 0  # times the agent was found away (each once, until it answers again)
         self._fold_warned = False  # warned that levels beyond the agent's are registered at its last
         self._ever_registered = False
         self._lock = threading.Lock()
@@ -106,7 +108,7 @@ class AgentLink:
             self.counters["reregistrations"] += self._ever_registered
             self._ever_registered = True
         if self._warned:  # ("is back" for an agent started after the job, which was never there, misled)
-            log.warning("tensorlane: agent at %s %s", self.socket_path,
+            log.log(self._lost_level(), "tensorlane: agent at %s %s", self.socket_path,
                         "is back; flows registered again" if again else "answers now; flows registered")
             self._warned = False
         self._instance = instance
@@ -138,8 +140,17 @@ class AgentLink:
         self._instance = None
         self.last_error = message
         if not self._warned:
-            log.warning("tensorlane: %s", message)
+            self._lost += 1
+            more = "" if self._lost != MAX_LOST_WARNINGS else (
+                f" (the {MAX_LOST_WARNINGS}rd time: from now on the agent going away and coming back is logged at "
+                "info level; stats()['agent'] counts it)")
+            log.log(self._lost_level(), "tensorlane: %s%s", message, more)
             self._warned = True
+
+    def _lost_level(self) -> int:
+        """An agent that keeps going away (overloaded, timing out one keep-alive in two) is warned of a few times,
+        not every few seconds for the rest of the run."""
+        return logging.WARNING if self._lost <= MAX_LOST_WARNINGS else logging.INFO
 
     def _run(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):

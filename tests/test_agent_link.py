@@ -276,3 +276,48 @@ def test_an_ok_reply_without_the_fields_the_link_reads_is_one_warning_not_a_trac
     finally:
         link.close()
         fake.close()
+
+
+def test_an_agent_that_keeps_going_away_is_not_a_warning_every_few_seconds(monkeypatch, caplog):
+    """An agent that times out one keep-alive in two (overloaded, or restarted in a loop) gave two warnings per
+    cycle for the whole run: 'timed out' and 'is back'."""
+    from tensorlane.client import AgentUnavailable
+    from tensorlane.shim import agent_link
+
+    class Flaky:
+        calls = 0
+
+        def __init__(self, path, timeout):
+            pass
+
+        def __enter__(self):
+            Flaky.calls += 1
+            if Flaky.calls % 2:
+                raise AgentUnavailable("agent at x: timed out")
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def request(self, op, **fields):
+            return {"instance": f"i{Flaky.calls}", "levels": 4} if op == "hello" else {"devices": []}
+
+        def register(self, *args, **kwargs):
+            return {}
+
+        def list(self, job):
+            return {"flows": []}
+
+    monkeypatch.setattr(agent_link, "AgentClient", Flaky)
+    link = AgentLink("/nonexistent", "job", rank=0, interval_s=600)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tensorlane.shim"):
+            link.add(0, flows(0))
+            for _ in range(40):
+                link.sync()
+        assert link.counters["failures"] == 21 and link.counters["reregistrations"] == 19
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) <= 2 * agent_link.MAX_LOST_WARNINGS, warnings
+        assert sum("logged at info level" in m for m in warnings) == 1, warnings
+    finally:
+        link.close()
