@@ -100,7 +100,9 @@ class AgentLink:
             self.agent_levels, self._fold_warned = levels, False
         self._register(agent, self.flows)
         if self.link_bps is None:
-            mine = agent.list(self.job)["flows"] if self.flows else []
+            # one page (2000 flows) is plenty for which interface most of the job's few flows use; every page was
+            # asked for, up to 1000: an agent answering `next` without end held this (and attach) for minutes
+            mine = agent.request("list", job=self.job)["flows"] if self.flows else []
             self.link_bps = job_link_rate(agent.request("status"), mine)
         again = self._ever_registered
         if self.flows:

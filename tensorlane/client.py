@@ -139,6 +139,7 @@ class AgentClient:
         that is not one)."""
         self.connect()
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        self._sock.settimeout(self.timeout)  # (the last request's read may have left a sliver of it)
         rid = next(self._ids)
         line = json.dumps({"op": op, "id": rid, **fields}, separators=(",", ":")).encode() + b"\n"
         send_error = None

@@ -300,13 +300,10 @@ def test_an_agent_that_keeps_going_away_is_not_a_warning_every_few_seconds(monke
             pass
 
         def request(self, op, **fields):
-            return {"instance": f"i{Flaky.calls}", "levels": 4} if op == "hello" else {"devices": []}
+            return {"hello": {"instance": f"i{Flaky.calls}", "levels": 4}, "list": {"flows": []}}.get(op, {})
 
         def register(self, *args, **kwargs):
             return {}
-
-        def list(self, job):
-            return {"flows": []}
 
     monkeypatch.setattr(agent_link, "AgentClient", Flaky)
     link = AgentLink("/nonexistent", "job", rank=0, interval_s=600)
@@ -321,3 +318,22 @@ def test_an_agent_that_keeps_going_away_is_not_a_warning_every_few_seconds(monke
         assert sum("logged at info level" in m for m in warnings) == 1, warnings
     finally:
         link.close()
+
+
+def test_a_list_reply_that_never_ends_is_asked_once(tmp_path):
+    """The link asked every page of its job's flows (for the link rate), up to 1000: an agent whose every page named
+    a next one (2000 flows of 1 KB each) held link.add(), at attach on the training thread, for over 2 minutes."""
+
+    class Endless(FakeAgent):
+        def _answer(self, req: dict) -> dict:
+            if req["op"] == "list":
+                return {"flows": flows(0), "next": "more"}
+            return super()._answer(req)
+    fake = Endless(str(tmp_path / "agent.sock"), levels=4)
+    link = AgentLink(fake.path, "job", rank=0, interval_s=60)
+    try:
+        link.add(0, flows(0))
+        assert link.connected and sum(r["op"] == "list" for r in fake.requests) == 1
+    finally:
+        link.close()
+        fake.close()
