@@ -42,6 +42,7 @@ class AgentLink:
         self._lost = 0  # times the agent was found away (each once, until it answers again)
         self._fold_warned = False  # warned that levels beyond the agent's are registered at its last
         self._ever_registered = False
+        self._ever_answered = False  # an agent answered hello once (a process with no flows registers none)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(interval_s,), name="tensorlane-agent-link",
@@ -104,14 +105,16 @@ class AgentLink:
             # asked for, up to 1000: an agent answering `next` without end held this (and attach) for minutes
             mine = agent.request("list", job=self.job)["flows"] if self.flows else []
             self.link_bps = job_link_rate(agent.request("status"), mine)
-        again = self._ever_registered
+        back = self._ever_answered
+        self._ever_answered = True
         if self.flows:
             self.counters["registrations"] += 1
             self.counters["reregistrations"] += self._ever_registered
             self._ever_registered = True
         if self._warned:  # ("is back" for an agent started after the job, which was never there, misled)
-            log.log(self._lost_level(), "tensorlane: agent at %s %s", self.socket_path,
-                        "is back; flows registered again" if again else "answers now; flows registered")
+            log.log(self._lost_level(), "tensorlane: agent at %s %s%s", self.socket_path,
+                    "is back" if back else "answers now",
+                    "" if not self.flows else "; flows registered again" if back else "; flows registered")
             self._warned = False
         self._instance = instance
         if self.on_registered is not None and self.flows:

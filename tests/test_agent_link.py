@@ -337,3 +337,17 @@ def test_a_list_reply_that_never_ends_is_asked_once(tmp_path):
     finally:
         link.close()
         fake.close()
+
+
+def test_an_agent_that_answered_and_stopped_answering_is_back_even_with_no_flows(agent, caplog):
+    """A process whose groups all stay on the host (no flows) said of an agent SIGSTOPped for 10 s and continued
+    'answers now; flows registered', as of an agent never seen, with no flow registered."""
+    link = AgentLink(agent.path, "job", rank=0, interval_s=60)
+    try:
+        assert link.sync()
+        link._fail("agent at x: timed out")  # as a keep-alive against the stopped agent
+        with caplog.at_level(logging.WARNING, logger="tensorlane.shim"):
+            assert link.sync()
+        assert [r.getMessage() for r in caplog.records][-1] == f"tensorlane: agent at {agent.path} is back"
+    finally:
+        link.close()
