@@ -174,9 +174,10 @@ class AgentClient:
         """Read until ``self._buf`` holds a whole reply line, or raise AgentUnavailable (with ``send_error`` when
         sending failed and the agent left no line) once ``deadline`` passes or the line grows over
         ``MAX_REPLY_BYTES`` (BadReply): an agent that sends a byte at a time, or an endless line, is cut off."""
+        parts, size = [self._buf], len(self._buf)  # (joined once: each chunk added to the rest copied it all)
         try:
-            while b"\n" not in self._buf:
-                if len(self._buf) > MAX_REPLY_BYTES:
+            while b"\n" not in parts[-1]:
+                if size > MAX_REPLY_BYTES:
                     self._bad(f"a line over {MAX_REPLY_BYTES} bytes")
                 if deadline is not None:
                     left = deadline - time.monotonic()
@@ -186,7 +187,9 @@ class AgentClient:
                 chunk = self._sock.recv(65536)
                 if not chunk:
                     raise send_error or OSError("agent closed the connection")
-                self._buf += chunk
+                parts.append(chunk)
+                size += len(chunk)
+            self._buf = b"".join(parts)
         except BadReply:
             raise
         except OSError as exc:
