@@ -101,6 +101,11 @@ class AgentClient:
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 s.close()
                 raise AgentUnavailable(f"no agent at {self.path} ({exc.strerror.lower()}: is it running?)") from None
+            except BlockingIOError as exc:  # an agent is there, but leaves its connections unaccepted
+                s.close()
+                raise AgentUnavailable(
+                    f"the agent at {self.path} accepted no connection within {self.timeout} s ({exc.strerror}: its "
+                    "backlog is full; is it stopped, stuck or overloaded?)") from None
             except OSError as exc:
                 s.close()
                 raise AgentUnavailable(f"no agent at {self.path}: {exc}") from None
