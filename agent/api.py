@@ -45,6 +45,9 @@ SWEEP_OWNERS = 512  # owner processes whose sockets one sweep reads (/proc/PID/f
 # before the close (``ownership.still_sending``), at most this long; a sweep looks up at most DRAIN_CHECKS of them.
 DRAIN_MAX_S = 60.0
 DRAIN_CHECKS = 1024
+# How ``status`` names another user's job to a user that is neither root nor trusted (numbered from 1): no job id
+# can look like it (ids start alphanumeric and have no spaces).
+OTHER_JOB = "(another user's job {})"
 REPORT_REORDER_S = 2.0  # one user's reports reorder the jobs at most this often; a later change waits (reorder_at)
 
 
@@ -385,7 +388,7 @@ class Api:
                     "classes": self._device_classes(tcstats.class_stats(self.rec.ipr, d.index))}
                    for d in self.rec.devices]
         rates = [d["link_rate_bps"] for d in devices]
-        return {
+        st = {
             "version": VERSION, "interfaces": self._interfaces(), "backend": self.backend,
             "link_rate_bps": sum(rates) if rates and all(rates) else None,  # (no device held: None)
             "uptime_s": round(time.time() - self.started, 3),
@@ -399,7 +402,44 @@ class Api:
             "reconcile": {"passes": self.rec.stats.passes, "repairs": self.rec.stats.repairs,
                           "errors": self.rec.stats.errors, "last_error": self.rec.stats.last_error,
                           "failing": getattr(self.rec, "failing", "")},
+            "unnamed_jobs": 0,
         }
+        return st if peer is None or self.policy.privileged(peer) else self._unnamed_others(st, peer.uid)
+
+    def _unnamed_others(self, st: dict, uid: int) -> dict:
+        """``status`` as a user that is neither root nor trusted sees it (as its ``list``, it names no other user's
+        jobs): every job id in ``st`` that ``uid`` holds no flow in becomes a placeholder ``OTHER_JOB`` numbered
+        by the job's place in the order (then the table's), and those jobs' run tokens are left out
+        (``job_conflicts`` lists none; ``job_conflict_runs`` still counts them). Counts, the order's length, the
+        bands, the parts, the reported inputs and the kernel counters stay: the user sees that other jobs exist
+        and where its own are placed. ``unnamed_jobs``: how many were replaced. The one place status is
+        filtered."""
+        mine = self.table.user_jobs(uid)
+        others: dict[str, str] = {}
+
+        def name(job: str) -> str:
+            if job in mine:
+                return job
+            if job not in others:
+                others[job] = OTHER_JOB.format(len(others) + 1)
+            return others[job]
+
+        jp = st["job_policy"]
+        for job in itertools.chain(jp["order"], st["jobs"]):
+            name(job)  # (numbered: most urgent first, then the table's order)
+        number = {job: i for i, job in enumerate(others)}
+        st["jobs"] = {name(j): n for j, n in sorted(st["jobs"].items(), key=lambda item: (
+            item[0] in number, number.get(item[0], 0), item[0]))}  # its own jobs by id, then the others by number
+        jp["order"] = [name(j) for j in jp["order"]]
+        jp["bands"] = {name(j): band for j, band in jp["bands"].items()}
+        jp["sending"] = sorted(name(j) for j in jp["sending"])
+        for field in (*REPORTED_INPUTS, "slowdown"):
+            if field in jp:
+                jp[field] = {name(j): v for j, v in jp[field].items()}
+        st["job_conflicts"] = {name(j): runs if j in mine else [] for j, runs in st["job_conflicts"].items()}
+        st["job_conflict_runs"] = {name(j): n for j, n in st["job_conflict_runs"].items()}
+        st["unnamed_jobs"] = len(others)
+        return st
 
     def _device_classes(self, stats: dict[int, dict]) -> list[dict]:
         """One device's leaf classes with their kernel counters."""

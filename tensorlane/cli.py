@@ -106,13 +106,28 @@ def format_status(st: dict) -> str:
                 f"{j} level{'s' if b['levels'] > 1 else ''} {b['first_level']}"
                 + (f"-{b['first_level'] + b['levels'] - 1}" if b["levels"] > 1 else "")
                 for j in jp.get("order", []) if (b := bands.get(j))))
-    for job, n in sorted(st["jobs"].items()):
-        lines.append(f"job {job}: {n} flows")
-    for job, runs in sorted((st.get("job_conflicts") or {}).items()):  # two jobs with one id: one band, one place
+    for job, n in sorted(st["jobs"].items(), key=_job_key):
+        lines.append(f"{job}: {n} flows" if job.startswith("(") else f"job {job}: {n} flows")
+    for job, runs in sorted((st.get("job_conflicts") or {}).items(), key=_job_key):  # two jobs, one id: one band
         n = (st.get("job_conflict_runs") or {}).get(job, len(runs))  # (at most 8 runs named: the others counted)
+        if not runs:  # another user's job (runs not named to this user): only its user can give it another id
+            lines.append(f"job id conflict: {job} is used by {n} runs: the job policy treats them as one job")
+            continue
         lines.append(f"job id conflict: {job} is used by {n} runs ({', '.join(runs)}{', ...' if n > len(runs) else ''}"
                      "): the job policy treats them as one job; give each job its own id")
+    if st.get("unnamed_jobs"):
+        n = st["unnamed_jobs"]
+        lines.append(f"{n} job{'s' if n > 1 else ''} of other users shown unnamed: only root and trusted_users see "
+                     "other users' job ids and runs")
     return "\n".join(lines)
+
+
+def _job_key(item: tuple) -> tuple:
+    """Sort key of a ``(job, ...)`` item of status: job ids by name, then the placeholders of other users' jobs
+    (``(another user's job N)``: no job id starts with "(") by their number."""
+    job = item[0]
+    hidden = job.startswith("(")
+    return hidden, len(job) if hidden else 0, job
 
 
 def _reported(jp: dict, job: str, link_bps: float | None) -> str:

@@ -1007,6 +1007,61 @@ def test_a_users_list_shows_its_own_flows_and_never_walks_the_table():
     assert len(request(api, Peer(pid=3, uid=0, gid=0), op="list")["flows"]) == 1004
 
 
+def test_a_users_status_names_no_other_users_jobs_or_runs(monkeypatch):
+    """``status`` from a user that is neither root nor trusted names none of another user's job ids or run tokens
+    (until 2026-11-28 it named every user's, while ``list`` named only the user's own): they are placeholders
+    ``(another user's job N)``, numbered by the order; its own jobs, with their runs, keep their ids. The counts,
+    the order's length, the bands' shape, the reported inputs and the counters stay. Root and trusted users see
+    every id, as before."""
+    import tensorlane.agent.peers as peers
+    from tensorlane.cli import format_status
+
+    names = {1000: "alice", 1001: "bob", 1002: "ops"}
+    monkeypatch.setattr(peers, "user_name", lambda uid: names.get(uid, str(uid)))
+    api, _rec = make_api(job_policy="shortest", check_ownership=False, trusted_users=["ops"])
+    alice, bob, ops = (Peer(pid=p, uid=u, gid=u) for p, u in ((1, 1000), (2, 1001), (3, 1002)))
+    levels = [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.1}]
+    request(api, alice, op="register", job="alice-job", level=1, flows=[flow(1)], run="alice-run-1")
+    request(api, alice, op="register", job="alice-job", level=1, flows=[flow(2)], run="alice-run-2")
+    request(api, alice, op="report", job="alice-job", session="s-a", levels=levels, step_bytes=300)
+    for port, run in ((3, "bob-run-1"), (4, "bob-run-2"), (5, "bob-run-3")):
+        request(api, bob, op="register", job="bob-secret", level=0, flows=[flow(port)], run=run)
+    request(api, bob, op="report", job="bob-secret", session="s-b", levels=levels, step_bytes=100)
+    request(api, op="register", job="root-job", level=0, flows=[flow(6), flow(7)], run="root-run")
+    # bob takes alice's id: its flows go under its own job alice-job@bob, which names alice's id: hidden too
+    assert request(api, bob, op="register", job="alice-job", level=0, flows=[flow(8)])["job"] == "alice-job@bob"
+    hidden = ("bob-secret", "bob-run", "root-job", "root-run", "alice-job@bob")  # (root-run: one run, never shown)
+
+    full = request(api, op="status")
+    assert full["unnamed_jobs"] == 0 and full["job_policy"]["order"][0] == "bob-secret"
+    for root in (None, Peer(pid=4, uid=0, gid=0), ops):  # the agent itself, root, a trusted user: everything
+        st = request(api, root, op="status")
+        text = json.dumps(st) + format_status(st)
+        assert all(name in text for name in ("bob-secret", "bob-run-1", "root-job", "alice-job@bob", "alice-run-1"))
+        assert st["jobs"] == full["jobs"] and st["job_conflicts"] == full["job_conflicts"]
+
+    st = request(api, alice, op="status")
+    text = json.dumps(st) + format_status(st)
+    assert not [name for name in hidden if name in text], text
+    assert "alice-run-1" in text and "alice-run-2" in text  # its own job's runs
+    other = [f"(another user's job {i})" for i in (1, 2, 3)]
+    jp, fj = st["job_policy"], full["job_policy"]
+    assert st["unnamed_jobs"] == 3 and sorted(st["jobs"]) == sorted(["alice-job", *other])
+    others_in_order = [j for j in fj["order"] if j != "alice-job"]  # (numbered in the order: flows counted)
+    assert list(st["jobs"].values()) == [full["jobs"][j] for j in ["alice-job", *others_in_order]]
+    assert len(jp["order"]) == len(fj["order"]) == 4 and jp["order"][0] == other[0]  # bob's job first: fewest bytes
+    assert jp["order"].index("alice-job") == fj["order"].index("alice-job")
+    assert [jp["bands"][j] for j in jp["order"]] == [fj["bands"][j] for j in fj["order"]]
+    assert jp["step_bytes"] == {other[0]: 100, "alice-job": 300}
+    assert st["job_conflicts"] == {"alice-job": ["alice-run-1", "alice-run-2"], other[0]: []}
+    assert st["job_conflict_runs"] == {"alice-job": 2, other[0]: 3}
+    assert st["classes"] == full["classes"] and st["flows"] == full["flows"] == 8
+    assert "\n(another user's job 1): 3 flows" in text and "job alice-job: 2 flows" in text
+    assert "job id conflict: (another user's job 1) is used by 3 runs: the job policy treats them as one job\n" in text
+    assert "3 jobs of other users shown unnamed" in text
+    assert "bob-secret" not in json.dumps(request(api, alice, op="status"))  # (a reply is built afresh each time)
+
+
 def test_a_users_list_of_another_users_job_does_not_walk_it():
     """``list`` with ``job`` naming a job in which the user holds no flows (root's, with 100,000 flows) walked all
     of that job's flows to list none of them: 50 ms per request, at the user's 200 requests/s the agent's only
