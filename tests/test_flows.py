@@ -256,6 +256,29 @@ def test_a_process_with_too_many_open_files_is_not_read(monkeypatch):
         assert ownership.not_owned_by_owners({os.getpid(): [key], 1: [key]}, read) == [] and read == [os.getpid()]
 
 
+def test_a_sweep_counts_the_open_files_it_read_not_the_sockets(monkeypatch):
+    """SWEEP_FDS bounds the open files one sweep reads (a readlink each): an owner holding many files that are not
+    sockets costs as many. Counting only its sockets let 512 owners of 8,192 other files each cost 4 million
+    readlinks in one pass; now the owners after one that used up the budget wait for a later pass."""
+    from tensorlane.agent import ownership
+    from tensorlane.agent.protocol import FlowKey
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    key = FlowKey("udp", "127.0.0.1", 9, "127.0.0.2", 9)
+    monkeypatch.setattr(ownership, "SWEEP_FDS", 100)
+    extra = [os.open(os.devnull, os.O_RDONLY) for _ in range(150)]
+    try:
+        read: list[int] = []
+        ownership.not_owned_by_owners({os.getpid(): [key], gone.pid: [key]}, read)
+        assert read == [os.getpid()]  # (its 150+ files were the pass's budget: the other owner waits)
+    finally:
+        for fd in extra:
+            os.close(fd)
+    read = []
+    assert ownership.not_owned_by_owners({os.getpid(): [key], gone.pid: [key]}, read) == [key, key]
+    assert read == [os.getpid(), gone.pid]  # (few files now: both judged)
+
 def test_sock_diag_finds_a_tcp_socket_by_its_5_tuple():
     """The agent's exact lookup (netlink sock_diag): state and inode of a connection of this namespace, by 5-tuple,
     also through a dual-stack (v4-mapped) socket; nothing for a 5-tuple no socket has."""
@@ -277,7 +300,6 @@ def test_sock_diag_finds_a_tcp_socket_by_its_5_tuple():
                 assert diag.tcp("127.0.0.1", sport, "127.0.0.2", port) is None
     diag.close()
 
-
 def test_sweep_chooses_lookups_by_the_namespaces_socket_count(monkeypatch):
     """``tcp_rows`` counts this namespace's TCP sockets (sockstat, no table walk); beyond EXACT_LOOKUPS_MAX flows
     the exact lookups are kept while the tables hold ROWS_PER_LOOKUP rows per flow, so that on a busy host the
@@ -296,7 +318,6 @@ def test_sweep_chooses_lookups_by_the_namespaces_socket_count(monkeypatch):
     assert ownership.lookups_cheaper(20000 // ownership.ROWS_PER_LOOKUP)
     monkeypatch.setattr(ownership, "tcp_rows", lambda proc="self": 300)
     assert not ownership.lookups_cheaper(ownership.EXACT_LOOKUPS_MAX + 1)
-
 
 def test_a_udp_wildcard_socket_owns_flows_of_its_own_family_only():
     """An unconnected UDP socket bound to a wildcard owns the UDP flows of its port, but only of its family. Before,
@@ -323,7 +344,6 @@ def test_a_udp_wildcard_socket_owns_flows_of_its_own_family_only():
         assert not_owned(os.getpid(), [mine4, mine6]) == []  # each by the socket of its family
         s6.close()
         assert not_owned(os.getpid(), [mine4, mine6]) == [mine6]  # the IPv4 socket does not own the IPv6 flow
-
 
 def test_own_flows_asked_of_the_sockets_equal_the_namespaces_tables():
     """The caller's flows come from its own sockets (getsockname, getpeername, TCP_INFO), another process's from
@@ -354,7 +374,6 @@ def test_own_flows_asked_of_the_sockets_equal_the_namespaces_tables():
         for s in held:
             s.close()
 
-
 def test_own_flows_leave_the_sockets_blocking_under_a_default_timeout():
     """socket.setdefaulttimeout() set by the training script: asking the process's own sockets must not put them
     (the same open files as the duplicates asked) in non-blocking mode."""
@@ -380,7 +399,6 @@ def test_own_flows_leave_the_sockets_blocking_under_a_default_timeout():
     finally:
         for sock in (srv, c, s, u1, u2, v6):
             sock.close()
-
 
 def test_a_flow_registered_with_its_fd_is_checked_by_that_fd_alone(monkeypatch):
     """A register that names each flow's fd (``fds``) is checked by one readlink per flow and the flow's own socket
@@ -436,7 +454,6 @@ def test_a_flow_registered_with_its_fd_is_checked_by_that_fd_alone(monkeypatch):
         u.close()
         srv.close()
 
-
 def test_udp_ownership_reads_no_socket_table(monkeypatch):
     """UDP flows are judged on the sockets of their source port, asked of the kernel (a sock_diag dump filtered by
     port), with or without fds: the namespace's UDP table (``/proc/self/net/udp``: 660 ms at 19,000 sockets, at
@@ -470,7 +487,6 @@ def test_udp_ownership_reads_no_socket_table(monkeypatch):
         crossed = {mine4: s6.fileno(), mine6: s4.fileno()}  # a wildcard of the other family owns nothing
         assert ownership.not_owned(os.getpid(), list(crossed), fds=crossed) == [mine4, mine6]
         assert ownership.not_owned_by_owners({os.getpid(): list(fds)}, fd_of=fds.get) == [elsewhere]
-
 
 def test_udp_ownership_by_exact_lookup_then_by_port(monkeypatch):
     """A UDP flow is looked up exactly (the socket that receives from its destination): O(1). Where another socket
