@@ -1462,6 +1462,9 @@ def _not_ddp(model) -> str:
     return why
 
 
+MAX_REPORT_INTERVAL_S = 86400.0  # (a day: threading's waits take no timeout beyond time_t)
+
+
 def _check_levels(levels: int, partition_bytes: int | None = None, report_interval_s: float = 5.0) -> None:
     if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 5:
         # (a string, as from os.environ, was a bare "'<=' not supported between instances of 'int' and 'str'")
@@ -1470,8 +1473,11 @@ def _check_levels(levels: int, partition_bytes: int | None = None, report_interv
                                         or partition_bytes < 1):
         raise ValueError(f"partition_bytes must be a positive number of bytes (or None), not {partition_bytes!r}")
     if isinstance(report_interval_s, bool) or not isinstance(report_interval_s, int | float) \
-            or not report_interval_s > 0:  # (0 or less: the reporter's thread sent reports to the agent in a loop)
-        raise ValueError(f"report_interval_s must be a number of seconds above 0, not {report_interval_s!r}")
+            or not 0 < report_interval_s <= MAX_REPORT_INTERVAL_S:
+        # (0 or less: the reporter's thread sent reports to the agent in a loop; inf or 1e300: its wait raised
+        # OverflowError, a traceback from the thread, no report ever)
+        raise ValueError(f"report_interval_s must be a number of seconds above 0, at most {MAX_REPORT_INTERVAL_S:g}, "
+                         f"not {report_interval_s!r}")
 
 
 def _comm_hook_name(model) -> str | None:

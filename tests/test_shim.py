@@ -965,13 +965,16 @@ def test_the_lightning_callback_without_lightning_says_what_to_install():
 @pytest.mark.torch
 def test_options_of_the_wrong_type_or_sign_are_refused_naming_the_option():
     """`levels` from an environment variable (a string) was a bare TypeError from a comparison; a report interval
-    of 0 or less made the reporter's thread send reports to the agent in a loop. Checked before any collective."""
+    of 0 or less made the reporter's thread send reports to the agent in a loop, an infinite one raised OverflowError
+    in that thread. Checked before any collective."""
     from tensorlane import shim
 
     for kwargs, message in (({"levels": "4"}, r"^levels must be an integer 1\.\.5 .*, not '4'$"),
                             ({"levels": True}, r"^levels must be an integer"),
                             ({"report_interval_s": 0}, r"^report_interval_s must be a number of seconds above 0"),
-                            ({"report_interval_s": -1.0}, r"^report_interval_s must be .*, not -1\.0$")):
+                            ({"report_interval_s": -1.0}, r"^report_interval_s must be .*, not -1\.0$"),
+                            ({"report_interval_s": float("inf")}, r"^report_interval_s must be .*, not inf$"),
+                            ({"report_interval_s": float("nan")}, r"^report_interval_s must be .*, not nan$")):
         with pytest.raises(ValueError, match=message):
             shim.comm_state(**kwargs)
     shim.comm_state(levels=2, report_interval_s=0.5)  # valid: nothing happens until the first hook call
