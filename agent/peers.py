@@ -138,9 +138,10 @@ def subuid_ranges(path: str) -> list[tuple[int, int, int]]:
 
 def account_uid(uid: int) -> int:
     """``uid``, or the user whose subordinate range (``SUBUID``) holds it where ``uid`` is no user of its own (no
-    passwd entry; never root or the agent's user): a user runs processes as any uid of its range (``newuidmap``,
-    and ``newgidmap`` keeps its own group, so an ``allowed_groups`` member stays allowed), and each of those 65,536
-    uids had a user's limits of its own (connections, requests, flows, jobs): one user multiplied them all."""
+    passwd entry; never root or the agent's user, nor a uid of their ranges): a user runs processes as any uid of
+    its range (``newuidmap``, and ``newgidmap`` keeps its own group, so an ``allowed_groups`` member stays allowed),
+    and each of those 65,536 uids had a user's limits of its own (connections, requests, flows, jobs): one user
+    multiplied them all."""
     global _subuids
     if uid in (0, os.geteuid()) or user_name(uid) != str(uid):
         return uid
@@ -151,7 +152,11 @@ def account_uid(uid: int) -> int:
         stamp = None
     if stamp != _subuids[0]:
         _subuids = (stamp, subuid_ranges(SUBUID) if stamp else [])
-    return next((owner for first, end, owner in _subuids[1] if first <= uid < end), uid)
+    owner = next((owner for first, end, owner in _subuids[1] if first <= uid < end), uid)
+    # (never root or the agent's user: their ranges are the uids of containers they start, whose processes are not
+    # theirs to trust; root's is common, "root:1000000:1000000000" with LXD, and such a process was given root's
+    # rights here: any flow, any level, no ownership check)
+    return uid if owner in (0, os.geteuid()) else owner
 
 
 def credentials(conn: socket.socket) -> Peer:

@@ -186,3 +186,17 @@ def test_a_uid_of_a_users_subordinate_range_is_that_user(tmp_path, monkeypatch):
                 conn.send(b"x")
             os.waitpid(pid, 0)
             assert (peer.pid, peer.uid, peer.user) == (pid, counted_as, peers.user_name(counted_as)), uid
+
+
+def test_a_uid_of_roots_subordinate_range_is_not_root(tmp_path, monkeypatch):
+    """Root's own ``/etc/subuid`` range (LXD's ``root:1000000:1000000000``, containers root starts) holds the uids
+    of processes that are not root's to trust: such a uid was counted as root, and had root's rights in the agent
+    (any flow, any level, no ownership check). It, and one of the agent's user's range, stay themselves."""
+    from tensorlane.agent import peers
+
+    subuid = tmp_path / "subuid"
+    subuid.write_text(f"root:300000:65536\n{os.geteuid()}:400000:65536\nnobody:500000:65536\n")
+    monkeypatch.setattr(peers, "SUBUID", str(subuid))
+    assert peers.account_uid(300007) == 300007
+    assert peers.account_uid(400007) == 400007
+    assert peers.account_uid(500007) == NOBODY
