@@ -482,6 +482,17 @@ def test_udp_ownership_reads_no_socket_table(monkeypatch):
         elsewhere = FlowKey("udp", "127.0.0.1", cport, "127.0.0.4", 7)
         assert ownership.not_owned(os.getpid(), [mine4, mine6, connected, elsewhere]) == [elsewhere]
         assert ownership.not_owned_by_owners({os.getpid(): [mine4, mine6, connected]}) == []
+        # where the TCP flows are judged by the TCP tables (many flows, few TCP sockets here), the UDP table is not
+        # read with them (a register of 257 TCP flows and one UDP flow read it all)
+        monkeypatch.setattr(ownership, "lookups_cheaper", lambda count: False)
+        tcp_only = []
+        monkeypatch.setattr(ownership, "agent_sockets", lambda inodes=None, proc="self", protos=("tcp", "udp"):
+                            no_tables() if "udp" in protos else tcp_only.append(protos) or {})
+        lost = FlowKey("tcp", "127.0.0.1", 1, "127.0.0.1", 2)
+        assert ownership.not_owned(os.getpid(), [lost, mine4, mine6, connected, elsewhere]) == [lost, elsewhere]
+        assert ownership.not_owned_by_owners({os.getpid(): [lost, mine4, mine6, connected]}) == [lost]
+        assert tcp_only == [("tcp",), ("tcp",)]
+        monkeypatch.setattr(ownership, "agent_sockets", no_tables)
         fds = {mine4: s4.fileno(), mine6: s6.fileno(), connected: conn.fileno(), elsewhere: conn.fileno()}
         assert ownership.not_owned(os.getpid(), list(fds), fds=fds) == [elsewhere]
         crossed = {mine4: s6.fileno(), mine6: s4.fileno()}  # a wildcard of the other family owns nothing
