@@ -167,10 +167,11 @@ class Api:
                                         "register (field fds: then only those are read), or use a process with "
                                         "fewer") from None
                 except UndecidedPorts as exc:
-                    raise ProtocolError("limit", f"UDP flows of {exc.args[0]} more source ports than the "
-                                        f"{UDP_PORT_DUMPS} the agent looks at in one request need a look at each "
-                                        "port's sockets (another socket answers for their addresses): register "
-                                        "them in several requests") from None
+                    raise ProtocolError("limit", f"UDP flows of {exc.args[0]} source ports were not judged: another "
+                                        "socket answers for their addresses, so each port's sockets need a look, "
+                                        f"and the agent takes at most {UDP_PORT_DUMPS} looks in one request (one "
+                                        "per port and address family: an IPv4 flow's port takes two, its IPv4 "
+                                        "and dual-stack IPv6 sockets): register them in several requests") from None
             if foreign:
                 what = (f"fd {dict(zip(req.flows, req.fds, strict=True))[foreign[0]]} of process {peer.pid} does not "
                         "hold its socket" if req.fds is not None else f"not a socket of process {peer.pid}")

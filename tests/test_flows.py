@@ -279,6 +279,34 @@ def test_a_sweep_counts_the_open_files_it_read_not_the_sockets(monkeypatch):
     assert ownership.not_owned_by_owners({os.getpid(): [key], gone.pid: [key]}, read) == [key, key]
     assert read == [os.getpid(), gone.pid]  # (few files now: both judged)
 
+def test_a_register_of_udp_flows_beyond_the_port_dumps_says_how_many_it_may_name():
+    """Three IPv4 ports whose exact lookup finds another socket take six port dumps (IPv4 and dual-stack IPv6 sockets
+    of each): refused ``limit``, whose message said "more source ports than the 4 the agent looks at", so a client
+    that sent 3 ports (or 4) per request was refused again and again."""
+    import contextlib
+
+    from test_jobs_agent import make_api
+
+    from tensorlane.agent.peers import Peer
+
+    with contextlib.ExitStack() as stack:
+        flows, fds = [], []
+        for _ in range(3):
+            mine, theirs = (stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) for _ in range(2))
+            for s in (mine, theirs):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            mine.bind(("0.0.0.0", 0))
+            theirs.bind(("127.0.0.1", mine.getsockname()[1]))  # it wins the exact lookup
+            flows.append({"proto": "udp", "src": "127.0.0.1", "sport": mine.getsockname()[1], "dst": "127.0.0.2",
+                          "dport": 9})
+            fds.append(mine.fileno())
+        api, _ = make_api()
+        reply = json.loads(api.handle(json.dumps({"op": "register", "job": "j", "level": 0, "flows": flows,
+                                                  "fds": fds}).encode(), Peer(os.getpid(), 65534, 65534)))
+    assert reply["ok"] is False and reply["error"]["code"] == "limit" and not api.table.flows, reply
+    assert "an IPv4 flow's port takes two" in reply["error"]["message"], reply
+
+
 def test_sock_diag_finds_a_tcp_socket_by_its_5_tuple():
     """The agent's exact lookup (netlink sock_diag): state and inode of a connection of this namespace, by 5-tuple,
     also through a dual-stack (v4-mapped) socket; nothing for a 5-tuple no socket has."""
