@@ -198,7 +198,8 @@ def _tcp_unowned(flows_of: Mapping[int, list[FlowKey]], held: Mapping[int, set[i
     return out
 
 
-def udp_sockets(flows: Iterable[FlowKey], inodes: set[int], undecided: set | None = None) -> dict[int, Socket]:
+def udp_sockets(flows: Iterable[FlowKey], inodes: set[int], undecided: set | None = None,
+                own: Mapping[FlowKey, set[int]] | None = None) -> dict[int, Socket]:
     """The UDP sockets among ``inodes`` that may own ``flows`` (UDP flows), by inode, asked of the kernel: first
     one exact sock_diag lookup per flow (the socket that receives what the flow's destination sends to its
     source: a hash lookup, about 10 us, whatever the namespace's sockets); where that socket is not one of
@@ -207,8 +208,9 @@ def udp_sockets(flows: Iterable[FlowKey], inodes: set[int], undecided: set | Non
     namespace's UDP sockets in the kernel: about 2 ms at 19,000; at most ``UDP_PORT_DUMPS`` per call, so a user
     registering other users' flows cannot make a call cost more; which ports are dumped is drawn at random, so
     that a sweep comes to every port in turn). ``undecided`` gets the (family, port) of the ports not dumped: their
-    flows are neither owned nor unowned yet. The namespace's UDP tables are read instead only when the kernel
-    cannot answer (no ``udp_diag``)."""
+    flows are neither owned nor unowned yet. ``own``: the sockets of each flow's owner where ``inodes`` holds
+    several owners' (a sweep): the lookup's socket decides a flow only if it is its owner's. The namespace's UDP
+    tables are read instead only when the kernel cannot answer (no ``udp_diag``)."""
     out: dict[int, Socket] = {}
     if not inodes:
         return out
@@ -216,7 +218,7 @@ def udp_sockets(flows: Iterable[FlowKey], inodes: set[int], undecided: set | Non
         wanted = set()
         for k in flows:
             u = _DIAG.udp(k.src, k.sport, k.dst, k.dport)
-            if u is not None and u.inode in inodes and _owns(k, [_udp_row(u)]):
+            if u is not None and u.inode in (inodes if own is None else own[k]) and _owns(k, [_udp_row(u)]):
                 out[u.inode] = _udp_row(u)
             else:
                 wanted.add((socket.AF_INET6 if ":" in k.src else socket.AF_INET, k.sport))
@@ -277,7 +279,8 @@ def _unowned_by_fd(entries: list[tuple[int, FlowKey, int]], undecided: set) -> l
     except OSError:  # no sock_diag here: the tables, for those sockets only
         table = agent_sockets({inodes[i] for i in tcp}, protos=("tcp",))
         bad |= {i for i in tcp if not _owns(entries[i][1], [table[inodes[i]]] if inodes[i] in table else [])}
-    rows = udp_sockets([entries[i][1] for i in udp], {inodes[i] for i in udp}, undecided)
+    rows = udp_sockets([entries[i][1] for i in udp], {inodes[i] for i in udp}, undecided,
+                       {entries[i][1]: {inodes[i]} for i in udp})
     bad |= {i for i in udp if not _owns(entries[i][1], [rows[inodes[i]]] if inodes[i] in rows else [])
             and not _undecided(entries[i][1], undecided)}
     return sorted(bad)
@@ -381,14 +384,16 @@ def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]], read: list[int]
             pass
         else:
             udp = {pid: [k for k in fl if k.proto != "tcp"] for pid, fl in flows_of.items()}
-            rows = udp_sockets([k for fl in udp.values() for k in fl], set().union(*held.values()), undecided)
+            rows = udp_sockets([k for fl in udp.values() for k in fl], set().union(*held.values()), undecided,
+                               {k: held[pid] for pid, fl in udp.items() for k in fl})
             for pid, inodes in held.items():
                 gone += exact[pid] + [k for k in _unowned(udp[pid], [rows[i] for i in inodes if i in rows])
                                       if not _undecided(k, undecided)]
             return gone
     every = set().union(*held.values())
     table = agent_sockets(every, protos=("tcp",))  # (the UDP flows by port dumps: not the UDP table, 660 ms at 19,000)
-    rows = udp_sockets([k for fl in flows_of.values() for k in fl if k.proto != "tcp"], every, undecided)
+    udp = {k: held[pid] for pid, fl in flows_of.items() for k in fl if k.proto != "tcp"}
+    rows = udp_sockets(list(udp), every, undecided, udp)
     for pid, inodes in held.items():
         gone += [k for k in _unowned(flows_of[pid], [s for i in inodes for s in (table.get(i), rows.get(i)) if s])
                  if not _undecided(k, undecided)]

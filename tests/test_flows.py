@@ -547,6 +547,12 @@ def test_udp_ownership_by_exact_lookup_then_by_port(monkeypatch):
         assert SockDiag().udp(*key[1:]).inode == os.fstat(theirs.fileno()).st_ino  # it wins the lookup
         assert ownership.not_owned(os.getpid(), [key], fds={key: mine.fileno()}) == []  # found by the port dump
         assert ownership.not_owned(os.getpid(), [key], fds={key: theirs.fileno()}) == []  # (bound to the source)
+        # judged in one sweep beside a flow of the socket that wins its lookup (another owner's, here another fd):
+        # that socket is not this flow's fd, so its port is dumped as above (the flow was dropped: the lookup's
+        # socket was among the sweep's sockets, all owners' together, and taken as deciding it)
+        other = FlowKey("udp", "127.0.0.1", port, "127.0.0.5", 9)
+        held = {key: mine.fileno(), other: theirs.fileno()}
+        assert ownership.not_owned_by_owners({os.getpid(): [key, other]}, fd_of=held.get) == []
         # beyond the dumps a call may make, a register is refused as such (not as another user's flow) and a
         # sweep keeps the flow for a later pass (until 2026-11-28 both took it as not owned: a sweep dropped it)
         monkeypatch.setattr(ownership, "UDP_PORT_DUMPS", 0)
