@@ -435,12 +435,35 @@ def _with_ancestors(path: str) -> list[str]:
     return out
 
 
+def _links_on_the_way(path: str, depth: int = 0) -> list[str]:
+    """The paths of every symbolic link met while resolving ``path``, and of everything the kernel looks at on the
+    way to each one's target (a link to a link: the second is neither in the path as written nor in the resolved
+    one), with the directories above them."""
+    out: list[str] = []
+    cur = "/"
+    for part in os.path.abspath(path).split("/"):
+        if not part:
+            continue
+        nxt = os.path.join(cur, part)
+        if depth < 40 and os.path.islink(nxt):  # (40: the kernel's own limit of links in one lookup)
+            target = os.path.join(cur, os.readlink(nxt))
+            out += [nxt, *_with_ancestors(os.path.abspath(target)), *_links_on_the_way(target, depth + 1)]
+            cur = os.path.realpath(nxt)
+        else:
+            cur = nxt
+    return out
+
+
 def others_may_write(path: str) -> str:
     """Why a user other than root and this process's could change what is at ``path`` ("" when none can): it, or a
-    directory above it, as written or with its links resolved, owned by another user (a symbolic link too: its owner
-    may replace it), or writable by group or others (a directory with the sticky bit, such as ``/tmp``, excepted: no
-    one else may replace what root made there)."""
-    for p in dict.fromkeys(_with_ancestors(os.path.abspath(path)) + _with_ancestors(os.path.realpath(path))):
+    directory above it, as written or with its links resolved (each link met on the way too), owned by another user
+    (a symbolic link too: its owner may replace it), or writable by group or others (a directory with the sticky
+    bit, such as ``/tmp``, excepted: no one else may replace what root made there)."""
+    try:
+        links = _links_on_the_way(path)
+    except OSError as exc:
+        return f"cannot resolve {path}: {exc}"
+    for p in dict.fromkeys(_with_ancestors(os.path.abspath(path)) + _with_ancestors(os.path.realpath(path)) + links):
         try:
             st = os.lstat(p)
         except OSError as exc:

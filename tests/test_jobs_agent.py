@@ -1251,4 +1251,8 @@ def test_a_socket_directory_another_user_could_write_is_refused(tmp_path):
     os.lchown(link, 65534, 65534)
     with pytest.raises(ConfigError, match="a symbolic link owned by uid 65534"):
         check_socket_path(from_dict({"interface": "eth0", "socket": str(link / "agent.sock")}))
+    roots = tmp_path / "roots"  # root's link to that link: neither the path as written nor the resolved one has it
+    roots.symlink_to(link)
+    with pytest.raises(ConfigError, match="a symbolic link owned by uid 65534"):
+        check_socket_path(from_dict({"interface": "eth0", "socket": str(roots / "agent.sock")}))
     assert socket_dir_problem(str(tmp_path)) == ""
