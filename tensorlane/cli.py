@@ -12,7 +12,7 @@ import logging
 import sys
 
 from tensorlane import __version__
-from tensorlane.client import _CONTROLS, DEFAULT_SOCKET, AgentClient, AgentError, AgentUnavailable, agent_socket
+from tensorlane.client import CONTROL_ESCAPES, DEFAULT_SOCKET, AgentClient, AgentError, AgentUnavailable, agent_socket
 
 
 def _agent(args) -> int:
@@ -163,7 +163,7 @@ def _unavailable(cmd: str, exc: Exception) -> str:
 
 # C0 and C1 control characters but newline and tab, as escapes: printed as they came, an agent's text (an error message,
 # a name in status) could move the cursor, retitle or rewrite the terminal of whoever runs the command (root)
-_ESCAPES = {c: escape for c, escape in _CONTROLS.items() if c != 0x0A}  # (the client's agent_text, newline kept)
+_ESCAPES = {c: escape for c, escape in CONTROL_ESCAPES.items() if c != 0x0A}  # (the client's agent_text, newline kept)
 
 
 def printable(text: str) -> str:

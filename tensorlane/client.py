@@ -66,13 +66,13 @@ class AgentError(RuntimeError):
 
 
 # C0 and C1 control characters but tab: an agent's text goes into the logs of whoever runs its client
-_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c != 0x09}
+CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c != 0x09}
 
 
 def agent_text(value, limit: int = 300) -> str:
     """An agent-supplied ``value`` as one bounded line of text: control characters as ``\\xNN``, at most ``limit``
     characters. Usage: ``agent_text("a\\x1b[2J") == "a\\\\x1b[2J"``"""
-    text = str(value)[:limit + 1].translate(_CONTROLS)
+    text = str(value)[:limit + 1].translate(CONTROL_ESCAPES)
     return text if len(text) <= limit else text[:limit] + "..."
 
 
