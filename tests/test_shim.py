@@ -260,6 +260,8 @@ def test_a_copied_comm_state_in_use_warns_once(tmp_path):
     framework that deep-copies its strategy), its all-reduces are DDP's own, the gradients DDP's average, and one
     warning says that priority is lost, instead of nothing."""
     import copy
+    import gc
+    import time
     import warnings
 
     import torch
@@ -268,6 +270,7 @@ def test_a_copied_comm_state_in_use_warns_once(tmp_path):
     from tensorlane import shim
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    plain = ddp = None
     try:
         torch.manual_seed(0)
         plain = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
@@ -282,6 +285,12 @@ def test_a_copied_comm_state_in_use_warns_once(tmp_path):
         assert len(lost) == 1, [str(w.message) for w in caught]
         assert all(p.grad.equal(q.grad / 2) for p, q in zip(plain.parameters(), ddp.parameters(), strict=True))
     finally:
+        # gloo's worker thread may still hold the hook's .then() callback, which it frees under the GIL: a process
+        # group destroyed by the DDP models' garbage collection (GIL held, joining that thread) then waited for ever
+        # (a full run hung here once). Sleeping releases the GIL; the models go before their process group does.
+        time.sleep(0.2)
+        del plain, ddp
+        gc.collect()
         dist.destroy_process_group()
 
 
