@@ -198,7 +198,7 @@ def _tcp_unowned(flows_of: Mapping[int, list[FlowKey]], held: Mapping[int, set[i
     return out
 
 
-def udp_sockets(flows: Iterable[FlowKey], inodes: set[int], undecided: set | None = None,
+def udp_sockets(flows: Iterable[FlowKey], inodes: set[int], undecided: set,
                 own: Mapping[FlowKey, set[int]] | None = None) -> dict[int, Socket]:
     """The UDP sockets among ``inodes`` that may own ``flows`` (UDP flows), by inode, asked of the kernel: first
     one exact sock_diag lookup per flow (the socket that receives what the flow's destination sends to its
@@ -225,8 +225,7 @@ def udp_sockets(flows: Iterable[FlowKey], inodes: set[int], undecided: set | Non
         asks = sorted({(socket.AF_INET6, port) for _, port in wanted} | {w for w in wanted if w[0] == socket.AF_INET})
         if len(asks) > UDP_PORT_DUMPS:
             dumped = set(random.sample(asks, UDP_PORT_DUMPS))
-            if undecided is not None:
-                undecided.update(a for a in asks if a not in dumped)
+            undecided.update(a for a in asks if a not in dumped)
             asks = sorted(dumped)
         for family, port in asks:
             for u in _DIAG.udp_port(family, port):
