@@ -539,6 +539,27 @@ def test_an_administrators_root_or_deleted_leaf_is_put_back_logged_and_counted(f
     assert tc_dump(h1, "eth0") == before and nft_tables(h1) == tables
 
 
+def test_a_class_added_under_the_agents_tree_is_removed_logged_and_counted(fz):
+    """``tc class add ... parent 7a1:1 classid 7a1:99`` (a tool adding its own class at the agent's handles: packets
+    whose ``skb->priority`` names it would bypass the levels): the next pass makes the tree afresh without it, and
+    logs and counts that as a repair, as for a replaced root. Before, the tree was made afresh with a warning about
+    "another layout" but ``repairs`` stayed 0. Registered flows stay marked."""
+    h1, h2 = fz.host(1), fz.host(2)
+    before = tc_dump(h1, "eth0")
+    with running_agents(fz, hosts=[1], backend="htb", config_extra=FAST) as agents:
+        agent = agents[1]
+        with agent.client() as c:
+            c.register("job-c", 0, [flow(h1, 9841, h2, 9840)])
+        repairs = agent.status()["reconcile"]["repairs"]
+        h1.run(["tc", "class", "add", "dev", "eth0", "parent", "7a1:1", "classid", "7a1:99", "htb", "rate", "1mbit"])
+        wait_for("class removed", lambda: "7a1:99" not in h1.run(["tc", "class", "show", "dev", "eth0"]).stdout)
+        wait_for("counted", lambda: agent.status()["reconcile"]["repairs"] > repairs)
+        wait_for("logged", lambda: "put back its tree, made afresh (it had classes 7a1:99" in agent.stderr_tail())
+        assert "class htb 7a1:13 parent 7a1:1 leaf 103: prio 3" in h1.run(["tc", "class", "show", "dev", "eth0"]).stdout
+        assert "9841" in h1.run(["nft", "list", "map", "inet", "tensorlane", "flows4"]).stdout
+    assert tc_dump(h1, "eth0") == before
+
+
 def test_nft_flush_ruleset_is_logged_as_the_table_gone_and_counted(fz):
     """``nft flush ruleset`` (a firewall reload) deletes the agent's table: the next pass makes it again with its
     flows, and says that the table was gone. Before, the log said only "added 1 missing flow entries", as if an

@@ -127,7 +127,8 @@ class HtbBackend:
     def apply(self, ipr, index: int) -> list[str]:
         """Create the tree, or bring an existing one of ours to the desired parameters in place; one of ours with
         another class layout (adopted from an agent of another ``levels``) is made afresh (:meth:`stale_layout`).
-        Returns what had to be made again (:func:`_put_back`: [] when the root and leaves were all there)."""
+        Returns what had to be made again (:func:`_put_back`: [] when the root and leaves were all there; the whole
+        tree when it had another layout, a class someone added under ours)."""
         qdiscs = ipr.get_qdiscs(index=index)
         put_back = _put_back(qdiscs, self.root, [spec.leaf_handle for spec in self.leaves()], "htb")
         have = _drop_other_kind(ipr, index, {q["handle"]: q.get_attr("TCA_KIND") for q in qdiscs}, "htb")
@@ -135,6 +136,7 @@ class HtbBackend:
             log.warning("the tensorlane tree on device %d has %s: making it afresh", index, why)
             ipr.tc("del", "htb", index=index, handle=self.root)
             have = {}
+            put_back = put_back or [f"its tree, made afresh (it had {why})"]  # (a class added under ours: counted)
         if have.get(self.root) != "htb":  # none, or another root put there behind the agent's back: ours again
             ipr.tc("replace", "htb", index=index, handle=self.root,
                    default=self.default.classid & 0xFFFF, r2q=10)
