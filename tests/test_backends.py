@@ -383,3 +383,46 @@ with IPRoute() as ipr:
                      "limits": [int(x) for x in re.findall(r"pfifo \S+ parent \S+ limit (\d+)p", qdiscs)]}
 print(json.dumps(got))
 """
+
+
+def test_an_operators_u32_filters_of_several_prios_and_at_an_inner_class_are_restored_exactly():
+    """The tree the agent records and puts back on exit: an operator's HTB whose u32 filters sit at several prios
+    (made in the order 1, 4, 3), one in a hash table of its own (``2:``, linked from prio 4) and one at the inner
+    class 1:1. Before, the filters of an inner class were not recorded (gone after the agent's exit), and u32's
+    root tables were made in dump order: prio 3's keys went to prio 4's table and a restore warned EINVAL."""
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", U32_TREE], capture_output=True, text=True,
+                         timeout=30, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["warnings"] == [] and got["after"] == got["before"], got
+    assert got["before"].count("flowid") == 4 and "1:1" in got["before"], got
+
+
+U32_TREE = r"""
+import json, subprocess
+from pyroute2 import IPRoute
+from tensorlane.agent.kernel import snapshot
+
+def sh(cmd):
+    return subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True).stdout
+
+sh("ip link add tl0 type veth peer name tl1 && ip link set tl1 up && ip link set tl0 up")
+for c in ("qdisc add dev tl0 root handle 1: htb default 20", "class add dev tl0 parent 1: classid 1:1 htb rate 50mbit",
+          "class add dev tl0 parent 1:1 classid 1:10 htb rate 10mbit ceil 50mbit",
+          "filter add dev tl0 parent 1: prio 1 protocol ip u32 match ip dport 22 0xffff flowid 1:1",
+          "filter add dev tl0 parent 1: prio 4 handle 2: protocol ip u32 divisor 256",
+          "filter add dev tl0 parent 1: prio 4 protocol ip u32 ht 801:: match ip dst 10.0.0.0/8 "
+          "hashkey mask 0x000000ff at 16 link 2:",
+          "filter add dev tl0 parent 1: prio 4 protocol ip u32 ht 2:5: match ip dst 10.0.0.5 flowid 1:10",
+          "filter add dev tl0 parent 1: prio 3 protocol ip u32 match ip dport 23 0xffff flowid 1:10",
+          "filter add dev tl0 parent 1:1 prio 2 protocol ip u32 match ip dport 24 0xffff flowid 1:10"):
+    sh(f"tc {c} 2>/dev/null")
+dump = lambda: sh("tc filter show dev tl0 parent 1: && echo @ && tc filter show dev tl0 parent 1:1")
+before = dump()
+with IPRoute() as ipr:
+    index = ipr.link_lookup(ifname="tl0")[0]
+    snap = snapshot.Snapshot.from_json(snapshot.capture(ipr, "tl0", index).to_json())
+    sh("tc qdisc replace dev tl0 root handle 7a1: htb default 14")
+    warnings = snapshot.restore(snap, ipr)
+print(json.dumps({"before": before, "after": dump(), "warnings": warnings}))
+"""

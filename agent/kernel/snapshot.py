@@ -94,11 +94,16 @@ def capture(ipr, ifname: str, index: int) -> Snapshot:
     snap = Snapshot(ifname, index)
     qdiscs = [_parse("qdisc", _raw(m)) for m in ipr.get_qdiscs(index=index)]
     snap.objects.extend(q for q in qdiscs if q.parent != 0xFFFFFFF1)  # not ingress/clsact: we never touch them
-    snap.objects.extend(_parse("class", _raw(m)) for m in ipr.get_classes(index=index))
-    for q in qdiscs:
-        if q.handle and q.parent != 0xFFFFFFF1:
-            filters = (_parse("filter", _raw(m)) for m in ipr.get_filters(index=index, parent=q.handle))
-            snap.objects.extend(f for f in filters if any(a[0] == 2 for a in f.attrs))  # skip bare chain heads
+    classes = [_parse("class", _raw(m)) for m in ipr.get_classes(index=index)]
+    snap.objects.extend(classes)
+    seen: set[tuple] = set()
+    parents = [q.handle for q in qdiscs if q.handle and q.parent != 0xFFFFFFF1] + [c.handle for c in classes]
+    for parent in parents:  # (filters of inner classes too: an HTB class's own filters were lost on restore)
+        for f in (_parse("filter", _raw(m)) for m in ipr.get_filters(index=index, parent=parent)):
+            key = (f.kind, f.handle, f.info, tuple(f.attrs))  # u32 lists a qdisc's tables of one prio at every parent
+            if any(a[0] == 2 for a in f.attrs) and key not in seen:  # skip bare chain heads
+                seen.add(key)
+                snap.objects.append(f)
     return snap
 
 
@@ -164,7 +169,27 @@ def _tree_order(objs: list[TcObject]) -> list[TcObject]:
             out.append(o)
             done_handles.add(o.handle)
             pending.remove(o)
-    return out + pending + [o for o in objs if o.what == "filter"]
+    return out + pending + _u32_order([o for o in objs if o.what == "filter"])
+
+
+def _u32_order(filters: list[TcObject]) -> list[TcObject]:
+    """Filters in the order that gives u32's hash tables their recorded ids back. A u32 instance (one parent and
+    prio) gets its root table's id from the kernel, the next free one of the qdisc's shared counter, when it is
+    made; so the tables go back in ascending id, each instance's root (its lowest id of the kernel's, 800: and up) made first by an empty u32 filter
+    that makes just the instance (a table of an id of its own, ``2:``, made first would make its instance and take
+    the next id), then the other tables, then the keys. Sent in dump order, a second prio's root took the id of another
+    prio's table: its keys went into the wrong instance, or into a table nothing linked to (EINVAL, then a restore
+    that put the keys of prio 3 at prio 2)."""
+    u32 = [f for f in filters if f.kind == "u32"]
+    tables = sorted((f for f in u32 if f.handle & 0xFFFFF == 0), key=lambda f: f.handle)
+    roots: dict[tuple[int, int], TcObject] = {}
+    for t in tables:  # (the kernel's ids have bit 0x800 set: a table made with an id of its own, "2:", is no root)
+        if t.handle & 0x80000000:
+            roots.setdefault((t.parent, t.info), t)
+    made = [TcObject("filter", 0, t.parent, t.info, [a for a in t.attrs if a[0] == 1], "u32")
+            for t in sorted(roots.values(), key=lambda t: t.handle)]
+    others = [t for t in tables if roots.get((t.parent, t.info)) is not t]
+    return [f for f in filters if f.kind != "u32"] + made + others + [f for f in u32 if f.handle & 0xFFFFF]
 
 
 def restore(snap: Snapshot, ipr, netns: str | None = None) -> list[str]:
@@ -184,8 +209,6 @@ def restore(snap: Snapshot, ipr, netns: str | None = None) -> list[str]:
         for seq, obj in enumerate(_tree_order([o for o in snap.objects if o.handle or o.what == "filter"]), 1):
             if obj.what == "qdisc" and obj.parent != TC_H_ROOT and obj.handle & 0xFFFF0000 == 0:
                 continue  # a default child qdisc the kernel creates by itself
-            if obj.what == "filter" and obj.kind == "u32" and obj.handle == 0x80000000:
-                continue  # u32's root hash table, created with its first key
             try:
                 _request(sock, seq, mtypes[obj.what], obj, snap.ifindex)
             except OSError as exc:
