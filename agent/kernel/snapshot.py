@@ -173,13 +173,13 @@ def _tree_order(objs: list[TcObject]) -> list[TcObject]:
 
 
 def _u32_order(filters: list[TcObject]) -> list[TcObject]:
-    """Filters in the order that gives u32's hash tables their recorded ids back. A u32 instance (one parent and
-    prio) gets its root table's id from the kernel, the next free one of the qdisc's shared counter, when it is
-    made; so the tables go back in ascending id, each instance's root (its lowest id of the kernel's, 800: and up) made first by an empty u32 filter
-    that makes just the instance (a table of an id of its own, ``2:``, made first would make its instance and take
-    the next id), then the other tables, then the keys. Sent in dump order, a second prio's root took the id of another
-    prio's table: its keys went into the wrong instance, or into a table nothing linked to (EINVAL, then a restore
-    that put the keys of prio 3 at prio 2)."""
+    """Filters in the order that gives u32's hash tables their recorded ids back: a u32 instance (one parent and
+    prio) gets its root table's id from the kernel (the next free one of the qdisc's shared counter, 800: and up)
+    when it is made. So the instances are made first, by an empty u32 filter each, in their roots' id order (the
+    lowest of the kernel's ids among each one's tables); then the other tables (a table of an id of its own, ``2:``,
+    made first would make its instance and take the next id), then the keys. Sent in dump order, a second prio's
+    root took another prio's id: its keys went to the wrong instance, or to a table nothing linked to (EINVAL).
+    Usage: ``for obj in _u32_order(filters): ...``"""
     u32 = [f for f in filters if f.kind == "u32"]
     tables = sorted((f for f in u32 if f.handle & 0xFFFFF == 0), key=lambda f: f.handle)
     roots: dict[tuple[int, int], TcObject] = {}
