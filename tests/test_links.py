@@ -313,6 +313,43 @@ def test_a_large_tables_listing_is_kept_to_a_share_of_the_agents_time(monkeypatc
     assert SlowNft.lists == 7  # listed, installed, listed again
 
 
+def test_a_killed_agents_marks_go_at_the_first_pass_after_inherit_s_whatever_the_pacing(monkeypatch):
+    """The marks a killed agent left, kept for INHERIT_S while the shims register again, go at the first pass after
+    that, even where the table's listing is slow enough that the pacing would wait longer (0.5 s a listing: 10 s).
+    Before (until 2026-11-28) they waited for the pacing: 2,850 marks of a SIGKILLed agent went 11.5 s after the
+    next agent's start, not at its pass after 5 s as docs/agent.md says."""
+    from tensorlane.agent import reconcile
+    from tensorlane.agent.kernel.qdisc import HtbBackend
+    from tensorlane.agent.state import FlowTable
+
+    clock = [1000.0]
+    monkeypatch.setattr(reconcile.time, "monotonic", lambda: clock[0])
+    left = [[{"concat": ["198.18.0.1", "198.18.0.2", "tcp", 40000 + i, 29500]}, {"goto": {"target": "level1"}}]
+            for i in range(300)]
+    deleted = []
+
+    class SlowNft:
+        def run(self, commands):
+            if "list" in commands[0]:
+                clock[0] += 0.5  # the listing of a large table
+                return {"nftables": [{"map": {"family": "inet", "table": "tensorlane", "name": "flows4",
+                                              "elem": list(left)}}]}
+            for c in commands:
+                if "element" in c.get("delete", {}):
+                    deleted.extend(c["delete"]["element"]["elem"])
+                    left.clear()
+            return None
+
+    rec = reconcile.Reconciler([], (46, 26), {}, None, nft=SlowNft(), layout=HtbBackend(2, 10**9))
+    table = FlowTable(2)
+    assert rec.inherit(rec.install()) == 300
+    rec.reconcile(table)  # at start: kept
+    assert deleted == [] and len(left) == 300
+    clock[0] += reconcile.INHERIT_S  # the next pass (reconcile_interval_s: 5 s) is past INHERIT_S
+    rec.reconcile(table)
+    assert len(deleted) == 300 and left == [], "the marks nobody registered again are still there"
+
+
 def test_statuss_marking_counters_are_listed_within_a_share_of_the_agents_time(monkeypatch):
     """``status`` reads the chains' counters by listing the table, as slow as the pass's listing with many flows
     (any user may ask): an answer is given again while younger than 1 / FLOW_CHECK_SHARE times its listing took."""
