@@ -19,6 +19,7 @@ import signal
 import socket
 import stat
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -523,8 +524,8 @@ class HeldDevices:
             try:
                 root = _root_handle(ipr, index)
                 if root in (handle(MAJOR), 0):  # ours, or the kernel's default (a restore that stopped half-way)
-                    restore_device(self.cfg, ipr, name, t.snap)
-                    log.info("restored %s (index %d), given back earlier", t.link.name, index)
+                    if not restore_device(self.cfg, ipr, name, t.snap):  # (else its error is logged)
+                        log.info("restored %s (index %d), given back earlier", t.link.name, index)
                 else:  # someone else's root there now: not ours to replace
                     state_path(self.cfg, name).unlink(missing_ok=True)
                 del self.stranded[index]
@@ -730,23 +731,60 @@ def take_over(cfg: Config, ipr: IPRoute, t: Takeover) -> None:
     t.backend.apply(ipr, t.link.index)
 
 
+INCOMPLETE = "incomplete-"  # the records of restores that did not bring the whole tree back (not agent-*.json)
+
+
+def incomplete_path(cfg: Config, device: str) -> Path:
+    """Where the record of ``device``'s tree is kept after a restore that did not bring all of it back
+    (``incomplete-eth0-20261128T053000Z.json``): no agent restores or overwrites it; the operator reads and
+    removes it (docs/runbook.md#a-restore-that-was-not-complete)."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return Path(cfg.state_dir) / f"{INCOMPLETE}{device}-{stamp}.json"
+
+
 def restore_device(cfg: Config, ipr: IPRoute, name: str, snap: snapshot.Snapshot) -> list[str]:
-    """Put device ``name``'s recorded tree ``snap`` back and clear its state file. Returns warnings. Raises OSError,
+    """Put device ``name``'s recorded tree ``snap`` back and clear its state file. Returns what did not come back
+    ([]: all of it, or the device is gone with its tree). Raises OSError,
     the state file kept (the only record of the original), when the device is here without the recorded root (a
-    refused or lost netlink request: the agent's root not deleted, or the original's not made again)."""
-    warnings = snapshot.restore(snap, ipr)
-    for w in warnings:
-        log.warning("restore %s: %s", name, w)
+    refused or lost netlink request: the agent's root not deleted, or the original's not made again). A restore
+    that brought the root back but not all of the tree (a filter or class refused, a u32 table back under another
+    id) keeps the record as :func:`incomplete_path` and logs an error naming what is missing: before (until
+    2026-11-28) it only warned, said "restored" and removed the record, the rest of the operator's tree lost."""
+    warnings = snapshot.restore(snap, ipr)  # (returned: what did not come back; [] when whole or the device gone)
     root = _root_handle(ipr, snap.ifindex)  # None: the device is gone, and its tree with it
     want = 0 if snap.root_is_default else snap.root.handle
     if root is not None and root != want:
         raise OSError(f"{name}'s root is {fmt_handle(root) if root else 'the default'}, not the recorded "
                       f"{fmt_handle(want) if want else 'default'} ({'; '.join(warnings) or 'no error reported'})")
+    if warnings and root is not None:
+        kept = incomplete_path(cfg, name)
+        try:
+            os.replace(state_path(cfg, name), kept)
+        except OSError as exc:
+            kept = f"nowhere ({exc})"
+        log.error("restore %s incomplete: %s; the record of its original tree is kept as %s (no agent restores it "
+                  "again: compare it with `tc filter show dev %s`, put back what is missing, then remove it)",
+                  name, "; ".join(warnings), kept, snap.ifname)
+        return warnings
+    for w in warnings:  # (the device is gone: nothing to keep)
+        log.warning("restore %s: %s", name, w)
     try:
         state_path(cfg, name).unlink(missing_ok=True)
     except OSError as exc:  # (state_dir read-only): the device is restored; the next agent finds our tree gone
         log.warning("restore %s: cannot remove its state file: %s", name, exc)
-    return warnings
+    return []
+
+
+def warn_incomplete(cfg: Config) -> list[Path]:
+    """Log, at start, each record kept by a restore that was not complete (:func:`incomplete_path`): the agent
+    neither restores it again (the same refusal would come back, and the operator may have repaired the tree by
+    hand since) nor removes it. Returns their paths.
+    Usage: ``warn_incomplete(cfg)``"""
+    paths = sorted(Path(cfg.state_dir).glob(f"{INCOMPLETE}*.json"))
+    for path in paths:
+        log.warning("%s records an operator's tree that a restore did not bring back whole (see the error logged "
+                    "then); the agent leaves it alone: put back what is missing by hand, then remove it", path)
+    return paths
 
 
 def _serve(cfg: Config, api: Api, held: HeldDevices, table: FlowTable, notifier: Notifier, managing: str,
@@ -928,6 +966,7 @@ def _run(cfg: Config, lock: list[int] | None = None) -> int:
         rec = Reconciler([t.device() for t in plan], cfg.dscp, {eg.name: eg.index for eg in egress}, ipr,
                          ack_level=0 if cfg.ack_priority else None, layout=layout)
         restore_orphans(cfg, ipr, plan)
+        warn_incomplete(cfg)
         held = HeldDevices(cfg, kind, [eg.name for eg in egress], rec, lock)
         touched = held.takeovers  # every device taken over, at start-up or later, is restored on the way out
         installed = False  # the nftables table made (or a killed agent's adopted): deleted on the way out
@@ -958,8 +997,8 @@ def _run(cfg: Config, lock: list[int] | None = None) -> int:
             restored = []
             for t in reversed(list(touched)):
                 try:  # one device that cannot be restored does not keep the others taken over
-                    restore_device(cfg, ipr, t.link.name, t.snap)
-                    restored.append(t.link.name)
+                    missed = restore_device(cfg, ipr, t.link.name, t.snap)
+                    restored.append(f"{t.link.name} (not complete: see the error above)" if missed else t.link.name)
                 except Exception as exc:  # noqa: BLE001
                     log.error("restoring %s failed: %s (its state file, if kept, lets the next agent finish)",
                               t.link.name, exc)

@@ -227,6 +227,58 @@ def test_a_restore_that_did_not_put_the_root_back_keeps_the_record(monkeypatch, 
     assert not daemon.state_path(cfg, "tlx").exists()
 
 
+@pytest.mark.netns  # root: a network namespace of its own
+def test_a_restore_that_did_not_bring_every_filter_back_keeps_the_record_and_says_so(tmp_path):
+    """An operator's HTB with u32 filters at prios 1 and 3, prio 2's deleted before the agent started: the u32
+    root tables 800: and 802: (the gap is 801:). The kernel gives a restored root table the next free id, so prio
+    3's table comes back as 801: and its key (ht 802:) is refused, EINVAL. The restore keeps the record as
+    ``incomplete-tl0-*.json`` and logs an error naming what is missing and where the record is; no later start
+    reads it as a record to adopt or restore (not ``agent-*.json``), each one warns about it. Before, it warned
+    ``restore tl0: ... EINVAL``, removed the record and the operator's prio 3 filter was gone for good."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", INCOMPLETE_RESTORE, str(tmp_path)],
+                         capture_output=True, text=True, timeout=30)
+    kept = [p.name for p in tmp_path.glob("incomplete-tl0-*.json")]
+    assert len(kept) == 1 and not (tmp_path / "agent-tl0.json").exists(), (kept, out.stderr)
+    assert out.returncode == 0, out.stderr
+    assert "restore tl0 incomplete" in out.stderr and "not back: filter u32 802:0:800 at 1: prio 3" in out.stderr
+    assert f"kept as {tmp_path / kept[0]}" in out.stderr, out.stderr
+    assert out.stdout.split() == ["[]", kept[0]], out  # a later start: no record of its own, one warned about
+    assert "records an operator's tree that a restore did not bring back whole" in out.stderr
+
+
+INCOMPLETE_RESTORE = r"""
+import logging, subprocess, sys
+from pyroute2 import IPRoute
+from tensorlane.agent import daemon
+from tensorlane.agent.config import Config
+from tensorlane.agent.kernel import snapshot
+
+logging.basicConfig(level=logging.WARNING)
+sh = lambda c: subprocess.run(c, shell=True, check=True, capture_output=True)
+sh("ip link add tl0 type veth peer name tl1 && ip link set tl1 up && ip link set tl0 up")
+for c in ("qdisc add dev tl0 root handle 1: htb default 20",
+          "class add dev tl0 parent 1: classid 1:1 htb rate 50mbit",
+          "filter add dev tl0 parent 1: prio 1 protocol ip u32 match ip dport 22 0xffff flowid 1:1",
+          "filter add dev tl0 parent 1: prio 2 protocol ip u32 match ip dport 23 0xffff flowid 1:1",
+          "filter add dev tl0 parent 1: prio 3 protocol ip u32 match ip dport 24 0xffff flowid 1:1",
+          "filter del dev tl0 parent 1: prio 2"):
+    sh(f"tc {c}")
+cfg = Config(interfaces=("tl0",), link_rate_bps=10**9, take_over_root=True, state_dir=sys.argv[1])
+with IPRoute() as ipr:
+    index = ipr.link_lookup(ifname="tl0")[0]
+    snap = snapshot.capture(ipr, "tl0", index)
+    daemon._save_state(cfg, "tl0", {"ifindex": index, "interface": "tl0", "serves": "tl0", "backend": "htb",
+                                    "pid": 1, "snapshot": snap.to_json()})
+    sh("tc qdisc replace dev tl0 root handle 7a1: htb default 14")
+    missed = daemon.restore_device(cfg, ipr, "tl0", snap)
+assert any("802:0:800" in m for m in missed), missed
+print(daemon._state_files(cfg), *[p.name for p in daemon.warn_incomplete(cfg)])
+"""
+
+
 def test_a_failed_dump_is_not_taken_for_a_device_gone(monkeypatch, tmp_path, caplog):
     """A qdisc dump that fails (ENOBUFS) on a device that is here raises; ENODEV alone says it is gone. Before,
     any error read as gone: a give-back removed the record and left the agent's tree on the device (shown on
