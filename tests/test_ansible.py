@@ -349,6 +349,17 @@ def test_deploy_is_idempotent_enforces_and_uninstall_restores():
                 tc = h1.run(["tc", "class", "show", "dev", dev]).stdout
                 assert "class htb 7a1:13" in tc and "class htb 7a1:14" not in tc, tc  # 3 levels + default class
 
+            # A kept record of a restore that was not complete stops the uninstall before it removes the directory
+            # (the record's only copy) on that host, naming the file; moved away, the uninstall goes on.
+            kept = os.path.join(fleet.host_root(h2), "run", "incomplete-eth0-20261128T000000.json")
+            with open(kept, "w") as fh:
+                fh.write("{}")
+            proc = fleet.playbook("uninstall.yml", "--limit", h2.name, timeout=240)
+            out = proc.stdout + proc.stderr
+            assert proc.returncode != 0 and "incomplete-eth0-20261128T000000.json" in out, out[-4000:]
+            assert os.path.exists(kept), out[-4000:]
+            os.unlink(kept)
+
             _, out = _playbook(fleet, "uninstall.yml")
             after = {h.name: host_state(h) for h in fleet.managed}
             assert after == before, out[-3000:]
