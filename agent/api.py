@@ -158,7 +158,8 @@ class Api:
                         self._check_netns(peer)  # trusted users too, except root (it can enter any namespace)
                         if must_own:
                             fds = dict(zip(req.flows, req.fds, strict=True)) if req.fds is not None else None
-                            foreign = not_owned(peer.pid, req.flows, fds=fds)
+                            foreign = not_owned(peer.pid, req.flows, fds=fds,
+                                                uid=None if peer.uid == 0 else peer.uid)
                 except ProcessLookupError:
                     raise ProtocolError("not_owner", f"process {peer.pid} is gone") from None
                 except TooManyFiles as exc:  # (reading them all stalled the agent: seconds at a million)
@@ -175,6 +176,7 @@ class Api:
             if foreign:
                 what = (f"fd {dict(zip(req.flows, req.fds, strict=True))[foreign[0]]} of process {peer.pid} does not "
                         "hold its socket" if req.fds is not None else f"not a socket of process {peer.pid}")
+                what += "" if peer.uid == 0 else f" made by user {peer.user}"
                 raise ProtocolError("not_owner", f"flow {foreign[0]} is {what} in this agent's network namespace"
                                     + (f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""))
             if must_own:

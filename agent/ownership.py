@@ -31,11 +31,12 @@ import logging
 import os
 import random
 import socket
+import stat
 from collections.abc import Callable, Iterable, Mapping
 
 from tensorlane.agent.kernel.sockdiag import SockDiag, UdpSocket
 from tensorlane.agent.peers import account_uid
-from tensorlane.flows import FlowKey, TooManyFiles, parse_proc_net_tcp, socket_inodes
+from tensorlane.flows import FlowKey, TooManyFiles, parse_proc_net_tcp, socket_fds, socket_inodes
 
 log = logging.getLogger("tensorlane.ownership")
 TCP_ESTABLISHED = 0x01
@@ -115,13 +116,34 @@ def lookups_cheaper(count: int) -> bool:
     return count <= EXACT_LOOKUPS_MAX or count * ROWS_PER_LOOKUP <= tcp_rows()
 
 
-def inodes_of(pid: int, files: list[int] | None = None) -> set[int]:
-    """Inodes of the sockets process ``pid`` holds (``files`` gets how many open files were read). Raises
-    ProcessLookupError when the process is gone, TooManyFiles when it holds more than ``MAX_OWNER_FDS`` open files."""
+def inodes_of(pid: int, files: list[int] | None = None, uid: int | None = None) -> set[int]:
+    """Inodes of the sockets process ``pid`` holds (``files`` gets how many open files were read); with ``uid``, only
+    those that user made (``made_by``: one stat per socket). Raises ProcessLookupError when the process is gone,
+    TooManyFiles when it holds more than ``MAX_OWNER_FDS`` open files."""
     try:
-        return socket_inodes(pid, MAX_OWNER_FDS, files)
+        if uid is None:
+            return socket_inodes(pid, MAX_OWNER_FDS, files)
+        return {inode for inode, fd in socket_fds(pid, MAX_OWNER_FDS, files).items()
+                if made_by(pid, fd, uid) == inode}
     except (FileNotFoundError, ProcessLookupError):
         raise ProcessLookupError(pid) from None
+
+
+def made_by(pid: int, fd: int, uid: int) -> int | None:
+    """The inode of the socket on fd ``fd`` of process ``pid`` if user ``uid`` made it (the socket's owner, the
+    file-system uid of the process that created it, is ``uid`` or a uid of ``uid``'s subordinate range:
+    ``account_uid``), else None (another user's socket, not a socket, closed, or the process is gone). One stat.
+
+    A process may hold a socket another user made: a setuid program it exec'd after connecting to the agent (the
+    connection's credentials stay its user's), an fd a root service leaked into it, one passed to it. Its user may
+    not register that socket's flows: they are that other user's traffic."""
+    try:
+        st = os.stat(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(st.st_mode) or account_uid(st.st_uid) != uid:
+        return None
+    return st.st_ino
 
 
 def sockets_of(pid: int, table: Mapping[int, Socket] | None = None) -> list[Socket]:
@@ -260,13 +282,14 @@ def fd_inode(pid: int, fd: int) -> int | None:
     return None
 
 
-def _unowned_by_fd(entries: list[tuple[int, FlowKey, int]], undecided: set) -> list[int]:
+def _unowned_by_fd(entries: list[tuple[int, FlowKey, int]], undecided: set, uid: int | None = None) -> list[int]:
     """Indexes of ``entries`` (pid, flow, fd) whose fd does not hold the flow's socket in the agent's namespace: the
     fd must be a socket (one readlink) that is, for TCP, the established socket of that 5-tuple (an exact sock_diag
     lookup gives its inode), for UDP, a socket of the flow's source port (a port dump) that owns the flow by the UDP
     rule (``_owns``). O(1) per flow, whatever the process's open files or the namespace's sockets. UDP flows whose
-    port was not dumped are in neither (``undecided``)."""
-    inodes = [fd_inode(pid, fd) for pid, _, fd in entries]
+    port was not dumped are in neither (``undecided``). ``uid``: the fd must hold a socket that user made
+    (``made_by``: a stat instead of the readlink)."""
+    inodes = [fd_inode(pid, fd) if uid is None else made_by(pid, fd, uid) for pid, _, fd in entries]
     bad = {i for i, n in enumerate(inodes) if n is None}
     tcp = [i for i, (_, k, _) in enumerate(entries) if k.proto == "tcp" and i not in bad]
     udp = [i for i, (_, k, _) in enumerate(entries) if k.proto != "tcp" and i not in bad]
@@ -286,7 +309,7 @@ def _unowned_by_fd(entries: list[tuple[int, FlowKey, int]], undecided: set) -> l
 
 
 def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | None = None,
-              fds: Mapping[FlowKey, int] | None = None) -> list[FlowKey]:
+              fds: Mapping[FlowKey, int] | None = None, uid: int | None = None) -> list[FlowKey]:
     """The flows among ``flows`` that process ``pid`` does not own in the agent's network namespace (all of them
     if the process is gone). ``fds``: the client's word for which fd of the process holds each flow's socket: only
     that fd is looked at (``_unowned_by_fd``), and none of the process's other open files are read (no
@@ -294,16 +317,17 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
     flows are looked up one by one in the kernel (sock_diag: a hash lookup, about 10 us) when that is cheaper
     (``lookups_cheaper``), else the namespace's TCP tables are read (milliseconds: the kernel walks its whole hash
     table and prints every socket); UDP flows, by a port dump (``udp_sockets``). Raises UndecidedPorts where UDP
-    flows of more ports than ``UDP_PORT_DUMPS`` could not be judged."""
+    flows of more ports than ``UDP_PORT_DUMPS`` could not be judged. ``uid``: only sockets that user made count
+    (``made_by``), not those of another user the process holds."""
     flows = list(flows)
     undecided: set = set()
     if fds is not None:
-        foreign = [flows[i] for i in _unowned_by_fd([(pid, k, fds[k]) for k in flows], undecided)]
+        foreign = [flows[i] for i in _unowned_by_fd([(pid, k, fds[k]) for k in flows], undecided, uid)]
         if undecided:
             raise UndecidedPorts(len({port for _, port in undecided}))
         return foreign
     try:
-        inodes = inodes_of(pid)
+        inodes = inodes_of(pid, uid=uid)
     except ProcessLookupError:
         return flows
     if table is None:

@@ -1,6 +1,7 @@
 """shim.flows on loopback with real sockets (no privileges, no torch)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -292,7 +293,9 @@ def test_a_register_of_udp_flows_beyond_the_port_dumps_says_how_many_it_may_name
     with contextlib.ExitStack() as stack:
         flows, fds = [], []
         for _ in range(3):
-            mine, theirs = (stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) for _ in range(2))
+            with made_as(65534):  # (the peer's user's sockets)
+                mine, theirs = (stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+                                for _ in range(2))
             for s in (mine, theirs):
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             mine.bind(("0.0.0.0", 0))
@@ -446,11 +449,14 @@ def test_a_flow_registered_with_its_fd_is_checked_by_that_fd_alone(monkeypatch):
     api, _ = make_api()
     me = Peer(os.getpid(), 65534, 65534)
     extra = [os.open(os.devnull, os.O_RDONLY) for _ in range(250)]
-    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with made_as(65534):  # (the peer's user's sockets)
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     srv = socket.create_server(("127.0.0.1", 0))
     try:
         u.bind(("127.0.0.1", 0))
-        c = socket.create_connection(srv.getsockname())
+        with made_as(65534):
+            c = socket.socket()
+        c.connect(srv.getsockname())
         peer = srv.accept()[0]
         udp = {"proto": "udp", "src": "127.0.0.1", "sport": u.getsockname()[1], "dst": "127.0.0.2", "dport": 9}
         tcp = {"proto": "tcp", "src": "127.0.0.1", "sport": c.getsockname()[1], "dst": "127.0.0.1",
@@ -471,8 +477,9 @@ def test_a_flow_registered_with_its_fd_is_checked_by_that_fd_alone(monkeypatch):
         other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         assert other.fileno() == fd
         try:
-            assert api.sweep() >= 1
-            assert [k.proto for k in api.table.flows] == ["udp"]
+            api.sweep()  # (the flow's socket may still be sending its FIN: then it drains, no longer the process's)
+            assert [k.proto for k in api.table.flows if k not in api.table.draining] == ["udp"]
+            assert [k.proto for keys in api.table.by_pid.values() for k in keys] == ["udp"]
         finally:
             other.close()
         peer.close()
@@ -559,3 +566,65 @@ def test_udp_ownership_by_exact_lookup_then_by_port(monkeypatch):
         with pytest.raises(ownership.UndecidedPorts):
             ownership.not_owned(os.getpid(), [key], fds={key: mine.fileno()})
         assert ownership.not_owned_by_owners({os.getpid(): [key]}, fd_of=lambda k: mine.fileno()) == []
+
+
+@contextlib.contextmanager
+def made_as(uid: int):
+    """Sockets made inside this block are user ``uid``'s (the test runs as root: its effective uid, and so its
+    file-system uid, is ``uid`` until the block ends)."""
+    os.setegid(uid)
+    os.seteuid(uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+def test_a_socket_another_user_made_is_not_a_users_to_register():
+    """A user's process may hold a socket another user made: a setuid program it exec'd after connecting to the
+    agent (SO_PEERCRED keeps the user who connected), an fd a root service leaked into it, one passed to it. Its
+    flows are that other user's traffic: a user that named it (by fd or not) registered it at the level of its
+    choice, and the socket's owner was then refused ``conflict``. Now only sockets the peer's user made count
+    (``ownership.made_by``: the socket's owner uid): ``not_owner``, nothing registered."""
+    from test_jobs_agent import make_api
+
+    from tensorlane.agent.peers import Peer
+
+    def ask(msg):
+        return json.loads(api.handle(json.dumps(msg).encode(), nobody))
+
+    api, _ = make_api()
+    nobody = Peer(os.getpid(), 65534, 65534)
+    with contextlib.ExitStack() as stack:
+        srv = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        roots = stack.enter_context(socket.create_connection(srv.getsockname()))  # root's (the setuid program's)
+        stack.enter_context(srv.accept()[0])
+        udp_root = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+        udp_root.bind(("127.0.0.1", 0))
+        with made_as(65534):
+            mine = stack.enter_context(socket.socket())
+            udp_mine = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+        mine.connect(srv.getsockname())
+        udp_mine.bind(("127.0.0.1", 0))
+        stack.enter_context(srv.accept()[0])
+
+        def tcp(s):
+            return {"proto": "tcp", "src": "127.0.0.1", "sport": s.getsockname()[1], "dst": "127.0.0.1",
+                    "dport": srv.getsockname()[1]}
+
+        def udp(s):
+            return {"proto": "udp", "src": "127.0.0.1", "sport": s.getsockname()[1], "dst": "127.0.0.2", "dport": 9}
+
+        for flow, sock in ((tcp(roots), roots), (udp(udp_root), udp_root)):
+            for fds in (None, [sock.fileno()]):
+                msg = {"op": "register", "job": "j", "level": 3, "flows": [flow]}
+                reply = ask(msg if fds is None else {**msg, "fds": fds})
+                assert reply["error"]["code"] == "not_owner", reply
+                assert "made by user nobody" in reply["error"]["message"], reply
+        assert not api.table.flows
+        for fds in (None, [mine.fileno(), udp_mine.fileno()]):  # its own: registered, with fds or not
+            msg = {"op": "register", "job": "j", "level": 3, "flows": [tcp(mine), udp(udp_mine)]}
+            reply = ask(msg if fds is None else {**msg, "fds": fds})
+            assert reply["ok"] and reply["result"]["added"] + reply["result"]["unchanged"] == 2, reply
+        assert len(api.table.flows) == 2
