@@ -189,7 +189,8 @@ class Api:
             self.jobs.reported.pop(req.job, None)  # are theirs alone, dropped (_push reorders)
         added, moved = self.table.register(req.job, req.level, req.flows, req.rank, pid=pid, uid=uid, floor=floor,
                                            run=req.run,
-                                           fds=dict(zip(req.flows, req.fds, strict=True)) if req.fds else None)
+                                           fds=dict(zip(req.flows, req.fds, strict=True)) if req.fds else None,
+                                           see_all=peer is None or self.policy.privileged(peer))
         self._push(added, moved, [])
         level = self.table.effective_level(req.flows[0])  # one job, one requested level: one effective level
         reply = {"job": req.job, "level": level, "requested_level": req.level, "added": len(added),
@@ -279,7 +280,8 @@ class Api:
 
     def _op_unregister(self, req, peer) -> dict:
         """Unregister a job's flows (all of them when none are named); another user's flows are refused."""
-        removed = self.table.unregister(req.job, req.flows, uid=None if peer is None else peer.uid)
+        removed = self.table.unregister(req.job, req.flows, uid=None if peer is None else peer.uid,
+                                        see_all=peer is None or self.policy.privileged(peer))
         self._push([], [], removed)
         return {"job": req.job, "removed": len(removed)}
 
@@ -304,8 +306,9 @@ class Api:
         if peer is None or peer.uid == 0:
             return None
         owners = self.table.job_users(job)
-        if not owners:
-            return "ignored: the job has no flows registered on this host"
+        if not owners or (peer.uid not in owners and not self.policy.privileged(peer)):
+            return "ignored: the job has no flows registered on this host"  # (another user's: as one without, the
+            # same words, so that a report does not tell whether a job id is in use, which status does not either)
         if owners != {peer.uid}:
             return "ignored: only the user who registered the job's flows may report for it"
         return None

@@ -78,13 +78,14 @@ class FlowTable:
 
     def register(self, job: str, level: int, flows: tuple[FlowKey, ...], rank: int | None = None,
                  pid: int | None = None, uid: int | None = None, floor: int = 0,
-                 run: str | None = None, fds: Mapping[FlowKey, int] | None = None
+                 run: str | None = None, fds: Mapping[FlowKey, int] | None = None, see_all: bool = True
                  ) -> tuple[list[FlowKey], list[FlowKey]]:
         """Add ``flows`` for ``job`` at ``level`` (moving the job's own flows that are at another level).
 
         ``floor``: the most urgent level the registering user may use; a job policy never puts the flows above
         it. ``run``: the run of the job registering (see ``conflicts``). ``fds``: each flow's fd in process ``pid``
-        (kept with the flow for the sweep). Returns (added, moved). Raises
+        (kept with the flow for the sweep). ``see_all``: a refusal may name another user's job (root, trusted
+        users); else it says "another user's job" (``_job_of``). Returns (added, moved). Raises
         ProtocolError, changing nothing, when the level is out of range, a flow belongs to another job, or the
         table would overflow.
         """
@@ -96,7 +97,7 @@ class FlowTable:
             if cur is None:
                 added.append(key)
             elif cur.job != job:
-                raise ProtocolError("conflict", f"flow {key} is registered by job {cur.job!r}")
+                raise ProtocolError("conflict", f"flow {key} is registered by {self._job_of(cur, uid, see_all)}")
             elif cur.level != level or cur.floor != floor:
                 moved.append(key)
         if len(self.flows) + len(added) > self.max_flows:
@@ -193,20 +194,34 @@ class FlowTable:
             del self.flows[key]
         return gone
 
-    def unregister(self, job: str, flows: tuple[FlowKey, ...] = (), uid: int | None = None) -> list[FlowKey]:
+    @staticmethod
+    def _job_of(entry: FlowEntry, uid: int | None, see_all: bool) -> str:
+        """How a refusal to ``uid`` names ``entry``'s job: by its id to root, trusted users (``see_all``) and the
+        user that registered the flow; to other users "another user's job" (``status`` names no other user's job to
+        them either: an unregister naming each 5-tuple of ``/proc/net/tcp`` told every flow's job id)."""
+        return f"job {entry.job!r}" if see_all or entry.uid == uid else "another user's job"
+
+    def unregister(self, job: str, flows: tuple[FlowKey, ...] = (), uid: int | None = None,
+                   see_all: bool = True) -> list[FlowKey]:
         """Remove the given flows of ``job`` (all of its flows when ``flows`` is empty); return those removed.
 
         Raises ProtocolError, changing nothing, if a named flow belongs to another job, or (``uid`` given, not
-        root) was registered by another user.
+        root) was registered by another user. Unless ``see_all`` (root, trusted users), a job in which ``uid``
+        holds no flow is answered as one without flows (nothing removed): whether another user's job of that id
+        exists is not told, and a flow of another user's is refused ``forbidden`` without naming its job.
         """
         if not flows:
             gone = sorted(self.by_job.get(job, ()))
+            if not see_all and gone and uid not in self.users.get(job, {}):
+                return []
         else:
             gone = []
             for key in flows:
                 cur = self.flows.get(key)
+                if cur is not None and not see_all and cur.uid not in (None, uid):
+                    raise ProtocolError("forbidden", f"flow {key} was registered by another user")
                 if cur is not None and cur.job != job:
-                    raise ProtocolError("conflict", f"flow {key} is registered by job {cur.job!r}")
+                    raise ProtocolError("conflict", f"flow {key} is registered by {self._job_of(cur, uid, see_all)}")
                 if cur is not None:
                     gone.append(key)
         if uid not in (None, 0):

@@ -258,7 +258,8 @@ def test_shortest_orders_by_the_jobs_reported_step_bytes():
     assert rec.kernel == {key(1): 0, key(2): 0}  # no reports: one band for both
     levels = [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.1}]
     r = request(api, bob, op="report", job="small", session="s-bob", levels=levels, step_bytes=10)
-    assert r["step_bytes"].startswith("ignored: only the user") and rec.kernel == {key(1): 0, key(2): 0}
+    assert r["step_bytes"] == "ignored: the job has no flows registered on this host"  # (another user's job: as
+    assert rec.kernel == {key(1): 0, key(2): 0}  # one without flows, its id in use not told)
     r = request(api, alice, op="report", job="ghost", session="s-g", levels=levels, step_bytes=10)
     assert r["step_bytes"] == "ignored: the job has no flows registered on this host"
     rec.calls.clear()
@@ -1256,3 +1257,31 @@ def test_a_socket_directory_another_user_could_write_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="a symbolic link owned by uid 65534"):
         check_socket_path(from_dict({"interface": "eth0", "socket": str(roots / "agent.sock")}))
     assert socket_dir_problem(str(tmp_path)) == ""
+
+
+def test_no_refusal_names_another_users_job_to_a_user():
+    """``status`` names no other user's job to a user (neither root nor trusted), but refusals did: an unregister
+    naming another user's 5-tuple (any user reads them all in /proc/net/tcp; an unregister needs no socket) was
+    refused ``conflict: ... is registered by job 'secret-run'``, a register likewise, an unregister of a guessed id
+    ``forbidden`` (a report ``ignored: only the user who registered ...``) only where that id was in use. Now the
+    refusal says "another user's job", and a job the user holds no flow in is answered as one without flows."""
+    api, _ = make_api(check_ownership=False, allowed_users=["nobody", "daemon"], trusted_users=["bin"],
+                      job_policy="shortest")
+    alice, bob, ops = Peer(1, 65534, 65534), Peer(2, 1, 1), Peer(3, 2, 2)  # (uid 2: bin)
+
+    def ask(peer, **msg):
+        return json.loads(api.handle(json.dumps(msg).encode(), peer))
+
+    request(api, alice, op="register", job="secret-run", level=2, flows=[flow(1)])
+    for msg in ({"op": "unregister", "job": "x", "flows": [flow(1)]}, {"op": "register", "job": "x", "level": 2,
+                                                                       "flows": [flow(1)]}):
+        reply = ask(bob, **msg)
+        assert reply["error"]["code"] in ("forbidden", "conflict") and "secret" not in json.dumps(reply), reply
+    assert ask(bob, op="unregister", job="secret-run")["result"]["removed"] == 0  # (as for an id not in use)
+    report = {"op": "report", "session": "s", "step_bytes": 10,
+              "levels": [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.1}]}
+    assert ask(bob, **report, job="secret-run")["result"]["step_bytes"] == \
+        ask(bob, **report, job="no-such-run")["result"]["step_bytes"]
+    assert set(api.table.flows) == {key(1)}
+    for peer in (alice, ops, None):  # its own user, trusted users and root are told
+        assert "secret-run" in ask(peer, op="register", job="x", level=2, flows=[flow(1)])["error"]["message"]
