@@ -238,9 +238,16 @@ def udp_sockets(flows: Iterable[FlowKey], inodes: set[int], undecided: set,
         return out
     try:
         wanted = set()
+        found: dict[int, list[tuple[int, Socket]]] = {}  # port -> (inode, row) of the sockets found so far
         for k in flows:
+            mine = inodes if own is None else own[k]
+            if any(i in mine and _owns(k, [row]) for i, row in found.get(k.sport, ())):
+                continue  # decided by a socket already found (one user socket may own 50,000 flows: a lookup each
+                # made a sweep of them take 1-2 s, every SWEEP_S, and root's requests waited behind it)
             u = _DIAG.udp(k.src, k.sport, k.dst, k.dport)
-            if u is not None and u.inode in (inodes if own is None else own[k]) and _owns(k, [_udp_row(u)]):
+            if u is not None and u.inode in mine and _owns(k, [_udp_row(u)]):
+                if u.inode not in out:
+                    found.setdefault(u.lport, []).append((u.inode, _udp_row(u)))
                 out[u.inode] = _udp_row(u)
             else:
                 wanted.add((socket.AF_INET6 if ":" in k.src else socket.AF_INET, k.sport))
@@ -289,7 +296,14 @@ def _unowned_by_fd(entries: list[tuple[int, FlowKey, int]], undecided: set, uid:
     rule (``_owns``). O(1) per flow, whatever the process's open files or the namespace's sockets. UDP flows whose
     port was not dumped are in neither (``undecided``). ``uid``: the fd must hold a socket that user made
     (``made_by``: a stat instead of the readlink)."""
-    inodes = [fd_inode(pid, fd) if uid is None else made_by(pid, fd, uid) for pid, _, fd in entries]
+    seen: dict[tuple[int, int], int | None] = {}  # (pid, fd) -> its inode: one link per fd, however many flows
+
+    def inode(pid: int, fd: int) -> int | None:
+        if (pid, fd) not in seen:
+            seen[pid, fd] = fd_inode(pid, fd) if uid is None else made_by(pid, fd, uid)
+        return seen[pid, fd]
+
+    inodes = [inode(pid, fd) for pid, _, fd in entries]
     bad = {i for i, n in enumerate(inodes) if n is None}
     tcp = [i for i, (_, k, _) in enumerate(entries) if k.proto == "tcp" and i not in bad]
     udp = [i for i, (_, k, _) in enumerate(entries) if k.proto != "tcp" and i not in bad]

@@ -628,3 +628,47 @@ def test_a_socket_another_user_made_is_not_a_users_to_register():
             reply = ask(msg if fds is None else {**msg, "fds": fds})
             assert reply["ok"] and reply["result"]["added"] + reply["result"]["unchanged"] == 2, reply
         assert len(api.table.flows) == 2
+
+
+def test_many_udp_flows_of_one_socket_cost_one_lookup(monkeypatch):
+    """One unconnected UDP socket owns a flow to every destination: a user registered max_flows_per_user (50,000) of
+    them, and every sweep (each SWEEP_S, 0.5 s) made an exact sock_diag lookup per flow and, with ``fds``, a readlink
+    per flow: 20,000 such flows cost 0.9-1.9 s a sweep here (0.3 s without fds), the agent's loop stalled, root's
+    requests waiting. Now a socket found once decides every flow it owns (0.1 s): one lookup and one link for them
+    all, at a register and a sweep, with fds or not; a flow it does not own is still looked up."""
+    from test_jobs_agent import make_api
+
+    from tensorlane.agent import ownership
+    from tensorlane.agent.peers import Peer
+
+    api, _ = make_api()
+    me = Peer(os.getpid(), 65534, 65534)
+    calls = {"udp": 0, "stat": 0}
+    real_udp, real_stat = ownership._DIAG.udp, os.stat
+
+    def udp(*a):
+        calls["udp"] += 1
+        return real_udp(*a)
+
+    def counted_stat(path, *a, **kw):
+        calls["stat"] += str(path).startswith("/proc/")
+        return real_stat(path, *a, **kw)
+
+    monkeypatch.setattr(ownership._DIAG, "udp", udp)
+    monkeypatch.setattr(ownership.os, "stat", counted_stat)
+    with made_as(65534):
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with u:
+        u.bind(("0.0.0.0", 0))
+        port = u.getsockname()[1]
+        flows = [{"proto": "udp", "src": "127.0.0.1", "sport": port, "dst": f"198.18.1.{i}", "dport": 9}
+                 for i in range(1, 201)]
+        for job, fds in (("a", [u.fileno()] * 100), ("b", None)):
+            part = flows[:100] if fds else flows[100:]
+            msg = {"op": "register", "job": job, "level": 3, "flows": part} | ({"fds": fds} if fds else {})
+            reply = json.loads(api.handle(json.dumps(msg).encode(), me))
+            assert reply["ok"] and reply["result"]["added"] == 100, reply
+            assert calls["udp"] == 1 and (calls["stat"] <= 2 or not fds), calls  # (its netns, then its fd: 101)
+            calls.update(udp=0, stat=0)
+        assert api.sweep() == 0 and len(api.table.flows) == 200
+        assert calls["udp"] <= 2, calls  # one for the flows with fds, one for the others (200 before)
