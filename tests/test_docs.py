@@ -1,7 +1,8 @@
 """The documentation's own links: every relative link in README.md, docs/, results/README.md and the role's README
 names a file that exists and, with ``#anchor``, a heading of that file (GitHub's anchors), so that moving a section
 cannot leave a reader at a dead link; and the interfaces the docs describe are the code's: the agent's settings with
-their defaults (docs/agent.md), the CLI's flags, shim.attach's options (docs/shim.md), the TOML examples."""
+their defaults (docs/agent.md), the CLI's flags, shim.attach's options (docs/shim.md), the TOML examples, the
+protocol's ops, fields and error codes (docs/protocol.md)."""
 from __future__ import annotations
 
 import re
@@ -197,3 +198,33 @@ def test_the_shims_options_table_is_attachs_signature():
         literal = default.strip("`")
         if literal in ("None", "False", "True") or re.fullmatch(r"[\d.]+|\"\w+\"", literal):
             assert ast.literal_eval(literal) == ast.literal_eval(params[name]), f"{name}: docs say {default}"
+
+
+def test_the_protocols_ops_fields_and_error_codes_are_the_agents():
+    """docs/protocol.md's request table has a row per op of the protocol, each naming every field the parser
+    accepts for it, and its list of error codes is every code the agent sends (a ``ProtocolError``, a refused
+    connection, an error line of the server), and no other (read from the source: no agent needed)."""
+    import ast
+
+    from tensorlane.client import OPS
+
+    rows = _table(REPO / "docs" / "protocol.md", "| op | fields | result |")
+    assert set(rows) == set(OPS), sorted(set(rows) ^ set(OPS))
+    parse = next(n for n in ast.parse((REPO / "agent" / "protocol.py").read_text()).body
+                 if isinstance(n, ast.FunctionDef) and n.name == "parse_request")
+    fields = next(ast.literal_eval(d) for d in ast.walk(parse) if isinstance(d, ast.Dict)
+                  and any(isinstance(k, ast.Constant) and k.value == "register" for k in d.keys))
+    missing = [f"{op}: {f}" for op, names in fields.items() for f in sorted(names)
+               if f"`{f}`" not in rows[op][0]]
+    assert not missing, f"fields the parser takes that docs/protocol.md's table does not name: {missing}"
+    sent = set()
+    for path in (REPO / "agent").rglob("*.py"):
+        src = path.read_text()
+        sent |= set(re.findall(r'ProtocolError\(\s*"(\w+)"', src))
+        sent |= set(re.findall(r'_refuse\(sock, peer, "(\w+)"', src))
+        sent |= set(re.findall(r'protocol\.error\(\w+, "(\w+)"', src))
+    text = (REPO / "docs" / "protocol.md").read_text()
+    paragraph = text[text.index("Error codes:"):].split("\n\n")[0]
+    documented = set(re.findall(r"(?:^|[:,] )`(\w+)`", paragraph.replace("\n", " ")))
+    assert sent >= {"bad_json", "internal", "busy", "idle_timeout", "rate_limited", "too_large"}, sorted(sent)
+    assert documented == sent, f"docs only: {sorted(documented - sent)}, code only: {sorted(sent - documented)}"
