@@ -111,7 +111,8 @@ def test_agent_and_cli_never_load_torch():
 
 def test_the_checkouts_folder_in_front_of_an_install_says_so(tmp_path):
     """A script run from a checkout's root finds its ``tensorlane/`` folder before the installed package, and
-    ``from tensorlane import shim`` failed "cannot import name 'shim'": it now says why and what to do. (``-S``: no
+    ``from tensorlane import shim`` failed "cannot import name 'shim'" (``import tensorlane.shim.lightning``: "No
+    module named 'tensorlane.shim'"): it now says why and what to do. (``-S``: no
     site-packages, so no editable install maps the subpackages.)"""
     import shutil
 
@@ -123,6 +124,13 @@ def test_the_checkouts_folder_in_front_of_an_install_says_so(tmp_path):
     assert r.returncode == 1
     assert "tensorlane.shim cannot be imported: this `tensorlane` is the folder" in r.stderr, r.stderr
     assert "Run it from another folder, or install the checkout with `pip install -e .`" in r.stderr
+    for code, name in (("import tensorlane.shim.lightning", "shim"),
+                       ("from tensorlane.policies.planner import plan_shim", "policies")):
+        # (the forms docs/frameworks.md and the README use: until 2026-11-28 a bare "No module named ...")
+        (tmp_path / name).mkdir(exist_ok=True)
+        r = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60)
+        assert f"tensorlane.{name} cannot be imported: this `tensorlane` is the folder" in r.stderr, (code, r.stderr)
     r = subprocess.run([sys.executable, "-S", "-c", "import tensorlane; tensorlane.nothing"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60)
     assert "AttributeError: module 'tensorlane' has no attribute 'nothing'" in r.stderr, r.stderr
