@@ -72,16 +72,20 @@ def _collect_at_exit() -> None:
         _EXIT_HOOK.append(atexit.register(gc.collect))
 
 
-def _disabled(disable: bool | None) -> bool:
+def _disabled(disable: bool | str | None) -> bool:
     """``disable``, else ``$TENSORLANE_DISABLE``; a value that is neither true nor false is refused (a typo such as
-    ``ture`` left the shim on, silently, in a run meant to be plain DDP)."""
-    if disable is not None:
-        return disable
-    raw = os.environ.get("TENSORLANE_DISABLE", "").strip().lower()
-    if raw not in _TRUE + _FALSE:
-        raise ValueError(f"TENSORLANE_DISABLE={os.environ['TENSORLANE_DISABLE']!r} is neither true "
-                         f"({', '.join(_TRUE)}) nor false ({', '.join(v for v in _FALSE if v)}, or unset)")
-    return raw in _TRUE
+    ``ture`` left the shim on, silently, in a run meant to be plain DDP). ``disable`` given as a string (read from
+    the user's own variable) takes the variable's spellings: until 2026-11-28 any non-empty string, ``"0"`` and
+    ``"false"`` included, disabled the shim. Usage: ``_disabled(None)``"""
+    if isinstance(disable, bool) or disable is None and "TENSORLANE_DISABLE" not in os.environ:
+        return bool(disable)
+    if isinstance(disable, int) and disable in (0, 1):
+        return bool(disable)
+    name, raw = ("TENSORLANE_DISABLE", os.environ["TENSORLANE_DISABLE"]) if disable is None else ("disable", disable)
+    if not isinstance(raw, str) or raw.strip().lower() not in _TRUE + _FALSE:
+        raise ValueError(f"{name}={raw!r:.60} is neither true (True, {', '.join(_TRUE)}) nor false "
+                         f"(False, {', '.join(v for v in _FALSE if v)}, or unset)")
+    return raw.strip().lower() in _TRUE
 
 
 def default_job_id() -> str | None:
@@ -1541,7 +1545,7 @@ def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | N
 
 
 def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", agent_socket: str | None = None,
-           job: str | None = None, partition_bytes: int | None = None, disable: bool | None = None,
+           job: str | None = None, partition_bytes: int | None = None, disable: bool | str | None = None,
            report_interval_s: float = 5.0, profile=None, link_bps: float | None = None,
            require_overlap: bool = False, per_parameter_optimizer: bool | None = None) -> Handle:
     """Give ``model`` (a DistributedDataParallel, or Lightning Fabric's wrapper of one) prioritized all-reduce; with

@@ -518,7 +518,7 @@ def test_a_mistyped_tensorlane_disable_is_refused_before_anything_happens(monkey
 
     model = torch.nn.Linear(2, 2)  # (not DDP: attach would refuse it next, so a refusal naming the variable is first)
     monkeypatch.setenv("TENSORLANE_DISABLE", "ture")
-    with pytest.raises(ValueError, match=r"TENSORLANE_DISABLE='ture' is neither true \(1, true, yes, on\) nor false"):
+    with pytest.raises(ValueError, match=r"TENSORLANE_DISABLE='ture' is neither true \(True, 1, true, yes, on\) nor"):
         shim.attach(model)
     monkeypatch.setenv("TENSORLANE_DISABLE", " Yes ")
     assert shim.attach(model).stats()["mode"] == "disabled"
@@ -526,6 +526,30 @@ def test_a_mistyped_tensorlane_disable_is_refused_before_anything_happens(monkey
         monkeypatch.setenv("TENSORLANE_DISABLE", off)
         with pytest.raises(TypeError, match="DistributedDataParallel"):
             shim.attach(model)
+
+
+@pytest.mark.torch
+def test_the_disable_argument_takes_the_variables_spellings(monkeypatch):
+    """``attach(..., disable=os.environ.get("NO_SHIM", "0"))``: any non-empty string disabled the shim, "0" and
+    "false" too, silently (stats said "disabled"). A string takes TENSORLANE_DISABLE's spellings, another value than
+    a bool, 0, 1, a string or None is refused; the argument still wins over the variable."""
+    import torch
+
+    from tensorlane import shim
+
+    model = torch.nn.Linear(2, 2)  # (not DDP: an enabled attach refuses it with a TypeError, a disabled one returns)
+    monkeypatch.delenv("TENSORLANE_DISABLE", raising=False)
+    for off in ("0", "false", " Off ", "", False, 0, None):
+        with pytest.raises(TypeError, match="DistributedDataParallel"):
+            shim.attach(model, disable=off)
+    for on in ("1", "TRUE", "yes", True, 1):
+        assert shim.attach(model, disable=on).stats()["mode"] == "disabled"
+    for bad in ("maybe", 2, 0.5):
+        with pytest.raises(ValueError, match=r"disable=.* is neither true"):
+            shim.attach(model, disable=bad)
+    monkeypatch.setenv("TENSORLANE_DISABLE", "1")
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        shim.attach(model, disable="no")
 
 
 @pytest.mark.torch
