@@ -686,7 +686,7 @@ def _apply(state: ShimState, param) -> bool:
         p.grad = _grad_view(pend.buffer, p, o)
     try:
         with d.watch.paused():  # the shim's step and its copies are not the loop reading gradients
-            d.step_subset([p for p, _o, _n in ready], pend.hparams, pend.autocast, pend.inference)
+            d.step_subset([p for p, _o, _n in ready], pend.hparams, pend.autocast, pend.inference, pend.members)
     finally:
         with d.watch.paused():
             for (p, o, _n), g in zip(ready, saved, strict=True):

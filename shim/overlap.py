@@ -180,6 +180,7 @@ class Pending:
     applied: set = field(default_factory=set)  # id(param): step taken, or dropped
     timed: set = field(default_factory=set)  # pieces whose completion has been counted
     hparams: list | None = None
+    members: list = field(default_factory=list)  # each param group's parameters when stamped (tuples)
     versions: dict = field(default_factory=dict)  # id(param) -> param._version when stamped
     skip: set = field(default_factory=set)  # id(param) with no .grad at step(): the optimizer skips them
     created: dict = field(default_factory=dict)  # id(param) -> param._version when the bucket was launched
@@ -265,10 +266,12 @@ class Deferred:
                                    "applied); overlap mode cannot reproduce DDP there. Use hook mode.")
             return  # nothing to update, as under DDP (no gradients)
         hp = hyperparameters(self.optimizer)
+        members = [tuple(g["params"]) for g in self.optimizer.param_groups]
         amp = autocast_state({p.device.type for p in params})
         inference = torch.is_inference_mode_enabled()
         for pend in self.unstamped:
             pend.hparams = hp
+            pend.members = members
             pend.autocast = amp
             pend.inference = inference
             pend.versions = {id(p): p._version for p, *_ in pend.params}
@@ -327,16 +330,19 @@ class Deferred:
                                "optimizer (hook mode).")
 
     def step_subset(self, params: list, hparams: list, autocast: dict | None = None,
-                    inference: bool | None = None) -> None:
+                    inference: bool | None = None, members: list | None = None) -> None:
         """One step of the user's optimizer over ``params`` only, with the hyperparameters ``hparams`` (one dict per
-        param group, as stamped by ``step()``; a group added since then is not stepped, as under DDP, where the
-        step came first), under autocast as it was at ``step()`` (``autocast``, from :func:`autocast_state`; the
-        deferred step runs in the next forward, typically inside the loop's ``torch.autocast``, where Adafactor's
-        ``row_var @ col_var`` would run in bf16: until 2026-11-27 it did, 3e-2 from DDP after 8 steps), and in or
-        out of ``torch.inference_mode`` as at ``step()`` (``inference``; None: as now): a validation forward under
-        ``inference_mode`` that takes a parameter's first step would make its new state inference tensors, which the
-        next step outside it cannot update in place (until 2026-11-27 it raised there, ``late_state_inference``);
-        the groups are restored afterwards."""
+        param group, as stamped by ``step()``; a group added since then is not stepped, as under DDP, where the step
+        came first), each group over its parameters as they were at ``step()`` (``members``, one tuple per group; None:
+        as now): a parameter moved to another group or dropped from the optimizer between ``step()`` and the next
+        forward was stepped at ``step()`` with its group of then under DDP (until 2026-11-28 it took its new group's
+        hyperparameters, or no step, silently: 1.6e-2 relative off DDP after 8 steps, ``regroup_after_step``), under
+        autocast as it was at ``step()`` (``autocast``, from :func:`autocast_state`; the deferred step runs in the next
+        forward, typically inside the loop's ``torch.autocast``, where Adafactor's ``row_var @ col_var`` would run in
+        bf16: until 2026-11-27 it did, 3e-2 from DDP after 8 steps), and in or out of ``torch.inference_mode`` as at
+        ``step()`` (``inference``; None: as now): a validation forward under ``inference_mode`` that takes a parameter's
+        first step would make its new state inference tensors, which the next step outside it cannot update in place
+        (until 2026-11-27 it raised there, ``late_state_inference``); the groups are restored afterwards."""
         opt = self.optimizer
         self.check_step_hooks()
         if self.stamped_state is not None and opt.state is not self.stamped_state:
@@ -353,8 +359,8 @@ class Deferred:
         saved = [(g["params"], {k: g[k] for k in h if k in g}) for g, h in zip(stamped, hparams, strict=True)]
         added = [g["params"] for g in later]
         try:
-            for g, h in zip(stamped, hparams, strict=True):
-                g["params"] = [p for p in g["params"] if id(p) in wanted]
+            for i, (g, h) in enumerate(zip(stamped, hparams, strict=True)):
+                g["params"] = [p for p in (g["params"] if members is None else members[i]) if id(p) in wanted]
                 g.update(h)
             for g in later:
                 g["params"] = []

@@ -2280,6 +2280,30 @@ def _whole_model_saved(ctx: Ctx):
     save(-1)
     plain_loop(ctx, model, opt, after_step=save)
 
+@idiom("regroup_after_step")
+def _regroup_after_step(ctx: Ctx):
+    """Param groups edited by hand right after ``step()``, by identity (no torch operation on a parameter): at
+    step 3 the first conv moves to a slow group (a lower learning rate for the stem after a warm-up), at step 5
+    the second conv is frozen and dropped from the optimizer (``find_unused_parameters=True``). Under DDP the
+    ``step()`` before each edit updated them with their old group."""
+    model = ctx.ddp(convnet(), find_unused_parameters=True)
+    m = model.module
+    opt = torch.optim.SGD([{"params": list(m.parameters()), "lr": 0.05}, {"params": [], "lr": 0.001}], momentum=0.9)
+    ctx.attach(model, opt)
+
+    def regroup(step):
+        if step in (3, 5):
+            ids = {id(p) for p in m[0 if step == 3 else 2].parameters()}
+            moved = [p for p in opt.param_groups[0]["params"] if id(p) in ids]
+            opt.param_groups[0]["params"] = [p for p in opt.param_groups[0]["params"] if id(p) not in ids]
+            if step == 3:
+                opt.param_groups[1]["params"].extend(moved)
+            else:
+                for p in moved:
+                    p.requires_grad = False
+    plain_loop(ctx, model, opt, after_step=regroup)
+
+
 
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
