@@ -29,6 +29,7 @@ The shim needs no agent here (``--agent-socket /nonexistent/...``: it warns once
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import datetime
@@ -2303,6 +2304,41 @@ def _regroup_after_step(ctx: Ctx):
                     p.requires_grad = False
     plain_loop(ctx, model, opt, after_step=regroup)
 
+
+class Lookahead(torch.optim.Optimizer):
+    """Lookahead (Zhang et al. 2019) as the usual implementations write it: an ``Optimizer`` subclass around the
+    inner one (``.optimizer``, sharing its ``param_groups``), slow weights in its own state, every ``k`` steps
+    ``_foreach_lerp_`` of the slow weights and a copy into the parameters through ``.data``."""
+
+    def __init__(self, optimizer, k: int = 3, alpha: float = 0.5):
+        self.optimizer, self.k, self.alpha, self.count = optimizer, k, alpha, 0
+        self.param_groups, self.defaults = optimizer.param_groups, optimizer.defaults
+        self.state = collections.defaultdict(dict)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.optimizer.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.optimizer.step(closure)
+        self.count += 1
+        if self.count % self.k == 0:
+            fast = [p for g in self.param_groups for p in g["params"]]
+            slow = [self.state[p].setdefault("slow", p.detach().clone()) for p in fast]
+            torch._foreach_lerp_(slow, fast, self.alpha)
+            for p, s in zip(fast, slow, strict=True):
+                p.data.copy_(s)
+        return loss
+
+
+@idiom("lookahead_optimizer")
+def _lookahead_optimizer(ctx: Ctx):
+    """A ``Lookahead`` wrapper around AdamW given to ``attach`` (the shim takes its ``.optimizer``); the wrapper's
+    step steps the inner one, then reads and writes every parameter."""
+    model = ctx.ddp(convnet())
+    opt = Lookahead(torch.optim.AdamW(model.parameters(), lr=2e-3))
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
 
 
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
