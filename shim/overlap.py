@@ -75,9 +75,11 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import functools
 import os
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -722,6 +724,12 @@ class StackMode(TorchFunctionMode):
         super().__init__()
         self.thread: int | None = None  # the thread whose mode stack holds it (None: on no stack)
         self.handling = 0
+        _STACK_MODES.add(self)
+        install_fast_path_bypass()
+
+    def before_fast_path(self, module, args, kwargs) -> None:
+        """``module`` (a torch module with a fused fast path, :data:`FAST_PATH_MODULES`) is about to run with this
+        mode off the stack: act on the uses the mode would have seen there (nothing by default)."""
 
     def push(self) -> None:
         """On this thread's mode stack, below the modes there (once: a second push changes nothing)."""
@@ -746,6 +754,47 @@ class StackMode(TorchFunctionMode):
         finally:
             if out and self.thread is not None:  # (not if popped meanwhile: a guard disarmed off the stack)
                 _insert_low(self)
+
+
+_STACK_MODES: weakref.WeakSet = weakref.WeakSet()  # every StackMode made (the fast-path bypass looks for them)
+# torch's modules whose forward, in eval mode, takes a fused "fast path" (torch._transformer_encoder_layer_fwd,
+# torch._native_multi_head_attention) only where torch.overrides.has_torch_function() is false, which any
+# torch-function mode on the stack makes true: with the shim's modes there they took the slow path, which rounds
+# differently (until 2026-11-28: a frozen transformer teacher's soft targets computed between step() and the next
+# forward, 2.3e-2 relative off DDP after 8 steps, silently; idiom transformer_teacher_eval)
+FAST_PATH_MODULES = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
+_FAST_PATH_ORIGINAL: dict = {}  # class -> its own forward, once install_fast_path_bypass() has replaced it
+
+
+def _fast_path_forward(forward):
+    """``forward`` of a :data:`FAST_PATH_MODULES` class, run in eval mode with the shim's modes taken off this
+    thread's stack (after each has acted on what the call will use: the guard applies the pending updates of the
+    module's parameters first), so that torch chooses its fast path as without the shim."""
+    @functools.wraps(forward)
+    def bypass(self, *args, **kwargs):
+        if self.training:  # (the fast paths are for eval mode only)
+            return forward(self, *args, **kwargs)
+        me = threading.get_ident()
+        modes = [m for m in list(_STACK_MODES) if m.thread == me and not m.handling]
+        if not modes:
+            return forward(self, *args, **kwargs)
+        for m in modes:
+            m.before_fast_path(self, args, kwargs)
+        with contextlib.ExitStack() as stack:
+            for m in modes:
+                stack.enter_context(m._off_stack())
+            return forward(self, *args, **kwargs)
+    bypass.tensorlane_fast_path = True
+    return bypass
+
+
+def install_fast_path_bypass() -> None:
+    """Put :func:`_fast_path_forward` on the :data:`FAST_PATH_MODULES` classes (once per process; a forward replaced
+    by someone else since is wrapped as it is). Usage: ``install_fast_path_bypass()``"""
+    for cls in FAST_PATH_MODULES:
+        if cls not in _FAST_PATH_ORIGINAL:
+            _FAST_PATH_ORIGINAL[cls] = cls.forward
+            cls.forward = _fast_path_forward(cls.forward)
 
 
 class UseGuard(StackMode):
@@ -816,6 +865,12 @@ class UseGuard(StackMode):
         owner = getattr(fn, "owner", None)  # a method's module (C++): a scripted module shares the model's tensors
         if self.uses((_argument_tensors(args, kwargs),), {}) or \
                 (owner is not None and self._script_uses(owner, lambda: _script_module_tensors(owner))):
+            self.armed = False
+            self.on_use()
+
+    def before_fast_path(self, module, args, kwargs) -> None:
+        """A fused forward of torch's is about to run off the stack: a use if it can reach a watched tensor."""
+        if self.armed and self.uses(([*module.parameters(), *module.buffers()], args), kwargs):
             self.armed = False
             self.on_use()
 
@@ -954,14 +1009,22 @@ class ForwardWatch(StackMode):
         super().__init__()
         self.deferred = deferred
 
+    def note(self, tensors) -> None:
+        """Note the parameters among ``tensors`` that no module holding them has begun its forward yet."""
+        d = self.deferred
+        for t in tensors:
+            mods = d.holders.get(id(t))
+            if mods and id(t) not in d.early and not any(m in d.probe.ran for m in mods):
+                d.early.add(id(t))
+
+    def before_fast_path(self, module, args, kwargs) -> None:
+        """A fused forward of torch's uses the module's parameters (its submodules' forwards do not run)."""
+        self.note([*module.parameters(), *_tensors(args, kwargs)])
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        d = self.deferred
-        for t in _tensors(args, kwargs):
-            mods = d.holders.get(id(t))
-            if mods and id(t) not in d.early and not any(m in d.probe.ran for m in mods) \
-                    and _function_name(func) not in METADATA:
-                d.early.add(id(t))
+        if _function_name(func) not in METADATA:
+            self.note(_tensors(args, kwargs))
         return func(*args, **kwargs)
 
 

@@ -2340,6 +2340,45 @@ def _lookahead_optimizer(ctx: Ctx):
     ctx.attach(model, opt)
     plain_loop(ctx, model, opt)
 
+class TinyTransformer(nn.Module):
+    """Token embedding, two ``nn.TransformerEncoderLayer`` (torch's fused fast path in eval mode), a linear head."""
+
+    def __init__(self, seed: int = 1234):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(50, 32)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 2,
+                                         enable_nested_tensor=False)
+        self.out = nn.Linear(32, 50)
+
+    def forward(self, tokens):
+        return self.out(self.enc(self.embed(tokens)).mean(1))
+
+
+@idiom("transformer_teacher_eval")
+def _transformer_teacher_eval(ctx: Ctx):
+    """Distillation from a frozen transformer teacher (eval mode, ``no_grad``: torch's fast path) whose soft targets
+    are computed between ``step()`` and the student's forward, and a validation forward of the student in eval mode
+    after ``step()``. torch takes the fast path only with no torch-function mode on the stack."""
+    teacher = TinyTransformer(seed=99).to(ctx.device).eval().requires_grad_(False)
+    model = ctx.ddp(TinyTransformer())
+    opt = sgd(model.parameters())  # (not Adam: the key bias has no gradient but rounding noise, which Adam amplifies)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.tokens(step)
+        with torch.no_grad():
+            soft = teacher(x).softmax(-1)
+        out = model(x)
+        loss = F.cross_entropy(out, y) + F.kl_div(out.log_softmax(-1), soft, reduction="batchmean")
+        loss.backward()
+        opt.step()
+        model.eval()
+        with torch.no_grad():
+            ctx.record("eval", model(ctx.tokens(step + 50)[0]))
+        model.train()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
 
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
