@@ -763,38 +763,39 @@ _STACK_MODES: weakref.WeakSet = weakref.WeakSet()  # every StackMode made (the f
 # differently (until 2026-11-28: a frozen transformer teacher's soft targets computed between step() and the next
 # forward, 2.3e-2 relative off DDP after 8 steps, silently; idiom transformer_teacher_eval)
 FAST_PATH_MODULES = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
-_FAST_PATH_ORIGINAL: dict = {}  # class -> its own forward, once install_fast_path_bypass() has replaced it
+_FAST_PATH_ORIGINAL: dict = {}  # class -> its __call__ before install_fast_path_bypass() replaced it
 
 
-def _fast_path_forward(forward):
-    """``forward`` of a :data:`FAST_PATH_MODULES` class, run in eval mode with the shim's modes taken off this
+def _fast_path_call(call):
+    """``__call__`` of a :data:`FAST_PATH_MODULES` class, run in eval mode with the shim's modes taken off this
     thread's stack (after each has acted on what the call will use: the guard applies the pending updates of the
-    module's parameters first), so that torch chooses its fast path as without the shim."""
-    @functools.wraps(forward)
+    module's parameters first), so that torch chooses its fast path as without the shim. ``__call__``, not
+    ``forward``: ``torch.jit.script`` compiles ``forward`` from its source, and a wrapper there cannot be scripted."""
+    @functools.wraps(call)
     def bypass(self, *args, **kwargs):
         if self.training:  # (the fast paths are for eval mode only)
-            return forward(self, *args, **kwargs)
+            return call(self, *args, **kwargs)
         me = threading.get_ident()
         modes = [m for m in list(_STACK_MODES) if m.thread == me and not m.handling]
         if not modes:
-            return forward(self, *args, **kwargs)
+            return call(self, *args, **kwargs)
         for m in modes:
             m.before_fast_path(self, args, kwargs)
         with contextlib.ExitStack() as stack:
             for m in modes:
                 stack.enter_context(m._off_stack())
-            return forward(self, *args, **kwargs)
+            return call(self, *args, **kwargs)
     bypass.tensorlane_fast_path = True
     return bypass
 
 
 def install_fast_path_bypass() -> None:
-    """Put :func:`_fast_path_forward` on the :data:`FAST_PATH_MODULES` classes (once per process; a forward replaced
-    by someone else since is wrapped as it is). Usage: ``install_fast_path_bypass()``"""
+    """Put :func:`_fast_path_call` on the :data:`FAST_PATH_MODULES` classes as their ``__call__`` (once per process).
+    Usage: ``install_fast_path_bypass()``"""
     for cls in FAST_PATH_MODULES:
         if cls not in _FAST_PATH_ORIGINAL:
-            _FAST_PATH_ORIGINAL[cls] = cls.forward
-            cls.forward = _fast_path_forward(cls.forward)
+            _FAST_PATH_ORIGINAL[cls] = cls.__call__
+            cls.__call__ = _fast_path_call(cls.__call__)
 
 
 class UseGuard(StackMode):

@@ -94,6 +94,41 @@ def test_use_guard_sees_uses_of_parameters_not_their_metadata():
 
 
 @pytest.mark.torch
+def test_transformer_fast_path_taken_under_the_shims_modes():
+    """torch's transformer modules take their fused eval fast path only with no torch-function mode on the stack:
+    under an armed guard (and the gradient watch) an eval forward gives DDP's numbers bit for bit, a module holding
+    a watched parameter is a use first, and such modules can still be scripted (the shim wraps ``__call__``)."""
+    import torch
+
+    from tensorlane.shim.overlap import GradWatch, UseGuard
+
+    torch.manual_seed(0)
+    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2,
+                                      enable_nested_tensor=False).eval()
+    other = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 5, 32)
+    with torch.no_grad():
+        want = enc(x)
+    used: list = []
+    guard, watch = UseGuard(lambda: used.append(1)), GradWatch(lambda: None)
+    try:
+        watch.push()
+        for watched, uses in (([other.weight], []), ([enc.layers[1].linear1.weight], [1])):
+            used.clear()
+            guard.arm(watched)
+            with torch.no_grad():
+                got = enc(x)
+            assert torch.equal(got, want) and used == uses
+            guard.disarm()
+    finally:
+        guard.disarm()
+        watch.pop()
+    scripted = torch.jit.script(enc)
+    with torch.no_grad():
+        assert torch.allclose(scripted(x), want)
+
+
+@pytest.mark.torch
 def test_use_guard_sees_torchscript_calls_and_puts_torch_back():
     """TorchScript runs its operations in C++, out of a torch-function mode's sight: a scripted function given a
     watched parameter (alone, in a list, in a dict) and a traced module's method called directly are uses; other
