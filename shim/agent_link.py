@@ -37,6 +37,9 @@ class AgentLink:
         self.link_bps: float | None = None  # the rate of the NIC the job's flows use (``status``), for the planner
         self.agent_levels: int | None = None  # the agent's levels (``hello``): a level beyond them goes to its last
         self.on_registered = None  # called (no arguments, never blocking) once flows are registered with a new agent
+        self.alive = None  # a callable: False once the connections these flows are were destroyed (then retired)
+        self.on_retired = None  # called (no arguments) when the link retires itself (the reporter stops with it)
+        self.retired = ""  # why the link withdrew its flows and stopped without close()
         self._instance: str | None = None
         self._warned = False
         self._lost = 0  # times the agent was found away (each once, until it answers again)
@@ -157,14 +160,34 @@ class AgentLink:
         not every few seconds for the rest of the run."""
         return logging.WARNING if self._lost <= MAX_LOST_WARNINGS else logging.INFO
 
+    def check_alive(self) -> bool:
+        """Whether the connections of this link's flows still exist (``alive``); once they are found destroyed (the
+        process group destroyed without ``handle.close()``) the flows are withdrawn, the keep-alive stops and
+        ``on_retired`` runs, once. Usage: ``if not link.check_alive(): ...``"""
+        alive = self.alive
+        if alive is None or self._stop.is_set() or alive():
+            return not self.retired
+        self.retired = ("the process groups of this attach were destroyed (dist.destroy_process_group()) without "
+                        "handle.close(): its flows are withdrawn from the agent and its threads stopped")
+        log.warning("tensorlane: %s", self.retired)
+        retired, self.on_retired = self.on_retired, None
+        if retired is not None:
+            retired()
+        self.close()
+        return False
+
     def _run(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
+            if not self.check_alive():
+                return
             self.sync()
 
     def close(self) -> None:
         """Stop the keep-alive thread and withdraw this process's flows (best effort, bounded)."""
         self._stop.set()
-        self._thread.join(timeout=self.timeout_s * 4 + 2)
+        self.alive = self.on_retired = None  # (nothing of the process groups is kept once closed)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self.timeout_s * 4 + 2)
         with self._lock:
             flows = [f for fl in self.flows.values() for f in fl]
             self.flows.clear()

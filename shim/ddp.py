@@ -223,6 +223,8 @@ class ShimState:
         self.world = dist.get_world_size()
         self.groups, self.link, self.flows, self.job = _connect(self.levels, o.get("agent_socket"), o.get("job"))
         self.reporter = report.start(self, interval_s=o.get("report_interval_s", 5.0))
+        if self.reporter is not None:
+            self.link.on_retired = self.reporter.stop
         module = o.get("module")
         if module is not None:
             _set_layer_levels(self, [p for p in module.parameters() if p.requires_grad], o.get("policy"))
@@ -1422,14 +1424,34 @@ def agree_run(group=None) -> str:
     return broadcast_token(f"run-{uuid.uuid4().hex[:16]}", group=group)
 
 
+_LINKS: weakref.WeakSet = weakref.WeakSet()  # every attach's agent link in this process
+
+
+def _groups_alive(groups: list) -> bool:
+    """Whether the shim's per-level ``groups`` still exist in torch.distributed (``dist.destroy_process_group()``
+    destroys them all; a later ``init_process_group`` does not bring them back). Usage: ``_groups_alive(groups)``"""
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.get_process_group_ranks(groups[0])
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 def _connect(levels: int, agent_socket: str | None, job: str | None) -> tuple[list, AgentLink, dict, str]:
     """The collective part of starting: groups per level, the agreed job id and run, flows registered with the
-    agent."""
+    agent. An earlier attach whose groups were destroyed without ``close()`` is retired first: its flows, still
+    registered (the handle keeps its groups' sockets), made a conflict of this process with itself."""
     _collect_at_exit()
+    for old in list(_LINKS):
+        old.check_alive()
     groups, flows = _priority_groups(levels, os.environ.get("MASTER_PORT"))
     job = agree_job_id(job, group=groups[0])
     link = AgentLink(resolve_socket(agent_socket), job,
                      rank=dist.get_rank(), run=agree_run(group=groups[0]))
+    link.alive = functools.partial(_groups_alive, groups)
+    _LINKS.add(link)
     for level, fl in flows.items():
         if fl:
             link.add(level, fl)
@@ -1620,6 +1642,8 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
         state.partition_elems = max(1, partition_bytes // element)
     state.groups, state.link, state.flows, state.job = _connect(levels, agent_socket, job)
     state.reporter = report.start(state, interval_s=report_interval_s)  # counters to the agent's metrics
+    if state.reporter is not None:
+        state.link.on_retired = state.reporter.stop
     handle = Handle(model, optimizer, state)
     handle.plan = {"policy": policy}
     if policy == "planner":

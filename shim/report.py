@@ -138,6 +138,11 @@ class Reporter:
                 return
             self.report()
 
+    def stop(self) -> None:
+        """Stop the thread without a last report (its job's flows are gone); never blocks. Usage: ``r.stop()``"""
+        self._stop.set()
+        self._wake.set()
+
     def close(self) -> bool:
         """Stop the thread and send a last report (bounded). Idempotent; returns whether the last one was taken."""
         first = not self._stop.is_set()

@@ -351,3 +351,39 @@ def test_an_agent_that_answered_and_stopped_answering_is_back_even_with_no_flows
         assert [r.getMessage() for r in caplog.records][-1] == f"tensorlane: agent at {agent.path} is back"
     finally:
         link.close()
+
+
+def test_an_attach_whose_groups_were_destroyed_withdraws_its_flows_before_the_next_attach(agent, tmp_path, caplog):
+    """A script that trains two models in sequence, ``dist.destroy_process_group()`` between them and no
+    ``handle.close()``: until 2026-11-28 the first attach's flows stayed registered (the handle keeps its groups'
+    sockets) beside the second's, the agent saw the process's second run as a job id conflict with itself, and the
+    first link's keep-alive and reporter ran on for ever."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tensorlane import shim
+
+    handles = []
+    for i in range(2):
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / f"store{i}"), 1), rank=0, world_size=1)
+        handles.append(shim.attach(DDP(torch.nn.Linear(4, 2)), levels=1, policy="flat", agent_socket=agent.path,
+                                   job="seq", report_interval_s=60))
+        handles[-1].link.add(0, flows(0))  # (a world of one has loopback connections only, which are not registered)
+        if i == 0:
+            first = handles[0].link
+            assert first._thread.is_alive()
+            dist.destroy_process_group()
+    try:
+        withdrawn = [r for r in agent.requests if r["op"] == "unregister"]
+        assert [len(r["flows"]) for r in withdrawn] == [2], agent.requests
+        assert withdrawn[0]["id"] and agent.requests.index(withdrawn[0]) < max(
+            i for i, r in enumerate(agent.requests) if r["op"] == "register")  # before the second attach's flows
+        assert not first._thread.is_alive() and first.flows == {} and first.retired
+        assert handles[0].state.reporter._stop.is_set()
+        assert handles[1].link.check_alive() and handles[1].link._thread.is_alive()
+        assert "destroyed (dist.destroy_process_group()) without handle.close()" in caplog.text
+    finally:
+        handles[1].close()
+        handles[0].close()
+        dist.destroy_process_group()
