@@ -75,7 +75,6 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
-import functools
 import os
 import sys
 import threading
@@ -766,25 +765,32 @@ FAST_PATH_MODULES = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLay
 _FAST_PATH_ORIGINAL: dict = {}  # class -> its __call__ before install_fast_path_bypass() replaced it
 
 
-def _fast_path_call(call):
-    """``__call__`` of a :data:`FAST_PATH_MODULES` class, run in eval mode with the shim's modes taken off this
-    thread's stack (after each has acted on what the call will use: the guard applies the pending updates of the
-    module's parameters first), so that torch chooses its fast path as without the shim. ``__call__``, not
-    ``forward``: ``torch.jit.script`` compiles ``forward`` from its source, and a wrapper there cannot be scripted."""
-    @functools.wraps(call)
+def _fast_path_call(cls):
+    """``__call__`` for ``cls`` (a :data:`FAST_PATH_MODULES` class), run in eval mode with the shim's modes taken off
+    this thread's stack (after each has acted on what the call will use: the guard applies the pending updates of
+    the module's parameters first), so that torch chooses its fast path as without the shim. ``__call__``, not
+    ``forward``: ``torch.jit.script`` compiles ``forward`` from its source, and a wrapper there cannot be scripted.
+    With none of the shim's modes on this thread's stack, or while dynamo traces, it is torch's ``__call__`` as
+    looked up at each call (``torch.fx`` replaces ``nn.Module.__call__`` while it traces: until 2026-11-28 the one of
+    install time was called, so ``symbolic_trace`` traced into ``MultiheadAttention`` instead of keeping it a leaf
+    and raised ``TraceError``, and ``torch.compile(fullgraph=True)`` raised on ``threading.get_ident``, in any
+    process where overlap mode had once run, shim closed or not). Usage: ``cls.__call__ = _fast_path_call(cls)``"""
+    own = cls.__dict__.get("__call__")  # (none in torch 2.13: nn.Module's)
+
     def bypass(self, *args, **kwargs):
-        if self.training:  # (the fast paths are for eval mode only)
-            return call(self, *args, **kwargs)
+        call = own.__get__(self) if own is not None else super(cls, self).__call__
+        if self.training or torch.compiler.is_compiling():  # (the fast paths are for eval mode only)
+            return call(*args, **kwargs)
         me = threading.get_ident()
         modes = [m for m in list(_STACK_MODES) if m.thread == me and not m.handling]
         if not modes:
-            return call(self, *args, **kwargs)
+            return call(*args, **kwargs)
         for m in modes:
             m.before_fast_path(self, args, kwargs)
         with contextlib.ExitStack() as stack:
             for m in modes:
                 stack.enter_context(m._off_stack())
-            return call(self, *args, **kwargs)
+            return call(*args, **kwargs)
     bypass.tensorlane_fast_path = True
     return bypass
 
@@ -795,7 +801,7 @@ def install_fast_path_bypass() -> None:
     for cls in FAST_PATH_MODULES:
         if cls not in _FAST_PATH_ORIGINAL:
             _FAST_PATH_ORIGINAL[cls] = cls.__call__
-            cls.__call__ = _fast_path_call(cls.__call__)
+            cls.__call__ = _fast_path_call(cls)
 
 
 class UseGuard(StackMode):

@@ -129,6 +129,34 @@ def test_transformer_fast_path_taken_under_the_shims_modes():
 
 
 @pytest.mark.torch
+def test_transformer_fast_path_bypass_leaves_tracers_alone():
+    """The ``__call__`` the shim puts on torch's transformer modules stays in place for the process (shim closed
+    or never active here): ``torch.fx`` still keeps ``MultiheadAttention`` a leaf (it replaces ``nn.Module.__call__``
+    while it traces), and dynamo traces the modules with ``fullgraph=True``. Until 2026-11-28 the first raised
+    ``TraceError``, the second ``Unsupported`` (``threading.get_ident``)."""
+    import torch
+    import torch.fx
+
+    from tensorlane.shim.overlap import install_fast_path_bypass
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+            self.layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+
+        def forward(self, x):
+            return self.layer(self.attn(x, x, x)[0])
+
+    install_fast_path_bypass()
+    block, x = Block().eval(), torch.randn(2, 3, 8)
+    traced = torch.fx.symbolic_trace(block)
+    assert [n.target for n in traced.graph.nodes if n.op == "call_module"] == ["attn", "layer"]
+    with torch.no_grad():
+        assert torch.allclose(torch.compile(block, fullgraph=True, backend="eager")(x), block(x), atol=1e-6)
+
+
+@pytest.mark.torch
 def test_use_guard_sees_torchscript_calls_and_puts_torch_back():
     """TorchScript runs its operations in C++, out of a torch-function mode's sight: a scripted function given a
     watched parameter (alone, in a list, in a dict) and a traced module's method called directly are uses; other
