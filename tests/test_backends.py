@@ -398,6 +398,66 @@ def test_an_operators_u32_filters_of_several_prios_and_at_an_inner_class_are_res
     assert got["before"].count("flowid") == 4 and "1:1" in got["before"], got
 
 
+
+def test_u32_filters_of_one_prio_at_the_root_and_at_an_inner_class_are_restored_at_their_own_parents():
+    """u32 filters of prio 1 at ``1:`` and at the class ``1:1``: the kernel shares a qdisc's u32 tables, so a dump of
+    either parent lists both root tables. Before, the class's table ``801:`` was recorded and re-made under ``1:``
+    (unlinked: its traffic no longer classified, ``tc filter show dev X parent 1:1`` empty) and the completeness
+    check passed, the record deleted. Now each instance's root is asked of the kernel (``get ... handle fff:``):
+    restored exactly; a tree with the table at the wrong parent is reported by :func:`snapshot.missing`; a record
+    from before (no owners) with two tables of one prio is restored but reported as not complete."""
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", U32_SHARED], capture_output=True, text=True,
+                         timeout=30, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["warnings"] == [] and got["after"] == got["before"], got
+    assert got["roots"] == ["800:", "802:"] and "flowid 1:10" in got["before"].split("@")[1], got
+    assert any("u32 at 1:1 prio 1 with its root table 802: (now none)" in w for w in got["misplaced"]), got
+    assert any("cannot tell which parent owns which of 800:, 801:, 802: (prio 1)" in w for w in got["old"]), got
+
+
+U32_SHARED = r"""
+import json, subprocess
+from pyroute2 import IPRoute
+from tensorlane.agent.kernel import snapshot
+
+def sh(cmd):
+    return subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True).stdout
+
+sh("ip link add tl0 type veth peer name tl1 && ip link set tl1 up && ip link set tl0 up")
+for c in ("qdisc add dev tl0 root handle 1: htb default 20", "class add dev tl0 parent 1: classid 1:1 htb rate 50mbit",
+          "class add dev tl0 parent 1:1 classid 1:10 htb rate 10mbit ceil 50mbit",
+          "filter add dev tl0 parent 1: prio 1 protocol ip u32 match ip dport 22 0xffff flowid 1:1",
+          "filter add dev tl0 parent 1: prio 1 protocol ip u32 divisor 16",  # a table of a kernel id (801:), no root
+          "filter add dev tl0 parent 1:1 prio 1 protocol ip u32 match ip dport 24 0xffff flowid 1:10"):
+    sh(f"tc {c} 2>/dev/null")
+dump = lambda: sh("tc filter show dev tl0 parent 1: && echo @ && tc filter show dev tl0 parent 1:1")
+root = lambda p: sh(f"tc filter get dev tl0 parent {p} prio 1 protocol ip handle fff: u32").split("fh ")[1].split()[0]
+before = dump()
+with IPRoute() as ipr:
+    index = ipr.link_lookup(ifname="tl0")[0]
+    record = snapshot.capture(ipr, "tl0", index).to_json()
+    snap = snapshot.Snapshot.from_json(record)
+    sh("tc qdisc replace dev tl0 root handle 7a1: htb default 14")
+    warnings = snapshot.restore(snap, ipr)
+    after, roots = dump(), [root("1:"), root("1:1")]
+    sh("tc qdisc del dev tl0 root && tc qdisc add dev tl0 root handle 1: htb default 20")  # 802: under 1:
+    for c in ("class add dev tl0 parent 1: classid 1:1 htb rate 50mbit",
+              "class add dev tl0 parent 1:1 classid 1:10 htb rate 10mbit ceil 50mbit",
+              "filter add dev tl0 parent 1: prio 1 protocol ip u32 match ip dport 22 0xffff flowid 1:1",
+              "filter add dev tl0 parent 1: prio 1 protocol ip u32 divisor 16",
+              "filter add dev tl0 parent 1: prio 1 protocol ip u32 divisor 1",
+              "filter add dev tl0 parent 1: prio 1 protocol ip u32 ht 802: match ip dport 24 0xffff flowid 1:10"):
+        sh(f"tc {c} 2>/dev/null")
+    misplaced = snapshot.missing(snap, ipr)
+    old = {k: v for k, v in record.items() if k != "u32_roots"}  # a record from before 2026-11-28: u32 under 1:
+    old["objects"] = [{**o, "parent": 0x10000} if o["kind"] == "u32" else o for o in old["objects"]]
+    old = snapshot.Snapshot.from_json(old)
+    warnings_old = snapshot.restore(old, ipr)
+print(json.dumps({"before": before, "after": after, "roots": roots, "warnings": warnings, "misplaced": misplaced,
+                  "old": warnings_old}))
+"""
+
 U32_TREE = r"""
 import json, subprocess
 from pyroute2 import IPRoute
