@@ -737,9 +737,19 @@ INCOMPLETE = "incomplete-"  # the records of restores that did not bring the who
 def incomplete_path(cfg: Config, device: str) -> Path:
     """Where the record of ``device``'s tree is kept after a restore that did not bring all of it back
     (``incomplete-eth0-20261128T053000Z.json``): no agent restores or overwrites it; the operator reads and
-    removes it (docs/runbook.md#a-restore-that-was-not-complete)."""
+    removes it (docs/runbook.md#a-restore-that-was-not-complete). The name is reserved (made empty, O_EXCL): a
+    second one of the same device within the same second gets ``-2``, ``-3``, ... (before, the stamp alone: the
+    second record replaced the first). Raises OSError where none can be made.
+    Usage: ``os.replace(state_path(cfg, "eth0"), incomplete_path(cfg, "eth0"))``"""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    return Path(cfg.state_dir) / f"{INCOMPLETE}{device}-{stamp}.json"
+    for n in range(1, 1000):
+        path = Path(cfg.state_dir) / f"{INCOMPLETE}{device}-{stamp}{f'-{n}' if n > 1 else ''}.json"
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            continue
+        return path
+    raise OSError(errno.EEXIST, f"{INCOMPLETE}{device}-{stamp}-*.json: 999 of them")
 
 
 def restore_device(cfg: Config, ipr: IPRoute, name: str, snap: snapshot.Snapshot) -> list[str]:
@@ -757,10 +767,14 @@ def restore_device(cfg: Config, ipr: IPRoute, name: str, snap: snapshot.Snapshot
         raise OSError(f"{name}'s root is {fmt_handle(root) if root else 'the default'}, not the recorded "
                       f"{fmt_handle(want) if want else 'default'} ({'; '.join(warnings) or 'no error reported'})")
     if warnings and root is not None:
-        kept = incomplete_path(cfg, name)
+        kept = None
         try:
+            kept = incomplete_path(cfg, name)
             os.replace(state_path(cfg, name), kept)
         except OSError as exc:
+            if kept is not None:
+                with contextlib.suppress(OSError):
+                    kept.unlink()  # (the empty name it reserved)
             kept = f"nowhere ({exc})"
         log.error("restore %s incomplete: %s; the record of its original tree is kept as %s (no agent restores it "
                   "again: compare it with `tc filter show dev %s`, put back what is missing, then remove it)",

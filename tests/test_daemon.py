@@ -503,3 +503,11 @@ def test_a_nic_that_renegotiates_its_speed_is_shaped_to_it(monkeypatch, caplog):
         speed["eth0"] = 25 * 10**9
         held._follow_speeds()
         assert eth0.rate == 25 * 10**9
+
+
+def test_two_incomplete_records_of_one_device_within_one_second_are_both_kept(tmp_path):
+    """``incomplete_path`` had one-second resolution: a second incomplete restore of the same device within the same
+    second replaced the first record (os.replace). Each name is now reserved, the next one numbered."""
+    cfg = daemon.Config(state_dir=str(tmp_path))
+    first, second = daemon.incomplete_path(cfg, "tl0"), daemon.incomplete_path(cfg, "tl0")
+    assert first != second and sorted(tmp_path.glob("incomplete-tl0-*.json")) == sorted([first, second])
