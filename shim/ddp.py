@@ -891,6 +891,7 @@ class Handle:
             return [v for v in st.values() if isinstance(v, torch.Tensor)] if st else []
         d.guard = ov.UseGuard(self._flush_on_use, state_tensors)
         d.watch.on_read = self._grads_read  # (release() gives it back its own: the state outlives the handle)
+        d.watch.on_compiled = self._grads_compiled
         self._own_zero_grad = opt.__dict__.get("zero_grad")
         zero_grad_of = opt.zero_grad
 
@@ -1060,6 +1061,13 @@ class Handle:
         if self.state.mode == "probing":
             self.state.deferred.note_read()
         elif self.state.mode == "overlap":
+            self._average_on_read()
+
+    def _grads_compiled(self) -> None:
+        """A compiled function or module is called while the gradient watch holds gradients DDP wrote: it may read
+        them, unseen (``ov.CompiledCalls``). In overlap mode ``.grad`` becomes DDP's average first (as on a read);
+        while probing it is DDP's average already (the probe steps as hook mode), and no read is noted."""
+        if not self.closed and self.state is not None and self.state.mode == "overlap":
             self._average_on_read()
 
     def _average_on_read(self) -> None:

@@ -59,6 +59,8 @@ model, a :class:`UseGuard` (a ``TorchFunctionMode`` on the thread that called ``
 operation: the first one that takes a parameter whose update is pending (or a view of its storage), other than
 reading its metadata (``.grad``, ``.shape``, ``numel()``, ...), first applies every pending update
 (``handle.flush()``), as if the step had been taken at ``step()``. Exact, at the cost of that iteration's overlap.
+So does a call of a ``torch.compile``d function or module (:class:`CompiledCalls`: dynamo would trace the guard),
+after which the guard leaves the stack and dynamo compiles the call as under plain DDP.
 Code that reads ``.grad`` after ``backward()`` (a logged norm, a step skipped on it, clipping) would see this rank's
 own gradient (not the average) in overlap mode. A :class:`GradWatch` watches the gradients DDP wrote from the end of
 every forward to the next forward. In the probe a read makes the job fall back to hook mode (a loop that reads them
@@ -242,6 +244,7 @@ class Deferred:
         self.guard = self.norms = self.on_state_use = self.stamped_state = None  # (on_state_use: the handle)
         self.watch.unwatch()
         self.watch.on_read = self.note_read  # (the handle's)
+        self.watch.on_compiled = None
 
     def stamp(self, params: list, closure) -> None:
         """``optimizer.step()`` in overlap mode: check, then stamp this iteration's buckets (no update now)."""
@@ -683,6 +686,79 @@ class _ScriptCallHandle:
 SCRIPT_CALLS = ScriptCalls()
 
 
+class CompiledCalls:
+    """Calls of ``torch.compile``d functions and modules while one of the shim's modes is on a thread's stack.
+    dynamo compiles (and guards) a frame with the torch-function modes on the stack at its call, tracing their
+    ``__torch_function__`` into the compiled code: with the shim's modes there, a compiled frozen teacher was compiled
+    again (graph breaks where the guard looks at a tensor's memory) and rounded differently from DDP's compiled code,
+    silently (until 2026-11-28: soft targets 6e-8 off from the third iteration, the student 9e-8 relative off DDP
+    after 8 steps at 2 ranks, idiom ``compiled_teacher``), and a compiled function reading the model's weights traced
+    the guard's flush, the shim's own optimizer steps included, and raised inside it. Every call of a compiled
+    function or module (``OptimizedModule``'s ``forward`` is one) runs ``OptimizeContext``'s ``on_enter``, which calls
+    ``torch._dynamo.eval_frame.install_generation_tagging_init`` with dynamo's frame evaluation off, before any of
+    the compiled frame runs (torch 2.13): while any of the shim's modes is on a stack (registered by ``push``, removed
+    by ``pop``), that function is wrapped so that :func:`_before_compiled` runs first; with none, torch's own is
+    back (nothing is wrapped, nothing costs).
+
+    Usage: ``handle = COMPILED_CALLS.register()``; ``handle.remove()``
+    """
+
+    def __init__(self):
+        self.keys: set = set()
+        self.original = None  # torch's install_generation_tagging_init, while wrapped
+        self.next_key = 0
+
+    def register(self):
+        key, self.next_key = self.next_key, self.next_key + 1
+        self.keys.add(key)
+        if self.original is None:
+            from torch._dynamo import eval_frame
+
+            own = eval_frame.install_generation_tagging_init
+            self.original = own
+
+            @functools.wraps(own)
+            def install_generation_tagging_init(*args, **kwargs):
+                _before_compiled()
+                return own(*args, **kwargs)
+            eval_frame.install_generation_tagging_init = install_generation_tagging_init
+        return _CompiledCallHandle(self, key)
+
+    def remove(self, key) -> None:
+        self.keys.discard(key)
+        if not self.keys and self.original is not None:
+            from torch._dynamo import eval_frame
+
+            eval_frame.install_generation_tagging_init, self.original = self.original, None
+
+
+class _CompiledCallHandle:
+    def __init__(self, calls: CompiledCalls, key: int):
+        self.calls, self.key = calls, key
+
+    def remove(self) -> None:
+        self.calls.remove(self.key)
+
+
+COMPILED_CALLS = CompiledCalls()
+
+
+def _before_compiled() -> None:
+    """A compiled function or module is about to run on this thread (dynamo's frame evaluation still off): each of
+    the shim's modes on this thread's stack acts on what the call may use. The guard applies every pending update
+    first, waiting for the all-reduces in flight (compiled code may read any weight through its closures), and
+    leaves the stack, so that dynamo compiles and runs the call as under plain DDP; that iteration loses its overlap.
+    The gradient watch, in overlap mode, makes ``.grad`` DDP's average first if it still watches gradients (a
+    compiled gradient norm), and stays on the stack with nothing to watch: dynamo traces it as an operation's plain
+    call (bit for bit as without it: a compiled teacher, 2026-11-28), and it watches the next backward's gradients.
+    Usage: called by the wrapper :class:`CompiledCalls` installs."""
+    me = threading.get_ident()
+    modes = [m for m in list(_STACK_MODES) if m.thread == me and not m.handling]
+    modes.sort(key=lambda m: not isinstance(m, UseGuard))  # the guard first: its flush leaves the averages in .grad
+    for m in modes:
+        m.before_compiled()
+
+
 def _argument_tensors(args, kwargs) -> list:
     """The tensors among a TorchScript call's arguments, in lists, tuples and dicts at any depth."""
     found, todo = [], [*args, *kwargs.values()]
@@ -723,12 +799,17 @@ class StackMode(TorchFunctionMode):
         super().__init__()
         self.thread: int | None = None  # the thread whose mode stack holds it (None: on no stack)
         self.handling = 0
+        self.compiled_calls = None  # while on a stack: the wrapper that sees compiled calls (CompiledCalls)
         _STACK_MODES.add(self)
         install_fast_path_bypass()
 
     def before_fast_path(self, module, args, kwargs) -> None:
         """``module`` (a torch module with a fused fast path, :data:`FAST_PATH_MODULES`) is about to run with this
         mode off the stack: act on the uses the mode would have seen there (nothing by default)."""
+
+    def before_compiled(self) -> None:
+        """A ``torch.compile``d function or module is about to run on this thread (:func:`_before_compiled`): act on
+        what the call may use (nothing by default)."""
 
     def push(self) -> None:
         """On this thread's mode stack, below the modes there (once: a second push changes nothing)."""
@@ -738,12 +819,17 @@ class StackMode(TorchFunctionMode):
         if self.thread is None:
             _insert_low(self)
             self.thread = me
+            if self.compiled_calls is None:
+                self.compiled_calls = COMPILED_CALLS.register()
 
     def pop(self) -> None:
         """Off this thread's mode stack, wherever it is (not from inside its own handler)."""
         if self.thread == threading.get_ident() and not self.handling:
             _take_out(self)
             self.thread = None
+            if self.compiled_calls is not None:
+                self.compiled_calls.remove()
+                self.compiled_calls = None
 
     @contextlib.contextmanager
     def _off_stack(self):
@@ -881,6 +967,14 @@ class UseGuard(StackMode):
             self.armed = False
             self.on_use()
 
+    def before_compiled(self) -> None:
+        """A compiled function or module is about to run (:func:`_before_compiled`): a use of every watched
+        parameter (compiled code may reach any through its closures), so every pending update is applied first."""
+        if self.armed:
+            self.armed = False
+            self.on_use()
+        self.disarm()  # (off the stack: nothing is left to watch)
+
     def _script_uses(self, cpp_module, tensors) -> bool:
         """Whether a TorchScript module holds a watched parameter (``tensors()`` gives its tensors), found once per
         arming (a module's call, then its ``forward`` method, ask twice; its tensors cost 1-2 ms for 100 modules)."""
@@ -963,9 +1057,20 @@ class GradWatch(StackMode):
     def __init__(self, on_read):
         super().__init__()
         self.on_read = on_read
+        self.on_compiled = None  # set by Handle: a compiled call may read the watched gradients (before_compiled)
         self.grads: list = []
         self.ids: set = set()
         self.quiet = 0
+
+    def before_compiled(self) -> None:
+        """A compiled function or module is about to run: it may read a watched gradient (through a closure), unseen
+        (dynamo would trace this mode's handler, not run it), so the watch stops watching and ``on_compiled()`` acts
+        as on a read (in overlap mode ``.grad`` becomes DDP's average first; while probing it is DDP's average
+        already, and nothing is noted)."""
+        if self.ids and not self.quiet:
+            self.unwatch()
+            if self.on_compiled is not None:
+                self.on_compiled()
 
     def watch(self, grads) -> None:
         self.grads = [g for g in grads if g is not None]

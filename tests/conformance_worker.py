@@ -2380,6 +2380,37 @@ def _transformer_teacher_eval(ctx: Ctx):
         ctx.record("loss", loss.item())
 
 
+@idiom("compiled_teacher")
+def _compiled_teacher(ctx: Ctx):
+    """Distillation from a ``torch.compile``d frozen teacher (inductor, eval mode, ``no_grad``) whose soft targets are
+    computed between ``step()`` and the student's forward, and a compiled function that reads the student's weights
+    through a closure right after ``step()`` (a logged weight norm). Both run with the shim's modes off the stack."""
+    torch.manual_seed(7)
+    teacher = torch.compile(nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 10),
+                                          nn.LogSoftmax(-1)).to(ctx.device).eval().requires_grad_(False))
+    torch.manual_seed(1234)
+    model = ctx.ddp(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)))
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+
+    @torch.compile(backend="eager")  # (dynamo alone: a second inductor compile would cost seconds)
+    def weight_norm():
+        return torch.stack([p.detach().square().sum() for p in model.module.parameters()]).sum().sqrt()
+
+    for step in range(ctx.steps):
+        x, y = ctx.vectors(step)
+        with torch.no_grad():
+            soft = teacher(x).exp()
+        ctx.record("soft", soft)
+        out = model(x)
+        loss = F.cross_entropy(out, y) + F.kl_div(out.log_softmax(-1), soft, reduction="batchmean")
+        loss.backward()
+        opt.step()
+        ctx.record("weight_norm", weight_norm())
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

@@ -201,6 +201,46 @@ def test_use_guard_sees_torchscript_calls_and_puts_torch_back():
 
 
 @pytest.mark.torch
+def test_compiled_calls_apply_pending_updates_first_and_put_torch_back():
+    """A ``torch.compile``d function reading a watched weight through its closure, or any compiled module, under an
+    armed guard: every pending update is applied before it runs (``on_use`` once) and the guard leaves the mode stack
+    (dynamo must not trace it); the gradient watch's ``on_compiled`` runs while it watches gradients, and the watch
+    stays; with no mode of the shim's on a stack, torch's own ``install_generation_tagging_init`` is in place."""
+    import torch
+    from torch._dynamo import eval_frame
+
+    from tensorlane.shim.overlap import GradWatch, UseGuard
+
+    own = eval_frame.install_generation_tagging_init
+    lin, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    x = torch.ones(1, 4)
+    norm = torch.compile(lambda: lin.weight.detach().square().sum(), backend="eager")
+    module = torch.compile(other, backend="eager")
+    used: list = []
+    guard = UseGuard(lambda: used.append(1))
+    for name, call in (("function", norm), ("module", lambda: module(x))):
+        used.clear()
+        guard.arm([lin.weight])
+        assert eval_frame.install_generation_tagging_init is not own
+        with torch.no_grad():
+            call()
+        assert used == [1] and not guard.armed and guard.thread is None, name
+        assert torch._C._len_torch_function_stack() == 0 and eval_frame.install_generation_tagging_init is own, name
+    compiled: list = []
+    watch = GradWatch(lambda: None)
+    watch.on_compiled = lambda: compiled.append(1)
+    watch.watch([torch.zeros(3)])
+    try:
+        watch.push()
+        norm()
+        norm()  # (no longer watching: nothing to act on)
+        assert compiled == [1] and not watch.ids and torch._C._len_torch_function_stack() == 1
+    finally:
+        watch.pop()
+    assert eval_frame.install_generation_tagging_init is own
+
+
+@pytest.mark.torch
 def test_grad_watch_sees_reads_of_watched_gradients_not_metadata_or_zeroing():
     """The gradient watch (probe and overlap mode): metadata, zeroing, parameters and other tensors pass; a norm, a
     ``_foreach`` list (clipping), an in-place scale and ``.data`` each call ``on_read`` once, before the operation
