@@ -77,6 +77,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -712,9 +713,17 @@ class CompiledCalls:
         key, self.next_key = self.next_key, self.next_key + 1
         self.keys.add(key)
         if self.original is None:
-            from torch._dynamo import eval_frame
+            from torch._dynamo import eval_frame  # (loaded with this module: torch.compiler.disable below)
 
-            own = eval_frame.install_generation_tagging_init
+            own = getattr(eval_frame, "install_generation_tagging_init", None)
+            if own is None:  # refused at the first arming, before a compiled call could run unseen
+                self.keys.discard(key)
+                raise RuntimeError(
+                    "tensorlane's overlap mode cannot see calls of torch.compile'd functions with this torch "
+                    f"({torch.__version__}: torch._dynamo.eval_frame has no install_generation_tagging_init, where "
+                    "torch 2.13 starts every compiled call); such a call between step() and the next forward could "
+                    "read weights before their update. Attach without the optimizer (hook mode): "
+                    "shim.attach(ddp_model)")
             self.original = own
 
             @functools.wraps(own)
@@ -817,10 +826,10 @@ class StackMode(TorchFunctionMode):
         if self.thread == me and not self.handling and not _on_stack(self):
             self.thread = None  # taken off by someone else (code popping more modes than it pushed)
         if self.thread is None:
+            if self.compiled_calls is None:  # (first: a torch it cannot serve is refused before the mode goes in)
+                self.compiled_calls = COMPILED_CALLS.register()
             _insert_low(self)
             self.thread = me
-            if self.compiled_calls is None:
-                self.compiled_calls = COMPILED_CALLS.register()
 
     def pop(self) -> None:
         """Off this thread's mode stack, wherever it is (not from inside its own handler)."""

@@ -241,6 +241,25 @@ def test_compiled_calls_apply_pending_updates_first_and_put_torch_back():
 
 
 @pytest.mark.torch
+def test_a_torch_whose_dynamo_lacks_the_compiled_call_hook_is_refused_at_the_first_arming():
+    """Overlap mode sees compiled calls through ``install_generation_tagging_init`` (torch 2.13): on a torch without
+    it, arming the guard raises, naming hook mode, before a compiled call could read a weight before its update."""
+    import torch
+    from torch._dynamo import eval_frame
+
+    from tensorlane.shim.overlap import UseGuard
+
+    own = eval_frame.install_generation_tagging_init
+    del eval_frame.install_generation_tagging_init
+    try:
+        with pytest.raises(RuntimeError, match="hook mode"):
+            UseGuard(lambda: None).arm([torch.nn.Parameter(torch.ones(2))])
+    finally:
+        eval_frame.install_generation_tagging_init = own
+    assert torch._C._len_torch_function_stack() == 0
+
+
+@pytest.mark.torch
 def test_grad_watch_sees_reads_of_watched_gradients_not_metadata_or_zeroing():
     """The gradient watch (probe and overlap mode): metadata, zeroing, parameters and other tensors pass; a norm, a
     ``_foreach`` list (clipping), an in-place scale and ``.data`` each call ``on_read`` once, before the operation
