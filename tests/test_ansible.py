@@ -272,6 +272,28 @@ def test_preflight_refuses_conflicting_interface_settings(tmp_path, case):
     assert "Probe the host" not in out, out[-3000:]
 
 
+def test_preflight_refuses_a_device_without_a_rate_for_htb(tmp_path):
+    """The whole preflight on this machine's loopback (its driver reports no speed; this kernel has no sch_prio, so
+    ``auto`` is htb): without tensorlane_link_rate the play stops naming the device, where the agent would refuse to
+    start after the config was written (until 2026-11-28 the play went on and failed 30 s later in verify with `no
+    agent at SOCKET`); with a rate for it every check passes."""
+    play = tmp_path / "play.yml"
+    play.write_text("- name: Preflight only\n  hosts: localhost\n  gather_facts: false\n  roles: [tensorlane]\n")
+    base = {"ansible_python_interpreter": sys.executable, "tensorlane_install_os_packages": False,
+            "tensorlane_python": sys.executable, "tensorlane_service_manager": "none", "tensorlane_interfaces": ["lo"],
+            "tensorlane_pip_environment": {"PIP_INDEX_URL": "https://pypi.invalid/simple"}}
+    outs = {}
+    for name, rate in (("none", ""), ("lo's", {"lo": "1gbit"})):
+        proc = subprocess.run([_tool("ansible-playbook"), "-i", "localhost,", "-c", "local", str(play), "--tags",
+                               "tensorlane_preflight", "-e", json.dumps({**base, "tensorlane_link_rate": rate})],
+                              capture_output=True, text=True, timeout=120, check=False, env=_ansible_env(tmp_path))
+        outs[name] = (proc.returncode, " ".join((proc.stdout + proc.stderr).split()))
+    rc, out = outs["none"]
+    assert rc != 0 and "On localhost lo report no link speed" in out and '{"lo": "25gbit"}' in out, out[-3000:]
+    rc, out = outs["lo's"]
+    assert rc == 0 and "failed=0" in out, out[-3000:]
+
+
 def test_ansible_lint_production_profile():
     lint = _tool("ansible-lint")
     env = dict(os.environ, NO_COLOR="1", PATH=os.path.dirname(lint) + os.pathsep + os.environ.get("PATH", ""))

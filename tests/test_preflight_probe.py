@@ -134,3 +134,21 @@ def test_auto_without_a_route_says_so(tmp_path):
     lines = probe_lines("auto", sys.executable, "", "10.3.0.0/16", env=fake_net(tmp_path))
     assert "route_error no interface has a unicast route to 10.3.0.0/16" in lines, lines
     assert not any(line.startswith(("route ", "link")) for line in lines), lines
+
+
+def test_each_queue_device_gets_the_speed_the_agent_would_shape_to(tmp_path):
+    """A veth's driver speed is a placeholder (the agent ignores it), the loopback reports none, a bond's members
+    are read one by one (here faked: no /sys entry, so none)."""
+    veth = ("8: veth0@if9: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 1500 qdisc noqueue state UP mode DEFAULT group "
+            "default qlen 1000\\    link/ether 02:00:00:00:00:08 brd ff:ff:ff:ff:ff:ff link-netnsid 0 promiscuity 0 "
+            "\\    veth addrgenmode eui64 numtxqueues 1")
+    fake(tmp_path, "ip", f'case "$*" in\n    "-d -o link show dev veth0") echo {shlex.quote(veth)} ;;\n'
+                         f'    *) exec {shutil.which("ip")} "$@" ;;\nesac')
+    fake(tmp_path, "tc", f'case "$*" in\n    "qdisc show dev veth0 root") echo "qdisc noqueue 0: root" ;;\n'
+                         f'    *) exec {shutil.which("tc")} "$@" ;;\nesac')
+    env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+    lines = probe_lines("veth0 lo", sys.executable, env=env)
+    assert "speed veth0 none placeholder" in lines and "speed lo none" in lines, lines
+    (tmp_path / "bond").mkdir()
+    lines = probe_lines("bond0", sys.executable, env=fake_net(tmp_path / "bond"))
+    assert "speed ens1f0 none" in lines and "speed ens1f1 none" in lines, lines

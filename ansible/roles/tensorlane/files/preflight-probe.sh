@@ -7,6 +7,9 @@
 #   link IFACE ok | link_error IFACE WHY
 #   queues IFACE DEV...       the devices that carry IFACE's queues: its members for a bond or team, else itself
 #   root_qdisc DEV [qdisc KIND HANDLE root ...]
+#   speed DEV MBITS | speed DEV none [placeholder|STATE]   the driver's speed, as the agent reads it: none with
+#                             placeholder for veth and tun, with the link's state when it is down (a speed comes
+#                             with the carrier), bare when the link is up and still reports none
 #   qdisc htb | qdisc prio | nftables yes | probe_error ...
 #   python VERSION | python_error WHY | group ok | group_error WHY
 ifaces=$1
@@ -21,6 +24,17 @@ if [ -d /run/systemd/system ]; then echo "service_mgr systemd"; else echo "servi
 # The output devices of `ip -o route` lines on stdin (every next hop of a multipath route), never lo.
 route_devs() {
     awk '{ for (i = 1; i < NF; i++) if ($i == "dev" && $(i + 1) != "lo") print $(i + 1) }'
+}
+
+# The speed the agent would shape DEV to without link_rate (agent/kernel/detect.py: veth and tun report a placeholder).
+device_speed() {
+    if ip -d -o link show dev "$1" 2>/dev/null | tr '\\' '\n' | awk '{ print $1 }' | grep -qx -e veth -e tun; then
+        echo "none placeholder"; return
+    fi
+    mbits=$(cat "/sys/class/net/$1/speed" 2>/dev/null)
+    case $mbits in ''|-*|0|*[!0-9]*) ;; *) echo "$mbits"; return ;; esac
+    state=$(cat "/sys/class/net/$1/operstate" 2>/dev/null)
+    case $state in up|unknown|'') echo none ;; *) echo "none $state" ;; esac
 }
 
 if [ "$ifaces" = auto ]; then
@@ -59,6 +73,7 @@ for iface in $ifaces; do
     echo "queues $iface $(printf '%s\n' $queues | tr '\n' ' ' | sed 's/ $//')"
     for dev in $queues; do
         echo "root_qdisc $dev $(tc qdisc show dev "$dev" root 2>/dev/null | head -n 1)"
+        echo "speed $dev $(device_speed "$dev")"
     done
 done
 
