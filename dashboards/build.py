@@ -46,8 +46,8 @@ def with_level(expr: str) -> str:
     """Add the class's ``level`` label (from ``tensorlane_class_info``) to a per-class expression. The join
     ignores ``device``: a class id means the same level on every device of an agent, and agent-wide series
     (marks, flows) carry the agent's interfaces as ``device``, which no queue device has."""
-    return (f"({expr}) * on (instance, class) group_left (level) "
-            f"group by (instance, class, level) (tensorlane_class_info{sel()})")
+    return (f"({expr}) * on (job, instance, class) group_left (level) "
+            f"group by (job, instance, class, level) (tensorlane_class_info{sel()})")
 
 
 RATE = "[$__rate_interval]"
@@ -145,7 +145,7 @@ def _dashboard(uid: str, title: str, description: str, panels: list[dict], links
 
 def link_share() -> str:
     return (f"{with_level(f'rate(tensorlane_class_sent_bytes_total{sel()}{RATE})')}\n"
-            f"/ on (instance, device) group_left () tensorlane_link_rate_bytes_per_second{sel()}")
+            f"/ on (job, instance, device) group_left () tensorlane_link_rate_bytes_per_second{sel()}")
 
 
 def backlog() -> str:
@@ -153,13 +153,13 @@ def backlog() -> str:
 
 
 def inversion_share() -> str:
-    return (f"sum by (instance, device) (rate(tensorlane_class_inversion_bytes_total{sel()}{RATE}))\n"
-            f"/ on (instance, device) tensorlane_link_rate_bytes_per_second{sel()}")
+    return (f"sum by (job, instance, device) (rate(tensorlane_class_inversion_bytes_total{sel()}{RATE}))\n"
+            f"/ on (job, instance, device) tensorlane_link_rate_bytes_per_second{sel()}")
 
 
 def top_class_delay() -> str:
     return (f"tensorlane_class_queue_delay_seconds{sel()}\n"
-            f"* on (instance, device, class) group_left () tensorlane_class_info{sel(LEVEL0)}")
+            f"* on (job, instance, device, class) group_left () tensorlane_class_info{sel(LEVEL0)}")
 
 
 def allreduce_mean(by: str) -> str:
@@ -175,7 +175,7 @@ def borrowed() -> str:
 def default_waiting() -> str:
     """Times per second HTB held the default class back (overlimits): unregistered traffic waiting."""
     return (f"rate(tensorlane_class_overlimits_total{sel()}{RATE})\n"
-            f"* on (instance, device, class) group_left (level) tensorlane_class_info{sel(DEFAULT)}")
+            f"* on (job, instance, device, class) group_left (level) tensorlane_class_info{sel(DEFAULT)}")
 
 
 def link(title: str, url: str, tooltip: str) -> dict:
@@ -267,7 +267,7 @@ def fleet() -> dict:
             "Flows registered with the agents, all hosts (at most 32 jobs per host; the rest is _other).")
     lay.add("Drops by host and class", "pps",
             [(with_level(f"rate(tensorlane_class_dropped_packets_total{sel()}{RATE})"),
-              "{{instance}} level {{level}}")],
+              "{{instance}} {{device}} level {{level}}")],
             "Packets dropped by each class's queue (tail drop).")
     borrowing_panel(lay, "{{instance}} ")
     lay.row("Agents")
@@ -279,8 +279,8 @@ def fleet() -> dict:
             [(f"sum by (op, outcome) (rate(tensorlane_api_requests_total{sel()}{RATE}))", "{{op}} {{outcome}}")],
             "Requests to the agents' API; outcomes other than ok are refusals (error codes).")
     lay.add("Reconcile passes and errors", "ops",
-            [(f"sum by (instance) (rate(tensorlane_reconcile_passes_total{sel()}{RATE}))", "{{instance}} passes"),
-             (f"sum by (instance) (rate(tensorlane_reconcile_errors_total{sel()}{RATE}))", "{{instance}} errors")],
+            [(f"sum by (job, instance) (rate(tensorlane_reconcile_passes_total{sel()}{RATE}))", "{{instance}} passes"),
+             (f"sum by (job, instance) (rate(tensorlane_reconcile_errors_total{sel()}{RATE}))", "{{instance}} errors")],
             "Full reconcile passes per second (flat at zero: the agent's main loop is stuck) and failed passes.")
     process_panels(lay, "{{instance}} ")
     return _dashboard("tensorlane-fleet", "tensorlane / fleet",
@@ -295,7 +295,8 @@ def host() -> dict:
             [(with_level(f"rate(tensorlane_class_sent_bytes_total{sel()}{RATE})"), "{{device}} level {{level}}")],
             "Bytes sent per second by each class.", stack=True)
     lay.add("Link share by class", "percentunit", [(link_share(), "{{device}} level {{level}}")],
-            "Each class's bytes per second over the link rate.", stack=True)
+            "Each class's bytes per second over its device's link rate (not stacked: a host's devices each have a "
+            "link of their own).")
     lay.add("Backlog by class", "bytes", [(backlog(), "{{device}} level {{level}}")],
             "Bytes waiting in each class's queue at scrape time.")
     lay.add("Queueing delay by class", "s",
@@ -308,13 +309,15 @@ def host() -> dict:
             "Bytes per second the class sent while a more urgent class had a backlog (estimate, docs/metrics.md).")
     lay.add("Guaranteed share by class", "percentunit",
             [(f"{with_level(f'tensorlane_class_guaranteed_rate_bytes_per_second{sel()}')}\n"
-              f"/ on (instance, device) group_left () tensorlane_link_rate_bytes_per_second{sel()}",
+              f"/ on (job, instance, device) group_left () tensorlane_link_rate_bytes_per_second{sel()}",
               "{{device}} level {{level}}")],
             "The share of the link each class keeps while more urgent classes are busy: min_share, or under a job "
             "policy a job's part of job_share on its band's first level (docs/jobs.md).")
     lay.add("Drops and overlimits by class", "pps",
-            [(with_level(f"rate(tensorlane_class_dropped_packets_total{sel()}{RATE})"), "drops level {{level}}"),
-             (with_level(f"rate(tensorlane_class_overlimits_total{sel()}{RATE})"), "overlimits level {{level}}")],
+            [(with_level(f"rate(tensorlane_class_dropped_packets_total{sel()}{RATE})"),
+              "drops {{device}} level {{level}}"),
+             (with_level(f"rate(tensorlane_class_overlimits_total{sel()}{RATE})"),
+              "overlimits {{device}} level {{level}}")],
             "Packets dropped by the class's queue; times HTB throttled the class.")
     borrowing_panel(lay, "")
     lay.add("HTB tokens by class", "s",

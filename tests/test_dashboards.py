@@ -115,6 +115,25 @@ def test_borrowing_and_process_panels(name):
     assert "process_resident_memory_bytes" in by_title["Agent memory"]["targets"][0]["expr"]
 
 
+@pytest.mark.parametrize("name", DASHBOARD_NAMES)
+def test_joins_keep_the_scrape_job_and_shares_of_several_links_are_not_stacked(name):
+    """Two scrape jobs of ``tensorlane*`` may scrape one instance (a canary beside production): a join ``on``
+    (or a ``group by``/``sum by`` feeding one) without ``job`` then finds two series a side and the query fails, the
+    panel blank; a share of a link stacked over a host's devices adds their links' shares past 100 %; a legend
+    without ``{{device}}`` names a multi-NIC host's series alike."""
+    for panel in build.panels(load(name)):
+        for target in panel["targets"]:
+            for by in re.findall(r"\b(?:on|group by|sum by) \(([^)]*)\)", target["expr"]):
+                labels = {label.strip() for label in by.split(",")}
+                if "instance" in labels:
+                    assert "job" in labels, (panel["title"], target["expr"])
+            if "level" in target["legendFormat"] and "device" in target["expr"] + target["legendFormat"]:
+                assert "{{device}}" in target["legendFormat"], (panel["title"], target["legendFormat"])
+        if panel.get("fieldConfig", {}).get("defaults", {}).get("unit") == "percentunit":
+            stacking = panel["fieldConfig"]["defaults"].get("custom", {}).get("stacking", {})
+            assert stacking.get("mode", "none") == "none", panel["title"]
+
+
 def test_fleet_dashboard_shows_what_the_issue_asks_for():
     titles = " | ".join(p["title"] for p in build.panels(load("tensorlane-fleet.json"))).lower()
     for want in ("link share", "backlog", "inversion", "all-reduce time by job and level", "queueing delay"):
