@@ -574,7 +574,7 @@ def user_stacklevel() -> int:
 def _span(t) -> tuple[int, int] | None:
     """The bytes ``[start, end)`` of a tensor's storage (None when it has none: sparse, meta, empty)."""
     try:
-        with torch._C.DisableTorchFunction():  # the shim's own look at the storage is no use of it (STORAGE_ACCESS)
+        with _DISABLE_TORCH_FUNCTION():  # the shim's own look at the storage is no use of it (STORAGE_ACCESS)
             st = t.untyped_storage()
         start = st.data_ptr()
         return (start, start + st.nbytes()) if start else None
@@ -752,6 +752,74 @@ class _CompiledCallHandle:
 COMPILED_CALLS = CompiledCalls()
 
 
+# torch's own, as imported: the shim's own use of it is not a use of the weights (DisabledCalls wraps the public names)
+_DISABLE_TORCH_FUNCTION = torch._C.DisableTorchFunction
+
+
+class DisabledCalls:
+    """Blocks under ``torch._C.DisableTorchFunction()`` (also ``torch.DisableTorchFunction``) while one of the shim's
+    modes is on a thread's stack: torch-function modes are off there, so no mode sees what the block reads. A mode
+    of the user's whose handler runs each operation that way (a pattern of user-written modes and tensor
+    subclasses: ``with torch._C.DisableTorchFunction(): return func(*args, **kwargs)``) entered around an EMA
+    after ``step()`` read the weights before their update, silently, until 2026-11-28 (7.7e-3 relative off DDP
+    after 8 Adam steps at 2 ranks, idiom ``user_mode_disabling_torch_function``). While any of the shim's modes is
+    on a stack (registered by ``push``, removed by ``pop``) both names are a wrapper whose entry on the thread of
+    those modes first runs :func:`_before_compiled` (a use of every watched parameter and gradient, as for a compiled
+    call); with none, torch's own class is back (nothing is wrapped, nothing costs). Code that bound the class
+    before (``from torch._C import DisableTorchFunction``) is not seen.
+
+    Usage: ``handle = DISABLED_CALLS.register()``; ``handle.remove()``
+    """
+
+    OWNERS = (torch._C, torch)
+
+    def __init__(self):
+        self.keys: set = set()
+        self.wrapped = False
+        self.next_key = 0
+
+    def register(self):
+        key, self.next_key = self.next_key, self.next_key + 1
+        self.keys.add(key)
+        if not self.wrapped:
+            wrapper = _disable_seen(_DISABLE_TORCH_FUNCTION)
+            for owner in self.OWNERS:
+                if getattr(owner, "DisableTorchFunction", None) is _DISABLE_TORCH_FUNCTION:
+                    owner.DisableTorchFunction = wrapper
+            self.wrapped = True
+        return _CompiledCallHandle(self, key)
+
+    def remove(self, key) -> None:
+        self.keys.discard(key)
+        if not self.keys and self.wrapped:
+            for owner in self.OWNERS:
+                if getattr(getattr(owner, "DisableTorchFunction", None), "tensorlane", False):
+                    owner.DisableTorchFunction = _DISABLE_TORCH_FUNCTION
+            self.wrapped = False
+
+
+def _disable_seen(own):
+    """A stand-in for torch's ``DisableTorchFunction`` (``own``) whose entry runs :func:`_before_compiled` first."""
+
+    class DisableTorchFunction:
+        __doc__ = own.__doc__
+        tensorlane = True
+
+        def __init__(self):
+            self._inner = own()
+
+        def __enter__(self):
+            _before_compiled()
+            return self._inner.__enter__()
+
+        def __exit__(self, *exc):
+            return self._inner.__exit__(*exc)
+    return DisableTorchFunction
+
+
+DISABLED_CALLS = DisabledCalls()
+
+
 def _before_compiled() -> None:
     """A compiled function or module is about to run on this thread (dynamo's frame evaluation still off): each of
     the shim's modes on this thread's stack acts on what the call may use. The guard applies every pending update
@@ -809,6 +877,7 @@ class StackMode(TorchFunctionMode):
         self.thread: int | None = None  # the thread whose mode stack holds it (None: on no stack)
         self.handling = 0
         self.compiled_calls = None  # while on a stack: the wrapper that sees compiled calls (CompiledCalls)
+        self.disabled_calls = None  # and the one that sees torch functions disabled (DisabledCalls)
         _STACK_MODES.add(self)
         install_fast_path_bypass()
 
@@ -828,6 +897,8 @@ class StackMode(TorchFunctionMode):
         if self.thread is None:
             if self.compiled_calls is None:  # (first: a torch it cannot serve is refused before the mode goes in)
                 self.compiled_calls = COMPILED_CALLS.register()
+            if self.disabled_calls is None:
+                self.disabled_calls = DISABLED_CALLS.register()
             _insert_low(self)
             self.thread = me
 
@@ -839,6 +910,9 @@ class StackMode(TorchFunctionMode):
             if self.compiled_calls is not None:
                 self.compiled_calls.remove()
                 self.compiled_calls = None
+            if self.disabled_calls is not None:
+                self.disabled_calls.remove()
+                self.disabled_calls = None
 
     @contextlib.contextmanager
     def _off_stack(self):

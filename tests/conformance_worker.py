@@ -2414,6 +2414,50 @@ def _compiled_teacher(ctx: Ctx):
         ctx.record("loss", loss.item())
 
 
+
+# -- review 2026-11-28: modes disabling torch functions
+class OpCounterDisabling(torch.overrides.TorchFunctionMode):
+    """An operation counter whose handler runs each operation with torch functions disabled, the modes below it
+    included (``with torch._C.DisableTorchFunction(): return func(...)``, a pattern of user-written modes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        with torch._C.DisableTorchFunction():
+            return func(*args, **(kwargs or {}))
+
+
+@idiom("user_mode_disabling_torch_function")
+def _user_mode_disabling_torch_function(ctx: Ctx):
+    """Such a mode around step(), around an EMA of the weights right after it, and from iteration 3 on around a
+    logged gradient norm before step(): no mode below it sees those operations (the shim's guard and gradient watch),
+    so the shim acts at the entry of DisableTorchFunction instead; the EMA and the norms are compared too."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    params = list(model.module.parameters())
+    ema = [p.detach().clone() for p in params]
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if step >= 3:
+            with OpCounterDisabling():
+                ctx.record("grad_norm", torch.stack([p.grad.norm() for p in params]).norm())
+        with OpCounterDisabling():
+            opt.step()
+        with OpCounterDisabling(), torch.no_grad():
+            for e, p in zip(ema, params, strict=True):
+                e.mul_(0.8).add_(p, alpha=0.2)
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+    for e in ema:
+        ctx.record("ema", e)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

@@ -241,6 +241,50 @@ def test_compiled_calls_apply_pending_updates_first_and_put_torch_back():
 
 
 @pytest.mark.torch
+def test_disabled_torch_function_blocks_apply_pending_updates_first_and_put_torch_back():
+    """``torch._C.DisableTorchFunction()`` takes every torch-function mode off, the shim's included: entering it
+    (either public name) under an armed guard applies the pending updates first (``on_use`` once), and the gradient
+    watch's ``on_compiled`` runs while it watches gradients; the shim's own use of torch's class is no use; with no
+    mode of the shim's on a stack, torch's own class is back under both names."""
+    import torch
+
+    from tensorlane.shim.overlap import _DISABLE_TORCH_FUNCTION, GradWatch, UseGuard
+
+    own = torch._C.DisableTorchFunction
+    assert own is _DISABLE_TORCH_FUNCTION and torch.DisableTorchFunction is own
+    lin = torch.nn.Linear(4, 4)
+    used: list = []
+    guard = UseGuard(lambda: used.append(1))
+    for name in ("torch._C", "torch"):
+        used.clear()
+        guard.arm([lin.weight])
+        assert torch._C.DisableTorchFunction is not own and torch.DisableTorchFunction is not own, name
+        with torch.no_grad(), (torch._C if name == "torch._C" else torch).DisableTorchFunction():
+            lin.weight.sum()
+        assert used == [1] and not guard.armed, name
+        guard.disarm()
+        assert torch._C.DisableTorchFunction is own and torch.DisableTorchFunction is own, name
+    used.clear()
+    guard.arm([lin.weight])
+    with _DISABLE_TORCH_FUNCTION():  # (the shim's own: not seen)
+        lin.weight.sum()
+    assert used == [] and guard.armed
+    guard.disarm()
+    seen: list = []
+    watch = GradWatch(lambda: None)
+    watch.on_compiled = lambda: seen.append(1)
+    watch.watch([torch.zeros(3)])
+    try:
+        watch.push()
+        with torch._C.DisableTorchFunction():
+            pass
+        assert seen == [1] and not watch.ids
+    finally:
+        watch.pop()
+    assert torch._C.DisableTorchFunction is own and torch.DisableTorchFunction is own
+
+
+@pytest.mark.torch
 def test_a_torch_whose_dynamo_lacks_the_compiled_call_hook_is_refused_at_the_first_arming():
     """Overlap mode sees compiled calls through ``install_generation_tagging_init`` (torch 2.13): on a torch without
     it, arming the guard raises, naming hook mode, before a compiled call could read a weight before its update."""
