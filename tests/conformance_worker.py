@@ -2415,7 +2415,7 @@ def _compiled_teacher(ctx: Ctx):
 
 
 
-# -- review 2026-11-28: modes disabling torch functions
+# -- review 2026-11-28: modes disabling torch functions, steps skipped per rank, reentrant checkpointing
 class OpCounterDisabling(torch.overrides.TorchFunctionMode):
     """An operation counter whose handler runs each operation with torch functions disabled, the modes below it
     included (``with torch._C.DisableTorchFunction(): return func(...)``, a pattern of user-written modes)."""
@@ -2457,6 +2457,39 @@ def _user_mode_disabling_torch_function(ctx: Ctx):
     for e in ema:
         ctx.record("ema", e)
 
+
+@idiom("skip_step_on_one_rank")
+def _skip_step_on_one_rank(ctx: Ctx):
+    """Rank 1 skips optimizer.step() (its gradients zeroed all the same) in the first iteration, which the probe
+    watches, and in the 5th: the ranks diverge under DDP, and must diverge alike through the shim."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if not (ctx.rank == 1 and step in (0, 4)):
+            opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
+class CheckpointedReentrant(Checkpointed):
+    """The head recomputed in backward by reentrant checkpointing (its input requires grad)."""
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.head, self.convs(x), use_reentrant=True)
+
+
+@idiom("checkpoint_reentrant")
+def _checkpoint_reentrant(ctx: Ctx):
+    """Reentrant activation checkpointing (DDP with static_graph=True, as it requires): the head's forward and its
+    pre-hooks run again inside backward, after its bucket may have been launched."""
+    model = ctx.ddp(CheckpointedReentrant(), static_graph=True)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
 
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
