@@ -657,7 +657,7 @@ class ScriptCalls:
             for cls in (torch._C.ScriptFunction, torch._C.ScriptMethod):
                 self.originals[cls] = own = cls.__call__
                 cls.__call__ = self._wrapper(own)
-        return _ScriptCallHandle(self, key)
+        return _WrapHandle(self, key)
 
     def _wrapper(self, own):
         hooks = self.hooks
@@ -676,8 +676,11 @@ class ScriptCalls:
             self.originals = {}
 
 
-class _ScriptCallHandle:
-    def __init__(self, calls: ScriptCalls, key: int):
+class _WrapHandle:
+    """One registration with a wrapper registry (:class:`ScriptCalls`, :class:`CompiledCalls`,
+    :class:`DisabledCalls`): ``remove()`` takes it back, and the last one out puts torch's own function back."""
+
+    def __init__(self, calls, key: int):
         self.calls, self.key = calls, key
 
     def remove(self) -> None:
@@ -731,7 +734,7 @@ class CompiledCalls:
                 _before_compiled()
                 return own(*args, **kwargs)
             eval_frame.install_generation_tagging_init = install_generation_tagging_init
-        return _CompiledCallHandle(self, key)
+        return _WrapHandle(self, key)
 
     def remove(self, key) -> None:
         self.keys.discard(key)
@@ -739,14 +742,6 @@ class CompiledCalls:
             from torch._dynamo import eval_frame
 
             eval_frame.install_generation_tagging_init, self.original = self.original, None
-
-
-class _CompiledCallHandle:
-    def __init__(self, calls: CompiledCalls, key: int):
-        self.calls, self.key = calls, key
-
-    def remove(self) -> None:
-        self.calls.remove(self.key)
 
 
 COMPILED_CALLS = CompiledCalls()
@@ -787,7 +782,7 @@ class DisabledCalls:
                 if getattr(owner, "DisableTorchFunction", None) is _DISABLE_TORCH_FUNCTION:
                     owner.DisableTorchFunction = wrapper
             self.wrapped = True
-        return _CompiledCallHandle(self, key)
+        return _WrapHandle(self, key)
 
     def remove(self, key) -> None:
         self.keys.discard(key)
