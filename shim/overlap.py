@@ -761,7 +761,10 @@ class DisabledCalls:
     on a stack (registered by ``push``, removed by ``pop``) both names are a wrapper whose entry on the thread of
     those modes first runs :func:`_before_compiled` (a use of every watched parameter and gradient, as for a compiled
     call); with none, torch's own class is back (nothing is wrapped, nothing costs). Code that bound the class
-    before (``from torch._C import DisableTorchFunction``) is not seen.
+    before (``from torch._C import DisableTorchFunction``) is not seen. The wrapper is one class, made once, and
+    dynamo traces it as torch's own (a compiled call has run :func:`_before_compiled` at its start): until
+    2026-11-28 a new class at each arming made dynamo recompile a compiled function entering the block at every
+    iteration (its guard on the name's identity), graph-broken there, until the recompile limit (8) left it eager.
 
     Usage: ``handle = DISABLED_CALLS.register()``; ``handle.remove()``
     """
@@ -777,10 +780,9 @@ class DisabledCalls:
         key, self.next_key = self.next_key, self.next_key + 1
         self.keys.add(key)
         if not self.wrapped:
-            wrapper = _disable_seen(_DISABLE_TORCH_FUNCTION)
             for owner in self.OWNERS:
                 if getattr(owner, "DisableTorchFunction", None) is _DISABLE_TORCH_FUNCTION:
-                    owner.DisableTorchFunction = wrapper
+                    owner.DisableTorchFunction = _DISABLE_SEEN
             self.wrapped = True
         return _WrapHandle(self, key)
 
@@ -812,6 +814,24 @@ def _disable_seen(own):
     return DisableTorchFunction
 
 
+_DISABLE_SEEN = _disable_seen(_DISABLE_TORCH_FUNCTION)
+
+
+def _dynamo_traces_as_torchs(wrapper) -> None:
+    """Make dynamo trace ``wrapper`` (installed under torch's name) as torch's ``DisableTorchFunction``: one of its
+    supported context managers, matched by the public name's identity at trace time (torch 2.13); a torch whose
+    dynamo lacks that table traces the wrapper (a graph break there, still exact).
+    Usage: ``_dynamo_traces_as_torchs(_DISABLE_SEEN)``"""
+    try:
+        from torch._dynamo.variables import torch as dynamo_torch
+    except ImportError:
+        return
+    table = getattr(dynamo_torch, "supported_ctx_manager_classes", None)
+    if isinstance(table, dict):
+        table[wrapper] = None
+
+
+_dynamo_traces_as_torchs(_DISABLE_SEEN)
 DISABLED_CALLS = DisabledCalls()
 
 

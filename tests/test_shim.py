@@ -285,6 +285,37 @@ def test_disabled_torch_function_blocks_apply_pending_updates_first_and_put_torc
 
 
 @pytest.mark.torch
+def test_a_compiled_function_entering_disable_torch_function_is_compiled_once_whole_across_armings():
+    """A compiled function with a ``torch._C.DisableTorchFunction()`` block, called once per iteration while one of
+    the shim's modes is on the stack (pushed and popped each iteration, as the gradient watch is): dynamo traces the
+    wrapper as torch's own (no graph break) and compiles once (a new wrapper class per arming recompiled it every
+    iteration until the recompile limit left it eager)."""
+    import torch
+    from torch._dynamo.testing import CompileCounter
+
+    from tensorlane.shim.overlap import GradWatch
+
+    counter, w, x = CompileCounter(), torch.randn(4, 4), torch.randn(2, 4)
+
+    def f(x):
+        with torch._C.DisableTorchFunction():
+            y = x @ w
+        return y.relu() + 1
+
+    compiled = torch.compile(f, backend=counter)
+    torch._dynamo.reset()
+    for _ in range(4):
+        watch = GradWatch(lambda: None)
+        watch.push()
+        try:
+            assert torch.equal(compiled(x), f(x))
+        finally:
+            watch.pop()
+    assert (counter.frame_count, counter.op_count) == (1, 3)
+    torch._dynamo.reset()
+
+
+@pytest.mark.torch
 def test_a_torch_whose_dynamo_lacks_the_compiled_call_hook_is_refused_at_the_first_arming():
     """Overlap mode sees compiled calls through ``install_generation_tagging_init`` (torch 2.13): on a torch without
     it, arming the guard raises, naming hook mode, before a compiled call could read a weight before its update."""
