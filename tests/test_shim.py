@@ -316,6 +316,39 @@ def test_a_compiled_function_entering_disable_torch_function_is_compiled_once_wh
 
 
 @pytest.mark.torch
+def test_disable_torch_function_entry_asks_only_the_pushed_modes():
+    """Entering the ``DisableTorchFunction`` wrapper (a user's mode runs every operation so) asks only the modes
+    pushed on a stack, not every mode made (a WeakSet walk: 3.2 us per entry against torch's 0.18, 1.3 with it)."""
+    import torch
+
+    from tensorlane.shim.overlap import GradWatch
+
+    asked: list = []
+
+    class Counted(GradWatch):
+        @property
+        def thread(self):
+            asked.append(self)
+            return self.__dict__.get("_thread")
+
+        @thread.setter
+        def thread(self, value):
+            self.__dict__["_thread"] = value
+
+    idle = [Counted(lambda: None) for _ in range(50)]  # made, never pushed
+    watch = GradWatch(lambda: None)
+    watch.push()
+    try:
+        asked.clear()
+        for _ in range(10):
+            with torch._C.DisableTorchFunction():
+                pass
+    finally:
+        watch.pop()
+    assert asked == [] and len(idle) == 50
+
+
+@pytest.mark.torch
 def test_a_torch_whose_dynamo_lacks_the_compiled_call_hook_is_refused_at_the_first_arming():
     """Overlap mode sees compiled calls through ``install_generation_tagging_init`` (torch 2.13): on a torch without
     it, arming the guard raises, naming hook mode, before a compiled call could read a weight before its update."""
