@@ -81,7 +81,6 @@ import functools
 import os
 import sys
 import threading
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -690,7 +689,35 @@ class _WrapHandle:
 SCRIPT_CALLS = ScriptCalls()
 
 
-class CompiledCalls:
+class _WrapRegistry:
+    """Registrations of a wrapper of torch's (the shim's modes on a stack register, and take it back when popped):
+    the first registration wraps (``_wrap``; an exception there refuses the registration), the last one out puts
+    torch's own back (``_unwrap``). Usage: ``handle = registry.register()``; ``handle.remove()``"""
+
+    def __init__(self):
+        self.keys: set = set()
+        self.next_key = 0
+
+    def register(self):
+        key, self.next_key = self.next_key, self.next_key + 1
+        if not self.keys:
+            self._wrap()
+        self.keys.add(key)
+        return _WrapHandle(self, key)
+
+    def remove(self, key) -> None:
+        self.keys.discard(key)
+        if not self.keys:
+            self._unwrap()
+
+    def _wrap(self) -> None:
+        raise NotImplementedError
+
+    def _unwrap(self) -> None:
+        raise NotImplementedError
+
+
+class CompiledCalls(_WrapRegistry):
     """Calls of ``torch.compile``d functions and modules while one of the shim's modes is on a thread's stack.
     dynamo compiles (and guards) a frame with the torch-function modes on the stack at its call, tracing their
     ``__torch_function__`` into the compiled code: with the shim's modes there, a compiled frozen teacher was compiled
@@ -708,37 +735,30 @@ class CompiledCalls:
     """
 
     def __init__(self):
-        self.keys: set = set()
+        super().__init__()
         self.original = None  # torch's install_generation_tagging_init, while wrapped
-        self.next_key = 0
 
-    def register(self):
-        key, self.next_key = self.next_key, self.next_key + 1
-        self.keys.add(key)
-        if self.original is None:
-            from torch._dynamo import eval_frame  # (loaded with this module: torch.compiler.disable below)
+    def _wrap(self) -> None:
+        from torch._dynamo import eval_frame  # (loaded with this module: torch.compiler.disable below)
 
-            own = getattr(eval_frame, "install_generation_tagging_init", None)
-            if own is None:  # refused at the first arming, before a compiled call could run unseen
-                self.keys.discard(key)
-                raise RuntimeError(
-                    "tensorlane's overlap mode cannot see calls of torch.compile'd functions with this torch "
-                    f"({torch.__version__}: torch._dynamo.eval_frame has no install_generation_tagging_init, where "
-                    "torch 2.13 starts every compiled call); such a call between step() and the next forward could "
-                    "read weights before their update. Attach without the optimizer (hook mode): "
-                    "shim.attach(ddp_model)")
-            self.original = own
+        own = getattr(eval_frame, "install_generation_tagging_init", None)
+        if own is None:  # refused at the first arming, before a compiled call could run unseen
+            raise RuntimeError(
+                "tensorlane's overlap mode cannot see calls of torch.compile'd functions with this torch "
+                f"({torch.__version__}: torch._dynamo.eval_frame has no install_generation_tagging_init, where "
+                "torch 2.13 starts every compiled call); such a call between step() and the next forward could "
+                "read weights before their update. Attach without the optimizer (hook mode): "
+                "shim.attach(ddp_model)")
+        self.original = own
 
-            @functools.wraps(own)
-            def install_generation_tagging_init(*args, **kwargs):
-                _before_compiled()
-                return own(*args, **kwargs)
-            eval_frame.install_generation_tagging_init = install_generation_tagging_init
-        return _WrapHandle(self, key)
+        @functools.wraps(own)
+        def install_generation_tagging_init(*args, **kwargs):
+            _before_compiled()
+            return own(*args, **kwargs)
+        eval_frame.install_generation_tagging_init = install_generation_tagging_init
 
-    def remove(self, key) -> None:
-        self.keys.discard(key)
-        if not self.keys and self.original is not None:
+    def _unwrap(self) -> None:
+        if self.original is not None:
             from torch._dynamo import eval_frame
 
             eval_frame.install_generation_tagging_init, self.original = self.original, None
@@ -751,7 +771,7 @@ COMPILED_CALLS = CompiledCalls()
 _DISABLE_TORCH_FUNCTION = torch._C.DisableTorchFunction
 
 
-class DisabledCalls:
+class DisabledCalls(_WrapRegistry):
     """Blocks under ``torch._C.DisableTorchFunction()`` (also ``torch.DisableTorchFunction``) while one of the shim's
     modes is on a thread's stack: torch-function modes are off there, so no mode sees what the block reads. A mode
     of the user's whose handler runs each operation that way (a pattern of user-written modes and tensor
@@ -771,28 +791,15 @@ class DisabledCalls:
 
     OWNERS = (torch._C, torch)
 
-    def __init__(self):
-        self.keys: set = set()
-        self.wrapped = False
-        self.next_key = 0
+    def _wrap(self) -> None:
+        for owner in self.OWNERS:
+            if getattr(owner, "DisableTorchFunction", None) is _DISABLE_TORCH_FUNCTION:
+                owner.DisableTorchFunction = _DISABLE_SEEN
 
-    def register(self):
-        key, self.next_key = self.next_key, self.next_key + 1
-        self.keys.add(key)
-        if not self.wrapped:
-            for owner in self.OWNERS:
-                if getattr(owner, "DisableTorchFunction", None) is _DISABLE_TORCH_FUNCTION:
-                    owner.DisableTorchFunction = _DISABLE_SEEN
-            self.wrapped = True
-        return _WrapHandle(self, key)
-
-    def remove(self, key) -> None:
-        self.keys.discard(key)
-        if not self.keys and self.wrapped:
-            for owner in self.OWNERS:
-                if getattr(getattr(owner, "DisableTorchFunction", None), "tensorlane", False):
-                    owner.DisableTorchFunction = _DISABLE_TORCH_FUNCTION
-            self.wrapped = False
+    def _unwrap(self) -> None:
+        for owner in self.OWNERS:
+            if getattr(getattr(owner, "DisableTorchFunction", None), "tensorlane", False):
+                owner.DisableTorchFunction = _DISABLE_TORCH_FUNCTION
 
 
 def _disable_seen(own):
@@ -844,8 +851,7 @@ def _before_compiled() -> None:
     compiled gradient norm), and stays on the stack with nothing to watch: dynamo traces it as an operation's plain
     call (bit for bit as without it: a compiled teacher, 2026-11-28), and it watches the next backward's gradients.
     Usage: called by the wrapper :class:`CompiledCalls` installs."""
-    me = threading.get_ident()
-    modes = [m for m in list(_PUSHED.values()) if m.thread == me and not m.handling]  # (not the WeakSet: 2 us)
+    modes = _modes_on_this_thread()
     modes.sort(key=lambda m: not isinstance(m, UseGuard))  # the guard first: its flush leaves the averages in .grad
     for m in modes:
         m.before_compiled()
@@ -891,9 +897,7 @@ class StackMode(TorchFunctionMode):
         super().__init__()
         self.thread: int | None = None  # the thread whose mode stack holds it (None: on no stack)
         self.handling = 0
-        self.compiled_calls = None  # while on a stack: the wrapper that sees compiled calls (CompiledCalls)
-        self.disabled_calls = None  # and the one that sees torch functions disabled (DisabledCalls)
-        _STACK_MODES.add(self)
+        self.wraps: list = []  # while on a stack: its registrations with COMPILED_CALLS and DISABLED_CALLS
         install_fast_path_bypass()
 
     def before_fast_path(self, module, args, kwargs) -> None:
@@ -910,10 +914,8 @@ class StackMode(TorchFunctionMode):
         if self.thread == me and not self.handling and not _on_stack(self):
             self.thread = None  # taken off by someone else (code popping more modes than it pushed)
         if self.thread is None:
-            if self.compiled_calls is None:  # (first: a torch it cannot serve is refused before the mode goes in)
-                self.compiled_calls = COMPILED_CALLS.register()
-            if self.disabled_calls is None:
-                self.disabled_calls = DISABLED_CALLS.register()
+            if not self.wraps:  # (first: a torch it cannot serve is refused before the mode goes in)
+                self.wraps = [COMPILED_CALLS.register(), DISABLED_CALLS.register()]
             _insert_low(self)
             self.thread = me
             _PUSHED[id(self)] = self
@@ -924,12 +926,9 @@ class StackMode(TorchFunctionMode):
             _take_out(self)
             self.thread = None
             _PUSHED.pop(id(self), None)
-            if self.compiled_calls is not None:
-                self.compiled_calls.remove()
-                self.compiled_calls = None
-            if self.disabled_calls is not None:
-                self.disabled_calls.remove()
-                self.disabled_calls = None
+            for wrap in self.wraps:
+                wrap.remove()
+            self.wraps = []
 
     @contextlib.contextmanager
     def _off_stack(self):
@@ -941,8 +940,15 @@ class StackMode(TorchFunctionMode):
                 _insert_low(self)
 
 
-_STACK_MODES: weakref.WeakSet = weakref.WeakSet()  # every StackMode made (the fast-path bypass looks for them)
-_PUSHED: dict = {}  # id -> each StackMode pushed by push() and not yet popped by pop() (what _before_compiled asks)
+_PUSHED: dict = {}  # id -> each StackMode pushed by push() and not yet popped by pop() (_modes_on_this_thread)
+
+
+def _modes_on_this_thread() -> list:
+    """The shim's modes on this thread's stack, not inside their own handler: those ``push()`` put there (not every
+    mode ever made: a walk of those cost 3.2 us per entry of the ``DisableTorchFunction`` wrapper, 1.3 so).
+    Usage: ``for m in _modes_on_this_thread(): m.before_compiled()``"""
+    me = threading.get_ident()
+    return [m for m in list(_PUSHED.values()) if m.thread == me and not m.handling]
 # torch's modules whose forward, in eval mode, takes a fused "fast path" (torch._transformer_encoder_layer_fwd,
 # torch._native_multi_head_attention) only where torch.overrides.has_torch_function() is false, which any
 # torch-function mode on the stack makes true: with the shim's modes there they took the slow path, which rounds
@@ -968,8 +974,7 @@ def _fast_path_call(cls):
         call = own.__get__(self) if own is not None else super(cls, self).__call__
         if self.training or torch.compiler.is_compiling():  # (the fast paths are for eval mode only)
             return call(*args, **kwargs)
-        me = threading.get_ident()
-        modes = [m for m in list(_STACK_MODES) if m.thread == me and not m.handling]
+        modes = _modes_on_this_thread()
         if not modes:
             return call(*args, **kwargs)
         for m in modes:
