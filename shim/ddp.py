@@ -222,9 +222,7 @@ class ShimState:
         o = self.options
         self.world = dist.get_world_size()
         self.groups, self.link, self.flows, self.job = _connect(self.levels, o.get("agent_socket"), o.get("job"))
-        self.reporter = report.start(self, interval_s=o.get("report_interval_s", 5.0))
-        if self.reporter is not None:
-            self.link.on_retired = self.reporter.stop
+        self.reporter = _start_reporter(self, o.get("report_interval_s", 5.0))
         module = o.get("module")
         if module is not None:
             _set_layer_levels(self, [p for p in module.parameters() if p.requires_grad], o.get("policy"))
@@ -1432,6 +1430,15 @@ def agree_run(group=None) -> str:
     return broadcast_token(f"run-{uuid.uuid4().hex[:16]}", group=group)
 
 
+def _start_reporter(state, interval_s: float):
+    """The job's reporter (``report.start``), stopped with the agent link if the link retires itself (its groups
+    destroyed without ``close()``). Usage: ``state.reporter = _start_reporter(state, 5.0)``"""
+    reporter = report.start(state, interval_s=interval_s)
+    if reporter is not None:
+        state.link.on_retired = reporter.stop
+    return reporter
+
+
 _LINKS: weakref.WeakSet = weakref.WeakSet()  # every attach's agent link in this process
 
 
@@ -1649,9 +1656,7 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
         element = params[0].element_size() if params else 4
         state.partition_elems = max(1, partition_bytes // element)
     state.groups, state.link, state.flows, state.job = _connect(levels, agent_socket, job)
-    state.reporter = report.start(state, interval_s=report_interval_s)  # counters to the agent's metrics
-    if state.reporter is not None:
-        state.link.on_retired = state.reporter.stop
+    state.reporter = _start_reporter(state, report_interval_s)  # counters to the agent's metrics
     handle = Handle(model, optimizer, state)
     handle.plan = {"policy": policy}
     if policy == "planner":
