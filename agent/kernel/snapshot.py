@@ -243,19 +243,17 @@ def _u32_order(filters: list[TcObject], u32_roots: list[list[int]] | None = None
     Usage: ``for obj in _u32_order(filters, snap.u32_roots): ...``"""
     u32 = [f for f in filters if f.kind == "u32"]
     tables = sorted((f for f in u32 if f.handle & 0xFFFFF == 0), key=lambda f: f.handle)
-    roots: dict[tuple[int, int], TcObject] = {}
+    not_u32, keys = [f for f in filters if f.kind != "u32"], [f for f in u32 if f.handle & 0xFFFFF]
     if u32_roots is not None:
-        return [f for f in filters if f.kind != "u32"] + _u32_known(tables, u32_roots) + [
-            f for f in u32 if f.handle & 0xFFFFF]
-    else:
-        for t in tables:  # (the kernel's ids have bit 0x800 set: a table made with an id of its own, "2:", is no root)
-            if t.handle & 0x80000000:
-                roots.setdefault((t.parent, t.info), t)
+        return not_u32 + _u32_known(tables, u32_roots) + keys
+    roots: dict[tuple[int, int], TcObject] = {}
+    for t in tables:  # (the kernel's ids have bit 0x800 set: a table made with an id of its own, "2:", is no root)
+        if t.handle & 0x80000000:
+            roots.setdefault((t.parent, t.info), t)
     made = [TcObject("filter", 0, t.parent, t.info, [a for a in t.attrs if a[0] in (1, 11)] or [(1, _U32_KIND)],
                      "u32") for t in sorted(roots.values(), key=lambda t: t.handle)]
     rooted = {t.handle for t in roots.values()}
-    others = [t for t in tables if t.handle not in rooted]
-    return [f for f in filters if f.kind != "u32"] + made + others + [f for f in u32 if f.handle & 0xFFFFF]
+    return not_u32 + made + [t for t in tables if t.handle not in rooted] + keys
 
 
 def _tc(h: int) -> str:
