@@ -416,7 +416,8 @@ def test_u32_filters_of_one_prio_at_the_root_and_at_an_inner_class_are_restored_
     assert any("cannot tell which parent owns which of 800:, 801:, 802: (prio 1)" in w for w in got["old"]), got
 
 
-U32_SHARED = r"""
+# the two u32 restore scripts' start (run in `unshare -n`): a veth pair tl0/tl1 up, and `sh` for tc
+U32_PREAMBLE = r"""
 import json, subprocess
 from pyroute2 import IPRoute
 from tensorlane.agent.kernel import snapshot
@@ -425,6 +426,9 @@ def sh(cmd):
     return subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True).stdout
 
 sh("ip link add tl0 type veth peer name tl1 && ip link set tl1 up && ip link set tl0 up")
+"""
+
+U32_SHARED = U32_PREAMBLE + r"""
 for c in ("qdisc add dev tl0 root handle 1: htb default 20", "class add dev tl0 parent 1: classid 1:1 htb rate 50mbit",
           "class add dev tl0 parent 1:1 classid 1:10 htb rate 10mbit ceil 50mbit",
           "filter add dev tl0 parent 1: prio 1 protocol ip u32 match ip dport 22 0xffff flowid 1:1",
@@ -458,15 +462,7 @@ print(json.dumps({"before": before, "after": after, "roots": roots, "warnings": 
                   "old": warnings_old}))
 """
 
-U32_TREE = r"""
-import json, subprocess
-from pyroute2 import IPRoute
-from tensorlane.agent.kernel import snapshot
-
-def sh(cmd):
-    return subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True).stdout
-
-sh("ip link add tl0 type veth peer name tl1 && ip link set tl1 up && ip link set tl0 up")
+U32_TREE = U32_PREAMBLE + r"""
 for c in ("qdisc add dev tl0 root handle 1: htb default 20", "class add dev tl0 parent 1: classid 1:1 htb rate 50mbit",
           "class add dev tl0 parent 1:1 classid 1:10 htb rate 10mbit ceil 50mbit",
           "filter add dev tl0 parent 1: prio 1 protocol ip u32 match ip dport 22 0xffff flowid 1:1",
