@@ -1165,6 +1165,28 @@ def test_server_caps_a_user_holds_its_excess_requests_and_closes_idle_connection
             s.close()
 
 
+def test_a_users_large_requests_take_its_bucket_by_their_size(kernel, served):
+    """A request takes one token of its user's bucket per BYTES_PER_TOKEN of its line besides its own: one user
+    re-sending a register of 600 flows (31 ms of the agent's work each) at 200 requests a second kept root's
+    `status` waiting (p99 12 -> 114 ms). 10 lines of 32 KiB at 50 requests a second now take seconds; before, 0.1 s.
+    They are held back, not refused."""
+    server, _ = served(requests_per_user_per_s=50)
+    line = b'{"op":"hello"}' + b" " * (32 * 1024 - 15) + b"\n"  # (JSON allows the trailing blanks)
+    s, reply = connect(server.path)
+    try:
+        assert reply["ok"], reply
+        t0 = time.monotonic()
+        sender = threading.Thread(target=s.sendall, args=(line * 10,), daemon=True)
+        sender.start()
+        reader = s.makefile("rb")
+        codes = [json.loads(reader.readline()).get("error", {}).get("code", "ok") for _ in range(10)]
+        took = time.monotonic() - t0
+        assert codes == ["ok"] * 10 and 3.0 < took < 8.0, (codes, took)
+        sender.join(timeout=5)
+    finally:
+        s.close()
+
+
 def test_owner_processes_cannot_take_the_agents_open_files(tmp_path, monkeypatch):
     """Each process that owns flows is watched with a pidfd, at most ``MAX_WATCHED`` of them: a user who registers
     from many processes (one socket and one request each) leaves the rest to the sweep. Before, every owner took a
