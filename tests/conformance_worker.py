@@ -2491,6 +2491,187 @@ def _checkpoint_reentrant(ctx: Ctx):
     ctx.attach(model, opt)
     plain_loop(ctx, model, opt)
 
+
+# -- review loops9 (2026-11-28): per-parameter hooks, collectives, resets, foreach, legacy saves, dtype changes -----
+@idiom("post_accumulate_clip_hook", start=0)
+@idiom("post_accumulate_clip_hook_late", start=3)
+def _post_accumulate_clip_hook(ctx: Ctx, start: int):
+    """From iteration ``start`` on (0, or 3: after the probe), a ``register_post_accumulate_grad_hook`` on every
+    parameter clamps this rank's gradient in place as it is accumulated (per-parameter clipping before the
+    all-reduce) and logs its norm."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+
+    def hook(p):
+        p.grad.clamp_(-CLIP_VALUE, CLIP_VALUE)
+        ctx.record("clipped_norm", p.grad.norm().item())
+
+    def before(step):
+        if step == start:
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(hook)
+    plain_loop(ctx, model, opt, before_forward=before)
+
+
+@idiom("broadcast_rank0_weights")
+def _broadcast_rank0_weights(ctx: Ctx):
+    """Rank 1 skips its step in iteration 2 (the ranks drift apart); every 3rd iteration, right after step(), every
+    parameter is re-synchronised from rank 0 with ``dist.broadcast(p.data, 0)``, and each rank logs a weight sum."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if not (ctx.rank == 1 and step == 2):
+            opt.step()
+        if step % 3 == 2:
+            for p in model.parameters():
+                dist.broadcast(p.data, 0)
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+        ctx.record("w0", model.module[0].weight.detach().sum())
+
+
+@idiom("reset_to_best_model_only")
+def _reset_to_best_model_only(ctx: Ctx):
+    """The best weights (lowest mean loss over the ranks so far) kept as a deep copy of
+    ``model.module.state_dict()``; after iteration 5 the model is reset to them with ``load_state_dict`` while the
+    optimizer keeps its (Adam) state."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    ctx.attach(model, opt)
+    best = {"loss": float("inf")}
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # the ranks' mean loss: every rank keeps the same best weights
+        if mean.item() / ctx.world < best["loss"]:
+            best.update(loss=mean.item() / ctx.world, state=copy.deepcopy(model.module.state_dict()))
+        if step == 5:
+            model.module.load_state_dict(best["state"])
+        ctx.record("loss", loss.item())
+
+
+@idiom("foreach_decay_and_ema")
+def _foreach_decay_and_ema(ctx: Ctx):
+    """Right after step(): decoupled weight decay by hand over ``model.parameters()``
+    (``torch._foreach_mul_`` in place, under ``no_grad``) and an EMA ``torch._foreach_lerp_(ema, params, 0.1)``."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    ema = [p.detach().clone() for p in model.parameters()]
+
+    def after(step):
+        params = list(model.parameters())
+        with torch.no_grad():
+            torch._foreach_mul_(params, 1 - 0.05 * 0.01)
+            torch._foreach_lerp_(ema, params, 0.1)
+        ctx.record("ema", torch.stack([e.sum() for e in ema]))
+    plain_loop(ctx, model, opt, after_step=after)
+
+
+@idiom("legacy_save_keep_vars")
+def _legacy_save_keep_vars(ctx: Ctx):
+    """Right after step(), inside ``torch.no_grad()``: ``torch.save(model.state_dict(keep_vars=True), buf,
+    _use_new_zipfile_serialization=False)`` (the parameters themselves, legacy format), read back and logged."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+
+    def after(step):
+        buf = io.BytesIO()
+        with torch.no_grad():
+            torch.save(model.module.state_dict(keep_vars=True), buf, _use_new_zipfile_serialization=False)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        ctx.record("saved", torch.stack([t.double().sum() for t in saved.values()]))
+    plain_loop(ctx, model, opt, after_step=after)
+
+@idiom("spectral_norm_legacy")
+def _spectral_norm_legacy(ctx: Ctx):
+    """A GAN discriminator's layers under the legacy ``nn.utils.spectral_norm`` (its forward pre-hook runs a power
+    iteration, writing the ``u``/``v`` buffers in place from ``weight_orig``, and sets ``weight``), with Adam."""
+    net = convnet()
+    for i in (0, 2, 5):
+        nn.utils.spectral_norm(net[i])
+    model = ctx.ddp(net)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3, betas=(0.0, 0.9))
+    ctx.attach(model, opt)
+
+    def after(step):
+        if step % 2 == 1:
+            model.eval()
+            with torch.no_grad():
+                ctx.record("eval", model(ctx.images(1000)[0]))
+            model.train()
+    plain_loop(ctx, model, opt, after_step=after)
+
+
+@idiom("to_float64_midrun")
+def _to_float64_midrun(ctx: Ctx):
+    """``model.to(torch.float64)`` before the forward of iteration 3 (the parameters' dtype changed under a DDP built
+    over float32 ones), the batch cast to match. Plain DDP silently stops all-reducing from there (the ranks end
+    5-47% apart): every mode must end equal to it rank by rank."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        if step == 3:
+            model.to(torch.float64)
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x.to(next(model.parameters()).dtype)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+@idiom("update_bn_live_model")
+def _update_bn_live_model(ctx: Ctx):
+    """SWA's ``torch.optim.swa_utils.update_bn`` over a few batches run on the live DDP model itself (its BatchNorm
+    statistics reset and recomputed by forwards under ``no_grad``, in train mode) right after step() of
+    iterations 3 and 7, then an eval forward."""
+    model = ctx.ddp(convnet(batchnorm=True))
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+
+    def after(step):
+        if step % 4 == 3:
+            torch.optim.swa_utils.update_bn([ctx.images(500 + i)[0] for i in range(3)], model)
+            model.eval()
+            with torch.no_grad():
+                ctx.record("eval", model(ctx.images(1000)[0]))
+            model.train()
+    plain_loop(ctx, model, opt, after_step=after)
+
+
+@idiom("manual_grad_all_reduce_late")
+def _manual_grad_all_reduce_late(ctx: Ctx):
+    """From iteration 3 on, code ported from a loop without DDP all-reduces the gradients again by hand between
+    backward() and step() (``dist.all_reduce(p.grad)``, ``p.grad /= world``), and logs a gradient norm."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if step >= 3:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= ctx.world
+            ctx.record("grad_norm", model.module[7].weight.grad.norm())
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

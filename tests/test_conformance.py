@@ -63,7 +63,9 @@ FALLS_BACK_TO_HOOK = ("clip_grad_norm", "clip_grad_value", "grad_scaler", "join_
 # every mode must end equal to DDP rank by rank, but the ranks differ from each other
 PER_RANK = ("ddp_ignored", "unfreeze_add_group", "retain_graph_two_losses",  # (DDP synchronizes the first backward)
             "second_backward_late",
-            "skip_step_on_one_rank")  # (one rank skips step() twice: the ranks diverge under DDP, as meant)
+            "skip_step_on_one_rank",  # (one rank skips step() twice: the ranks diverge under DDP, as meant)
+            "broadcast_rank0_weights",  # (rank 1 skips a step: its momentum stays apart after each re-broadcast)
+            "to_float64_midrun")  # (DDP all-reduces nothing after model.to(torch.float64): the ranks diverge)
 STAYS_OVERLAP = tuple(n for n in MAIN + ["checkpoint_resume"] if n not in FALLS_BACK_TO_HOOK)
 
 # Idioms whose dynamics magnify rounding: under bf16 autocast a parameter that differs in its last fp32 bit can
