@@ -2517,7 +2517,8 @@ def _post_accumulate_clip_hook(ctx: Ctx, start: int):
 @idiom("broadcast_rank0_weights")
 def _broadcast_rank0_weights(ctx: Ctx):
     """Rank 1 skips its step in iteration 2 (the ranks drift apart); every 3rd iteration, right after step(), every
-    parameter is re-synchronised from rank 0 with ``dist.broadcast(p.data, 0)``, and each rank logs a weight sum."""
+    parameter is re-synchronised from rank 0 with ``dist.broadcast(p, 0)`` under ``no_grad`` (no ``.data``: the
+    collective alone uses the parameter), and each rank logs a weight sum."""
     model = ctx.ddp(convnet())
     opt = sgd(model.parameters())
     ctx.attach(model, opt)
@@ -2528,8 +2529,9 @@ def _broadcast_rank0_weights(ctx: Ctx):
         if not (ctx.rank == 1 and step == 2):
             opt.step()
         if step % 3 == 2:
-            for p in model.parameters():
-                dist.broadcast(p.data, 0)
+            with torch.no_grad():
+                for p in model.parameters():
+                    dist.broadcast(p, 0)
         opt.zero_grad()
         ctx.record("loss", loss.item())
         ctx.record("w0", model.module[0].weight.detach().sum())
