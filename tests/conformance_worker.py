@@ -2673,6 +2673,37 @@ def _manual_grad_all_reduce_late(ctx: Ctx):
         opt.zero_grad()
         ctx.record("loss", loss.item())
 
+class CosineHeadNet(nn.Module):
+    """A backbone returning embeddings and a cosine-classifier head whose weight the LOSS code uses (ArcFace/CosFace
+    style: ``F.linear(F.normalize(emb), F.normalize(model.module.head.weight))``); ``head``'s forward never runs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.backbone = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 32))
+        self.head = nn.Linear(32, 10, bias=False)
+
+    def forward(self, x):
+        return self.backbone(x)
+
+
+@idiom("cosine_head_in_loss")
+def _cosine_head_in_loss(ctx: Ctx):
+    """A cosine-classifier head (ArcFace/CosFace style) whose weight only the loss code uses, outside the DDP
+    forward, through ``model.module.head.weight``: the probe sees it get a gradient with no forward of its module."""
+    model = ctx.ddp(CosineHeadNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        emb = model(x)
+        logits = 16.0 * F.linear(F.normalize(emb), F.normalize(model.module.head.weight))
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
 
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
