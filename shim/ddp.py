@@ -1409,13 +1409,33 @@ def _start_planner(handle: Handle, model, levels: int, profile, link_bps: float 
     handle.state.options["recorder"] = handle._recorder  # consumed by the comm hook (_plan_due)
 
 
+SHARED_STORE_HINT = (
+    "tensorlane: creating the shim's process group for level {level} failed under torchrun, whose workers share "
+    "one store across restarts (TORCHELASTIC_USE_AGENT_STORE=True): a restarted worker can read the addresses that "
+    "the workers before the restart left there, and connect to a process that is gone. Set "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node (a new store for each restart); "
+    "docs/shim.md, \"torchrun restarts\". The error: {error}")
+
+
+def _new_level_group(level: int):
+    """One gloo group for ``level``, all its connections up (a collective). Under torchrun's shared worker store a
+    failure names the likely cause, the killed attempt's keys in that store (SHARED_STORE_HINT)."""
+    try:
+        group = dist.new_group(backend="gloo")
+        dist.barrier(group=group)  # every connection of the group is up
+    except RuntimeError as e:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            raise
+        raise RuntimeError(SHARED_STORE_HINT.format(level=level, error=e)) from e
+    return group
+
+
 def _priority_groups(levels: int, master_port: str | None) -> tuple[list, dict[int, list[dict]]]:
     """Create one gloo group per level (a collective) and return the groups and each level's new TCP flows."""
     groups, flows = [], {}
     for level in range(levels):
         before = own_tcp_flows()
-        group = dist.new_group(backend="gloo")
-        dist.barrier(group=group)  # every connection of the group is up
+        group = _new_level_group(level)
         found = new_flows(before, own_tcp_flows())
         flows[level] = [f for f in found if not f["dst"].startswith("127.") and f["dst"] != "::1"
                         and str(f["dport"]) != master_port and str(f["sport"]) != master_port]

@@ -1241,3 +1241,30 @@ def test_options_of_the_wrong_type_or_sign_are_refused_naming_the_option():
         with pytest.raises(ValueError, match=message):
             shim.comm_state(**kwargs)
     shim.comm_state(levels=2, report_interval_s=0.5)  # valid: nothing happens until the first hook call
+
+
+@pytest.mark.torch
+def test_level_group_failure_under_torchruns_shared_store_names_the_cause(monkeypatch):
+    """A restarted worker under torchrun's shared worker store can read the killed attempt's addresses when the
+    shim creates its level groups (gloo: connection refused). The error then says why and what to set; outside
+    torchrun's shared store the error is torch's own. (Measured on the testbed: scripts/torchrun_restart.py
+    --share-store failed the restart in 2 of 3 runs.)"""
+    import torch.distributed as dist
+
+    from tensorlane.shim import ddp
+
+    refused = ("Gloo connectFullMesh failed with [pair.cc:152] timed out connecting: SO_ERROR: Connection refused, "
+               "remote=[198.18.0.1]:4491")
+
+    def new_group(**kw):
+        raise RuntimeError(refused)
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(RuntimeError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") as e:
+        ddp._priority_groups(2, "29500")
+    assert "level 0" in str(e.value) and refused in str(e.value) and str(e.value.__cause__) == refused
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    with pytest.raises(RuntimeError) as e:
+        ddp._priority_groups(2, "29500")
+    assert str(e.value) == refused
