@@ -1248,7 +1248,7 @@ def test_level_group_failure_under_torchruns_shared_store_names_the_cause(monkey
     """A restarted worker under torchrun's shared worker store can read the killed attempt's addresses when the
     shim creates its level groups (gloo: connection refused). The error then says why and what to set; outside
     torchrun's shared store the error is torch's own. (Measured on the testbed: scripts/torchrun_restart.py
-    --share-store failed the restart in 2 of 3 runs.)"""
+    --share-store failed the restart in 2 of 4 runs.)"""
     import torch.distributed as dist
 
     from tensorlane.shim import ddp
