@@ -278,3 +278,27 @@ def test_transformers_trainer_callback_attach(tmp_path):
             assert [lv["level"] for lv in stats["levels"]] == list(range(LEVELS)), stats["levels"]
             assert all(lv["allreduces"] >= 1 for lv in stats["levels"]), stats["levels"]
         assert rel_diff(load(tmp_path, f"shim-{kind}", 1)[0], load(tmp_path, f"shim-{kind}", 0)[0]) == 0.0
+
+
+@pytest.mark.torch
+def test_lightning_lr_find_then_fit(tmp_path):
+    """Lightning's learning-rate finder, ``Tuner(trainer).lr_find(model)`` and then ``trainer.fit(model)`` on the same
+    Trainer: the tuner's own fit (trial steps, then its checkpoint restored) and the real fit's new DDP model. With
+    the ``CommHook`` callback (CPU) the trial steps are plain DDP (the tuner ends its fit in ``on_fit_start``, before
+    the callback registers); with the hook registered by the strategy (as on CUDA) one ``comm_state()`` serves both
+    DDP models, its levels learnt in the trial steps. Both end equal to the run without the shim bit for bit, with the
+    same trial losses and suggested rate."""
+    run_torchrun("lightning_tuner_worker.py", tmp_path, ["--variants", "lr_find,lr_find-cuda"])
+    fit_steps = 3 * 6  # EPOCHS x batches per rank and epoch
+    for variant, trials_via_shim in (("lr_find", False), ("lr_find-cuda", True)):
+        for rank in (0, 1):
+            plain, plain_rec = load(tmp_path, f"plain-{variant}", rank)
+            got, rec = load(tmp_path, f"shim-{variant}", rank)
+            assert plain_rec["world_size"] == 2 and plain_rec["global_step"] == rec["global_step"] == fit_steps, rec
+            assert rel_diff(got, plain) == 0.0, variant  # bit for bit
+            assert len(rec["trial_losses"]) == 16 and rec["trial_losses"] == plain_rec["trial_losses"], variant
+            assert rec["suggested"] == plain_rec["suggested"] != 0.05, (rec["suggested"], plain_rec["suggested"])
+            expected = fit_steps + (16 if trials_via_shim else 0)  # one bucket: one all-reduce per level and step
+            assert rec["allreduces"][-1] == expected and min(rec["allreduces"]) >= fit_steps, rec["allreduces"]
+            assert rec["hook_registered_by_callback"] == (not trials_via_shim), rec
+        assert rel_diff(load(tmp_path, f"shim-{variant}", 1)[0], load(tmp_path, f"shim-{variant}", 0)[0]) == 0.0
