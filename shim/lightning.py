@@ -24,6 +24,8 @@ except ImportError:  # the standalone distribution
         raise ImportError("tensorlane.shim.lightning needs PyTorch Lightning, and neither `lightning` nor "
                           "`pytorch_lightning` can be imported: pip install lightning (docs/frameworks.md)") from None
 
+import warnings
+
 from tensorlane.shim.ddp import priority_hook
 
 
@@ -38,6 +40,12 @@ class CommHook(Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         model = trainer.strategy.model
+        if getattr(self.state, "closed", False):
+            warnings.warn("tensorlane: the shim's state given to CommHook was closed (state.close()) before this fit: "
+                          "its all-reduces are DDP's own and nothing is prioritised (training is plain DDP). Make a "
+                          "new shim.comm_state() for each Trainer, and close it after that Trainer's fits",
+                          stacklevel=2)
+            return
         hooks = list(getattr(model, "_comm_hooks", ()))  # DDP's registered (hook, state) pairs
         if any(state is self.state for _hook, state in hooks):
             return  # Lightning registered it (on CUDA it passes ddp_comm_hook on)

@@ -1268,3 +1268,38 @@ def test_level_group_failure_under_torchruns_shared_store_names_the_cause(monkey
     with pytest.raises(RuntimeError) as e:
         ddp._priority_groups(2, "29500")
     assert str(e.value) == refused
+
+
+@pytest.mark.torch
+def test_the_lightning_callback_given_a_closed_state_warns_and_leaves_ddp_plain(tmp_path):
+    """A second ``Trainer`` given the ``comm_state()`` that the first one's ``close()`` ended: ``CommHook`` registered
+    it, its hook was DDP's own all-reduce (parameters equal to plain DDP) and nothing said that no all-reduce was
+    prioritised any more. It now warns and registers nothing (DDP's own path); an open state is registered."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    import tensorlane.shim.lightning as shim_lightning
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        state = shim.comm_state(levels=2, agent_socket=str(tmp_path / "none.sock"))
+        state.start()  # as its first hook call in the first Trainer's fit
+        state.close()
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(model=ddp))
+        callback = shim_lightning.CommHook(state)
+        with pytest.warns(UserWarning, match=r"was closed \(state.close\(\)\) before this fit.*new shim.comm_state"):
+            callback.on_fit_start(trainer, None)
+        assert not callback.registered_here and not list(getattr(ddp, "_comm_hooks", ())), ddp._comm_hooks
+        fresh = shim.comm_state(levels=2, agent_socket=str(tmp_path / "none.sock"))
+        other = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        again = shim_lightning.CommHook(fresh)
+        again.on_fit_start(types.SimpleNamespace(strategy=types.SimpleNamespace(model=other)), None)
+        assert again.registered_here and [s for _h, s in other._comm_hooks] == [fresh]
+        other(torch.ones(3, 4)).sum().backward()  # the hook runs: fresh starts
+        fresh.close()
+    finally:
+        dist.destroy_process_group()
