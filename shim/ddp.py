@@ -1303,6 +1303,9 @@ class Handle:
         self._disarm()  # the guard and the gradient watch off this thread's mode stack
         self._end_forward_watch()
         d = self.state.deferred
+        for mode in ((d.guard, d.watch) if d is not None else ()) + (self._forward_watch,):
+            if mode is not None:  # (on another thread than the training thread: see StackMode.retire)
+                mode.retire()
         if d is not None:
             if self.state.mode == "overlap" and d.unstamped:  # closed between backward() and step(): .grad holds
                 _write_averages(self.state, d.unstamped)  # this rank's own gradient; under DDP the average, which

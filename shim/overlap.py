@@ -803,11 +803,31 @@ class DisabledCalls(_WrapRegistry):
 
 
 def _disable_seen(own):
-    """A stand-in for torch's ``DisableTorchFunction`` (``own``) whose entry runs :func:`_before_compiled` first."""
+    """A stand-in for torch's ``DisableTorchFunction`` (``own``) whose entry runs :func:`_before_compiled` first. It
+    passes for torch's class where code checks or saves it (torch's class cannot be subclassed): ``isinstance``
+    either way (its instances report torch's class as their ``__class__``; torch's instances are its instances),
+    ``issubclass``, and pickling it by name (``torch._C.DisableTorchFunction``, which it is while installed: it loads
+    as torch's class). Until 2026-11-28, while the shim's modes were on a stack (overlap mode from the first
+    ``step()``), ``pickle.dumps(torch._C.DisableTorchFunction)`` raised and ``isinstance`` of a block made there
+    against torch's class (bound before) was False. Pickling torch's class itself, bound before (``from torch._C
+    import DisableTorchFunction``), still raises while the stand-in is installed (pickle finds the name taken)."""
 
-    class DisableTorchFunction:
+    class Passes(type):
+        def __instancecheck__(cls, obj):
+            return isinstance(obj, own) or type.__instancecheck__(cls, obj)
+
+        def __subclasscheck__(cls, sub):
+            return issubclass(sub, own) or type.__subclasscheck__(cls, sub)
+
+    class DisableTorchFunction(metaclass=Passes):
         __doc__ = own.__doc__
+        __module__ = own.__module__
+        __qualname__ = own.__qualname__
         tensorlane = True
+
+        @property
+        def __class__(self):
+            return own
 
         def __init__(self):
             self._inner = own()
@@ -898,6 +918,7 @@ class StackMode(TorchFunctionMode):
         self.thread: int | None = None  # the thread whose mode stack holds it (None: on no stack)
         self.handling = 0
         self.wraps: list = []  # while on a stack: its registrations with COMPILED_CALLS and DISABLED_CALLS
+        self.retired = False  # for good (retire()): passes every operation through until its thread takes it out
         install_fast_path_bypass()
 
     def before_fast_path(self, module, args, kwargs) -> None:
@@ -911,6 +932,8 @@ class StackMode(TorchFunctionMode):
     def push(self) -> None:
         """On this thread's mode stack, below the modes there (once: a second push changes nothing)."""
         me = threading.get_ident()
+        if self.retired:  # (closed: nothing is watched any more)
+            return
         if self.thread == me and not self.handling and not _on_stack(self):
             self.thread = None  # taken off by someone else (code popping more modes than it pushed)
         if self.thread is None:
@@ -930,6 +953,32 @@ class StackMode(TorchFunctionMode):
                 wrap.remove()
             self.wraps = []
 
+    def retire(self) -> None:
+        """For good (``close()``), from any thread: off the stack of the thread holding it. On that thread (outside
+        its own handler) it is popped now. From another thread, which cannot reach that thread's stack (torch keeps
+        it per thread), it gives up its registrations at once (torch's ``DisableTorchFunction`` and dynamo's hook are
+        torch's own again once no other mode holds them), passes every operation through from then on (nothing
+        watched, nothing applied: ``close()`` applied what was pending before), and is taken out of that thread's
+        stack at the thread's next torch operation (:func:`_reap_soon`; under ``cProfile``, at its next call of one
+        of torch's fused modules in eval mode). Until 2026-11-28 a ``close()`` on another thread left the
+        modes on the training thread's stack, live, and both of torch's names wrapped for the rest of the process
+        (``isinstance`` against torch's class and pickling it failed there)."""
+        if self.thread is None:
+            return
+        if self.thread == threading.get_ident() and not self.handling:
+            self.pop()
+            return
+        self.retired = True
+        for wrap in self.wraps:
+            wrap.remove()
+        self.wraps = []
+        _reap()  # (drops it at once where its thread has ended: its stack ended with it)
+
+    def _pass_through(self, func, args, kwargs):
+        """A retired mode's handler: the operation as without it, and this mode out of the stack right after."""
+        _reap_soon()
+        return func(*args, **kwargs)
+
     @contextlib.contextmanager
     def _off_stack(self):
         out = self.thread == threading.get_ident() and not self.handling and _take_out(self)
@@ -947,8 +996,54 @@ def _modes_on_this_thread() -> list:
     """The shim's modes on this thread's stack, not inside their own handler: those ``push()`` put there (not every
     mode ever made: a walk of those cost 3.2 us per entry of the ``DisableTorchFunction`` wrapper, 1.3 so).
     Usage: ``for m in _modes_on_this_thread(): m.before_compiled()``"""
+    _reap()
     me = threading.get_ident()
-    return [m for m in list(_PUSHED.values()) if m.thread == me and not m.handling]
+    return [m for m in list(_PUSHED.values()) if m.thread == me and not m.handling and not m.retired]
+
+
+def _reap() -> bool:
+    """Take the retired modes (:meth:`StackMode.retire`) of this thread out of its stack where they are on it and
+    not in their handler, and forget those of threads that have ended; True when none of this thread's is left.
+    Usage: ``_reap()`` outside any of the shim's handlers"""
+    me, alive = threading.get_ident(), None
+    left = False
+    for m in [m for m in list(_PUSHED.values()) if m.retired]:
+        if m.thread != me:
+            alive = {t.ident for t in threading.enumerate()} if alive is None else alive
+            if m.thread not in alive:
+                m.thread = None
+                _PUSHED.pop(id(m), None)
+        elif not m.handling and _take_out(m):
+            m.thread = None
+            _PUSHED.pop(id(m), None)
+        else:
+            left = True
+    return not left
+
+
+_REAPING = threading.local()  # .on: this thread's profile function is _reap_soon's
+REAP_EVENTS = 10000  # profile events _reap_soon waits through for its modes to come back on the stack
+
+
+def _reap_soon() -> None:
+    """From a retired mode's handler (where torch has the mode off the stack and puts it back after): take it out
+    at this thread's next Python call or return, through a profile function of this thread's that removes itself
+    once done (or after :data:`REAP_EVENTS`), and puts back a profile function of the user's that it found there,
+    which it calls meanwhile. A profiler in C (``cProfile``) is left alone: there the mode stays, inert, until this
+    thread calls one of torch's fused modules (:data:`FAST_PATH_MODULES`) in eval mode. Usage: ``_reap_soon()``"""
+    old = sys.getprofile()
+    if getattr(_REAPING, "on", False) or (old is not None and not callable(old)):
+        return
+    _REAPING.on, budget = True, [REAP_EVENTS]
+
+    def reaper(frame, event, arg):
+        if old is not None:
+            old(frame, event, arg)
+        budget[0] -= 1
+        if budget[0] <= 0 or _reap():
+            sys.setprofile(old)
+            _REAPING.on = False
+    sys.setprofile(reaper)
 # torch's modules whose forward, in eval mode, takes a fused "fast path" (torch._transformer_encoder_layer_fwd,
 # torch._native_multi_head_attention) only where torch.overrides.has_torch_function() is false, which any
 # torch-function mode on the stack makes true: with the shim's modes there they took the slow path, which rounds
@@ -1106,6 +1201,14 @@ class UseGuard(StackMode):
             self.script_calls = None
         self.pop()
 
+    def retire(self) -> None:
+        """As :meth:`StackMode.retire`, the handle's flush let go (a retired guard held on another thread's stack
+        must not keep the model alive)."""
+        self.disarm()
+        super().retire()
+        if self.retired:
+            self.on_use = self.related = None
+
     @contextlib.contextmanager
     def paused(self):
         """Off the stack for a block that only touches metadata (``zero_grad``): no cost per operation there."""
@@ -1137,6 +1240,8 @@ class UseGuard(StackMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.retired:
+            return self._pass_through(func, args, kwargs)
         self.handling += 1
         try:
             name = _function_name(func)
@@ -1199,6 +1304,8 @@ class GradWatch(StackMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.retired:
+            return self._pass_through(func, args, kwargs)
         self.handling += 1
         try:
             if self.ids and not self.quiet:
@@ -1241,6 +1348,8 @@ class ForwardWatch(StackMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.retired:
+            return self._pass_through(func, args, kwargs)
         if _function_name(func) not in METADATA:
             self.note(_tensors(args, kwargs))
         return func(*args, **kwargs)

@@ -565,6 +565,100 @@ def test_attach_again_after_close_with_a_new_optimizer(tmp_path):
         dist.destroy_process_group()
 
 
+def _train(ddp, opt, x, steps: int) -> None:
+    for _ in range(steps):
+        ddp(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("profiler", [None, "python"])
+def test_close_on_another_thread_leaves_torch_as_before_attach(tmp_path, profiler):
+    """``handle.close()`` called on another thread than the training thread (a watchdog, a signal-handling thread):
+    torch's ``DisableTorchFunction`` (both names) and dynamo's compiled-call hook are torch's own again when it
+    returns, the pending updates are applied by then, the shim's modes leave the training thread's mode stack at its
+    next torch operation (a profile function of the user's there is called meanwhile and put back), and training
+    continues exactly as plain DDP. Until 2026-11-28 both modes stayed on that stack and both names stayed wrapped
+    for the rest of the process."""
+    import sys
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    from torch._dynamo import eval_frame
+
+    from tensorlane import shim
+
+    own, tagging = torch._C.DisableTorchFunction, eval_frame.install_generation_tagging_init
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    events: list = []
+    try:
+        x, ends = torch.randn(6, 8), []
+        for shimmed in (False, True):
+            torch.manual_seed(0)
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+            opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+            if shimmed:
+                handle = shim.attach(ddp, opt, levels=2, agent_socket="/nonexistent/tl.sock", link_bps=2e8)
+            _train(ddp, opt, x, 4)
+            if shimmed:
+                assert handle.stats()["mode"] == "overlap" and torch._C._len_torch_function_stack() == 2
+                assert handle.state.deferred.pending  # (the last step's: close() applies it, or the end differs)
+                thread = threading.Thread(target=handle.close)
+                thread.start()
+                thread.join()
+                assert handle.closed
+                assert torch._C.DisableTorchFunction is own and torch.DisableTorchFunction is own
+                assert eval_frame.install_generation_tagging_init is tagging
+                user = (lambda _f, event, _a: events.append(event)) if profiler else None
+                sys.setprofile(user)
+                torch.zeros(1).add_(1)
+                assert torch._C._len_torch_function_stack() == 0
+                assert sys.getprofile() is user
+                sys.setprofile(None)
+            _train(ddp, opt, x, 4)
+            ends.append([p.detach().clone() for p in ddp.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*ends, strict=True))
+        assert torch._C._len_torch_function_stack() == 0 and (profiler is None or events)
+    finally:
+        sys.setprofile(None)
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
+def test_disable_torch_function_passes_for_torchs_own_while_the_shim_watches(tmp_path):
+    """While the shim's modes are on the stack (overlap mode, between ``step()`` and the next forward) torch's
+    ``DisableTorchFunction`` names a stand-in: code that checks or saves the class sees torch's own.
+    ``pickle.dumps(torch._C.DisableTorchFunction)`` works (until 2026-11-28 it raised "Can't pickle local object")
+    and loads as torch's class once the shim is off; ``isinstance`` of a block made there against torch's class
+    bound before, and of torch's block against the name, hold; ``issubclass`` too."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    own = torch._C.DisableTorchFunction
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        handle = shim.attach(ddp, opt, levels=2, agent_socket="/nonexistent/tl.sock", link_bps=2e8)
+        _train(ddp, opt, torch.ones(3, 4), 3)
+        assert handle.stats()["mode"] == "overlap" and torch._C.DisableTorchFunction is not own
+        saved = pickle.dumps(torch._C.DisableTorchFunction)
+        block = torch._C.DisableTorchFunction()
+        assert isinstance(block, own) and isinstance(own(), torch._C.DisableTorchFunction)
+        assert issubclass(own, torch.DisableTorchFunction) and type(own()) is own
+        handle.close()
+        assert torch._C.DisableTorchFunction is own and pickle.loads(saved) is own
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.torch
 def test_a_class_step_replaced_after_attach_is_refused_at_every_step(tmp_path):
     """Overlap mode refuses a step() once the optimizer's class has its step replaced: at every step(), not at the
