@@ -1049,7 +1049,12 @@ class Handle:
         """The model's forward has ended: watch the loop's use of the gradients until the next one (probing and
         overlap mode)."""
         if self.state.mode in ("probing", "overlap") and not self.closed:
-            self.state.deferred.watch.push()
+            d = self.state.deferred
+            if ov.held_elsewhere(d.watch):
+                old, d.watch = d.watch, ov.GradWatch(d.watch.on_read)
+                d.watch.on_compiled = old.on_compiled
+                old.retire()
+            d.watch.push()
 
     def _grads_read(self) -> None:
         """The gradient watch saw the loop read a gradient DDP wrote: while probing, note it (the probe falls back to
@@ -1158,6 +1163,9 @@ class Handle:
                     return d.step_synced(closure)
             d.stamp(params, closure)
             if d.pending:
+                if ov.held_elsewhere(d.guard):
+                    old, d.guard = d.guard, ov.UseGuard(d.guard.on_use, d.guard.related)
+                    old.retire()
                 d.guard.arm([p for p in state.options["params"] if id(p) in d.pending])
         return None
 

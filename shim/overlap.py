@@ -1001,6 +1001,16 @@ def _modes_on_this_thread() -> list:
     return [m for m in list(_PUSHED.values()) if m.thread == me and not m.handling and not m.retired]
 
 
+def held_elsewhere(mode) -> bool:
+    """Whether ``mode`` is on another thread's stack than this one's, where it cannot watch this thread (torch keeps a
+    stack per thread): the training loop moved to another thread (an iteration per task of a thread pool, a thread
+    per epoch). ``Handle`` then retires it there and watches this thread with a new one: until 2026-11-28 the guard
+    and the gradient watch stayed with the first thread, and an EMA after ``step()`` on the next read the weights
+    before their update, silently (3e-3 off after 10 Adam steps, one thread per iteration).
+    Usage: ``if held_elsewhere(d.guard): ...``"""
+    return mode.thread is not None and mode.thread != threading.get_ident() and not mode.retired
+
+
 def _reap() -> bool:
     """Take the retired modes (:meth:`StackMode.retire`) of this thread out of its stack where they are on it and
     not in their handler, and forget those of threads that have ended; True when none of this thread's is left.
@@ -1019,6 +1029,43 @@ def _reap() -> bool:
         else:
             left = True
     return not left
+
+
+def _before_fork() -> None:
+    """``os.fork()`` (a DataLoader's workers under the fork start method, ``multiprocessing``): the child gets this
+    process's memory as it is, and the all-reduces in flight complete only here (gloo's threads are not forked), so
+    every pending update is applied first and watched gradients become DDP's average, as for a compiled call
+    (:func:`_before_compiled`), for the shim's modes of every thread; that iteration loses its overlap. Until
+    2026-11-28 a worker forked after ``step()`` held the weights before their update, and one that used them ran
+    the guard's flush in the child, waiting there for all-reduces of the parent's process groups.
+    Usage: registered with ``os.register_at_fork(before=...)``"""
+    modes = [m for m in list(_PUSHED.values()) if not m.retired and not m.handling]
+    modes.sort(key=lambda m: not isinstance(m, UseGuard))  # (as _before_compiled)
+    for m in modes:
+        m.before_compiled()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child: none of the shim's modes is the child's (its handle's process groups are the parent's), so
+    each is disarmed, taken out of the forking thread's stack (the child's one thread has it) and retired, and
+    torch's ``DisableTorchFunction`` and dynamo's hook are torch's own again: the child's torch operations pass
+    through no mode of the shim's, as without it. Usage: registered with ``os.register_at_fork(after_in_child=...)``"""
+    me = threading.get_ident()
+    for m in list(_PUSHED.values()):
+        if isinstance(m, UseGuard):
+            m.armed = False
+            m.disarm()  # (its global hooks; off this thread's stack)
+        if m.thread == me:
+            _take_out(m)
+        m.retired, m.thread, m.handling = True, None, 0
+        for wrap in m.wraps:
+            wrap.remove()
+        m.wraps = []
+    _PUSHED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 _REAPING = threading.local()  # .on: this thread's profile function is _reap_soon's

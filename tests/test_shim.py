@@ -628,6 +628,98 @@ def test_close_on_another_thread_leaves_torch_as_before_attach(tmp_path, profile
 
 
 @pytest.mark.torch
+def test_iterations_on_alternating_threads_are_watched_on_each(tmp_path):
+    """A loop whose iterations run as tasks of two thread-pool workers, in turn (forward, backward, ``step()`` and an
+    EMA of the weights after it on one thread, the next iteration on the other, both alive): each thread's
+    iteration is watched there, and the EMA matches plain DDP's bit for bit; the retired modes leave the other
+    thread's stack. Until 2026-11-28 the guard stayed on the first thread's stack and the EMA on the other read the
+    weights before their update, silently (3e-3 off after 10 Adam steps)."""
+    import concurrent.futures
+
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(1)
+        x, ends = torch.randn(6, 8), []
+        for shimmed in (False, True):
+            torch.manual_seed(0)
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+            opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+            ema = [p.detach().clone() for p in ddp.parameters()]
+            handle = shim.attach(ddp, opt, levels=2, agent_socket="/nonexistent/tl.sock", link_bps=2e8) \
+                if shimmed else None
+
+            def iteration(ddp=ddp, opt=opt, ema=ema):
+                _train(ddp, opt, x, 1)
+                with torch.no_grad():
+                    for e, p in zip(ema, ddp.parameters(), strict=True):
+                        e.mul_(0.9).add_(p.detach(), alpha=0.1)
+                return torch._C._len_torch_function_stack()
+
+            with concurrent.futures.ThreadPoolExecutor(1) as one, concurrent.futures.ThreadPoolExecutor(1) as two:
+                stacks = [(one, two)[i % 2].submit(iteration).result() for i in range(10)]
+                ends.append(ema + [p.detach().clone() for p in ddp.parameters()])
+                if shimmed:
+                    assert handle.stats()["mode"] == "overlap"
+                    assert max(abs(float((a - b).abs().max())) for a, b in zip(*ends, strict=True)) == 0.0
+                    handle.close()
+                    after = [pool.submit(lambda: (torch.ones(1) + 1, torch._C._len_torch_function_stack())[1])
+                             for pool in (one, two)]  # (after a torch operation there)
+                    assert [f.result() for f in after] == [0, 0] and max(stacks) <= 2, stacks
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
+def test_a_process_forked_after_step_gets_the_updated_weights_and_no_shim(tmp_path):
+    """``os.fork()`` while updates are pending (a DataLoader's workers under the fork start method, made at each
+    epoch's ``iter(loader)`` right after a ``step()``): they are applied first, so the child holds the weights DDP's
+    step made and nothing in flight; in the child no mode of the shim's is on the stack and torch's
+    ``DisableTorchFunction`` is its own (its operations run as without the shim). Until 2026-11-28 the child held
+    the weights before their update, both modes and the wrapper, and its first use of a weight ran the guard's flush
+    there, waiting for all-reduces of the parent's process groups."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    own = torch._C.DisableTorchFunction
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        handle = shim.attach(ddp, opt, levels=2, agent_socket="/nonexistent/tl.sock", link_bps=2e8)
+        _train(ddp, opt, torch.ones(3, 4), 3)
+        assert handle.stats()["mode"] == "overlap" and handle.state.deferred.pending
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, then leave at once (no pytest, no atexit)
+            try:
+                seen = (bool(handle.state.deferred.pending), torch._C._len_torch_function_stack(),
+                        torch._C.DisableTorchFunction is own, ddp.module.weight.detach().clone())
+                os.write(write, pickle.dumps(seen))
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as f:
+            pending, stack, torchs, weight = pickle.loads(f.read())
+        os.waitpid(pid, 0)
+        assert not handle.state.deferred.pending  # applied before the fork
+        assert (pending, stack, torchs) == (False, 0, True)
+        assert torch.equal(weight, ddp.module.weight.detach())
+        handle.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_disable_torch_function_passes_for_torchs_own_while_the_shim_watches(tmp_path):
     """While the shim's modes are on the stack (overlap mode, between ``step()`` and the next forward) torch's
     ``DisableTorchFunction`` names a stand-in: code that checks or saves the class sees torch's own.
