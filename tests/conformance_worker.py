@@ -2705,6 +2705,47 @@ def _cosine_head_in_loss(ctx: Ctx):
         ctx.record("loss", loss.item())
 
 
+# -- session 12 ---------------------------------------------------------------------------------------------------
+@idiom("iterations_on_pool_threads")
+def _iterations_on_pool_threads(ctx: Ctx):
+    """Iterations run as tasks of two thread-pool workers in turn (both alive): forward, backward, a logged gradient
+    norm (from the 5th on), ``step()`` and an EMA of the weights on one thread, the next iteration on the other; then
+    the handle closed on a third thread and two more iterations on the main thread. Until 2026-11-28 the guard and
+    the gradient watch stayed on the first worker's stack: the other's EMA read the weights before their update and
+    its logged norm this rank's own gradients, silently; a close() on another thread left them there and torch's
+    ``DisableTorchFunction`` wrapped."""
+    import concurrent.futures
+
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    ema = [p.detach().clone() for p in model.parameters()]
+
+    def iteration(step):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if step >= 4:  # (after the probe: a read there sends the job to hook mode)
+            ctx.record("grad_norm", torch.stack([p.grad.norm() for p in model.parameters()]).norm())
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for e, p in zip(ema, model.parameters(), strict=True):
+                e.mul_(0.9).add_(p.detach(), alpha=0.1)
+        ctx.record("loss", loss.item())
+        ctx.record("ema", torch.cat([e.flatten() for e in ema]).norm())
+
+    with concurrent.futures.ThreadPoolExecutor(1) as one, concurrent.futures.ThreadPoolExecutor(1) as two:
+        for step in range(ctx.steps):
+            (one, two)[step % 2].submit(iteration, step).result()
+    if ctx.handle is not None:
+        closing = threading.Thread(target=ctx.handle.close)
+        closing.start()
+        closing.join()
+    for step in range(ctx.steps, ctx.steps + 2):
+        iteration(step)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
