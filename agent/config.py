@@ -408,7 +408,7 @@ def _service(raw: dict, levels: int) -> dict:
 
 
 def _access(raw: dict) -> dict:
-    """Who may use the agent (docs/agent.md, "Access"), and whether the interface may be taken over."""
+    """Who may use the agent (docs/agent.md, "Security settings"), and whether the interface may be taken over."""
     return {"allowed_users": _names(raw, "allowed_users"), "allowed_groups": _names(raw, "allowed_groups"),
             "trusted_users": _names(raw, "trusted_users"),
             "check_ownership": _want(raw, "check_ownership", bool),

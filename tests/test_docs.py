@@ -228,3 +228,40 @@ def test_the_protocols_ops_fields_and_error_codes_are_the_agents():
     documented = set(re.findall(r"(?:^|[:,] )`(\w+)`", paragraph.replace("\n", " ")))
     assert sent >= {"bad_json", "internal", "busy", "idle_timeout", "rate_limited", "too_large"}, sorted(sent)
     assert documented == sent, f"docs only: {sorted(documented - sent)}, code only: {sorted(sent - documented)}"
+
+
+QUOTED_SECTION = re.compile(r"\b((?:docs/)?[\w-]+\.md)\)?,? \"([^\"\n]{3,80})\"")
+
+
+def _sections(page: Path) -> list[str]:
+    """What a quoted reference may name on ``page``: its headings' and bold items' text, lower case, without backticks
+    and quotes (a reference in quotes cannot quote: ``docs/jobs.md, "job_share = auto"``)."""
+    lines = _prose(page.read_text())
+    texts = [m.group(1) for line in lines if (m := re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line))]
+    texts += re.findall(r"\*\*([^*]+)\*\*", "\n".join(lines))
+    return [re.sub(r"[`\"]", "", t).lower() for t in texts]
+
+
+def test_quoted_section_references_name_a_section():
+    """A reference by name, ``docs/agent.md, "Fairness"`` or ``([agent.md](agent.md), "Draining")``, in the docs, the
+    code, the role or the rules, names a heading or a bold item of that page: a renamed section must not leave a
+    reader looking for one that is not there (what the anchors of links get from test_every_relative_link_resolves)."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    cache: dict[Path, list[str]] = {}
+    checked, broken = 0, []
+    for name in tracked:
+        if not name.endswith((".py", ".md", ".yml", ".yaml", ".j2", ".toml", ".sh")):
+            continue
+        for doc, section in QUOTED_SECTION.findall((REPO / name).read_text(errors="replace")):
+            page = REPO / doc if doc.startswith("docs/") else REPO / "docs" / doc
+            if not page.exists():
+                continue  # (a README of its own folder, an example's file name)
+            if page not in cache:
+                cache[page] = _sections(page)
+            checked += 1
+            if not any(re.sub(r"[`\"]", "", section).lower() in text for text in cache[page]):
+                broken.append(f'{name}: {doc}, "{section}"')
+    assert checked >= 3
+    assert not broken, "no such section: " + "; ".join(broken)
