@@ -265,3 +265,67 @@ def test_quoted_section_references_name_a_section():
                 broken.append(f'{name}: {doc}, "{section}"')
     assert checked >= 3
     assert not broken, "no such section: " + "; ".join(broken)
+
+
+REPO_COMMAND = re.compile(r"python -m (bench\.\w+|testbed\.\w+|bench|testbed|dashboards\.build)(?![\w.])"
+                          r"((?: [a-z][\w-]*)?)([^`#&|;\n]*)")
+SUBCOMMANDS = ("bench", "bench.worker", "testbed")  # the first word after these is a subcommand (a benchmark's NAME)
+
+
+def _snippets(page: Path) -> list[str]:
+    """The page's inline code (a span may go on over a line break) and the lines of its code blocks."""
+    text, code, fenced = [], [], False
+    for line in page.read_text().splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        else:
+            (code if fenced else text).append(line)
+    return [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", "\n".join(text))] + code
+
+
+def _help_options(argv: tuple[str, ...]) -> list[set[str]]:
+    """The option groups (``{"-c", "--count"}``) that ``python -m ARGV --help`` lists, --help aside."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", *argv, "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, f"python -m {' '.join(argv)} --help: {out.stderr[-500:]}"
+    groups = []
+    for line in out.stdout.splitlines():
+        if re.match(r"^\s+-", line):
+            names = {w.split()[0] for w in line.strip().split(", ") if w.startswith("-")}
+            if not names & {"-h", "--help"}:
+                groups.append(names)
+    return groups
+
+
+def test_the_repositorys_commands_in_the_docs_take_the_flags_they_are_given():
+    """Every ``python -m bench|testbed|dashboards.build ...`` the docs write names a command that exists and flags it
+    takes (its ``--help`` lists them: no benchmark runs), and a synopsis (``[--a A] [--b B] [--check]``) names every
+    option the command has: a newcomer copying one must not meet "unrecognized arguments"."""
+    helps: dict[tuple, list[set[str]]] = {}
+    wrong, checked = [], 0
+    for page in PAGES:
+        for snippet in _snippets(page):
+            for module, sub, rest in REPO_COMMAND.findall(snippet):
+                sub = sub.strip()
+                if not module.islower():
+                    continue  # `python -m bench.NAME`: a placeholder
+                if module not in SUBCOMMANDS:
+                    rest, sub = f" {sub}{rest}", ""
+                elif not sub:
+                    continue  # `python -m bench`: the list of benchmarks; `python -m bench NAME`: any of them
+                argv = (module, sub) if sub else (module,)
+                if argv not in helps:
+                    helps[argv] = _help_options(argv)
+                known = set().union(*helps[argv])
+                where = f"{page.relative_to(REPO)}: python -m {' '.join(argv)}"
+                wrong += [f"{where} {flag}" for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest)
+                          if flag not in known]
+                if rest.count("[--") >= 3:  # a synopsis, not an example with an optional flag
+                    wrong += [f"{where}: its synopsis lacks {sorted(g)[-1]}" for g in helps[argv]
+                              if not any(re.search(rf"(?<![\w-]){o}(?![\w-])", rest) for o in g)]
+                checked += 1
+    assert checked >= 20 and len(helps) >= 8, (checked, sorted(helps))
+    assert not wrong, wrong
