@@ -153,6 +153,15 @@ def test_htb_change_rates_touches_only_the_classes_whose_rate_moved():
     assert len(floored.rate_changes(before)) == 5
 
 
+def test_htb_strict_guarantee_is_a_thousandth_of_the_link_within_8_and_100_kbit():
+    """``min_share = 0``: every class keeps link/1000, at least 8 and at most 100 kbit/s (docs/agent.md, jobs.md and
+    metrics.md say so: they said link/1000 alone, 25 Mbit/s a class at 25 Gbit/s where the agent gives 100 kbit/s)."""
+    def strict(rate):
+        return HtbBackend(levels=4, link_rate_bps=rate, min_share=0.0).guaranteed(None)
+
+    assert (strict(10**6), strict(50_000_000), strict(25 * 10**9)) == (8_000, 50_000, 100_000)
+
+
 def test_htb_guarantee_is_min_share_raised_to_min_rate_within_what_the_link_leaves():
     slow = HtbBackend(levels=4, link_rate_bps=50_000_000, min_share=0.01, min_rate=2_500_000)
     assert slow.guaranteed(None) == slow.guaranteed(3) == 2_500_000  # 1 % of 50 Mbit/s is only 0.5 Mbit/s

@@ -11,9 +11,9 @@ below every level.
   is busy, so they never sit idle in a retransmission timeout (then back off exponentially) when the link frees up.
   What keeps a flow out of a timeout is an absolute rate (packets per minimum RTO), so on a slow link the fraction
   is raised to ``min_rate``, within what the job shares and half the link leave to all classes. With
-  ``min_share = 0`` the guarantee is tiny (link/1000) and priority is strict. A job policy may raise the guarantee
-  of some levels (``set_shares``: ``job_share`` split among the jobs, ``policies.jobs.job_shares``); the classes are
-  changed in place. It shapes at the link rate, so the queue forms here and not in the NIC.
+  ``min_share = 0`` the guarantee is tiny (link/1000, 8-100 kbit/s) and priority is strict. A job policy may raise
+  the guarantee of some levels (``set_shares``: ``job_share`` split among the jobs, ``policies.jobs.job_shares``); the
+  classes are changed in place. It shapes at the link rate, so the queue forms here and not in the NIC.
 - ``prio`` (when the kernel has sch_prio): one band per level plus a default band; no shaping, relies on the NIC
   (with BQL) to keep its own ring short.
 
