@@ -525,6 +525,35 @@ def test_a_copied_comm_state_in_use_warns_once(tmp_path):
 
 
 @pytest.mark.torch
+def test_the_probe_waits_16_synchronized_iterations_for_a_step_then_takes_hook_mode(tmp_path):
+    """Backwards without ``step()`` extend the probe for at most 16 synchronized iterations (docs/shim.md, "The
+    probe"): then hook mode for the rest of the run, ``mode_reason`` saying why (the docs said "extend" alone)."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        handle = shim.attach(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), agent_socket="/nonexistent/tl.sock",
+                             link_bps=2e8)
+        modes = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(17):
+                ddp(torch.ones(3, 4)).sum().backward()
+                modes.append(handle.stats()["mode"])
+        assert modes == ["probing"] * 16 + ["hook"], modes
+        assert "optimizer.step() was not seen in 16 synchronized iterations" in handle.stats()["mode_reason"]
+        handle.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_attach_again_after_close_with_a_new_optimizer(tmp_path):
     """A loop that switches to a new optimizer mid-run closes the handle and attaches the new one: DDP keeps the
     first attach's comm hook for good, so the new attach chains to it (until 2026-11-27 it was refused as "a
