@@ -372,7 +372,8 @@ class ShimState:
         return out
 
     def stats(self) -> dict:
-        """``summary()`` (the same shape as ``Handle.stats()``). Usage: ``state.stats()["levels"]``"""
+        """``summary()``: ``Handle.stats()`` without the planner's ``plan`` and ``deferred_steps`` (a ``comm_state()``
+        has neither; ``overlap`` only in overlap mode). Usage: ``state.stats()["levels"]``"""
         return self.summary()
 
     def fallback(self, reason: str) -> None:
