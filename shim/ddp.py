@@ -652,7 +652,16 @@ def _dense(t) -> bool:
 def _apply(state: ShimState, param) -> bool:
     """Wait for the pieces holding ``param``, then take the stamped optimizer step of every parameter of its
     bucket whose pieces have all completed by then (``param`` among them; the others are not waited for).
-    Nothing happens before the user's ``step()`` stamped the bucket. Returns whether a step was taken."""
+    Nothing happens before the user's ``step()`` stamped the bucket. Returns whether a step was taken. One thread
+    at a time (``apply_lock``): until 2026-11-28 two threads that left the wait together could both find the same
+    parameters not yet applied and both step them (``tests/test_shim.py::
+    test_two_threads_applying_one_pending_step_take_it_once``)."""
+    with state.deferred.apply_lock:
+        return _apply_locked(state, param)
+
+
+def _apply_locked(state: ShimState, param) -> bool:
+    """:func:`_apply`'s work, under the deferred steps' ``apply_lock``."""
     d = state.deferred
     pend = d.pending.get(id(param))
     if pend is None or id(param) in pend.applied:

@@ -224,6 +224,9 @@ class Deferred:
         self.steps = 0  # step() calls stamped
         self.flushes = 0
         self.guard: UseGuard | None = None  # set by Handle: watches parameter use between step() and forward
+        # ddp._apply holds it: two threads applying the same pending step (a validation thread's forward, a fork or
+        # a flush() on another thread, while the training thread's forward applies it) take it once
+        self.apply_lock = threading.RLock()
         self.flushed_on_use = 0  # times the guard applied pending updates because a parameter was used
         self.bucketed: set = set()  # id(param) of the parameters DDP all-reduces (seen in the probe's buckets)
         self.stamped_state = None  # optimizer.state when step() stamped (the shim's StateView)

@@ -705,6 +705,73 @@ def test_iterations_on_alternating_threads_are_watched_on_each(tmp_path):
 
 
 @pytest.mark.torch
+def test_two_threads_applying_one_pending_step_take_it_once(tmp_path, monkeypatch):
+    """Two threads applying the same pending updates at once (a validation thread's forward, a fork from a
+    background thread or ``flush()`` there, while the training thread's forward applies them): each parameter's
+    deferred step is taken once. Both threads leave the wait for the all-reduces together (a barrier in ``_wait``)
+    and the interpreter switches threads while the first checks the parameters it found ready (a version lookup that
+    sleeps 1 ms); until 2026-11-28 both then found the same parameters not yet applied and both stepped them: a
+    double SGD step, silently (80 parameters stepped twice here)."""
+    import contextlib
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+    from tensorlane.shim import ddp as shim_ddp
+
+    class Switching(dict):
+        def get(self, *args):
+            time.sleep(0.001)  # (the interpreter runs the other thread here)
+            return dict.get(self, *args)
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(1)
+        x = torch.randn(4, 8)
+        ends = []
+        for shimmed in (False, True):
+            torch.manual_seed(0)
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(40)]), bucket_cap_mb=100)
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
+            handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                                 policy="flat") if shimmed else None
+            _train(ddp, opt, x, 3)
+            if not shimmed:
+                _train(ddp, opt, x, 1)
+            else:
+                assert handle.stats()["mode"] == "overlap"
+                ddp(x).sum().backward()
+                opt.step()
+                for pend in {id(p): p for p in handle.state.deferred.pending.values()}.values():
+                    pend.versions = Switching(pend.versions)
+                barrier, wait = threading.Barrier(2), shim_ddp._wait
+
+                def together(*args, wait=wait, barrier=barrier, **kwargs):
+                    done = wait(*args, **kwargs)
+                    with contextlib.suppress(threading.BrokenBarrierError):  # (the other waits for this one: the fix)
+                        barrier.wait(timeout=0.5)
+                    return done
+                monkeypatch.setattr(shim_ddp, "_wait", together)
+                threads = [threading.Thread(target=handle.flush) for _ in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(30)
+                monkeypatch.setattr(shim_ddp, "_wait", wait)
+                opt.zero_grad()
+            ends.append([p.detach().clone() for p in ddp.parameters()])
+            if shimmed:
+                handle.close()
+        assert max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)) == 0.0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_a_process_forked_after_step_gets_the_updated_weights_and_no_shim(tmp_path):
     """``os.fork()`` while updates are pending (a DataLoader's workers under the fork start method, made at each
     epoch's ``iter(loader)`` right after a ``step()``): they are applied first, so the child holds the weights DDP's
