@@ -329,3 +329,23 @@ def test_the_repositorys_commands_in_the_docs_take_the_flags_they_are_given():
                 checked += 1
     assert checked >= 20 and len(helps) >= 8, (checked, sorted(helps))
     assert not wrong, wrong
+
+
+def test_the_guaranteed_rates_table_is_the_agents():
+    """docs/agent.md's "Guaranteed rates" table gives each setting's default as agent/config.py declares it, and the
+    guarantee with ``min_share = 0`` within the bounds ``HtbBackend.least`` computes (link/1000 at least A and at most
+    B kbit/s: the bounds read at a slow and a fast link)."""
+    from tensorlane.agent.config import _default
+    from tensorlane.agent.kernel.qdisc import HtbBackend
+
+    rows = _table(REPO / "docs" / "agent.md", "| setting | default | guarantees | to which classes |")
+    assert {"min_share", "min_rate", "job_share", "min_share = 0"} <= set(rows), sorted(rows)
+    for key in ("min_share", "min_rate", "job_share"):
+        code = _default(key)
+        assert code == _documented_default(key, rows[key][0]), f"{key}: docs say {rows[key][0]}, the code {code!r}"
+    m = re.search(r"link/1000, at least (\d+) and at most (\d+) kbit/s", rows["min_share = 0"][1])
+    assert m, rows["min_share = 0"]
+    low, high = (HtbBackend(4, rate, min_share=0.0).least() // 1000 for rate in (1_000_000, 400_000_000_000))
+    assert (int(m.group(1)), int(m.group(2))) == (low, high), f"docs say {m.groups()}, the code {low}-{high} kbit/s"
+    assert HtbBackend(4, 100_000, min_share=0.01).least() // 1000 == low  # min_share's floor, "at least 8 kbit/s"
+    assert f"at least {low} kbit/s" in rows["min_share"][1]
