@@ -349,3 +349,14 @@ def test_the_guaranteed_rates_table_is_the_agents():
     assert (int(m.group(1)), int(m.group(2))) == (low, high), f"docs say {m.groups()}, the code {low}-{high} kbit/s"
     assert HtbBackend(4, 100_000, min_share=0.01).least() // 1000 == low  # min_share's floor, "at least 8 kbit/s"
     assert f"at least {low} kbit/s" in rows["min_share"][1]
+
+
+def test_the_job_policies_have_one_table_with_every_policy():
+    """docs/jobs.md's "The policies" table, the one description of the job policies, has a row for every policy of
+    ``policies.jobs.JOB_POLICIES`` and no other, and docs/agent.md has no second table of them (two drift)."""
+    from tensorlane.policies.jobs import JOB_POLICIES
+
+    rows = _table(REPO / "docs" / "jobs.md", "| `job_policy` | order of the jobs seen on this host | source |")
+    assert set(rows) == set(JOB_POLICIES), sorted(set(rows) ^ set(JOB_POLICIES))
+    agent_md = "\n".join(_prose((REPO / "docs" / "agent.md").read_text()))
+    assert not re.search(r"^\| `job_policy` \| order", agent_md, re.M), "docs/agent.md has a table of the job policies"
