@@ -360,3 +360,55 @@ def test_the_job_policies_have_one_table_with_every_policy():
     assert set(rows) == set(JOB_POLICIES), sorted(set(rows) ^ set(JOB_POLICIES))
     agent_md = "\n".join(_prose((REPO / "docs" / "agent.md").read_text()))
     assert not re.search(r"^\| `job_policy` \| order", agent_md, re.M), "docs/agent.md has a table of the job policies"
+
+
+def _code_value(path: Path, name: str):
+    """The literal ``name`` is given in ``path``: a module's or class's ``NAME = value`` (a .py file), the default of a
+    parameter ``name`` (every function of the file that has one: they must agree), or ``name: value`` of a YAML file."""
+    import ast
+
+    text = path.read_text()
+    if path.suffix == ".yml":
+        return float(re.search(rf"^{name}:\s*([\d.]+)\s*$", text, re.M).group(1))
+    found = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                found.add(ast.literal_eval(node.value))
+        elif isinstance(node, ast.FunctionDef):
+            a = node.args
+            pairs = list(zip(a.args[len(a.args) - len(a.defaults):], a.defaults, strict=True))
+            pairs += [(k, d) for k, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is not None]
+            found |= {ast.literal_eval(d) for arg, d in pairs if arg.arg == name and isinstance(d, ast.Constant)
+                      and d.value is not None}
+    assert len(found) == 1, f"{path.relative_to(REPO)}: {name} has the values {found or 'none'}"
+    return found.pop()
+
+
+def test_the_timings_table_is_the_codes():
+    """docs/agent.md's "Timings" table gives each time as the file it names sets it: a setting's default
+    (agent/config.py), a constant, a parameter's default, an Ansible default; the stall bound as health.py has it."""
+    from tensorlane.agent.config import _default
+
+    rows = {}
+    for line in _prose((REPO / "docs" / "agent.md").read_text()):
+        if line.startswith("| timing | value | set in |"):
+            rows = {}
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and (m := re.fullmatch(r"`([\w/.]+\.(?:py|yml))` `(\w+)`", cells[2])):
+            rows[cells[0]] = (float(re.match(r"[\d.]+", cells[1]).group()), m.group(1), m.group(2), cells[3])
+    assert len(rows) >= 20, sorted(rows)
+    wrong = []
+    for timing, (value, path, name, what) in rows.items():
+        if name == "stall_after_s":  # max(A, B * reconcile_interval_s)
+            src = (REPO / path).read_text()
+            low, times = re.search(r"max\(([\d.]+), (\d+) \* float\(api\.cfg\.reconcile_interval_s\)\)", src).groups()
+            code, said = float(low), re.search(r"(\d+) x `reconcile_interval_s`, at least ([\d.]+) s", what).groups()
+            if (int(said[0]), float(said[1])) != (int(times), float(low)):
+                wrong.append(f"{timing}: docs say {said}, the code {times} x, at least {low}")
+        else:
+            code = _default(name) if path == "agent/config.py" else _code_value(REPO / path, name)
+        if float(code) != value:
+            wrong.append(f"{timing}: docs say {value}, {path} {name} = {code}")
+    assert not wrong, wrong
