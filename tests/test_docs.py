@@ -412,3 +412,37 @@ def test_the_timings_table_is_the_codes():
         if float(code) != value:
             wrong.append(f"{timing}: docs say {value}, {path} {name} = {code}")
     assert not wrong, wrong
+
+
+def test_the_stats_table_is_what_stats_returns():
+    """docs/shim.md's ``stats()`` table names every key ``Handle.stats()`` returns and no other, the nested keys of
+    ``overlap``, ``levels`` and ``agent``, and says "yes" in its last column exactly for the keys a ``comm_state()``
+    (``ShimState.summary``, no overlap) has (read from the source: importing the shim needs torch)."""
+    import ast
+
+    tree = ast.parse((REPO / "shim" / "ddp.py").read_text())
+    funcs = {f"{c.name}.{f.name}": f for c in tree.body if isinstance(c, ast.ClassDef)
+             for f in c.body if isinstance(f, ast.FunctionDef)}
+
+    def keys(node) -> set[str]:
+        return {k.value for k in node.keys if isinstance(k, ast.Constant)}
+
+    summary = funcs["ShimState.summary"]
+    main = next(n.value for n in ast.walk(summary) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict)
+                and any(isinstance(t, ast.Name) and t.id == "out" for t in n.targets))
+    added = {n.targets[0].slice.value: n.value for f in (summary, funcs["Handle.stats"]) for n in ast.walk(f)
+             if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Subscript)}
+    shim_state = keys(main)
+    handle = shim_state | set(added)
+    rows = _table(REPO / "docs" / "shim.md", "| key | value | in `comm_state().stats()` |")
+    assert set(rows) == handle, f"docs only: {sorted(set(rows) - handle)}, code only: {sorted(handle - set(rows))}"
+    said_yes = {k for k, (_value, in_state) in rows.items() if in_state.startswith("yes")}
+    assert said_yes == shim_state, sorted(said_yes ^ shim_state)
+    nested = {"overlap": keys(added["overlap"]),
+              "agent": {"connected", "last_error"} | set(re.findall(r'self\.counters\["(\w+)"\]',
+                                                                  (REPO / "shim" / "agent_link.py").read_text())),
+              "levels": {"level"} | {n.target.id for c in tree.body if isinstance(c, ast.ClassDef)
+                                     and c.name == "LevelStats" for n in c.body if isinstance(n, ast.AnnAssign)}}
+    for key, names in nested.items():
+        said = set(re.findall(r"`(\w+)`", rows[key][0]))
+        assert names <= said, f"stats()[{key!r}]: the table lacks {sorted(names - said)}"
