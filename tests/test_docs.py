@@ -446,3 +446,28 @@ def test_the_stats_table_is_what_stats_returns():
     for key, names in nested.items():
         said = set(re.findall(r"`(\w+)`", rows[key][0]))
         assert names <= said, f"stats()[{key!r}]: the table lacks {sorted(names - said)}"
+
+
+def test_the_dscp_table_is_dscp_table():
+    """docs/policies.md's table of the levels' default marks is ``dscp_table``'s: for each level its DSCP's name and
+    value, ``switch_queue`` of it, and the host class ``7a1:10+level``; a row for every level up to ``MAX_LEVELS``."""
+    from tensorlane.policies.levels import DSCP_NAMES, MAX_LEVELS, dscp_table, switch_queue
+
+    rows = {}
+    inside = False
+    for line in _prose((REPO / "docs" / "policies.md").read_text()):
+        if line.startswith("| level | DSCP | value | switch queue |"):
+            inside = True
+        elif inside and line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if m := re.match(r"(\d+)\b", cells[0]):
+                rows[int(m.group(1))] = cells[1:]
+        else:
+            inside = False
+    table = dscp_table(MAX_LEVELS)
+    assert sorted(rows) == list(range(MAX_LEVELS)), sorted(rows)
+    for level, (name, value, queue, host) in rows.items():
+        dscp = table[level]
+        want = (dscp, switch_queue(dscp), f"`7a1:{10 + level}`")
+        assert DSCP_NAMES.get(name) == dscp and (int(value), int(queue), host) == want, \
+            f"level {level}: docs say {name} {value} queue {queue} {host}, the code {dscp} queue {want[1]} {want[2]}"
