@@ -450,7 +450,9 @@ def test_the_stats_table_is_what_stats_returns():
 
 def test_the_dscp_table_is_dscp_table():
     """docs/policies.md's table of the levels' default marks is ``dscp_table``'s: for each level its DSCP's name and
-    value, ``switch_queue`` of it, and the host class ``7a1:10+level``; a row for every level up to ``MAX_LEVELS``."""
+    value, ``switch_queue`` of it, and the level's HTB class (``HtbBackend.classid``); a row for every level up to
+    ``MAX_LEVELS``."""
+    from tensorlane.agent.kernel.qdisc import HtbBackend, fmt_handle
     from tensorlane.policies.levels import DSCP_NAMES, MAX_LEVELS, dscp_table, switch_queue
 
     rows = {}
@@ -468,6 +470,6 @@ def test_the_dscp_table_is_dscp_table():
     assert sorted(rows) == list(range(MAX_LEVELS)), sorted(rows)
     for level, (name, value, queue, host) in rows.items():
         dscp = table[level]
-        want = (dscp, switch_queue(dscp), f"`7a1:{10 + level}`")
+        want = (dscp, switch_queue(dscp), f"`{fmt_handle(HtbBackend(MAX_LEVELS, 10**9).classid(level))}`")
         assert DSCP_NAMES.get(name) == dscp and (int(value), int(queue), host) == want, \
             f"level {level}: docs say {name} {value} queue {queue} {host}, the code {dscp} queue {want[1]} {want[2]}"
