@@ -1448,7 +1448,31 @@ def _new_level_group(level: int):
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             raise
         raise RuntimeError(SHARED_STORE_HINT.format(level=level, error=e)) from e
+    _forget_addresses(group)
     return group
+
+
+def _gloo_lazy_init() -> bool:
+    """Whether gloo connects a group's pairs at their first use (TORCH_GLOO_LAZY_INIT), reading its peers'
+    addresses from the store then, not when the group is made."""
+    return os.environ.get("TORCH_GLOO_LAZY_INIT", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _forget_addresses(group) -> None:
+    """Delete ``group``'s own keys from the store (rank 0), once every rank of it is connected (the barrier after
+    its creation): the addresses its ranks published there. Under torchrun's shared worker store a restarted
+    worker's group of the same name (torch names groups by a counter) otherwise read a killed peer's address there
+    before the peer wrote its new one, and gloo failed (connection refused); with no keys left it waits for the
+    new ones. Only the group's own prefix is touched (``group.get_group_store()``); nothing is deleted where gloo
+    connects lazily (its pairs read the keys later) or where the store cannot list its keys."""
+    if dist.get_rank() != 0 or _gloo_lazy_init():
+        return
+    try:
+        store = group.get_group_store()
+        for key in store.list_keys():
+            store.delete_key(key)
+    except (RuntimeError, NotImplementedError, AttributeError) as e:
+        log.debug("tensorlane: the process group's rendezvous keys were left in the store (%s)", e)
 
 
 def _priority_groups(levels: int, master_port: str | None) -> tuple[list, dict[int, list[dict]]]:

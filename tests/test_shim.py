@@ -1552,6 +1552,82 @@ def test_level_group_failure_under_torchruns_shared_store_names_the_cause(monkey
     assert str(e.value) == refused
 
 
+RESTART_SCRIPT = r"""
+import datetime, os, sys, time, torch, torch.distributed as dist
+from tensorlane import shim
+port, rank, attempt, LATE = (int(a) for a in sys.argv[1:5])
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=30))
+# as torchrun's env:// rendezvous over its agent's store: one store for every attempt (TORCHELASTIC_USE_AGENT_STORE)
+dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=20))
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+if attempt == 1 and rank == LATE:  # comes to the level groups later than its peer (a slow host, a busy CPU):
+    new_group = dist.new_group  # the peer reads the keys before this rank writes its new ones
+
+    def late_new_group(*args, **kwargs):
+        time.sleep(1.5)
+        return new_group(*args, **kwargs)
+
+    dist.new_group = late_new_group
+handle = shim.attach(model, opt, levels=2, policy="flat", agent_socket="/nonexistent/tl.sock")
+model(torch.full((2, 4), float(rank + 1))).sum().backward()
+opt.step()
+handle.flush()
+print("trained", float(next(model.parameters()).detach().sum()), flush=True)
+dist.barrier()
+if attempt == 0:
+    os._exit(0)  # as a worker SIGKILLed: nothing closed, nothing destroyed, the keys stay in the store
+handle.close()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("late", [0, 1])
+def test_level_groups_survive_a_restart_over_the_killed_attempts_store(late):
+    """torchrun's c10d rendezvous gives the workers one store for every attempt (TORCHELASTIC_USE_AGENT_STORE), and
+    torch names groups by a counter: the restarted workers' level groups have the names of the killed attempt's.
+    Where the killed attempt's addresses were still there, a rank that made the group first read its peer's old
+    address and gloo failed (connection refused) or hung. Each level group's own keys are now deleted once all its
+    ranks are connected, so the second attempt's ranks wait for each other's new addresses and train. Either rank
+    comes late to the groups in the second attempt (without the deletion: rank 0 late, connection refused in about
+    10 s; rank 1 late, a hang, cut at 60 s).
+    (torch's default group keeps its keys; the test removes those, as torchrun's timing did in every run measured.)"""
+    import datetime
+
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env.pop("TORCH_GLOO_LAZY_INIT", None)
+    outs = []
+    for attempt in (0, 1):
+        procs = [subprocess.Popen([sys.executable, "-c", RESTART_SCRIPT, str(master.port), str(r), str(attempt),
+                                   str(late)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for r in range(2)]
+        try:
+            outs.append([p.communicate(timeout=60) for p in procs])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+        assert [p.returncode for p in procs] == [0, 0], (attempt, [e[-3000:] for _, e in outs[-1]])
+        keys = master.list_keys()
+        if attempt == 0:
+            left = [k for k in keys if k.startswith("default_pg/0//") and not k.startswith("default_pg/0//cpu/")]
+            assert not left, f"the level groups' addresses were left in the store: {sorted(left)}"
+            for key in keys:  # the default group's own (torch's; not the shim's to delete)
+                if key.startswith("default_pg/0//cpu/"):
+                    master.delete_key(key)
+    assert all("trained" in o for attempt in outs for o, _ in attempt), outs
+    assert outs[0][0][0] == outs[1][0][0] == outs[0][1][0] == outs[1][1][0], outs
+
+
 @pytest.mark.torch
 def test_the_lightning_callback_given_a_closed_state_warns_and_leaves_ddp_plain(tmp_path):
     """A second ``Trainer`` given the ``comm_state()`` that the first one's ``close()`` ended: ``CommHook`` registered
