@@ -15,9 +15,10 @@ About 80 s on 2 shared cores.
 
 In the host namespaces torchrun needs two options (the namespaces share the machine's host name, which resolves to
 127.0.0.1): ``--rdzv-conf is_host=1`` on the host whose address is the rdzv endpoint, and ``--local-addr ADDR``
-(the host's own address) on every host; and with the shim, restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-(``--share-store`` leaves torchrun's default, whose worker store keeps the killed attempt's keys). docs/testbed.md
-and docs/shim.md ("torchrun restarts") explain.
+(the host's own address) on every host; and restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, with or without
+the shim (``--share-store`` leaves torchrun's default, whose worker store keeps the killed attempt's keys: torch's
+default group can read them; the shim's level groups delete theirs once connected). docs/testbed.md and
+docs/shim.md ("torchrun restarts") explain.
 """
 from __future__ import annotations
 
