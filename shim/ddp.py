@@ -683,12 +683,24 @@ def _apply_locked(state: ShimState, param) -> bool:
                                "handle.flush() after optimizer.step() before changing parameters, or use hook mode.")
     for p, _o, _n in ready:
         pend.applied.add(id(p))
-        d.pending.pop(id(p), None)
-        if d.guard is not None and d.guard.armed:
-            d.guard.forget(p)
-            if not d.guard.ids:  # nothing left to watch (the forward has applied every pending update)
-                d.guard.disarm()
-    ready = [r for r in ready if id(r[0]) not in pend.skip]
+    try:
+        return _step_ready(d, pend, [r for r in ready if id(r[0]) not in pend.skip])
+    finally:
+        # only now do they leave the pending set and the guard: another thread (the training thread reading the
+        # weights, its flush() or forward) that finds them there waits for this lock, and so for the step. Until
+        # 2026-11-28 they left before the step: that thread found nothing pending and read the weights before or
+        # halfway through their update, silently (test_weights_read_while_another_thread_applies_the_step_are_updated)
+        for p, _o, _n in ready:
+            d.pending.pop(id(p), None)
+            if d.guard is not None and d.guard.armed:
+                d.guard.forget(p)
+                if not d.guard.ids:  # nothing left to watch (the forward has applied every pending update)
+                    d.guard.disarm()
+
+
+def _step_ready(d, pend, ready: list) -> bool:
+    """Take the stamped step of the parameters ``ready`` (``(param, offset, numel)``: all-reduced, not skipped) on
+    their averaged gradients in ``pend.buffer``, ``.grad`` left as DDP leaves it. Returns whether there were any."""
     if not ready:
         return False
     saved = [p.grad for p, _o, _n in ready]
@@ -1286,8 +1298,13 @@ class Handle:
     def flush(self) -> None:
         """Apply every update whose step() was called (overlap mode): call it before reading or changing
         parameters outside a forward pass. A no-op otherwise. Usage: ``opt.step(); handle.flush(); ema.update()``"""
-        self._disarm_guard()
         d = None if self.state is None else self.state.deferred
+        if d is None or d.guard is None or d.guard.thread in (None, threading.get_ident()):
+            self._disarm_guard()
+        # (on another thread than the guard's, a validation forward or a user's flush(): the guard stays armed, so
+        # that the training thread's use of a weight meanwhile waits for its update; each update applied leaves it.
+        # Until 2026-11-28 that flush disarmed it first, and an EMA there read the weights before their update,
+        # silently: test_weights_read_while_another_thread_applies_the_step_are_updated)
         if d is None or not d.pending:
             return
         applied = False

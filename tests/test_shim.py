@@ -772,6 +772,77 @@ def test_two_threads_applying_one_pending_step_take_it_once(tmp_path, monkeypatc
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("held", ["waiting", "stepping"])
+def test_weights_read_while_another_thread_applies_the_step_are_updated(tmp_path, monkeypatch, held):
+    """The training thread reads the weights after ``step()`` (an EMA, a logged norm) while another thread applies the
+    pending updates (a validation thread's forward, ``flush()`` there), held there (an injected pause: ``waiting``
+    for the all-reduces, or about to take the optimizer's step, ``stepping``): the read waits for the updates, as
+    under DDP. Until 2026-11-28 the other thread's flush disarmed the training thread's guard before applying anything
+    (``waiting``: the read took the weights before their update, silently), and each parameter left the pending
+    set and the guard before its step was taken (``stepping``: the read, a ``flush()`` or a forward's pre-hook on
+    the training thread found nothing pending and went on with the weights before or halfway through the step)."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+    from tensorlane.shim import ddp as shim_ddp
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(1)
+        x = torch.randn(4, 8)
+        ends, reads = [], []
+        for shimmed in (False, True):
+            torch.manual_seed(0)
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=100)
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+            handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                                 policy="flat") if shimmed else None
+            _train(ddp, opt, x, 3)
+            ddp(x).sum().backward()
+            opt.step()
+            if not shimmed:
+                reads.append([p.detach().clone() for p in ddp.parameters()])
+            else:
+                assert handle.stats()["mode"] == "overlap"
+                inside, go, main = threading.Event(), threading.Event(), threading.get_ident()
+
+                def hold(inside=inside, go=go, main=main):
+                    if threading.get_ident() != main and not inside.is_set():
+                        inside.set()
+                        go.wait(timeout=1.0)  # (with the fix the training thread's read waits for this one)
+                d = handle.state.deferred
+                if held == "waiting":
+                    wait = shim_ddp._wait
+                    monkeypatch.setattr(shim_ddp, "_wait", lambda *a, w=wait, h=hold, **k: (h(), w(*a, **k))[1])
+                else:
+                    step_subset = d.step_subset
+                    monkeypatch.setattr(d, "step_subset", lambda *a, s=step_subset, h=hold, **k: (h(), s(*a, **k))[1])
+                other = threading.Thread(target=handle.flush)
+                other.start()
+                assert inside.wait(timeout=30)
+                reads.append([p.detach().clone() for p in ddp.parameters()])  # (the training thread's EMA, say)
+                go.set()
+                other.join(30)
+                assert not other.is_alive()
+                monkeypatch.undo()
+            opt.zero_grad()
+            _train(ddp, opt, x, 1)
+            ends.append([p.detach().clone() for p in ddp.parameters()])
+            if shimmed:
+                handle.close()
+        stale = sum(not torch.equal(a, b) for a, b in zip(*reads, strict=True))
+        off = max(float((a - b).abs().max()) for a, b in zip(*reads, strict=True))
+        assert stale == 0, f"{stale} of {len(reads[0])} weights read before their update ({off:.2e} off)"
+        assert max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)) == 0.0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_a_process_forked_after_step_gets_the_updated_weights_and_no_shim(tmp_path):
     """``os.fork()`` while updates are pending (a DataLoader's workers under the fork start method, made at each
     epoch's ``iter(loader)`` right after a ``step()``): they are applied first, so the child holds the weights DDP's
