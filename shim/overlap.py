@@ -1220,7 +1220,14 @@ class UseGuard(StackMode):
 
     def before_compiled(self) -> None:
         """A compiled function or module is about to run (:func:`_before_compiled`): a use of every watched
-        parameter (compiled code may reach any through its closures), so every pending update is applied first."""
+        parameter (compiled code may reach any through its closures), so every pending update is applied first.
+        Called on another thread than the guard's (an ``os.fork()`` there, :func:`_before_fork`), the guard stays
+        armed while that thread applies them, so that a use on the guard's thread meanwhile waits for them (until
+        2026-11-28 it was disarmed first: such a use read the weights before their update, silently; tests/
+        test_shim.py::test_weights_read_while_another_thread_applies_the_step_are_updated, ``fork``)."""
+        if self.armed and self.thread not in (None, threading.get_ident()):
+            self.on_use()  # (each update applied leaves the guard, which disarms once none is left)
+            return
         if self.armed:
             self.armed = False
             self.on_use()

@@ -772,7 +772,7 @@ def test_two_threads_applying_one_pending_step_take_it_once(tmp_path, monkeypatc
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("held", ["waiting", "stepping"])
+@pytest.mark.parametrize("held", ["waiting", "stepping", "fork"])
 def test_weights_read_while_another_thread_applies_the_step_are_updated(tmp_path, monkeypatch, held):
     """The training thread reads the weights after ``step()`` (an EMA, a logged norm) while another thread applies the
     pending updates (a validation thread's forward, ``flush()`` there), held there (an injected pause: ``waiting``
@@ -780,7 +780,10 @@ def test_weights_read_while_another_thread_applies_the_step_are_updated(tmp_path
     under DDP. Until 2026-11-28 the other thread's flush disarmed the training thread's guard before applying anything
     (``waiting``: the read took the weights before their update, silently), and each parameter left the pending
     set and the guard before its step was taken (``stepping``: the read, a ``flush()`` or a forward's pre-hook on
-    the training thread found nothing pending and went on with the weights before or halfway through the step)."""
+    the training thread found nothing pending and went on with the weights before or halfway through the step), and
+    an ``os.fork()`` on another thread (a DataLoader's workers made by a prefetching thread) disarmed it too
+    (``fork``, held waiting)."""
+    import os
     import threading
 
     import torch
@@ -815,13 +818,18 @@ def test_weights_read_while_another_thread_applies_the_step_are_updated(tmp_path
                         inside.set()
                         go.wait(timeout=1.0)  # (with the fix the training thread's read waits for this one)
                 d = handle.state.deferred
-                if held == "waiting":
+                if held in ("waiting", "fork"):
                     wait = shim_ddp._wait
                     monkeypatch.setattr(shim_ddp, "_wait", lambda *a, w=wait, h=hold, **k: (h(), w(*a, **k))[1])
                 else:
                     step_subset = d.step_subset
                     monkeypatch.setattr(d, "step_subset", lambda *a, s=step_subset, h=hold, **k: (h(), s(*a, **k))[1])
-                other = threading.Thread(target=handle.flush)
+                def fork():
+                    pid = os.fork()
+                    if pid == 0:
+                        os._exit(0)  # (the child leaves at once: no pytest, no atexit)
+                    os.waitpid(pid, 0)
+                other = threading.Thread(target=fork if held == "fork" else handle.flush)
                 other.start()
                 assert inside.wait(timeout=30)
                 reads.append([p.detach().clone() for p in ddp.parameters()])  # (the training thread's EMA, say)
