@@ -376,9 +376,13 @@ class Deferred:
             with mode, torch.no_grad(), quiet, autocast_as(autocast or {}):
                 self.orig_step()
         finally:
-            for g, (ps, current) in zip(stamped, saved, strict=True):
+            # put back only what still holds the stamped value: another thread (the training thread's LR scheduler,
+            # while this step runs on a validation thread) may have set a new one meanwhile, which holds, as under
+            # DDP (until 2026-11-28 the value of before it was put back, silently: tests/test_shim.py::
+            # test_lr_scheduled_while_another_thread_applies_the_step_holds)
+            for g, h, (ps, current) in zip(stamped, hparams, saved, strict=True):
                 g["params"] = ps
-                g.update(current)
+                g.update({k: v for k, v in current.items() if g.get(k) is h[k]})
             for g, ps in zip(later, added, strict=True):
                 g["params"] = ps
 

@@ -851,6 +851,70 @@ def test_weights_read_while_another_thread_applies_the_step_are_updated(tmp_path
 
 
 @pytest.mark.torch
+def test_lr_scheduled_while_another_thread_applies_the_step_holds(tmp_path, monkeypatch):
+    """The training thread steps its LR scheduler after ``step()`` while another thread (a validation forward,
+    ``flush()`` there) is taking the deferred step, which sets each param group's hyperparameters to those stamped at
+    ``step()`` for that step and puts back what they were: a learning rate the scheduler set once that step was
+    taken holds, as under DDP. Until 2026-11-28 the other thread put back the learning rate of before the
+    scheduler's step, silently: the next step took the old one, 10 times the scheduled one here."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(1)
+        x = torch.randn(4, 8)
+        ends, lrs = [], []
+        for shimmed in (False, True):
+            torch.manual_seed(0)
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=100)
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+            handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                                 policy="flat") if shimmed else None
+            _train(ddp, opt, x, 3)
+            ddp(x).sum().backward()
+            opt.step()
+            if not shimmed:
+                sched.step()
+            else:
+                assert handle.stats()["mode"] == "overlap"
+                d = handle.state.deferred
+                inside, go = threading.Event(), threading.Event()
+                orig_step = d.orig_step
+
+                def held(orig_step=orig_step, inside=inside, go=go):
+                    out = orig_step()
+                    inside.set()
+                    go.wait(timeout=30)  # (before the groups' hyperparameters are put back)
+                    return out
+                monkeypatch.setattr(d, "orig_step", held)
+                other = threading.Thread(target=handle.flush)
+                other.start()
+                assert inside.wait(timeout=30)
+                sched.step()  # (while the other thread is taking the deferred step)
+                go.set()
+                other.join(30)
+                assert not other.is_alive()
+                monkeypatch.undo()
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.zero_grad()
+            _train(ddp, opt, x, 1)
+            ends.append([p.detach().clone() for p in ddp.parameters()])
+            if shimmed:
+                handle.close()
+        assert lrs[0] == lrs[1], lrs
+        assert max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)) == 0.0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_a_process_forked_after_step_gets_the_updated_weights_and_no_shim(tmp_path):
     """``os.fork()`` while updates are pending (a DataLoader's workers under the fork start method, made at each
     epoch's ``iter(loader)`` right after a ``step()``): they are applied first, so the child holds the weights DDP's
