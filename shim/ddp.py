@@ -1100,7 +1100,7 @@ class Handle:
         which leaves the average in ``.grad``, as DDP's step does); before it, wait for this iteration's all-reduces
         and write the averages (``_average_into_grads``). Exact; that iteration does not overlap."""
         d = self.state.deferred
-        stamped = any(pend.hparams is not None for pend in d.pending.values())
+        stamped = any(pend.hparams is not None for pend in list(d.pending.values()))  # (a copy: as _apply_completed)
         if stamped:
             self.flush()
         if not (_average_into_grads(self.state) or stamped):
@@ -1269,7 +1269,10 @@ class Handle:
         """Apply the stamped updates whose all-reduces have all completed (none is waited for)."""
         d = self.state.deferred
         with self._unguarded():
-            for pend in {id(pend): pend for pend in d.pending.values()}.values():
+            # (a copy taken at once: another thread's flush takes applied updates out meanwhile; until 2026-11-28
+            # this forward raised "dictionary changed size during iteration" there, tests/test_shim.py::
+            # test_forward_while_another_thread_flushes_does_not_raise)
+            for pend in {id(pend): pend for pend in list(d.pending.values())}.values():
                 if pend.hparams is None:
                     continue
                 for p, _o, _n, covering in pend.params:
@@ -1345,7 +1348,7 @@ class Handle:
             if self.state.mode == "overlap" and d.unstamped:  # closed between backward() and step(): .grad holds
                 _write_averages(self.state, d.unstamped)  # this rank's own gradient; under DDP the average, which
                 d.unstamped = []  # the optimizer's own step (given back below) then takes
-            for pend in {id(p): p for p in d.pending.values()}.values():
+            for pend in {id(p): p for p in list(d.pending.values())}.values():  # (a copy: as _apply_completed)
                 for fut in pend.futures:  # steps never asked for: let their all-reduces end before we leave
                     fut.wait()
             d.pending.clear()

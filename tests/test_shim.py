@@ -915,6 +915,72 @@ def test_lr_scheduled_while_another_thread_applies_the_step_holds(tmp_path, monk
 
 
 @pytest.mark.torch
+def test_forward_while_another_thread_flushes_does_not_raise(tmp_path):
+    """The training thread's forward after ``step()`` looks through the pending updates for those whose all-reduces
+    have completed while another thread (``flush()`` there, a validation forward) applies them and takes them out:
+    the forward goes on, exact. Here that thread runs when the forward has looked at the first (a trace function
+    holds the training thread there until it is done). Until 2026-11-28 the forward raised
+    ``RuntimeError: dictionary changed size during iteration``."""
+    import sys
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(1)
+        x = torch.randn(4, 8)
+        ends = []
+        for shimmed in (False, True):
+            torch.manual_seed(0)
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=100)
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+            handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                                 policy="flat") if shimmed else None
+            _train(ddp, opt, x, 3)
+            ddp(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if shimmed:
+                assert handle.stats()["mode"] == "overlap" and len(handle.state.deferred.pending) > 1
+                other = threading.Thread(target=handle.flush)
+
+                def tracer(frame, event, _arg, other=other):
+                    if event == "call" and frame.f_back is not None and \
+                            frame.f_back.f_code.co_name == "_apply_completed":
+                        return local
+                    return None
+
+                def local(frame, _event, _arg, other=other):
+                    if "pend" in frame.f_locals and other.ident is None:  # (one pending update looked at)
+                        other.start()
+                        other.join(30)
+                    return local
+                before = sys.gettrace()
+                sys.settrace(tracer)
+                try:
+                    ddp(x).sum().backward()
+                finally:
+                    sys.settrace(before)
+                assert other.ident is not None and not other.is_alive()
+            else:
+                ddp(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            _train(ddp, opt, x, 1)
+            ends.append([p.detach().clone() for p in ddp.parameters()])
+            if shimmed:
+                handle.close()
+        assert max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)) == 0.0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_a_process_forked_after_step_gets_the_updated_weights_and_no_shim(tmp_path):
     """``os.fork()`` while updates are pending (a DataLoader's workers under the fork start method, made at each
     epoch's ``iter(loader)`` right after a ``step()``): they are applied first, so the child holds the weights DDP's
