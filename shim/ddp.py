@@ -767,9 +767,10 @@ def _average_into_grads(state: ShimState) -> bool:
     then takes the optimizer's own step on ``.grad`` (``Deferred.step_synced``), so a change the loop makes next
     (clipping) acts as under DDP. Returns whether anything was pending."""
     d = state.deferred
-    live = _write_averages(state, d.unstamped)
-    d.unstamped = []
-    d.synced = d.synced or live
+    with d.apply_lock:  # (one thread at a time: a fork's on another thread, the training thread's step() or read)
+        live = _write_averages(state, d.unstamped)
+        d.unstamped = []
+        d.synced = d.synced or live
     return live
 
 
@@ -1161,7 +1162,10 @@ class Handle:
                 out = d.orig_step() if closure is None else d.orig_step(closure)
                 d.probe.random |= any(not torch.equal(a, b) for a, b in zip(rng, ov.rng_states(), strict=True))
                 return out
-        with d.watch.paused():
+        # under apply_lock: another thread making .grad DDP's average meanwhile (an os.fork() there) has done so
+        # first; until 2026-11-28 this step stamped the updates that thread was dropping, and was lost, silently
+        # (tests/test_shim.py::test_step_while_a_fork_on_another_thread_averages_the_gradients_is_taken)
+        with d.apply_lock, d.watch.paused():
             if d.synced:  # a read made .grad DDP's average: nothing is pending, the step is DDP's own
                 return d.step_synced(closure)
             if not d.unstamped and d.got_grad and not any(key in d.pending for key in d.got_grad):

@@ -1339,7 +1339,13 @@ class GradWatch(StackMode):
         (dynamo would trace this mode's handler, not run it), so the watch stops watching and ``on_compiled()`` acts
         as on a read (in overlap mode ``.grad`` becomes DDP's average first; while probing it is DDP's average
         already, and nothing is noted)."""
-        if self.ids and not self.quiet:
+        if self.ids and not self.quiet and self.thread not in (None, threading.get_ident()):
+            # (an os.fork() on another thread: watched until .grad holds the averages, so that a read on the
+            # training thread meanwhile waits for them)
+            if self.on_compiled is not None:
+                self.on_compiled()
+            self.unwatch()
+        elif self.ids and not self.quiet:
             self.unwatch()
             if self.on_compiled is not None:
                 self.on_compiled()
@@ -1355,13 +1361,16 @@ class GradWatch(StackMode):
     def paused(self):
         """The shim's own uses (the probe's checks and real step, stamping, deferred steps, writing the averages)
         and zero_grad: not the loop reading gradients. Off the stack meanwhile (no cost per operation there), or
-        inside its own handler only not noting reads."""
-        self.quiet += 1
+        inside its own handler only not noting reads. From another thread than the watch's (an ``os.fork()`` or a
+        ``flush()`` there) it leaves the watch as it is: that thread's work is no read of the training thread's
+        (until 2026-11-28 the watch was quiet meanwhile, and a read there did not wait for the averages)."""
+        mine = self.thread in (None, threading.get_ident())
+        self.quiet += mine
         try:
             with self._off_stack():
                 yield
         finally:
-            self.quiet -= 1
+            self.quiet -= mine
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -981,6 +981,80 @@ def test_forward_while_another_thread_flushes_does_not_raise(tmp_path):
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("then", ["step", "read"])
+def test_step_while_a_fork_on_another_thread_averages_the_gradients_is_taken(tmp_path, monkeypatch, then):
+    """``os.fork()`` on another thread between ``backward()`` and ``step()`` (a DataLoader made by a prefetching
+    thread) makes ``.grad`` DDP's average first, waiting for the all-reduces there (held longer here: an injected
+    pause), while the training thread calls ``step()``: that step waits for the averages and is taken once, as under
+    DDP. Until 2026-11-28 it stamped the updates the fork's thread was dropping, and the step was lost, silently
+    (``step``); and a read of ``.grad`` there (``read``: a logged norm, clipping) did not wait for the averages (the
+    fork's thread stopped watching the gradients first): at more than one rank it read this rank's own gradient."""
+    import os
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+    from tensorlane.shim import ddp as shim_ddp
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(1)
+        x = torch.randn(4, 8)
+        ends = []
+        for shimmed in (False, True):
+            torch.manual_seed(0)
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=100)
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+            handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                                 policy="flat") if shimmed else None
+            _train(ddp, opt, x, 3)
+            ddp(x).sum().backward()
+            if not shimmed:
+                opt.step()
+            else:
+                assert handle.stats()["mode"] == "overlap"
+                inside, go, main, wait = threading.Event(), threading.Event(), threading.get_ident(), shim_ddp._wait
+
+                def held(*args, inside=inside, go=go, main=main, wait=wait, **kwargs):
+                    if threading.get_ident() != main and not inside.is_set():
+                        inside.set()
+                        go.wait(timeout=1.0)  # (with the fix the training thread's step() waits for this one)
+                    return wait(*args, **kwargs)
+                monkeypatch.setattr(shim_ddp, "_wait", held)
+                written, write_averages = [], shim_ddp._write_averages
+                monkeypatch.setattr(shim_ddp, "_write_averages",
+                                    lambda *a, w=write_averages, out=written, **k: (w(*a, **k), out.append(True))[0])
+
+                def fork():
+                    pid = os.fork()
+                    if pid == 0:
+                        os._exit(0)  # (the child leaves at once: no pytest, no atexit)
+                    os.waitpid(pid, 0)
+                other = threading.Thread(target=fork)
+                other.start()
+                assert inside.wait(timeout=30)
+                if then == "read":
+                    torch.stack([p.grad.norm() for p in ddp.parameters()]).sum()
+                    assert written, "the gradients were read before the averages were written"
+                opt.step()
+                go.set()
+                other.join(30)
+                assert not other.is_alive()
+                monkeypatch.undo()
+            opt.zero_grad()
+            _train(ddp, opt, x, 1)
+            ends.append([p.detach().clone() for p in ddp.parameters()])
+            if shimmed:
+                handle.close()
+        assert max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)) == 0.0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_a_process_forked_after_step_gets_the_updated_weights_and_no_shim(tmp_path):
     """``os.fork()`` while updates are pending (a DataLoader's workers under the fork start method, made at each
     epoch's ``iter(loader)`` right after a ``step()``): they are applied first, so the child holds the weights DDP's
