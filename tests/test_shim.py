@@ -1055,6 +1055,58 @@ def test_step_while_a_fork_on_another_thread_averages_the_gradients_is_taken(tmp
 
 
 @pytest.mark.torch
+def test_guard_forgetting_on_another_thread_misses_no_watched_alias():
+    """The guard forgets each parameter whose update another thread has just applied (a validation forward, a
+    ``flush()`` there) while the training thread's operations ask it whether they use a parameter still pending
+    (here: an alias of its memory, asked between the two deletions of ``forget``, where a trace function holds that
+    thread): never a miss, at worst a use too many. Until 2026-11-28 the alias was missed there (the spans' starts
+    were shifted, their ends not yet), and its read went on before the update, silently."""
+    import dis
+    import sys
+    import threading
+
+    import torch
+
+    from tensorlane.shim import overlap as ov
+
+    ps = sorted((torch.nn.Parameter(torch.randn(16)) for _ in range(4)), key=lambda p: p.data_ptr())
+    alias = ps[-1].detach().view(-1)[1:]  # (made before arming: its making is no use)
+    guard = ov.UseGuard(lambda: None)
+    guard.arm(ps)
+    mid, go, delete = threading.Event(), threading.Event(), dis.opmap["DELETE_SUBSCR"]
+
+    def local(frame, event, _arg, prev=[None]):  # noqa: B006 - (the opcode before this one)
+        if event == "opcode":
+            if prev[0] == delete and not mid.is_set():  # (after forget's first deletion)
+                mid.set()
+                go.wait(timeout=5)
+            prev[0] = frame.f_code.co_code[frame.f_lasti]
+        return local
+
+    def tracer(frame, event, _arg):
+        if event == "call" and frame.f_code.co_name == "forget":
+            frame.f_trace_opcodes = True
+            return local
+        return None
+
+    def forget():
+        sys.settrace(tracer)
+        try:
+            guard.forget(ps[0])
+        finally:
+            sys.settrace(None)
+    other = threading.Thread(target=forget)
+    try:
+        other.start()
+        assert mid.wait(timeout=30)
+        assert guard.uses((alias,), {}), "a watched alias was missed while another thread forgot a parameter"
+    finally:
+        go.set()
+        other.join(30)
+        guard.disarm()
+
+
+@pytest.mark.torch
 def test_a_process_forked_after_step_gets_the_updated_weights_and_no_shim(tmp_path):
     """``os.fork()`` while updates are pending (a DataLoader's workers under the fork start method, made at each
     epoch's ``iter(loader)`` right after a ``step()``): they are applied first, so the child holds the weights DDP's
