@@ -31,6 +31,13 @@ class BulkError(RuntimeError):
     """iperf3 failed or produced no parsable result."""
 
 
+class BulkCrash(BulkError):
+    """An iperf3 client died by a signal of its own (SIGABRT, SIGSEGV) and left no JSON. iperf3 3.12 prints its JSON
+    from its SIGINT handler, which allocates: an interrupt that lands inside malloc aborted it once here ("Fatal glibc
+    error: malloc assertion failure in sysmalloc", `make demo`, 2026-11-28). Not a measurement: the phase may be run
+    again (``bench.contention.Scenario.step_under_bulk`` does so once)."""
+
+
 @dataclass
 class IperfResult:
     """One iperf3 client run (sender side): summed per-interval throughput and totals."""
@@ -161,7 +168,10 @@ class IperfClient:
                                             dst=self.server_ip, port=self.port, streams=self.streams,
                                             started_at=self.started_at)
         except BulkError as exc:
-            raise BulkError(f"{exc}; stderr: {err.decode(errors='replace')[-500:]}") from None
+            crashed = self.proc.returncode is not None and self.proc.returncode < 0 \
+                and -self.proc.returncode not in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+            kind = BulkCrash if crashed else BulkError
+            raise kind(f"{exc}; exit {self.proc.returncode}; stderr: {err.decode(errors='replace')[-500:]}") from None
         return self._result
 
     def result(self, timeout: float | None = None) -> IperfResult:

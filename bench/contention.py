@@ -35,7 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from bench.bulk import bulk
+from bench.bulk import BulkCrash, bulk
 from bench.workers import (
     ScenarioError,
     machine_info,
@@ -145,8 +145,20 @@ class Scenario:
     def step_under_bulk(self, tag: str, sockets: dict[int, str] | None = None, linger_s: float = 0.0):
         """Start the bulk, let it ramp up, run :meth:`step`; keep the bulk ``linger_s`` more seconds alone.
 
-        Returns ``(step result, bulk results, t0, t1)`` (``t0``, ``t1``: wall-clock start and end of the step).
+        Returns ``(step result, bulk results, t0, t1)`` (``t0``, ``t1``: wall-clock start and end of the step). An
+        iperf3 client that crashed on its interrupt (:class:`bench.bulk.BulkCrash`, iperf3's bug, not a measurement)
+        makes the whole step run once more, said in the progress lines and counted in ``bulk_crashes``.
         """
+        try:
+            return self._step_under_bulk(tag, sockets, linger_s)
+        except BulkCrash as exc:
+            self.result["bulk_crashes"] = self.result.get("bulk_crashes", 0) + 1
+            self.progress(f"  {tag}: an iperf3 client crashed when interrupted, without its JSON ({exc}); "
+                          "running the phase again")
+            return self._step_under_bulk(tag, sockets, linger_s)
+
+    def _step_under_bulk(self, tag: str, sockets: dict[int, str] | None, linger_s: float):
+        """:meth:`step_under_bulk`, once."""
         with bulk(self.tb, self.pairs, seconds=300) as b:
             time.sleep(self.settle_s)
             t0 = time.time()

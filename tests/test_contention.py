@@ -218,6 +218,46 @@ def test_agent_config_written_by_bench_is_valid(tmp_path):
     assert cfg.metrics_address == "127.0.0.1:9477"
 
 
+def test_an_iperf3_client_that_aborts_is_a_crash_and_its_phase_runs_again():
+    """An iperf3 client killed by a signal of its own with no JSON (iperf3 3.12 aborted once in its SIGINT handler,
+    "Fatal glibc error: malloc assertion failure", and `make demo` failed) is a BulkCrash, not a measurement; one
+    that exits with an error is a BulkError as before. step_under_bulk runs a phase that met a crash once more (and
+    no more), counted in bulk_crashes; until 2026-11-28 the crash ended the demo (exit 2)."""
+    from bench.bulk import BulkCrash, BulkError, IperfClient
+    from bench.contention import Scenario
+
+    class Local:
+        ip = "127.0.0.1"
+        name = "local"
+
+        @staticmethod
+        def popen(argv, **kw):  # (stands for iperf3: the script ignores its arguments)
+            return subprocess.Popen(["sh", "-c", Local.script, "iperf3"], **kw)
+
+    Local.script = "echo 'Fatal glibc error: malloc assertion failure' >&2; kill -ABRT $$"
+    with pytest.raises(BulkCrash, match="exit -6"):
+        IperfClient(Local, "127.0.0.1", seconds=1).result(timeout=10)
+    Local.script = "echo 'iperf3: error - unable to connect' >&2; exit 1"
+    with pytest.raises(BulkError) as e:
+        IperfClient(Local, "127.0.0.1", seconds=1).result(timeout=10)
+    assert not isinstance(e.value, BulkCrash)
+
+    calls, lines = [], []
+    sc = Scenario(tb=None, result={"workload": "allreduce"}, pairs=[], workdir="", iters=1, port=0,
+                  progress=lines.append)
+
+    def once(tag, sockets, linger_s):
+        calls.append(tag)
+        if len(calls) < 3:
+            raise BulkCrash("iperf3 127.0.0.1->127.0.0.1:5301: output is not JSON: ''")
+        return "done"
+    sc._step_under_bulk = once
+    with pytest.raises(BulkCrash):  # (a second crash in a row is not hidden)
+        sc.step_under_bulk("fifo")
+    assert calls == ["fifo", "fifo"] and sc.result["bulk_crashes"] == 1 and "running the phase again" in lines[0]
+    assert sc.step_under_bulk("agent") == "done" and calls == ["fifo", "fifo", "agent"]
+
+
 def test_iperf_json_parsing_and_windows():
     from bench.bulk import BulkError, parse_iperf_json
 
