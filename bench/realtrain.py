@@ -179,7 +179,7 @@ def worker_argv(cfg: dict, master: str, socket: str, rank: int, ifname: str, out
 def _measure(result: dict, cfg: dict, name: str, rate: str, port: int, settle_s: float, workdir: str) -> list[dict]:
     """Build the testbed, agents and bulk, run the workers; every rank's JSON (link and bulk figures to ``result``)."""
     from bench.agents import running_agents
-    from bench.bulk import bulk
+    from bench.bulk import BulkCrash, bulk
     from tensorlane.policies.model import CostModel
     from testbed import Testbed
 
@@ -205,7 +205,11 @@ def _measure(result: dict, cfg: dict, name: str, rate: str, port: int, settle_s:
         t1 = time.time()
         if not b.alive():
             raise ScenarioError("bulk traffic ended before the benchmark did")
-        bulk_results = b.stop()
+        try:
+            bulk_results = b.stop()
+        except BulkCrash as exc:  # (iperf3's own abort on its interrupt: the bulk's figures are lost, the
+            result["bulk_crash"] = str(exc)  # training's are not: they are what this benchmark measures)
+            bulk_results = []
         with contextlib.suppress(Exception):
             result["bulk_bps"] = {f"h{a}->h{c}": res.mean_bps_wall(t0 + 1, t1)
                                   for (a, c, _), res in zip(pairs, bulk_results, strict=False)}
