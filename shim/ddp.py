@@ -779,21 +779,27 @@ def _average_unstepped(state: ShimState) -> None:
     (accumulation without ``no_sync``, a step skipped with the gradients kept): under DDP ``.grad`` holds the
     average by now and the new gradient adds to it, so write the averages first (``_write_averages``), before any
     gradient of this backward accumulates. ``step()`` then takes the optimizer's own step if this backward is not
-    synchronized (``no_sync``); a synchronized one all-reduces the sum and defers its step as usual."""
+    synchronized (``no_sync``); a synchronized one all-reduces the sum and defers its step as usual. Under
+    ``apply_lock``: another thread making ``.grad`` DDP's average meanwhile (an ``os.fork()`` there) does so first,
+    and this hook then finds nothing left (until 2026-11-28 both wrote, and that thread's write could land after this
+    backward's gradient had accumulated, dropping it, silently: 7.6e-2 off; and it dropped this backward's buckets
+    from the step: tests/test_shim.py::
+    test_backward_while_a_fork_on_another_thread_averages_the_unstepped_gradients_keeps_them)."""
     d = state.deferred
-    stale = [pend for pend in d.previous if any(pend is q for q in d.unstamped)]
-    d.previous = []
-    if state.mode != "overlap" or not stale:
-        return
-    for pend in stale:
-        for p, *_ in pend.params:
-            if d.pending.get(id(p)) is pend:
-                ov.check_unstepped(pend, p)
-    d.unstamped = [q for q in d.unstamped if not any(q is pend for pend in stale)]
-    if _write_averages(state, stale):
-        d.synced = True
-        d.averaged_unstepped += 1
-        d.watch.unwatch()  # .grad holds DDP's averages now
+    with d.apply_lock:
+        stale = [pend for pend in d.previous if any(pend is q for q in d.unstamped)]
+        d.previous = []
+        if state.mode != "overlap" or not stale:
+            return
+        for pend in stale:
+            for p, *_ in pend.params:
+                if d.pending.get(id(p)) is pend:
+                    ov.check_unstepped(pend, p)
+        d.unstamped = [q for q in d.unstamped if not any(q is pend for pend in stale)]
+        if _write_averages(state, stale):
+            d.synced = True
+            d.averaged_unstepped += 1
+            d.watch.unwatch()  # .grad holds DDP's averages now
 
 
 COMPILED_WRAPPER = (

@@ -1055,6 +1055,78 @@ def test_step_while_a_fork_on_another_thread_averages_the_gradients_is_taken(tmp
 
 
 @pytest.mark.torch
+def test_backward_while_a_fork_on_another_thread_averages_the_unstepped_gradients_keeps_them(tmp_path, monkeypatch):
+    """A backward that follows a synchronized backward no ``step()`` followed (accumulation without ``no_sync``)
+    while an ``os.fork()`` on another thread (a DataLoader made by a prefetching thread) makes ``.grad`` DDP's
+    average, held after checking a gradient and before writing it (an injected pause): the backward's gradient hook
+    waits for that thread, and its gradients accumulate onto the averages, as under DDP. Until 2026-11-28 the hook
+    wrote the averages itself without waiting, the new gradient accumulated, and the other thread then wrote the old
+    average over it, dropping this backward's gradient there, silently (and it dropped this backward's all-reduces
+    from the step too)."""
+    import os
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+    from tensorlane.shim import ddp as shim_ddp
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(1)
+        x = torch.randn(4, 8)
+        ends = []
+        for shimmed in (False, True):
+            torch.manual_seed(0)
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=100)
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+            handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                                 policy="flat") if shimmed else None
+            _train(ddp, opt, x, 3)
+            ddp(x).sum().backward()  # (no step: the next backward accumulates)
+            loss = ddp(x).sum()
+            if not shimmed:
+                loss.backward()
+            else:
+                assert handle.stats()["mode"] == "overlap"
+                inside, go, main = threading.Event(), threading.Event(), threading.get_ident()
+                view = shim_ddp._grad_view
+
+                def held(*args, inside=inside, go=go, main=main, view=view, **kwargs):
+                    if threading.get_ident() != main and not inside.is_set():
+                        inside.set()
+                        go.wait(timeout=1.0)  # (with the fix the training thread's backward waits for this one)
+                    return view(*args, **kwargs)
+                monkeypatch.setattr(shim_ddp, "_grad_view", held)
+
+                def fork():
+                    pid = os.fork()
+                    if pid == 0:
+                        os._exit(0)  # (the child leaves at once: no pytest, no atexit)
+                    os.waitpid(pid, 0)
+                other = threading.Thread(target=fork)
+                other.start()
+                assert inside.wait(timeout=30)
+                loss.backward()
+                go.set()
+                other.join(30)
+                assert not other.is_alive()
+                monkeypatch.undo()
+            opt.step()
+            opt.zero_grad()
+            _train(ddp, opt, x, 1)
+            ends.append([p.detach().clone() for p in ddp.parameters()])
+            if shimmed:
+                handle.close()
+        off = max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True))
+        assert off == 0.0, f"{off:.2e} off DDP"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_guard_forgetting_on_another_thread_misses_no_watched_alias():
     """The guard forgets each parameter whose update another thread has just applied (a validation forward, a
     ``flush()`` there) while the training thread's operations ask it whether they use a parameter still pending
