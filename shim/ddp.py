@@ -656,7 +656,7 @@ def _apply(state: ShimState, param) -> bool:
     at a time (``apply_lock``): until 2026-11-28 two threads that left the wait together could both find the same
     parameters not yet applied and both step them (``tests/test_shim.py::
     test_two_threads_applying_one_pending_step_take_it_once``)."""
-    with state.deferred.apply_lock:
+    with state.deferred.locked():
         return _apply_locked(state, param)
 
 
@@ -767,7 +767,7 @@ def _average_into_grads(state: ShimState) -> bool:
     then takes the optimizer's own step on ``.grad`` (``Deferred.step_synced``), so a change the loop makes next
     (clipping) acts as under DDP. Returns whether anything was pending."""
     d = state.deferred
-    with d.apply_lock:  # (one thread at a time: a fork's on another thread, the training thread's step() or read)
+    with d.locked():  # (one thread at a time: a fork's on another thread, the training thread's step() or read)
         live = _write_averages(state, d.unstamped)
         d.unstamped = []
         d.synced = d.synced or live
@@ -786,7 +786,7 @@ def _average_unstepped(state: ShimState) -> None:
     from the step: tests/test_shim.py::
     test_backward_while_a_fork_on_another_thread_averages_the_unstepped_gradients_keeps_them)."""
     d = state.deferred
-    with d.apply_lock:
+    with d.locked():
         stale = [pend for pend in d.previous if any(pend is q for q in d.unstamped)]
         d.previous = []
         if state.mode != "overlap" or not stale:
@@ -1171,7 +1171,7 @@ class Handle:
         # under apply_lock: another thread making .grad DDP's average meanwhile (an os.fork() there) has done so
         # first; until 2026-11-28 this step stamped the updates that thread was dropping, and was lost, silently
         # (tests/test_shim.py::test_step_while_a_fork_on_another_thread_averages_the_gradients_is_taken)
-        with d.apply_lock, d.watch.paused():
+        with d.locked(), d.watch.paused():
             if d.synced:  # a read made .grad DDP's average: nothing is pending, the step is DDP's own
                 return d.step_synced(closure)
             if not d.unstamped and d.got_grad and not any(key in d.pending for key in d.got_grad):
@@ -1343,6 +1343,10 @@ class Handle:
         """Apply pending updates, restore the optimizer, withdraw the flows from the agent. Idempotent."""
         if self.closed or self.disabled:
             self.closed = True
+            return
+        d = self.state.deferred
+        if d is not None and d.owner == threading.get_ident():  # a signal handler inside the shim's own update on
+            d.close_later = self.close  # this thread: closed once that update ends (Deferred.locked)
             return
         try:
             self.flush()

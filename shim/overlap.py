@@ -227,6 +227,9 @@ class Deferred:
         # ddp._apply holds it: two threads applying the same pending step (a validation thread's forward, a fork or
         # a flush() on another thread, while the training thread's forward applies it) take it once
         self.apply_lock = threading.RLock()
+        self.owner: int | None = None  # the thread inside locked() (None: none), and how deep
+        self.depth = 0
+        self.close_later = None  # a close() asked for by the owner itself mid-update (a signal handler): run at exit
         self.flushed_on_use = 0  # times the guard applied pending updates because a parameter was used
         self.bucketed: set = set()  # id(param) of the parameters DDP all-reduces (seen in the probe's buckets)
         self.stamped_state = None  # optimizer.state when step() stamped (the shim's StateView)
@@ -237,6 +240,25 @@ class Deferred:
         self.averaged_unstepped = 0  # backward passes that found an unstepped one's averages to write first
         self.previous: list = []  # Pendings of the last synchronized backward, until step() (a later backward
         # that finds them still unstamped writes their averages into .grad first: ddp._average_unstepped)
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold ``apply_lock`` (re-entrant); where a ``close()`` was asked for by this thread meanwhile (a signal
+        handler, which Python runs on the main thread between two bytecodes, so inside the shim's own update), run
+        it once the outermost hold ends: until 2026-11-28 it ran there, mid-update, and a ``step()`` it landed in was
+        dropped, silently (tests/test_shim.py::test_close_from_a_signal_handler_inside_the_shims_update_loses_no_step).
+        """
+        with self.apply_lock:
+            self.owner, self.depth = threading.get_ident(), self.depth + 1
+            try:
+                yield
+            finally:
+                self.depth -= 1
+                later = None
+                if not self.depth:
+                    self.owner, later, self.close_later = None, self.close_later, None
+        if later is not None:
+            later()
 
     # -- the user's optimizer.step() ----------------------------------------------------------------------
     def release(self) -> None:

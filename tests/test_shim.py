@@ -1127,6 +1127,71 @@ def test_backward_while_a_fork_on_another_thread_averages_the_unstepped_gradient
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("inside", ["stamp", "step"])
+def test_close_from_a_signal_handler_inside_the_shims_update_loses_no_step(tmp_path, monkeypatch, inside):
+    """``handle.close()`` from a signal handler (a preemption notice: Python runs it on the main thread between two
+    bytecodes) that lands while that thread is inside the shim's own update, holding its lock: in ``step()`` while it
+    stamps the updates (``stamp``), or in the next forward while it takes a deferred step (``step``). The close waits
+    for that update to end (the handler returns at once), then applies what is pending: training goes on as under
+    DDP. Until 2026-11-28 a close in ``stamp`` dropped that ``step()`` entirely, silently."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+    from tensorlane.shim import overlap as ov
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        torch.manual_seed(1)
+        x = torch.randn(4, 8)
+        ends = []
+        for shimmed in (False, True):
+            torch.manual_seed(0)
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=100)
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+            handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                                 policy="flat") if shimmed else None
+            _train(ddp, opt, x, 3)
+            if shimmed:
+                assert handle.stats()["mode"] == "overlap"
+                signal.signal(signal.SIGUSR1, lambda *_a, handle=handle: handle.close())
+                fired = []
+
+                def raising(fn, fired=fired):
+                    def call(*args, **kwargs):
+                        if not fired:
+                            fired.append(True)
+                            signal.raise_signal(signal.SIGUSR1)  # (the handler runs before this returns)
+                        return fn(*args, **kwargs)
+                    return call
+                if inside == "stamp":
+                    monkeypatch.setattr(ov, "autocast_state", raising(ov.autocast_state))
+                else:
+                    d = handle.state.deferred
+                    monkeypatch.setattr(d, "orig_step", raising(d.orig_step))
+            ddp(x).sum().backward()
+            if shimmed and inside == "step":
+                opt.step()
+                ddp(x)  # (the forward takes the deferred step)
+            opt.step() if not shimmed or inside == "stamp" else None
+            if shimmed:
+                assert fired and handle.closed
+                monkeypatch.undo()
+            opt.zero_grad()
+            _train(ddp, opt, x, 2)
+            ends.append([p.detach().clone() for p in ddp.parameters()])
+        off = max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True))
+        assert off == 0.0, f"{off:.2e} off DDP"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_guard_forgetting_on_another_thread_misses_no_watched_alias():
     """The guard forgets each parameter whose update another thread has just applied (a validation forward, a
     ``flush()`` there) while the training thread's operations ask it whether they use a parameter still pending
