@@ -588,6 +588,7 @@ def _decide(state: ShimState) -> None:
 
 def _launch_deferred(state: ShimState, bucket):
     d = state.deferred
+    d.backward_task = torch._C._current_graph_task_id()  # (until after_backward: a close() in it waits for it)
     params = list(bucket.parameters())
     for p in params:
         pend = d.pending.get(id(p))
@@ -1345,6 +1346,14 @@ class Handle:
             self.closed = True
             return
         d = self.state.deferred
+        if d is not None and d.backward_task is not None and d.backward_task == torch._C._current_graph_task_id():
+            # inside that backward (a signal handler, which Python runs in a gradient hook there): closed at its end,
+            # once DDP has written .grad, so that close() writes the averages of the buckets launched before it
+            # (until 2026-11-28 it ran there, those buckets' averages were dropped and the step took this rank's own
+            # gradient, silently: 2.2e-2 off DDP at 2 ranks, tests/test_shim.py::
+            # test_close_from_a_signal_handler_during_backward_keeps_the_averages)
+            d.close_after_backward = self.close
+            return
         if d is not None and d.owner == threading.get_ident():  # a signal handler inside the shim's own update on
             d.close_later = self.close  # this thread: closed once that update ends (Deferred.locked)
             return

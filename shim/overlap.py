@@ -230,6 +230,8 @@ class Deferred:
         self.owner: int | None = None  # the thread inside locked() (None: none), and how deep
         self.depth = 0
         self.close_later = None  # a close() asked for by the owner itself mid-update (a signal handler): run at exit
+        self.backward_task = None  # the autograd graph task of the backward that launched buckets, until it ends
+        self.close_after_backward = None  # a close() asked for during it (a signal handler in a gradient hook)
         self.flushed_on_use = 0  # times the guard applied pending updates because a parameter was used
         self.bucketed: set = set()  # id(param) of the parameters DDP all-reduces (seen in the probe's buckets)
         self.stamped_state = None  # optimizer.state when step() stamped (the shim's StateView)
@@ -436,6 +438,10 @@ class Deferred:
                     self.early.add(id(p))
         self.probe.ran = set()
         self.got_grad.clear()  # in place: the gradient hooks hold this set
+        self.backward_task = None
+        later, self.close_after_backward = self.close_after_backward, None
+        if later is not None:
+            later()
 
 
 def autocast_state(device_types) -> dict:

@@ -1768,6 +1768,57 @@ def test_ranks_agree_on_job_and_run_tokens_without_numpy(tmp_path):
     assert tokens[0] == tokens[1] and tokens[0][0].startswith("job-") and tokens[0][1].startswith("run-"), tokens
 
 
+@pytest.mark.torch
+def test_close_from_a_signal_handler_during_backward_keeps_the_averages(tmp_path):
+    """``handle.close()`` from a signal handler (a preemption notice) during a synchronized ``backward()`` at 2 ranks:
+    Python runs the handler on the main thread at the next bytecode, which is in a gradient hook there, after some
+    buckets were launched. The close waits for that backward's end (the handler returns at once), and the step takes
+    DDP's averages, exact. Until 2026-11-28 it ran there and dropped those buckets' averages: the step took this
+    rank's own gradient for them, silently (2.2e-2 off DDP three steps later)."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    procs = [subprocess.Popen([sys.executable, "-c", SIGNAL_IN_BACKWARD_SCRIPT, str(tmp_path / "store"), str(rank)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    offs = [float(o.split()[-1]) for o, _ in outs]
+    assert offs == [0.0, 0.0], f"off DDP at each rank: {offs}"
+
+
+SIGNAL_IN_BACKWARD_SCRIPT = r"""
+import signal, sys
+import torch, torch.distributed as dist
+from tensorlane import shim
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 2), rank=rank, world_size=2)
+torch.manual_seed(1 + rank)
+x = torch.randn(4, 8)
+ends = []
+for shimmed in (False, True):
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]), bucket_cap_mb=0.0001)  # (a bucket per layer)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+    handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                         policy="flat") if shimmed else None
+    for i in range(6):
+        hook = None
+        if shimmed and i == 3:
+            assert handle.stats()["mode"] == "overlap"
+            signal.signal(signal.SIGUSR1, lambda *_a: handle.close())
+            # (on the first layer's gradient, the last to come: the later layers' buckets are launched by then)
+            hook = ddp.module[0].weight.register_hook(lambda g: (signal.raise_signal(signal.SIGUSR1), None)[1])
+        ddp(x).sum().backward()
+        if hook is not None:
+            hook.remove()
+            assert handle.closed
+        opt.step()
+        opt.zero_grad()
+    ends.append([p.detach().clone() for p in ddp.parameters()])
+print("off", max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)), flush=True)
+dist.destroy_process_group()
+"""
+
+
 TOKEN_SCRIPT = r"""
 import sys
 sys.modules["numpy"] = None  # as in a venv with tensorlane[shim] only
