@@ -373,7 +373,12 @@ class Deferred:
         bf16: until 2026-11-27 it did, 3e-2 from DDP after 8 steps), and in or out of ``torch.inference_mode`` as at
         ``step()`` (``inference``; None: as now): a validation forward under ``inference_mode`` that takes a parameter's
         first step would make its new state inference tensors, which the next step outside it cannot update in place
-        (until 2026-11-27 it raised there, ``late_state_inference``); the groups are restored afterwards."""
+        (until 2026-11-27 it raised there, ``late_state_inference``); the groups are restored afterwards. Known
+        window (docs/shim.md, idioms row "a parameter read in the forward before its own module runs"): the live
+        groups hold the stamped values and the stepped part meanwhile, so another thread (the training thread's
+        scheduler, while a validation thread takes this step) reads those, and a rate it writes before the optimizer
+        reads it is this step's; the optimizer's step reads only the live groups, so hiding them would take a
+        per-thread view of ``param_groups`` (left)."""
         opt = self.optimizer
         self.check_step_hooks()
         if self.stamped_state is not None and opt.state is not self.stamped_state:
