@@ -178,7 +178,10 @@ class ShimState:
     successor: tuple | None = None  # (state, hook) of a later attach to the same DDP model, made after close()
     copied: bool = False  # a deep copy's (__deepcopy__): in the _comm_hooks of a DDP copy whose reducer has no hook
     copy_warned: bool = False  # a copy's hook was called all the same (_after_close warned once)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # re-entrant: a signal handler (stats() logging progress, close()) runs on the main thread between two bytecodes,
+    # also while that thread holds it; until 2026-11-28 it hung there for good (tests/test_shim.py::
+    # test_stats_from_a_signal_handler_while_the_shim_counts_returns). A gloo future's callback takes it too
+    lock: threading.RLock = field(default_factory=threading.RLock)
     step_bytes: int = 0  # bytes the last complete synchronized backward all-reduced (the same on every rank)
     tail_bytes: int = 0  # bytes of that backward's last bucket: what DDP waits for after backward (every rank alike)
     clock: ComputeClock = field(default_factory=ComputeClock)  # a step's compute seconds, agreed over the ranks

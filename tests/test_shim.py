@@ -1819,6 +1819,49 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.torch
+def test_stats_from_a_signal_handler_while_the_shim_counts_returns(tmp_path):
+    """``handle.stats()`` from a signal handler (a SIGUSR1 that logs progress), which Python runs on the main thread
+    between two bytecodes: there it may land while the shim holds its counters' lock (here while it counts a wait
+    for the all-reduces in a forward). The handler's ``stats()`` returns, and training goes on. Until 2026-11-28
+    that lock was not re-entrant and the process hung there for good."""
+    proc = subprocess.run([sys.executable, "-c", STATS_IN_HANDLER_SCRIPT, str(tmp_path / "store")],
+                          env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "overlap", proc.stdout[-500:]
+
+
+STATS_IN_HANDLER_SCRIPT = r"""
+import faulthandler, signal, sys
+import torch, torch.distributed as dist
+from tensorlane import shim
+faulthandler.dump_traceback_later(30, exit=True)  # (a hang ends the process: the test fails, it does not wait)
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+torch.manual_seed(0)
+ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]))
+opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
+handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8, policy="flat")
+x = torch.randn(4, 8)
+seen = []
+signal.signal(signal.SIGUSR1, lambda *_a: seen.append(handle.stats()["mode"]))
+clock = handle.state.clock
+waited = clock.waited
+def counting(seconds):
+    if not seen:
+        signal.raise_signal(signal.SIGUSR1)  # (the handler runs here, under the counters' lock)
+    return waited(seconds)
+for i in range(6):
+    if i == 4:
+        clock.waited = counting
+    ddp(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+handle.close()
+dist.destroy_process_group()
+print(*seen, flush=True)
+"""
+
+
 TOKEN_SCRIPT = r"""
 import sys
 sys.modules["numpy"] = None  # as in a venv with tensorlane[shim] only
