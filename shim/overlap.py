@@ -207,6 +207,31 @@ class Probe:
     ran: set = field(default_factory=set)  # id(module) of modules whose forward ran since the last backward
 
 
+class _Hold:
+    """``Deferred.locked()``: ``apply_lock`` with its owner and depth, and the owner's ``close_later`` run at the
+    outermost exit, once the lock is released."""
+
+    __slots__ = ("d",)
+
+    def __init__(self, deferred):
+        self.d = deferred
+
+    def __enter__(self) -> None:
+        d = self.d
+        d.apply_lock.acquire()
+        d.owner, d.depth = threading.get_ident(), d.depth + 1
+
+    def __exit__(self, *_exc) -> bool:
+        d, later = self.d, None
+        d.depth -= 1
+        if not d.depth:
+            d.owner, later, d.close_later = None, d.close_later, None
+        d.apply_lock.release()
+        if later is not None:
+            later()
+        return False
+
+
 class Deferred:
     """The deferred-step machinery of one ``attach``: pending buckets, gradient marks, the probe, the checks."""
 
@@ -230,6 +255,7 @@ class Deferred:
         self.owner: int | None = None  # the thread inside locked() (None: none), and how deep
         self.depth = 0
         self.close_later = None  # a close() asked for by the owner itself mid-update (a signal handler): run at exit
+        self._hold = _Hold(self)  # (locked(): one object, entered re-entrantly; a generator each time cost 8x)
         self.backward_task = None  # the autograd graph task of the backward that launched buckets, until it ends
         self.close_after_backward = None  # a close() asked for during it (a signal handler in a gradient hook)
         self.flushed_on_use = 0  # times the guard applied pending updates because a parameter was used
@@ -243,24 +269,13 @@ class Deferred:
         self.previous: list = []  # Pendings of the last synchronized backward, until step() (a later backward
         # that finds them still unstamped writes their averages into .grad first: ddp._average_unstepped)
 
-    @contextlib.contextmanager
-    def locked(self):
+    def locked(self) -> _Hold:
         """Hold ``apply_lock`` (re-entrant); where a ``close()`` was asked for by this thread meanwhile (a signal
         handler, which Python runs on the main thread between two bytecodes, so inside the shim's own update), run
         it once the outermost hold ends: until 2026-11-28 it ran there, mid-update, and a ``step()`` it landed in was
         dropped, silently (tests/test_shim.py::test_close_from_a_signal_handler_inside_the_shims_update_loses_no_step).
-        """
-        with self.apply_lock:
-            self.owner, self.depth = threading.get_ident(), self.depth + 1
-            try:
-                yield
-            finally:
-                self.depth -= 1
-                later = None
-                if not self.depth:
-                    self.owner, later, self.close_later = None, self.close_later, None
-        if later is not None:
-            later()
+        Usage: ``with d.locked(): ...``"""
+        return self._hold
 
     # -- the user's optimizer.step() ----------------------------------------------------------------------
     def release(self) -> None:
