@@ -1349,7 +1349,8 @@ class Handle:
             self.closed = True
             return
         d = self.state.deferred
-        if d is not None and d.backward_task is not None and d.backward_task == torch._C._current_graph_task_id():
+        task = torch._C._current_graph_task_id()  # (-1: not in a backward; a hook run outside one, under Join)
+        if d is not None and task != -1 and d.backward_task == task:
             # inside that backward (a signal handler, which Python runs in a gradient hook there): closed at its end,
             # once DDP has written .grad, so that close() writes the averages of the buckets launched before it
             # (until 2026-11-28 it ran there, those buckets' averages were dropped and the step took this rank's own
