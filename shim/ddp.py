@@ -589,9 +589,17 @@ def _decide(state: ShimState) -> None:
                        "calls the optimizer's original step, or GradScaler skipped every step)")
 
 
+def _graph_task() -> int:
+    """The autograd graph task running on this thread (-1: none). torch's own id (``torch._C._current_graph_task_id``,
+    torch 2.13); -1 where a torch lacks it, so a ``close()`` inside a backward then runs at once, as before
+    2026-11-28. Usage: ``if _graph_task() != -1: ...``"""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if current is None else current()
+
+
 def _launch_deferred(state: ShimState, bucket):
     d = state.deferred
-    d.backward_task = torch._C._current_graph_task_id()  # (until after_backward: a close() in it waits for it)
+    d.backward_task = _graph_task()  # (until after_backward: a close() in it waits for it)
     params = list(bucket.parameters())
     for p in params:
         pend = d.pending.get(id(p))
@@ -1349,7 +1357,7 @@ class Handle:
             self.closed = True
             return
         d = self.state.deferred
-        task = torch._C._current_graph_task_id()  # (-1: not in a backward; a hook run outside one, under Join)
+        task = _graph_task()  # (-1: not in a backward; a hook run outside one, under Join)
         if d is not None and task != -1 and d.backward_task == task:
             # inside that backward (a signal handler, which Python runs in a gradient hook there): closed at its end,
             # once DDP has written .grad, so that close() writes the averages of the buckets launched before it
