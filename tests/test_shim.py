@@ -2151,7 +2151,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("late", [0, 1])
+@pytest.mark.parametrize("late", [0])  # (1, rank 1 late, passes too: a hang without the fix; 9 s more of make test)
 def test_level_groups_survive_a_restart_over_the_killed_attempts_store(late):
     """torchrun's c10d rendezvous gives the workers one store for every attempt (TORCHELASTIC_USE_AGENT_STORE), and
     torch names groups by a counter: the restarted workers' level groups have the names of the killed attempt's.
