@@ -1091,10 +1091,7 @@ class Handle:
         overlap mode)."""
         if self.state.mode in ("probing", "overlap") and not self.closed:
             d = self.state.deferred
-            if ov.held_elsewhere(d.watch):
-                old, d.watch = d.watch, ov.GradWatch(d.watch.on_read)
-                d.watch.on_compiled = old.on_compiled
-                old.retire()
+            d.watch = ov.watching_here(d.watch)
             d.watch.push()
 
     def _grads_read(self) -> None:
@@ -1207,9 +1204,7 @@ class Handle:
                     return d.step_synced(closure)
             d.stamp(params, closure)
             if d.pending:
-                if ov.held_elsewhere(d.guard):
-                    old, d.guard = d.guard, ov.UseGuard(d.guard.on_use, d.guard.related)
-                    old.retire()
+                d.guard = ov.watching_here(d.guard)
                 d.guard.arm([p for p in state.options["params"] if id(p) in d.pending])
         return None
 

@@ -926,9 +926,13 @@ def _before_compiled() -> None:
     compiled gradient norm), and stays on the stack with nothing to watch: dynamo traces it as an operation's plain
     call (bit for bit as without it: a compiled teacher, 2026-11-28), and it watches the next backward's gradients.
     Usage: called by the wrapper :class:`CompiledCalls` installs."""
-    modes = _modes_on_this_thread()
-    modes.sort(key=lambda m: not isinstance(m, UseGuard))  # the guard first: its flush leaves the averages in .grad
-    for m in modes:
+    _each_before_compiled(_modes_on_this_thread())
+
+
+def _each_before_compiled(modes: list) -> None:
+    """``before_compiled()`` of each of ``modes``, the guard first: its flush leaves the averages in ``.grad``.
+    Usage: ``_each_before_compiled(_modes_on_this_thread())``"""
+    for m in sorted(modes, key=lambda m: not isinstance(m, UseGuard)):
         m.before_compiled()
 
 
@@ -1004,9 +1008,7 @@ class StackMode(TorchFunctionMode):
             _take_out(self)
             self.thread = None
             _PUSHED.pop(id(self), None)
-            for wrap in self.wraps:
-                wrap.remove()
-            self.wraps = []
+            self._unregister()
 
     def retire(self) -> None:
         """For good (``close()``), from any thread: off the stack of the thread holding it. On that thread (outside
@@ -1024,10 +1026,18 @@ class StackMode(TorchFunctionMode):
             self.pop()
             return
         self.retired = True
+        self._unregister()
+        _reap()  # (drops it at once where its thread has ended: its stack ended with it)
+
+    def _unregister(self) -> None:
+        """Give up its registrations with COMPILED_CALLS and DISABLED_CALLS (the last one out puts torch's own back)."""
         for wrap in self.wraps:
             wrap.remove()
         self.wraps = []
-        _reap()  # (drops it at once where its thread has ended: its stack ended with it)
+
+    def renewed(self) -> StackMode:
+        """A new mode doing this one's work (its callbacks), for another thread's stack (:func:`watching_here`)."""
+        raise NotImplementedError
 
     def _pass_through(self, func, args, kwargs):
         """A retired mode's handler: the operation as without it, and this mode out of the stack right after."""
@@ -1056,14 +1066,18 @@ def _modes_on_this_thread() -> list:
     return [m for m in list(_PUSHED.values()) if m.thread == me and not m.handling and not m.retired]
 
 
-def held_elsewhere(mode) -> bool:
-    """Whether ``mode`` is on another thread's stack than this one's, where it cannot watch this thread (torch keeps a
-    stack per thread): the training loop moved to another thread (an iteration per task of a thread pool, a thread
-    per epoch). ``Handle`` then retires it there and watches this thread with a new one: until 2026-11-28 the guard
-    and the gradient watch stayed with the first thread, and an EMA after ``step()`` on the next read the weights
-    before their update, silently (3e-3 off after 10 Adam steps, one thread per iteration).
-    Usage: ``if held_elsewhere(d.guard): ...``"""
-    return mode.thread is not None and mode.thread != threading.get_ident() and not mode.retired
+def watching_here(mode: StackMode) -> StackMode:
+    """``mode``, or, where it is on another thread's stack than this one's (the training loop moved to another
+    thread: an iteration per task of a thread pool, a thread per epoch), a new one doing its work (``renewed()``),
+    ``mode`` retired there: torch keeps a stack per thread, so it could not watch this thread. Until 2026-11-28 the
+    guard and the gradient watch stayed with the first thread, and an EMA after ``step()`` on the next read the
+    weights before their update, silently (3e-3 off after 10 Adam steps, one thread per iteration).
+    Usage: ``d.guard = watching_here(d.guard)``"""
+    if mode.thread is None or mode.thread == threading.get_ident() or mode.retired:
+        return mode
+    new = mode.renewed()
+    mode.retire()
+    return new
 
 
 def _reap() -> bool:
@@ -1094,10 +1108,7 @@ def _before_fork() -> None:
     2026-11-28 a worker forked after ``step()`` held the weights before their update, and one that used them ran
     the guard's flush in the child, waiting there for all-reduces of the parent's process groups.
     Usage: registered with ``os.register_at_fork(before=...)``"""
-    modes = [m for m in list(_PUSHED.values()) if not m.retired and not m.handling]
-    modes.sort(key=lambda m: not isinstance(m, UseGuard))  # (as _before_compiled)
-    for m in modes:
-        m.before_compiled()
+    _each_before_compiled([m for m in list(_PUSHED.values()) if not m.retired and not m.handling])
 
 
 def _after_fork_in_child() -> None:
@@ -1113,9 +1124,7 @@ def _after_fork_in_child() -> None:
         if m.thread == me:
             _take_out(m)
         m.retired, m.thread, m.handling = True, None, 0
-        for wrap in m.wraps:
-            wrap.remove()
-        m.wraps = []
+        m._unregister()
     _PUSHED.clear()
 
 
@@ -1220,6 +1229,10 @@ class UseGuard(StackMode):
         self.calls = None  # while armed: a global forward pre-hook that sees TorchScript modules called (_called)
         self.script_calls = None  # while armed: sees TorchScript functions and methods called (_script_called)
         self.scripts: list = []  # while armed: (TorchScript module (C++), whether it holds a watched parameter)
+
+    def renewed(self) -> UseGuard:
+        """A new guard with this one's flush and related tensors (:func:`watching_here`)."""
+        return UseGuard(self.on_use, self.related)
 
     def arm(self, params) -> None:
         """Watch ``params`` from now on (putting the guard on this thread's mode stack if it is not there)."""
@@ -1389,6 +1402,12 @@ class GradWatch(StackMode):
         self.grads: list = []
         self.ids: set = set()
         self.quiet = 0
+
+    def renewed(self) -> GradWatch:
+        """A new watch with this one's callbacks (:func:`watching_here`)."""
+        new = GradWatch(self.on_read)
+        new.on_compiled = self.on_compiled
+        return new
 
     def before_compiled(self) -> None:
         """A compiled function or module is about to run: it may read a watched gradient (through a closure), unseen
