@@ -46,6 +46,7 @@ from tensorlane.agent.config import others_may_write
 from tensorlane.agent.logs import RefusalLog  # noqa: F401  (re-exported: agent.server.RefusalLog)
 from tensorlane.agent.metrics.connections import REFUSALS  # what the server refuses, as the metrics count it
 from tensorlane.agent.peers import Peer, credentials
+from tensorlane.agent.ratelimit import TokenBucket
 
 log = logging.getLogger("tensorlane.server")
 SWEEP_S = 0.5
@@ -57,8 +58,7 @@ class _User:
     """An unprivileged uid: its open connections and its request bucket (kept a while after its last
     connection closes, so that reconnecting does not refill it)."""
 
-    tokens: float
-    stamp: float
+    bucket: TokenBucket
     conns: int = 0
 
 
@@ -68,9 +68,8 @@ class _Conn:
 
     sock: socket.socket
     peer: Peer
-    tokens: float
+    bucket: TokenBucket
     user: _User | None  # None: root, the agent's user or a trusted user (no per-user limits, may use the reserve)
-    stamp: float = field(default_factory=time.monotonic)
     last: float = field(default_factory=time.monotonic)  # last request (or the connect): the idle clock
     inbuf: bytes = b""
     outbuf: bytes = b""
@@ -324,10 +323,9 @@ class Server:
             return self._refuse(sock, peer, "forbidden", f"user {peer.user} is not allowed to use this agent")
         user = None
         if not privileged:
-            now = time.monotonic()
             user = self.users.get(peer.uid)
             if user is None:
-                user = self.users[peer.uid] = _User(tokens=self.user_rate, stamp=now)
+                user = self.users[peer.uid] = _User(TokenBucket(self.user_rate))
             if user.conns >= self.per_user:
                 return self._refuse(sock, peer, "user_limit", f"user {peer.user} already has {user.conns} "
                                     f"connections to the agent (max_connections_per_user = {self.per_user}); "
@@ -336,7 +334,7 @@ class Server:
         else:
             self.privileged_open += 1
         sock.setblocking(False)
-        conn = _Conn(sock, peer, tokens=self.rate, user=user)
+        conn = _Conn(sock, peer, TokenBucket(self.rate), user)
         self.conns[sock] = conn
         self._watch(conn)
 
@@ -391,7 +389,7 @@ class Server:
     def _forget_users(self, now: float) -> None:
         """Drop uids without connections whose request bucket has refilled (a new one would be the same)."""
         for uid, user in list(self.users.items()):
-            if user.conns == 0 and user.tokens + (now - user.stamp) * self.user_rate >= self.user_rate:
+            if user.conns == 0 and user.bucket.full(now):
                 del self.users[uid]
 
     def _watch(self, conn: _Conn) -> None:
@@ -466,7 +464,7 @@ class Server:
             for uid in list(self.ready):
                 queue = self.ready[uid]
                 conn = queue[0]
-                if not conn.closed and conn.user is not None and not self._user_token(conn.user):
+                if not conn.closed and conn.user is not None and not conn.user.bucket.take():
                     self._hold(uid, conn)
                     continue
                 queue.popleft()
@@ -488,21 +486,11 @@ class Server:
             if time.monotonic() >= deadline:
                 return
 
-    def _user_token(self, user: _User) -> bool:
-        """Take a token from the bucket of ``user``'s uid; False if it is empty."""
-        now = time.monotonic()
-        user.tokens = min(self.user_rate, user.tokens + (now - user.stamp) * self.user_rate)
-        user.stamp = now
-        if user.tokens < 1:
-            return False
-        user.tokens -= 1
-        return True
-
     def _hold(self, uid: int, conn: _Conn) -> None:
         """The uid's bucket is empty: its waiting requests (and connections: not read meanwhile) wait until it has a
         token again. The request is counted, not refused: a client over its rate only waits."""
         self.held[uid] = self.ready.pop(uid)
-        self.held_until[uid] = time.monotonic() + (1 - conn.user.tokens) / self.user_rate
+        self.held_until[uid] = time.monotonic() + conn.user.bucket.wait_s()
         self._count("user_rate_limited", logging.WARNING, "held back requests of uid %d (%s): more than %g "
                     "requests per second from its connections (requests_per_user_per_s)", conn.peer.uid,
                     conn.peer.user, self.user_rate)
@@ -513,14 +501,10 @@ class Server:
         if len(line) > protocol.MAX_MESSAGE_BYTES:  # (a long line read with its newline in one chunk)
             return self._too_large(conn)
         self._touch(conn)
-        now = time.monotonic()
-        conn.tokens = min(self.rate, conn.tokens + (now - conn.stamp) * self.rate)
-        conn.stamp = now
-        if conn.tokens >= 1:
-            conn.tokens -= 1
+        if conn.bucket.take():
             conn.outbuf += self.api.handle(line, conn.peer)
             if conn.user is not None:  # (its size, after the token _work took: the next request waits for them)
-                conn.user.tokens -= len(line) // self.BYTES_PER_TOKEN
+                conn.user.bucket.tokens -= len(line) // self.BYTES_PER_TOKEN
         else:
             self._count("rate_limited", logging.WARNING, "rate-limited pid %d uid %d: more than %g requests per "
                         "second on one connection", conn.peer.pid, conn.peer.uid, self.rate)

@@ -48,6 +48,7 @@ from tensorlane.agent.metrics.jobpolicy import JobPolicySource
 from tensorlane.agent.metrics.jobs import JobReports, JobsSource
 from tensorlane.agent.metrics.reconcile import ReconcileSource
 from tensorlane.agent.peers import subuid_ranges as _subuid_ranges
+from tensorlane.agent.ratelimit import TokenBucket
 
 log = logging.getLogger("tensorlane.metrics")
 SOURCES = (BuildSource, ClassesSource, ContentionSource, FlowsSource, ApiSource, ConnectionsSource, ReconcileSource,
@@ -192,7 +193,7 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         self.deadlines: dict = {}  # request socket -> when it is cut off
         self.peers: dict = {}  # request socket -> its peer (``_peer``)
         self.held: dict = {}  # peer -> its requests served now
-        self.buckets: dict = {}  # peer -> (tokens, when counted): ``_take_token``
+        self.buckets: dict = {}  # peer -> its TokenBucket: ``_take_token``
         self.diag = SockDiag()  # (used by the accepting thread only)
         self.subuids: tuple = (None, [])  # (SUBUID's stat when read, its ranges): ``_owner``
         self.closed = threading.Event()
@@ -270,13 +271,14 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
             return True
         now = time.monotonic()
         with self.lock:
-            tokens, stamp = self.buckets.get(peer, (self.REQUEST_BURST, now))
-            tokens = min(self.REQUEST_BURST, tokens + (now - stamp) * self.REQUESTS_PER_PEER_PER_S)
-            self.buckets[peer] = (tokens - (tokens >= 1), now)
+            bucket = self.buckets.get(peer)
+            if bucket is None:
+                bucket = self.buckets[peer] = TokenBucket(self.REQUESTS_PER_PEER_PER_S, self.REQUEST_BURST, now)
+            taken = bucket.take(now)
             if len(self.buckets) > self.MAX_BUCKETS:
                 full = self.REQUEST_BURST / self.REQUESTS_PER_PEER_PER_S
-                self.buckets = {p: b for p, b in self.buckets.items() if now - b[1] < full}
-        return tokens >= 1
+                self.buckets = {p: b for p, b in self.buckets.items() if now - b.stamp < full}
+        return taken
 
     def process_request_thread(self, request, client_address):
         """Serve (cut off after ``REQUEST_DEADLINE_S``: :meth:`_reap`), then free the slot and the peer's."""
