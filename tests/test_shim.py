@@ -601,6 +601,33 @@ def _train(ddp, opt, x, steps: int) -> None:
         opt.zero_grad()
 
 
+@pytest.fixture
+def world1(tmp_path):
+    """The thread-race tests' world: a one-rank gloo group (destroyed after the test); yields ``(x, models)``, the
+    input (seed 1) and ``models(shimmed) -> (ddp, opt, handle)``: four ``Linear(8, 8)`` in one DDP bucket (seed 0),
+    SGD with momentum, and the shim attached at one level, flat, when ``shimmed`` (else ``handle`` is None)."""
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    def models(shimmed: bool):
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=100)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+        handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                             policy="flat") if shimmed else None
+        return ddp, opt, handle
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(1)
+        yield torch.randn(4, 8), models
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.torch
 @pytest.mark.parametrize("profiler", [None, "python"])
 def test_close_on_another_thread_leaves_torch_as_before_attach(tmp_path, profiler):
@@ -773,7 +800,7 @@ def test_two_threads_applying_one_pending_step_take_it_once(tmp_path, monkeypatc
 
 @pytest.mark.torch
 @pytest.mark.parametrize("held", ["waiting", "stepping", "fork"])
-def test_weights_read_while_another_thread_applies_the_step_are_updated(tmp_path, monkeypatch, held):
+def test_weights_read_while_another_thread_applies_the_step_are_updated(world1, monkeypatch, held):
     """The training thread reads the weights after ``step()`` (an EMA, a logged norm) while another thread applies the
     pending updates (a validation thread's forward, ``flush()`` there), held there (an injected pause: ``waiting``
     for the all-reduces, or about to take the optimizer's step, ``stepping``): the read waits for the updates, as
@@ -787,71 +814,59 @@ def test_weights_read_while_another_thread_applies_the_step_are_updated(tmp_path
     import threading
 
     import torch
-    import torch.distributed as dist
 
-    from tensorlane import shim
     from tensorlane.shim import ddp as shim_ddp
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        torch.manual_seed(1)
-        x = torch.randn(4, 8)
-        ends, reads = [], []
-        for shimmed in (False, True):
-            torch.manual_seed(0)
-            ddp = torch.nn.parallel.DistributedDataParallel(
-                torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=100)
-            opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
-            handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
-                                 policy="flat") if shimmed else None
-            _train(ddp, opt, x, 3)
-            ddp(x).sum().backward()
-            opt.step()
-            if not shimmed:
-                reads.append([p.detach().clone() for p in ddp.parameters()])
-            else:
-                assert handle.stats()["mode"] == "overlap"
-                inside, go, main = threading.Event(), threading.Event(), threading.get_ident()
+    x, models = world1
+    ends, reads = [], []
+    for shimmed in (False, True):
+        ddp, opt, handle = models(shimmed)
+        _train(ddp, opt, x, 3)
+        ddp(x).sum().backward()
+        opt.step()
+        if not shimmed:
+            reads.append([p.detach().clone() for p in ddp.parameters()])
+        else:
+            assert handle.stats()["mode"] == "overlap"
+            inside, go, main = threading.Event(), threading.Event(), threading.get_ident()
 
-                def hold(inside=inside, go=go, main=main):
-                    if threading.get_ident() != main and not inside.is_set():
-                        inside.set()
-                        go.wait(timeout=1.0)  # (with the fix the training thread's read waits for this one)
-                d = handle.state.deferred
-                if held in ("waiting", "fork"):
-                    wait = shim_ddp._wait
-                    monkeypatch.setattr(shim_ddp, "_wait", lambda *a, w=wait, h=hold, **k: (h(), w(*a, **k))[1])
-                else:
-                    step_subset = d.step_subset
-                    monkeypatch.setattr(d, "step_subset", lambda *a, s=step_subset, h=hold, **k: (h(), s(*a, **k))[1])
-                def fork():
-                    pid = os.fork()
-                    if pid == 0:
-                        os._exit(0)  # (the child leaves at once: no pytest, no atexit)
-                    os.waitpid(pid, 0)
-                other = threading.Thread(target=fork if held == "fork" else handle.flush)
-                other.start()
-                assert inside.wait(timeout=30)
-                reads.append([p.detach().clone() for p in ddp.parameters()])  # (the training thread's EMA, say)
-                go.set()
-                other.join(30)
-                assert not other.is_alive()
-                monkeypatch.undo()
-            opt.zero_grad()
-            _train(ddp, opt, x, 1)
-            ends.append([p.detach().clone() for p in ddp.parameters()])
-            if shimmed:
-                handle.close()
-        stale = sum(not torch.equal(a, b) for a, b in zip(*reads, strict=True))
-        off = max(float((a - b).abs().max()) for a, b in zip(*reads, strict=True))
-        assert stale == 0, f"{stale} of {len(reads[0])} weights read before their update ({off:.2e} off)"
-        assert max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)) == 0.0
-    finally:
-        dist.destroy_process_group()
+            def hold(inside=inside, go=go, main=main):
+                if threading.get_ident() != main and not inside.is_set():
+                    inside.set()
+                    go.wait(timeout=1.0)  # (with the fix the training thread's read waits for this one)
+            d = handle.state.deferred
+            if held in ("waiting", "fork"):
+                wait = shim_ddp._wait
+                monkeypatch.setattr(shim_ddp, "_wait", lambda *a, w=wait, h=hold, **k: (h(), w(*a, **k))[1])
+            else:
+                step_subset = d.step_subset
+                monkeypatch.setattr(d, "step_subset", lambda *a, s=step_subset, h=hold, **k: (h(), s(*a, **k))[1])
+            def fork():
+                pid = os.fork()
+                if pid == 0:
+                    os._exit(0)  # (the child leaves at once: no pytest, no atexit)
+                os.waitpid(pid, 0)
+            other = threading.Thread(target=fork if held == "fork" else handle.flush)
+            other.start()
+            assert inside.wait(timeout=30)
+            reads.append([p.detach().clone() for p in ddp.parameters()])  # (the training thread's EMA, say)
+            go.set()
+            other.join(30)
+            assert not other.is_alive()
+            monkeypatch.undo()
+        opt.zero_grad()
+        _train(ddp, opt, x, 1)
+        ends.append([p.detach().clone() for p in ddp.parameters()])
+        if shimmed:
+            handle.close()
+    stale = sum(not torch.equal(a, b) for a, b in zip(*reads, strict=True))
+    off = max(float((a - b).abs().max()) for a, b in zip(*reads, strict=True))
+    assert stale == 0, f"{stale} of {len(reads[0])} weights read before their update ({off:.2e} off)"
+    assert max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)) == 0.0
 
 
 @pytest.mark.torch
-def test_lr_scheduled_while_another_thread_applies_the_step_holds(tmp_path, monkeypatch):
+def test_lr_scheduled_while_another_thread_applies_the_step_holds(world1, monkeypatch):
     """The training thread steps its LR scheduler after ``step()`` while another thread (a validation forward,
     ``flush()`` there) is taking the deferred step, which sets each param group's hyperparameters to those stamped at
     ``step()`` for that step and puts back what they were: a learning rate the scheduler set once that step was
@@ -860,62 +875,56 @@ def test_lr_scheduled_while_another_thread_applies_the_step_holds(tmp_path, monk
     import threading
 
     import torch
-    import torch.distributed as dist
 
     from tensorlane import shim
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        torch.manual_seed(1)
-        x = torch.randn(4, 8)
-        ends, lrs = [], []
-        for shimmed in (False, True):
-            torch.manual_seed(0)
-            ddp = torch.nn.parallel.DistributedDataParallel(
-                torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=100)
-            opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
-            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
-            handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
-                                 policy="flat") if shimmed else None
-            _train(ddp, opt, x, 3)
-            ddp(x).sum().backward()
-            opt.step()
-            if not shimmed:
-                sched.step()
-            else:
-                assert handle.stats()["mode"] == "overlap"
-                d = handle.state.deferred
-                inside, go = threading.Event(), threading.Event()
-                orig_step = d.orig_step
+    x, _ = world1  # (its own models: the scheduler is made before attach)
+    ends, lrs = [], []
+    for shimmed in (False, True):
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=100)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+        handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                             policy="flat") if shimmed else None
+        _train(ddp, opt, x, 3)
+        ddp(x).sum().backward()
+        opt.step()
+        if not shimmed:
+            sched.step()
+        else:
+            assert handle.stats()["mode"] == "overlap"
+            d = handle.state.deferred
+            inside, go = threading.Event(), threading.Event()
+            orig_step = d.orig_step
 
-                def held(orig_step=orig_step, inside=inside, go=go):
-                    out = orig_step()
-                    inside.set()
-                    go.wait(timeout=30)  # (before the groups' hyperparameters are put back)
-                    return out
-                monkeypatch.setattr(d, "orig_step", held)
-                other = threading.Thread(target=handle.flush)
-                other.start()
-                assert inside.wait(timeout=30)
-                sched.step()  # (while the other thread is taking the deferred step)
-                go.set()
-                other.join(30)
-                assert not other.is_alive()
-                monkeypatch.undo()
-            lrs.append(opt.param_groups[0]["lr"])
-            opt.zero_grad()
-            _train(ddp, opt, x, 1)
-            ends.append([p.detach().clone() for p in ddp.parameters()])
-            if shimmed:
-                handle.close()
-        assert lrs[0] == lrs[1], lrs
-        assert max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)) == 0.0
-    finally:
-        dist.destroy_process_group()
+            def held(orig_step=orig_step, inside=inside, go=go):
+                out = orig_step()
+                inside.set()
+                go.wait(timeout=30)  # (before the groups' hyperparameters are put back)
+                return out
+            monkeypatch.setattr(d, "orig_step", held)
+            other = threading.Thread(target=handle.flush)
+            other.start()
+            assert inside.wait(timeout=30)
+            sched.step()  # (while the other thread is taking the deferred step)
+            go.set()
+            other.join(30)
+            assert not other.is_alive()
+            monkeypatch.undo()
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.zero_grad()
+        _train(ddp, opt, x, 1)
+        ends.append([p.detach().clone() for p in ddp.parameters()])
+        if shimmed:
+            handle.close()
+    assert lrs[0] == lrs[1], lrs
+    assert max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)) == 0.0
 
 
 @pytest.mark.torch
-def test_forward_while_another_thread_flushes_does_not_raise(tmp_path):
+def test_forward_while_another_thread_flushes_does_not_raise(world1):
     """The training thread's forward after ``step()`` looks through the pending updates for those whose all-reduces
     have completed while another thread (``flush()`` there, a validation forward) applies them and takes them out:
     the forward goes on, exact. Here that thread runs when the forward has looked at the first (a trace function
@@ -924,65 +933,51 @@ def test_forward_while_another_thread_flushes_does_not_raise(tmp_path):
     import sys
     import threading
 
-    import torch
-    import torch.distributed as dist
 
-    from tensorlane import shim
+    x, models = world1
+    ends = []
+    for shimmed in (False, True):
+        ddp, opt, handle = models(shimmed)
+        _train(ddp, opt, x, 3)
+        ddp(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if shimmed:
+            assert handle.stats()["mode"] == "overlap" and len(handle.state.deferred.pending) > 1
+            other = threading.Thread(target=handle.flush)
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        torch.manual_seed(1)
-        x = torch.randn(4, 8)
-        ends = []
-        for shimmed in (False, True):
-            torch.manual_seed(0)
-            ddp = torch.nn.parallel.DistributedDataParallel(
-                torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=100)
-            opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
-            handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
-                                 policy="flat") if shimmed else None
-            _train(ddp, opt, x, 3)
-            ddp(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            if shimmed:
-                assert handle.stats()["mode"] == "overlap" and len(handle.state.deferred.pending) > 1
-                other = threading.Thread(target=handle.flush)
-
-                def tracer(frame, event, _arg, other=other):
-                    if event == "call" and frame.f_back is not None and \
-                            frame.f_back.f_code.co_name == "_apply_completed":
-                        return local
-                    return None
-
-                def local(frame, _event, _arg, other=other):
-                    if "pend" in frame.f_locals and other.ident is None:  # (one pending update looked at)
-                        other.start()
-                        other.join(30)
+            def tracer(frame, event, _arg, other=other):
+                if event == "call" and frame.f_back is not None and \
+                        frame.f_back.f_code.co_name == "_apply_completed":
                     return local
-                before = sys.gettrace()
-                sys.settrace(tracer)
-                try:
-                    ddp(x).sum().backward()
-                finally:
-                    sys.settrace(before)
-                assert other.ident is not None and not other.is_alive()
-            else:
+                return None
+
+            def local(frame, _event, _arg, other=other):
+                if "pend" in frame.f_locals and other.ident is None:  # (one pending update looked at)
+                    other.start()
+                    other.join(30)
+                return local
+            before = sys.gettrace()
+            sys.settrace(tracer)
+            try:
                 ddp(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            _train(ddp, opt, x, 1)
-            ends.append([p.detach().clone() for p in ddp.parameters()])
-            if shimmed:
-                handle.close()
-        assert max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)) == 0.0
-    finally:
-        dist.destroy_process_group()
+            finally:
+                sys.settrace(before)
+            assert other.ident is not None and not other.is_alive()
+        else:
+            ddp(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        _train(ddp, opt, x, 1)
+        ends.append([p.detach().clone() for p in ddp.parameters()])
+        if shimmed:
+            handle.close()
+    assert max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)) == 0.0
 
 
 @pytest.mark.torch
 @pytest.mark.parametrize("then", ["step", "read"])
-def test_step_while_a_fork_on_another_thread_averages_the_gradients_is_taken(tmp_path, monkeypatch, then):
+def test_step_while_a_fork_on_another_thread_averages_the_gradients_is_taken(world1, monkeypatch, then):
     """``os.fork()`` on another thread between ``backward()`` and ``step()`` (a DataLoader made by a prefetching
     thread) makes ``.grad`` DDP's average first, waiting for the all-reduces there (held longer here: an injected
     pause), while the training thread calls ``step()``: that step waits for the averages and is taken once, as under
@@ -993,69 +988,57 @@ def test_step_while_a_fork_on_another_thread_averages_the_gradients_is_taken(tmp
     import threading
 
     import torch
-    import torch.distributed as dist
 
-    from tensorlane import shim
     from tensorlane.shim import ddp as shim_ddp
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        torch.manual_seed(1)
-        x = torch.randn(4, 8)
-        ends = []
-        for shimmed in (False, True):
-            torch.manual_seed(0)
-            ddp = torch.nn.parallel.DistributedDataParallel(
-                torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=100)
-            opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
-            handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
-                                 policy="flat") if shimmed else None
-            _train(ddp, opt, x, 3)
-            ddp(x).sum().backward()
-            if not shimmed:
-                opt.step()
-            else:
-                assert handle.stats()["mode"] == "overlap"
-                inside, go, main, wait = threading.Event(), threading.Event(), threading.get_ident(), shim_ddp._wait
+    x, models = world1
+    ends = []
+    for shimmed in (False, True):
+        ddp, opt, handle = models(shimmed)
+        _train(ddp, opt, x, 3)
+        ddp(x).sum().backward()
+        if not shimmed:
+            opt.step()
+        else:
+            assert handle.stats()["mode"] == "overlap"
+            inside, go, main, wait = threading.Event(), threading.Event(), threading.get_ident(), shim_ddp._wait
 
-                def held(*args, inside=inside, go=go, main=main, wait=wait, **kwargs):
-                    if threading.get_ident() != main and not inside.is_set():
-                        inside.set()
-                        go.wait(timeout=1.0)  # (with the fix the training thread's step() waits for this one)
-                    return wait(*args, **kwargs)
-                monkeypatch.setattr(shim_ddp, "_wait", held)
-                written, write_averages = [], shim_ddp._write_averages
-                monkeypatch.setattr(shim_ddp, "_write_averages",
-                                    lambda *a, w=write_averages, out=written, **k: (w(*a, **k), out.append(True))[0])
+            def held(*args, inside=inside, go=go, main=main, wait=wait, **kwargs):
+                if threading.get_ident() != main and not inside.is_set():
+                    inside.set()
+                    go.wait(timeout=1.0)  # (with the fix the training thread's step() waits for this one)
+                return wait(*args, **kwargs)
+            monkeypatch.setattr(shim_ddp, "_wait", held)
+            written, write_averages = [], shim_ddp._write_averages
+            monkeypatch.setattr(shim_ddp, "_write_averages",
+                                lambda *a, w=write_averages, out=written, **k: (w(*a, **k), out.append(True))[0])
 
-                def fork():
-                    pid = os.fork()
-                    if pid == 0:
-                        os._exit(0)  # (the child leaves at once: no pytest, no atexit)
-                    os.waitpid(pid, 0)
-                other = threading.Thread(target=fork)
-                other.start()
-                assert inside.wait(timeout=30)
-                if then == "read":
-                    torch.stack([p.grad.norm() for p in ddp.parameters()]).sum()
-                    assert written, "the gradients were read before the averages were written"
-                opt.step()
-                go.set()
-                other.join(30)
-                assert not other.is_alive()
-                monkeypatch.undo()
-            opt.zero_grad()
-            _train(ddp, opt, x, 1)
-            ends.append([p.detach().clone() for p in ddp.parameters()])
-            if shimmed:
-                handle.close()
-        assert max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)) == 0.0
-    finally:
-        dist.destroy_process_group()
+            def fork():
+                pid = os.fork()
+                if pid == 0:
+                    os._exit(0)  # (the child leaves at once: no pytest, no atexit)
+                os.waitpid(pid, 0)
+            other = threading.Thread(target=fork)
+            other.start()
+            assert inside.wait(timeout=30)
+            if then == "read":
+                torch.stack([p.grad.norm() for p in ddp.parameters()]).sum()
+                assert written, "the gradients were read before the averages were written"
+            opt.step()
+            go.set()
+            other.join(30)
+            assert not other.is_alive()
+            monkeypatch.undo()
+        opt.zero_grad()
+        _train(ddp, opt, x, 1)
+        ends.append([p.detach().clone() for p in ddp.parameters()])
+        if shimmed:
+            handle.close()
+    assert max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)) == 0.0
 
 
 @pytest.mark.torch
-def test_backward_while_a_fork_on_another_thread_averages_the_unstepped_gradients_keeps_them(tmp_path, monkeypatch):
+def test_backward_while_a_fork_on_another_thread_averages_the_unstepped_gradients_keeps_them(world1, monkeypatch):
     """A backward that follows a synchronized backward no ``step()`` followed (accumulation without ``no_sync``)
     while an ``os.fork()`` on another thread (a DataLoader made by a prefetching thread) makes ``.grad`` DDP's
     average, held after checking a gradient and before writing it (an injected pause): the backward's gradient hook
@@ -1066,69 +1049,55 @@ def test_backward_while_a_fork_on_another_thread_averages_the_unstepped_gradient
     import os
     import threading
 
-    import torch
-    import torch.distributed as dist
-
-    from tensorlane import shim
     from tensorlane.shim import ddp as shim_ddp
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        torch.manual_seed(1)
-        x = torch.randn(4, 8)
-        ends = []
-        for shimmed in (False, True):
-            torch.manual_seed(0)
-            ddp = torch.nn.parallel.DistributedDataParallel(
-                torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=100)
-            opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
-            handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
-                                 policy="flat") if shimmed else None
-            _train(ddp, opt, x, 3)
-            ddp(x).sum().backward()  # (no step: the next backward accumulates)
-            loss = ddp(x).sum()
-            if not shimmed:
-                loss.backward()
-            else:
-                assert handle.stats()["mode"] == "overlap"
-                inside, go, main = threading.Event(), threading.Event(), threading.get_ident()
-                view = shim_ddp._grad_view
+    x, models = world1
+    ends = []
+    for shimmed in (False, True):
+        ddp, opt, handle = models(shimmed)
+        _train(ddp, opt, x, 3)
+        ddp(x).sum().backward()  # (no step: the next backward accumulates)
+        loss = ddp(x).sum()
+        if not shimmed:
+            loss.backward()
+        else:
+            assert handle.stats()["mode"] == "overlap"
+            inside, go, main = threading.Event(), threading.Event(), threading.get_ident()
+            view = shim_ddp._grad_view
 
-                def held(*args, inside=inside, go=go, main=main, view=view, **kwargs):
-                    if threading.get_ident() != main and not inside.is_set():
-                        inside.set()
-                        go.wait(timeout=1.0)  # (with the fix the training thread's backward waits for this one)
-                    return view(*args, **kwargs)
-                monkeypatch.setattr(shim_ddp, "_grad_view", held)
+            def held(*args, inside=inside, go=go, main=main, view=view, **kwargs):
+                if threading.get_ident() != main and not inside.is_set():
+                    inside.set()
+                    go.wait(timeout=1.0)  # (with the fix the training thread's backward waits for this one)
+                return view(*args, **kwargs)
+            monkeypatch.setattr(shim_ddp, "_grad_view", held)
 
-                def fork():
-                    pid = os.fork()
-                    if pid == 0:
-                        os._exit(0)  # (the child leaves at once: no pytest, no atexit)
-                    os.waitpid(pid, 0)
-                other = threading.Thread(target=fork)
-                other.start()
-                assert inside.wait(timeout=30)
-                loss.backward()
-                go.set()
-                other.join(30)
-                assert not other.is_alive()
-                monkeypatch.undo()
-            opt.step()
-            opt.zero_grad()
-            _train(ddp, opt, x, 1)
-            ends.append([p.detach().clone() for p in ddp.parameters()])
-            if shimmed:
-                handle.close()
-        off = max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True))
-        assert off == 0.0, f"{off:.2e} off DDP"
-    finally:
-        dist.destroy_process_group()
+            def fork():
+                pid = os.fork()
+                if pid == 0:
+                    os._exit(0)  # (the child leaves at once: no pytest, no atexit)
+                os.waitpid(pid, 0)
+            other = threading.Thread(target=fork)
+            other.start()
+            assert inside.wait(timeout=30)
+            loss.backward()
+            go.set()
+            other.join(30)
+            assert not other.is_alive()
+            monkeypatch.undo()
+        opt.step()
+        opt.zero_grad()
+        _train(ddp, opt, x, 1)
+        ends.append([p.detach().clone() for p in ddp.parameters()])
+        if shimmed:
+            handle.close()
+    off = max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True))
+    assert off == 0.0, f"{off:.2e} off DDP"
 
 
 @pytest.mark.torch
 @pytest.mark.parametrize("inside", ["stamp", "step"])
-def test_close_from_a_signal_handler_inside_the_shims_update_loses_no_step(tmp_path, monkeypatch, inside):
+def test_close_from_a_signal_handler_inside_the_shims_update_loses_no_step(world1, monkeypatch, inside):
     """``handle.close()`` from a signal handler (a preemption notice: Python runs it on the main thread between two
     bytecodes) that lands while that thread is inside the shim's own update, holding its lock: in ``step()`` while it
     stamps the updates (``stamp``), or in the next forward while it takes a deferred step (``step``). The close waits
@@ -1136,25 +1105,14 @@ def test_close_from_a_signal_handler_inside_the_shims_update_loses_no_step(tmp_p
     DDP. Until 2026-11-28 a close in ``stamp`` dropped that ``step()`` entirely, silently."""
     import signal
 
-    import torch
-    import torch.distributed as dist
-
-    from tensorlane import shim
     from tensorlane.shim import overlap as ov
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    x, models = world1
     previous = signal.getsignal(signal.SIGUSR1)
     try:
-        torch.manual_seed(1)
-        x = torch.randn(4, 8)
         ends = []
         for shimmed in (False, True):
-            torch.manual_seed(0)
-            ddp = torch.nn.parallel.DistributedDataParallel(
-                torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=100)
-            opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
-            handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
-                                 policy="flat") if shimmed else None
+            ddp, opt, handle = models(shimmed)
             _train(ddp, opt, x, 3)
             if shimmed:
                 assert handle.stats()["mode"] == "overlap"
@@ -1188,7 +1146,6 @@ def test_close_from_a_signal_handler_inside_the_shims_update_loses_no_step(tmp_p
         assert off == 0.0, f"{off:.2e} off DDP"
     finally:
         signal.signal(signal.SIGUSR1, previous)
-        dist.destroy_process_group()
 
 
 @pytest.mark.torch
