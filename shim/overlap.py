@@ -1039,6 +1039,22 @@ class StackMode(TorchFunctionMode):
         """A new mode doing this one's work (its callbacks), for another thread's stack (:func:`watching_here`)."""
         raise NotImplementedError
 
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        """Each torch operation on its thread: :meth:`_on_operation`, then the operation, ``handling`` counted
+        meanwhile; a retired mode's only the operation (:meth:`_pass_through`)."""
+        kwargs = kwargs or {}
+        if self.retired:
+            return self._pass_through(func, args, kwargs)
+        self.handling += 1
+        try:
+            self._on_operation(func, args, kwargs)
+            return func(*args, **kwargs)
+        finally:
+            self.handling -= 1
+
+    def _on_operation(self, func, args, kwargs) -> None:
+        """What this mode does on ``func(*args, **kwargs)`` before it runs (nothing by default)."""
+
     def _pass_through(self, func, args, kwargs):
         """A retired mode's handler: the operation as without it, and this mode out of the stack right after."""
         _reap_soon()
@@ -1368,19 +1384,12 @@ class UseGuard(StackMode):
                     return True
         return False
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.retired:
-            return self._pass_through(func, args, kwargs)
-        self.handling += 1
-        try:
-            name = _function_name(func)
-            if self.armed and (name not in METADATA or name in STORAGE_ACCESS) and self.uses(args, kwargs):
-                self.armed = False
-                self.on_use()
-            return func(*args, **kwargs)
-        finally:
-            self.handling -= 1
+    def _on_operation(self, func, args, kwargs) -> None:
+        """Armed, the first operation using a guarded parameter beyond its metadata disarms it and calls ``on_use``."""
+        name = _function_name(func)
+        if self.armed and (name not in METADATA or name in STORAGE_ACCESS) and self.uses(args, kwargs):
+            self.armed = False
+            self.on_use()
 
 
 class GradWatch(StackMode):
@@ -1447,21 +1456,15 @@ class GradWatch(StackMode):
         finally:
             self.quiet -= mine
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.retired:
-            return self._pass_through(func, args, kwargs)
-        self.handling += 1
-        try:
-            if self.ids and not self.quiet:
-                name = _function_name(func)
-                if (name not in METADATA or name in STORAGE_ACCESS) and name not in GRAD_OVERWRITES and \
-                        any(id(t) in self.ids for t in _tensors(args, kwargs)):
-                    self.unwatch()
-                    self.on_read()
-            return func(*args, **kwargs)
-        finally:
-            self.handling -= 1
+    def _on_operation(self, func, args, kwargs) -> None:
+        """The first operation reading a watched gradient (not its metadata, not zeroing it) unwatches them all and
+        calls ``on_read``; none while ``paused``."""
+        if self.ids and not self.quiet:
+            name = _function_name(func)
+            if (name not in METADATA or name in STORAGE_ACCESS) and name not in GRAD_OVERWRITES and \
+                    any(id(t) in self.ids for t in _tensors(args, kwargs)):
+                self.unwatch()
+                self.on_read()
 
 
 class ForwardWatch(StackMode):
@@ -1492,6 +1495,8 @@ class ForwardWatch(StackMode):
         self.note([*module.parameters(), *_tensors(args, kwargs)])
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        """Note the tensors an operation uses beyond their metadata, then run it (as it always has, without
+        :class:`StackMode`'s count of ``handling``)."""
         kwargs = kwargs or {}
         if self.retired:
             return self._pass_through(func, args, kwargs)
