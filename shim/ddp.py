@@ -627,9 +627,32 @@ def _launch_deferred(state: ShimState, bucket):
         d.pending[id(p)] = pend
         offset += nb
     d.unstamped.append(pend)
+    d.launched_now.append(pend)  # (until after_backward, which runs once DDP's last bucket was ready)
     done = torch.futures.Future()
     done.set_result(bucket.buffer())
     return done
+
+
+def _drop_unfinished(state: ShimState) -> None:
+    """Overlap mode, outside a backward: where the last synchronized backward never had DDP's last bucket ready (a
+    parameter DDP all-reduces got no gradient: frozen by ``requires_grad_(False)`` mid-run, or unused, without
+    ``find_unused_parameters=True``), DDP never finalized it: ``.grad`` keeps this rank's own gradient, the loop's
+    ``step()`` takes it, and DDP raises at the next forward ("Expected to have finished reduction in the prior
+    iteration"). Drop that backward's pending averages (``Deferred.launched_now``, which ``after_backward`` empties
+    once a backward is complete), so that ``.grad`` stays as DDP has it and ``step()`` takes the optimizer's own step
+    now, as after a ``no_sync()`` backward. Until 2026-11-28 they stayed pending: the step took the averages of the
+    buckets that were ready, and the parameters at DDP's error (an emergency checkpoint) were 2.5e-3 off DDP's at 2
+    ranks, silently (idiom ``freeze_without_find_unused``). Called with ``apply_lock`` held."""
+    d = state.deferred
+    if not d.launched_now or _graph_task() != -1:
+        return
+    dropped, d.launched_now = d.launched_now, []
+    for pend in dropped:
+        for p, *_ in pend.params:
+            if d.pending.get(id(p)) is pend:
+                del d.pending[id(p)]
+    d.unstamped = [q for q in d.unstamped if not any(q is pend for pend in dropped)]
+    d.backward_task = None
 
 
 def _grad_view(buffer, p, offset):
@@ -1181,6 +1204,7 @@ class Handle:
         # first; until 2026-11-28 this step stamped the updates that thread was dropping, and was lost, silently
         # (tests/test_shim.py::test_step_while_a_fork_on_another_thread_averages_the_gradients_is_taken)
         with d.locked(), d.watch.paused():
+            _drop_unfinished(state)
             if d.synced:  # a read made .grad DDP's average: nothing is pending, the step is DDP's own
                 return d.step_synced(closure)
             if not d.unstamped and d.got_grad and not any(key in d.pending for key in d.got_grad):

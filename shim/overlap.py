@@ -257,6 +257,7 @@ class Deferred:
         self.close_later = None  # a close() asked for by the owner itself mid-update (a signal handler): run at exit
         self._hold = _Hold(self)  # (locked(): one object, entered re-entrantly; a generator each time cost 8x)
         self.backward_task = None  # the autograd graph task of the backward that launched buckets, until it ends
+        self.launched_now: list = []  # Pendings launched since the last complete backward (ddp._drop_unfinished)
         self.close_after_backward = None  # a close() asked for during it (a signal handler in a gradient hook)
         self.flushed_on_use = 0  # times the guard applied pending updates because a parameter was used
         self.bucketed: set = set()  # id(param) of the parameters DDP all-reduces (seen in the probe's buckets)
@@ -283,6 +284,7 @@ class Deferred:
         holds the model); the counters stay for ``stats()``. Not the optimizer's own step, which a wrapper of the
         shim's ``step`` made by someone else still calls."""
         self.pending, self.unstamped, self.marks, self.holders, self.previous = {}, [], [], {}, []
+        self.launched_now = []
         self.guard = self.norms = self.on_state_use = self.stamped_state = None  # (on_state_use: the handle)
         self.watch.unwatch()
         self.watch.on_read = self.note_read  # (the handle's)
@@ -459,6 +461,7 @@ class Deferred:
         self.probe.ran = set()
         self.got_grad.clear()  # in place: the gradient hooks hold this set
         self.backward_task = None
+        self.launched_now = []  # (this backward was complete: DDP's last bucket was ready)
         later, self.close_after_backward = self.close_after_backward, None
         if later is not None:
             later()

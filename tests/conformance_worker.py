@@ -2746,6 +2746,35 @@ def _iterations_on_pool_threads(ctx: Ctx):
         iteration(step)
 
 
+# -- session 13 (loops10) -------------------------------------------------------------------------------------------
+@idiom("freeze_without_find_unused")
+def _freeze_without_find_unused(ctx: Ctx):
+    """The first conv frozen after the 4th step() with DDP built without find_unused_parameters: the next backward
+    never finishes DDP's reduction (its last bucket is never ready), DDP's step takes each rank's own gradients and
+    DDP raises at the forward after. The loop logs a gradient norm before that step and catches the error (an
+    emergency checkpoint): the norm and the parameters then are compared. Until 2026-11-28 overlap mode stepped on
+    the averages of the buckets that were ready, and the norm read them: 2.5e-3 off, silently."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    try:
+        for step in range(ctx.steps):
+            x, y = ctx.images(step)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if step >= 4:  # (after the probe) a gradient norm logged: DDP's .grad is this rank's own here
+                ctx.record("grad_norm", torch.stack([p.grad.norm() for p in model.parameters()
+                                                     if p.grad is not None]).norm())
+            opt.step()
+            if step == 3:
+                model.module[0].requires_grad_(False)
+            opt.zero_grad(set_to_none=False)  # (the .grad tensors stay: the read is of those DDP wrote)
+            ctx.record("loss", loss.item())
+    except RuntimeError as exc:
+        assert "finished reduction" in str(exc), exc
+        ctx.record("raised", 1)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
