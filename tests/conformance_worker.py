@@ -2747,6 +2747,73 @@ def _iterations_on_pool_threads(ctx: Ctx):
 
 
 # -- session 13 (loops10) -------------------------------------------------------------------------------------------
+@idiom("maml_double_backward")
+def _maml_double_backward(ctx: Ctx):
+    """MAML-like: an inner step by ``torch.autograd.grad(..., create_graph=True)`` on the parameters through the DDP
+    forward, the outer loss through ``torch.func.functional_call(model.module, fast_weights)``, its backward
+    (double backward through the inner gradients) synchronized by DDP, Adam. Its path: the shim's gradient hooks on
+    the parameters fire in ``autograd.grad`` too, a backward DDP does not synchronize (exact, overlap mode)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    names = [n for n, _ in model.module.named_parameters()]
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        xq, yq = ctx.images(step, micro=1)
+        params = list(model.module.parameters())
+        inner = F.cross_entropy(model(x), y)
+        grads = torch.autograd.grad(inner, params, create_graph=True)
+        fast = {n: p - 0.1 * g for n, p, g in zip(names, params, grads, strict=True)}
+        outer = F.cross_entropy(torch.func.functional_call(model.module, fast, (xq,)), yq)
+        outer.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", outer.item())
+
+
+@idiom("data_reinit_alias")
+def _data_reinit_alias(ctx: Ctx):
+    """The head re-initialised mid-run by ``p.data = fresh`` right after step() (new storage), its momentum dropped;
+    an alias ``head.weight.data`` taken then and logged after every later step(). Its path: the guard's storage spans
+    of a parameter whose storage changed after attach (the alias's use applies the pending update; exact, overlap)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    alias = []
+
+    def after(step):
+        head = model.module[-1]
+        if step == 3:
+            g = torch.Generator().manual_seed(7)
+            head.weight.data = torch.randn(head.weight.shape, generator=g).mul_(0.01).to(ctx.device)
+            opt.state.pop(head.weight, None)
+            alias.append(head.weight.data)
+        elif alias:
+            ctx.record("alias_norm", alias[0].norm().item())
+    plain_loop(ctx, model, opt, after_step=after)
+
+
+@idiom("grad_penalty_params_late")
+def _grad_penalty_params_late(ctx: Ctx):
+    """A gradient-norm penalty on the parameters switched on after a warm-up (from iteration 3):
+    ``torch.autograd.grad(loss, params, create_graph=True)``, then ``(loss + penalty).backward()``; ``zero_grad``
+    alternating ``set_to_none`` True and False. Its path: that non-synchronized backward first seen after the probe
+    (exact, overlap mode)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        if step >= 3:
+            grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+            loss = loss + 0.1 * sum(g.pow(2).sum() for g in grads)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        ctx.record("loss", loss.item())
+
+
 @idiom("freeze_without_find_unused")
 def _freeze_without_find_unused(ctx: Ctx):
     """The first conv frozen after the 4th step() with DDP built without find_unused_parameters: the next backward
