@@ -146,6 +146,7 @@ class Api:
         """Register flows at a level, after the access, namespace and ownership checks."""
         pid = uid = None
         floor = 0
+        found: dict[FlowKey, int] = {}  # (no fds named: the fd found holding each flow's socket, for the sweep)
         if peer is not None:
             self.policy.check_level(peer, req.level)
             floor = self.policy.most_urgent_level(peer) if self.jobs.enabled else 0
@@ -159,7 +160,7 @@ class Api:
                         if must_own:
                             fds = dict(zip(req.flows, req.fds, strict=True)) if req.fds is not None else None
                             foreign = not_owned(peer.pid, req.flows, fds=fds,
-                                                uid=None if peer.uid == 0 else peer.uid)
+                                                uid=None if peer.uid == 0 else peer.uid, found=found)
                 except ProcessLookupError:
                     raise ProtocolError("not_owner", f"process {peer.pid} is gone") from None
                 except TooManyFiles as exc:  # (reading them all stalled the agent: seconds at a million)
@@ -189,7 +190,8 @@ class Api:
             self.jobs.reported.pop(req.job, None)  # are theirs alone, dropped (_push reorders)
         added, moved = self.table.register(req.job, req.level, req.flows, req.rank, pid=pid, uid=uid, floor=floor,
                                            run=req.run,
-                                           fds=dict(zip(req.flows, req.fds, strict=True)) if req.fds else None,
+                                           fds=dict(zip(req.flows, req.fds, strict=True)) if req.fds else
+                                           found or None,
                                            see_all=peer is None or self.policy.privileged(peer))
         self._push(added, moved, [])
         level = self.table.effective_level(req.flows[0])  # one job, one requested level: one effective level

@@ -123,8 +123,17 @@ def inodes_of(pid: int, files: list[int] | None = None, uid: int | None = None) 
     try:
         if uid is None:
             return socket_inodes(pid, MAX_OWNER_FDS, files)
-        return {inode for inode, fd in socket_fds(pid, MAX_OWNER_FDS, files).items()
-                if made_by(pid, fd, uid) == inode}
+        return set(fds_of(pid, uid))
+    except (FileNotFoundError, ProcessLookupError):
+        raise ProcessLookupError(pid) from None
+
+
+def fds_of(pid: int, uid: int | None = None) -> dict[int, int]:
+    """``{inode: fd}`` of the sockets process ``pid`` holds (its lowest fd per socket); with ``uid``, only those that
+    user made (``made_by``). Raises as ``inodes_of``."""
+    try:
+        found = socket_fds(pid, MAX_OWNER_FDS)
+        return found if uid is None else {inode: fd for inode, fd in found.items() if made_by(pid, fd, uid) == inode}
     except (FileNotFoundError, ProcessLookupError):
         raise ProcessLookupError(pid) from None
 
@@ -323,7 +332,8 @@ def _unowned_by_fd(entries: list[tuple[int, FlowKey, int]], undecided: set, uid:
 
 
 def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | None = None,
-              fds: Mapping[FlowKey, int] | None = None, uid: int | None = None) -> list[FlowKey]:
+              fds: Mapping[FlowKey, int] | None = None, uid: int | None = None,
+              found: dict[FlowKey, int] | None = None) -> list[FlowKey]:
     """The flows among ``flows`` that process ``pid`` does not own in the agent's network namespace (all of them
     if the process is gone). ``fds``: the client's word for which fd of the process holds each flow's socket: only
     that fd is looked at (``_unowned_by_fd``), and none of the process's other open files are read (no
@@ -332,7 +342,9 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
     (``lookups_cheaper``), else the namespace's TCP tables are read (milliseconds: the kernel walks its whole hash
     table and prints every socket); UDP flows, by a port dump (``udp_sockets``). Raises UndecidedPorts where UDP
     flows of more ports than ``UDP_PORT_DUMPS`` could not be judged. ``uid``: only sockets that user made count
-    (``made_by``), not those of another user the process holds."""
+    (``made_by``), not those of another user the process holds. ``found`` (without ``fds``) gets the fd that holds
+    each owned flow's socket: the sweep then checks that fd alone (``not_owned_by_owners``), as if the client had
+    named it."""
     flows = list(flows)
     undecided: set = set()
     if fds is not None:
@@ -341,9 +353,10 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
             raise UndecidedPorts(len({port for _, port in undecided}))
         return foreign
     try:
-        inodes = inodes_of(pid, uid=uid)
+        fd_at = fds_of(pid, uid)
     except ProcessLookupError:
         return flows
+    inodes = set(fd_at)
     if table is None:
         tcp = [k for k in flows if k.proto == "tcp"]
         udp = [k for k in flows if k.proto != "tcp"]
@@ -351,17 +364,53 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
         if not tcp or lookups_cheaper(len(tcp)):
             with contextlib.suppress(OSError):  # no sock_diag here: read the tables
                 foreign = _tcp_unowned({pid: tcp}, {pid: inodes})[pid] if tcp else []
+        tcp_rows = None
         if foreign is None:  # the TCP tables only: the UDP flows by port dumps, as above (the UDP table was read here
             # too: a register of 257 TCP flows and one UDP flow read all of it, 660 ms at 19,000 UDP sockets)
-            rows = agent_sockets(inodes, protos=("tcp",))
-            foreign = _unowned(tcp, [rows[i] for i in inodes if i in rows])
+            tcp_rows = agent_sockets(inodes, protos=("tcp",))
+            foreign = _unowned(tcp, [tcp_rows[i] for i in inodes if i in tcp_rows])
+        udp_rows: dict[int, Socket] = {}
         if udp:
-            rows = udp_sockets(udp, inodes, undecided)
+            udp_rows = udp_sockets(udp, inodes, undecided)
             if undecided:
                 raise UndecidedPorts(len({port for _, port in undecided}))
-            foreign += _unowned(udp, [rows[i] for i in inodes if i in rows])
+            foreign += _unowned(udp, [udp_rows[i] for i in inodes if i in udp_rows])
+        if found is not None:
+            _found_fds(pid, [k for k in flows if k not in set(foreign)], fd_at, tcp_rows, udp_rows, found)
         return foreign
     return _unowned(flows, [table[i] for i in inodes if i in table])
+
+
+def _found_fds(pid: int, owned: list[FlowKey], fd_at: Mapping[int, int], tcp_rows: Mapping[int, Socket] | None,
+               udp_rows: Mapping[int, Socket], found: dict[FlowKey, int]) -> None:
+    """Fill ``found`` with the fd of process ``pid`` (``fd_at``: inode -> fd) that holds each of ``owned``'s
+    sockets: for TCP the established socket of the 5-tuple (an exact lookup, or ``tcp_rows`` when the tables were
+    read), for UDP the first of the process's sockets that owns the flow by the UDP rule (``udp_rows``). A flow whose
+    socket cannot be told is left out (the sweep then reads the process's open files for it, as before)."""
+    tcp = [k for k in owned if k.proto == "tcp"]
+    if tcp and tcp_rows is None:
+        with contextlib.suppress(OSError):
+            for k, f in zip(tcp, _DIAG.tcp_many([(k.src, k.sport, k.dst, k.dport) for k in tcp]), strict=True):
+                if f is not None and f[1] in fd_at:
+                    found[k] = fd_at[f[1]]
+    elif tcp:
+        for k in tcp:
+            inode = next((i for i, row in tcp_rows.items() if i in fd_at and _owns(k, [row])), None)
+            if inode is not None:
+                found[k] = fd_at[inode]
+    by_port = _by_port_inodes(udp_rows)
+    for k in owned:
+        if k.proto != "tcp":
+            inode = next((i for i in by_port.get(k.sport, ()) if i in fd_at and _owns(k, [udp_rows[i]])), None)
+            if inode is not None:
+                found[k] = fd_at[inode]
+
+
+def _by_port_inodes(rows: Mapping[int, Socket]) -> dict[int, list[int]]:
+    index: dict[int, list[int]] = {}
+    for inode, row in rows.items():
+        index.setdefault(row[2], []).append(inode)
+    return index
 
 
 def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]], read: list[int] | None = None,
