@@ -43,6 +43,11 @@ log = logging.getLogger("tensorlane.api")
 SWEEP_OWNERS = 512  # owner processes whose sockets one sweep reads (/proc/PID/fd each); the next sweep goes on
 # A TCP flow whose owner closed its socket (or exited) keeps its level while the kernel still sends what was written
 # before the close (``ownership.still_sending``), at most this long; a sweep looks up at most DRAIN_CHECKS of them.
+# A register without ``fds`` reads the client's open files (a readlink each, about 11 us here): it takes one token
+# more of its user's request bucket (agent/server.py) per FILES_PER_TOKEN of them. Before, one user re-registering a
+# flow in a loop from a process with 8,150 open files kept the agent's loop busy 90 ms a request, and root's ``hello``
+# waited 138 ms at p50 (0.4 ms without), 344 ms at p99.
+FILES_PER_TOKEN = 16
 DRAIN_MAX_S = 60.0
 DRAIN_CHECKS = 1024
 # How ``status`` names another user's job to a user that is neither root nor trusted (numbered from 1): no job id
@@ -74,6 +79,7 @@ class Api:
         self._swept_to = -1  # the last owner pid the previous sweep read: the next one goes on after it
         self._reordered_by: dict[int, float] = {}  # uid -> when its reports last reordered the jobs (monotonic)
         self.reorder_at: float | None = None  # when a reorder a report asked for is due (the server's loop runs it)
+        self.cost = 0  # tokens the last request takes beyond its own (``FILES_PER_TOKEN``): the server charges them
         table.level_of = self.jobs.level_of
         self.jobs.update(table)
         reconciler.set_shares(self.jobs.shares)
@@ -81,6 +87,7 @@ class Api:
     def handle(self, line: bytes, peer: Peer | None = None) -> bytes:
         """Answer one request line from ``peer`` (None: the agent itself) with one reply line; never raises."""
         t0 = time.perf_counter()
+        self.cost = 0
         rid, op = None, "invalid"
         try:
             req = protocol.parse_request(line)
@@ -159,8 +166,12 @@ class Api:
                         self._check_netns(peer)  # trusted users too, except root (it can enter any namespace)
                         if must_own:
                             fds = dict(zip(req.flows, req.fds, strict=True)) if req.fds is not None else None
-                            foreign = not_owned(peer.pid, req.flows, fds=fds,
-                                                uid=None if peer.uid == 0 else peer.uid, found=found)
+                            files: list[int] = []
+                            try:
+                                foreign = not_owned(peer.pid, req.flows, fds=fds,
+                                                    uid=None if peer.uid == 0 else peer.uid, found=found, files=files)
+                            finally:
+                                self.cost = sum(files) // FILES_PER_TOKEN
                 except ProcessLookupError:
                     raise ProtocolError("not_owner", f"process {peer.pid} is gone") from None
                 except TooManyFiles as exc:  # (reading them all stalled the agent: seconds at a million)

@@ -123,16 +123,16 @@ def inodes_of(pid: int, files: list[int] | None = None, uid: int | None = None) 
     try:
         if uid is None:
             return socket_inodes(pid, MAX_OWNER_FDS, files)
-        return set(fds_of(pid, uid))
+        return set(fds_of(pid, uid, files))
     except (FileNotFoundError, ProcessLookupError):
         raise ProcessLookupError(pid) from None
 
 
-def fds_of(pid: int, uid: int | None = None) -> dict[int, int]:
+def fds_of(pid: int, uid: int | None = None, files: list[int] | None = None) -> dict[int, int]:
     """``{inode: fd}`` of the sockets process ``pid`` holds (its lowest fd per socket); with ``uid``, only those that
-    user made (``made_by``). Raises as ``inodes_of``."""
+    user made (``made_by``). ``files`` gets how many open files were read. Raises as ``inodes_of``."""
     try:
-        found = socket_fds(pid, MAX_OWNER_FDS)
+        found = socket_fds(pid, MAX_OWNER_FDS, files)
         return found if uid is None else {inode: fd for inode, fd in found.items() if made_by(pid, fd, uid) == inode}
     except (FileNotFoundError, ProcessLookupError):
         raise ProcessLookupError(pid) from None
@@ -333,7 +333,7 @@ def _unowned_by_fd(entries: list[tuple[int, FlowKey, int]], undecided: set, uid:
 
 def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | None = None,
               fds: Mapping[FlowKey, int] | None = None, uid: int | None = None,
-              found: dict[FlowKey, int] | None = None) -> list[FlowKey]:
+              found: dict[FlowKey, int] | None = None, files: list[int] | None = None) -> list[FlowKey]:
     """The flows among ``flows`` that process ``pid`` does not own in the agent's network namespace (all of them
     if the process is gone). ``fds``: the client's word for which fd of the process holds each flow's socket: only
     that fd is looked at (``_unowned_by_fd``), and none of the process's other open files are read (no
@@ -344,7 +344,7 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
     flows of more ports than ``UDP_PORT_DUMPS`` could not be judged. ``uid``: only sockets that user made count
     (``made_by``), not those of another user the process holds. ``found`` (without ``fds``) gets the fd that holds
     each owned flow's socket: the sweep then checks that fd alone (``not_owned_by_owners``), as if the client had
-    named it."""
+    named it. ``files`` gets how many open files of the process were read (none with ``fds``)."""
     flows = list(flows)
     undecided: set = set()
     if fds is not None:
@@ -353,7 +353,7 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
             raise UndecidedPorts(len({port for _, port in undecided}))
         return foreign
     try:
-        fd_at = fds_of(pid, uid)
+        fd_at = fds_of(pid, uid, files)
     except ProcessLookupError:
         return flows
     inodes = set(fd_at)

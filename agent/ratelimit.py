@@ -31,6 +31,13 @@ class TokenBucket:
         self.tokens -= 1
         return True
 
+    def charge(self, n: float, now: float | None = None) -> float:
+        """Refill up to ``now`` (monotonic), then take ``n`` tokens, below zero if need be; the tokens left."""
+        now = time.monotonic() if now is None else now
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate) - n
+        self.stamp = now
+        return self.tokens
+
     def full(self, now: float) -> bool:
         """Whether the bucket has refilled to ``burst`` by ``now`` (a new one would be the same)."""
         return self.tokens + (now - self.stamp) * self.rate >= self.burst

@@ -442,15 +442,12 @@ class Server:
         connections, reconnecting after each 64 KiB (``too_large``), had the agent read it without bound, past
         ``requests_per_user_per_s`` (the agent's loop 3 to 5 times as busy as under a flood of whole requests held
         back; root's ``hello`` p50 0.4 -> 1.4-2.6 ms here)."""
-        user = conn.user
-        now = time.monotonic()
-        user.tokens = min(self.user_rate, user.tokens + (now - user.stamp) * self.user_rate) - 1
-        user.stamp = now
-        if user.tokens >= 1:
+        bucket, now = conn.user.bucket, time.monotonic()
+        if bucket.charge(1, now) >= 1:
             return
         conn.paused = True
         uid = conn.peer.uid
-        until = now + (1 - user.tokens) / self.user_rate
+        until = now + bucket.wait_s()
         before, conns = self.paused.get(uid, (until, []))
         conns.append(conn)
         self.paused[uid] = (max(before, until), conns)
@@ -543,8 +540,9 @@ class Server:
         self._touch(conn)
         if conn.bucket.take():
             conn.outbuf += self.api.handle(line, conn.peer)
-            if conn.user is not None:  # (its size, after the token _work took: the next request waits for them)
-                conn.user.bucket.tokens -= len(line) // self.BYTES_PER_TOKEN
+            if conn.user is not None:  # (its size, after the token _work took: the next request waits for them; and the
+                # open files a register without fds had read, Api.cost)
+                conn.user.bucket.tokens -= len(line) // self.BYTES_PER_TOKEN + self.api.cost
         else:
             self._count("rate_limited", logging.WARNING, "rate-limited pid %d uid %d: more than %g requests per "
                         "second on one connection", conn.peer.pid, conn.peer.uid, self.rate)
