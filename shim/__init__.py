@@ -9,8 +9,15 @@ _LAZY = ("attach", "comm_state", "priority_hook", "overlap_hook", "agree_job_id"
 
 def __getattr__(name):
     if name in _LAZY:
-        from tensorlane.shim import ddp
-
+        try:
+            from tensorlane.shim import ddp
+        except ModuleNotFoundError as exc:
+            if exc.name != "torch" and not (exc.name or "").startswith("torch."):
+                raise
+            raise ModuleNotFoundError(
+                f"tensorlane.shim.{name} needs torch, which this environment lacks ({exc}): install tensorlane with "
+                "its shim extra: `pip install '.[shim]'` in the checkout, `pip install 'WHEEL[shim]'` from a wheel "
+                "(or torch first: README.md, Install)", name=exc.name) from exc
         return getattr(ddp, name)
     raise AttributeError(f"module 'shim' has no attribute {name!r}")
 

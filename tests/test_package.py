@@ -109,6 +109,16 @@ def test_agent_and_cli_never_load_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_the_shim_without_torch_says_to_install_the_shim_extra():
+    """``pip install .`` (no ``[shim]``) then ``shim.attach(...)``: until 2026-11-28 a bare "No module named 'torch'"
+    from inside shim/ddp.py; it now names the extra to install. (torch is hidden: ``sys.modules['torch'] = None``.)"""
+    code = ("import sys\nsys.modules['torch'] = None\nfrom tensorlane import shim\n"
+            "try:\n    shim.attach\nexcept ModuleNotFoundError as e:\n    print(e.name, '|', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.startswith("torch | tensorlane.shim.attach needs torch"), out.stdout + out.stderr
+    assert "pip install '.[shim]'" in out.stdout, out.stdout
+
+
 def test_the_checkouts_folder_in_front_of_an_install_says_so(tmp_path):
     """A script run from a checkout's root finds its ``tensorlane/`` folder before the installed package, and
     ``from tensorlane import shim`` failed "cannot import name 'shim'" (``import tensorlane.shim.lightning``: "No
