@@ -387,7 +387,7 @@ class ShimState:
         self.mode = "hook"
         self.mode_reason = f"overlap mode fell back to hook mode: {reason}"
         if dist.get_rank() == 0:
-            warnings.warn(f"tensorlane: {self.mode_reason}", stacklevel=2)
+            warnings.warn(f"tensorlane: {self.mode_reason}", stacklevel=ov.user_stacklevel())
         log.info("tensorlane: %s", self.mode_reason)
 
     def close(self) -> None:

@@ -621,7 +621,13 @@ for _name in ("__getitem__", "__setitem__", "__delitem__", "__contains__", "__it
 def user_stacklevel() -> int:
     """``warnings.warn``'s stacklevel, from the caller of this function, of the first frame outside torch and
     tensorlane: the line of the training loop that a warning concerns."""
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import tensorlane
+    import tensorlane.policies
+
+    own = (*tensorlane.__path__, os.path.dirname(os.path.abspath(__file__)), *tensorlane.policies.__path__)
+    # (each package's folder, not the folder above the shim: in an editable install that is the checkout, whose
+    # tests and scripts are the user's code)
+    skip = tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__), *own))
     f, level = sys._getframe(1), 1
     while f is not None and f.f_code.co_filename.startswith(skip):
         f, level = f.f_back, level + 1

@@ -554,6 +554,38 @@ def test_the_probe_waits_16_synchronized_iterations_for_a_step_then_takes_hook_m
 
 
 @pytest.mark.torch
+def test_the_fall_back_warning_names_the_training_loops_line(tmp_path):
+    """The warning of a fall back to hook mode (gradient clipping here) points at the user's line, as the shim's other
+    loop warnings do: until 2026-11-28 it named shim/ddp.py and printed the shim's own ``state.fallback(...)`` line,
+    which read as a fault of the shim's."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        handle = shim.attach(ddp, opt, agent_socket="/nonexistent/tl.sock", link_bps=2e8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                ddp(torch.ones(3, 4)).sum().backward()
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.1)
+                opt.step()
+                opt.zero_grad()
+        ours = [w for w in caught if "fell back to hook mode" in str(w.message)]
+        assert handle.stats()["mode"] == "hook" and len(ours) == 1, [str(w.message) for w in caught]
+        assert ours[0].filename == __file__, (ours[0].filename, ours[0].lineno)
+        handle.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_attach_again_after_close_with_a_new_optimizer(tmp_path):
     """A loop that switches to a new optimizer mid-run closes the handle and attaches the new one: DDP keeps the
     first attach's comm hook for good, so the new attach chains to it (until 2026-11-27 it was refused as "a
