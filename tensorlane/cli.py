@@ -7,8 +7,11 @@ Usage: ``tensorlane agent --config /etc/tensorlane/agent.toml``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
+import signal
 import sys
 
 from tensorlane import __version__
@@ -243,7 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        rc = args.func(args)
+        sys.stdout.flush()  # (a pipe's buffer is written here, inside the try)
+        return rc
+    except BrokenPipeError:  # the reader left (`| head`, `| grep -q`): stop quietly, as cat and head do
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit's flush)
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

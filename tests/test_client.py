@@ -237,6 +237,30 @@ def test_status_writes_what_an_agent_sent_without_terminal_escapes(tmp_path, mon
     assert capsys.readouterr().out == "job a\\x1b[31mb:\n\t3 flows\n"
 
 
+def test_status_into_a_closed_pipe_stops_quietly(tmp_path):
+    """``tensorlane status --json | grep -q ...`` (or ``| head``): the reader leaves before the reply is written.
+    Until 2026-11-28 that printed a BrokenPipeError traceback from cli.py; now nothing on stderr, exit status 141
+    (128 + SIGPIPE), as cat or head give."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "fake.sock")
+    with socket.socket(socket.AF_UNIX) as srv:
+        srv.bind(path)
+        srv.listen(1)
+        proc = subprocess.Popen([sys.executable, "-m", "tensorlane.cli", "status", "--json", "--socket", path],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()  # the reader is gone before anything is written
+        srv.settimeout(30)
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(1000)
+            conn.sendall(json.dumps({"id": 1, "ok": True, "result": {"flows": [0] * 1000}}).encode() + b"\n")
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 141, err
+    assert err == "", err
+
+
 def misbehaving_listener(path: str, behave) -> threading.Event:
     """Accept one connection, read the request line and hand the connection to ``behave(conn, stop)``; set the
     returned event to end it."""
