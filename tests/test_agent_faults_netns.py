@@ -560,6 +560,31 @@ def test_a_class_added_under_the_agents_tree_is_removed_logged_and_counted(fz):
     assert tc_dump(h1, "eth0") == before
 
 
+def test_a_class_or_leaf_changed_in_place_is_put_back_logged_and_counted(fz):
+    """``tc class change`` on a level's class (capped at 1 Mbit/s, another prio) and ``tc qdisc change`` of a leaf's
+    limit, under the agent's running tree: the next pass sets them back, logs what it put back and counts a repair.
+    Before, each pass set them back and nothing said so (``repairs`` 0, no log line): a tuning script capping the
+    urgent class went unseen. The agent's own changes (the pass's, a new job part) are no repair."""
+    h1 = fz.host(1)
+    with running_agents(fz, hosts=[1], backend="htb", config_extra=FAST) as agents:
+        agent = agents[1]
+        passes_again(agent, 4.0)
+        repairs = agent.status()["reconcile"]["repairs"]
+        assert repairs == 0, agent.status()["reconcile"]
+        h1.run(["tc", "class", "change", "dev", "eth0", "parent", "7a1:1", "classid", "7a1:10", "htb", "rate", "8kbit",
+                "ceil", "1mbit", "prio", "5"])
+        wait_for("class put back", lambda: "prio 0 rate 1Mbit ceil 100Mbit" in h1.run(
+            ["tc", "class", "show", "dev", "eth0", "classid", "7a1:10"]).stdout)
+        wait_for("counted", lambda: agent.status()["reconcile"]["repairs"] == repairs + 1)
+        wait_for("logged", lambda: "put back the rate, ceil, quantum or prio of 7a1:10" in agent.stderr_tail())
+        h1.run(["tc", "qdisc", "change", "dev", "eth0", "parent", "7a1:11", "handle", "101:", "pfifo", "limit", "3"])
+        wait_for("counted", lambda: agent.status()["reconcile"]["repairs"] == repairs + 2)
+        assert "limit 1000p" in h1.run(["tc", "qdisc", "show", "dev", "eth0", "parent", "7a1:11"]).stdout
+        assert "put back the limit of leaf qdiscs 101:" in agent.stderr_tail()
+        time.sleep(0.5)  # a tree left alone is no repair
+        assert agent.status()["reconcile"]["repairs"] == repairs + 2
+
+
 def test_nft_flush_ruleset_is_logged_as_the_table_gone_and_counted(fz):
     """``nft flush ruleset`` (a firewall reload) deletes the agent's table: the next pass makes it again with its
     flows, and says that the table was gone. Before, the log said only "added 1 missing flow entries", as if an

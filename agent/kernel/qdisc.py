@@ -73,6 +73,11 @@ class HtbBackend:
         self.parent_class = handle(MAJOR, 1)
         self.classes = [ClassSpec(lvl, handle(MAJOR, 0x10 + lvl), lvl, handle(0x100 + lvl)) for lvl in range(levels)]
         self.default = ClassSpec(None, handle(MAJOR, 0x10 + levels), min(levels, 7), handle(0x100 + levels))
+        # What the agent last set, as the kernel dumps it: class id -> (rate, ceil, quantum, prio), and the leaves'
+        # pfifo limit. A pass that finds otherwise counts a change behind its back (:func:`_drifted`); empty until
+        # the agent set them, and after a change that may have been half done.
+        self.applied: dict[int, tuple[int, int, int, int]] = {}
+        self.applied_limit: int | None = None
 
     def classid(self, level: int) -> int:
         return self.classes[level].classid
@@ -129,10 +134,22 @@ class HtbBackend:
         another class layout (adopted from an agent of another ``levels``) is made afresh (:meth:`stale_layout`).
         Returns what had to be made again (:func:`_put_back`: [] when the root and leaves were all there; the whole
         tree when it had another layout, a class someone added under ours)."""
+        try:
+            return self._apply(ipr, index)
+        except BaseException:
+            self.applied, self.applied_limit = {}, None  # (half done: the next pass sets all without comparing)
+            raise
+
+    def _apply(self, ipr, index: int) -> list[str]:
+        """:meth:`apply`'s work; what it sets is kept in :attr:`applied`."""
         qdiscs = ipr.get_qdiscs(index=index)
         put_back = _put_back(qdiscs, self.root, [spec.leaf_handle for spec in self.leaves()], "htb")
         have = _drop_other_kind(ipr, index, {q["handle"]: q.get_attr("TCA_KIND") for q in qdiscs}, "htb")
-        if have.get(self.root) == "htb" and (why := self.stale_layout(ipr, index, qdiscs)):
+        classes = ipr.get_classes(index=index) if have.get(self.root) == "htb" else []
+        if not put_back:  # (a tree put back whole: its classes were made again, not changed)
+            put_back = _drifted(classes, qdiscs, self.applied, self.applied_limit,
+                                {spec.leaf_handle for spec in self.leaves()})
+        if have.get(self.root) == "htb" and (why := self.stale_layout(ipr, index, qdiscs, classes)):
             log.warning("the tensorlane tree on device %d has %s: making it afresh", index, why)
             ipr.tc("del", "htb", index=index, handle=self.root)
             have = {}
@@ -144,15 +161,17 @@ class HtbBackend:
         rate = self.rate // 8  # pyroute2 takes integer rates in bytes/s
         ipr.tc("replace-class", "htb", index=index, handle=self.parent_class, parent=self.root,
                rate=rate, ceil=rate, burst=burst, cburst=burst, quantum=4 * MTU_BYTES)
+        self.applied[self.parent_class] = (rate, rate, 4 * MTU_BYTES, 0)
         limits = {q["handle"]: (q.get_attr("TCA_OPTIONS") or {}).get("limit") for q in qdiscs}
         for spec in self.leaves():
             self._leaf_class(ipr, index, spec)
             if have.get(spec.leaf_handle) != "pfifo" or limits.get(spec.leaf_handle) != self.queue_limit:
                 ipr.tc("replace", "pfifo", index=index, handle=spec.leaf_handle, parent=spec.classid,
                        limit=self.queue_limit)
+        self.applied_limit = self.queue_limit
         return put_back
 
-    def stale_layout(self, ipr, index: int, qdiscs) -> str:
+    def stale_layout(self, ipr, index: int, qdiscs, classes=None) -> str:
         """What makes the HTB tree of ours on device ``index`` another layout than this backend's ("" when none):
         another default class, or leaf classes of ours beyond :meth:`leaves`. HTB cannot change its default in
         place, and unregistered traffic would go on to the old default (a level's class, when ``levels`` grew)."""
@@ -162,7 +181,7 @@ class HtbBackend:
         if default is not None and default != self.default.classid & 0xFFFF:
             return f"default class {MAJOR:x}:{default:x}, not {fmt_handle(self.default.classid)}"
         ours = {spec.classid for spec in self.leaves()} | {self.parent_class}
-        extra = sorted(c["handle"] for c in ipr.get_classes(index=index)
+        extra = sorted(c["handle"] for c in (ipr.get_classes(index=index) if classes is None else classes)
                        if c["handle"] >> 16 == MAJOR and c["handle"] not in ours)
         return f"classes {', '.join(map(fmt_handle, extra))} beyond its {self.levels} levels" if extra else ""
 
@@ -177,6 +196,7 @@ class HtbBackend:
         c = self._leaf_rates(spec)
         ipr.tc("replace-class", "htb", index=index, handle=spec.classid, parent=self.parent_class,
                rate=c.rate, ceil=c.ceil, burst=c.burst, cburst=c.cburst, prio=c.prio, quantum=c.quantum)
+        self.applied[spec.classid] = (c.rate, c.ceil, c.quantum, c.prio)
 
     def rates(self) -> dict[int, int]:
         """Every leaf's guaranteed rate in bits/s, by class id (what :meth:`change_rates` compares with)."""
@@ -194,7 +214,12 @@ class HtbBackend:
         request per class: the job policy's parts change several times a second. ``ipr`` is not used (the
         reconciler passes its handle). Returns how many changed."""
         changed = self.rate_changes(before)
-        change_classes(index, self.parent_class, changed)
+        try:
+            change_classes(index, self.parent_class, changed)
+        except BaseException:
+            self.applied = {}  # (some may have changed: the next pass sets all without comparing)
+            raise
+        self.applied.update((c.classid, (c.rate, c.ceil, c.quantum, c.prio)) for c in changed)
         return len(changed)
 
     def filter_parents(self) -> tuple[int, ...]:
@@ -277,6 +302,36 @@ def _put_back(qdiscs, root: int, leaves: list[int], kind: str) -> list[str]:
         return [f"its root qdisc ({what} was the root)"]
     gone = [h for h in leaves if h not in {q["handle"] for q in qdiscs}]
     return [f"{len(gone)} leaf qdiscs ({', '.join(map(fmt_handle, gone))})"] if gone else []
+
+
+def _class_params(msg) -> tuple[int, int, int, int] | None:
+    """A dumped HTB class's (rate, ceil, quantum, prio), rates in bytes/s (the 64-bit ones where the kernel sends
+    them); None for a class that is not HTB's."""
+    options = msg.get_attr("TCA_OPTIONS")
+    parms = options.get_attr("TCA_HTB_PARMS") if options else None
+    if not parms:
+        return None
+    rate = options.get_attr("TCA_HTB_RATE64") or parms["rate"]
+    ceil = options.get_attr("TCA_HTB_CEIL64") or parms["ceil"]
+    return rate, ceil, parms["quantum"], parms["prio"]
+
+
+def _drifted(classes, qdiscs, applied: dict[int, tuple[int, int, int, int]], limit: int | None,
+             leaves: set[int]) -> list[str]:
+    """What someone changed in place in a tree of ours since the agent set it (``applied``, ``limit``): classes whose
+    rate, ceil, quantum or prio differ (``tc class change ... classid 7a1:10 htb rate 8kbit ceil 1mbit``), leaf
+    pfifos (handles ``leaves``) of another limit. :meth:`HtbBackend.apply` sets them again each pass; until
+    2026-11-28 it did so and nothing said so (``repairs`` 0, no log line), though a tool fought the agent every
+    pass."""
+    out = []
+    if changed := [c["handle"] for c in classes if c["handle"] in applied
+                   and _class_params(c) not in (None, applied[c["handle"]])]:
+        out.append(f"the rate, ceil, quantum or prio of {', '.join(map(fmt_handle, sorted(changed)))}")
+    if limit is not None and (other := sorted(q["handle"] for q in qdiscs if q["handle"] in leaves
+                                              and q.get_attr("TCA_KIND") == "pfifo"
+                                              and (q.get_attr("TCA_OPTIONS") or {}).get("limit") != limit)):
+        out.append(f"the limit of leaf qdiscs {', '.join(map(fmt_handle, other))}")
+    return out
 
 
 def _drop_other_kind(ipr, index: int, have: dict[int, str], kind: str) -> dict[int, str]:
