@@ -30,6 +30,9 @@ INHERIT_S = 5.0  # a killed agent's marks kept this long by the next one: the sh
 # one has passed, so that listing the marks takes at most 5 % of the agent's time, whoever filled the table (every
 # pass with a few thousand flows: milliseconds each).
 FLOW_CHECK_SHARE = 0.05
+# A device's tree put back the same way again within this many seconds: a tool keeps changing it (a fight). Said
+# once as such, then the put-back line is logged at most this often with how many were not (each is counted).
+FIGHT_LOG_S = 60.0
 
 
 class _Paced:
@@ -97,6 +100,7 @@ class Reconciler:
         self._backlog_sock: socket.socket | None = None  # the job policy's samples: one netlink socket, reused
         self._flows_paced = _Paced("")  # the flows' part of a pass; its result: what it failed on ("": nothing)
         self._counters_paced = _Paced({})  # counters()
+        self._put_backs: dict[str, tuple[str, float, int]] = {}  # device -> (what, when logged, not logged since)
 
     def _table_commands(self) -> list[dict]:
         classids = [self.backend.classid(lvl) for lvl in range(self.backend.levels)]
@@ -225,14 +229,13 @@ class Reconciler:
         for dev in self.devices:
             try:
                 if put_back := dev.backend.apply(self.ipr, dev.index):
-                    log.warning("reconcile: %s's tree was changed behind the agent's back: put back %s", dev.name,
-                                "; ".join(put_back))
+                    self._log_put_back(dev.name, "; ".join(put_back))
                     repairs += 1
                 if found := qdisc.remove_filters(self.ipr, dev.index, dev.backend.filter_parents()):
                     log.warning("reconcile: removed foreign tc filters from %s's tree (at %d parents)", dev.name, found)
                     repairs += found
             except Exception as exc:  # noqa: BLE001 - counted and reported below, the agent keeps running
-                failed.append(f"{dev.name}: {exc}")
+                failed.append(f"{dev.name}: {self._while_changed(dev, exc)}")
         self.stats.repairs += repairs
         repairs += self._reconcile_flows(table, failed)
         failing = "; ".join(failed)
@@ -246,6 +249,37 @@ class Reconciler:
             log.warning("reconcile passes again (after: %s)", self._failing)
         self._failing = failing
         return repairs
+
+    def _log_put_back(self, name: str, what: str) -> None:
+        """Log that device ``name``'s tree was put back (``what``). The same put back again within
+        :data:`FIGHT_LOG_S` is a tool that keeps changing the tree (a network manager, a tuning script in a loop):
+        said once as such, then logged at most every :data:`FIGHT_LOG_S` with how many were not. Before
+        (until 2026-11-28) every pass logged it, one line per pass for as long as the tool ran."""
+        now = time.monotonic()
+        last, when, quiet = self._put_backs.get(name, ("", -FIGHT_LOG_S, 0))
+        if what == last and now - when < FIGHT_LOG_S:
+            if quiet == 0:
+                log.error("reconcile: %s's tree was changed behind the agent's back again (put back %s): a tool on "
+                          "the host keeps changing it, and each pass puts it back (what was queued is dropped each "
+                          "time); stop that tool or leave the interface out of the agent's. Logged again once every "
+                          "%.0f s while it goes on (every one counted in reconcile.repairs)", name, what, FIGHT_LOG_S)
+            self._put_backs[name] = (what, when, quiet + 1)
+            return
+        more = f" (and {quiet} times more in the last {now - when:.0f} s)" if quiet and what == last else ""
+        log.warning("reconcile: %s's tree was changed behind the agent's back: put back %s%s", name, what, more)
+        self._put_backs[name] = (what, now, 0)
+
+    def _while_changed(self, dev: Device, exc: Exception) -> str:
+        """What a pass that failed on ``dev`` says: where the tree is no longer the agent's now (another tool
+        replaced its root while the pass put it back: a request then finds no such parent, ENOENT), that, not only
+        the kernel's bare answer (``(2, 'No such file or directory')``)."""
+        try:
+            ours = dev.backend.owns(self.ipr, dev.index)
+        except Exception:  # noqa: BLE001 - (the device gone, say): the kernel's answer alone
+            return str(exc)
+        if ours:
+            return str(exc)
+        return f"its root qdisc was replaced while the pass put its tree back ({exc}); the next pass puts it back"
 
     def _reconcile_flows(self, table: FlowTable, failed: list[str]) -> int:
         """The nftables part of a full pass (the table, its chains and the map's elements); a failure is added to

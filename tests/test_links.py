@@ -373,3 +373,48 @@ def test_statuss_marking_counters_are_listed_within_a_share_of_the_agents_time(m
     assert rec.counters() == {0: {"packets": 1, "bytes": 1}} and len(listed) == 1  # within 10 s of it
     clock[0] += 0.5 / reconcile.FLOW_CHECK_SHARE
     assert rec.counters() == {0: {"packets": 2, "bytes": 1}}
+
+
+class FoughtBackend:
+    """A tree another tool replaces before every pass (its root, ``tc qdisc replace ... root tbf``), or, with
+    ``racing``, while the pass puts it back: the agent's request then finds no parent (ENOENT)."""
+
+    kind = "htb"
+    rate = 10**9
+
+    def __init__(self):
+        self.racing = False
+
+    def apply(self, ipr, index):
+        from pyroute2.netlink.exceptions import NetlinkError
+
+        if self.racing:
+            raise NetlinkError(2, "No such file or directory")
+        return ["its root qdisc (tbf 1: was the root)"]
+
+    def owns(self, ipr, index):
+        return not self.racing
+
+    def filter_parents(self):
+        return ()
+
+
+def test_a_tool_that_keeps_changing_the_tree_is_said_once_and_a_race_with_it_is_named(caplog):
+    """Twenty passes that each put back a root another tool replaced again: every one is counted, but logged once,
+    then once as a fight (before, one warning a pass for as long as the tool ran). A pass whose requests found the
+    root replaced meanwhile names that, not only the kernel's bare "(2, 'No such file or directory')"."""
+    from tensorlane.agent.reconcile import Device, Reconciler
+
+    backend = FoughtBackend()
+    rec = Reconciler([Device("eth0", 2, backend, "eth0")], (46, 26), {"eth0": 2}, FakeIPRoute(HOST), nft=object())
+    rec._reconcile_flows = lambda table, failed: 0
+    with caplog.at_level("WARNING", logger="tensorlane.reconcile"):
+        for _ in range(20):
+            rec.reconcile(None)
+    assert rec.stats.repairs == 20
+    assert caplog.text.count("put back its root qdisc (tbf 1: was the root)") == 2, caplog.text
+    assert caplog.text.count("keeps changing it") == 1
+    backend.racing = True
+    rec.reconcile(None)
+    assert rec.stats.last_error.startswith("eth0: its root qdisc was replaced while the pass put its tree back"), \
+        rec.stats.last_error
