@@ -229,7 +229,8 @@ class Reconciler:
         for dev in self.devices:
             try:
                 if put_back := dev.backend.apply(self.ipr, dev.index):
-                    self._log_put_back(dev.name, "; ".join(put_back))
+                    self._log_put_back(f"{dev.name}'s tree", f"reconcile: {dev.name}'s tree was changed behind the "
+                                       f"agent's back: put back {'; '.join(put_back)}")
                     repairs += 1
                 if found := qdisc.remove_filters(self.ipr, dev.index, dev.backend.filter_parents()):
                     log.warning("reconcile: removed foreign tc filters from %s's tree (at %d parents)", dev.name, found)
@@ -250,24 +251,24 @@ class Reconciler:
         self._failing = failing
         return repairs
 
-    def _log_put_back(self, name: str, what: str) -> None:
-        """Log that device ``name``'s tree was put back (``what``). The same put back again within
-        :data:`FIGHT_LOG_S` is a tool that keeps changing the tree (a network manager, a tuning script in a loop):
-        said once as such, then logged at most every :data:`FIGHT_LOG_S` with how many were not. Before
-        (until 2026-11-28) every pass logged it, one line per pass for as long as the tool ran."""
+    def _log_put_back(self, what: str, line: str) -> None:
+        """Log a repair (``line``) of ``what`` (a device's tree, the nftables table). The same repair again within
+        :data:`FIGHT_LOG_S` is a tool that keeps changing it (a network manager, a tuning script or a firewall
+        reload in a loop): said once as such, then logged at most every :data:`FIGHT_LOG_S` with how many were not.
+        Before (until 2026-11-28) every pass logged it, one line a pass for as long as the tool ran."""
         now = time.monotonic()
-        last, when, quiet = self._put_backs.get(name, ("", -FIGHT_LOG_S, 0))
-        if what == last and now - when < FIGHT_LOG_S:
+        last, when, quiet = self._put_backs.get(what, ("", -FIGHT_LOG_S, 0))
+        if line == last and now - when < FIGHT_LOG_S:
             if quiet == 0:
-                log.error("reconcile: %s's tree was changed behind the agent's back again (put back %s): a tool on "
-                          "the host keeps changing it, and each pass puts it back (what was queued is dropped each "
-                          "time); stop that tool or leave the interface out of the agent's. Logged again once every "
-                          "%.0f s while it goes on (every one counted in reconcile.repairs)", name, what, FIGHT_LOG_S)
-            self._put_backs[name] = (what, when, quiet + 1)
+                log.error("%s, again: a tool on the host keeps changing %s, and each pass puts it back (on a tree, "
+                          "what was queued is dropped each time); stop that tool or leave the interface out of the "
+                          "agent's. Logged again once every %.0f s while it goes on (every one counted in "
+                          "reconcile.repairs)", line, what, FIGHT_LOG_S)
+            self._put_backs[what] = (line, when, quiet + 1)
             return
-        more = f" (and {quiet} times more in the last {now - when:.0f} s)" if quiet and what == last else ""
-        log.warning("reconcile: %s's tree was changed behind the agent's back: put back %s%s", name, what, more)
-        self._put_backs[name] = (what, now, 0)
+        more = f" (and {quiet} times more in the last {now - when:.0f} s)" if quiet and line == last else ""
+        log.warning("%s%s", line, more)
+        self._put_backs[what] = (line, now, 0)
 
     def _while_changed(self, dev: Device, exc: Exception) -> str:
         """What a pass that failed on ``dev`` says: where the tree is no longer the agent's now (another tool
@@ -307,10 +308,11 @@ class Reconciler:
         listing = nftables.list_table(self.nft)
         if listing is None or nftables.table_shape(listing) != self._shape:
             if listing is not None:
-                log.warning("reconcile: the nftables table's chains or rules changed; putting them back")
+                self._log_put_back("the nftables table", "reconcile: the nftables table's chains or rules changed; "
+                                   "putting them back")
             else:  # (before, only its flow entries were counted and logged, as if they alone had gone)
-                log.warning("reconcile: the nftables table inet tensorlane is gone (deleted, or nft flush ruleset); "
-                            "making it again with its flows")
+                self._log_put_back("the nftables table", "reconcile: the nftables table inet tensorlane is gone "
+                                   "(deleted, or nft flush ruleset); making it again with its flows")
             self.stats.repairs += 1
             listing = self._install_table()
         have = nftables.parse_map_elements(listing)

@@ -401,8 +401,9 @@ class FoughtBackend:
 
 def test_a_tool_that_keeps_changing_the_tree_is_said_once_and_a_race_with_it_is_named(caplog):
     """Twenty passes that each put back a root another tool replaced again: every one is counted, but logged once,
-    then once as a fight (before, one warning a pass for as long as the tool ran). A pass whose requests found the
-    root replaced meanwhile names that, not only the kernel's bare "(2, 'No such file or directory')"."""
+    then once as a fight (the nftables table alike: test_agent_faults_netns) (before, one warning a pass for as long
+    as the tool ran). A pass whose requests found the root replaced meanwhile names that, not only the kernel's
+    bare "(2, 'No such file or directory')"."""
     from tensorlane.agent.reconcile import Device, Reconciler
 
     backend = FoughtBackend()
@@ -413,7 +414,7 @@ def test_a_tool_that_keeps_changing_the_tree_is_said_once_and_a_race_with_it_is_
             rec.reconcile(None)
     assert rec.stats.repairs == 20
     assert caplog.text.count("put back its root qdisc (tbf 1: was the root)") == 2, caplog.text
-    assert caplog.text.count("keeps changing it") == 1
+    assert caplog.text.count("a tool on the host keeps changing eth0's tree") == 1
     backend.racing = True
     rec.reconcile(None)
     assert rec.stats.last_error.startswith("eth0: its root qdisc was replaced while the pass put its tree back"), \
