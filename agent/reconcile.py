@@ -233,7 +233,8 @@ class Reconciler:
                                        f"agent's back: put back {'; '.join(put_back)}")
                     repairs += 1
                 if found := qdisc.remove_filters(self.ipr, dev.index, dev.backend.filter_parents()):
-                    log.warning("reconcile: removed foreign tc filters from %s's tree (at %d parents)", dev.name, found)
+                    self._log_put_back(f"{dev.name}'s filters", f"reconcile: removed foreign tc filters from "
+                                       f"{dev.name}'s tree")  # (not how many: the same line while a tool adds them)
                     repairs += found
             except Exception as exc:  # noqa: BLE001 - counted and reported below, the agent keeps running
                 failed.append(f"{dev.name}: {self._while_changed(dev, exc)}")

@@ -247,7 +247,8 @@ def test_nftables_table_deleted_or_its_policy_or_hook_changed(fz):
 
 def test_foreign_filters_added_again_and_again(fz):
     """Foreign u32 filters on the agent's qdisc and parent class, at several prios and in another chain, added
-    again and again: each is removed, the passes keep passing, the flow keeps its class."""
+    again and again: each is removed, the passes keep passing, the flow keeps its class; the log says it once and
+    once as a tool that keeps adding them (before, a line a pass)."""
     h1, h2 = fz.host(1), fz.host(2)
     before = tc_dump(h1)
     with running_agents(fz, levels=2, hosts=[1], backend="htb", config_extra=FAST) as agents:
@@ -266,6 +267,8 @@ def test_foreign_filters_added_again_and_again(fz):
         passes_again(agents[1])
         st = agents[1].status()
         assert st["reconcile"]["errors"] == 0, st["reconcile"]
+        log = agents[1].stderr_tail(50000)  # said once, then once as a tool that keeps adding them (not each pass)
+        assert log.count("removed foreign tc filters") <= 2 and st["reconcile"]["repairs"] >= 3, (log, st)
     assert tc_dump(h1) == before
 
 
