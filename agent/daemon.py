@@ -111,7 +111,9 @@ def _state_of_index(cfg: Config, index: int) -> dict | None:
 
 
 def _save_state(cfg: Config, device: str, state: dict) -> None:
-    """Write the state file atomically (a temporary file, then a rename); a failure leaves no temporary file."""
+    """Write the state file atomically and durably (a temporary file synced to disk, then a rename, then the
+    directory synced: a ``state_dir`` on disk holds the old record or the new one after a power loss, never an empty
+    one); a failure leaves no temporary file."""
     path = state_path(cfg, device)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -120,7 +122,14 @@ def _save_state(cfg: Config, device: str, state: dict) -> None:
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644),
                        "w") as fh:
             fh.write(json.dumps(state))
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
+        dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dirfd)
+        finally:
+            os.close(dirfd)
     except OSError:
         tmp.unlink(missing_ok=True)
         raise

@@ -511,3 +511,21 @@ def test_two_incomplete_records_of_one_device_within_one_second_are_both_kept(tm
     cfg = daemon.Config(state_dir=str(tmp_path))
     first, second = daemon.incomplete_path(cfg, "tl0"), daemon.incomplete_path(cfg, "tl0")
     assert first != second and sorted(tmp_path.glob("incomplete-tl0-*.json")) == sorted([first, second])
+
+
+def test_the_state_file_is_synced_before_and_after_its_rename(tmp_path, monkeypatch):
+    """A ``state_dir`` on disk (not the default ``/run``): the record and the directory entry reach the disk, so a
+    power loss leaves the old record or the new one, never an empty file (the agent restores the host from it)."""
+    cfg = daemon.Config(interfaces=("tl0",), link_rate_bps=10**9, state_dir=str(tmp_path))
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    daemon._save_state(cfg, "tl0", {"ifindex": 7})
+    path = daemon.state_path(cfg, "tl0")
+    assert synced == [str(path.with_suffix(".tmp")), str(tmp_path)]
+    assert os.path.exists(path) and not os.path.exists(path.with_suffix(".tmp"))
