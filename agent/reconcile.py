@@ -383,5 +383,6 @@ class Reconciler:
         self._close_backlog_sock()
         try:
             self.nft.run(nftables.delete_table_commands())
-        except nftables.NftError as exc:
-            log.warning("removing the nftables table: %s", exc)
+        except nftables.NftError as exc:  # (none to remove: a start that failed before making it, or flushed away)
+            log.log(logging.DEBUG if "No such file or directory" in str(exc) else logging.WARNING,
+                    "removing the nftables table: %s", exc)

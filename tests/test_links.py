@@ -419,3 +419,30 @@ def test_a_tool_that_keeps_changing_the_tree_is_said_once_and_a_race_with_it_is_
     rec.reconcile(None)
     assert rec.stats.last_error.startswith("eth0: its root qdisc was replaced while the pass put its tree back"), \
         rec.stats.last_error
+
+
+def test_removing_a_table_that_is_not_there_is_no_warning(caplog):
+    """A start that failed before the table was made (or a table flushed away) has nothing to remove at teardown:
+    no warning that reads as a second failure; any other refusal still warns."""
+    import logging
+
+    from tensorlane.agent.kernel import nft as nftables
+    from tensorlane.agent.kernel.qdisc import HtbBackend
+    from tensorlane.agent.reconcile import Device, Reconciler
+
+    class Refusing:
+        def __init__(self, message):
+            self.message = message
+
+        def run(self, commands):
+            raise nftables.NftError(self.message)
+
+    for message, warned in (("Error: Could not process rule: No such file or directory", False),
+                            ("Error: Could not process rule: Operation not permitted", True)):
+        rec = Reconciler([Device("eth0", 2, HtbBackend(2, 10**9), "eth0")], (46, 26), {"eth0": 2}, RouteCounter(),
+                         nft=Refusing(message))
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="tensorlane.reconcile"):
+            rec.teardown()
+        assert any(r.levelno == logging.WARNING for r in caplog.records) is warned
+        assert "removing the nftables table" in caplog.text
