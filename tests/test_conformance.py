@@ -5,7 +5,8 @@ relative max abs diff otherwise.
 
 The worker (tests/conformance_worker.py) runs every idiom in every mode in ONE torchrun launch per world size,
 plus a second, fresh launch that resumes the mid-run checkpoint; a module-scoped fixture runs the launches once
-and each cell is its own test (ids ``IDIOM-MODE-WORLD``, e.g. ``clip_grad_norm-overlap-3``).
+(the selected world sizes side by side) and each cell is its own test (ids ``IDIOM-MODE-WORLD``, e.g.
+``clip_grad_norm-overlap-3``).
 
 GradScaler cells use the same 1e-5: plain DDP is bit-stable for them on CPU (the comparison of fp32 master
 gradients and of which steps were skipped is exact), so no looser tolerance is needed.
@@ -18,6 +19,7 @@ Debug one idiom by hand:
 """
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import json
 import math
@@ -91,23 +93,34 @@ CELLS = ([(idiom, mode, world) for world in WORLDS for idiom in MAIN for mode in
 
 
 class Launches:
-    """Runs the worker's launches for a world size once (lazily) and keeps their outcome."""
+    """Runs the worker's launches for the world sizes the session selected once (lazily) and keeps their outcome.
 
-    def __init__(self, root):
+    The first call runs every selected world size's launches side by side, each world's main launch then its resume
+    launch: a launch's ranks wait on each other's collectives much of the time, so together they take less wall time
+    than one after the other (each launch is its own torchrun, with its own rendezvous port and out directory)."""
+
+    def __init__(self, root, worlds=WORLDS):
         self.root = root
+        self.worlds = tuple(worlds)
         self.done: dict[int, dict] = {}
 
     def __call__(self, world: int) -> dict:
         if world not in self.done:
-            out = os.path.join(self.root, f"world{world}")
-            os.makedirs(out, exist_ok=True)
-            main = self._run(out, world)
-            resume = self._run(out, world, "--resume")
-            self.done[world] = {"out": out, "main": main, "resume": resume}
+            pending = [w for w in dict.fromkeys((world, *self.worlds)) if w not in self.done]
+            with concurrent.futures.ThreadPoolExecutor(len(pending)) as pool:
+                for w, res in zip(pending, pool.map(self._launches, pending), strict=True):
+                    self.done[w] = res
             with open(os.path.join(self.root, "launches.json"), "w") as fh:  # how long each launch took
                 json.dump({w: {k: {"rc": v["rc"], "seconds": round(v["seconds"], 1)} for k, v in d.items()
                                if k != "out"} for w, d in self.done.items()}, fh, indent=1)
         return self.done[world]
+
+    def _launches(self, world: int) -> dict:
+        """The main launch of ``world`` ranks, then the resume launch (it reads the main one's checkpoint)."""
+        out = os.path.join(self.root, f"world{world}")
+        os.makedirs(out, exist_ok=True)
+        main = self._run(out, world)
+        return {"out": out, "main": main, "resume": self._run(out, world, "--resume")}
 
     @staticmethod
     def _run(out: str, world: int, *extra: str) -> dict:
@@ -126,9 +139,11 @@ class Launches:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
+def launches(request, tmp_path_factory):
     root = os.environ.get("TENSORLANE_CONFORMANCE_OUT") or str(tmp_path_factory.mktemp("conformance"))
-    return Launches(root)
+    selected = {item.callspec.params.get("world") for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")}
+    return Launches(root, [w for w in WORLDS if w in selected])
 
 
 def _launch_of(idiom: str) -> str:
