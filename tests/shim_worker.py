@@ -58,7 +58,8 @@ def train(mode: str, args, rank: int) -> tuple[dict, dict]:
             loss_fn(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-            time.sleep(args.step_sleep)
+            if mode != "ddp":  # (the plain DDP run is the parameters' reference only: no need to make it longer)
+                time.sleep(args.step_sleep)
             if step == args.steps // 2 and mode == "overlap" and args.join_after is None:
                 ckpt = {"model": model.state_dict(), "opt": opt.state_dict()}  # flushes pending updates first
                 assert all(torch.equal(ckpt["model"][k], v) for k, v in model.state_dict().items())
@@ -81,7 +82,8 @@ def main() -> int:
     p.add_argument("--agent-socket", default="/nonexistent/tensorlane.sock")
     p.add_argument("--partition-bytes", type=int, default=None)
     p.add_argument("--link-bps", type=float, default=None, help="the planner's link rate (default: the agent's)")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (longer runs)")
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds to sleep per step in the shim's modes (longer runs; ddp, the reference, does not)")
     p.add_argument("--join-after", type=int, default=None,
                    help="uneven inputs: rank r trains steps - 4 r steps, those from this one on inside model.join(); "
                         "a mode that raises writes OUT/mode-rank.err and the next mode runs")
