@@ -75,7 +75,7 @@ def test_forward_and_backward_sleep_as_configured():
     m = emulated_model(TINY, compute_scale=4.0)          # forward 0.06 s, backward 0.12 s
     x, t = synthetic_batch(0, 0)
     fwd, bwd = [], []
-    for _ in range(3):
+    for _ in range(5):
         t0 = time.perf_counter()
         y = m(x)
         t1 = time.perf_counter()
@@ -83,7 +83,8 @@ def test_forward_and_backward_sleep_as_configured():
         t2 = time.perf_counter()
         fwd.append(t1 - t0)
         bwd.append(t2 - t1)
-    # never shorter than configured; "roughly": the best of three within 50 ms (a busy 2-core machine)
+    # never shorter than configured; "roughly": the best of five within 50 ms (a busy 2-core machine; three were
+    # once too few at load 7)
     assert min(fwd) >= 0.06 * 0.97 and min(fwd) < 0.06 + 0.05
     assert min(bwd) >= 0.12 * 0.97 and min(bwd) < 0.12 + 0.05
 
