@@ -13,6 +13,8 @@ way of naming interfaces and link rates into a file the agent reads back; prefli
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import importlib.util
 import json
 import os
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import time
 import tomllib
+import zipfile
 
 import pytest
 import yaml
@@ -143,6 +146,53 @@ def agent_status(fleet, host) -> dict:
 def agent_classes(fleet, host) -> dict:
     """The classes' counters, summed over the agent's queue devices."""
     return {c["class"]: c for c in agent_status(fleet, host)["classes"]}
+
+
+def wheel_as_version(wheel: str, version: str, out_dir: str) -> str:
+    """A copy of ``wheel`` that is distribution version ``version`` (file name, dist-info directory, METADATA and
+    RECORD; the agent reports the version from the metadata), to deploy an upgrade and a rollback without a build."""
+    name = os.path.basename(wheel)
+    old = name.split("-")[1]
+    dist = f"tensorlane-{version}"
+    os.makedirs(out_dir, exist_ok=True)
+    out = os.path.join(out_dir, name.replace(f"tensorlane-{old}-", f"{dist}-"))
+    with zipfile.ZipFile(wheel) as src:
+        files = {i.filename.replace(f"tensorlane-{old}.dist-info/", f"{dist}.dist-info/"): src.read(i)
+                 for i in src.infolist()}
+    meta = f"{dist}.dist-info/METADATA"
+    files[meta] = files[meta].replace(f"\nVersion: {old}\n".encode(), f"\nVersion: {version}\n".encode(), 1)
+    record = f"{dist}.dist-info/RECORD"
+
+    def row(path: str) -> str:
+        if path == record:
+            return f"{path},,"
+        digest = base64.urlsafe_b64encode(hashlib.sha256(files[path]).digest()).rstrip(b"=").decode()
+        return f"{path},sha256={digest},{len(files[path])}"
+    files[record] = ("\n".join(row(p) for p in files) + "\n").encode()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for path, data in files.items():
+            dst.writestr(path, data)
+    return out
+
+
+def agent_starts(fleet, host) -> int:
+    """How many times tensorlane-agentctl's supervisor has started ``host``'s agent (its log's lines)."""
+    with open(os.path.join(fleet.host_root(host), "log", "agent.log")) as fh:
+        return sum("tensorlane-agentctl: starting " in line for line in fh)
+
+
+def dependencies(fleet, host) -> dict[str, int]:
+    """The inode of each distribution's metadata directory in ``host``'s virtualenv, tensorlane's own aside: a
+    dependency that pip reinstalled has a new one."""
+    lib = os.path.join(fleet.host_root(host), "opt", "venv", "lib")
+    site = [os.path.join(lib, v, "site-packages") for v in os.listdir(lib)]
+    return {d: os.stat(os.path.join(s, d)).st_ino for s in site for d in os.listdir(s)
+            if d.endswith(".dist-info") and not d.startswith("tensorlane-")}
+
+
+def wheels(fleet, host) -> list[str]:
+    """The wheels the role keeps in ``host``'s install directory."""
+    return sorted(os.listdir(os.path.join(fleet.host_root(host), "opt", "wheels")))
 
 
 # --- without a network: defaults, argument spec and docs; the config template; preflight refusals -------------
@@ -294,6 +344,7 @@ def test_preflight_refuses_a_device_without_a_rate_for_htb(tmp_path):
     assert rc == 0 and "failed=0" in out, out[-3000:]
 
 
+
 def test_ansible_lint_production_profile():
     lint = _tool("ansible-lint")
     env = dict(os.environ, NO_COLOR="1", PATH=os.path.dirname(lint) + os.pathsep + os.environ.get("PATH", ""))
@@ -363,13 +414,40 @@ def test_deploy_is_idempotent_enforces_and_uninstall_restores():
             pid_file = os.path.join(fleet.host_root(h1), "run", "agent.pid")
             with open(pid_file) as fh:
                 pid = fh.read().strip()
+            starts = agent_starts(fleet, h1)
             third, out = _playbook(fleet, "site.yml", "--limit", h1.name, "-e", "tensorlane_levels=3", hosts=[h1])
             with open(pid_file) as fh:
                 new_pid = fh.read().strip()
             assert third[h1.name]["changed"] >= 2 and new_pid != pid, out[-4000:]
+            assert agent_starts(fleet, h1) == starts + 1, out[-4000:]  # restarted once
             for dev in DEVICES:
                 tc = h1.run(["tc", "class", "show", "dev", dev]).stdout
                 assert "class htb 7a1:13" in tc and "class htb 7a1:14" not in tc, tc  # 3 levels + default class
+
+            # Upgrades from the deployed wheel (0.1.0) to 0.1.1 and 0.1.2, then a rollback to 0.1.1, on h1 with the
+            # levels as set above: each restarts the agent once, which runs the version just installed, manages
+            # both devices and keeps a record of each; pip replaces tensorlane alone (until 2026-11-28 each new
+            # wheel was installed with --force-reinstall, which reinstalled every dependency too); the wheels kept
+            # are the current one and the one that ran before it (until 2026-11-28 every deployed wheel stayed).
+            upgrades_started = time.monotonic()
+            with open(fleet.inventory) as fh:
+                wheel_a = json.load(fh)["tensorlane"]["vars"]["tensorlane_wheel"]
+            versions = {v: wheel_as_version(wheel_a, v, os.path.join(workdir, "versions")) for v in ("0.1.1", "0.1.2")}
+            names = {"0.1.0": os.path.basename(wheel_a)} | {v: os.path.basename(w) for v, w in versions.items()}
+            assert wheels(fleet, h1) == [names["0.1.0"]]
+            for version, kept in (("0.1.1", ["0.1.0", "0.1.1"]), ("0.1.2", ["0.1.1", "0.1.2"]),
+                                  ("0.1.1", ["0.1.1", "0.1.2"])):
+                starts, deps = agent_starts(fleet, h1), dependencies(fleet, h1)
+                step, out = _playbook(fleet, "site.yml", "--limit", h1.name, "-e", "tensorlane_levels=3", "-e",
+                                      f"tensorlane_wheel={versions[version]}", hosts=[h1])
+                status = agent_status(fleet, h1)
+                assert status["version"] == version and agent_starts(fleet, h1) == starts + 1, out[-4000:]
+                assert sorted(i["name"] for i in status["interfaces"] if i["name"]) == list(DEVICES), status
+                assert sorted(f for f in os.listdir(os.path.join(fleet.host_root(h1), "run"))
+                              if f.startswith("agent-")) == [f"agent-{dev}.json" for dev in DEVICES]
+                assert deps and dependencies(fleet, h1) == deps, f"{version} reinstalled the dependencies"
+                assert wheels(fleet, h1) == sorted(names[v] for v in kept), (version, out[-4000:])
+            upgrades_s = time.monotonic() - upgrades_started
 
             # A kept record of a restore that was not complete stops the uninstall before it removes the directory
             # (the record's only copy) on that host, naming the file; moved away, the uninstall goes on.
@@ -388,6 +466,7 @@ def test_deploy_is_idempotent_enforces_and_uninstall_restores():
             for h in fleet.managed:
                 assert os.listdir(fleet.host_root(h)) == [], f"{h.name}: left {os.listdir(fleet.host_root(h))}"
             print(f"changed per host: first run {[s['changed'] for s in first.values()]}, second run "
-                  f"{[s['changed'] for s in second.values()]}, levels change on {h1.name} {third[h1.name]['changed']}")
+                  f"{[s['changed'] for s in second.values()]}, levels change on {h1.name} {third[h1.name]['changed']}; "
+                  f"2 upgrades and a rollback {upgrades_s:.0f} s")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
