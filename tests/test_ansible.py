@@ -242,6 +242,12 @@ def test_defaults_argument_spec_and_docs_agree(tmp_path):
     with open(DEFAULTS) as fh:
         raw = yaml.safe_load(fh)
     options = _spec_options()
+    types = {"str": str, "int": int, "float": (int, float), "bool": bool, "list": list, "dict": dict, "raw": object}
+    untyped = {k: v.get("type") for k, v in options.items() if v.get("type") not in types or not v.get("description")}
+    assert not untyped, f"options without a type (or an unknown one) or a description: {untyped}"
+    mistyped = {k: (options[k]["type"], v) for k, v in raw.items()
+                if k in options and not isinstance(v, types[options[k]["type"]])}
+    assert not mistyped, f"defaults/main.yml's value is not of the argument spec's type: {mistyped}"
     with_default = {k for k, v in options.items() if "default" in v}
     assert set(raw) == with_default, f"defaults only: {set(raw) - with_default}, spec only: {with_default - set(raw)}"
     names = sorted(options)
@@ -343,6 +349,52 @@ def test_preflight_refuses_a_device_without_a_rate_for_htb(tmp_path):
     rc, out = outs["lo's"]
     assert rc == 0 and "failed=0" in out, out[-3000:]
 
+
+
+UNSUPPORTED = {  # host: (a stub of `unshare` for the probe's throwaway namespace, a stub Python, the message)
+    "nohtb": ('echo "nftables yes"', None,
+              "the agent needs sch_htb or sch_prio (backend auto) and nf_tables, with tc (iproute2), nft (nftables) "
+              "and unshare (util-linux); a probe in a throwaway network namespace found only: nftables yes."),
+    "nonft": ('echo "qdisc htb"', None, "found only: qdisc htb."),
+    "py310": (None, 'case "$2" in *version_info*) exit 1 ;; *) echo 3.10.12 ;; esac',
+              "it is Python 3.10.12, older than 3.11 (the agent needs tomllib)"),
+}
+
+
+def test_preflight_refuses_an_unsupported_host(tmp_path):
+    """The whole preflight on this machine's loopback, as for hosts whose kernel lacks the qdiscs or nf_tables (the
+    probe's namespace finds only what a stub `unshare`, first on the host's PATH, prints) or whose Python is older
+    than 3.11 (a stub tensorlane_python): one play, a local "host" each; each stops at the probe's checks, naming
+    what is missing, before anything is installed."""
+    hosts = {}
+    for host, (unshare, python, _) in UNSUPPORTED.items():
+        stubs = tmp_path / host
+        stubs.mkdir()
+        for name, body in (("unshare", unshare), ("python3", python)):
+            if body:
+                (stubs / name).write_text(f"#!/bin/sh\n{body}\n")
+                (stubs / name).chmod(0o755)
+        interpreter = stubs / "interpreter"  # the modules' Python, with the stubs first on its PATH
+        interpreter.write_text(f'#!/bin/sh\nPATH="{stubs}:$PATH" exec {sys.executable} "$@"\n')
+        interpreter.chmod(0o755)
+        hosts[host] = {"ansible_connection": "local", "ansible_python_interpreter": str(interpreter),
+                       "tensorlane_python": str(stubs / "python3") if python else sys.executable}
+    inventory = tmp_path / "inventory.json"
+    inventory.write_text(json.dumps({"all": {"hosts": hosts}}))
+    play = tmp_path / "play.yml"
+    play.write_text("- name: Preflight only\n  hosts: all\n  gather_facts: false\n  roles: [tensorlane]\n")
+    extra = {"tensorlane_install_os_packages": False, "tensorlane_service_manager": "none",
+             "tensorlane_interfaces": ["lo"], "tensorlane_link_rate": "1gbit",
+             "tensorlane_pip_environment": {"PIP_INDEX_URL": "https://pypi.invalid/simple"}}
+    proc = subprocess.run([_tool("ansible-playbook"), "-i", str(inventory), str(play), "-e", json.dumps(extra)],
+                          capture_output=True, text=True, timeout=120, check=False, env=_ansible_env(tmp_path))
+    out = proc.stdout + proc.stderr
+    stats = fleet_testbed.recap(out)
+    assert proc.returncode != 0 and set(stats) == set(UNSUPPORTED), out[-3000:]
+    for host, (_, _, message) in UNSUPPORTED.items():
+        failed = " ".join(out[out.index(f"fatal: [{host}]"):].split("\n\n")[0].split())
+        assert stats[host]["failed"] == 1 and message in failed, (host, failed[-2000:])
+    assert "Install tensorlane" not in out and "Copy the tensorlane wheel" not in out, out[-3000:]
 
 
 def test_ansible_lint_production_profile():
