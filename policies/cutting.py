@@ -23,7 +23,9 @@ def bucket_pieces(sizes: Sequence[int], levels: Sequence[int], limit: int | None
     """
     pieces: list[tuple[int, int, int]] = []
     offset = 0
-    for n, level in zip(sizes, levels, strict=False):
+    if len(sizes) != len(levels):  # a level short would drop the bucket's last bytes from every piece
+        raise ValueError(f"{len(sizes)} sizes but {len(levels)} levels")
+    for n, level in zip(sizes, levels, strict=True):
         if pieces and pieces[-1][2] == level and (limit is None or pieces[-1][1] < limit):
             start, length, _ = pieces.pop()
         else:

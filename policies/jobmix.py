@@ -160,7 +160,8 @@ def _advance(phase: list[str], remaining: list[float], rates: dict[int, float], 
 def link_order_rates(sending: Sequence[int], links: Sequence[Collection[int]], order: Sequence[int] | None,
                      job_share: float) -> dict[int, float]:
     """Each sending job's rate (a share of one link) on ``links`` (each the jobs whose bytes cross it). FIFO
-    (``order=None``): max-min fair, as TCP flows in FIFO queues get on average. An order (job indexes, most urgent
+    (``order=None``): max-min fair, as TCP flows in FIFO queues get on average. A job on none of ``links`` gets
+    the whole rate (1.0) under either. An order (job indexes, most urgent
     first): on every link each of the ``k >= 2`` jobs sending keeps ``job_share / k``; in the order's turn each
     job takes what all its links have left beside the parts of the less urgent jobs sending there.
     Usage: ``link_order_rates([0, 1], [(0, 1)], [1, 0], 0.0) == {1: 1.0, 0: 0.0}``"""
@@ -168,7 +169,7 @@ def link_order_rates(sending: Sequence[int], links: Sequence[Collection[int]], o
     left = [1.0] * len(links)
     rates: dict[int, float] = {}
     if order is None:
-        active = set(sending)
+        active = {j for j in sending if any(j in link for link in on)}  # a job on no link is not held back: 1.0
         while active:  # each round fixes the jobs of the most constrained link: at most one round per job
             fair, tight = min((left[k] / n, k) for k, link in enumerate(on)
                               if (n := sum(1 for j in link if j in active)))

@@ -203,7 +203,7 @@ def measured_intensity_rank(compute_s: float, step_bytes: int) -> float:
 
     Usage: ``measured_intensity_rank(0.5, 10**6) < measured_intensity_rank(0.5, 4 * 10**6)``
     """
-    if not (math.isfinite(compute_s) and compute_s >= 0 and step_bytes >= 0):
+    if not (math.isfinite(compute_s) and compute_s >= 0 and math.isfinite(step_bytes) and step_bytes >= 0):
         raise ValueError("compute_s and step_bytes must be non-negative and finite")
     if compute_s == 0 or step_bytes == 0:
         return math.inf
@@ -229,6 +229,8 @@ def slowdown_rank(now_s: float, window_start: float, window_steps: int, compute_
         raise ValueError("now_s, window_start and compute_s must be finite")
     if compute_s < 0 or tail_bytes < 0 or window_steps < 0:
         raise ValueError("compute_s, tail_bytes and window_steps must not be negative")
+    if link_bps is not None and not link_bps >= 0:  # NaN would make every rank NaN: an order by input position
+        raise ValueError(f"link_bps must be None or >= 0 (0: no rate), not {link_bps!r}")
     if compute_s == 0:
         return math.inf
     ideal = compute_s + (8.0 * tail_bytes / link_bps if link_bps else 0.0)
