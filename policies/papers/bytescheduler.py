@@ -16,8 +16,10 @@ def bytescheduler(profile: Profile, partition_bytes: int = 4 * MiB, credit_bytes
     """Layer-order priority with fixed partition and a credit window (P3, MLSys'19; ByteScheduler, SOSP'19).
 
     Every layer is cut into ``partition_bytes`` pieces; pieces of layer ``i`` get priority ``i`` (input side first,
-    because the next forward needs them first); a piece may start while fewer than ``credit_bytes`` are in flight.
-    Defaults are ByteScheduler's all-reduce suggestion (1M fp32 parameters partition, 4M credit). ``queues > 1``
+    because the next forward needs them first); a piece may start when the bytes in flight, its own included, stay
+    within ``credit_bytes`` (one may always start on an idle link: ``policies.simulator``). Defaults are
+    ByteScheduler's own (1M fp32 parameters partition, 4M credit); for all-reduce it suggests a larger partition
+    (about 8M parameters, 32 MiB), which ``policies.papers.compare``'s grid brackets (16 and 64 MiB). ``queues > 1``
     also marks the priorities onto that many network levels.
     Usage: ``bytescheduler(p, partition_bytes=1 << 20, credit_bytes=4 << 20)``
     """
