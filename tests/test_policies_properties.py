@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 from tensorlane.policies.compress import compress_levels
 from tensorlane.policies.cutting import bucket_pieces, forward_order_levels, pieces_of
 from tensorlane.policies.jobmix import MixJob, link_order_rates, simulate_links
-from tensorlane.policies.jobs import banded_level, job_bands, job_order, measured_intensity_rank, slowdown_rank
+from tensorlane.policies.jobs import (
+    banded_level,
+    job_bands,
+    job_order,
+    measured_intensity_rank,
+    slowdown_rank,
+    tiered_bands,
+)
 from tensorlane.policies.model import Block, CostModel, Schedule
 from tensorlane.policies.simulator import network_done_times
 
@@ -179,3 +186,40 @@ def test_job_ranks_refuse_inputs_that_would_break_the_order() -> None:
         with pytest.raises(ValueError):
             slowdown_rank(12.0, 10.0, 1, 0.5, 10, bad)
     assert slowdown_rank(12.0, 10.0, 1, 0.5, 10, 0) == slowdown_rank(12.0, 10.0, 1, 0.5, 10, None) == -2.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(ids_st, ids_st, st.integers(2, 5), st.data())
+def test_tiered_bands_agree_on_every_shared_pair_of_one_tier(seen1, seen2, levels, data) -> None:
+    """With ``level_limits`` (floors), two agents that see different jobs never invert a requested level of two
+    shared jobs of one tier (the jobs' own order and floors alike on both)."""
+    every = sorted(set(seen1) | set(seen2))
+    floors = {j: data.draw(st.integers(0, levels - 1)) for j in every}
+    prio = {j: data.draw(st.integers(0, 3)) for j in every}
+    bands = []
+    for seen in (seen1, seen2):
+        order, ranks = job_order("static", seen, priority={j: prio[j] for j in seen})
+        bands.append(tiered_bands(order, levels, ranks, {j: floors[j] for j in seen}))
+    shared = set(seen1) & set(seen2)
+    for a in shared:
+        for b in shared:
+            if floors[a] != floors[b]:
+                continue
+            for t in range(levels):
+                d = [banded_level(bd[a], t, levels, floors[a]) - banded_level(bd[b], t, levels, floors[b])
+                     for bd in bands]
+                assert not (d[0] < 0 < d[1]), (a, b, t, bands)
+
+
+def test_tiers_can_invert_a_pair_of_two_tiers() -> None:
+    """Across tiers the effective levels need not follow the order, and agents can disagree (docs/jobs.md, "How
+    agents agree"): a is first by priority but its user is limited to level 1; b (unlimited) is ahead of a on an
+    agent that sees only a and b, behind a on one that also sees c, whose band pushes b down."""
+    floors, prio = {"a": 1, "b": 0, "c": 0}, {"a": 0, "b": 1, "c": 0}
+    got = []
+    for seen in (["a", "b"], ["a", "b", "c"]):
+        order, ranks = job_order("static", seen, priority={j: prio[j] for j in seen})
+        assert order.index("a") < order.index("b")
+        bands = tiered_bands(order, 4, ranks, {j: floors[j] for j in seen})
+        got.append((banded_level(bands["a"], 0, 4, 1), banded_level(bands["b"], 0, 4, 0)))
+    assert got == [(1, 0), (1, 2)]
