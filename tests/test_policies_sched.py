@@ -170,6 +170,13 @@ def test_pace_fuses_only_priority_neighbours() -> None:
     assert [(b.start, b.end) for b in pace(p, dag=dag, fusion_bytes=8).blocks] == [(0, 8), (8, 12), (12, 16)]
 
 
+def test_pace_fuses_across_a_layer_without_parameters() -> None:
+    """A layer without gradients (a ReLU in the profile) between two 4 B layers keeps nothing apart: they are
+    neighbours in priority among the tensors that are sent, and fuse under an 8 B threshold as without it."""
+    assert [(b.start, b.end) for b in pace(chain(4, 0, 4), fusion_bytes=8).blocks] == [(0, 8)]
+    assert [(b.start, b.end) for b in pace(chain(4, 0, 4), fusion_bytes=4).blocks] == [(0, 4), (4, 8)]
+
+
 # ------------------------------------------------------------------------------------------------ compression
 
 def test_compress_levels_by_hand() -> None:

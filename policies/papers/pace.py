@@ -61,21 +61,26 @@ def pace(profile: Profile, dag: Mapping[str, Sequence[str]] | Mapping[int, Seque
     """PACE (INFOCOM'20): preemptive all-reduce scheduling on the DAG.
 
     Priority = :func:`consumer_order` (earliest consumer in the next forward); adjacent layers that are also
-    adjacent in priority are fused while the block stays under ``fusion_bytes`` (PACE merges small tensors;
-    the planner picks the threshold with the simulator as the oracle); optional ``partition_bytes`` cuts large
-    tensors. Priorities are compressed onto ``queues`` network levels, each level one communicator (one
-    operation in flight per level), and the network preempts lower levels: preemption is in the transport.
+    adjacent in priority (among the layers with gradients) are fused while the block stays under ``fusion_bytes``
+    (PACE merges small tensors; the planner picks the threshold with the simulator as the oracle); optional
+    ``partition_bytes`` cuts large tensors. Priorities are compressed onto ``queues`` network levels, each level one
+    communicator (one operation in flight per level), and the network preempts lower levels: preemption is in the
+    transport.
     Usage: ``pace(load_profile("resnet50"), fusion_bytes=1 << 20)``
     """
     rank = consumer_order(profile, dag)
     offs = profile.offsets()
+    # neighbours in priority among the layers that have gradients (a layer without parameters sends nothing and
+    # keeps no two tensors apart)
+    with_grads = sorted((i for i, ly in enumerate(profile.layers) if ly.params_bytes > 0), key=lambda i: rank[i])
+    nth = {i: k for k, i in enumerate(with_grads)}
     groups: list[list[int]] = []  # layers (with parameters) of each fused block, in forward order
     for i in range(len(profile.layers)):
         if profile.layers[i].params_bytes == 0:
             continue
         if groups:
             g = groups[-1]
-            if rank[i] == rank[g[-1]] + 1 and offs[i + 1] - offs[g[0]] <= fusion_bytes:
+            if nth[i] == nth[g[-1]] + 1 and offs[i + 1] - offs[g[0]] <= fusion_bytes:
                 g.append(i)
                 continue
         groups.append([i])
