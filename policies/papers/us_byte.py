@@ -41,9 +41,11 @@ def phase2_order(blocks: Sequence[Block]) -> tuple[Block, ...]:
 
 def us_byte(profile: Profile, first_bytes: int = 1 * MiB, slope: float = 3.0, credit_bytes: int | None = 16 * MiB,
             queues: int = 1) -> Schedule:
-    """Unequal-sized tensor blocks (US-Byte, TPDS'23): layer-order priority (the phase-2 optimal order, which
-    also governs phase 1 because the most recently ready, lowest layer goes first) with block sizes growing
-    towards the output layers (:func:`unequal_sizes`), under a credit window like ByteScheduler's.
+    """Unequal-sized tensor blocks (US-Byte, TPDS'23): layer-order priority (the phase-2 optimal order, kept
+    for phase 1 as well: a simplification, the paper finds input-first not optimal while backward runs and solves
+    that phase with an algorithm of its own, not reproduced here) with block sizes growing linearly towards the
+    output layers (:func:`unequal_sizes`; the paper derives them from its model), under a credit window like
+    ByteScheduler's.
 
     Usage: ``us_byte(p, first_bytes=1 << 20, slope=3.0)``
     """
