@@ -150,7 +150,7 @@ def test_simulator_never_sends_faster_than_the_link(spec, ranks, alpha, sharing,
             assert sent <= cost.link_bps * (done[i] - start) * (1 + 1e-9) + 1e-6
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(st.integers(1, 6), st.floats(0, 0.99), st.data())
 def test_link_order_rates_never_exceed_a_link(n, share, data) -> None:
     """FIFO (max-min) and any order: rates are shares in [0, 1], no link carries more than 1, a job on no link is
@@ -223,3 +223,21 @@ def test_tiers_can_invert_a_pair_of_two_tiers() -> None:
         bands = tiered_bands(order, 4, ranks, {j: floors[j] for j in seen})
         got.append((banded_level(bands["a"], 0, 4, 1), banded_level(bands["b"], 0, 4, 0)))
     assert got == [(1, 0), (1, 2)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3 << 20), st.floats(0, 0.01), st.floats(0, 0.02)), min_size=1, max_size=6),
+       st.integers(1, 5), st.sampled_from([50e6, 1e9]))
+def test_plan_shim_levels_in_range_and_in_layer_order(spec, levels_max, rate) -> None:
+    """The planner's choice: one level per layer within 0..levels_max-1, never less urgent for an earlier layer,
+    ``levels`` the number used, and its prediction within the tie tolerance of the fastest candidate."""
+    from tensorlane.policies.model import Layer, Profile
+    from tensorlane.policies.planner import SHIM_TIE_TOLERANCE, plan_shim
+
+    prof = Profile("r", tuple(Layer(f"l{i}", b, f, w) for i, (b, f, w) in enumerate(spec)))
+    plan = plan_shim(prof, 2, rate, levels_max=levels_max, bucket_bytes=(1 << 20,), partitions=(None, 1 << 20))
+    lv = plan.layer_levels
+    assert len(lv) == len(spec) and list(lv) == sorted(lv) and min(lv) >= 0 and max(lv) < levels_max
+    assert plan.levels == 1 + max(lv)
+    best = min(c.predicted_iter_s for c in plan.candidates)
+    assert plan.predicted_iter_s <= best * (1 + SHIM_TIE_TOLERANCE) + 1e-12
