@@ -1467,9 +1467,10 @@ def _apply_plan(handle: Handle, prof, owners: list, levels: int, link_bps: float
     for m, lvl in zip(owners, chosen["layer_levels"], strict=True):
         for p in m.parameters(recurse=False):
             state.param_level[id(p)] = min(max(0, int(lvl)), levels - 1)
-    if not partition_fixed:
+    if not partition_fixed:  # (the plan's bytes in the gradients' own elements: 2 bytes each in fp16 and bf16)
         pb = chosen["partition_bytes"]
-        state.partition_elems = None if pb is None else max(1, pb // 4)
+        element = next((p.element_size() for m in owners for p in m.parameters(recurse=False)), 4)
+        state.partition_elems = None if pb is None else max(1, pb // element)
     handle.plan.update(status="planned", source=source, link_bps=rate, bucket_bytes=bucket,
                        **{k: v for k, v in chosen.items()})
 

@@ -2216,3 +2216,33 @@ def test_the_lightning_callback_given_a_closed_state_warns_and_leaves_ddp_plain(
         fresh.close()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.torch
+def test_the_planners_partition_is_cut_in_the_gradients_own_elements(tmp_path, monkeypatch):
+    """The planner's partition size is in bytes; bf16 or fp16 gradients have 2 bytes an element. Until 2026-11-28
+    the plan's bytes were divided by 4 whatever the dtype: bf16 models' pieces came out at half the planned size."""
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+    from tensorlane.policies.model import Layer, Profile
+    from tensorlane.shim import plan
+
+    monkeypatch.setattr(plan, "choose", lambda prof, world, rate, levels, bucket: {
+        "layer_levels": [0, 1], "partition_bytes": 4096, "levels_used": 2, "predicted_iter_s": 0.1})
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(torch.bfloat16)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
+        prof = Profile("two", (Layer("a", 144, 1e-3, 2e-3), Layer("b", 144, 1e-3, 2e-3)))
+        handle = shim.attach(ddp, opt, levels=2, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                             policy="planner", profile=prof)
+        try:
+            assert handle.plan["status"] == "planned", handle.plan
+            assert handle.state.partition_elems == 2048
+        finally:
+            handle.close()
+    finally:
+        dist.destroy_process_group()
