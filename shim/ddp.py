@@ -160,7 +160,7 @@ class ShimState:
     groups: list | None
     world: int
     param_level: dict  # id(param) -> level
-    partition_elems: int | None
+    partition_bytes: int | None  # a piece's most bytes (None: no limit), cut in each bucket's own elements
     levels: int = 4
     mode: str = "hook"
     mode_reason: str = "no optimizer given: DDP's own step (hook mode)"
@@ -204,7 +204,7 @@ class ShimState:
         not a copy of this process's groups, threads and locks. Until 2026-11-28 that deep copy raised (the pickling
         refusal above, about Lightning's ddp_spawn; before it "cannot pickle '_thread.lock' object") where plain
         DDP's loop trains on: a correct loop refused (idiom averaged_model_of_ddp). Pickling still raises."""
-        other = ShimState(groups=None, world=self.world, param_level={}, partition_elems=None, levels=self.levels,
+        other = ShimState(groups=None, world=self.world, param_level={}, partition_bytes=None, levels=self.levels,
                           mode=self.mode, mode_reason=self.mode_reason, job=self.job, closed=True, copied=True)
         memo[id(self)] = other
         return other
@@ -245,7 +245,8 @@ class ShimState:
         levels = [self.param_level.get(id(p), last) for p in params]
         if buf.is_sparse:  # DDP gives a sparse gradient a bucket of its own: one all-reduce at its level
             return self._launch_sparse(buf, levels[0], last_bucket)
-        pieces = pieces_of(numels, levels, self.partition_elems)
+        most = None if self.partition_bytes is None else max(1, self.partition_bytes // buf.element_size())
+        pieces = pieces_of(numels, levels, most)
         order = self.forward_index
         starts, acc = [], 0
         for n in numels:
@@ -1467,10 +1468,8 @@ def _apply_plan(handle: Handle, prof, owners: list, levels: int, link_bps: float
     for m, lvl in zip(owners, chosen["layer_levels"], strict=True):
         for p in m.parameters(recurse=False):
             state.param_level[id(p)] = min(max(0, int(lvl)), levels - 1)
-    if not partition_fixed:  # (the plan's bytes in the gradients' own elements: 2 bytes each in fp16 and bf16)
-        pb = chosen["partition_bytes"]
-        element = next((p.element_size() for m in owners for p in m.parameters(recurse=False)), 4)
-        state.partition_elems = None if pb is None else max(1, pb // element)
+    if not partition_fixed:
+        state.partition_bytes = chosen["partition_bytes"]
     handle.plan.update(status="planned", source=source, link_bps=rate, bucket_bytes=bucket,
                        **{k: v for k, v in chosen.items()})
 
@@ -1715,7 +1714,7 @@ def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | N
     _check_levels(levels, partition_bytes, report_interval_s)
     if policy not in ("layer_order", "flat"):
         raise ValueError(f"comm_state's policy must be 'layer_order' or 'flat', not {policy!r}")
-    return ShimState(None, 0, {}, None if partition_bytes is None else max(1, partition_bytes // 4), levels=levels,
+    return ShimState(None, 0, {}, partition_bytes, levels=levels,
                      options={"agent_socket": agent_socket, "job": job, "module": module, "policy": policy,
                               "report_interval_s": report_interval_s},
                      order_source=[] if module is None else None)
@@ -1793,8 +1792,7 @@ def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", a
     state.options["ddp_ref"] = weakref.ref(model)  # (weak: DDP keeps the state for good, the model must go)
     _set_layer_levels(state, params, "layer_order" if policy == "planner" else policy)
     if partition_bytes is not None:
-        element = params[0].element_size() if params else 4
-        state.partition_elems = max(1, partition_bytes // element)
+        state.partition_bytes = partition_bytes
     state.groups, state.link, state.flows, state.job = _connect(levels, agent_socket, job)
     state.reporter = _start_reporter(state, report_interval_s)  # counters to the agent's metrics
     handle = Handle(model, optimizer, state)

@@ -2221,12 +2221,14 @@ def test_the_lightning_callback_given_a_closed_state_warns_and_leaves_ddp_plain(
 @pytest.mark.torch
 def test_the_planners_partition_is_cut_in_the_gradients_own_elements(tmp_path, monkeypatch):
     """The planner's partition size is in bytes; bf16 or fp16 gradients have 2 bytes an element. Until 2026-11-28
-    the plan's bytes were divided by 4 whatever the dtype: bf16 models' pieces came out at half the planned size."""
+    the plan's bytes (and ``comm_state``'s ``partition_bytes``) were divided by 4 whatever the dtype: bf16 models'
+    pieces came out at half the planned size. Now each bucket is cut in its own elements."""
     import torch
     import torch.distributed as dist
 
     from tensorlane import shim
     from tensorlane.policies.model import Layer, Profile
+    from tensorlane.shim import ddp as ddp_mod
     from tensorlane.shim import plan
 
     monkeypatch.setattr(plan, "choose", lambda prof, world, rate, levels, bucket: {
@@ -2241,7 +2243,15 @@ def test_the_planners_partition_is_cut_in_the_gradients_own_elements(tmp_path, m
                              policy="planner", profile=prof)
         try:
             assert handle.plan["status"] == "planned", handle.plan
-            assert handle.state.partition_elems == 2048
+            assert handle.state.partition_bytes == 4096
+            x = torch.randn(4, 8, dtype=torch.bfloat16)
+            cut = []
+            real = ddp_mod.pieces_of
+            monkeypatch.setattr(ddp_mod, "pieces_of", lambda numels, levels, most: cut.append(most) or real(
+                numels, levels, most))
+            ddp(x).float().sum().backward()
+            opt.step()
+            assert cut and set(cut) == {2048}, cut
         finally:
             handle.close()
     finally:
