@@ -1450,7 +1450,7 @@ def _agree(prof, rate: float | None, group=None):
 def _apply_plan(handle: Handle, prof, owners: list, levels: int, link_bps: float | None,
                 partition_fixed: bool, source: str) -> None:
     """Plan with ``prof`` (one layer per owner module) and install the per-parameter levels and partition size."""
-    from tensorlane.shim.plan import choose
+    from tensorlane.shim.plan import choose, first_bucket_bytes
 
     prof, rate = _agree(prof, link_bps or handle.link.link_bps, group=handle.state.groups[0])
     if rate is None:
@@ -1459,8 +1459,9 @@ def _apply_plan(handle: Handle, prof, owners: list, levels: int, link_bps: float
         return
     state = handle.state
     bucket = int(getattr(handle.model, "bucket_bytes_cap", 25 << 20))
+    first = first_bucket_bytes(handle.model)
     try:
-        chosen = choose(prof, state.world, rate, levels, bucket)
+        chosen = choose(prof, state.world, rate, levels, bucket, first)
     except (ValueError, ArithmeticError) as exc:  # keep training on the layer-order levels, say why
         handle.plan.update(status=f"layer_order: the planner failed: {exc}", source=source)
         log.warning("tensorlane: the planner failed (%s); keeping layer-order levels", exc)
@@ -1470,7 +1471,7 @@ def _apply_plan(handle: Handle, prof, owners: list, levels: int, link_bps: float
             state.param_level[id(p)] = min(max(0, int(lvl)), levels - 1)
     if not partition_fixed:
         state.partition_bytes = chosen["partition_bytes"]
-    handle.plan.update(status="planned", source=source, link_bps=rate, bucket_bytes=bucket,
+    handle.plan.update(status="planned", source=source, link_bps=rate, bucket_bytes=bucket, first_bucket_bytes=first,
                        **{k: v for k, v in chosen.items()})
 
 

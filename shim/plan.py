@@ -153,15 +153,31 @@ class Recorder:
         self._hooks = []
 
 
-def choose(profile: Profile, ranks: int, link_bps: float, levels: int, bucket_bytes: int) -> dict:
+def first_bucket_bytes(ddp) -> int:
+    """The cap of ``ddp``'s first bucket: torch's 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``) where
+    ``bucket_cap_mb`` was left at its default, else the other buckets' cap (``_BucketCapacityConfig``, torch 2.13).
+    Usage: ``first_bucket_bytes(DistributedDataParallel(model)) == 1 << 20``"""
+    config = getattr(ddp, "_bucket_config", None)
+    if config is not None:
+        return int(config.first_bucket_bytes_cap)
+    import torch.distributed as dist
+
+    cap = int(getattr(ddp, "bucket_bytes_cap", 25 << 20))
+    return min(cap, dist._DEFAULT_FIRST_BUCKET_BYTES) if getattr(ddp, "bucket_bytes_cap_default", False) else cap
+
+
+def choose(profile: Profile, ranks: int, link_bps: float, levels: int, bucket_bytes: int,
+           first_bucket_bytes: int | None = None) -> dict:
     """Run the planner for what the shim can execute; return ``{"layer_levels", "partition_bytes", ...}``.
+    ``first_bucket_bytes``: the DDP model's first bucket cap (:func:`first_bucket_bytes`; None: ``bucket_bytes``).
 
     Usage: ``choose(prof, ranks=2, link_bps=200e6, levels=4, bucket_bytes=5 << 20)["layer_levels"]``
     """
     from tensorlane.policies.planner import plan_shim
 
     t0 = time.perf_counter()
-    plan = plan_shim(profile, ranks, link_bps, levels_max=levels, bucket_bytes=bucket_bytes)
+    plan = plan_shim(profile, ranks, link_bps, levels_max=levels, bucket_bytes=bucket_bytes,
+                     first_bucket_bytes=first_bucket_bytes)
     return {"layer_levels": list(plan.layer_levels), "partition_bytes": plan.partition_bytes,
             "levels_used": plan.levels, "predicted_iter_s": plan.predicted_iter_s,
             "candidates": len(plan.candidates), "plan_s": time.perf_counter() - t0}

@@ -2222,7 +2222,9 @@ def test_the_lightning_callback_given_a_closed_state_warns_and_leaves_ddp_plain(
 def test_the_planners_partition_is_cut_in_the_gradients_own_elements(tmp_path, monkeypatch):
     """The planner's partition size is in bytes; bf16 or fp16 gradients have 2 bytes an element. Until 2026-11-28
     the plan's bytes (and ``comm_state``'s ``partition_bytes``) were divided by 4 whatever the dtype: bf16 models'
-    pieces came out at half the planned size. Now each bucket is cut in its own elements."""
+    pieces came out at half the planned size. Now each bucket is cut in its own elements. The planner is also told
+    DDP's first bucket cap (1 MiB with the default ``bucket_cap_mb``; it was planned as 25 MiB: predictions up to
+    4.7 % high)."""
     import torch
     import torch.distributed as dist
 
@@ -2231,8 +2233,10 @@ def test_the_planners_partition_is_cut_in_the_gradients_own_elements(tmp_path, m
     from tensorlane.shim import ddp as ddp_mod
     from tensorlane.shim import plan
 
-    monkeypatch.setattr(plan, "choose", lambda prof, world, rate, levels, bucket: {
-        "layer_levels": [0, 1], "partition_bytes": 4096, "levels_used": 2, "predicted_iter_s": 0.1})
+    asked = []
+    monkeypatch.setattr(plan, "choose", lambda prof, world, rate, levels, bucket, first=None: asked.append(
+        (bucket, first)) or {"layer_levels": [0, 1], "partition_bytes": 4096, "levels_used": 2,
+                             "predicted_iter_s": 0.1})
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(torch.bfloat16)
@@ -2244,6 +2248,7 @@ def test_the_planners_partition_is_cut_in_the_gradients_own_elements(tmp_path, m
         try:
             assert handle.plan["status"] == "planned", handle.plan
             assert handle.state.partition_bytes == 4096
+            assert asked == [(25 << 20, 1 << 20)]  # DDP's default caps: the first bucket 1 MiB (it was taken as 25)
             x = torch.randn(4, 8, dtype=torch.bfloat16)
             cut = []
             real = ddp_mod.pieces_of
