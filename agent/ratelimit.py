@@ -1,6 +1,6 @@
 """The token bucket behind the agent's request rates: the socket server's per connection (``rate_limit_per_s``)
 and per user (``requests_per_user_per_s``, a request taking one more token per KiB of its line, per 16 open files a
-register without fds read and per 0.5 ms of the agent's work on it; pieces of lines one each), the metrics
+register without fds read and per 0.5 ms of the agent's CPU time on it; pieces of lines one each), the metrics
 address's per peer. Time is ``time.monotonic``'s.
 Usage: ``bucket = TokenBucket(2.0, burst=8)``; ``if not bucket.take(): refuse()``
 """
