@@ -100,7 +100,8 @@ class Reconciler:
         self._backlog_sock: socket.socket | None = None  # the job policy's samples: one netlink socket, reused
         self._flows_paced = _Paced("")  # the flows' part of a pass; its result: what it failed on ("": nothing)
         self._counters_paced = _Paced({})  # counters()
-        self._put_backs: dict[str, tuple[str, float, int]] = {}  # device -> (what, when logged, not logged since)
+        self._put_backs: dict[str, tuple[str, float, int, bool]] = {}  # device -> (what, when logged, not logged
+        # since, whether the fight was said)
 
     def _table_commands(self) -> list[dict]:
         classids = [self.backend.classid(lvl) for lvl in range(self.backend.levels)]
@@ -258,18 +259,19 @@ class Reconciler:
         reload in a loop): said once as such, then logged at most every :data:`FIGHT_LOG_S` with how many were not.
         Before (until 2026-11-28) every pass logged it, one line a pass for as long as the tool ran."""
         now = time.monotonic()
-        last, when, quiet = self._put_backs.get(what, ("", -FIGHT_LOG_S, 0))
+        last, when, quiet, fight = self._put_backs.get(what, ("", -FIGHT_LOG_S, 0, False))
         if line == last and now - when < FIGHT_LOG_S:
-            if quiet == 0:
+            if not fight:  # (said once for as long as the fight goes on, not again after each line a minute)
                 log.error("%s, again: a tool on the host keeps changing %s, and each pass puts it back (on a tree, "
                           "what was queued is dropped each time); stop that tool or leave the interface out of the "
                           "agent's. Logged again once every %.0f s while it goes on (every one counted in "
                           "reconcile.repairs)", line, what, FIGHT_LOG_S)
-            self._put_backs[what] = (line, when, quiet + 1)
+            self._put_backs[what] = (line, when, quiet + 1, True)
             return
-        more = f" (and {quiet} times more in the last {now - when:.0f} s)" if quiet and line == last else ""
+        going_on = bool(quiet) and line == last  # (the same again within the last line's minute: the fight goes on)
+        more = f" (and {quiet} times more in the last {now - when:.0f} s)" if going_on else ""
         log.warning("%s%s", line, more)
-        self._put_backs[what] = (line, now, 0)
+        self._put_backs[what] = (line, now, 0, fight and going_on)
 
     def _while_changed(self, dev: Device, exc: Exception) -> str:
         """What a pass that failed on ``dev`` says: where the tree is no longer the agent's now (another tool

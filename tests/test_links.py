@@ -446,3 +446,25 @@ def test_removing_a_table_that_is_not_there_is_no_warning(caplog):
             rec.teardown()
         assert any(r.levelno == logging.WARNING for r in caplog.records) is warned
         assert "removing the nftables table" in caplog.text
+
+
+def test_a_fight_is_said_once_then_logged_once_a_minute(caplog, monkeypatch):
+    """A tool fighting the agent for five minutes, a pass a second: the fight is said once (an error), then one line
+    a minute with the count (FIGHT_LOG_S), as docs/agent.md says; until 2026-11-28 the error was said again after
+    each of those lines (two lines a minute, the error each minute)."""
+    from tensorlane.agent import reconcile
+    from tensorlane.agent.reconcile import Device, Reconciler
+
+    now = [1000.0]
+    monkeypatch.setattr(reconcile.time, "monotonic", lambda: now[0])
+    rec = Reconciler([Device("eth0", 2, FoughtBackend(), "eth0")], (46, 26), {"eth0": 2}, FakeIPRoute(HOST),
+                     nft=object())
+    rec._reconcile_flows = lambda table, failed: 0
+    with caplog.at_level("WARNING", logger="tensorlane.reconcile"):
+        for _ in range(300):
+            rec.reconcile(None)
+            now[0] += 1.0
+    assert rec.stats.repairs == 300
+    assert caplog.text.count("a tool on the host keeps changing eth0's tree") == 1, caplog.text
+    lines = [r for r in caplog.records if "put back its root qdisc" in r.getMessage()]
+    assert len(lines) <= 1 + 1 + 300 // reconcile.FIGHT_LOG_S + 1, [r.getMessage() for r in lines]
