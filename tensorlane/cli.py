@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # (a pipe's buffer is written here, inside the try)
         return rc
     except BrokenPipeError:  # the reader left (`| head`, `| grep -q`): stop quietly, as cat and head do
+        if args.func is _agent:  # (the agent prints no report: a broken pipe there is a failure to show, not hide)
+            raise
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit's flush)
         return 128 + signal.SIGPIPE

@@ -356,3 +356,19 @@ def test_an_error_reply_of_any_shape_is_an_agent_error_in_one_bounded_line(tmp_p
             AgentClient(path2, timeout=2.0).request("hello")
     finally:
         stop.set()
+
+
+def test_a_broken_pipe_inside_the_agent_is_not_hidden(monkeypatch):
+    """Only the reports (status, verify) stop quietly when their reader leaves: a BrokenPipeError from inside the
+    agent (a socket or pipe of its own) is a failure, and its traceback is kept (before, the agent exited 141,
+    silently, as if a reader had left)."""
+    import pytest
+
+    from tensorlane import cli
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_agent", broken)
+    with pytest.raises(BrokenPipeError):
+        cli.main(["agent", "--interface", "lo"])
