@@ -202,7 +202,7 @@ class Api:
         added, moved = self.table.register(req.job, req.level, req.flows, req.rank, pid=pid, uid=uid, floor=floor,
                                            run=req.run,
                                            fds=dict(zip(req.flows, req.fds, strict=True)) if req.fds else
-                                           found or None,
+                                           found or None, fds_found=not req.fds,
                                            see_all=peer is None or self.policy.privileged(peer))
         self._push(added, moved, [])
         level = self.table.effective_level(req.flows[0])  # one job, one requested level: one effective level
@@ -517,6 +517,29 @@ class Api:
             self.table.drain([k for k in keys if k in sending], time.monotonic() + DRAIN_MAX_S)
         return self.table.drop([k for k in keys if k not in sending])
 
+    def _found_elsewhere(self, keys: list[FlowKey]) -> list[FlowKey]:
+        """``keys`` (flows whose owner no longer holds their socket at the fd checked) less those whose fd the agent
+        found at the register (the client named none) and whose owner holds the socket at another fd now (moved by
+        ``dup2``, the first of two fds closed): their owner's open files are read again (once: the fd found then is
+        kept). Until 2026-11-28 they were removed, as flows whose client named the fd are."""
+        by_pid: dict[int, list[FlowKey]] = {}
+        for k in keys:
+            entry = self.table.flows.get(k)
+            if entry is not None and entry.fd_found and entry.pid is not None:
+                by_pid.setdefault(entry.pid, []).append(k)
+        kept: set[FlowKey] = set()
+        for pid, flows in by_pid.items():
+            found: dict[FlowKey, int] = {}
+            try:
+                foreign = set(not_owned(pid, flows, found=found))
+            except (OSError, TooManyFiles, UndecidedPorts):  # (as a sweep that cannot tell: the flows go)
+                continue
+            for k in flows:
+                if k not in foreign:
+                    kept.add(k)
+                    self.table.flows[k] = self.table.flows[k]._replace(fd=found.get(k))  # (None: all read each sweep)
+        return [k for k in keys if k not in kept]
+
     def _fd_of(self, key: FlowKey) -> int | None:
         """The owner's fd that holds flow ``key``'s socket, when its register named it."""
         return self.table.flows[key].fd
@@ -571,7 +594,7 @@ class Api:
             self._swept_to = turn[-1]
             owners = {pid: list(by_pid[pid]) for pid in turn}  # (unsorted: sorting 50,000 flows cost 50 ms)
             read: list[int] = []  # (the owners judged: at most SWEEP_FDS open files are read per pass)
-            gone += self._let_go(not_owned_by_owners(owners, read, self._fd_of))
+            gone += self._let_go(self._found_elsewhere(not_owned_by_owners(owners, read, self._fd_of)))
             self._swept_to = read[-1] if read else self._swept_to
         if gone:
             self._push([], [], gone)

@@ -46,6 +46,7 @@ class FlowEntry(NamedTuple):
     floor: int = 0  # the most urgent level the registering user may use (level_limits): bounds the effective level
     run: str | None = None  # the run of the job that registered it (the shim's token): two runs = an id conflict
     fd: int | None = None  # the owner's fd that holds the flow's socket, when the client named it: the sweep checks it
+    fd_found: bool = False  # ``fd`` found by the agent at the register, not named: not a promise of the client's
 
 
 def requested_level(entry: FlowEntry) -> int:
@@ -78,16 +79,16 @@ class FlowTable:
 
     def register(self, job: str, level: int, flows: tuple[FlowKey, ...], rank: int | None = None,
                  pid: int | None = None, uid: int | None = None, floor: int = 0,
-                 run: str | None = None, fds: Mapping[FlowKey, int] | None = None, see_all: bool = True
-                 ) -> tuple[list[FlowKey], list[FlowKey]]:
+                 run: str | None = None, fds: Mapping[FlowKey, int] | None = None, see_all: bool = True,
+                 fds_found: bool = False) -> tuple[list[FlowKey], list[FlowKey]]:
         """Add ``flows`` for ``job`` at ``level`` (moving the job's own flows that are at another level).
 
         ``floor``: the most urgent level the registering user may use; a job policy never puts the flows above
         it. ``run``: the run of the job registering (see ``conflicts``). ``fds``: each flow's fd in process ``pid``
-        (kept with the flow for the sweep). ``see_all``: a refusal may name another user's job (root, trusted
-        users); else it says "another user's job" (``_job_of``). Returns (added, moved). Raises
-        ProtocolError, changing nothing, when the level is out of range, a flow belongs to another job, or the
-        table would overflow.
+        (kept with the flow for the sweep; ``fds_found``: found by the agent, the client named none). ``see_all``: a
+        refusal may name another user's job (root, trusted users); else it says "another user's job" (``_job_of``).
+        Returns (added, moved). Raises ProtocolError, changing nothing, when the level is out of range, a flow belongs
+        to another job, or the table would overflow.
         """
         if not 0 <= level < self.levels:
             raise ProtocolError("bad_level", f"level {level} out of range 0..{self.levels - 1}")
@@ -106,7 +107,7 @@ class FlowTable:
         for key in flows:
             self._forget_owner(key)
             self.flows[key] = FlowEntry(job, level, rank, pid, uid, now, floor, run,
-                                        fds.get(key) if fds is not None and pid is not None else None)
+                                        fds.get(key) if fds is not None and pid is not None else None, fds_found)
             self.by_job.setdefault(job, set()).add(key)
             mine = self.of_user.setdefault(uid, {})
             mine[job] = mine.get(job, 0) + 1
@@ -182,7 +183,7 @@ class FlowTable:
             entry = self.flows[key]
             if entry.pid is not None:
                 self._leave_pid(key, entry.pid)
-                self.flows[key] = entry._replace(pid=None, fd=None)
+                self.flows[key] = entry._replace(pid=None, fd=None, fd_found=False)
             self.draining.pop(key, None)  # (re-inserted: the oldest stay first)
             self.draining[key] = until
 

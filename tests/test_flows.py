@@ -494,8 +494,9 @@ def test_a_flow_registered_without_fds_is_swept_by_the_fd_found_at_its_register(
     socket: each sweep checks that fd alone (one readlink), as for a flow whose fd the client named. Before, every
     sweep read all of each such owner's open files again: five processes of one user with 8,150 open files and a
     flow each (under MAX_OWNER_FDS) made each sweep read 32,768 files, the agent's loop at a third of a core and
-    root's ``hello`` waiting up to 1.9 s (p99 1.8 s; 51 ms since). A socket moved to another fd since loses its flow
-    at the next sweep, as a named fd does."""
+    root's ``hello`` waiting up to 1.9 s (p99 1.8 s; 51 ms since). A socket moved to another fd since keeps its flow:
+    the client named no fd, so a found fd that no longer holds the socket has the process's open files read again
+    (once: the fd found then is kept); a socket closed for good loses its flow."""
     from test_jobs_agent import make_api
 
     from tensorlane.agent import ownership
@@ -524,13 +525,17 @@ def test_a_flow_registered_without_fds_is_swept_by_the_fd_found_at_its_register(
         monkeypatch.setattr(ownership, "socket_fds", lambda *a, **kw: (reads.append(a), real(*a, **kw))[1])
         assert api.sweep() == 0 and len(api.table.flows) == 2
         assert reads == []  # no open-file table read: one link per flow
-        moved = os.dup(c.fileno())  # the socket on another fd, its registered fd closed: the flow goes
-        c.close()
+        moved = os.dup(c.fileno())  # the socket on another fd, the fd found closed: the process still holds it, and
+        c.close()  # the client named no fd (until 2026-11-28 the flow went: flow state lost on a dup2/close)
         try:
-            api.sweep()
-            assert [k.proto for k in api.table.flows if k not in api.table.draining] == ["udp"]
+            assert api.sweep() == 0 and len(api.table.flows) == 2
+            assert {(k.proto, e.fd) for k, e in api.table.flows.items()} == {("tcp", moved), ("udp", u.fileno())}
+            reads.clear()
+            assert api.sweep() == 0 and reads == []  # (found again: one link a flow from then on)
         finally:
             os.close(moved)
+        api.sweep()  # closed for good: the flow goes
+        assert [k.proto for k in api.table.flows if k not in api.table.draining] == ["udp"]
         peer.close()
     finally:
         u.close()
