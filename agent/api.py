@@ -521,17 +521,23 @@ class Api:
         """``keys`` (flows whose owner no longer holds their socket at the fd checked) less those whose fd the agent
         found at the register (the client named none) and whose owner holds the socket at another fd now (moved by
         ``dup2``, the first of two fds closed): their owner's open files are read again (once: the fd found then is
-        kept). Until 2026-11-28 they were removed, as flows whose client named the fd are."""
+        kept). Until 2026-11-28 they were removed, as flows whose client named the fd are. At most ``MAX_OWNER_FDS``
+        open files are read so in a pass (a user moving its sockets to other fds each pass cannot make every sweep
+        read all of its processes' files): the flows of the owners beyond wait for a later pass."""
         by_pid: dict[int, list[FlowKey]] = {}
         for k in keys:
             entry = self.table.flows.get(k)
-            if entry is not None and entry.fd_found and entry.pid is not None:
+            if entry is not None and entry.fd_found and entry.fd is not None and entry.pid is not None:
                 by_pid.setdefault(entry.pid, []).append(k)
         kept: set[FlowKey] = set()
+        files: list[int] = []
         for pid, flows in by_pid.items():
+            if sum(files) >= MAX_OWNER_FDS:
+                kept.update(flows)  # (judged at a later pass)
+                continue
             found: dict[FlowKey, int] = {}
             try:
-                foreign = set(not_owned(pid, flows, found=found))
+                foreign = set(not_owned(pid, flows, found=found, files=files))
             except (OSError, TooManyFiles, UndecidedPorts):  # (as a sweep that cannot tell: the flows go)
                 continue
             for k in flows:
