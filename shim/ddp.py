@@ -58,6 +58,7 @@ PLANNER_POLICIES = ("planner", "layer_order", "flat")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 PROBE_MAX_BACKWARDS = 16  # synchronized iterations without a step() seen before overlap mode gives up
+CLOSE_WAIT_S = 300.0  # close() on another thread: how long to wait for the training thread's backward to end
 AGREE_TIMEOUT_S = 10.0  # close(): how long to wait for the compute time's all-reduce in flight before freeing groups
 
 
@@ -599,8 +600,21 @@ def _graph_task() -> int:
 
 
 def _launch_deferred(state: ShimState, bucket):
+    """Overlap mode's bucket: launch its pieces on a copy and return DDP's own buffer at once (its step deferred).
+    Under ``apply_lock``, where a ``close()`` on another thread decides whether a backward is running
+    (``Handle._await_backward``): once one has begun, the bucket is DDP's own all-reduce."""
     d = state.deferred
-    d.backward_task = _graph_task()  # (until after_backward: a close() in it waits for it)
+    with d.locked():
+        if d.closing:
+            return _after_close(state, bucket)
+        d.backward_task = _graph_task()  # (until after_backward: a close() in it, or on another thread, waits for it)
+        d.backward_thread = threading.get_ident()
+        return _launch_locked(state, bucket)
+
+
+def _launch_locked(state: ShimState, bucket):
+    """:func:`_launch_deferred`'s work, under ``apply_lock``."""
+    d = state.deferred
     params = list(bucket.parameters())
     for p in params:
         pend = d.pending.get(id(p))
@@ -654,6 +668,8 @@ def _drop_unfinished(state: ShimState) -> None:
                 del d.pending[id(p)]
     d.unstamped = [q for q in d.unstamped if not any(q is pend for pend in dropped)]
     d.backward_task = None
+    if d.close_after_backward is not None:  # (a close() on another thread waits for it: run once the lock is left)
+        d.close_later, d.close_after_backward = d.close_after_backward, None
 
 
 def _grad_view(buffer, p, offset):
@@ -896,6 +912,7 @@ class Handle:
         self.optimizer = optimizer
         self.state = state
         self.disabled = disabled
+        self._closed_event = threading.Event()  # set once closed, or a close() at a backward's end has raised
         self._hooks: list = []
         self._step_attr = None  # the function put on optimizer.step (overlap mode)
         self._own_step = None  # what optimizer.step was as an instance attribute before that, if anything
@@ -1360,6 +1377,41 @@ class Handle:
                     applied |= _apply(self.state, p)
         d.flushes += applied
 
+    def _await_backward(self, d, timeout: float) -> bool:
+        """``close()`` on a thread other than the one in a synchronized backward that launched buckets (a watchdog,
+        a signal-handling thread): have the training thread close at that backward's end, once DDP has written
+        ``.grad``, as for a signal handler inside it, and wait for it there, up to ``timeout`` seconds; returns True
+        once closed so. Otherwise (no such backward) mark the close begun, so that a backward's bucket launched from
+        now on is DDP's own all-reduce, and return False: close now. The decision is taken under ``apply_lock``, which
+        the bucket's launch holds; the wait holds no lock (the training thread takes ``apply_lock`` in its backward and
+        to close). Until 2026-11-28 this close ran at once, mid-backward: the averages of the buckets launched before it
+        were dropped and the step took each rank's own gradient there, silently (2.2e-2 off DDP at 2 ranks,
+        tests/test_shim.py::test_close_on_another_thread_during_backward_keeps_the_averages)."""
+        with d.locked():
+            running = d.backward_task is not None and d.backward_thread != threading.get_ident()
+            if not running:  # (on the training thread, outside a backward that never ended: close now)
+                d.closing = True
+            elif d.close_after_backward is None:
+                d.close_after_backward = self._close_deferred
+        if not running:
+            return False
+        if not self._closed_event.wait(timeout):
+            raise TimeoutError(f"tensorlane: close() on another thread waited {timeout:g} s for the synchronized "
+                               "backward() on the training thread to end; the handle closes at that backward's end "
+                               "(once DDP has written .grad). Pass a longer close(timeout=...), or call close() on "
+                               "the training thread")
+        if not self.closed:
+            raise RuntimeError("tensorlane: close() on another thread: the close at the end of the training "
+                               "thread's backward() raised there (see that thread's error); call close() again")
+        return True
+
+    def _close_deferred(self) -> None:
+        """``close()`` at a backward's end for another thread's ``close()`` (``_await_backward``), which it wakes."""
+        try:
+            self.close()
+        finally:
+            self._closed_event.set()
+
     def stats(self) -> dict:
         """Mode and why, flows per level, agent link counters, per-level all-reduce counts, bytes and seconds,
         and the planner's decision."""
@@ -1371,8 +1423,11 @@ class Handle:
         out["deferred_steps"] = out.get("overlap", {}).get("steps_deferred", 0)
         return out
 
-    def close(self) -> None:
-        """Apply pending updates, restore the optimizer, withdraw the flows from the agent. Idempotent."""
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Apply pending updates, restore the optimizer, withdraw the flows from the agent. Idempotent. On another
+        thread than the training thread while that one is in a synchronized ``backward()`` (overlap mode: a watchdog),
+        it waits up to ``timeout`` seconds for that backward's end, where the training thread closes (TimeoutError
+        past it, the close still due there)."""
         if self.closed or self.disabled:
             self.closed = True
             return
@@ -1388,6 +1443,8 @@ class Handle:
             return
         if d is not None and d.owner == threading.get_ident():  # a signal handler inside the shim's own update on
             d.close_later = self.close  # this thread: closed once that update ends (Deferred.locked)
+            return
+        if d is not None and self._await_backward(d, timeout):
             return
         try:
             self.flush()
@@ -1419,6 +1476,7 @@ class Handle:
             d.unwatch_state()
         self.state.close()
         self.closed = True
+        self._closed_event.set()  # (another thread's close() waiting for a backward's end: _await_backward)
 
 
 def _plan_due(state: ShimState, bucket) -> None:

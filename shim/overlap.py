@@ -258,7 +258,10 @@ class Deferred:
         self._hold = _Hold(self)  # (locked(): one object, entered re-entrantly; a generator each time cost 8x)
         self.backward_task = None  # the autograd graph task of the backward that launched buckets, until it ends
         self.launched_now: list = []  # Pendings launched since the last complete backward (ddp._drop_unfinished)
-        self.close_after_backward = None  # a close() asked for during it (a signal handler in a gradient hook)
+        self.backward_thread: int | None = None  # the thread running that backward
+        self.close_after_backward = None  # a close() asked for during it (a signal handler in a gradient hook, or
+        # another thread: a watchdog's close() waits for it, Handle.close)
+        self.closing = False  # a close() began outside a backward: a bucket launched from then on is DDP's own
         self.flushed_on_use = 0  # times the guard applied pending updates because a parameter was used
         self.bucketed: set = set()  # id(param) of the parameters DDP all-reduces (seen in the probe's buckets)
         self.stamped_state = None  # optimizer.state when step() stamped (the shim's StateView)
@@ -446,6 +449,9 @@ class Deferred:
     def after_backward(self, params: list, probing: bool) -> None:
         """Runs once DDP has written the gradients: mark them and watch the loop's reads of those DDP averages;
         while probing, note early-used parameters."""
+        if self.closing:  # (closed on another thread meanwhile, this backward's buckets DDP's own: nothing to mark)
+            self.backward_task = None
+            return
         self.marks = [(p, p.grad, p.grad._version if p.grad is not None else -1) for p in params]
         self.synced = False
         self.previous = [] if probing else list(self.unstamped)

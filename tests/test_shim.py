@@ -1809,6 +1809,218 @@ dist.destroy_process_group()
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("layer", [0, 5])
+def test_close_on_another_thread_during_backward_keeps_the_averages(tmp_path, layer):
+    """``handle.close()`` on another thread (a watchdog, a signal-handling thread) while the training thread is in a
+    synchronized ``backward()`` at 2 ranks, held in a gradient hook until that close has been called: at the first
+    layer's gradient, the last to come, the later layers' buckets launched (``layer`` 0), or at the last layer's, the
+    first, none launched yet (5). The close waits for that backward's end, where the training thread closes once DDP
+    has written ``.grad`` (0), or closes at once and the backward's buckets are DDP's own all-reduces (5): the step
+    takes DDP's averages, exact. Until 2026-11-28 it ran at once, mid-backward, and dropped the averages of the
+    buckets launched before it: the step took each rank's own gradient there, silently (2.2e-2 off DDP three steps
+    later at rank 0, 1.7e-2 at rank 1)."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    procs = [subprocess.Popen([sys.executable, "-c", THREAD_CLOSE_IN_BACKWARD_SCRIPT, str(tmp_path / "store"),
+                               str(rank), str(layer)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    offs = [float(o.split()[-1]) for o, _ in outs]
+    assert offs == [0.0, 0.0], f"off DDP at each rank: {offs}"
+
+
+THREAD_CLOSE_IN_BACKWARD_SCRIPT = r"""
+import faulthandler, sys, threading, time
+import torch, torch.distributed as dist
+from tensorlane import shim
+faulthandler.dump_traceback_later(60, exit=True)  # (a hang ends the process: the test fails, it does not wait)
+rank, layer = int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 2), rank=rank, world_size=2)
+torch.manual_seed(1 + rank)
+x = torch.randn(4, 8)
+ends = []
+for shimmed in (False, True):
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]), bucket_cap_mb=0.0001)  # (a bucket per layer)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+    handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                         policy="flat") if shimmed else None
+    for i in range(6):
+        hook = None
+        if shimmed and i == 3:
+            assert handle.stats()["mode"] == "overlap"
+            d, returned = handle.state.deferred, threading.Event()
+            watchdog = threading.Thread(target=lambda: (handle.close(), returned.set()), daemon=True)
+
+            def block(_grad):  # (until the close has returned, or waits for this backward's end)
+                watchdog.start()
+                t0 = time.monotonic()
+                while not returned.is_set() and d.close_after_backward is None and time.monotonic() - t0 < 30:
+                    time.sleep(0.001)
+            hook = ddp.module[layer].weight.register_hook(block)
+        ddp(x).sum().backward()
+        if hook is not None:
+            hook.remove()
+            watchdog.join(30)
+            assert not watchdog.is_alive() and returned.is_set() and handle.closed
+        opt.step()
+        opt.zero_grad()
+    ends.append([p.detach().clone() for p in ddp.parameters()])
+print("off", max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torch
+def test_close_on_another_thread_past_its_timeout_raises_and_closes_at_the_backwards_end(world1):
+    """A ``close(timeout=...)`` on another thread whose wait for the training thread's backward runs out raises a
+    TimeoutError that says so, holding no lock meanwhile (that backward's next bucket launches, under the shim's lock);
+    the training thread closes at that backward's end all the same, and training ends as under DDP."""
+    import threading
+
+    import torch
+
+    from tensorlane import shim
+
+    x, _models = world1
+    ends = []
+    for shimmed in (False, True):
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(  # (a bucket per layer, the last layer's launched first)
+            torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=0.0001)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+        handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                             policy="flat") if shimmed else None
+        _train(ddp, opt, x, 3)
+        if shimmed:
+            assert handle.stats()["mode"] == "overlap"
+            errors, done = [], threading.Event()
+
+            def close(handle=handle, errors=errors, done=done):
+                try:
+                    handle.close(timeout=0.2)
+                except TimeoutError as exc:
+                    errors.append(str(exc))
+                done.set()
+            watchdog = threading.Thread(target=close, daemon=True)
+            hook = ddp.module[0].weight.register_hook(lambda _g, w=watchdog, e=done: (w.start(), e.wait(30), None)[2])
+        ddp(x).sum().backward()
+        if shimmed:
+            hook.remove()
+            watchdog.join(30)
+            assert not watchdog.is_alive() and done.is_set()
+            assert len(errors) == 1 and "waited 0.2 s for the synchronized backward()" in errors[0], errors
+            assert handle.closed
+        opt.step()
+        opt.zero_grad()
+        _train(ddp, opt, x, 2)
+        ends.append([p.detach().clone() for p in ddp.parameters()])
+    off = max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True))
+    assert off == 0.0, f"{off:.2e} off DDP"
+
+
+@pytest.mark.torch
+def test_close_on_another_thread_after_one_inside_the_backward_returns_once_closed(world1):
+    """A ``close()`` inside a synchronized backward on the training thread (a signal handler: it is due at that
+    backward's end), then one on another thread (a watchdog) meanwhile: the watchdog's returns once the handle is
+    closed at that backward's end, not at its timeout."""
+    import threading
+    import time
+
+    import torch
+
+    from tensorlane import shim
+
+    x, _models = world1
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(  # (a bucket per layer, the last layer's launched first)
+        torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=0.0001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+    handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8, policy="flat")
+    _train(ddp, opt, x, 3)
+    assert handle.stats()["mode"] == "overlap"
+    errors = []
+
+    def close():
+        try:
+            handle.close(timeout=20)
+        except Exception as exc:  # noqa: BLE001 (said by the assertion below)
+            errors.append(exc)
+    watchdog, waiting = threading.Thread(target=close, daemon=True), threading.Event()
+
+    class Noted(threading.Event):  # (tells the hook that the watchdog waits for this backward's end)
+        def wait(self, timeout=None):
+            waiting.set()
+            return super().wait(timeout)
+    handle._closed_event = Noted()
+
+    def inside(_grad):
+        handle.close()  # (as a signal handler there: due at this backward's end)
+        assert not handle.closed
+        watchdog.start()
+        assert waiting.wait(10)
+    hook = ddp.module[0].weight.register_hook(inside)
+    t0 = time.monotonic()
+    ddp(x).sum().backward()
+    hook.remove()
+    watchdog.join(30)
+    assert not watchdog.is_alive() and not errors and handle.closed, errors
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.torch
+def test_close_on_another_thread_during_a_backward_that_never_completes_returns_at_step(world1):
+    """A ``close()`` on another thread during a synchronized backward whose last DDP bucket is never ready (a
+    parameter frozen mid-run without ``find_unused_parameters``: the backward ends without DDP finalizing it) returns
+    once the training thread's ``step()`` has dropped that backward's averages (as DDP's ``.grad`` has it), where it
+    closes, not at its timeout."""
+    import threading
+    import time
+
+    import torch
+
+    from tensorlane import shim
+
+    x, _models = world1
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(  # (a bucket per layer, the last layer's launched first)
+        torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), bucket_cap_mb=0.0001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+    handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8, policy="flat")
+    _train(ddp, opt, x, 3)
+    assert handle.stats()["mode"] == "overlap"
+    ddp.module[0].weight.requires_grad_(False)
+    errors, waiting = [], threading.Event()
+
+    def close():
+        try:
+            handle.close(timeout=20)
+        except Exception as exc:  # noqa: BLE001 (said by the assertion below)
+            errors.append(exc)
+    watchdog = threading.Thread(target=close, daemon=True)
+
+    class Noted(threading.Event):  # (tells the hook that the watchdog waits for this backward's end)
+        def wait(self, timeout=None):
+            waiting.set()
+            return super().wait(timeout)
+    handle._closed_event = Noted()
+
+    def inside(_grad):
+        watchdog.start()
+        assert waiting.wait(10)
+    hook = ddp.module[0].bias.register_hook(inside)
+    t0 = time.monotonic()
+    ddp(x).sum().backward()
+    hook.remove()
+    assert not handle.closed
+    opt.step()
+    watchdog.join(30)
+    assert not watchdog.is_alive() and not errors and handle.closed, errors
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.torch
 def test_stats_from_a_signal_handler_while_the_shim_counts_returns(tmp_path):
     """``handle.stats()`` from a signal handler (a SIGUSR1 that logs progress), which Python runs on the main thread
     between two bytecodes: there it may land while the shim holds its counters' lock (here while it counts a wait
