@@ -1809,8 +1809,9 @@ dist.destroy_process_group()
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("layer", [0, 5])
-def test_close_on_another_thread_during_backward_keeps_the_averages(tmp_path, layer):
+def test_close_on_another_thread_during_backward_keeps_the_averages(tmp_path, layer, accumulate):
     """``handle.close()`` on another thread (a watchdog, a signal-handling thread) while the training thread is in a
     synchronized ``backward()`` at 2 ranks, held in a gradient hook until that close has been called: at the first
     layer's gradient, the last to come, the later layers' buckets launched (``layer`` 0), or at the last layer's, the
@@ -1818,11 +1819,12 @@ def test_close_on_another_thread_during_backward_keeps_the_averages(tmp_path, la
     has written ``.grad`` (0), or closes at once and the backward's buckets are DDP's own all-reduces (5): the step
     takes DDP's averages, exact. Until 2026-11-28 it ran at once, mid-backward, and dropped the averages of the
     buckets launched before it: the step took each rank's own gradient there, silently (2.2e-2 off DDP three steps
-    later at rank 0, 1.7e-2 at rank 1)."""
+    later at rank 0, 1.7e-2 at rank 1). ``accumulate``: that backward follows a synchronized one no ``step()``
+    followed (accumulation without ``no_sync``), whose averages the close or the backward writes into ``.grad``."""
     env = dict(os.environ, PYTHONPATH=REPO)
     procs = [subprocess.Popen([sys.executable, "-c", THREAD_CLOSE_IN_BACKWARD_SCRIPT, str(tmp_path / "store"),
-                               str(rank), str(layer)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for rank in range(2)]
+                               str(rank), str(layer), str(int(accumulate))], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
     offs = [float(o.split()[-1]) for o, _ in outs]
@@ -1834,7 +1836,7 @@ import faulthandler, sys, threading, time
 import torch, torch.distributed as dist
 from tensorlane import shim
 faulthandler.dump_traceback_later(60, exit=True)  # (a hang ends the process: the test fails, it does not wait)
-rank, layer = int(sys.argv[2]), int(sys.argv[3])
+rank, layer, accumulate = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 2), rank=rank, world_size=2)
 torch.manual_seed(1 + rank)
 x = torch.randn(4, 8)
@@ -1848,6 +1850,8 @@ for shimmed in (False, True):
                          policy="flat") if shimmed else None
     for i in range(6):
         hook = None
+        if accumulate and i == 3:
+            ddp(x).sum().backward()  # (no step(): the next backward accumulates onto DDP's averages)
         if shimmed and i == 3:
             assert handle.stats()["mode"] == "overlap"
             d, returned = handle.state.deferred, threading.Event()
