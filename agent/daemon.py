@@ -842,17 +842,47 @@ def _serve(cfg: Config, api: Api, held: HeldDevices, table: FlowTable, notifier:
         server.close()
 
 
-def _stop_on_signals() -> threading.Event:
-    """An event that SIGTERM and SIGINT set from now on. Installed before the first device is taken over: a SIGTERM
-    while the agent is still starting (taking over, installing the table, starting the metrics server) then stops
-    it through the same restore as later (with the default action it died there, leaving every device taken over
-    until another agent started). SIGHUP, which asks many daemons to reload, is logged and otherwise ignored
+HANDOVER_SIGNAL = signal.SIGUSR2  # stop for a restart: leave everything for the next agent (:func:`_stop_on_signals`)
+
+
+def _stop_on_signals() -> tuple[threading.Event, threading.Event]:
+    """``(stop, handover)``: events that SIGTERM and SIGINT (stop) and SIGUSR2 (both) set from now on. Installed
+    before the first device is taken over: a SIGTERM while the agent is still starting (taking over, installing the
+    table, starting the metrics server) then stops it through the same restore as later (with the default action it
+    died there, leaving every device taken over until another agent started). SIGUSR2 is the hand-over stop of a
+    planned restart (``tensorlane-agentctl restart``): the agent exits leaving its trees, nftables table, flow marks
+    and records in place, as a killed agent does, and the next agent adopts them (:func:`_hand_over`). SIGTERM
+    after SIGUSR2 still restores. SIGHUP, which asks many daemons to reload, is logged and otherwise ignored
     (:func:`_no_reload`)."""
-    stop = threading.Event()
+    stop, handover = threading.Event(), threading.Event()
+
+    def restore(*_) -> None:
+        handover.clear()  # (a SIGTERM wins over an earlier SIGUSR2: uninstall and `systemctl stop` rely on it)
+        stop.set()
+
+    def hand_over(*_) -> None:
+        if not stop.is_set():  # (a SIGTERM already taken: the restore goes on)
+            handover.set()
+            stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, restore)
+    signal.signal(HANDOVER_SIGNAL, hand_over)
     signal.signal(signal.SIGHUP, _no_reload)
-    return stop
+    return stop, handover
+
+
+def _hand_over(touched: list[Takeover], held: HeldDevices) -> None:
+    """The hand-over stop (SIGUSR2): log what stays and leave it all as a killed agent would, the devices' trees,
+    the nftables table with its flow marks and every record (stranded ones too), so that the next agent adopts the
+    trees and keeps the marks for INHERIT_S while the jobs register again (docs/agent.md#restarts). The lock and
+    the socket are released by the caller as on any exit."""
+    kept = [t.link.name for t in touched] + [stranded_name(t.link.name, i) for i, t in held.stranded.items()]
+    log.warning("handing over: leaving %s taken over, the nftables table and its flow marks in place for the next "
+                "agent, which adopts them (if none starts, the records in the state directory let any later agent "
+                "restore them; `tensorlane-agentctl stop` or SIGTERM to that agent)", ", ".join(kept) or "nothing")
+    for handler in logging.getLogger().handlers:
+        handler.flush()
 
 
 def _no_reload(*_) -> None:
@@ -993,7 +1023,7 @@ def _run(cfg: Config, lock: list[int] | None = None) -> int:
         held = HeldDevices(cfg, kind, [eg.name for eg in egress], rec, lock)
         touched = held.takeovers  # every device taken over, at start-up or later, is restored on the way out
         installed = False  # the nftables table made (or a killed agent's adopted): deleted on the way out
-        stop = _stop_on_signals()
+        stop, handover = _stop_on_signals()
         try:
             for t in plan:
                 try:
@@ -1015,16 +1045,19 @@ def _run(cfg: Config, lock: list[int] | None = None) -> int:
                 start_metrics_server(cfg.metrics_address, api)
             _serve(cfg, api, held, table, Notifier(), _describe(egress), stop)
         finally:
-            if installed or touched:  # else nothing was changed: a killed agent's table (its flows' marks) stays
-                rec.teardown()  # (touched: devices held now; a device that left since is no longer in it)
-            restored = []
-            for t in reversed(list(touched)):
-                try:  # one device that cannot be restored does not keep the others taken over
-                    missed = restore_device(cfg, ipr, t.link.name, t.snap)
-                    restored.append(f"{t.link.name} (not complete: see the error above)" if missed else t.link.name)
-                except Exception as exc:  # noqa: BLE001
-                    log.error("restoring %s failed: %s (its state file, if kept, lets the next agent finish)",
-                              t.link.name, exc)
-            held.restore_stranded(ipr)
-            log.info("restored %s", ", ".join(restored) or "nothing")
+            if handover.is_set():  # (SIGUSR2: a planned restart; the next agent adopts everything)
+                _hand_over(touched, held)
+            else:
+                if installed or touched:  # else nothing was changed: a killed agent's table (its flows' marks) stays
+                    rec.teardown()  # (touched: devices held now; a device that left since is no longer in it)
+                restored = []
+                for t in reversed(list(touched)):
+                    try:  # one device that cannot be restored does not keep the others taken over
+                        missed = restore_device(cfg, ipr, t.link.name, t.snap)
+                        restored.append(f"{t.link.name} (not complete: see the error above)" if missed else t.link.name)
+                    except Exception as exc:  # noqa: BLE001
+                        log.error("restoring %s failed: %s (its state file, if kept, lets the next agent finish)",
+                                  t.link.name, exc)
+                held.restore_stranded(ipr)
+                log.info("restored %s", ", ".join(restored) or "nothing")
     return 0

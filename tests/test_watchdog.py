@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -263,3 +264,86 @@ def _stall_and_recover(host, paths: dict) -> None:
     assert f"watchdog: no heartbeat from pid {old}" in log and "adopting the tree" in log, log[-4000:]
     print(f"stalled agent killed {killed_after:.1f} s after SIGSTOP (watchdog {WATCHDOG_S} s), a new agent "
           f"answered after {back_after:.1f} s")
+
+
+# --- the hand-over restart (SIGUSR2) of tensorlane-agentctl in a testbed namespace -----------------------------
+HANDOVER_TESTBED = os.environ.get("TENSORLANE_TESTBED_NAME", "tho")  # (a prefix of the run's own, if it needs one)
+
+
+def _watch(host, done, samples: list) -> None:
+    """Until ``done`` is set (bounded: 60 s), sample eth0's root qdisc and whether flow 9811's mark is in the
+    agent's map: ``(seconds since the first sample, root line, marked)``."""
+    script = "tc qdisc show dev eth0 | grep ' root'; nft list map inet tensorlane flows4 2>/dev/null | grep -c 9811"
+    t0 = time.monotonic()
+    while not done.is_set() and time.monotonic() - t0 < 60:
+        out = host.run(["sh", "-c", script], check=False, timeout=10).stdout.splitlines()
+        root = next((line for line in out if " root" in line), "")
+        samples.append((time.monotonic() - t0, root, out[-1:] == ["1"]))
+
+
+@pytest.mark.netns
+def test_agentctl_restart_hands_over_without_a_gap_and_stop_still_restores():
+    """``tensorlane-agentctl restart`` (SIGUSR2: the hand-over stop): the agent's root qdisc (7a1:) is on eth0 at
+    every sample of the restart, never the original nor absent, and a registered flow's mark is never missing; the
+    new agent adopts the tree and keeps the mark. ``stop`` (SIGTERM) after it still restores the original tree and
+    removes the table. Until 2026-11-28 restart was stop (SIGTERM: restore) then start: the original root came back
+    and the marks were gone for 0.3-0.85 s."""
+    from tensorlane.client import AgentClient
+    from testbed import Testbed
+
+    workdir = tempfile.mkdtemp(prefix="tensorlane-tho-")
+    run_dir = os.path.join(workdir, "run")
+    paths = {"ctl": os.path.join(workdir, "tensorlane-agentctl"), "config": os.path.join(workdir, "agent.toml"),
+             "socket": os.path.join(run_dir, "agent.sock"), "pid": os.path.join(run_dir, "agent.pid"),
+             "log": os.path.join(workdir, "agent.log")}
+    try:
+        with Testbed(hosts=2, rate="100mbit", name=HANDOVER_TESTBED) as tb:
+            h1, h2 = tb.host(1), tb.host(2)
+            h1.run(["ip", "link", "set", "lo", "up"], timeout=10)
+            with open(paths["config"], "w") as fh:
+                fh.write(render_config(agent_config(tb, h1, socket=paths["socket"], state_dir=run_dir,
+                                                    reconcile_interval_s=0.2, trusted_users=["root"])))
+            render("tensorlane-agentctl.j2", paths["ctl"], tensorlane_venv=VENV, tensorlane_config_file=paths["config"],
+                   tensorlane_run_dir=run_dir, tensorlane_log_file=paths["log"], tensorlane_watchdog_s=0,
+                   tensorlane_restart_pause_s=RESTART_PAUSE_S, tensorlane_start_timeout_s=20,
+                   tensorlane_stop_timeout_s=20)
+            before, tables_before = tc_dump(h1), nft_tables(h1)
+            try:
+                start = h1.run([paths["ctl"], "start"], check=False, timeout=60)
+                assert start.returncode == 0, start.stdout + start.stderr + _log(paths)
+                old = _read_pid(paths["pid"])
+                with AgentClient(paths["socket"], timeout=5) as agent:
+                    agent.register("job-h", 0, [{"proto": "udp", "src": h1.ip, "sport": 9811, "dst": h2.ip,
+                                                 "dport": 9810}])
+                during = tc_dump(h1)
+                samples: list = []
+                done = threading.Event()
+                watcher = threading.Thread(target=_watch, args=(h1, done, samples), daemon=True)
+                watcher.start()
+                _wait(lambda: len(samples) >= 3, 10)
+                restart = h1.run([paths["ctl"], "restart"], check=False, timeout=60)
+                time.sleep(0.3)
+                done.set()
+                watcher.join(15)
+                assert restart.returncode == 0 and "handed over" in restart.stdout and "started" in restart.stdout, \
+                    restart.stdout + restart.stderr + _log(paths)
+                assert _read_pid(paths["pid"]) != old
+                assert len(samples) >= 6, samples
+                gaps = [s for s in samples if "qdisc htb 7a1: root" not in s[1] or not s[2]]
+                assert not gaps, f"{len(gaps)} of {len(samples)} samples without the agent's root or the mark: " \
+                                 f"{gaps[:5]}" + _log(paths)
+                assert tc_dump(h1) == during, _log(paths)  # adopted as it was: nothing made again
+                with open(paths["log"]) as fh:
+                    log = fh.read()
+                assert "handing over" in log and "adopting the tree" in log and "keeping 1 flow marks" in log, \
+                    log[-4000:]
+                assert "restored eth0" not in log, log[-4000:]
+                print(f"hand-over restart: {len(samples)} samples over {samples[-1][0]:.2f} s, none without the "
+                      "agent's root or the flow's mark")
+            finally:
+                stop = h1.run([paths["ctl"], "stop"], check=False, timeout=60)
+            assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr + _log(paths)
+            assert tc_dump(h1) == before and nft_tables(h1) == tables_before, _log(paths)
+            assert not [f for f in os.listdir(run_dir) if f.endswith(".json")]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
