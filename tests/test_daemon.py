@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 
 import pytest
 
@@ -33,13 +34,35 @@ def test_sighup_is_logged_and_neither_stops_nor_kills_the_agent(caplog):
     its default action: no restore, and systemd does not restart a unit whose main process died of SIGHUP."""
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        stop = daemon._stop_on_signals()
+        stop, handover = daemon._stop_on_signals()
         with caplog.at_level(logging.WARNING, logger="tensorlane.agent"):
             os.kill(os.getpid(), signal.SIGHUP)
         assert not stop.is_set()
         assert "does not reload its configuration" in caplog.text
         os.kill(os.getpid(), signal.SIGTERM)
-        assert stop.is_set()
+        assert stop.is_set() and not handover.is_set()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def test_sigusr2_hands_over_and_a_sigterm_after_it_still_restores():
+    """SIGUSR2 is the hand-over stop of a planned restart (stop, leaving everything for the next agent); SIGTERM
+    keeps its meaning, stop and restore, even after a SIGUSR2 (uninstall and ``systemctl stop`` rely on it), and a
+    SIGUSR2 after a SIGTERM does not turn the restore into a hand-over. Before, SIGUSR2's default action killed the
+    agent (its socket file and lock file left, nothing logged)."""
+    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
+    saved = {sig: signal.getsignal(sig) for sig in sigs}
+    try:
+        stop, handover = daemon._stop_on_signals()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert stop.is_set() and handover.is_set()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.is_set() and not handover.is_set()
+        stop, handover = daemon._stop_on_signals()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert stop.is_set() and not handover.is_set()
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
@@ -462,7 +485,7 @@ def test_swapped_names_keep_both_records_until_both_are_written(monkeypatch, tmp
     monkeypatch.setattr(daemon, "take_over", lambda cfg, ipr, t: None)  # (nothing touches a device here)
     monkeypatch.setattr(daemon, "Reconciler", Rec)
     monkeypatch.setattr(daemon, "restore_device", lambda cfg, ipr, name, snap: daemon.state_path(cfg, name).unlink())
-    monkeypatch.setattr(daemon, "_stop_on_signals", lambda: None)
+    monkeypatch.setattr(daemon, "_stop_on_signals", lambda: (None, threading.Event()))
     with pytest.raises(daemon.StartupError, match="cannot write the state file of eth1"):
         daemon._run(cfg)
     indexes = sorted(json.loads(p.read_text())["ifindex"] for p in tmp_path.glob("agent-*.json"))
