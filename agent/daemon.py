@@ -74,9 +74,20 @@ def stranded_name(name: str, index: int) -> str:
     return f"{name}:{index}"
 
 
+RECORD_FORMAT = 1  # the state files' ``format``; a record without one is of format 1 (written before 2026-11-28)
+
+
+def _newer_format(state: dict) -> int | None:
+    """The record's ``format`` where this agent cannot read it (a newer agent's, left by a hand-over or a crash
+    before a downgrade), else None."""
+    fmt = state.get("format", 1)
+    return fmt if not isinstance(fmt, int) or fmt > RECORD_FORMAT else None
+
+
 def _load_state(cfg: Config, device: str) -> dict | None:
-    """The state a previous agent left for ``device`` (None: none); a corrupt file, or one that is not an agent's
-    state, stops the start (nothing changed)."""
+    """The state a previous agent left for ``device`` (None: none); a corrupt file, one that is not an agent's
+    state, or one of a newer record format (its tree is neither adopted nor restored by this agent, which could
+    misread it) stops the start (nothing changed)."""
     path = state_path(cfg, device)
     try:
         state = json.loads(path.read_text())
@@ -84,6 +95,12 @@ def _load_state(cfg: Config, device: str) -> dict | None:
         return None
     except (ValueError, OSError) as exc:
         raise StartupError(f"state file {path} is corrupt or unreadable ({exc}); inspect it and remove it") from None
+    if isinstance(state, dict) and (fmt := _newer_format(state)) is not None:
+        raise StartupError(f"state file {path} is of record format {fmt!r}, newer than this agent's "
+                           f"({RECORD_FORMAT}): a newer agent left {device} taken over (a hand-over or a crash before "
+                           "a downgrade); this agent neither adopts nor restores it. Start the newer version again (a "
+                           "stop with SIGTERM restores the host), then downgrade (docs/runbook.md#a-restart-that-does-"
+                           "not-come-back)") from None
     try:
         if not isinstance(state, dict) or not isinstance(state.get("ifindex"), int):
             raise ValueError("no ifindex")
@@ -730,8 +747,9 @@ def record(cfg: Config, t: Takeover) -> None:
     index = previous["ifindex"] if previous else t.link.index
     if index != t.link.index and _index_here(index):  # (a device gone: its tree went with it, nothing to keep)
         os.replace(state_path(cfg, t.link.name), state_path(cfg, stranded_name(t.link.name, index)))
-    _save_state(cfg, t.link.name, {"ifindex": t.link.index, "interface": t.link.name, "serves": t.serves,
-                                   "backend": t.backend.kind, "pid": os.getpid(), "snapshot": t.snap.to_json()})
+    _save_state(cfg, t.link.name, {"format": RECORD_FORMAT, "ifindex": t.link.index, "interface": t.link.name,
+                                   "serves": t.serves, "backend": t.backend.kind, "pid": os.getpid(),
+                                   "snapshot": t.snap.to_json()})
 
 
 def take_over(cfg: Config, ipr: IPRoute, t: Takeover) -> None:
@@ -939,6 +957,10 @@ def restore_orphans(cfg: Config, ipr: IPRoute, plan: list[Takeover]) -> list[str
     mine = {t.link.index: t.link.name for t in plan}
     restored = []
     for name, path, state, index in _records_not_running(cfg):
+        if (fmt := _newer_format(state)) is not None:  # (a newer agent's: not ours to read; left as it is)
+            log.error("state file %s is of record format %r, newer than this agent's (%d): its device is left as "
+                      "that agent left it", path, fmt, RECORD_FORMAT)
+            continue
         try:
             snap = snapshot.Snapshot.from_json(state["snapshot"])
         except (ValueError, KeyError, TypeError):

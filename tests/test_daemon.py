@@ -552,3 +552,22 @@ def test_the_state_file_is_synced_before_and_after_its_rename(tmp_path, monkeypa
     path = daemon.state_path(cfg, "tl0")
     assert synced == [str(path.with_suffix(".tmp")), str(tmp_path)]
     assert os.path.exists(path) and not os.path.exists(path.with_suffix(".tmp"))
+
+
+def test_a_record_of_a_newer_format_is_neither_adopted_nor_restored(tmp_path, monkeypatch, caplog):
+    """A record a newer agent left (a hand-over or a crash, then a downgrade): this agent refuses to start on its
+    device, naming the file and what to do, and leaves it (and the device) alone as an orphan; records it writes
+    carry its own format. Before, any record that parsed was adopted or restored, whatever wrote it."""
+    from tensorlane.agent.config import Config
+
+    cfg = Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(tmp_path))
+    state = dead_agents_record(cfg, "tlx", 7)
+    daemon._save_state(cfg, "tlx", {**state, "format": daemon.RECORD_FORMAT + 1})
+    with pytest.raises(daemon.StartupError, match=r"agent-tlx.json is of record format 2, newer than this agent's"):
+        daemon._load_state(cfg, "tlx")
+    monkeypatch.setattr(daemon, "_root_handle", lambda ipr, index: pytest.fail("a newer record was acted on"))
+    with caplog.at_level(logging.ERROR, logger="tensorlane.agent"):
+        assert daemon.restore_orphans(cfg, None, []) == []
+    assert "newer than this agent's" in caplog.text and daemon.state_path(cfg, "tlx").exists()
+    daemon._save_state(cfg, "tlx", state)  # (no format: one written before 2026-11-28, read as format 1)
+    assert daemon._load_state(cfg, "tlx")["ifindex"] == 7
