@@ -25,3 +25,66 @@ def test_what_the_agent_or_its_supervisor_reads_at_start_restarts_it_when_change
                  "Install tensorlane-agentctl"):
         assert restarting[name] == "Restart tensorlane", name
     assert restarting["Create the install directories"] is None and restarting["Copy the tensorlane wheel"] is None
+
+
+def _handover_restart(tmp_path, main_pid: int, timeout_s: int = 5):
+    """Run the systemd handler's script (files/handover-restart.sh) with a stub ``systemctl`` in PATH that logs each
+    call and acts on process ``main_pid`` as the unit's main process (0: an inactive unit)."""
+    import subprocess
+
+    calls = tmp_path / "calls"
+    stub = tmp_path / "bin" / "systemctl"
+    stub.parent.mkdir(exist_ok=True)
+    stub.write_text(f"""#!/bin/sh
+alive() {{ [ {main_pid} -gt 0 ] && [ -e /proc/{main_pid} ] && [ "$(cut -d' ' -f3 /proc/{main_pid}/stat)" != Z ]; }}
+echo "$* alive=$(alive && echo 1 || echo 0)" >>{calls}
+case $1 in
+    show) echo {main_pid} ;;
+    is-active) alive ;;
+    kill) kill -USR2 {main_pid} ;;
+esac
+""")
+    stub.chmod(0o755)
+    with open(os.path.join(ROLE, "files", "handover-restart.sh")) as fh:
+        script = fh.read()
+    proc = subprocess.run(["sh", "-c", script, "handover", "tensorlane-agent", str(timeout_s)], capture_output=True,
+                          text=True, timeout=30, env={**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}"})
+    return proc, calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_the_systemd_handler_hands_over_then_restarts(tmp_path):
+    """Under systemd the restart handler is a hand-over: SIGUSR2 to the unit's main process, a wait until it has
+    exited, then ``systemctl restart`` (which starts the new agent); an inactive unit is just restarted; an agent
+    that does not exit is left running and the handler fails. Until 2026-11-28 the handler was ``systemctl
+    restart``: SIGTERM, the host restored, then taken over again (no queueing ~0.3 s, marks gone until the shims
+    registered again). The agent's side: tests/test_watchdog.py (the same SIGUSR2 through tensorlane-agentctl)."""
+    import subprocess
+    import time
+
+    with open(os.path.join(ROLE, "handlers", "main.yml")) as fh:
+        handler = next(h for h in yaml.safe_load(fh) if h["name"] == "Restart tensorlane")
+    assert "handover-restart.sh" in str(handler["ansible.builtin.command"]["argv"]), handler
+    agent = subprocess.Popen(["sh", "-c", "trap 'sleep 0.3; exit 0' USR2; while :; do sleep 0.05; done"])
+    try:
+        time.sleep(0.2)  # (the trap installed)
+        proc, calls = _handover_restart(tmp_path, agent.pid)
+        assert proc.returncode == 0 and "handed over" in proc.stdout and "started" in proc.stdout, proc
+        assert [c.split()[0] for c in calls] == ["daemon-reload", "show", "is-active", "kill", "restart"], calls
+        assert "--signal=SIGUSR2" in calls[3] and calls[-1].endswith("alive=0"), calls  # exited before the start
+    finally:
+        agent.kill()
+        agent.wait(5)
+    (tmp_path / "calls").unlink()
+    proc, calls = _handover_restart(tmp_path, 0)
+    assert proc.returncode == 0 and proc.stdout.strip() == "started", proc
+    assert [c.split()[0] for c in calls] == ["daemon-reload", "show", "restart"], calls
+    (tmp_path / "calls").unlink()
+    stuck = subprocess.Popen(["sh", "-c", "trap '' USR2; while :; do sleep 0.05; done"])
+    try:
+        time.sleep(0.2)
+        proc, calls = _handover_restart(tmp_path, stuck.pid, timeout_s=1)
+        assert proc.returncode == 1 and "still runs 1 s after SIGUSR2" in proc.stderr, proc
+        assert "restart" not in [c.split()[0] for c in calls] and stuck.poll() is None, calls
+    finally:
+        stuck.kill()
+        stuck.wait(5)
