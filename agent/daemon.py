@@ -893,7 +893,7 @@ def _stop_on_signals() -> tuple[threading.Event, threading.Event]:
 def _hand_over(touched: list[Takeover], held: HeldDevices) -> None:
     """The hand-over stop (SIGUSR2): log what stays and leave it all as a killed agent would, the devices' trees,
     the nftables table with its flow marks and every record (stranded ones too), so that the next agent adopts the
-    trees and keeps the marks for INHERIT_S while the jobs register again (docs/agent.md#restarts). The lock and
+    trees and keeps the marks for INHERIT_S while the jobs register again (docs/agent.md, item 6). The lock and
     the socket are released by the caller as on any exit."""
     kept = [t.link.name for t in touched] + [stranded_name(t.link.name, i) for i, t in held.stranded.items()]
     log.warning("handing over: leaving %s taken over, the nftables table and its flow marks in place for the next "
