@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -54,8 +55,12 @@ def tc_and_nft(host) -> str:
                      + [host.run(["nft", "list", "ruleset"]).stdout])
 
 
-@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+@pytest.mark.parametrize("how", ["sigterm", "sigkill", "handover"])
 def test_flows_registered_per_level_and_survive_agent_restart(tmp_path, how):
+    """Training through the shim goes on, exact, while host 1's agent stops (SIGTERM: the host restored), is killed
+    (SIGKILL: the next agent adopts its tree) or hands over (SIGUSR2, a planned restart: tree, table and marks left
+    for the next agent); the next agent gets every level's flows registered again, and its stop leaves the host's
+    tc and nftables state as before."""
     import torch
 
     with Testbed(hosts=2, rate="200mbit", name="ts") as tb, running_agents(tb, hosts=[2], levels=3) as agents2:
@@ -78,6 +83,11 @@ def test_flows_registered_per_level_and_survive_agent_restart(tmp_path, how):
             if how == "sigkill":  # no chance to clean up: the next agent finds its tree and adopts it
                 agents1[1].proc.kill()
                 agents1[1].proc.wait(5)
+            elif how == "handover":  # exits 0 leaving its tree, table and marks (the stop's SIGTERM then finds it gone)
+                agents1[1].proc.send_signal(signal.SIGUSR2)
+                assert agents1[1].proc.wait(10) == 0
+                assert "handing over" in agents1[1].stderr_tail()
+                assert "tensorlane" in tb.host(1).run(["nft", "list", "tables"]).stdout  # left for the next agent
         # host1's agent is gone (SIGTERM): training goes on; a new agent gets the flows registered again
         time.sleep(3)  # longer than the shim's keep-alive period: it notices the agent is gone
         with running_agents(tb, hosts=[1], levels=3) as agents1:
