@@ -217,15 +217,19 @@ def _unowned(flows: Iterable[FlowKey], sockets: list[Socket]) -> list[FlowKey]:
     return [k for k in flows if not _owns(k, index.get((k.proto, k.sport), ()))]
 
 
-def _tcp_unowned(flows_of: Mapping[int, list[FlowKey]], held: Mapping[int, set[int]]) -> dict[int, list[FlowKey]]:
+def _tcp_unowned(flows_of: Mapping[int, list[FlowKey]], held: Mapping[int, set[int]],
+                 held_at: dict[FlowKey, int] | None = None) -> dict[int, list[FlowKey]]:
     """For each pid of ``flows_of``, its TCP flows not held by a socket among ``held[pid]``: one exact sock_diag
-    lookup per flow, all owners' lookups sent together in batches (raises OSError when the kernel cannot answer)."""
+    lookup per flow, all owners' lookups sent together in batches (raises OSError when the kernel cannot answer).
+    ``held_at`` gets the inode of each held flow's socket."""
     pairs = [(pid, k) for pid, fl in flows_of.items() for k in fl if k.proto == "tcp"]
     found = _DIAG.tcp_many([(k.src, k.sport, k.dst, k.dport) for _, k in pairs]) if pairs else []
     out: dict[int, list[FlowKey]] = {pid: [] for pid in flows_of}
     for (pid, k), f in zip(pairs, found, strict=True):
         if f is None or f[0] != TCP_ESTABLISHED or f[1] not in held[pid]:
             out[pid].append(k)
+        elif held_at is not None:
+            held_at[k] = f[1]
     return out
 
 
@@ -361,10 +365,11 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
         tcp = [k for k in flows if k.proto == "tcp"]
         udp = [k for k in flows if k.proto != "tcp"]
         foreign = None
+        tcp_at: dict[FlowKey, int] = {}  # (the exact lookups' inode of each owned TCP flow's socket)
         if not tcp or lookups_cheaper(len(tcp)):
             with contextlib.suppress(OSError):  # no sock_diag here: read the tables
-                foreign = _tcp_unowned({pid: tcp}, {pid: inodes})[pid] if tcp else []
-        tcp_rows = None
+                foreign = _tcp_unowned({pid: tcp}, {pid: inodes}, tcp_at)[pid] if tcp else []
+        tcp_rows: dict[int, Socket] = {}
         if foreign is None:  # the TCP tables only: the UDP flows by port dumps, as above (the UDP table was read here
             # too: a register of 257 TCP flows and one UDP flow read all of it, 660 ms at 19,000 UDP sockets)
             tcp_rows = agent_sockets(inodes, protos=("tcp",))
@@ -376,40 +381,33 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
                 raise UndecidedPorts(len({port for _, port in undecided}))
             foreign += _unowned(udp, [udp_rows[i] for i in inodes if i in udp_rows])
         if found is not None:
-            _found_fds(pid, [k for k in flows if k not in set(foreign)], fd_at, tcp_rows, udp_rows, found)
+            unowned = set(foreign)
+            _found_fds([k for k in flows if k not in unowned], fd_at, tcp_at, {**tcp_rows, **udp_rows}, found)
         return foreign
     return _unowned(flows, [table[i] for i in inodes if i in table])
 
 
-def _found_fds(pid: int, owned: list[FlowKey], fd_at: Mapping[int, int], tcp_rows: Mapping[int, Socket] | None,
-               udp_rows: Mapping[int, Socket], found: dict[FlowKey, int]) -> None:
-    """Fill ``found`` with the fd of process ``pid`` (``fd_at``: inode -> fd) that holds each of ``owned``'s
-    sockets: for TCP the established socket of the 5-tuple (an exact lookup, or ``tcp_rows`` when the tables were
-    read), for UDP the first of the process's sockets that owns the flow by the UDP rule (``udp_rows``). A flow whose
-    socket cannot be told is left out (the sweep then reads the process's open files for it, as before)."""
-    tcp = [k for k in owned if k.proto == "tcp"]
-    if tcp and tcp_rows is None:
-        with contextlib.suppress(OSError):
-            for k, f in zip(tcp, _DIAG.tcp_many([(k.src, k.sport, k.dst, k.dport) for k in tcp]), strict=True):
-                if f is not None and f[1] in fd_at:
-                    found[k] = fd_at[f[1]]
-    elif tcp:
-        for k in tcp:
-            inode = next((i for i, row in tcp_rows.items() if i in fd_at and _owns(k, [row])), None)
-            if inode is not None:
-                found[k] = fd_at[inode]
-    by_port = _by_port_inodes(udp_rows)
+def _found_fds(owned: list[FlowKey], fd_at: Mapping[int, int], tcp_at: Mapping[FlowKey, int],
+               rows: Mapping[int, Socket], found: dict[FlowKey, int]) -> None:
+    """Fill ``found`` with the fd (``fd_at``: inode -> the process's fd) that holds each of ``owned``'s sockets:
+    the inode :func:`not_owned` found for it, by the exact TCP lookup (``tcp_at``) or among the sockets it read
+    (``rows``, by inode: the TCP tables where it read them, the UDP sockets that may own the flows), the first that
+    owns the flow. A flow whose socket cannot be told is left out (the sweep then reads the process's open files for
+    it, as before)."""
+    by_port = _by_port_inodes(rows)
     for k in owned:
-        if k.proto != "tcp":
-            inode = next((i for i in by_port.get(k.sport, ()) if i in fd_at and _owns(k, [udp_rows[i]])), None)
-            if inode is not None:
-                found[k] = fd_at[inode]
+        inode = tcp_at.get(k)
+        if inode is None:
+            inode = next((i for i in by_port.get((k.proto, k.sport), ()) if i in fd_at and _owns(k, [rows[i]])), None)
+        if inode is not None and inode in fd_at:
+            found[k] = fd_at[inode]
 
 
-def _by_port_inodes(rows: Mapping[int, Socket]) -> dict[int, list[int]]:
-    index: dict[int, list[int]] = {}
-    for inode, row in rows.items():
-        index.setdefault(row[2], []).append(inode)
+def _by_port_inodes(rows: Mapping[int, Socket]) -> dict[tuple[str, int], list[int]]:
+    """The inodes of ``rows`` (inode -> socket) by protocol and local port, as :func:`_by_port` indexes sockets."""
+    index: dict[tuple[str, int], list[int]] = {}
+    for inode, sock in rows.items():
+        index.setdefault((sock[0], sock[2]), []).append(inode)
     return index
 
 
