@@ -661,15 +661,14 @@ def _drop_unfinished(state: ShimState) -> None:
     d = state.deferred
     if not d.launched_now or _graph_task() != -1:
         return
-    dropped, d.launched_now = d.launched_now, []
+    dropped = d.launched_now
     for pend in dropped:
         for p, *_ in pend.params:
             if d.pending.get(id(p)) is pend:
                 del d.pending[id(p)]
     d.unstamped = [q for q in d.unstamped if not any(q is pend for pend in dropped)]
-    d.backward_task = None
-    if d.close_after_backward is not None:  # (a close() on another thread waits for it: run once the lock is left)
-        d.close_later, d.close_after_backward = d.close_after_backward, None
+    if (later := d.backward_over()) is not None:  # (a close() on another thread waits for it: run once the lock
+        d.close_later = later  # is left)
 
 
 def _grad_view(buffer, p, offset):
@@ -1588,7 +1587,7 @@ def _new_level_group(level: int):
 def _gloo_lazy_init() -> bool:
     """Whether gloo connects a group's pairs at their first use (TORCH_GLOO_LAZY_INIT), reading its peers'
     addresses from the store then, not when the group is made."""
-    return os.environ.get("TORCH_GLOO_LAZY_INIT", "").strip().lower() not in ("", "0", "false", "no", "off")
+    return os.environ.get("TORCH_GLOO_LAZY_INIT", "").strip().lower() not in _FALSE
 
 
 def _forget_addresses(group) -> None:

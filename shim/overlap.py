@@ -466,11 +466,18 @@ class Deferred:
                     self.early.add(id(p))
         self.probe.ran = set()
         self.got_grad.clear()  # in place: the gradient hooks hold this set
-        self.backward_task = None
-        self.launched_now = []  # (this backward was complete: DDP's last bucket was ready)
-        later, self.close_after_backward = self.close_after_backward, None
+        later = self.backward_over()  # (this backward was complete: DDP's last bucket was ready)
         if later is not None:
             later()
+
+    def backward_over(self):
+        """The backward that launched buckets is over (complete, or dropped unfinished at ``step()``:
+        ``ddp._drop_unfinished``): forget it and its launches; returns the ``close()`` asked for during it, if any,
+        for the caller to run."""
+        self.backward_task = None
+        self.launched_now = []
+        later, self.close_after_backward = self.close_after_backward, None
+        return later
 
 
 def autocast_state(device_types) -> dict:
