@@ -28,6 +28,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from tensorlane.agent.api import Api
 from tensorlane.agent.config import Config, ConfigError, others_may_write
+from tensorlane.agent.handover import adopt_flows, flows_path, write_flows
 from tensorlane.agent.kernel import detect, links, snapshot, sockdiag
 from tensorlane.agent.kernel.qdisc import MAJOR, fmt_handle, handle, make_backend
 from tensorlane.agent.notify import Notifier
@@ -890,15 +891,17 @@ def _stop_on_signals() -> tuple[threading.Event, threading.Event]:
     return stop, handover
 
 
-def _hand_over(touched: list[Takeover], held: HeldDevices) -> None:
+def _hand_over(cfg: Config, touched: list[Takeover], held: HeldDevices, table: FlowTable) -> None:
     """The hand-over stop (SIGUSR2): log what stays and leave it all as a killed agent would, the devices' trees,
     the nftables table with its flow marks and every record (stranded ones too), so that the next agent adopts the
-    trees and keeps the marks for INHERIT_S while the jobs register again (docs/agent.md, item 6). The lock and
-    the socket are released by the caller as on any exit."""
+    trees and keeps the marks for INHERIT_S; and write the flow table down, which it takes back (agent/handover.py;
+    docs/agent.md, item 6). The lock and the socket are released by the caller as on any exit."""
     kept = [t.link.name for t in touched] + [stranded_name(t.link.name, i) for i, t in held.stranded.items()]
+    flows = write_flows(cfg, table)
     log.warning("handing over: leaving %s taken over, the nftables table and its flow marks in place for the next "
-                "agent, which adopts them (if none starts, the records in the state directory let any later agent "
-                "restore them; `tensorlane-agentctl stop` or SIGTERM to that agent)", ", ".join(kept) or "nothing")
+                "agent, which adopts them, and %d flows in %s for it to take back (if none starts, the records in "
+                "the state directory let any later agent restore them; `tensorlane-agentctl stop` or SIGTERM to "
+                "that agent)", ", ".join(kept) or "nothing", flows, flows_path(cfg))
     for handler in logging.getLogger().handlers:
         handler.flush()
 
@@ -1062,13 +1065,14 @@ def _run(cfg: Config, lock: list[int] | None = None) -> int:
             log.info("managing %s with the %s backend: %d levels, DSCP %s%s", _describe(egress), kind, cfg.levels,
                      list(cfg.dscp), _rates(plan))
             api = Api(cfg, table, rec, kind)
+            adopt_flows(cfg, api)  # (a hand-over's flows, their owners checked as at a register)
             if cfg.metrics_address:
                 from tensorlane.agent.metrics import start_metrics_server
                 start_metrics_server(cfg.metrics_address, api)
             _serve(cfg, api, held, table, Notifier(), _describe(egress), stop)
         finally:
             if handover.is_set():  # (SIGUSR2: a planned restart; the next agent adopts everything)
-                _hand_over(touched, held)
+                _hand_over(cfg, touched, held, table)
             else:
                 if installed or touched:  # else nothing was changed: a killed agent's table (its flows' marks) stays
                     rec.teardown()  # (touched: devices held now; a device that left since is no longer in it)

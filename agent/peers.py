@@ -56,6 +56,7 @@ class Peer:
     gid: int
     gids: tuple[int, ...] | None = None  # supplementary groups at connect() (None: unknown, read from /proc)
     sock: socket.socket | None = field(default=None, compare=False, repr=False)  # the connection, for its pidfd
+    pidfd: int | None = field(default=None, compare=False, repr=False)  # or a pidfd of the process (no connection)
 
     @property
     def user(self) -> str:
@@ -85,9 +86,12 @@ class Peer:
     def pinned(self):
         """Read the peer's /proc entries (its namespace, its sockets) inside this block: it raises
         ProcessLookupError when the process that connected has exited by the end of it (its pid may name another
-        process since). Through a pidfd of the peer (SO_PEERPIDFD); a kernel without it: the pid alone."""
+        process since). Through a pidfd of the peer (SO_PEERPIDFD, or ``pidfd``: a flow's owner taken back after a
+        hand-over, agent/handover.py); a kernel without it: the pid alone."""
         fd = None
-        if self.sock is not None:
+        if self.sock is None and self.pidfd is not None:
+            fd = os.dup(self.pidfd)
+        elif self.sock is not None:
             try:
                 fd = self.sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
             except OSError as exc:  # ESRCH, or EINVAL (kernels 6.5-6.15): the peer has exited

@@ -3,6 +3,8 @@ leave the host untouched, marking and queueing of registered flows, churn, drift
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -610,3 +612,75 @@ def test_a_killed_agents_chains_beyond_fewer_levels_are_removed_and_its_marks_ke
             st = agent.status()
             assert st["reconcile"]["errors"] == 0 and st["reconcile"]["repairs"] == 0, st["reconcile"]
     assert "tensorlane" not in nft_tables(h1)
+
+
+HOLDER = """
+import socket, sys
+from tensorlane.client import AgentClient
+path, src, sport, dst, dport, level, named = sys.argv[1:]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((src, int(sport)))
+s.connect((dst, int(dport)))
+flow = {"proto": "udp", "src": src, "sport": int(sport), "dst": dst, "dport": int(dport)}
+with AgentClient(path) as agent:
+    agent.register("job-h", int(level), [flow], fds=[s.fileno()] if named == "1" else None)
+print("registered", flush=True)
+for line in sys.stdin:
+    if line.strip() == "close":
+        s.close()
+        print("closed", flush=True)
+"""
+
+
+def test_a_hand_over_passes_the_flow_table_to_the_next_agent(tb, tmp_path):
+    """SIGUSR2 (the hand-over stop of a planned restart) with four flows registered once by their own processes,
+    as ``AgentClient`` users do (no shim registering again): the next agent takes back the two whose owners still
+    hold their sockets, at their levels, and keeps their marks past ``INHERIT_S``; the flow whose socket was closed
+    while no agent ran and the one whose process exited are not taken back. Until 2026-11-28 the next agent kept
+    every mark for ``INHERIT_S`` and no flow: all four lost their levels 5 s after the restart."""
+    from tensorlane.agent.handover import FLOWS_FILE
+    from tensorlane.agent.reconcile import INHERIT_S
+
+    h1, h2 = tb.host(1), tb.host(2)
+    extra = {"reconcile_interval_s": 0.5}
+
+    def marks() -> str:
+        return h1.run(["nft", "list", "map", "inet", "tensorlane", "flows4"]).stdout
+
+    holders = []
+    try:
+        with running_agents(tb, hosts=[1], backend="htb", workdir=str(tmp_path), config_extra=extra) as agents:
+            state_dir = os.path.dirname(agents[1].socket)
+            for sport, level, named in ((9841, 1, "1"), (9842, 2, "0"), (9843, 1, "1"), (9844, 1, "0")):
+                p = h1.popen([sys.executable, "-c", HOLDER, agents[1].socket, h1.ip, str(sport), h2.ip, "9840",
+                              str(level), named], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                holders.append(p)
+                assert p.stdout.readline().strip() == "registered"
+            assert agents[1].status()["flows"] == 4
+            agents[1].proc.send_signal(signal.SIGUSR2)
+            assert agents[1].proc.wait(10) == 0
+            assert f"4 flows in {state_dir}/{FLOWS_FILE}" in agents[1].stderr_tail(), agents[1].stderr_tail()
+        holders[2].stdin.write("close\n")  # while no agent runs: its socket closed, its process alive
+        holders[2].stdin.flush()
+        assert holders[2].stdout.readline().strip() == "closed"
+        holders[3].kill()  # and an owner that exited
+        holders[3].wait(5)
+        with running_agents(tb, hosts=[1], backend="htb", config_extra=extra) as agents:
+            started = time.monotonic()
+            with agents[1].client() as agent:
+                got = {f["sport"]: f["requested_level"] for f in agent.list()["flows"]}
+            assert got == {9841: 1, 9842: 2}, got
+            log = agents[1].stderr_tail()
+            assert "took back 2 of the 4 flows" in log and "1 not_owner" in log and "1 owner_gone" in log, log
+            assert not os.path.exists(f"{state_dir}/{FLOWS_FILE}")  # read once
+            time.sleep(max(0.0, INHERIT_S + 1.5 - (time.monotonic() - started)))  # past the kept marks' window
+            m = marks()
+            assert "9841 . 9840 : goto level1" in m and "9842 . 9840 : goto level2" in m, m
+            assert "9843" not in m and "9844" not in m, m
+            holders[0].kill()  # an owner exiting now loses its flow at once (watched), as at any register
+            holders[0].wait(5)
+            wait_for("the exited owner's flow dropped", lambda: agents[1].status()["flows"] == 1, 5)
+    finally:
+        for p in holders:
+            p.kill()
+            p.wait(5)

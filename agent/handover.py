@@ -1,0 +1,233 @@
+"""The flow table across a hand-over restart: the agent that hands over (SIGUSR2) writes it down, the next one
+takes back every flow whose owner still holds its socket, through the same checks as a register.
+
+Before (until 2026-11-28) a hand-over kept the kernel's marks for ``INHERIT_S`` (5 s) and no flow: a client that
+registered once (``AgentClient.register``, not the shim, which registers again on its own) lost its flows' levels
+at every planned restart (a config change, an upgrade), silently. Now the old agent writes each flow's job, level,
+rank, run and owner (pid, the process's start time, uid, the fd the client named) to ``flows-handover.json`` in
+``state_dir`` (root's, mode 0600), and the new agent, once it has taken its devices over, registers them again as
+their owners would: the process must be the same one (its pid and start time; a pid taken by another process since
+drops its flows), hold the socket (``not_owned``: one whose socket was closed in the gap is dropped), be of the same
+user and still allowed by the new config (``allowed_users``, ``level_limits``, the per-user limits). A flow
+registered without an ownership check (root or a ``trusted_users`` member with ``check_ownership``, or the agent
+itself) is taken back where its user may still register it so. Levels beyond the new ``levels`` go to the least
+urgent one, as the shim's do. The file is read once and removed: a file of another boot or network namespace, or of
+a newer format, is dropped with a warning (the shims register again anyway). Jobs' reported inputs (``report``) are
+not carried: the shims report again within their interval.
+Usage: ``write_flows(cfg, table)`` at a hand-over; ``adopt_flows(cfg, api)`` before serving
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import pwd
+import time
+from pathlib import Path
+
+from tensorlane.agent.peers import Peer, account_uid
+from tensorlane.agent.state import FlowTable, job_id_base
+from tensorlane.client import MAX_FLOWS_PER_MESSAGE
+from tensorlane.flows import FlowKey
+
+log = logging.getLogger("tensorlane.agent")
+
+FLOWS_FILE = "flows-handover.json"  # in state_dir (not agent-*.json: not a device's record)
+FLOWS_FORMAT = 1
+
+
+def flows_path(cfg) -> Path:
+    return Path(cfg.state_dir) / FLOWS_FILE
+
+
+def boot_id() -> str:
+    """This boot's id (pids and start times mean nothing across a reboot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def netns_id() -> list[int]:
+    st = os.stat("/proc/self/ns/net")
+    return [st.st_dev, st.st_ino]
+
+
+def start_time(pid: int) -> int | None:
+    """Process ``pid``'s start time (clock ticks since boot, field 22 of its stat), None when it is gone: with the
+    pid, it names one process (a pid is reused, never with the same start time)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    try:
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def write_flows(cfg, table: FlowTable) -> int:
+    """Write ``table``'s flows (not those draining: their owners let go) for the next agent; returns how many.
+    A failure is logged: the next agent then keeps the kernel's marks for ``INHERIT_S`` only."""
+    starts: dict[int, int | None] = {}
+    flows = []
+    for key, e in table.flows.items():
+        if key in table.draining:
+            continue
+        if e.pid is not None and e.pid not in starts:
+            starts[e.pid] = start_time(e.pid)
+        if e.pid is not None and starts[e.pid] is None:
+            continue  # (its owner is gone already: the sweep would drop it)
+        flows.append({"flow": list(key), "job": e.job, "level": e.level, "rank": e.rank, "run": e.run,
+                      "pid": e.pid, "start": starts.get(e.pid), "uid": e.uid,
+                      "fd": None if e.fd_found else e.fd})
+    doc = {"format": FLOWS_FORMAT, "boot_id": boot_id(), "netns": netns_id(), "agent_pid": os.getpid(),
+           "written_at": time.time(), "flows": flows}
+    path = flows_path(cfg)
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.unlink(missing_ok=True)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                       "w") as fh:
+            json.dump(doc, fh)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        log.error("handing over: cannot write the flow table to %s: %s (the next agent keeps the flows' marks for "
+                  "a few seconds only: clients that do not register again lose their levels)", path, exc)
+        return 0
+    return len(flows)
+
+
+def _read(cfg) -> list[dict]:
+    """The flows a hand-over left, after the file's checks; the file is removed (read once)."""
+    path = flows_path(cfg)
+    try:
+        with open(path) as fh:
+            raw = fh.read(256 << 20)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        log.warning("cannot read %s: %s (its flows are not taken back; their clients register again)", path, exc)
+        return []
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    try:
+        doc = json.loads(raw)
+        fmt, flows = doc.get("format", 1), doc["flows"]
+        if not isinstance(flows, list):
+            raise TypeError("flows is not a list")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("%s is not a hand-over's flow table (%s): not taken back", path, exc)
+        return []
+    if not isinstance(fmt, int) or fmt > FLOWS_FORMAT:
+        log.warning("%s is of format %r, newer than this agent's (%d): its flows are not taken back (their clients "
+                    "register again)", path, fmt, FLOWS_FORMAT)
+        return []
+    if doc.get("boot_id") != boot_id() or doc.get("netns") != netns_id():
+        log.warning("%s was written in another boot or network namespace: its flows are not taken back", path)
+        return []
+    return flows
+
+
+def _peer(uid: int, pid: int, start: int | None, pidfd: int | None) -> tuple[Peer | None, str]:
+    """The owner of flows as a register's peer, or None and why not: the same process (``pid`` and ``start``) of
+    the same user, with its groups now; for flows registered without a process, the user itself."""
+    if pidfd is None:  # (no owner process: the user, as its own account has it)
+        try:
+            pw = pwd.getpwuid(uid)
+            gids = tuple(os.getgrouplist(pw.pw_name, pw.pw_gid))
+            gid = pw.pw_gid
+        except KeyError:
+            gid, gids = uid, ()
+        return Peer(os.getpid(), uid, gid, gids), ""
+    if start_time(pid) != start:
+        return None, "owner_gone"
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            fields = dict(line.split(":", 1) for line in fh if ":" in line)
+        euid, egid = int(fields["Uid"].split()[1]), int(fields["Gid"].split()[1])
+        gids = tuple(int(g) for g in fields.get("Groups", "").split())
+    except (OSError, KeyError, ValueError, IndexError):
+        return None, "owner_gone"
+    if account_uid(euid) != uid:
+        return None, "owner_changed_user"
+    return Peer(pid, uid, egid, gids, pidfd=pidfd), ""
+
+
+def adopt_flows(cfg, api) -> dict[str, int]:
+    """Register again, through ``api``, the flows a hand-over left (:func:`write_flows`); returns counts
+    ``{"adopted": n, reason: n, ...}`` and logs them. Each owner's flows go in requests of one job, level, rank
+    and run, checked as its own would be; a refused request is split until the flows at fault are found (a socket
+    closed in the gap fails its own flow only)."""
+    flows = _read(cfg)
+    counts: collections.Counter = collections.Counter()
+    if not flows:
+        return dict(counts)
+    groups: dict[tuple, list[dict]] = {}
+    for f in flows:
+        try:
+            key = FlowKey(*f["flow"])
+            group = (f["pid"], f["start"], f["uid"], job_id_base(f["job"]), f["job"] != job_id_base(f["job"]),
+                     min(int(f["level"]), cfg.levels - 1), f["rank"], f["run"], f["fd"] is not None)
+            hash(group)
+        except (KeyError, TypeError, ValueError):
+            counts["unreadable"] += 1
+            continue
+        groups.setdefault(group, []).append({"flow": key.as_dict(), "fd": f["fd"]})
+    for group in sorted(groups, key=lambda g: (g[4], str(g))):  # jobs under their own id first, then users' own
+        pid, start, uid, job, _mapped, level, rank, run, named = group
+        pidfd = None
+        if pid is not None:
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                counts["owner_gone"] += len(groups[group])
+                continue
+        try:
+            peer, why = (None, "") if uid is None else _peer(uid, pid, start, pidfd)
+            if why:
+                counts[why] += len(groups[group])
+                continue
+            if peer is not None and not api.policy.allowed(peer):
+                counts["not_allowed"] += len(groups[group])
+                continue
+            items = groups[group]
+            for i in range(0, len(items), MAX_FLOWS_PER_MESSAGE):
+                _register(api, peer, job, level, rank, run, named, items[i:i + MAX_FLOWS_PER_MESSAGE], counts)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+    adopted = counts.pop("adopted", 0)
+    dropped = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
+    log.warning("took back %d of the %d flows the agent that handed over registered%s", adopted, len(flows),
+                f" (not taken back: {dropped})" if dropped else "")
+    return {"adopted": adopted, **counts}
+
+
+def _register(api, peer, job, level, rank, run, named, items, counts, depth: int = 0) -> None:
+    """One register of ``items`` as ``peer``; a refusal splits them in halves (at most log2 of the group deep)."""
+    req = {"op": "register", "id": "handover", "job": job, "level": level, "flows": [i["flow"] for i in items]}
+    if rank is not None:
+        req["rank"] = rank
+    if run is not None:
+        req["run"] = run
+    if named:
+        req["fds"] = [i["fd"] for i in items]
+    reply = json.loads(api.handle(json.dumps(req).encode(), peer))
+    if reply["ok"]:
+        counts["adopted"] += len(items)
+        return
+    if len(items) == 1 or depth > 20:
+        counts[reply["error"]["code"]] += len(items)
+        return
+    half = len(items) // 2
+    _register(api, peer, job, level, rank, run, named, items[:half], counts, depth + 1)
+    _register(api, peer, job, level, rank, run, named, items[half:], counts, depth + 1)
+
