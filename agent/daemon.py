@@ -891,13 +891,14 @@ def _stop_on_signals() -> tuple[threading.Event, threading.Event]:
     return stop, handover
 
 
-def _hand_over(cfg: Config, touched: list[Takeover], held: HeldDevices, table: FlowTable) -> None:
+def _hand_over(cfg: Config, touched: list[Takeover], held: HeldDevices, table: FlowTable,
+               reported: dict | None) -> None:
     """The hand-over stop (SIGUSR2): log what stays and leave it all as a killed agent would, the devices' trees,
     the nftables table with its flow marks and every record (stranded ones too), so that the next agent adopts the
     trees and keeps the marks for INHERIT_S; and write the flow table down, which it takes back (agent/handover.py;
     docs/agent.md, item 6). The lock and the socket are released by the caller as on any exit."""
     kept = [t.link.name for t in touched] + [stranded_name(t.link.name, i) for i, t in held.stranded.items()]
-    flows = write_flows(cfg, table)
+    flows = write_flows(cfg, table, reported)
     log.warning("handing over: leaving %s taken over, the nftables table and its flow marks in place for the next "
                 "agent, which adopts them, and %d flows in %s for it to take back (if none starts, the records in "
                 "the state directory let any later agent restore them; `tensorlane-agentctl stop` or SIGTERM to "
@@ -1048,6 +1049,7 @@ def _run(cfg: Config, lock: list[int] | None = None) -> int:
         held = HeldDevices(cfg, kind, [eg.name for eg in egress], rec, lock)
         touched = held.takeovers  # every device taken over, at start-up or later, is restored on the way out
         installed = False  # the nftables table made (or a killed agent's adopted): deleted on the way out
+        api = None
         stop, handover = _stop_on_signals()
         try:
             for t in plan:
@@ -1072,7 +1074,7 @@ def _run(cfg: Config, lock: list[int] | None = None) -> int:
             _serve(cfg, api, held, table, Notifier(), _describe(egress), stop)
         finally:
             if handover.is_set():  # (SIGUSR2: a planned restart; the next agent adopts everything)
-                _hand_over(cfg, touched, held, table)
+                _hand_over(cfg, touched, held, table, api.jobs.reported if api is not None else None)
             else:
                 if installed or touched:  # else nothing was changed: a killed agent's table (its flows' marks) stays
                     rec.teardown()  # (touched: devices held now; a device that left since is no longer in it)

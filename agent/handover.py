@@ -11,9 +11,9 @@ drops its flows), hold the socket (``not_owned``: one whose socket was closed in
 user and still allowed by the new config (``allowed_users``, ``level_limits``, the per-user limits). A flow
 registered without an ownership check (root or a ``trusted_users`` member with ``check_ownership``, or the agent
 itself) is taken back where its user may still register it so. Levels beyond the new ``levels`` go to the least
-urgent one, as the shim's do. The file is read once and removed: a file of another boot or network namespace, or of
-a newer format, is dropped with a warning (the shims register again anyway). Jobs' reported inputs (``report``) are
-not carried: the shims report again within their interval.
+urgent one, as the shim's do. The jobs' reported inputs (``report``: step bytes, compute time, ...) come along for
+the jobs taken back, so an order by them holds through the restart. The file is read once and removed: a file of
+another boot or network namespace, or of a newer format, is dropped with a warning (the shims register again).
 Usage: ``write_flows(cfg, table)`` at a hand-over; ``adopt_flows(cfg, api)`` before serving
 """
 from __future__ import annotations
@@ -70,9 +70,10 @@ def start_time(pid: int) -> int | None:
         return None
 
 
-def write_flows(cfg, table: FlowTable) -> int:
-    """Write ``table``'s flows (not those draining: their owners let go) for the next agent; returns how many.
-    A failure is logged: the next agent then keeps the kernel's marks for ``INHERIT_S`` only."""
+def write_flows(cfg, table: FlowTable, reported: dict | None = None) -> int:
+    """Write ``table``'s flows (not those draining: their owners let go) and the jobs' ``reported`` inputs
+    (``JobScheduler.reported``) for the next agent; returns how many flows. A failure is logged: the next agent then
+    keeps the kernel's marks for ``INHERIT_S`` only."""
     starts: dict[int, int | None] = {}
     flows = []
     for key, e in table.flows.items():
@@ -86,7 +87,7 @@ def write_flows(cfg, table: FlowTable) -> int:
                       "pid": e.pid, "start": starts.get(e.pid), "uid": e.uid,
                       "fd": None if e.fd_found else e.fd})
     doc = {"format": FLOWS_FORMAT, "boot_id": boot_id(), "netns": netns_id(), "agent_pid": os.getpid(),
-           "written_at": time.time(), "flows": flows}
+           "written_at": time.time(), "flows": flows, "reported": reported or {}}
     path = flows_path(cfg)
     tmp = path.with_suffix(".tmp")
     try:
@@ -104,36 +105,36 @@ def write_flows(cfg, table: FlowTable) -> int:
     return len(flows)
 
 
-def _read(cfg) -> list[dict]:
-    """The flows a hand-over left, after the file's checks; the file is removed (read once)."""
+def _read(cfg) -> tuple[list[dict], dict]:
+    """The flows and reported inputs a hand-over left, after the file's checks; the file is removed (read once)."""
     path = flows_path(cfg)
     try:
         with open(path) as fh:
             raw = fh.read(256 << 20)
     except FileNotFoundError:
-        return []
+        return [], {}
     except OSError as exc:
         log.warning("cannot read %s: %s (its flows are not taken back; their clients register again)", path, exc)
-        return []
+        return [], {}
     finally:
         with contextlib.suppress(OSError):
             path.unlink()
     try:
         doc = json.loads(raw)
-        fmt, flows = doc.get("format", 1), doc["flows"]
-        if not isinstance(flows, list):
-            raise TypeError("flows is not a list")
+        fmt, flows, reported = doc.get("format", 1), doc["flows"], doc.get("reported") or {}
+        if not isinstance(flows, list) or not isinstance(reported, dict):
+            raise TypeError("flows is not a list, or reported not an object")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("%s is not a hand-over's flow table (%s): not taken back", path, exc)
-        return []
+        return [], {}
     if not isinstance(fmt, int) or fmt > FLOWS_FORMAT:
         log.warning("%s is of format %r, newer than this agent's (%d): its flows are not taken back (their clients "
                     "register again)", path, fmt, FLOWS_FORMAT)
-        return []
+        return [], {}
     if doc.get("boot_id") != boot_id() or doc.get("netns") != netns_id():
         log.warning("%s was written in another boot or network namespace: its flows are not taken back", path)
-        return []
-    return flows
+        return [], {}
+    return flows, reported
 
 
 def _peer(uid: int, pid: int, start: int | None, pidfd: int | None) -> tuple[Peer | None, str]:
@@ -166,7 +167,7 @@ def adopt_flows(cfg, api) -> dict[str, int]:
     ``{"adopted": n, reason: n, ...}`` and logs them. Each owner's flows go in requests of one job, level, rank
     and run, checked as its own would be; a refused request is split until the flows at fault are found (a socket
     closed in the gap fails its own flow only)."""
-    flows = _read(cfg)
+    flows, reported = _read(cfg)
     counts: collections.Counter = collections.Counter()
     if not flows:
         return dict(counts)
@@ -204,11 +205,24 @@ def adopt_flows(cfg, api) -> dict[str, int]:
         finally:
             if pidfd is not None:
                 os.close(pidfd)
+    _take_reported(api, reported)
     adopted = counts.pop("adopted", 0)
     dropped = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
     log.warning("took back %d of the %d flows the agent that handed over registered%s", adopted, len(flows),
                 f" (not taken back: {dropped})" if dropped else "")
     return {"adopted": adopted, **counts}
+
+
+def _take_reported(api, reported: dict) -> None:
+    """Give the jobs taken back the inputs their shims had reported (the order by them, at once, not after the
+    shims' next report); inputs of a job without flows now, or that the order cannot rank, are left out."""
+    for job, inputs in sorted(reported.items()):
+        if job not in api.table.by_job or not isinstance(inputs, dict):
+            continue
+        sent = {k: v for k, v in inputs.items() if k in api.jobs.inputs and isinstance(v, (int, float))}
+        if sent:
+            with contextlib.suppress(Exception):  # noqa: BLE001 - (bad_request: not rankable) the next report
+                api._take_inputs(job, sent, None)
 
 
 def _register(api, peer, job, level, rank, run, named, items, counts, depth: int = 0) -> None:

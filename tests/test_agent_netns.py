@@ -637,12 +637,13 @@ def test_a_hand_over_passes_the_flow_table_to_the_next_agent(tb, tmp_path):
     as ``AgentClient`` users do (no shim registering again): the next agent takes back the two whose owners still
     hold their sockets, at their levels, and keeps their marks past ``INHERIT_S``; the flow whose socket was closed
     while no agent ran and the one whose process exited are not taken back. Until 2026-11-28 the next agent kept
-    every mark for ``INHERIT_S`` and no flow: all four lost their levels 5 s after the restart."""
+    every mark for ``INHERIT_S`` and no flow: all four lost their levels 5 s after the restart, and the job's
+    reported step bytes were gone until its shims' next report."""
     from tensorlane.agent.handover import FLOWS_FILE
     from tensorlane.agent.reconcile import INHERIT_S
 
     h1, h2 = tb.host(1), tb.host(2)
-    extra = {"reconcile_interval_s": 0.5}
+    extra = {"reconcile_interval_s": 0.5, "job_policy": "shortest"}
 
     def marks() -> str:
         return h1.run(["nft", "list", "map", "inet", "tensorlane", "flows4"]).stdout
@@ -657,6 +658,10 @@ def test_a_hand_over_passes_the_flow_table_to_the_next_agent(tb, tmp_path):
                 holders.append(p)
                 assert p.stdout.readline().strip() == "registered"
             assert agents[1].status()["flows"] == 4
+            with agents[1].client() as agent:  # the job's step bytes, as its shims report them (shortest's input)
+                agent.request("report", job="job-h", session="s1", step_bytes=4096,
+                              levels=[{"level": 1, "allreduces": 1, "bytes": 4096, "comm_s": 0.01}])
+            assert agents[1].status()["job_policy"]["step_bytes"] == {"job-h": 4096}
             agents[1].proc.send_signal(signal.SIGUSR2)
             assert agents[1].proc.wait(10) == 0
             assert f"4 flows in {state_dir}/{FLOWS_FILE}" in agents[1].stderr_tail(), agents[1].stderr_tail()
@@ -670,6 +675,7 @@ def test_a_hand_over_passes_the_flow_table_to_the_next_agent(tb, tmp_path):
             with agents[1].client() as agent:
                 got = {f["sport"]: f["requested_level"] for f in agent.list()["flows"]}
             assert got == {9841: 1, 9842: 2}, got
+            assert agents[1].status()["job_policy"]["step_bytes"] == {"job-h": 4096}  # no report since: carried
             log = agents[1].stderr_tail()
             assert "took back 2 of the 4 flows" in log and "1 not_owner" in log and "1 owner_gone" in log, log
             assert not os.path.exists(f"{state_dir}/{FLOWS_FILE}")  # read once

@@ -27,7 +27,7 @@ def test_written_flows_leave_out_draining_ones_and_gone_owners(tmp_path):
     table.register("job-a", 2, (_key(3),), pid=None, uid=None)
     table.register("job-b", 0, (_key(4),), pid=2**22 + 12345, uid=1000)  # (no such process)
     table.drain([_key(2)], until=1e18)
-    assert handover.write_flows(_cfg(tmp_path), table) == 2
+    assert handover.write_flows(_cfg(tmp_path), table, {"job-a": {"step_bytes": 4096}}) == 2
     path = tmp_path / handover.FLOWS_FILE
     assert path.stat().st_mode & 0o777 == 0o600  # root's: it names every user's processes and flows
     doc = json.loads(path.read_text())
@@ -37,6 +37,7 @@ def test_written_flows_leave_out_draining_ones_and_gone_owners(tmp_path):
     assert flows[1] == {"flow": list(_key(1)), "job": "job-a", "level": 1, "rank": 3, "run": "r1", "pid": os.getpid(),
                         "start": handover.start_time(os.getpid()), "uid": 0, "fd": 7}
     assert flows[3]["pid"] is None and flows[3]["uid"] is None and flows[3]["fd"] is None
+    assert doc["reported"] == {"job-a": {"step_bytes": 4096}}
 
 
 class FakeApi:
@@ -46,12 +47,19 @@ class FakeApi:
         self.refused = set(refused)
         self.calls = []
         self.policy = types.SimpleNamespace(allowed=lambda peer: True)
+        self.table = types.SimpleNamespace(by_job={})
+        self.jobs = types.SimpleNamespace(inputs=("step_bytes", "compute_s"))
+        self.taken = []
+
+    def _take_inputs(self, job, sent, refused):
+        self.taken.append((job, sent, refused))
 
     def handle(self, line, peer):
         req = json.loads(line)
         self.calls.append((req, peer))
         if any(f["sport"] in self.refused for f in req["flows"]):
             return json.dumps({"ok": False, "error": {"code": "not_owner", "message": "closed"}}).encode()
+        self.table.by_job.setdefault(req["job"], set()).update(f["sport"] for f in req["flows"])
         return json.dumps({"ok": True, "result": {}}).encode()
 
 
@@ -75,6 +83,16 @@ def test_a_refused_register_is_split_until_the_flows_at_fault_are_found(tmp_path
     assert adopted == [s for s in range(16) if s not in (5, 11)]
     assert len(api.calls) <= 16  # halves, not one request per flow
     assert not (tmp_path / handover.FLOWS_FILE).exists()  # read once
+
+
+def test_reported_inputs_come_along_for_the_jobs_taken_back(tmp_path):
+    api = FakeApi()
+    reported = {"job-a": {"step_bytes": 4096, "compute_s": 0.5, "window_steps": 3}, "job-gone": {"step_bytes": 1}}
+    _write(tmp_path, [_flow(1)], reported=reported)
+    assert handover.adopt_flows(_cfg(tmp_path), api) == {"adopted": 1}
+    # (as the agent's own: the old agent took them from a reporter that could speak for the job; inputs the policy
+    # does not order by are left out, and so is a job none of whose flows were taken back)
+    assert api.taken == [("job-a", {"step_bytes": 4096, "compute_s": 0.5}, None)]
 
 
 def test_requests_keep_job_level_and_fds_and_levels_beyond_the_new_ones_go_to_the_last(tmp_path):
