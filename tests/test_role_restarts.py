@@ -79,7 +79,7 @@ def test_the_systemd_handler_hands_over_then_restarts(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip() == "started", proc
     assert [c.split()[0] for c in calls] == ["daemon-reload", "show", "restart"], calls
     (tmp_path / "calls").unlink()
-    stuck = subprocess.Popen(["sh", "-c", "trap '' USR2; while :; do sleep 0.05; done"])
+    stuck = subprocess.Popen(["sh", "-c", "trap ':' USR2; while :; do sleep 0.05; done"])  # caught, not exiting
     try:
         time.sleep(0.2)
         proc, calls = _handover_restart(tmp_path, stuck.pid, timeout_s=1)
@@ -88,3 +88,27 @@ def test_the_systemd_handler_hands_over_then_restarts(tmp_path):
     finally:
         stuck.kill()
         stuck.wait(5)
+
+
+def test_the_systemd_handler_restarts_an_agent_without_the_hand_over_with_sigterm(tmp_path):
+    """An agent from before the hand-over (2026-11-28) has no SIGUSR2 handler: SIGUSR2's default action kills it,
+    without its restore, and systemd counts death by SIGUSR2 as a failure. The handler reads whether the unit's main
+    process catches SIGUSR2 (SigCgt in /proc/PID/status) and, where it does not, does the old restart: ``systemctl
+    restart`` (SIGTERM: restore, take over again). The old agent here is a real Python process with SIGUSR2 at its
+    default: it must be alive after the script (the stub's restart does nothing), not killed. Until 2026-11-28 the
+    first upgrade of a fleet through this handler killed every running agent."""
+    import subprocess
+    import sys
+    import time
+
+    old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.3)
+        proc, calls = _handover_restart(tmp_path, old.pid)
+        assert old.poll() is None, f"the old agent was killed (status {old.returncode}): {proc} {calls}"
+        assert proc.returncode == 0 and "does not catch SIGUSR2" in proc.stdout and "handed over" not in proc.stdout, \
+            proc
+        assert [c.split()[0] for c in calls] == ["daemon-reload", "show", "is-active", "restart"], calls
+    finally:
+        old.kill()
+        old.wait(5)
