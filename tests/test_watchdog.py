@@ -347,3 +347,99 @@ def test_agentctl_restart_hands_over_without_a_gap_and_stop_still_restores():
             assert not [f for f in os.listdir(run_dir) if f.endswith(".json")]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+OLD_AGENT = '''"""The current agent with SIGUSR2 at its default action: an agent from before the hand-over."""
+import signal
+import sys
+
+from tensorlane.agent import daemon
+from tensorlane.cli import main
+
+_stop_on_signals = daemon._stop_on_signals
+
+
+def _old():
+    events = _stop_on_signals()
+    signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    return events
+
+
+daemon._stop_on_signals = _old
+sys.exit(main())
+'''
+
+
+@pytest.mark.netns
+def test_agentctl_restart_of_an_agent_without_the_hand_over_restores_instead_of_killing_it():
+    """The first upgrade of a fleet: the running agent is of a version without the hand-over (no SIGUSR2 handler,
+    simulated here by the current agent with SIGUSR2 at its default action, in its own venv directory), the new
+    ``tensorlane-agentctl`` is rendered, then ``restart``. The script reads that the agent does not catch SIGUSR2
+    (SigCgt) and stops it with SIGTERM (it restores eth0 and removes its table), then starts the new agent, which
+    takes eth0 over afresh. Until 2026-11-28 it sent SIGUSR2, whose default action killed the old agent without its
+    restore (the new agent adopted the tree left as a crash leaves it)."""
+    from tensorlane.client import AgentClient
+    from testbed import Testbed
+
+    workdir = tempfile.mkdtemp(prefix="tensorlane-tho-")
+    run_dir = os.path.join(workdir, "run")
+    old_venv = os.path.join(workdir, "old-venv")
+    os.makedirs(os.path.join(old_venv, "bin"))
+    with open(os.path.join(old_venv, "old_agent.py"), "w") as fh:
+        fh.write(OLD_AGENT)
+    wrapper = os.path.join(old_venv, "bin", "tensorlane")
+    with open(wrapper, "w") as fh:
+        fh.write(f'#!/bin/sh\nexec {sys.executable} {old_venv}/old_agent.py "$@"\n')
+    os.chmod(wrapper, 0o755)
+    paths = {"ctl": os.path.join(workdir, "tensorlane-agentctl"), "config": os.path.join(workdir, "agent.toml"),
+             "socket": os.path.join(run_dir, "agent.sock"), "pid": os.path.join(run_dir, "agent.pid"),
+             "log": os.path.join(workdir, "agent.log")}
+    ctl = dict(tensorlane_config_file=paths["config"], tensorlane_run_dir=run_dir, tensorlane_log_file=paths["log"],
+               tensorlane_watchdog_s=0, tensorlane_restart_pause_s=RESTART_PAUSE_S, tensorlane_start_timeout_s=20,
+               tensorlane_stop_timeout_s=20)
+    try:
+        with Testbed(hosts=2, rate="100mbit", name=HANDOVER_TESTBED) as tb:
+            h1, h2 = tb.host(1), tb.host(2)
+            h1.run(["ip", "link", "set", "lo", "up"], timeout=10)
+            with open(paths["config"], "w") as fh:
+                fh.write(render_config(agent_config(tb, h1, socket=paths["socket"], state_dir=run_dir,
+                                                    reconcile_interval_s=0.2, trusted_users=["root"])))
+            render("tensorlane-agentctl.j2", paths["ctl"], tensorlane_venv=old_venv, **ctl)
+            before, tables_before = tc_dump(h1), nft_tables(h1)
+            try:
+                start = h1.run([paths["ctl"], "start"], check=False, timeout=60)
+                assert start.returncode == 0, start.stdout + start.stderr + _log(paths)
+                old = _read_pid(paths["pid"])
+                with AgentClient(paths["socket"], timeout=5) as agent:
+                    agent.register("job-h", 0, [{"proto": "udp", "src": h1.ip, "sport": 9811, "dst": h2.ip,
+                                                 "dport": 9810}])
+                render("tensorlane-agentctl.j2", paths["ctl"], tensorlane_venv=VENV, **ctl)  # the upgrade
+                samples: list = []
+                done = threading.Event()
+                watcher = threading.Thread(target=_watch, args=(h1, done, samples), daemon=True)
+                watcher.start()
+                _wait(lambda: len(samples) >= 3, 10)
+                restart = h1.run([paths["ctl"], "restart"], check=False, timeout=60)
+                time.sleep(0.3)
+                done.set()
+                watcher.join(15)
+                with open(paths["log"]) as fh:
+                    log = fh.read()
+                gaps = [s for s in samples if "qdisc htb 7a1: root" not in s[1] or not s[2]]
+                print(f"restart of an agent without the hand-over: {restart.stdout.strip()!r}; {len(gaps)} of "
+                      f"{len(samples)} samples without the agent's root or the mark: {gaps[:3]}")
+                assert restart.returncode == 0 and "started" in restart.stdout, restart.stdout + restart.stderr + log
+                assert "does not catch SIGUSR2" in restart.stdout and "handed over" not in restart.stdout, \
+                    restart.stdout + log[-4000:]
+                assert f"the agent (pid {old}) failed" not in log and "restored eth0" in log, log[-4000:]
+                new = _read_pid(paths["pid"])
+                assert new != old and not os.path.exists(f"/proc/{old}"), log[-4000:]
+                assert h1.run([os.path.join(VENV, "bin", "tensorlane"), "status", "--socket", paths["socket"]],
+                              check=False, timeout=10).returncode == 0, log[-4000:]
+                assert "qdisc htb 7a1: root" in tc_dump(h1), log[-4000:]
+            finally:
+                stop = h1.run([paths["ctl"], "stop"], check=False, timeout=60)
+            assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr + _log(paths)
+            assert tc_dump(h1) == before and nft_tables(h1) == tables_before, _log(paths)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
