@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 
 from tensorlane.client import AgentClient, AgentError, AgentUnavailable, agent_text
 from tensorlane.flows import flow_key, own_flow_fds
@@ -16,6 +17,12 @@ from tensorlane.flows import flow_key, own_flow_fds
 log = logging.getLogger("tensorlane.shim")
 MAX_FLOWS_PER_REQUEST = 1024
 MAX_LOST_WARNINGS = 3  # times the agent going away (and coming back) is a warning; after that, info
+# After the agent was found away (not a refusal), the keep-alive tries every RETRY_S for RETRY_WINDOW_S, then every
+# interval_s: a restarted agent (about 1 s without one) gets the flows added meanwhile, and all of them after a
+# restore restart, within RETRY_S of answering instead of at the next keep-alive (up to 2 s later). Bounded: at most
+# RETRY_WINDOW_S / RETRY_S tries of a connect to a Unix socket per time the agent went away.
+RETRY_S = 0.2
+RETRY_WINDOW_S = 10.0
 
 
 class AgentLink:
@@ -43,11 +50,13 @@ class AgentLink:
         self._instance: str | None = None
         self._warned = False
         self._lost = 0  # times the agent was found away (each once, until it answers again)
+        self._away_since: float | None = None  # monotonic time the agent was last found away (None: answering)
         self._fold_warned = False  # warned that levels beyond the agent's are registered at its last
         self._ever_registered = False
         self._ever_answered = False  # an agent answered hello once (a process with no flows registers none)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the keep-alive's pause ends early: stopping, or the agent found away
         self._thread = threading.Thread(target=self._run, args=(interval_s,), name="tensorlane-agent-link",
                                         daemon=True)
         self._thread.start()
@@ -120,6 +129,7 @@ class AgentLink:
                     "" if not self.flows else "; flows registered again" if back else "; flows registered")
             self._warned = False
         self._instance = instance
+        self._away_since = None
         if self.on_registered is not None and self.flows:
             self.on_registered()  # a restarted agent has none of this job's reports: send them now, not in 5 s
 
@@ -141,6 +151,9 @@ class AgentLink:
             why = str(exc) if isinstance(exc, AgentUnavailable) else f"no agent at {self.socket_path} ({exc})"
             if why.startswith("no agent at"):  # as the CLI says: the agent may listen where its config's `socket` is
                 why += " (an agent on another socket: TENSORLANE_AGENT_SOCKET=PATH or attach(agent_socket=PATH))"
+            if self._away_since is None:  # (a restart: the keep-alive tries again soon, for a while)
+                self._away_since = time.monotonic()
+                self._wake.set()  # (a keep-alive pausing interval_s since before: its next pause is RETRY_S)
             self._fail(f"{why}; training continues without network priority")
         return False
 
@@ -176,8 +189,21 @@ class AgentLink:
         self.close()
         return False
 
+    def _wait_s(self, interval_s: float) -> float:
+        """The keep-alive's next pause: RETRY_S within RETRY_WINDOW_S of the agent found away, else ``interval_s``."""
+        away = self._away_since
+        if away is not None and self._instance is None and time.monotonic() - away < RETRY_WINDOW_S:
+            return min(RETRY_S, interval_s)
+        return interval_s
+
     def _run(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
+        while True:
+            woken = self._wake.wait(self._wait_s(interval_s))
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            if woken:  # (the agent found away by add(): the next pause is RETRY_S)
+                continue
             if not self.check_alive():
                 return
             self.sync()
@@ -185,6 +211,7 @@ class AgentLink:
     def close(self) -> None:
         """Stop the keep-alive thread and withdraw this process's flows (best effort, bounded)."""
         self._stop.set()
+        self._wake.set()
         self.alive = self.on_retired = None  # (nothing of the process groups is kept once closed)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=self.timeout_s * 4 + 2)

@@ -387,3 +387,43 @@ def test_an_attach_whose_groups_were_destroyed_withdraws_its_flows_before_the_ne
         handles[1].close()
         handles[0].close()
         dist.destroy_process_group()
+
+
+def test_an_agent_back_after_a_restart_gets_the_flows_added_meanwhile_soon_and_retries_are_bounded(tmp_path,
+                                                                                                     monkeypatch):
+    """Flows added while no agent runs (a restart's gap, about 1 s) fail to register; the keep-alive then tries
+    every RETRY_S for RETRY_WINDOW_S, so that the new agent gets them within RETRY_S of answering, not at the next
+    keep-alive (``interval_s``: 2 s in attach, 60 s here; until 2026-11-28 up to that long). After the window, the
+    tries are every ``interval_s`` again: an agent that stays away is not polled every RETRY_S for ever."""
+    from tensorlane.shim import agent_link
+
+    monkeypatch.setattr(agent_link, "RETRY_WINDOW_S", 1.0)
+    path = str(tmp_path / "agent.sock")
+    link = AgentLink(path, "job", rank=0, interval_s=60)
+    fake = None
+    try:
+        link.add(0, flows(0))  # no agent: fails, warned
+        assert link.counters["failures"] == 1 and not link.connected
+        time.sleep(0.3)
+        fake = FakeAgent(path, levels=4)
+        up = time.monotonic()
+        while not link.connected and time.monotonic() - up < 3:
+            time.sleep(0.02)
+        late = time.monotonic() - up
+        assert link.connected and late < 1.0, f"registered {late:.2f} s after the agent answered"
+        assert set(fake.flows) == {(f["src"], f["sport"], f["dst"], f["dport"]) for f in flows(0)}
+        fake.stop.set()
+        fake.thread.join(5)
+        fake.sock.close()
+        import os
+        os.unlink(path)
+        link.add(1, flows(1))  # away again: tries every RETRY_S for 1 s, then every 60 s
+        time.sleep(2.5)
+        tries = link.counters["failures"]
+        assert 4 <= tries <= 9, tries
+        time.sleep(1.0)
+        assert link.counters["failures"] == tries
+    finally:
+        link.close()
+        if fake is not None:
+            fake.stop.set()
