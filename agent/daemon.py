@@ -750,7 +750,7 @@ def record(cfg: Config, t: Takeover) -> None:
         os.replace(state_path(cfg, t.link.name), state_path(cfg, stranded_name(t.link.name, index)))
     _save_state(cfg, t.link.name, {"format": RECORD_FORMAT, "ifindex": t.link.index, "interface": t.link.name,
                                    "serves": t.serves, "backend": t.backend.kind, "pid": os.getpid(),
-                                   "snapshot": t.snap.to_json()})
+                                   "started": _process_start(os.getpid()), "snapshot": t.snap.to_json()})
 
 
 def take_over(cfg: Config, ipr: IPRoute, t: Takeover) -> None:
@@ -1005,9 +1005,37 @@ def _records_not_running(cfg: Config) -> list[tuple[str, Path, dict, int]]:
             pid, index = int(state["pid"]), int(state["ifindex"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if pid == os.getpid() or not Path(f"/proc/{pid}").exists():
+        if pid == os.getpid() or not _agent_runs(pid, state.get("started")):
             out.append((name, path, state, index))
     return out
+
+
+def _process_start(pid: int) -> int | None:
+    """Process ``pid``'s start time (``/proc/PID/stat``'s 22nd field, clock ticks after boot), None when it does not
+    run: with its pid, it names one process for the machine's uptime (a pid alone is given again once freed)."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat_line.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _agent_runs(pid: int, started: object) -> bool:
+    """Whether the agent that wrote a record (its ``pid`` and ``started``: :func:`_process_start`) still runs. A
+    pid alone is not enough: an agent's pid is free once it exits (a hand-over restart), and any local user can
+    fork until it holds it (32,768 pids here): until 2026-11-28 its record was then taken for a running agent's, and
+    a device dropped from the config stayed taken over (the agent's tree, shaped, on an interface no agent manages)
+    for as long as that user's process lived. A record without ``started`` (written before) counts as running only
+    where the process is the agent's own user's (root's: another user cannot start one)."""
+    now = _process_start(pid)
+    if now is None:
+        return False
+    if isinstance(started, int) and not isinstance(started, bool):
+        return now == started
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 def _describe(egress: list[links.Egress]) -> str:

@@ -210,6 +210,47 @@ def test_a_killed_agents_record_on_a_default_root_is_restored_only_on_the_device
     assert list(tmp_path.glob("agent-*.json")) == []  # both records gone: one restored, one not its device's
 
 
+@pytest.mark.netns  # root: a network namespace of its own
+def test_a_dead_agents_pid_held_by_another_users_process_does_not_keep_its_device_taken_over(tmp_path):
+    """A hand-over restart frees the old agent's pid, and any local user may fork until one of its processes holds
+    it. The next agent restores a device the config no longer manages whatever process has the recorded pid now:
+    another user's (a record without ``started``, written before 2026-11-28) or any other process than the one that
+    wrote it (``started`` differs). The record of an agent that does run (its pid and start time) is left alone.
+    Before, every record whose pid named a live process was taken for a running agent's and left: the device stayed
+    taken over for as long as that user's process lived. On ``lo`` of a fresh namespace, as above."""
+    import json
+    import subprocess
+    import sys
+
+    def user_sleeps():
+        os.setgid(65534)
+        os.setuid(65534)
+
+    squatter = subprocess.Popen(["sleep", "60"], preexec_fn=user_sleeps)  # "nobody", holding the freed pid
+    running = subprocess.Popen(["sleep", "60"])  # the agent's own user: a running agent's record, if started matches
+    try:
+        with open(f"/proc/{running.pid}/stat") as f:  # (its start time: /proc/PID/stat's 22nd field)
+            started = int(f.read().rsplit(")", 1)[1].split()[19])
+        cases = [({"pid": squatter.pid}, "['lo']"), ({"pid": running.pid, "started": started + 1}, "['lo']"),
+                 ({"pid": running.pid, "started": started}, "[]")]
+        for fields, restored in cases:
+            (tmp_path / "agent-lo.json").write_text(json.dumps({
+                "ifindex": 1, "interface": "lo", "serves": "lo", "backend": "htb", **fields,
+                "snapshot": {"ifname": "lo", "ifindex": 1, "objects": []}}))
+            code = ("import sys; from pyroute2 import IPRoute; from tensorlane.agent import daemon\n"
+                    "from tensorlane.agent.config import Config\n"
+                    "cfg = Config(interfaces=('eth0',), link_rate_bps=10**9, state_dir=sys.argv[1])\n"
+                    "with IPRoute() as ipr: print(daemon.restore_orphans(cfg, ipr, []))")
+            out = subprocess.run(["unshare", "-n", sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                                 text=True, timeout=30)
+            assert out.returncode == 0 and out.stdout.strip() == restored, (fields, out)
+            assert (tmp_path / "agent-lo.json").exists() == (restored == "[]")
+    finally:
+        for proc in (squatter, running):
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("left", [0, 0x7A10000], ids=["original-not-made", "ours-not-deleted"])
 def test_a_restore_that_did_not_put_the_root_back_keeps_the_record(monkeypatch, tmp_path, caplog, left):
     """The device's recorded root (a tbf 1:) is not back after the restore: a request refused or lost on the way
