@@ -586,11 +586,13 @@ class HeldDevices:
         return None
 
 
-def check_metrics_address(cfg: Config) -> None:
+def check_metrics_address(cfg: Config) -> str:
     """``metrics_address`` must be free to listen on: checked before anything changes (the metrics server starts
-    after the take-over, where a port in use stopped the agent with a traceback)."""
+    after the take-over, where a port in use stopped the agent with a traceback). A port held by another user (not
+    root, not the agent's user: :func:`metrics_port_squatted`) does not stop the start: returned as the problem
+    (the agent starts without its metrics and tries again each pass: :class:`Metrics`); "" when it is free."""
     if not cfg.metrics_address:
-        return
+        return ""
     host, _, port = cfg.metrics_address.rpartition(":")
     host = host.strip("[]") or "0.0.0.0"
     try:
@@ -600,7 +602,80 @@ def check_metrics_address(cfg: Config) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(addr)
     except OSError as exc:
+        if problem := metrics_port_squatted(cfg, exc):
+            return problem
         raise ConfigError("metrics_address", f"cannot listen on {cfg.metrics_address}: {exc}") from None
+    return ""
+
+
+def _listening_uids(port: int) -> set[int]:
+    """The uids of the TCP sockets listening on ``port`` in this network namespace (``/proc/self/net/tcp{,6}``:
+    read only when the metrics port is found in use)."""
+    uids: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            with contextlib.suppress(IndexError, ValueError):
+                if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                    uids.add(int(f[7]))
+    return uids
+
+
+def metrics_port_squatted(cfg: Config, exc: OSError) -> str:
+    """Why the agent may start without its metrics ("" where it may not): ``metrics_address``'s port is in use
+    (``exc``: EADDRINUSE) and no socket of root's or the agent user's listens on it. Any local user may bind an
+    unprivileged port (9477) while no agent listens there, as in the gap of a restart (a hand-over's, which leaves
+    every device taken over for the next agent): until 2026-11-28 that refused every later start for as long as
+    the user held it, no agent running, the flow marks left as they were. A port root's or the agent user's socket
+    listens on (another service, another agent) is a configuration error: the start is refused, as before."""
+    if exc.errno != errno.EADDRINUSE:
+        return ""
+    port = int(cfg.metrics_address.rpartition(":")[2])
+    uids = _listening_uids(port)
+    if uids & {0, os.geteuid()}:
+        return ""
+    held = f"uid {', '.join(map(str, sorted(uids)))}" if uids else "a socket of another user's that does not listen"
+    return (f"cannot listen on metrics_address {cfg.metrics_address}: the port is held by {held}, not root's or the "
+            "agent's: serving without metrics (no /metrics, no /healthz) and trying again each pass")
+
+
+class Metrics:
+    """The metrics server of ``metrics_address``: started at once, or, while another user holds its port
+    (:func:`metrics_port_squatted`), at the first pass that finds it free. ``problem``: why it does not run."""
+
+    def __init__(self, cfg: Config, api: Api):
+        """Start the server (raises where the address cannot be listened on and no other user holds its port)."""
+        self.cfg, self.api, self.server, self.problem = cfg, api, None, ""
+        if cfg.metrics_address:
+            self._start(at_start=True)
+
+    def _start(self, at_start: bool = False) -> None:
+        """Listen now; where the port is another user's, note why (logged once) and leave it for a later pass."""
+        from tensorlane.agent.metrics import start_metrics_server
+        try:
+            self.server = start_metrics_server(self.cfg.metrics_address, self.api)
+        except OSError as exc:
+            squatted = metrics_port_squatted(self.cfg, exc)
+            if at_start and not squatted:
+                raise
+            problem = squatted or f"cannot listen on {self.cfg.metrics_address}: {exc}"
+            if problem != self.problem:
+                log.error("%s", problem)
+            self.problem = problem
+            return
+        if self.problem:
+            log.warning("metrics_address %s is free again: serving /metrics and /healthz", self.cfg.metrics_address)
+        self.problem = ""
+
+    def retry(self) -> str:
+        """Each pass: try again where the server does not run; why it still does not ("" when it runs)."""
+        if self.server is None and self.cfg.metrics_address:
+            self._start()
+        return self.problem
 
 
 def check_socket_group(cfg: Config) -> None:
@@ -714,7 +789,8 @@ def prepare(cfg: Config, ipr: IPRoute) -> tuple[str, list[links.Egress], list[Ta
     kind = _choose_kind(cfg)
     check_socket_group(cfg)
     check_socket_path(cfg)
-    check_metrics_address(cfg)
+    if problem := check_metrics_address(cfg):
+        log.error("%s", problem)
     plan = []
     for eg in egress:
         if why := _waiting_for(eg):
@@ -830,10 +906,11 @@ def warn_incomplete(cfg: Config) -> list[Path]:
 
 
 def _serve(cfg: Config, api: Api, held: HeldDevices, table: FlowTable, notifier: Notifier, managing: str,
-           stop: threading.Event) -> None:
+           stop: threading.Event, metrics: Metrics | None = None) -> None:
     """Serve the API socket and reconcile every ``reconcile_interval_s`` until ``stop`` is set (SIGTERM/SIGINT:
     :func:`_stop_on_signals`), first following the managed interfaces' devices (:class:`HeldDevices`); readiness is
-    told once the socket listens, and each reconcile pass feeds the watchdog."""
+    told once the socket listens, and each reconcile pass feeds the watchdog (and starts ``metrics`` where another
+    user held its port until then)."""
     rec = held.rec
     gc.collect()
     gc.freeze()  # what start-up allocated (pyroute2, scapy, prometheus) is never scanned again: no long pauses
@@ -849,6 +926,8 @@ def _serve(cfg: Config, api: Api, held: HeldDevices, table: FlowTable, notifier:
             problems = held.follow(rec.ipr)
         except Exception as exc:  # noqa: BLE001 - (a netlink error reading the links) the pass goes on
             problems = [f"reading the links: {exc}"]
+        if metrics is not None and (problem := metrics.retry()):  # (another user's on the port: tried each pass)
+            problems = [*problems, problem]
         if api.jobs.follow_link(rec.share_budget(), rec.link_bps()):  # the devices held changed: the parts follow
             rec.set_shares(api.jobs.shares)
         rec.reconcile(table, problems)
@@ -1096,10 +1175,8 @@ def _run(cfg: Config, lock: list[int] | None = None) -> int:
                      list(cfg.dscp), _rates(plan))
             api = Api(cfg, table, rec, kind)
             adopt_flows(cfg, api)  # (a hand-over's flows, their owners checked as at a register)
-            if cfg.metrics_address:
-                from tensorlane.agent.metrics import start_metrics_server
-                start_metrics_server(cfg.metrics_address, api)
-            _serve(cfg, api, held, table, Notifier(), _describe(egress), stop)
+            metrics = Metrics(cfg, api)
+            _serve(cfg, api, held, table, Notifier(), _describe(egress), stop, metrics)
         finally:
             if handover.is_set():  # (SIGUSR2: a planned restart; the next agent adopts everything)
                 _hand_over(cfg, touched, held, table, api.jobs.reported if api is not None else None)

@@ -690,3 +690,43 @@ def test_a_hand_over_passes_the_flow_table_to_the_next_agent(tb, tmp_path):
         for p in holders:
             p.kill()
             p.wait(5)
+
+
+def test_another_users_socket_on_the_metrics_port_after_a_hand_over_does_not_keep_the_agent_down(tmp_path):
+    """A hand-over restart (SIGUSR2) leaves the devices taken over and the flow marks for the next agent; in the gap
+    a local user (nobody) binds and listens on the metrics port (9477: any user may). The next agent starts all the
+    same, adopting the tree, without its metrics, says why in ``status`` (``reconcile.failing``) and serves /healthz
+    at the first pass after the user let the port go. Before, that agent refused to start (``cannot listen on
+    metrics_address``) for as long as the user held the port: no agent, the marks left as they were."""
+    import signal
+
+    with Testbed(hosts=1, rate="100mbit", name="h14h") as bed:
+        h1 = bed.host(1)
+        extra = {"reconcile_interval_s": 0.5, "metrics_address": "127.0.0.1:9477"}
+        with running_agents(bed, hosts=[1], backend="htb", config_extra=extra, workdir=str(tmp_path / "a")) as ags:
+            ags[1].proc.send_signal(signal.SIGUSR2)
+            assert ags[1].proc.wait(timeout=15) == 0
+        assert "qdisc htb 7a1: root" in tc_dump(h1)  # handed over: left for the next agent
+        code = ("import os, socket, sys, time\nos.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+                "s = socket.socket(); s.bind(('127.0.0.1', 9477)); s.listen(); print('held', flush=True)\n"
+                "sys.stdin.readline()")
+        squatter = h1.popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert squatter.stdout.readline().strip() == "held"
+            with running_agents(bed, hosts=[1], backend="htb", config_extra=extra,
+                                workdir=str(tmp_path / "b")) as ags:
+                status = wait_for("the port's holder in status", lambda: (
+                    s if "9477" in (s := ags[1].status()["reconcile"])["failing"] else None), 5)
+                assert "held by uid 65534" in status["failing"] and status["last_error"] == status["failing"], status
+                assert "qdisc htb 7a1: root" in tc_dump(h1)
+                squatter.stdin.close()
+                assert squatter.wait(timeout=10) == 0
+                probe = ("import urllib.request, sys\n"
+                         "print(urllib.request.urlopen('http://127.0.0.1:9477/healthz', timeout=2).status)")
+                wait_for("/healthz served", lambda: h1.run([sys.executable, "-c", probe], check=False,
+                                                           timeout=10).stdout.strip() == "200", 10)
+                assert "free again" in ags[1].stderr_tail()
+        finally:
+            if squatter.poll() is None:
+                squatter.kill()
+                squatter.wait()

@@ -612,3 +612,35 @@ def test_a_record_of_a_newer_format_is_neither_adopted_nor_restored(tmp_path, mo
     assert "newer than this agent's" in caplog.text and daemon.state_path(cfg, "tlx").exists()
     daemon._save_state(cfg, "tlx", state)  # (no format: one written before 2026-11-28, read as format 1)
     assert daemon._load_state(cfg, "tlx")["ifindex"] == 7
+
+
+def test_a_metrics_port_root_listens_on_stops_the_start_another_users_does_not():
+    """``metrics_address``'s port in use: where root's (or the agent user's) socket listens there (another service,
+    another agent) the start is refused as a configuration error, as before; where only another user's does (any
+    user may bind 9477 while no agent listens: a restart's gap), the agent starts without its metrics (the problem
+    returned and logged; tried again each pass: ``tests/test_agent_netns.py::test_another_users_socket_on_the_metrics_
+    port_after_a_hand_over_does_not_keep_the_agent_down``). A free port: no problem."""
+    import subprocess
+    import sys
+
+    from tensorlane.agent.config import ConfigError, from_dict
+
+    root = socket.socket()
+    root.bind(("127.0.0.1", 0))
+    root.listen()
+    port = root.getsockname()[1]
+    with pytest.raises(ConfigError, match="metrics_address"):
+        daemon.check_metrics_address(from_dict({"interface": "eth0", "metrics_address": f"127.0.0.1:{port}"}))
+    root.close()
+    code = ("import os, socket, sys\nos.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+            "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True)\n"
+            "sys.stdin.readline()")
+    user = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(user.stdout.readline())
+        cfg = from_dict({"interface": "eth0", "metrics_address": f"127.0.0.1:{port}"})
+        assert "held by uid 65534" in daemon.check_metrics_address(cfg)
+    finally:
+        user.stdin.close()
+        user.wait(timeout=10)
+    assert daemon.check_metrics_address(cfg) == ""
