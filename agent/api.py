@@ -536,8 +536,8 @@ class Api:
                 kept.update(flows)  # (judged at a later pass)
                 continue
             found: dict[FlowKey, int] = {}
-            try:
-                foreign = set(not_owned(pid, flows, found=found, files=files))
+            try:  # (only the user's own sockets, as at the register: not another user's put in the process)
+                foreign = set(not_owned(pid, flows, found=found, files=files, uid=self._made_by(flows[0])))
             except (OSError, TooManyFiles, UndecidedPorts):  # (as a sweep that cannot tell: the flows go)
                 continue
             for k in flows:
@@ -549,6 +549,12 @@ class Api:
     def _fd_of(self, key: FlowKey) -> int | None:
         """The owner's fd that holds flow ``key``'s socket, when its register named it."""
         return self.table.flows[key].fd
+
+    def _made_by(self, key: FlowKey) -> int | None:
+        """The user whose sockets alone hold flow ``key`` (its registering user's, as its register checked: ``uid``
+        of ``not_owned``); None for root's flows (any socket)."""
+        uid = self.table.flows[key].uid
+        return None if uid == 0 else uid
 
     def _uid_of(self, key: FlowKey) -> int | None:
         """The user that registered flow ``key``."""
@@ -600,7 +606,8 @@ class Api:
             self._swept_to = turn[-1]
             owners = {pid: list(by_pid[pid]) for pid in turn}  # (unsorted: sorting 50,000 flows cost 50 ms)
             read: list[int] = []  # (the owners judged: at most SWEEP_FDS open files are read per pass)
-            gone += self._let_go(self._found_elsewhere(not_owned_by_owners(owners, read, self._fd_of)))
+            gone += self._let_go(self._found_elsewhere(not_owned_by_owners(owners, read, self._fd_of,
+                                                                           self._made_by)))
             self._swept_to = read[-1] if read else self._swept_to
         if gone:
             self._push([], [], gone)

@@ -302,21 +302,22 @@ def fd_inode(pid: int, fd: int) -> int | None:
     return None
 
 
-def _unowned_by_fd(entries: list[tuple[int, FlowKey, int]], undecided: set, uid: int | None = None) -> list[int]:
+def _unowned_by_fd(entries: list[tuple[int, FlowKey, int]], undecided: set, uid: int | None = None,
+                   uid_of: Callable[[FlowKey], int | None] | None = None) -> list[int]:
     """Indexes of ``entries`` (pid, flow, fd) whose fd does not hold the flow's socket in the agent's namespace: the
     fd must be a socket (one readlink) that is, for TCP, the established socket of that 5-tuple (an exact sock_diag
     lookup gives its inode), for UDP, a socket of the flow's source port (a port dump) that owns the flow by the UDP
     rule (``_owns``). O(1) per flow, whatever the process's open files or the namespace's sockets. UDP flows whose
     port was not dumped are in neither (``undecided``). ``uid``: the fd must hold a socket that user made
-    (``made_by``: a stat instead of the readlink)."""
-    seen: dict[tuple[int, int], int | None] = {}  # (pid, fd) -> its inode: one link per fd, however many flows
+    (``made_by``: a stat instead of the readlink); ``uid_of``: the same, each flow's user (None: any socket)."""
+    seen: dict[tuple[int, int, int | None], int | None] = {}  # -> the fd's inode: one look per fd, however many flows
 
-    def inode(pid: int, fd: int) -> int | None:
-        if (pid, fd) not in seen:
-            seen[pid, fd] = fd_inode(pid, fd) if uid is None else made_by(pid, fd, uid)
-        return seen[pid, fd]
+    def inode(pid: int, fd: int, user: int | None) -> int | None:
+        if (pid, fd, user) not in seen:
+            seen[pid, fd, user] = fd_inode(pid, fd) if user is None else made_by(pid, fd, user)
+        return seen[pid, fd, user]
 
-    inodes = [inode(pid, fd) for pid, _, fd in entries]
+    inodes = [inode(pid, fd, uid if uid_of is None else uid_of(k)) for pid, k, fd in entries]
     bad = {i for i, n in enumerate(inodes) if n is None}
     tcp = [i for i, (_, k, _) in enumerate(entries) if k.proto == "tcp" and i not in bad]
     udp = [i for i, (_, k, _) in enumerate(entries) if k.proto != "tcp" and i not in bad]
@@ -412,7 +413,8 @@ def _by_port_inodes(rows: Mapping[int, Socket]) -> dict[tuple[str, int], list[in
 
 
 def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]], read: list[int] | None = None,
-                        fd_of: Callable[[FlowKey], int | None] | None = None) -> list[FlowKey]:
+                        fd_of: Callable[[FlowKey], int | None] | None = None,
+                        uid_of: Callable[[FlowKey], int | None] | None = None) -> list[FlowKey]:
     """For the periodic sweep: every flow of ``owners`` (pid -> its flows) whose owner no longer holds its socket
     in the agent's namespace (closed, or the process is gone). A flow registered with its fd (``fd_of`` gives it,
     None for one without) is judged by that fd alone (``_unowned_by_fd``: an fd closed, or reused by another
@@ -422,7 +424,9 @@ def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]], read: list[int]
     judged; the others wait for a later pass); the TCP flows are looked up one by one while that is cheaper
     (``lookups_cheaper``), else the namespace's TCP tables are read once for all owners; UDP flows by port dumps
     (``udp_sockets``; those of ports beyond ``UDP_PORT_DUMPS`` are kept, for a later pass): the cost never grows
-    with owners x sockets."""
+    with owners x sockets. ``uid_of``: the user each flow must be held by a socket of (``made_by``, as at its
+    register: None, root's, any socket): a socket of another user's put in its place (same 5-tuple, at the fd or,
+    for a flow without one, anywhere in the process) does not keep it; until 2026-11-28 it did."""
     undecided: set = set()
     gone: list[FlowKey] = []
     held: dict[int, set[int]] = {}
@@ -442,8 +446,9 @@ def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]], read: list[int]
                 spent += 1
         if rest:
             files: list[int] = []
-            try:
-                held[pid] = inodes_of(pid, files)
+            users = {uid_of(k) for k in rest} if uid_of is not None else {None}
+            try:  # (one user's flows, as a process's are: only its sockets; several (root's too): any, as before)
+                held[pid] = inodes_of(pid, files, next(iter(users)) if len(users) == 1 else None)
                 flows_of[pid] = rest
                 spent += files[0] + 1  # (its open files read, sockets or not: counting its sockets let 512 owners
                 # of 8,192 other files each cost 4 million readlinks in one pass)
@@ -457,7 +462,7 @@ def not_owned_by_owners(owners: Mapping[int, Iterable[FlowKey]], read: list[int]
         if read is not None:
             read.append(pid)
     if by_fd:
-        gone += [by_fd[i][1] for i in _unowned_by_fd(by_fd, undecided)]
+        gone += [by_fd[i][1] for i in _unowned_by_fd(by_fd, undecided, uid_of=uid_of)]
     if not held:
         return gone
     tcp_count = sum(k.proto == "tcp" for fl in flows_of.values() for k in fl)

@@ -683,6 +683,42 @@ def test_a_socket_another_user_made_is_not_a_users_to_register():
         assert len(api.table.flows) == 2
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["fds", "found"])
+def test_a_users_flow_whose_socket_is_swapped_for_another_users_is_swept(named):
+    """A register refuses a socket another user made (above); a sweep must not keep a flow for one either. The user
+    registers its own socket's flow, then its process holds another user's socket with the same 5-tuple at that fd
+    (the port rebound by a setuid program it exec'd, or a socket passed to it, put at the same fd; or, registered
+    without fds, at another fd): its flow then marks that user's traffic at the level of its choice. The sweep
+    judges with the user's sockets only (``made_by``): the flow goes. Before, any socket at the fd (or, for a flow
+    registered without fds, any of the process's) kept it."""
+    from test_jobs_agent import make_api
+
+    from tensorlane.agent.peers import Peer
+
+    api, _ = make_api()
+    nobody = Peer(os.getpid(), 65534, 65534)
+    with contextlib.ExitStack() as stack:
+        with made_as(65534):
+            mine = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+        mine.bind(("127.0.0.1", 0))
+        port = mine.getsockname()[1]
+        flow = {"proto": "udp", "src": "127.0.0.1", "sport": port, "dst": "127.0.0.2", "dport": 9}
+        msg = {"op": "register", "job": "j", "level": 3, "flows": [flow], **({"fds": [mine.fileno()]} if named else {})}
+        reply = json.loads(api.handle(json.dumps(msg).encode(), nobody))
+        assert reply["ok"], reply
+        api.sweep()
+        assert len(api.table.by_pid.get(os.getpid(), ())) == 1  # its own socket: kept
+        fd = mine.fileno()
+        mine.close()
+        roots = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))  # another user's (root's)
+        roots.bind(("127.0.0.1", port))
+        if named and roots.fileno() != fd:  # at the very fd the client named (the lowest free: most often its own)
+            os.dup2(roots.fileno(), fd)
+            stack.callback(os.close, fd)
+        api.sweep()
+        assert not api.table.by_pid.get(os.getpid()), api.table.flows
+
+
 def test_many_udp_flows_of_one_socket_cost_one_lookup(monkeypatch):
     """One unconnected UDP socket owns a flow to every destination: a user registered max_flows_per_user (50,000) of
     them, and every sweep (each SWEEP_S, 0.5 s) made an exact sock_diag lookup per flow and, with ``fds``, a readlink

@@ -1142,7 +1142,7 @@ def test_the_sweep_reads_a_bounded_turn_of_owners_and_comes_round_to_all(monkeyp
         api.table.register("many", 1, (key(pid),), pid=pid, uid=1000)
     turns = []
     monkeypatch.setattr(api_mod, "not_owned_by_owners",
-                        lambda owners, read=None, fd_of=None: turns.append(sorted(owners)) or [])
+                        lambda owners, read=None, fd_of=None, uid_of=None: turns.append(sorted(owners)) or [])
     for _ in range(4):
         assert api.sweep() == 0
     assert [len(t) for t in turns] == [api_mod.SWEEP_OWNERS] * 4
