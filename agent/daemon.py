@@ -32,6 +32,7 @@ from tensorlane.agent.handover import adopt_flows, flows_path, write_flows
 from tensorlane.agent.kernel import detect, links, snapshot, sockdiag
 from tensorlane.agent.kernel.qdisc import MAJOR, fmt_handle, handle, make_backend
 from tensorlane.agent.notify import Notifier
+from tensorlane.agent.peers import process_start
 from tensorlane.agent.reconcile import Device, Reconciler
 from tensorlane.agent.server import Server, socket_dir_problem
 from tensorlane.agent.state import FlowTable
@@ -826,7 +827,7 @@ def record(cfg: Config, t: Takeover) -> None:
         os.replace(state_path(cfg, t.link.name), state_path(cfg, stranded_name(t.link.name, index)))
     _save_state(cfg, t.link.name, {"format": RECORD_FORMAT, "ifindex": t.link.index, "interface": t.link.name,
                                    "serves": t.serves, "backend": t.backend.kind, "pid": os.getpid(),
-                                   "started": _process_start(os.getpid()), "snapshot": t.snap.to_json()})
+                                   "started": process_start(os.getpid()), "snapshot": t.snap.to_json()})
 
 
 def take_over(cfg: Config, ipr: IPRoute, t: Takeover) -> None:
@@ -1089,24 +1090,14 @@ def _records_not_running(cfg: Config) -> list[tuple[str, Path, dict, int]]:
     return out
 
 
-def _process_start(pid: int) -> int | None:
-    """Process ``pid``'s start time (``/proc/PID/stat``'s 22nd field, clock ticks after boot), None when it does not
-    run: with its pid, it names one process for the machine's uptime (a pid alone is given again once freed)."""
-    try:
-        stat_line = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat_line.rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _agent_runs(pid: int, started: object) -> bool:
-    """Whether the agent that wrote a record (its ``pid`` and ``started``: :func:`_process_start`) still runs. A
+    """Whether the agent that wrote a record (its ``pid`` and ``started``: :func:`process_start`) still runs. A
     pid alone is not enough: an agent's pid is free once it exits (a hand-over restart), and any local user can
     fork until it holds it (32,768 pids here): until 2026-11-28 its record was then taken for a running agent's, and
     a device dropped from the config stayed taken over (the agent's tree, shaped, on an interface no agent manages)
     for as long as that user's process lived. A record without ``started`` (written before) counts as running only
     where the process is the agent's own user's (root's: another user cannot start one)."""
-    now = _process_start(pid)
+    now = process_start(pid)
     if now is None:
         return False
     if isinstance(started, int) and not isinstance(started, bool):
@@ -1174,7 +1165,8 @@ def _run(cfg: Config, lock: list[int] | None = None) -> int:
             log.info("managing %s with the %s backend: %d levels, DSCP %s%s", _describe(egress), kind, cfg.levels,
                      list(cfg.dscp), _rates(plan))
             api = Api(cfg, table, rec, kind)
-            adopt_flows(cfg, api)  # (a hand-over's flows, their owners checked as at a register)
+            if adopt_flows(cfg, api) is not None:  # a hand-over's flows, their owners checked as at a register:
+                rec.end_inherit()  # the marks of those not taken back go at the first pass, not after INHERIT_S
             metrics = Metrics(cfg, api)
             _serve(cfg, api, held, table, Notifier(), _describe(egress), stop, metrics)
         finally:

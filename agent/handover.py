@@ -27,7 +27,7 @@ import pwd
 import time
 from pathlib import Path
 
-from tensorlane.agent.peers import Peer, account_uid
+from tensorlane.agent.peers import Peer, account_uid, process_start
 from tensorlane.agent.state import FlowTable, job_id_base
 from tensorlane.client import MAX_FLOWS_PER_MESSAGE
 from tensorlane.flows import FlowKey
@@ -56,20 +56,6 @@ def netns_id() -> list[int]:
     return [st.st_dev, st.st_ino]
 
 
-def start_time(pid: int) -> int | None:
-    """Process ``pid``'s start time (clock ticks since boot, field 22 of its stat), None when it is gone: with the
-    pid, it names one process (a pid is reused, never with the same start time)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    try:
-        return int(stat[stat.rindex(")") + 2:].split()[19])
-    except (ValueError, IndexError):
-        return None
-
-
 def write_flows(cfg, table: FlowTable, reported: dict | None = None) -> int:
     """Write ``table``'s flows (not those draining: their owners let go) and the jobs' ``reported`` inputs
     (``JobScheduler.reported``) for the next agent; returns how many flows. A failure is logged: the next agent then
@@ -80,7 +66,7 @@ def write_flows(cfg, table: FlowTable, reported: dict | None = None) -> int:
         if key in table.draining:
             continue
         if e.pid is not None and e.pid not in starts:
-            starts[e.pid] = start_time(e.pid)
+            starts[e.pid] = process_start(e.pid)
         if e.pid is not None and starts[e.pid] is None:
             continue  # (its owner is gone already: the sweep would drop it)
         flows.append({"flow": list(key), "job": e.job, "level": e.level, "rank": e.rank, "run": e.run,
@@ -105,17 +91,18 @@ def write_flows(cfg, table: FlowTable, reported: dict | None = None) -> int:
     return len(flows)
 
 
-def _read(cfg) -> tuple[list[dict], dict]:
-    """The flows and reported inputs a hand-over left, after the file's checks; the file is removed (read once)."""
+def _read(cfg) -> tuple[list[dict] | None, dict]:
+    """The flows and reported inputs a hand-over left, after the file's checks (None: no file, or not one to take);
+    the file is removed (read once)."""
     path = flows_path(cfg)
     try:
         with open(path) as fh:
             raw = fh.read(256 << 20)
     except FileNotFoundError:
-        return [], {}
+        return None, {}
     except OSError as exc:
         log.warning("cannot read %s: %s (its flows are not taken back; their clients register again)", path, exc)
-        return [], {}
+        return None, {}
     finally:
         with contextlib.suppress(OSError):
             path.unlink()
@@ -126,14 +113,14 @@ def _read(cfg) -> tuple[list[dict], dict]:
             raise TypeError("flows is not a list, or reported not an object")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("%s is not a hand-over's flow table (%s): not taken back", path, exc)
-        return [], {}
+        return None, {}
     if not isinstance(fmt, int) or fmt > FLOWS_FORMAT:
         log.warning("%s is of format %r, newer than this agent's (%d): its flows are not taken back (their clients "
                     "register again)", path, fmt, FLOWS_FORMAT)
-        return [], {}
+        return None, {}
     if doc.get("boot_id") != boot_id() or doc.get("netns") != netns_id():
         log.warning("%s was written in another boot or network namespace: its flows are not taken back", path)
-        return [], {}
+        return None, {}
     return flows, reported
 
 
@@ -148,7 +135,7 @@ def _peer(uid: int, pid: int, start: int | None, pidfd: int | None) -> tuple[Pee
         except KeyError:
             gid, gids = uid, ()
         return Peer(os.getpid(), uid, gid, gids), ""
-    if start_time(pid) != start:
+    if process_start(pid) != start:
         return None, "owner_gone"
     try:
         with open(f"/proc/{pid}/status") as fh:
@@ -162,13 +149,15 @@ def _peer(uid: int, pid: int, start: int | None, pidfd: int | None) -> tuple[Pee
     return Peer(pid, uid, egid, gids, pidfd=pidfd), ""
 
 
-def adopt_flows(cfg, api) -> dict[str, int]:
+def adopt_flows(cfg, api) -> dict[str, int] | None:
     """Register again, through ``api``, the flows a hand-over left (:func:`write_flows`); returns counts
-    ``{"adopted": n, reason: n, ...}`` and logs them. Each owner's flows go in requests of one job, level, rank
-    and run, checked as its own would be; a refused request is split until the flows at fault are found (a socket
-    closed in the gap fails its own flow only)."""
+    ``{"adopted": n, reason: n, ...}`` and logs them (None: no hand-over's table was read). Each owner's flows go
+    in requests of one job, level, rank and run, checked as its own would be; a refused request is split until the
+    flows at fault are found (a socket closed in the gap fails its own flow only)."""
     flows, reported = _read(cfg)
     counts: collections.Counter = collections.Counter()
+    if flows is None:
+        return None
     if not flows:
         return dict(counts)
     groups: dict[tuple, list[dict]] = {}

@@ -107,6 +107,18 @@ class Peer:
                 os.close(fd)
 
 
+def process_start(pid: int) -> int | None:
+    """Process ``pid``'s start time (``/proc/PID/stat``'s 22nd field, clock ticks after boot), None when it does not
+    run: with its pid, it names one process for the machine's uptime (a pid alone is given again once freed).
+    Usage: ``process_start(os.getpid()) > 0``"""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat_line = fh.read()
+        return int(stat_line.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def peer_groups(conn: socket.socket) -> tuple[int, ...] | None:
     """The peer's supplementary groups at connect() (SO_PEERGROUPS), or None where the kernel cannot tell or they
     are more than 256 (Python's getsockopt takes at most 1024 bytes: ``Peer.groups`` then reads /proc, pinned)."""

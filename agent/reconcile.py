@@ -189,6 +189,13 @@ class Reconciler:
                      len(self._inherited), seconds)
         return len(self._inherited)
 
+    def end_inherit(self) -> None:
+        """The flow table of an agent that handed over was taken back (agent/handover.py): every flow that keeps its
+        level is registered, so the marks still kept are those of flows not taken back (a socket closed in the gap,
+        an owner gone) and go at the next pass, not after ``INHERIT_S``: a connection another user opens with such a
+        flow's 5-tuple no longer gets its level meanwhile."""
+        self._inherit_until = time.monotonic()
+
     def _still_inherited(self) -> dict[FlowKey, int]:
         """The inherited marks still kept (none once ``_inherit_until`` has passed). Once their time is up, the
         flows' part of the next pass runs whatever its pacing (:data:`FLOW_CHECK_SHARE`), so that the marks nobody

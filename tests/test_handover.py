@@ -8,6 +8,7 @@ import os
 import types
 
 from tensorlane.agent import handover
+from tensorlane.agent.peers import process_start
 from tensorlane.agent.state import FlowTable
 from tensorlane.flows import FlowKey
 
@@ -35,7 +36,7 @@ def test_written_flows_leave_out_draining_ones_and_gone_owners(tmp_path):
     flows = {f["flow"][2]: f for f in doc["flows"]}
     assert set(flows) == {1, 3}
     assert flows[1] == {"flow": list(_key(1)), "job": "job-a", "level": 1, "rank": 3, "run": "r1", "pid": os.getpid(),
-                        "start": handover.start_time(os.getpid()), "uid": 0, "fd": 7}
+                        "start": process_start(os.getpid()), "uid": 0, "fd": 7}
     assert flows[3]["pid"] is None and flows[3]["uid"] is None and flows[3]["fd"] is None
     assert doc["reported"] == {"job-a": {"step_bytes": 4096}}
 
@@ -111,18 +112,20 @@ def test_a_file_of_another_boot_or_namespace_or_a_newer_format_is_dropped(tmp_pa
         _write(tmp_path, [_flow(1)], **{k: v for k, v in doc.items() if k != "flows"})
         if "flows" in doc:
             _write(tmp_path, doc["flows"])
-        assert handover.adopt_flows(_cfg(tmp_path), api) == {} and api.calls == [], doc
+        assert handover.adopt_flows(_cfg(tmp_path), api) is None and api.calls == [], doc
         assert not (tmp_path / handover.FLOWS_FILE).exists()
     (tmp_path / handover.FLOWS_FILE).write_text("{not json")
-    assert handover.adopt_flows(_cfg(tmp_path), FakeApi()) == {}
-    assert handover.adopt_flows(_cfg(tmp_path), FakeApi()) == {}  # no file: nothing
+    assert handover.adopt_flows(_cfg(tmp_path), FakeApi()) is None
+    assert handover.adopt_flows(_cfg(tmp_path), FakeApi()) is None  # no file: nothing (the marks kept INHERIT_S)
+    _write(tmp_path, [])
+    assert handover.adopt_flows(_cfg(tmp_path), FakeApi()) == {}  # a hand-over without flows
 
 
 def test_an_owner_whose_pid_names_another_process_now_is_not_taken_back(tmp_path):
     api = FakeApi()
-    mine = dict(_flow(1), pid=os.getpid(), start=handover.start_time(os.getpid()) + 1, uid=os.getuid())
+    mine = dict(_flow(1), pid=os.getpid(), start=process_start(os.getpid()) + 1, uid=os.getuid())
     gone = dict(_flow(2), pid=2**22 + 12345, start=1, uid=os.getuid())
-    same = dict(_flow(3), pid=os.getpid(), start=handover.start_time(os.getpid()), uid=os.getuid())
+    same = dict(_flow(3), pid=os.getpid(), start=process_start(os.getpid()), uid=os.getuid())
     _write(tmp_path, [mine, gone, same])
     assert handover.adopt_flows(_cfg(tmp_path), api) == {"adopted": 1, "owner_gone": 2}
     (req, peer), = api.calls
