@@ -2842,6 +2842,27 @@ def _freeze_without_find_unused(ctx: Ctx):
         ctx.record("raised", 1)
 
 
+
+# -- session 14 (loops11) -------------------------------------------------------------------------------------------
+@idiom("bf16_parameters")
+def _bf16_parameters(ctx: Ctx):
+    """A model trained in bf16 (``model.to(torch.bfloat16)`` before DDP, no autocast: its gradients, DDP's buckets and
+    their all-reduces are bf16), SGD with momentum. Its path: a 16-bit bucket at 3 ranks goes uncut (gloo sums each
+    element in an order set by its place in the all-reduced buffer; until 2026-11-28 the shim's pieces left each
+    step's averaged gradient a bf16 rounding off DDP's, 1.1e-2 relative after 8 steps at 3 ranks, silently)."""
+    torch.manual_seed(1234)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    model = ctx.ddp(net.to(torch.bfloat16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.vectors(step)
+        loss = F.cross_entropy(model(x.to(torch.bfloat16)).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
