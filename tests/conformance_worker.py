@@ -2863,6 +2863,44 @@ def _bf16_parameters(ctx: Ctx):
         opt.zero_grad()
         ctx.record("loss", loss.item())
 
+
+# torch.optim's other per-parameter classes (shim.overlap.PER_PARAMETER_OPTIMIZERS), each with options that keep more
+# per-parameter state, in both implementations (single-tensor and foreach)
+OPTIMIZER_FAMILY = (("Adagrad", {"lr": 0.01, "lr_decay": 0.01, "weight_decay": 1e-3}),
+                    ("Adadelta", {"lr": 1.0, "weight_decay": 1e-3}),
+                    ("Adamax", {"lr": 2e-3, "weight_decay": 1e-3}),
+                    ("ASGD", {"lr": 0.05, "t0": 2, "weight_decay": 1e-3}),
+                    ("NAdam", {"lr": 2e-3, "decoupled_weight_decay": True, "weight_decay": 1e-2}),
+                    ("RAdam", {"lr": 2e-3, "weight_decay": 1e-3}),
+                    ("RMSprop", {"lr": 5e-4, "centered": True, "momentum": 0.9}),
+                    ("Rprop", {"lr": 1e-3}))
+
+
+@idiom("optimizer_family")
+def _optimizer_family(ctx: Ctx):
+    """One model per optimizer of ``OPTIMIZER_FAMILY`` (foreach on every other one), trained one after the other,
+    each attached with its optimizer and closed after its loop; every model's final parameters are compared. Its path:
+    overlap mode's deferred step over subsets of the parameters for each class it declares per-parameter (until
+    2026-11-28 only SGD, Adam, AdamW and Adafactor were run by any test; all exact then)."""
+    for i, (name, kw) in enumerate(OPTIMIZER_FAMILY):
+        model = ctx.ddp(convnet())
+        opt = getattr(torch.optim, name)(model.parameters(), **dict(kw, foreach=i % 2 == 1))
+        last = i == len(OPTIMIZER_FAMILY) - 1
+        (ctx.attach if last else ctx.attach_other)(model, opt)  # (the last one's handle: the cell's stats)
+        for step in range(ctx.steps):
+            x, y = ctx.images(step)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ctx.record(f"{name}_loss", loss.item())
+        handle = ctx.handle if last else (ctx.others[-1] if ctx.others else None)
+        if handle is not None and not last:
+            mode = handle.stats()["mode"]
+            assert mode == ("overlap" if ctx.mode == "overlap" else "hook"), (name, mode, handle.stats()["mode_reason"])
+            handle.close()
+        ctx.record(f"{name}_params", nn.utils.parameters_to_vector(model.parameters()))
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
