@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from tensorlane.agent import daemon
+from tensorlane.agent.peers import process_start
 
 
 def dead_agents_record(cfg, name: str, index: int, snap=None) -> dict:
@@ -192,7 +193,6 @@ def test_a_killed_agents_record_on_a_default_root_is_restored_only_on_the_device
     on ``lo`` (index 1, noop root), with records of a dead agent."""
     import json
     import subprocess
-    import sys
 
     dead = subprocess.Popen(["true"])
     dead.wait()  # its pid names no process: the records' agent is gone
@@ -200,14 +200,23 @@ def test_a_killed_agents_record_on_a_default_root_is_restored_only_on_the_device
         (tmp_path / f"agent-{name}.json").write_text(json.dumps({
             "ifindex": 1, "interface": iface, "serves": iface, "backend": "htb", "pid": dead.pid,
             "snapshot": {"ifname": iface, "ifindex": 1, "objects": []}}))
+    out = _restore_orphans_in_a_fresh_netns(tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "['lo']", out
+    assert list(tmp_path.glob("agent-*.json")) == []  # both records gone: one restored, one not its device's
+
+
+def _restore_orphans_in_a_fresh_netns(state_dir):
+    """``daemon.restore_orphans`` with no device planned, over the records in ``state_dir``, in a network namespace of
+    its own (its ``lo`` is the recorded device): the finished process, whose stdout is the list restored."""
+    import subprocess
+    import sys
+
     code = ("import sys; from pyroute2 import IPRoute; from tensorlane.agent import daemon\n"
             "from tensorlane.agent.config import Config\n"
             "cfg = Config(interfaces=('eth0',), link_rate_bps=10**9, state_dir=sys.argv[1])\n"
             "with IPRoute() as ipr: print(daemon.restore_orphans(cfg, ipr, []))")
-    out = subprocess.run(["unshare", "-n", sys.executable, "-c", code, str(tmp_path)], capture_output=True,
-                         text=True, timeout=30)
-    assert out.returncode == 0 and out.stdout.strip() == "['lo']", out
-    assert list(tmp_path.glob("agent-*.json")) == []  # both records gone: one restored, one not its device's
+    return subprocess.run(["unshare", "-n", sys.executable, "-c", code, str(state_dir)], capture_output=True,
+                          text=True, timeout=30)
 
 
 @pytest.mark.netns  # root: a network namespace of its own
@@ -220,7 +229,6 @@ def test_a_dead_agents_pid_held_by_another_users_process_does_not_keep_its_devic
     taken over for as long as that user's process lived. On ``lo`` of a fresh namespace, as above."""
     import json
     import subprocess
-    import sys
 
     def user_sleeps():
         os.setgid(65534)
@@ -229,20 +237,14 @@ def test_a_dead_agents_pid_held_by_another_users_process_does_not_keep_its_devic
     squatter = subprocess.Popen(["sleep", "60"], preexec_fn=user_sleeps)  # "nobody", holding the freed pid
     running = subprocess.Popen(["sleep", "60"])  # the agent's own user: a running agent's record, if started matches
     try:
-        with open(f"/proc/{running.pid}/stat") as f:  # (its start time: /proc/PID/stat's 22nd field)
-            started = int(f.read().rsplit(")", 1)[1].split()[19])
+        started = process_start(running.pid)
         cases = [({"pid": squatter.pid}, "['lo']"), ({"pid": running.pid, "started": started + 1}, "['lo']"),
                  ({"pid": running.pid, "started": started}, "[]")]
         for fields, restored in cases:
             (tmp_path / "agent-lo.json").write_text(json.dumps({
                 "ifindex": 1, "interface": "lo", "serves": "lo", "backend": "htb", **fields,
                 "snapshot": {"ifname": "lo", "ifindex": 1, "objects": []}}))
-            code = ("import sys; from pyroute2 import IPRoute; from tensorlane.agent import daemon\n"
-                    "from tensorlane.agent.config import Config\n"
-                    "cfg = Config(interfaces=('eth0',), link_rate_bps=10**9, state_dir=sys.argv[1])\n"
-                    "with IPRoute() as ipr: print(daemon.restore_orphans(cfg, ipr, []))")
-            out = subprocess.run(["unshare", "-n", sys.executable, "-c", code, str(tmp_path)], capture_output=True,
-                                 text=True, timeout=30)
+            out = _restore_orphans_in_a_fresh_netns(tmp_path)
             assert out.returncode == 0 and out.stdout.strip() == restored, (fields, out)
             assert (tmp_path / "agent-lo.json").exists() == (restored == "[]")
     finally:
