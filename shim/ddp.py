@@ -170,7 +170,7 @@ class ShimState:
     deferred: ov.Deferred | None = None
     require_overlap: bool = False
     link: AgentLink | None = None
-    flows: dict = field(default_factory=dict)  # level -> flows registered
+    flows: dict = field(default_factory=dict)  # level -> this process's flows (registered while link.connected)
     reporter: Reporter | None = None
     job: str = ""
     options: dict = field(default_factory=dict)  # comm_state(): what start() needs
@@ -362,8 +362,10 @@ class ShimState:
     def summary(self) -> dict:
         """Mode (and why), flows per level, per-level all-reduce counters, the agent link's counters."""
         link = self.link
+        held = link is not None and link.connected  # the flows are registered only with an agent that answered
+        # (until 2026-11-28 `flows` counted the connections found, 1 per level with no agent or one refusing this user)
         out = {"enabled": True, "mode": self.mode, "mode_reason": self.mode_reason, "job": self.job,
-               "flows": {lvl: len(f) for lvl, f in self.flows.items()}, "levels": self.level_stats(),
+               "flows": {lvl: len(f) if held else 0 for lvl, f in self.flows.items()}, "levels": self.level_stats(),
                "step_bytes": self.step_bytes, "compute_s": self.clock.compute_s, "tail_bytes": self.tail_bytes,
                "window_start": self.window.start, "window_steps": self.window.steps,
                "agent": {"connected": False} if link is None else

@@ -427,3 +427,21 @@ def test_an_agent_back_after_a_restart_gets_the_flows_added_meanwhile_soon_and_r
         link.close()
         if fake is not None:
             fake.stop.set()
+
+
+def test_stats_flows_count_only_flows_an_agent_holds(agent, tmp_path):
+    """``stats()["flows"]`` counts the flows registered with the agent (docs/shim.md: 0 at every level without
+    one): with no agent at the socket, or one that refuses this user, it said 1 per level, as if prioritised."""
+    from tensorlane.shim.ddp import ShimState
+
+    found = {0: flows(0), 1: flows(1, 3)}
+    for path, want in ((str(tmp_path / "none.sock"), {0: 0, 1: 0}), (agent.path, {0: 2, 1: 3})):
+        link = AgentLink(path, "job", rank=0, interval_s=60)
+        try:
+            for level, fl in found.items():
+                link.add(level, fl)
+            state = ShimState(groups=None, world=2, param_level={}, partition_bytes=None, levels=2, link=link,
+                              flows=found)
+            assert state.stats()["flows"] == want, (path, state.stats()["agent"])
+        finally:
+            link.close()
