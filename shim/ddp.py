@@ -1771,9 +1771,11 @@ def _register(model, state: ShimState, hook, prior: ShimState | None) -> None:
 
 def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | None = None,
                partition_bytes: int | None = None, module=None, policy: str = "layer_order",
-               report_interval_s: float = 5.0) -> ShimState:
+               report_interval_s: float = 5.0, disable: bool | str | None = None) -> ShimState:
     """A hook-mode state for a framework that wraps the model in DDP itself; nothing collective happens until the
-    first hook call, which makes the groups and registers the flows on every rank.
+    first hook call, which makes the groups and registers the flows on every rank. ``disable`` (else
+    ``$TENSORLANE_DISABLE``, as in ``attach``): a state whose mode is ``"disabled"``, no groups and no flows, that
+    ``CommHook`` leaves off the model (plain DDP); until 2026-11-28 the variable was ignored here.
 
     ``module`` (the model before DDP wraps it) gives the forward order of the parameters for their levels;
     without it the order is learnt from DDP's buckets during the first two iterations. ``state.stats()``,
@@ -1787,6 +1789,9 @@ def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | N
     _check_levels(levels, partition_bytes, report_interval_s)
     if policy not in ("layer_order", "flat"):
         raise ValueError(f"comm_state's policy must be 'layer_order' or 'flat', not {policy!r}")
+    if _disabled(disable):  # closed from the start: its hook, if a framework registers it, is DDP's own all-reduce
+        return ShimState(None, 0, {}, partition_bytes, levels=levels, mode="disabled", closed=True,
+                         mode_reason="the shim is disabled (disable=True or TENSORLANE_DISABLE=1): plain DDP")
     return ShimState(None, 0, {}, partition_bytes, levels=levels,
                      options={"agent_socket": agent_socket, "job": job, "module": module, "policy": policy,
                               "report_interval_s": report_interval_s},

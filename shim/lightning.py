@@ -40,6 +40,8 @@ class CommHook(Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         model = trainer.strategy.model
+        if getattr(self.state, "mode", "") == "disabled":
+            return  # comm_state(disable=True) or TENSORLANE_DISABLE=1: plain DDP, no hook
         if getattr(self.state, "closed", False):
             warnings.warn("tensorlane: the shim's state given to CommHook was closed (state.close()) before this fit: "
                           "its all-reduces are DDP's own and nothing is prioritised (training is plain DDP). Make a "

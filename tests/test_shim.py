@@ -2477,3 +2477,27 @@ def test_the_planners_partition_is_cut_in_the_gradients_own_elements(tmp_path, m
             handle.close()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.torch
+def test_tensorlane_disable_turns_comm_state_off_too(monkeypatch, recwarn):
+    """``TENSORLANE_DISABLE=1`` (docs/shim.md: "training is exactly plain DDP") was ignored by ``comm_state()``: a
+    Lightning job kept the shim's groups, hook and flows. Now its state is disabled (closed, no groups), CommHook
+    leaves the model's hook alone and warns of nothing, and ``close()`` does not warn that the hook never ran."""
+    import types
+
+    from tensorlane import shim
+    from tensorlane.shim.lightning import CommHook
+
+    monkeypatch.setenv("TENSORLANE_DISABLE", "1")
+    state = shim.comm_state(levels=2)
+    assert state.stats()["mode"] == "disabled" and state.closed and state.groups is None
+    assert state.stats()["flows"] == {}
+    model = types.SimpleNamespace(_comm_hooks=[], register_comm_hook=lambda *a: pytest.fail("hook registered"))
+    CommHook(state).on_fit_start(types.SimpleNamespace(strategy=types.SimpleNamespace(model=model)), None)
+    state.close()
+    assert not [w for w in recwarn if "tensorlane" in str(w.message)], [str(w.message) for w in recwarn]
+    monkeypatch.setenv("TENSORLANE_DISABLE", "ture")
+    with pytest.raises(ValueError, match="TENSORLANE_DISABLE='ture'"):
+        shim.comm_state()
+    assert shim.comm_state(disable=False).stats()["mode"] == "hook"
