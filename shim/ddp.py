@@ -364,7 +364,7 @@ class ShimState:
         link = self.link
         held = link is not None and link.connected  # the flows are registered only with an agent that answered
         # (until 2026-11-28 `flows` counted the connections found, 1 per level with no agent or one refusing this user)
-        out = {"enabled": True, "mode": self.mode, "mode_reason": self.mode_reason, "job": self.job,
+        out = {"enabled": self.mode != "disabled", "mode": self.mode, "mode_reason": self.mode_reason, "job": self.job,
                "flows": {lvl: len(f) if held else 0 for lvl, f in self.flows.items()}, "levels": self.level_stats(),
                "step_bytes": self.step_bytes, "compute_s": self.clock.compute_s, "tail_bytes": self.tail_bytes,
                "window_start": self.window.start, "window_steps": self.window.steps,
@@ -1429,9 +1429,8 @@ class Handle:
     def stats(self) -> dict:
         """Mode and why, flows per level, agent link counters, per-level all-reduce counts, bytes and seconds,
         and the planner's decision."""
-        if self.disabled:
-            return {"enabled": False, "mode": "disabled",
-                    "mode_reason": "the shim is disabled (disable=True or TENSORLANE_DISABLE=1): plain DDP"}
+        if self.disabled:  # every key, at nothing: a script that logs stats() runs unchanged with TENSORLANE_DISABLE=1
+            return {**_disabled_state().summary(), "plan": {"policy": None}, "deferred_steps": 0}
         out = self.state.summary()
         out["plan"] = dict(self.plan)
         out["deferred_steps"] = out.get("overlap", {}).get("steps_deferred", 0)
@@ -1769,6 +1768,13 @@ def _register(model, state: ShimState, hook, prior: ShimState | None) -> None:
         model.register_comm_hook(state, hook)
 
 
+def _disabled_state() -> ShimState:
+    """The state of a disabled shim (``disable=True`` or TENSORLANE_DISABLE=1): closed from the start, no groups,
+    no levels, no flows; its ``summary()`` has every key of an enabled one's, at nothing (``enabled`` false)."""
+    return ShimState(None, 0, {}, None, levels=0, mode="disabled", closed=True,
+                     mode_reason="the shim is disabled (disable=True or TENSORLANE_DISABLE=1): plain DDP")
+
+
 def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | None = None,
                partition_bytes: int | None = None, module=None, policy: str = "layer_order",
                report_interval_s: float = 5.0, disable: bool | str | None = None) -> ShimState:
@@ -1790,8 +1796,7 @@ def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | N
     if policy not in ("layer_order", "flat"):
         raise ValueError(f"comm_state's policy must be 'layer_order' or 'flat', not {policy!r}")
     if _disabled(disable):  # closed from the start: its hook, if a framework registers it, is DDP's own all-reduce
-        return ShimState(None, 0, {}, partition_bytes, levels=levels, mode="disabled", closed=True,
-                         mode_reason="the shim is disabled (disable=True or TENSORLANE_DISABLE=1): plain DDP")
+        return _disabled_state()
     return ShimState(None, 0, {}, partition_bytes, levels=levels,
                      options={"agent_socket": agent_socket, "job": job, "module": module, "policy": policy,
                               "report_interval_s": report_interval_s},

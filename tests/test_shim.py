@@ -2501,3 +2501,22 @@ def test_tensorlane_disable_turns_comm_state_off_too(monkeypatch, recwarn):
     with pytest.raises(ValueError, match="TENSORLANE_DISABLE='ture'"):
         shim.comm_state()
     assert shim.comm_state(disable=False).stats()["mode"] == "hook"
+
+
+@pytest.mark.torch
+def test_a_disabled_shims_stats_have_every_key(monkeypatch):
+    """``TENSORLANE_DISABLE=1`` is meant to switch the shim off without touching the script, but a disabled
+    ``stats()`` had three keys: a script that logs ``stats()["flows"]`` or ``["levels"]`` died with a KeyError at
+    its end. Every key of an enabled handle's is there now, at nothing."""
+    import torch
+
+    from tensorlane import shim
+
+    monkeypatch.setenv("TENSORLANE_DISABLE", "1")
+    st = shim.attach(torch.nn.Linear(2, 2)).stats()
+    keys = {"enabled", "mode", "mode_reason", "job", "flows", "levels", "step_bytes", "compute_s", "tail_bytes",
+            "window_start", "window_steps", "agent", "plan", "deferred_steps"}
+    assert keys <= st.keys(), keys - st.keys()
+    assert (st["enabled"], st["mode"], st["flows"], st["levels"], st["agent"]) == (False, "disabled", {}, [],
+                                                                                   {"connected": False})
+    assert shim.comm_state().stats()["enabled"] is False
