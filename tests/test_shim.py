@@ -1757,27 +1757,24 @@ def test_ranks_agree_on_job_and_run_tokens_without_numpy(tmp_path):
     assert tokens[0] == tokens[1] and tokens[0][0].startswith("job-") and tokens[0][1].startswith("run-"), tokens
 
 
-@pytest.mark.torch
-def test_close_from_a_signal_handler_during_backward_keeps_the_averages(tmp_path):
-    """``handle.close()`` from a signal handler (a preemption notice) during a synchronized ``backward()`` at 2 ranks:
-    Python runs the handler on the main thread at the next bytecode, which is in a gradient hook there, after some
-    buckets were launched. The close waits for that backward's end (the handler returns at once), and the step takes
-    DDP's averages, exact. Until 2026-11-28 it ran there and dropped those buckets' averages: the step took this
-    rank's own gradient for them, silently (2.2e-2 off DDP three steps later)."""
+def _close_elsewhere_offs(tmp_path, how: str, layer: int = 0, accumulate: bool = False) -> list[float]:
+    """Run CLOSE_ELSEWHERE_SCRIPT at 2 ranks (``how``: where the close lands, see there); each rank's largest
+    difference from DDP's parameters after six SGD steps, the close at the fourth iteration."""
     env = dict(os.environ, PYTHONPATH=REPO)
-    procs = [subprocess.Popen([sys.executable, "-c", SIGNAL_IN_BACKWARD_SCRIPT, str(tmp_path / "store"), str(rank)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", CLOSE_ELSEWHERE_SCRIPT, str(tmp_path / "store"), str(rank), how,
+                               str(layer), str(int(accumulate))], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
-    offs = [float(o.split()[-1]) for o, _ in outs]
-    assert offs == [0.0, 0.0], f"off DDP at each rank: {offs}"
+    return [float(o.split()[-1]) for o, _ in outs]
 
 
-SIGNAL_IN_BACKWARD_SCRIPT = r"""
-import signal, sys
+CLOSE_ELSEWHERE_SCRIPT = r"""
+import faulthandler, signal, sys, threading, time
 import torch, torch.distributed as dist
 from tensorlane import shim
-rank = int(sys.argv[2])
+faulthandler.dump_traceback_later(60, exit=True)  # (a hang ends the process: the test fails, it does not wait)
+rank, how, layer, accumulate = int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 2), rank=rank, world_size=2)
 torch.manual_seed(1 + rank)
 x = torch.randn(4, 8)
@@ -1790,22 +1787,61 @@ for shimmed in (False, True):
     handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
                          policy="flat") if shimmed else None
     for i in range(6):
-        hook = None
+        hook = watchdog = None
+        if accumulate and i == 3:
+            ddp(x).sum().backward()  # (no step(): the next backward accumulates onto DDP's averages)
         if shimmed and i == 3:
             assert handle.stats()["mode"] == "overlap"
+            d = handle.state.deferred
+            returned, in_close, stepped = threading.Event(), threading.Event(), threading.Event()
+            watchdog = threading.Thread(target=lambda: (handle.close(), returned.set()), daemon=True)
+        if how == "signal" and watchdog is not None:
+            # a signal handler (a preemption notice), which Python runs on the main thread at the next bytecode:
+            # here in a gradient hook, on the first layer's gradient, the last to come (the later layers' buckets
+            # are launched by then)
             signal.signal(signal.SIGUSR1, lambda *_a: handle.close())
-            # (on the first layer's gradient, the last to come: the later layers' buckets are launched by then)
-            hook = ddp.module[0].weight.register_hook(lambda g: (signal.raise_signal(signal.SIGUSR1), None)[1])
+            hook = ddp.module[layer].weight.register_hook(lambda g: (signal.raise_signal(signal.SIGUSR1), None)[1])
+        elif how == "backward" and watchdog is not None:
+            def block(_grad):  # (until the close has returned, or waits for this backward's end)
+                watchdog.start()
+                t0 = time.monotonic()
+                while not returned.is_set() and d.close_after_backward is None and time.monotonic() - t0 < 30:
+                    time.sleep(0.001)
+            hook = ddp.module[layer].weight.register_hook(block)
         ddp(x).sum().backward()
+        if how == "step" and watchdog is not None:
+            # a watchdog's close() between backward() and step(), the step called while it waits for the all-reduces
+            # once it has flushed (as a slow network makes it: held here until the step was called, or 1 s)
+            flush = handle.flush
+            handle.flush = lambda: (flush(), in_close.set(), stepped.wait(1.0), None)[3]
+            watchdog.start()
+            assert in_close.wait(30)
         if hook is not None:
             hook.remove()
-            assert handle.closed
+            if how == "signal":
+                assert handle.closed
         opt.step()
+        if watchdog is not None:
+            stepped.set()
+            if how != "signal":
+                watchdog.join(30)
+                assert not watchdog.is_alive() and returned.is_set() and handle.closed
         opt.zero_grad()
     ends.append([p.detach().clone() for p in ddp.parameters()])
 print("off", max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)), flush=True)
 dist.destroy_process_group()
 """
+
+
+@pytest.mark.torch
+def test_close_from_a_signal_handler_during_backward_keeps_the_averages(tmp_path):
+    """``handle.close()`` from a signal handler (a preemption notice) during a synchronized ``backward()`` at 2 ranks:
+    Python runs the handler on the main thread at the next bytecode, which is in a gradient hook there, after some
+    buckets were launched. The close waits for that backward's end (the handler returns at once), and the step takes
+    DDP's averages, exact. Until 2026-11-28 it ran there and dropped those buckets' averages: the step took this
+    rank's own gradient for them, silently (2.2e-2 off DDP three steps later)."""
+    offs = _close_elsewhere_offs(tmp_path, "signal")
+    assert offs == [0.0, 0.0], f"off DDP at each rank: {offs}"
 
 
 @pytest.mark.torch
@@ -1821,59 +1857,20 @@ def test_close_on_another_thread_during_backward_keeps_the_averages(tmp_path, la
     buckets launched before it: the step took each rank's own gradient there, silently (2.2e-2 off DDP three steps
     later at rank 0, 1.7e-2 at rank 1). ``accumulate``: that backward follows a synchronized one no ``step()``
     followed (accumulation without ``no_sync``), whose averages the close or the backward writes into ``.grad``."""
-    env = dict(os.environ, PYTHONPATH=REPO)
-    procs = [subprocess.Popen([sys.executable, "-c", THREAD_CLOSE_IN_BACKWARD_SCRIPT, str(tmp_path / "store"),
-                               str(rank), str(layer), str(int(accumulate))], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
-    offs = [float(o.split()[-1]) for o, _ in outs]
+    offs = _close_elsewhere_offs(tmp_path, "backward", layer, accumulate)
     assert offs == [0.0, 0.0], f"off DDP at each rank: {offs}"
 
 
-THREAD_CLOSE_IN_BACKWARD_SCRIPT = r"""
-import faulthandler, sys, threading, time
-import torch, torch.distributed as dist
-from tensorlane import shim
-faulthandler.dump_traceback_later(60, exit=True)  # (a hang ends the process: the test fails, it does not wait)
-rank, layer, accumulate = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 2), rank=rank, world_size=2)
-torch.manual_seed(1 + rank)
-x = torch.randn(4, 8)
-ends = []
-for shimmed in (False, True):
-    torch.manual_seed(0)
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]), bucket_cap_mb=0.0001)  # (a bucket per layer)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
-    handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
-                         policy="flat") if shimmed else None
-    for i in range(6):
-        hook = None
-        if accumulate and i == 3:
-            ddp(x).sum().backward()  # (no step(): the next backward accumulates onto DDP's averages)
-        if shimmed and i == 3:
-            assert handle.stats()["mode"] == "overlap"
-            d, returned = handle.state.deferred, threading.Event()
-            watchdog = threading.Thread(target=lambda: (handle.close(), returned.set()), daemon=True)
-
-            def block(_grad):  # (until the close has returned, or waits for this backward's end)
-                watchdog.start()
-                t0 = time.monotonic()
-                while not returned.is_set() and d.close_after_backward is None and time.monotonic() - t0 < 30:
-                    time.sleep(0.001)
-            hook = ddp.module[layer].weight.register_hook(block)
-        ddp(x).sum().backward()
-        if hook is not None:
-            hook.remove()
-            watchdog.join(30)
-            assert not watchdog.is_alive() and returned.is_set() and handle.closed
-        opt.step()
-        opt.zero_grad()
-    ends.append([p.detach().clone() for p in ddp.parameters()])
-print("off", max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)), flush=True)
-dist.destroy_process_group()
-"""
+@pytest.mark.torch
+def test_close_on_another_thread_during_step_loses_no_step(tmp_path):
+    """``handle.close()`` on a watchdog thread between ``backward()`` and ``step()`` at 2 ranks, the training thread
+    calling ``step()`` while that close, past its flush, waits for the backward's all-reduces to write their averages
+    into ``.grad``: the step waits for the close's updates (the shim's lock), then takes the optimizer's own step on
+    those averages, exact. Until 2026-11-28 it stamped the iteration's updates meanwhile and the close then dropped
+    them: that step was lost, silently (0.37 off DDP here, 7.3e-2 with wider layers); landing as the close wrote
+    the averages, the step refused the correct loop ("gradients were changed between backward() and step()")."""
+    offs = _close_elsewhere_offs(tmp_path, "step")
+    assert offs == [0.0, 0.0], f"off DDP at each rank: {offs}"
 
 
 @pytest.mark.torch
