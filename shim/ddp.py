@@ -927,6 +927,7 @@ class Handle:
         self.state = state
         self.disabled = disabled
         self._closed_event = threading.Event()  # set once closed, or a close() at a backward's end has raised
+        self._closer: int | None = None  # the thread whose close() began (Deferred.closing set), if any
         self._hooks: list = []
         self._step_attr = None  # the function put on optimizer.step (overlap mode)
         self._own_step = None  # what optimizer.step was as an instance attribute before that, if anything
@@ -1236,32 +1237,54 @@ class Handle:
         # first; until 2026-11-28 this step stamped the updates that thread was dropping, and was lost, silently
         # (tests/test_shim.py::test_step_while_a_fork_on_another_thread_averages_the_gradients_is_taken)
         with d.locked(), d.watch.paused():
-            _drop_unfinished(state)
-            if d.synced:  # a read made .grad DDP's average: nothing is pending, the step is DDP's own
+            if not d.closing:
+                return self._stamp_locked(closure)
+        self._await_close()
+        return d.orig_step() if closure is None else d.orig_step(closure)
+
+    def _await_close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """``step()`` once a ``close()`` on another thread (a watchdog) has begun: wait for it, holding no lock, up to
+        ``timeout`` seconds; the optimizer's own step then takes DDP's averages, which that close wrote into ``.grad``.
+        Until 2026-11-28 the step stamped the iteration's updates while that close waited for the all-reduces, and the
+        close dropped them: the step was lost, silently (0.37 off DDP at 2 ranks), or it found ``.grad`` being averaged
+        and refused the loop (tests/test_shim.py::test_close_on_another_thread_during_step_loses_no_step)."""
+        if self._closer == threading.get_ident():  # (this thread's own close() raised midway: nothing to wait for)
+            raise RuntimeError("tensorlane: optimizer.step() after a close() on this thread that raised midway (see "
+                               "its error): this step has not been taken. Call close() again")
+        if not self._closed_event.wait(timeout) or not self.closed:
+            raise RuntimeError(f"tensorlane: optimizer.step() waited {timeout:g} s for a close() begun on another "
+                               "thread, which has not closed the handle (see that thread's error); this step has not "
+                               "been taken. Call close() on the training thread, between two iterations")
+
+    def _stamp_locked(self, closure):
+        """``_user_step``'s stamping, under ``apply_lock``, no ``close()`` begun."""
+        state, d = self.state, self.state.deferred
+        _drop_unfinished(state)
+        if d.synced:  # a read made .grad DDP's average: nothing is pending, the step is DDP's own
+            return d.step_synced(closure)
+        if not d.unstamped and d.got_grad and not any(key in d.pending for key in d.got_grad):
+            # a step after a backward DDP did not synchronize (no_sync: Accelerate's LocalSGD entered after
+            # synchronized steps, post-local SGD): DDP steps on this rank's own .grad. Apply what is stamped
+            # first (.grad of a parameter its forward did not apply gets the average, as under DDP), then the
+            # optimizer's own step, now (until 2026-11-27 this raised, a correct loop refused)
+            self.flush()
+            if not d.pending:
                 return d.step_synced(closure)
-            if not d.unstamped and d.got_grad and not any(key in d.pending for key in d.got_grad):
-                # a step after a backward DDP did not synchronize (no_sync: Accelerate's LocalSGD entered after
-                # synchronized steps, post-local SGD): DDP steps on this rank's own .grad. Apply what is stamped
-                # first (.grad of a parameter its forward did not apply gets the average, as under DDP), then the
-                # optimizer's own step, now (until 2026-11-27 this raised, a correct loop refused)
-                self.flush()
-                if not d.pending:
-                    return d.step_synced(closure)
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            if not d.unstamped and not d.got_grad and any(p.grad is not None for p in params):
-                # a second step() with no backward since the last (torch.distributed.checkpoint's get_state_dict
-                # and set_state_dict on an optimizer with no state yet, SGD without momentum: they set every .grad
-                # to zeros and call step() at lr 0): DDP steps again on .grad as it is. The stamped updates applied
-                # first leave there what DDP has (the average, or what the loop wrote since), so the optimizer's
-                # own step, now, is DDP's (until 2026-11-28 this raised: a correct loop refused, idiom
-                # dcp_get_state_dict_stateless)
-                self.flush()
-                if not d.pending:
-                    return d.step_synced(closure)
-            d.stamp(params, closure)
-            if d.pending:
-                d.guard = ov.watching_here(d.guard)
-                d.guard.arm([p for p in state.options["params"] if id(p) in d.pending])
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if not d.unstamped and not d.got_grad and any(p.grad is not None for p in params):
+            # a second step() with no backward since the last (torch.distributed.checkpoint's get_state_dict
+            # and set_state_dict on an optimizer with no state yet, SGD without momentum: they set every .grad
+            # to zeros and call step() at lr 0): DDP steps again on .grad as it is. The stamped updates applied
+            # first leave there what DDP has (the average, or what the loop wrote since), so the optimizer's
+            # own step, now, is DDP's (until 2026-11-28 this raised: a correct loop refused, idiom
+            # dcp_get_state_dict_stateless)
+            self.flush()
+            if not d.pending:
+                return d.step_synced(closure)
+        d.stamp(params, closure)
+        if d.pending:
+            d.guard = ov.watching_here(d.guard)
+            d.guard.arm([p for p in state.options["params"] if id(p) in d.pending])
         return None
 
     def _hook_unfrozen(self) -> None:
@@ -1404,7 +1427,7 @@ class Handle:
         with d.locked():
             running = d.backward_task is not None and d.backward_thread != threading.get_ident()
             if not running:  # (on the training thread, outside a backward that never ended: close now)
-                d.closing = True
+                d.closing, self._closer = True, threading.get_ident()
             elif d.close_after_backward is None:
                 d.close_after_backward = self._close_deferred
         if not running:
@@ -1427,12 +1450,9 @@ class Handle:
             self._closed_event.set()
 
     def _settle(self) -> None:
-        """``close()``'s updates, under ``apply_lock``: apply every stamped one, write the averages of a backward no
-        ``step()`` followed into ``.grad`` and let the other all-reduces end. A ``step()`` on the training thread
-        meanwhile (``close()`` on a watchdog thread) waits for the lock, then takes the optimizer's own step on those
-        averages (or stamps first, and this applies it). Until 2026-11-28 it stamped between the flush and the end
-        here and that step was dropped, silently (0.37 off DDP at 2 ranks), or it found ``.grad`` being averaged and
-        refused a correct loop (tests/test_shim.py::test_close_on_another_thread_during_step_loses_no_step)."""
+        """``close()``'s updates, once ``Deferred.closing`` is set: apply every stamped one, write the averages of a
+        backward no ``step()`` followed into ``.grad`` and let the other all-reduces end. A ``step()`` on the training
+        thread meanwhile (``close()`` on a watchdog thread) waits for the close (``_user_step``)."""
         try:
             self.flush()
         except RuntimeError as exc:  # a refusal was raised already: clean up all the same
@@ -1481,8 +1501,7 @@ class Handle:
             return
         if d is not None and self._await_backward(d, timeout):
             return
-        with d.locked() if d is not None else contextlib.nullcontext():
-            self._settle()
+        self._settle()
         self._disarm()  # the guard and the gradient watch off this thread's mode stack
         self._end_forward_watch()
         for mode in ((d.guard, d.watch) if d is not None else ()) + (self._forward_watch,):

@@ -1883,8 +1883,8 @@ def test_close_on_another_thread_during_a_forward_or_a_hook_mode_backward_is_exa
 def test_close_on_another_thread_during_step_loses_no_step(tmp_path):
     """``handle.close()`` on a watchdog thread between ``backward()`` and ``step()`` at 2 ranks, the training thread
     calling ``step()`` while that close, past its flush, waits for the backward's all-reduces to write their averages
-    into ``.grad``: the step waits for the close's updates (the shim's lock), then takes the optimizer's own step on
-    those averages, exact. Until 2026-11-28 it stamped the iteration's updates meanwhile and the close then dropped
+    into ``.grad``: the step waits for that close (holding no lock), then takes the optimizer's own step on those
+    averages, exact. Until 2026-11-28 it stamped the iteration's updates meanwhile and the close then dropped
     them: that step was lost, silently (0.37 off DDP here, 7.3e-2 with wider layers); landing as the close wrote
     the averages, the step refused the correct loop ("gradients were changed between backward() and step()")."""
     offs = _close_elsewhere_offs(tmp_path, "step")
