@@ -1892,6 +1892,37 @@ def test_close_on_another_thread_during_step_loses_no_step(tmp_path):
 
 
 @pytest.mark.torch
+def test_step_after_this_threads_close_raised_midway_raises_at_once(world1):
+    """A ``close()`` that raised midway on the training thread (its updates could not be settled) leaves the handle
+    closing: a ``step()`` after it raises at once, saying the step was not taken, instead of waiting for a close on
+    another thread (``Handle._await_close``) for ``CLOSE_WAIT_S``."""
+    import time
+
+    import torch
+
+    from tensorlane import shim
+
+    x, _models = world1
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+    handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8, policy="flat")
+    _train(ddp, opt, x, 3)
+    assert handle.stats()["mode"] == "overlap"
+    ddp(x).sum().backward()
+
+    def broken():
+        raise OSError("settling failed")
+    handle._settle = broken
+    with pytest.raises(OSError):
+        handle.close()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="close\\(\\) on this thread that raised midway"):
+        opt.step()
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.torch
 def test_close_on_another_thread_past_its_timeout_raises_and_closes_at_the_backwards_end(world1):
     """A ``close(timeout=...)`` on another thread whose wait for the training thread's backward runs out raises a
     TimeoutError that says so, holding no lock meanwhile (that backward's next bucket launches, under the shim's lock);
