@@ -1482,7 +1482,8 @@ class Handle:
         """Apply pending updates, restore the optimizer, withdraw the flows from the agent. Idempotent. On another
         thread than the training thread while that one is in a synchronized ``backward()`` (overlap mode: a watchdog),
         it waits up to ``timeout`` seconds for that backward's end, where the training thread closes (TimeoutError
-        past it, the close still due there)."""
+        past it, the close still due there); a ``step()`` there once it has begun waits for it (``_await_close``).
+        Every rank must close at the same point of training (docs/shim.md)."""
         if self.closed or self.disabled:
             self.closed = True
             return
