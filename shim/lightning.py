@@ -26,6 +26,8 @@ except ImportError:  # the standalone distribution
 
 import warnings
 
+from torch.nn.parallel import DistributedDataParallel
+
 from tensorlane.shim.ddp import priority_hook
 
 
@@ -42,6 +44,9 @@ class CommHook(Callback):
         model = trainer.strategy.model
         if getattr(self.state, "mode", "") == "disabled":
             return  # comm_state(disable=True) or TENSORLANE_DISABLE=1: plain DDP, no hook
+        if not isinstance(getattr(model, "_orig_mod", model), DistributedDataParallel):  # (a compiled DDP model too)
+            self._not_ddp(trainer, model)
+            return
         if getattr(self.state, "closed", False):
             warnings.warn("tensorlane: the shim's state given to CommHook was closed (state.close()) before this fit: "
                           "its all-reduces are DDP's own and nothing is prioritised (training is plain DDP). Make a "
@@ -58,3 +63,20 @@ class CommHook(Callback):
                                "DDPStrategy(ddp_comm_hook=...)")
         model.register_comm_hook(self.state, self.hook)  # Lightning dropped it (CPU) or was not given it
         self.registered_here = True
+
+    @staticmethod
+    def _not_ddp(trainer, model) -> None:
+        """The strategy did not wrap the module in DDP: one process (``devices=1`` with the default strategy) trains
+        as without the shim, with a warning; another multi-process strategy (FSDP, DeepSpeed, model parallel) is
+        refused before the first step (until 2026-11-28 both raised a bare AttributeError, or FSDP's own
+        ``register_comm_hook`` took a hook it would call with tensors, not DDP's buckets)."""
+        strategy = type(trainer.strategy).__name__
+        if trainer.world_size == 1:
+            warnings.warn(f"tensorlane: this Trainer trains in one process ({strategy}, world size 1): no DDP, no "
+                          "all-reduce, nothing to prioritise; CommHook does nothing and training is Lightning's own. "
+                          "With several devices or nodes use DDPStrategy (strategy='ddp')", stacklevel=2)
+            return
+        raise TypeError(f"tensorlane: CommHook needs Lightning's DDP strategy (DDPStrategy, strategy='ddp'); this "
+                        f"Trainer's {strategy} wraps the model in {type(model).__name__}, not "
+                        "DistributedDataParallel, and the shim prioritises DDP's all-reduces only. Use "
+                        "DDPStrategy, or train without CommHook and the shim's state")

@@ -126,20 +126,27 @@ def test_lightning_ddp_strategy_with_shim_hook(tmp_path):
 def test_lightning_ddp_spawn_refused_clearly(tmp_path):
     """``DDPStrategy(start_method="spawn")`` pickles the Trainer with the shim's state for the processes it starts:
     the shim's own TypeError, naming ddp_spawn and the way out, before anything trains (one process, loopback: no
-    testbed needed)."""
+    testbed needed). In the same process: ``devices=1`` with the default strategy (no DDP) and ``CommHook`` kept
+    trains as Lightning alone, with the shim's warning (until 2026-11-28 a bare AttributeError)."""
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT="29712", NODE_RANK="0")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TENSORLANE_JOB",
                 "TENSORLANE_DISABLE"):
         env.pop(var, None)
     done = subprocess.run([sys.executable, os.path.join(WORKERS, "lightning_worker.py"), "--out", str(tmp_path),
-                           "--variants", "shim-spawn", "--nodes", "1", "--agent-socket", "/nonexistent/tl.sock"],
+                           "--variants", "shim-spawn,plain-single,shim-single", "--nodes", "1", "--agent-socket",
+                           "/nonexistent/tl.sock"],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=150)
     assert done.returncode == 0, done.stdout[-4000:]
     _params, rec = load(tmp_path, "shim-spawn", 0)
     assert "tensorlane" in rec.get("error", "") and "ddp_spawn" in rec["error"], rec
     assert "start_method='popen'" in rec["error"], rec["error"]
     assert not rec["initial_changed"], rec
+    plain, plain_rec = load(tmp_path, "plain-single", 0)
+    single, single_rec = load(tmp_path, "shim-single", 0)
+    assert "error" not in single_rec and single_rec["global_step"] == plain_rec["global_step"] > 0, single_rec
+    assert single_rec["initial_changed"] and rel_diff(plain, single) == 0.0
+    assert any("one process" in w and "nothing to prioritise" in w for w in single_rec["warnings"]), single_rec
 
 
 # variant -> the mode the shim must end in (overlap requested every time: shim.attach(model, optimizer))
@@ -302,3 +309,25 @@ def test_lightning_lr_find_then_fit(tmp_path):
             assert rec["allreduces"][-1] == expected and min(rec["allreduces"]) >= fit_steps, rec["allreduces"]
             assert rec["hook_registered_by_callback"] == (not trials_via_shim), rec
         assert rel_diff(load(tmp_path, f"shim-{variant}", 1)[0], load(tmp_path, f"shim-{variant}", 0)[0]) == 0.0
+
+
+@pytest.mark.torch
+def test_lightning_comm_hook_refuses_a_strategy_without_ddp():
+    """``CommHook`` on a multi-process strategy that does not wrap the module in DDP (FSDP, DeepSpeed, model
+    parallel: GPU-only in Lightning 2.6, so its ``on_fit_start`` is called here with such a Trainer's two
+    attributes it reads): the shim's TypeError naming DDPStrategy, before the first step (until 2026-11-28 a bare
+    AttributeError, or FSDP's own ``register_comm_hook`` taking a hook that expects DDP's buckets)."""
+    import types
+
+    import torch.nn as nn
+
+    import tensorlane.shim.lightning as shim_lightning
+    from tensorlane import shim
+
+    state = shim.comm_state(2)
+    trainer = types.SimpleNamespace(world_size=2, strategy=types.SimpleNamespace(model=nn.Linear(2, 2)))
+    try:
+        with pytest.raises(TypeError, match="needs Lightning's DDP strategy.*Linear"):
+            shim_lightning.CommHook(state).on_fit_start(trainer, None)
+    finally:
+        state.close()

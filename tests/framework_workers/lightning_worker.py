@@ -15,6 +15,9 @@ LR scheduler with ``"interval": "step"``, and ``on_before_optimizer_step`` loggi
 - ``shim-spawn``: ``shim`` with ``DDPStrategy(start_method="spawn")`` (``strategy="ddp_spawn"``), which pickles the
   Trainer, and so the shim's state, for the processes it starts: refused with the shim's ``TypeError`` (recorded as
   ``error``; until 2026-11-27 Python's "cannot pickle '_thread.lock' object"), before anything trains.
+- ``plain-single``, ``shim-single``: one process, ``devices=1`` with the default strategy (no DDP: a script's
+  debugging run), ``CommHook`` kept in the callbacks for ``shim-single``: the shim's warning, training equal to
+  Lightning's own (until 2026-11-28 ``fit`` raised a bare AttributeError, ``register_comm_hook``).
 
     python tests/framework_workers/lightning_worker.py --out DIR --variants plain,shim,shim-learn --levels 3 \
         --agent-socket /run/tensorlane/fw-h1/agent.sock --job fw-lightning
@@ -72,7 +75,14 @@ def train(variant: str, args) -> tuple[dict, dict]:
     initial = common.params_of(model.net)
     loader = torch.utils.data.DataLoader(common.dataset(), batch_size=8, shuffle=False)
     callbacks, state, record = [], None, {"variant": variant}
-    if variant.startswith("shim"):
+    single = variant.endswith("-single")  # one process, Lightning's default strategy (no DDP)
+    if single:
+        strategy = "auto"
+        if variant == "shim-single":
+            state = shim.comm_state(args.levels, agent_socket=args.agent_socket, job=f"{args.job}-{variant}",
+                                    module=model)
+            callbacks.append(shim_lightning.CommHook(state))
+    elif variant.startswith("shim"):
         # "shim": levels from the module's parameter order at once; "shim-learn": no module, levels learnt from
         # DDP's buckets in the second iteration (every piece at the last level until then)
         state = shim.comm_state(args.levels, agent_socket=args.agent_socket, job=f"{args.job}-{variant}",
@@ -83,7 +93,7 @@ def train(variant: str, args) -> tuple[dict, dict]:
         callbacks.append(shim_lightning.CommHook(state))
     else:
         strategy = DDPStrategy(process_group_backend="gloo")
-    trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=args.nodes, strategy=strategy,
+    trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=1 if single else args.nodes, strategy=strategy,
                         max_steps=args.steps, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, deterministic=True,
                         gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm", callbacks=callbacks)
@@ -95,6 +105,20 @@ def train(variant: str, args) -> tuple[dict, dict]:
         record["initial_changed"] = any(not torch.equal(initial[k], v)
                                         for k, v in common.params_of(model.net).items())
         state.close()
+        return common.params_of(model.net), record
+    if single:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                trainer.fit(model, loader)
+            except Exception as exc:  # (recorded for the test)
+                record["error"] = f"{type(exc).__name__}: {exc}"
+        record["warnings"] = [str(w.message) for w in caught if "tensorlane" in str(w.message)]
+        record["global_step"] = trainer.global_step
+        record["initial_changed"] = any(not torch.equal(initial[k], v)
+                                        for k, v in common.params_of(model.net).items())
+        if state is not None:
+            state.close()
         return common.params_of(model.net), record
     trainer.fit(model, loader)
     record["global_step"] = trainer.global_step
