@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from agent_clients import wait_for
 
 from bench.agents import running_agents
 from bench.jobs import tcp_counters
@@ -155,8 +156,13 @@ def test_the_parts_follow_the_jobs_that_are_sending(tb, among):
         with agents[1].client() as c:
             c.register("idle", 0, [{"proto": "udp", "src": h1.ip, "sport": 43102, "dst": h2.ip, "dport": 43202}])
         got, seen = contend_looking(tb, agents[1], 1.0 + SECONDS / 2)  # in the middle of the stream
-        time.sleep(2.5)  # the flood ends 1 s after the stream; at the next samples no job counts as sending
-        after, st = class_rates(h1), agents[1].status()["job_policy"]
+
+        def back_idle():  # contend() killed the flood: at the next samples (every 0.05 s) no job counts as sending
+            after, st = class_rates(h1), agents[1].status()["job_policy"]
+            done = st["sending"] == [] and len({after.get(f"7a1:1{i}") for i in range(3)}) == 1
+            return (after, st) if done else None
+
+        after, st = wait_for("no job counted as sending after the flood", back_idle, 10)
     print(among, got, seen)
     idle = 0.2 * rate
     busy = 0.3 * rate if among == "sending" else idle
