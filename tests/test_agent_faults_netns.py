@@ -235,7 +235,12 @@ def test_nftables_table_deleted_or_its_policy_or_hook_changed(fz):
                     "add chain inet tensorlane egress { type filter hook postrouting priority 0; policy drop; }\n")
         for fault in faults:
             h1.run(fault, input=recreate if fault[-1] == "-" else None)
-            time.sleep(0.6)
+
+            def repaired():  # (none of the faults leaves this: each drops the table, or the chain's policy or hook)
+                chain = h1.run(["nft", "list", "chain", "inet", "tensorlane", "egress"], check=False).stdout
+                return "policy accept" in chain and "priority mangle" in chain and "9821" in h1.run(
+                    ["nft", "list", "map", "inet", "tensorlane", "flows4"], check=False).stdout
+            wait_for(f"repaired after {fault}", repaired, 5)  # (a pass every 0.1 s: FAST)
             got = udp_exchange(h1, h2, 9821, 9820, seconds=0.5)
             plain = udp_exchange(h1, h2, 9822, 9820, seconds=0.5)
             assert got["dscp"] == {"46": got["packets"]} and got["packets"] > 0, (fault, got)
