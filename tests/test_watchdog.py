@@ -242,7 +242,10 @@ def _stall_and_recover(host, paths: dict) -> None:
     start = host.run([paths["ctl"], "start"], check=False, timeout=60)
     assert start.returncode == 0 and "started" in start.stdout, start.stdout + start.stderr + _log(paths)
     old = _read_pid(paths["pid"])
-    time.sleep(1.0)  # a few reconcile passes: heartbeats
+    # Its first heartbeat (the supervisor's launch removed the file): the watchdog times the stall from it (before
+    # the first one, from the launch plus the start timeout)
+    heartbeat = os.path.join(os.path.dirname(paths["pid"]), "agent.heartbeat")
+    assert _wait(lambda: os.path.exists(heartbeat), 10), "no heartbeat within 10 s" + _log(paths)
     during = tc_dump(host)
     assert "qdisc htb 7a1: root" in during, during
     os.kill(old, signal.SIGSTOP)
