@@ -124,7 +124,10 @@ def udp_through_agent(fleet, sender, receiver, sport: int, dport: int, level: in
     recv = receiver.popen([sys.executable, "-m", "testbed.udpprobe", "recv", "--port", str(dport), "--seconds",
                            str(seconds + 5)], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
     try:
-        time.sleep(1.0)  # the receiver imports and binds (about 0.4 s on this machine)
+        deadline = time.monotonic() + 15  # the receiver imports and binds (about 0.4 s on this machine)
+        while not receiver.run(["ss", "-Hlun", f"sport = :{dport}"], timeout=10).stdout.strip():
+            assert recv.poll() is None and time.monotonic() < deadline, f"the receiver never bound port {dport}"
+            time.sleep(0.05)
         sent = sender.run([venv_python, "-c", SENDER, sock, sender.ip, receiver.ip, str(sport), str(dport),
                            str(level), str(seconds), "300"], timeout=seconds + 15)
         got = json.loads(recv.communicate(timeout=seconds + 10)[0])
