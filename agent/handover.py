@@ -173,7 +173,8 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
         except (KeyError, TypeError, ValueError):
             counts["unreadable"] += 1
             continue
-        groups.setdefault(group, []).append({"flow": key.as_dict(), "fd": f["fd"]})
+        groups.setdefault(group, []).append({"flow": key.as_dict(), "fd": f["fd"], "job": f["job"]})
+    taken: dict[str, set[str]] = {}  # the job each flow was under -> the jobs it is under now
     judged: dict[tuple, set[FlowKey]] = {}  # (pid, start, uid) -> its flows whose socket it no longer holds
     for group in sorted(groups, key=lambda g: (g[4], str(g))):  # jobs under their own id first, then users' own
         pid, start, uid, job, _mapped, level, rank, run, named = group
@@ -203,11 +204,11 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
                 items = kept
             stop: list[str] = []
             for i in range(0, len(items), ADOPT_CHUNK):
-                _register(api, peer, job, level, rank, run, named, items[i:i + ADOPT_CHUNK], counts, stop)
+                _register(api, peer, job, level, rank, run, named, items[i:i + ADOPT_CHUNK], counts, stop, taken)
         finally:
             if pidfd is not None:
                 os.close(pidfd)
-    _take_reported(api, reported)
+    _take_reported(api, reported, taken)
     adopted = counts.pop("adopted", 0)
     dropped = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
     log.warning("took back %d of the %d flows the agent that handed over registered%s", adopted, len(flows),
@@ -215,12 +216,17 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
     return {"adopted": adopted, **counts}
 
 
-def _take_reported(api, reported: dict) -> None:
+def _take_reported(api, reported: dict, taken: dict[str, set[str]]) -> None:
     """Give the jobs taken back the inputs their shims had reported (the order by them, at once, not after the
-    shims' next report); inputs of a job without flows now, or that the order cannot rank, are left out."""
-    for job, inputs in sorted(reported.items()):
-        if job not in api.table.by_job or not isinstance(inputs, dict):
+    shims' next report), under the job their flows are under now (``taken``): a user's own job ``ID@USER`` is
+    ``ID`` once the user who held ``ID`` was not taken back, and took that user's inputs (its order by another
+    user's step bytes) while its own were dropped. Inputs of a job none of whose flows were taken back, or that
+    the order cannot rank, are left out."""
+    for was, inputs in sorted(reported.items()):
+        now = taken.get(was, set())
+        if len(now) != 1 or not isinstance(inputs, dict):
             continue
+        job = next(iter(now))
         sent = {k: v for k, v in inputs.items() if k in api.jobs.inputs and isinstance(v, (int, float))}
         if sent:
             with contextlib.suppress(Exception):  # noqa: BLE001 - (bad_request: not rankable) the next report
@@ -242,7 +248,8 @@ def _not_held(peer, owner_groups: list[tuple], groups: dict[tuple, list[dict]]) 
         return set(fd_of)
 
 
-def _register(api, peer, job, level, rank, run, named, items, counts, stop: list[str], depth: int = 0) -> None:
+def _register(api, peer, job, level, rank, run, named, items, counts, stop: list[str], taken: dict[str, set[str]],
+              depth: int = 0) -> None:
     """One register of ``items`` as ``peer``; a refusal splits them in halves (at most log2 of the group deep).
     Once one flow alone is refused ``limit`` (the user's or the table's, which only fill), the rest of its group
     (``stop``) is counted so without a request: each would cost the register's ownership check."""
@@ -259,6 +266,8 @@ def _register(api, peer, job, level, rank, run, named, items, counts, stop: list
     reply = json.loads(api.handle(json.dumps(req).encode(), peer))
     if reply["ok"]:
         counts["adopted"] += len(items)
+        for i in items:
+            taken.setdefault(i["job"], set()).add(reply["result"]["job"])
         return
     if len(items) == 1 or depth > 20:
         counts[reply["error"]["code"]] += len(items)
@@ -266,5 +275,5 @@ def _register(api, peer, job, level, rank, run, named, items, counts, stop: list
             stop.append("limit")
         return
     half = len(items) // 2
-    _register(api, peer, job, level, rank, run, named, items[:half], counts, stop, depth + 1)
-    _register(api, peer, job, level, rank, run, named, items[half:], counts, stop, depth + 1)
+    _register(api, peer, job, level, rank, run, named, items[:half], counts, stop, taken, depth + 1)
+    _register(api, peer, job, level, rank, run, named, items[half:], counts, stop, taken, depth + 1)

@@ -65,7 +65,7 @@ class FakeApi:
         if self.limit is not None and held + len(req["flows"]) > self.limit:
             return json.dumps({"ok": False, "error": {"code": "limit", "message": "max_flows_per_user"}}).encode()
         self.table.by_job.setdefault(req["job"], set()).update((f["sport"], f["dport"]) for f in req["flows"])
-        return json.dumps({"ok": True, "result": {}}).encode()
+        return json.dumps({"ok": True, "result": {"job": req["job"]}}).encode()
 
 
 def _write(tmp_path, flows, **doc):
@@ -173,3 +173,35 @@ def test_a_group_refused_for_a_limit_stops_at_its_first_flow_refused(tmp_path):
     _write(tmp_path, [_flow(1, fd=None) | {"flow": ["udp", "198.18.0.1", 1, "198.18.0.2", d]} for d in range(1000)])
     assert handover.adopt_flows(_cfg(tmp_path), api) == {"adopted": 100, "limit": 900}
     assert len(api.calls) <= 40, len(api.calls)
+
+
+def test_two_users_sharing_a_job_id_keep_their_own_jobs_and_their_own_reported_inputs(tmp_path):
+    """Alice took job id ``J`` first, Bob's job of the same id is his own ``J@BOB``, each reported its step bytes
+    (``shortest``); then Alice is no longer allowed (the new config). Bob's flows go under ``J`` (no other user
+    holds it now), with Bob's step bytes. Before, Bob's job took Alice's (an order by another user's input) and his
+    own were dropped; with both users kept, each keeps its own job and inputs."""
+    from test_jobs_agent import make_api
+
+    from tensorlane.agent.peers import Peer
+    from tensorlane.agent.state import user_job_id
+
+    alice, bob = 2**30 + 11, 2**30 + 12  # (no passwd entries: their names are their numbers)
+
+    def flows(api):
+        return {k.sport: e.job for k, e in api.table.flows.items()}
+
+    for allowed, want in (([str(alice), str(bob)], {1: "J", 2: user_job_id("J", str(bob))}), ([str(bob)], {2: "J"})):
+        old, _ = make_api(job_policy="shortest", check_ownership=False, allowed_users=[str(alice), str(bob)],
+                          state_dir=str(tmp_path))
+        for uid, sport, step in ((alice, 1, 1000), (bob, 2, 9000)):
+            peer = Peer(os.getpid(), uid, uid, ())
+            job = json.loads(old.handle(json.dumps({"op": "register", "job": "J", "level": 1,
+                                                    "flows": [_key(sport).as_dict()]}).encode(), peer))["result"]["job"]
+            old.jobs.reported[job] = {"step_bytes": step}
+        assert flows(old) == {1: "J", 2: user_job_id("J", str(bob))}
+        handover.write_flows(old.cfg, old.table, old.jobs.reported)
+        new, _ = make_api(job_policy="shortest", check_ownership=False, allowed_users=allowed, state_dir=str(tmp_path))
+        handover.adopt_flows(new.cfg, new)
+        assert flows(new) == want, allowed
+        steps = {want[1]: 1000} if 1 in want else {}
+        assert {j: v.get("step_bytes") for j, v in new.jobs.reported.items()} == {**steps, want[2]: 9000}, allowed
