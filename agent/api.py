@@ -80,6 +80,7 @@ class Api:
         self._reordered_by: dict[int, float] = {}  # uid -> when its reports last reordered the jobs (monotonic)
         self.reorder_at: float | None = None  # when a reorder a report asked for is due (the server's loop runs it)
         self.cost = 0  # tokens the last request takes beyond its own (``FILES_PER_TOKEN``): the server charges them
+        self.taken_back: dict[str, int] = {}  # a hand-over's flows taken back at the start, or not by reason (handover)
         table.level_of = self.jobs.level_of
         self.jobs.update(table)
         reconciler.set_shares(self.jobs.shares)

@@ -213,7 +213,8 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
     dropped = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
     log.warning("took back %d of the %d flows the agent that handed over registered%s", adopted, len(flows),
                 f" (not taken back: {dropped})" if dropped else "")
-    return {"adopted": adopted, **counts}
+    api.taken_back = {"adopted": adopted, **counts}  # (tensorlane_agent_handover_flows_total: not the requests')
+    return dict(api.taken_back)
 
 
 def _take_reported(api, reported: dict, taken: dict[str, set[str]]) -> None:

@@ -1541,3 +1541,30 @@ def test_a_request_is_charged_its_cpu_time_not_the_time_it_slept(kernel, served)
         assert time.monotonic() - t0 < 1.0
     finally:
         s.close()
+
+
+def test_a_hand_overs_flows_taken_back_are_counted_by_outcome_not_as_requests(kernel, tmp_path):
+    """``tensorlane_agent_handover_flows_total{outcome}``: the flows of a hand-over's table taken back at the start
+    (``adopted``) or not, by reason; the registers that took them back are no client's requests (the metrics are
+    made after them, as the daemon does). Without a hand-over: ``adopted`` 0, no other outcome."""
+    import os
+
+    from tensorlane.agent import handover
+    from tensorlane.agent.peers import process_start
+
+    api = fake_api(state_dir=str(tmp_path))
+    registry, _ = make_registry(api)
+    assert value(scrape(registry), "tensorlane_agent_handover_flows_total", outcome="adopted") == 0
+    mine = {"job": "a", "level": 1, "rank": None, "run": None, "fd": None}
+    flows = [{"flow": ["tcp", "198.18.0.1", 10001, "198.18.0.2", 20000], "pid": None, "start": None, "uid": None},
+             {"flow": ["tcp", "198.18.0.1", 10002, "198.18.0.2", 20000], "pid": os.getpid(),
+              "start": process_start(os.getpid()) + 1, "uid": 0}]
+    (tmp_path / handover.FLOWS_FILE).write_text(json.dumps({
+        "format": 1, "boot_id": handover.boot_id(), "netns": handover.netns_id(), "flows": [mine | f for f in flows]}))
+    api = fake_api(state_dir=str(tmp_path))
+    assert handover.adopt_flows(api.cfg, api) == {"adopted": 1, "owner_gone": 1}
+    registry, _ = make_registry(api)
+    samples = scrape(registry)
+    assert value(samples, "tensorlane_agent_handover_flows_total", outcome="adopted") == 1
+    assert value(samples, "tensorlane_agent_handover_flows_total", outcome="owner_gone") == 1
+    assert value(samples, "tensorlane_api_requests_total", op="register", outcome="ok") == 0

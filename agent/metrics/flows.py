@@ -6,6 +6,10 @@
   The label is ``training_job``, not ``job``, which Prometheus reserves for the scrape job.
 - ``tensorlane_registered_jobs{device}``: jobs with at least one flow (not capped).
 - ``tensorlane_job_id_conflicts{device}``: job ids used by two or more runs (the shim's ``run`` token) now.
+- ``tensorlane_agent_handover_flows_total{outcome}``: the flows a hand-over's table (agent/handover.py) named,
+  taken back at this agent's start (``adopted``) or not, by reason (``owner_gone``, ``not_owner``, ...): set once
+  before the agent serves; ``adopted`` 0 and no other series after a start without a hand-over. The registers that
+  took them back are not in ``tensorlane_api_requests_total`` (no client asked them).
 - ``tensorlane_class_marked_bytes_total`` / ``_packets_total{device,class}``: what each level's nftables chain
   marked (set DSCP and class); the default class has none. Read through a libnftables context of this scrape's
   own (the agent's context belongs to its main thread).
@@ -53,7 +57,8 @@ class FlowsSource(Source):
     name = "flows"
 
     def collect(self, scrape):
-        """Flows by class and job (capped), jobs, and the bytes and packets marked per level."""
+        """Flows by class and job (capped), jobs, a hand-over's flows taken back, and the bytes and packets marked
+        per level."""
         dev = scrape.device
         leaves = scrape.leaves()
         by_level = {spec.level: class_label(spec) for spec in leaves if spec.level is not None}
@@ -74,6 +79,10 @@ class FlowsSource(Source):
         conflicts = names.JOB_ID_CONFLICTS.gauge()  # FlowTable.conflicts(), counted on a copy (main thread writes)
         conflicts.add_metric([dev], sum(len(r) > 1 for r in list(self.api.table.runs.values())))
         yield conflicts
+        taken = names.HANDOVER_FLOWS.counter()
+        for outcome, n in sorted({"adopted": 0, **self.api.taken_back}.items()):
+            taken.add_metric([outcome], n)
+        yield taken
 
         marks = marked_counters(sorted(by_level))
         mb, mp = names.CLASS_MARKED_BYTES.counter(), names.CLASS_MARKED_PACKETS.counter()
