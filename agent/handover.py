@@ -29,10 +29,10 @@ import pwd
 import time
 from pathlib import Path
 
-from tensorlane.agent.ownership import not_owned_by_owners
+from tensorlane.agent.ownership import UndecidedPorts, not_owned, not_owned_by_owners
 from tensorlane.agent.peers import Peer, account_uid, process_start
 from tensorlane.agent.state import FlowTable, job_id_base
-from tensorlane.flows import FlowKey
+from tensorlane.flows import FlowKey, TooManyFiles
 
 log = logging.getLogger("tensorlane.agent")
 
@@ -176,6 +176,7 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
         groups.setdefault(group, []).append({"flow": key.as_dict(), "fd": f["fd"], "job": f["job"]})
     taken: dict[str, set[str]] = {}  # the job each flow was under -> the jobs it is under now
     judged: dict[tuple, set[FlowKey]] = {}  # (pid, start, uid) -> its flows whose socket it no longer holds
+    found: dict[FlowKey, int] = {}  # the fd found holding each of those it holds, that the client named none of
     for group in sorted(groups, key=lambda g: (g[4], str(g))):  # jobs under their own id first, then users' own
         pid, start, uid, job, _mapped, level, rank, run, named = group
         pidfd = None
@@ -194,17 +195,31 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
                 counts["not_allowed"] += len(groups[group])
                 continue
             items = groups[group]
-            if pid is not None and api.policy.must_own(peer):
-                owner = (pid, start, uid)
-                if owner not in judged:
-                    judged[owner] = _not_held(peer, [g for g in groups if g[:3] == owner], groups)
-                kept = [i for i in items if FlowKey(**i["flow"]) not in judged[owner]]
-                if len(kept) < len(items):
-                    counts["not_owner"] += len(items) - len(kept)
-                items = kept
+            owner = (pid, start, uid) if pid is not None and api.policy.must_own(peer) else None
+            if owner is not None and owner not in judged and not named:  # (at once: the fds found make it cheaper)
+                judged[owner] = _not_held(peer, [g for g in groups if g[:3] == owner], groups, found)
+            keys = [FlowKey(**i["flow"]) for i in items]
+            by_fd = not named and bool(keys) and all(k in found for k in keys)  # (its fds found: named, then marked
+            if by_fd:  # found again, as the register marks those it finds: a client's word was never given)
+                items = [i | {"fd": found[k]} for i, k in zip(items, keys, strict=True)]
             stop: list[str] = []
             for i in range(0, len(items), ADOPT_CHUNK):
-                _register(api, peer, job, level, rank, run, named, items[i:i + ADOPT_CHUNK], counts, stop, taken)
+                chunk = items[i:i + ADOPT_CHUNK]
+                if owner is not None and owner not in judged:  # (fds named: judged once a register is refused)
+                    if _register(api, peer, job, level, rank, run, named, chunk, counts, stop, taken, split=False):
+                        continue
+                    judged[owner] = _not_held(peer, [g for g in groups if g[:3] == owner], groups, found)
+                if owner is not None:
+                    kept = [c for c in chunk if FlowKey(**c["flow"]) not in judged[owner]]
+                    if len(kept) < len(chunk):
+                        counts["not_owner"] += len(chunk) - len(kept)
+                    chunk = kept
+                if chunk:
+                    _register(api, peer, job, level, rank, run, named or by_fd, chunk, counts, stop, taken)
+            if by_fd:
+                for k in keys:
+                    if (e := api.table.flows.get(k)) is not None and e.pid == pid and e.fd == found[k]:
+                        api.table.flows[k] = e._replace(fd_found=True)
         finally:
             if pidfd is not None:
                 os.close(pidfd)
@@ -234,29 +249,41 @@ def _take_reported(api, reported: dict, taken: dict[str, set[str]]) -> None:
                 api._take_inputs(job, sent, None)
 
 
-def _not_held(peer, owner_groups: list[tuple], groups: dict[tuple, list[dict]]) -> set[FlowKey]:
+def _not_held(peer, owner_groups: list[tuple], groups: dict[tuple, list[dict]],
+              found: dict[FlowKey, int]) -> set[FlowKey]:
     """The flows of one owner (``peer``: its process, pinned) whose sockets it no longer holds, in one look at its
-    open files for all of them (``not_owned_by_owners``, as the sweep judges owners): before, each refused register
-    was split in halves down to the flows at fault, every request reading the process's open files again, and an
-    owner that closed half of its 2,000 sockets in the gap kept the next agent from serving for 28 s (4,000
-    requests; 10,000 flows: over 5 minutes). A flow judged held goes through the register's own check after."""
+    open files for all of them: before, each refused register was split in halves down to the flows at fault, every
+    request reading the process's open files again, and an owner that closed half of its 2,000 sockets in the gap
+    kept the next agent from serving for 28 s (4,000 requests; 10,000 flows: over 5 minutes). ``found`` gets the fd
+    that holds each held flow's socket where the client named none (``not_owned``): the registers then name it, and
+    read no other open file (each read them all: 10,000 flows over 4 owners took 1.7-2 s, 0.3-0.4 s so). Flows
+    whose ports could not all be looked at (``UndecidedPorts``), or of an owner of too many open files, are judged
+    as the sweep judges owners (``not_owned_by_owners``). A flow judged held goes through the register's own check."""
     fd_of = {FlowKey(**i["flow"]): i["fd"] for g in owner_groups for i in groups[g]}
     user = None if peer.uid == 0 else peer.uid
+    unnamed = [k for k, fd in fd_of.items() if fd is None]
     try:
         with peer.pinned():
-            return set(not_owned_by_owners({peer.pid: list(fd_of)}, fd_of=fd_of.get, uid_of=lambda k: user))
+            try:
+                gone = set(not_owned(peer.pid, unnamed, uid=user, found=found)) if unnamed else set()
+            except (UndecidedPorts, TooManyFiles):
+                found.clear()
+                return set(not_owned_by_owners({peer.pid: list(fd_of)}, fd_of=fd_of.get, uid_of=lambda k: user))
+            named = [k for k, fd in fd_of.items() if fd is not None]
+            return gone | set(not_owned_by_owners({peer.pid: named}, fd_of=fd_of.get, uid_of=lambda k: user))
     except (ProcessLookupError, OSError):
         return set(fd_of)
 
 
 def _register(api, peer, job, level, rank, run, named, items, counts, stop: list[str], taken: dict[str, set[str]],
-              depth: int = 0) -> None:
-    """One register of ``items`` as ``peer``; a refusal splits them in halves (at most log2 of the group deep).
+              depth: int = 0, split: bool = True) -> bool:
+    """One register of ``items`` as ``peer``, whether it was taken; a refusal splits them in halves (at most log2 of
+    the group deep), or with ``split`` False, is left to the caller (not counted).
     Once one flow alone is refused ``limit`` (the user's or the table's, which only fill), the rest of its group
     (``stop``) is counted so without a request: each would cost the register's ownership check."""
     if stop:
         counts[stop[0]] += len(items)
-        return
+        return False
     req = {"op": "register", "id": "handover", "job": job, "level": level, "flows": [i["flow"] for i in items]}
     if rank is not None:
         req["rank"] = rank
@@ -269,12 +296,15 @@ def _register(api, peer, job, level, rank, run, named, items, counts, stop: list
         counts["adopted"] += len(items)
         for i in items:
             taken.setdefault(i["job"], set()).add(reply["result"]["job"])
-        return
+        return True
+    if not split:
+        return False
     if len(items) == 1 or depth > 20:
         counts[reply["error"]["code"]] += len(items)
         if reply["error"]["code"] == "limit":
             stop.append("limit")
-        return
+        return False
     half = len(items) // 2
     _register(api, peer, job, level, rank, run, named, items[:half], counts, stop, taken, depth + 1)
     _register(api, peer, job, level, rank, run, named, items[half:], counts, stop, taken, depth + 1)
+    return False

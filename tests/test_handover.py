@@ -49,7 +49,7 @@ class FakeApi:
         self.limit = limit  # refused (limit) once this many flows are registered
         self.calls = []
         self.policy = types.SimpleNamespace(allowed=lambda peer: True, must_own=lambda peer: True)
-        self.table = types.SimpleNamespace(by_job={})
+        self.table = types.SimpleNamespace(by_job={}, flows={})
         self.jobs = types.SimpleNamespace(inputs=("step_bytes", "compute_s"))
         self.taken = []
 
@@ -205,3 +205,33 @@ def test_two_users_sharing_a_job_id_keep_their_own_jobs_and_their_own_reported_i
         assert flows(new) == want, allowed
         steps = {want[1]: 1000} if 1 in want else {}
         assert {j: v.get("step_bytes") for j, v in new.jobs.reported.items()} == {**steps, want[2]: 9000}, allowed
+
+
+def test_flows_whose_fds_the_agent_found_are_taken_back_by_that_fd_and_stay_found_not_named(tmp_path):
+    """A flow registered without its fd (the agent found it): the next agent finds the fd in its one look at the
+    owner's open files and registers the flow by it (no read of them all per request), kept as found, not as the
+    client's word: the sweep looks for the socket again if it moves to another fd, and the next hand-over writes no
+    fd for it."""
+    import socket
+
+    from test_jobs_agent import make_api
+
+    from tensorlane.agent.peers import Peer
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        key = FlowKey("udp", "127.0.0.1", sock.getsockname()[1], "127.0.0.1", 9)
+        old, _ = make_api(state_dir=str(tmp_path))
+        peer = Peer(os.getpid(), 0, 0, (), pidfd=os.pidfd_open(os.getpid()))
+        reply = json.loads(old.handle(json.dumps({"op": "register", "job": "j", "level": 1,
+                                                  "flows": [key.as_dict()]}).encode(), peer))
+        assert reply["ok"], reply
+        assert old.table.flows[key].fd == sock.fileno() and old.table.flows[key].fd_found
+        handover.write_flows(old.cfg, old.table)
+        new, _ = make_api(state_dir=str(tmp_path))
+        assert handover.adopt_flows(new.cfg, new) == {"adopted": 1}
+        e = new.table.flows[key]
+        assert (e.pid, e.fd, e.fd_found) == (os.getpid(), sock.fileno(), True), e
+    finally:
+        sock.close()
