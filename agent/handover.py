@@ -38,6 +38,11 @@ log = logging.getLogger("tensorlane.agent")
 
 FLOWS_FILE = "flows-handover.json"  # in state_dir (not agent-*.json: not a device's record)
 FLOWS_FORMAT = 1
+# register requests one user's flows may take at the start (neither root nor trusted_users, as the per-user
+# limits): one job, level, rank and run each, so an honest process takes at most jobs x levels of them; a user whose
+# 5,000 flows had a rank each made as many requests (1.8 s before the agent served, 18 s at max_flows_per_user);
+# the rest are left out (``requests``)
+ADOPT_REQUESTS_PER_USER = 2048
 ADOPT_CHUNK = 512  # flows per register: 1,024 (the most a message may name) of IPv4 flows exceed its 64 KiB
 
 
@@ -224,6 +229,8 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
             if pidfd is not None:
                 os.close(pidfd)
     _take_reported(api, reported, taken)
+    for spent in [k for k in counts if isinstance(k, tuple)]:
+        del counts[spent]
     adopted = counts.pop("adopted", 0)
     dropped = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
     log.warning("took back %d of the %d flows the agent that handed over registered%s", adopted, len(flows),
@@ -284,6 +291,11 @@ def _register(api, peer, job, level, rank, run, named, items, counts, stop: list
     if stop:
         counts[stop[0]] += len(items)
         return False
+    user = None if peer is None or api.policy.privileged(peer) else peer.uid  # (no per-user limits: none here)
+    if user is not None and counts[("requests", user)] >= ADOPT_REQUESTS_PER_USER:
+        counts["requests"] += len(items)
+        return False
+    counts[("requests", user)] += 1
     req = {"op": "register", "id": "handover", "job": job, "level": level, "flows": [i["flow"] for i in items]}
     if rank is not None:
         req["rank"] = rank

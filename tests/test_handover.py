@@ -48,7 +48,8 @@ class FakeApi:
         self.refused = set(refused)
         self.limit = limit  # refused (limit) once this many flows are registered
         self.calls = []
-        self.policy = types.SimpleNamespace(allowed=lambda peer: True, must_own=lambda peer: True)
+        self.policy = types.SimpleNamespace(allowed=lambda peer: True, must_own=lambda peer: True,
+                                            privileged=lambda peer: peer.uid == 0)
         self.table = types.SimpleNamespace(by_job={}, flows={})
         self.jobs = types.SimpleNamespace(inputs=("step_bytes", "compute_s"))
         self.taken = []
@@ -235,3 +236,16 @@ def test_flows_whose_fds_the_agent_found_are_taken_back_by_that_fd_and_stay_foun
         assert (e.pid, e.fd, e.fd_found) == (os.getpid(), sock.fileno(), True), e
     finally:
         sock.close()
+
+
+def test_a_user_takes_a_bounded_number_of_requests_at_the_start(tmp_path, monkeypatch):
+    """A user whose flows had a rank each (one register each: 5,000 took 1.8 s before the agent served, 18 s at
+    ``max_flows_per_user``) gets ``ADOPT_REQUESTS_PER_USER`` registers; its other flows are left out (``requests``),
+    another user's are not held back by it."""
+    monkeypatch.setattr(handover, "ADOPT_REQUESTS_PER_USER", 8)
+    api = FakeApi()
+    api.policy.must_own = lambda peer: False
+    flows = [dict(_flow(i), rank=i, uid=2**30 + 1) for i in range(20)] + [dict(_flow(99), uid=2**30 + 2)]
+    _write(tmp_path, flows)
+    assert handover.adopt_flows(_cfg(tmp_path), api) == {"adopted": 9, "requests": 12}
+    assert len(api.calls) == 9
