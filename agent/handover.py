@@ -160,8 +160,9 @@ def _peer(uid: int, pid: int, start: int | None, pidfd: int | None) -> tuple[Pee
 def adopt_flows(cfg, api) -> dict[str, int] | None:
     """Register again, through ``api``, the flows a hand-over left (:func:`write_flows`); returns counts
     ``{"adopted": n, reason: n, ...}`` and logs them (None: no hand-over's table was read). Each owner's flows go
-    in requests of one job, level, rank and run, checked as its own would be; a refused request is split until the
-    flows at fault are found (a socket closed in the gap fails its own flow only)."""
+    in requests of one job, level, rank and run, checked as its own would be, after one look at its open files for
+    the sockets it no longer holds (:func:`_not_held`); a request still refused is split until the flows at fault
+    are found, a flow refused ``limit`` ends its group, and a user takes at most ``ADOPT_REQUESTS_PER_USER``."""
     flows, reported = _read(cfg)
     counts: collections.Counter = collections.Counter()
     if flows is None:
@@ -269,15 +270,17 @@ def _not_held(peer, owner_groups: list[tuple], groups: dict[tuple, list[dict]],
     fd_of = {FlowKey(**i["flow"]): i["fd"] for g in owner_groups for i in groups[g]}
     user = None if peer.uid == 0 else peer.uid
     unnamed = [k for k, fd in fd_of.items() if fd is None]
+    mine: dict[FlowKey, int] = {}
     try:
         with peer.pinned():
             try:
-                gone = set(not_owned(peer.pid, unnamed, uid=user, found=found)) if unnamed else set()
+                gone = set(not_owned(peer.pid, unnamed, uid=user, found=mine)) if unnamed else set()
             except (UndecidedPorts, TooManyFiles):
-                found.clear()
                 return set(not_owned_by_owners({peer.pid: list(fd_of)}, fd_of=fd_of.get, uid_of=lambda k: user))
             named = [k for k, fd in fd_of.items() if fd is not None]
-            return gone | set(not_owned_by_owners({peer.pid: named}, fd_of=fd_of.get, uid_of=lambda k: user))
+            gone |= set(not_owned_by_owners({peer.pid: named}, fd_of=fd_of.get, uid_of=lambda k: user))
+            found.update(mine)
+            return gone
     except (ProcessLookupError, OSError):
         return set(fd_of)
 
