@@ -1,8 +1,9 @@
 """Summarize a conformance-matrix run kept with TENSORLANE_CONFORMANCE_OUT=DIR: per idiom, the worst relative
 difference from plain DDP of each mode (over ranks, final state and loop observations) and the overlap cells'
-mode, for 2 and 3 ranks, as a Markdown table.
+mode, for the world sizes DIR holds (``DIR/world2``, ``DIR/world3``, ``DIR/world4``...), as a Markdown table, then the
+worst cells at more than 2 ranks (the ones that the summation order alone may move off DDP: fp32 around 1e-7..4e-6).
 
-    python tests/conformance_summary.py DIR
+    python tests/conformance_summary.py DIR [--top N]
 """
 from __future__ import annotations
 
@@ -45,23 +46,44 @@ def cell(out: str, idiom: str, mode: str, world: int, tc) -> tuple[float, str]:
     return worst, reported
 
 
-def main(out: str) -> int:
+def worlds_in(out: str) -> list[int]:
+    """The world sizes whose cells DIR holds (its ``worldN`` folders)."""
+    return sorted(int(n[5:]) for n in os.listdir(out) if n.startswith("world") and n[5:].isdigit())
+
+
+def main(out: str, top: int = 15) -> int:
     worker = _load("conformance_worker")
     tc = _load("test_conformance")
     idioms = list(worker.MAIN_IDIOMS) + ["checkpoint_resume"]
-    print("| idiom | hook, 2 ranks | overlap, 2 ranks | hook, 3 ranks | overlap, 3 ranks | overlap cells ran as |")
-    print("|---|---:|---:|---:|---:|---|")
+    worlds = worlds_in(out)
+    heads = [f"{mode}, {world} ranks" for world in worlds for mode in ("hook", "overlap")]
+    print("| idiom | " + " | ".join(heads) + " | overlap cells ran as |")
+    print("|---|" + "---:|" * len(heads) + "---|")
+    worst = []
     for idiom in idioms:
         row, modes = [], set()
-        for world in (2, 3):
+        for world in worlds:
             for mode in ("hook", "overlap"):
                 d, reported = cell(out, idiom, mode, world, tc)
                 row.append("0" if d == 0 else f"{d:.1e}")
                 if mode == "overlap":
                     modes.add(reported)
+                if world > 2:
+                    worst.append((-1.0 if d == 0 else d, idiom, mode, world, reported))
         print(f"| {idiom} | " + " | ".join(row) + f" | {', '.join(sorted(modes))} |")
+    worst.sort(key=lambda t: (t[0] != t[0], t[0] if t[0] == t[0] else 0.0), reverse=True)  # NaN (missing, raised) first
+    print(f"\nWorst {top} cells at more than 2 ranks:\n\n| idiom | mode | ranks | max rel diff |\n|---|---|---:|---:|")
+    for d, idiom, mode, world, reported in worst[:top]:
+        shown = reported if d != d else ("0" if d < 0 else f"{d:.1e}")
+        print(f"| {idiom} | {mode} | {world} | {shown} |")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    argv = sys.argv[1:]
+    n = 15
+    if "--top" in argv:
+        i = argv.index("--top")
+        n = int(argv[i + 1])
+        del argv[i:i + 2]
+    sys.exit(main(argv[0], n))
