@@ -1920,6 +1920,9 @@ def test_step_after_this_threads_close_raised_midway_raises_at_once(world1):
     with pytest.raises(RuntimeError, match="close\\(\\) on this thread that raised midway"):
         opt.step()
     assert time.monotonic() - t0 < 5
+    del handle._settle  # (the close can now end: its modes leave this thread's stack for the next tests)
+    handle.close()
+    assert torch._C._len_torch_function_stack() == 0
 
 
 @pytest.mark.torch
@@ -2017,6 +2020,8 @@ def test_close_on_another_thread_after_one_inside_the_backward_returns_once_clos
     watchdog.join(30)
     assert not watchdog.is_alive() and not errors and handle.closed, errors
     assert time.monotonic() - t0 < 10
+    torch.zeros(1).add_(1)  # (the closed shim's modes leave this thread's stack at its next torch operation)
+    assert torch._C._len_torch_function_stack() == 0
 
 
 @pytest.mark.torch
