@@ -8,9 +8,15 @@ PYTEST_ARGS ?=
 bootstrap:
 	@scripts/bootstrap $(VENV)
 
-# The linter runs first: `make test` fails on any finding.
+# The linter runs first: `make test` fails on any finding. Then the tests that build no network namespace, on two
+# workers (pytest-xdist; a file's tests on one worker, in order: module fixtures are made once), then the netns tests
+# one at a time (their timings and testbeds must not share the machine's two cores). Both parts always run; pytest's
+# 5 (nothing selected, e.g. PYTEST_ARGS naming netns files only) is not a failure.
 test: lint
-	$(PY) -m pytest -ra --durations=30 $(PYTEST_ARGS)
+	@rc=0; \
+	$(PY) -m pytest -ra --durations=15 -n 2 --dist loadfile -m "not netns" $(PYTEST_ARGS) || [ $$? -eq 5 ] || rc=1; \
+	$(PY) -m pytest -ra --durations=30 -m netns $(PYTEST_ARGS) || [ $$? -eq 5 ] || rc=1; \
+	exit $$rc
 
 test-unit: bootstrap
 	$(PY) -m pytest -ra -m "not netns" $(PYTEST_ARGS)
