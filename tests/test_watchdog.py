@@ -3,6 +3,7 @@
 agent in a testbed namespace, with the interface's tree the agent's while it runs and restored after the stop."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -284,6 +285,69 @@ def _watch(host, done, samples: list) -> None:
         samples.append((time.monotonic() - t0, root, out[-1:] == ["1"]))
 
 
+@contextlib.contextmanager
+def _agentctl_agent(workdir: str, venv: str):
+    """A testbed ``tho`` of 2 hosts with an agent on host 1 started by ``tensorlane-agentctl`` (rendered for the
+    agent in ``venv``) and a flow of host 1 (UDP 9811 -> 9810) registered at level 0; yields ``(h1, paths, ctl)``
+    (``ctl``: the script's template values but the venv, to render it again). On the way out ``stop`` must restore
+    eth0's tree and the nftables tables as they were, and leave no record."""
+    from tensorlane.client import AgentClient
+    from testbed import Testbed
+
+    run_dir = os.path.join(workdir, "run")
+    paths = {"ctl": os.path.join(workdir, "tensorlane-agentctl"), "config": os.path.join(workdir, "agent.toml"),
+             "socket": os.path.join(run_dir, "agent.sock"), "pid": os.path.join(run_dir, "agent.pid"),
+             "log": os.path.join(workdir, "agent.log")}
+    ctl = dict(tensorlane_config_file=paths["config"], tensorlane_run_dir=run_dir, tensorlane_log_file=paths["log"],
+               tensorlane_watchdog_s=0, tensorlane_restart_pause_s=RESTART_PAUSE_S, tensorlane_start_timeout_s=20,
+               tensorlane_stop_timeout_s=20)
+    with Testbed(hosts=2, rate="100mbit", name=HANDOVER_TESTBED) as tb:
+        h1, h2 = tb.host(1), tb.host(2)
+        h1.run(["ip", "link", "set", "lo", "up"], timeout=10)
+        with open(paths["config"], "w") as fh:
+            fh.write(render_config(agent_config(tb, h1, socket=paths["socket"], state_dir=run_dir,
+                                                reconcile_interval_s=0.2, trusted_users=["root"])))
+        render("tensorlane-agentctl.j2", paths["ctl"], tensorlane_venv=venv, **ctl)
+        before, tables_before = tc_dump(h1), nft_tables(h1)
+        try:
+            start = h1.run([paths["ctl"], "start"], check=False, timeout=60)
+            assert start.returncode == 0, start.stdout + start.stderr + _log(paths)
+            with AgentClient(paths["socket"], timeout=5) as agent:
+                agent.register("job-h", 0, [{"proto": "udp", "src": h1.ip, "sport": 9811, "dst": h2.ip,
+                                             "dport": 9810}])
+            yield h1, paths, ctl
+        finally:
+            stop = h1.run([paths["ctl"], "stop"], check=False, timeout=60)
+        assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr + _log(paths)
+        assert tc_dump(h1) == before and nft_tables(h1) == tables_before, _log(paths)
+        assert not [f for f in os.listdir(run_dir) if f.endswith(".json")]
+
+
+def _runs(pid: int) -> bool:
+    """Whether process ``pid`` runs: a zombie has exited (the agentctl's children are reparented to this container's
+    pid 1, which reaps them when it gets to it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _sampled_restart(h1, paths) -> tuple[subprocess.CompletedProcess, list]:
+    """``tensorlane-agentctl restart`` on ``h1`` while :func:`_watch` samples eth0's root and flow 9811's mark (from
+    3 samples before it to 0.3 s after): ``(its result, the samples)``."""
+    samples: list = []
+    done = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(h1, done, samples), daemon=True)
+    watcher.start()
+    _wait(lambda: len(samples) >= 3, 10)
+    restart = h1.run([paths["ctl"], "restart"], check=False, timeout=60)
+    time.sleep(0.3)
+    done.set()
+    watcher.join(15)
+    return restart, samples
+
+
 @pytest.mark.netns
 def test_agentctl_restart_hands_over_without_a_gap_and_stop_still_restores():
     """``tensorlane-agentctl restart`` (SIGUSR2: the hand-over stop): the agent's root qdisc (7a1:) is on eth0 at
@@ -291,63 +355,27 @@ def test_agentctl_restart_hands_over_without_a_gap_and_stop_still_restores():
     new agent adopts the tree and keeps the mark. ``stop`` (SIGTERM) after it still restores the original tree and
     removes the table. Until 2026-11-28 restart was stop (SIGTERM: restore) then start: the original root came back
     and the marks were gone for 0.3-0.85 s."""
-    from tensorlane.client import AgentClient
-    from testbed import Testbed
-
     workdir = tempfile.mkdtemp(prefix="tensorlane-tho-")
-    run_dir = os.path.join(workdir, "run")
-    paths = {"ctl": os.path.join(workdir, "tensorlane-agentctl"), "config": os.path.join(workdir, "agent.toml"),
-             "socket": os.path.join(run_dir, "agent.sock"), "pid": os.path.join(run_dir, "agent.pid"),
-             "log": os.path.join(workdir, "agent.log")}
     try:
-        with Testbed(hosts=2, rate="100mbit", name=HANDOVER_TESTBED) as tb:
-            h1, h2 = tb.host(1), tb.host(2)
-            h1.run(["ip", "link", "set", "lo", "up"], timeout=10)
-            with open(paths["config"], "w") as fh:
-                fh.write(render_config(agent_config(tb, h1, socket=paths["socket"], state_dir=run_dir,
-                                                    reconcile_interval_s=0.2, trusted_users=["root"])))
-            render("tensorlane-agentctl.j2", paths["ctl"], tensorlane_venv=VENV, tensorlane_config_file=paths["config"],
-                   tensorlane_run_dir=run_dir, tensorlane_log_file=paths["log"], tensorlane_watchdog_s=0,
-                   tensorlane_restart_pause_s=RESTART_PAUSE_S, tensorlane_start_timeout_s=20,
-                   tensorlane_stop_timeout_s=20)
-            before, tables_before = tc_dump(h1), nft_tables(h1)
-            try:
-                start = h1.run([paths["ctl"], "start"], check=False, timeout=60)
-                assert start.returncode == 0, start.stdout + start.stderr + _log(paths)
-                old = _read_pid(paths["pid"])
-                with AgentClient(paths["socket"], timeout=5) as agent:
-                    agent.register("job-h", 0, [{"proto": "udp", "src": h1.ip, "sport": 9811, "dst": h2.ip,
-                                                 "dport": 9810}])
-                during = tc_dump(h1)
-                samples: list = []
-                done = threading.Event()
-                watcher = threading.Thread(target=_watch, args=(h1, done, samples), daemon=True)
-                watcher.start()
-                _wait(lambda: len(samples) >= 3, 10)
-                restart = h1.run([paths["ctl"], "restart"], check=False, timeout=60)
-                time.sleep(0.3)
-                done.set()
-                watcher.join(15)
-                assert restart.returncode == 0 and "handed over" in restart.stdout and "started" in restart.stdout, \
-                    restart.stdout + restart.stderr + _log(paths)
-                assert _read_pid(paths["pid"]) != old
-                assert len(samples) >= 6, samples
-                gaps = [s for s in samples if "qdisc htb 7a1: root" not in s[1] or not s[2]]
-                assert not gaps, f"{len(gaps)} of {len(samples)} samples without the agent's root or the mark: " \
-                                 f"{gaps[:5]}" + _log(paths)
-                assert tc_dump(h1) == during, _log(paths)  # adopted as it was: nothing made again
-                with open(paths["log"]) as fh:
-                    log = fh.read()
-                assert "handing over" in log and "adopting the tree" in log and "keeping 1 flow marks" in log, \
-                    log[-4000:]
-                assert "restored eth0" not in log, log[-4000:]
-                print(f"hand-over restart: {len(samples)} samples over {samples[-1][0]:.2f} s, none without the "
-                      "agent's root or the flow's mark")
-            finally:
-                stop = h1.run([paths["ctl"], "stop"], check=False, timeout=60)
-            assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr + _log(paths)
-            assert tc_dump(h1) == before and nft_tables(h1) == tables_before, _log(paths)
-            assert not [f for f in os.listdir(run_dir) if f.endswith(".json")]
+        with _agentctl_agent(workdir, VENV) as (h1, paths, _ctl):
+            old = _read_pid(paths["pid"])
+            during = tc_dump(h1)
+            restart, samples = _sampled_restart(h1, paths)
+            assert restart.returncode == 0 and "handed over" in restart.stdout and "started" in restart.stdout, \
+                restart.stdout + restart.stderr + _log(paths)
+            assert _read_pid(paths["pid"]) != old
+            assert len(samples) >= 6, samples
+            gaps = [s for s in samples if "qdisc htb 7a1: root" not in s[1] or not s[2]]
+            assert not gaps, f"{len(gaps)} of {len(samples)} samples without the agent's root or the mark: " \
+                             f"{gaps[:5]}" + _log(paths)
+            assert tc_dump(h1) == during, _log(paths)  # adopted as it was: nothing made again
+            with open(paths["log"]) as fh:
+                log = fh.read()
+            assert "handing over" in log and "adopting the tree" in log and "keeping 1 flow marks" in log, \
+                log[-4000:]
+            assert "restored eth0" not in log, log[-4000:]
+            print(f"hand-over restart: {len(samples)} samples over {samples[-1][0]:.2f} s, none without the "
+                  "agent's root or the flow's mark")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -381,11 +409,7 @@ def test_agentctl_restart_of_an_agent_without_the_hand_over_restores_instead_of_
     (SigCgt) and stops it with SIGTERM (it restores eth0 and removes its table), then starts the new agent, which
     takes eth0 over afresh. Until 2026-11-28 it sent SIGUSR2, whose default action killed the old agent without its
     restore (the new agent adopted the tree left as a crash leaves it)."""
-    from tensorlane.client import AgentClient
-    from testbed import Testbed
-
     workdir = tempfile.mkdtemp(prefix="tensorlane-tho-")
-    run_dir = os.path.join(workdir, "run")
     old_venv = os.path.join(workdir, "old-venv")
     os.makedirs(os.path.join(old_venv, "bin"))
     with open(os.path.join(old_venv, "old_agent.py"), "w") as fh:
@@ -394,55 +418,24 @@ def test_agentctl_restart_of_an_agent_without_the_hand_over_restores_instead_of_
     with open(wrapper, "w") as fh:
         fh.write(f'#!/bin/sh\nexec {sys.executable} {old_venv}/old_agent.py "$@"\n')
     os.chmod(wrapper, 0o755)
-    paths = {"ctl": os.path.join(workdir, "tensorlane-agentctl"), "config": os.path.join(workdir, "agent.toml"),
-             "socket": os.path.join(run_dir, "agent.sock"), "pid": os.path.join(run_dir, "agent.pid"),
-             "log": os.path.join(workdir, "agent.log")}
-    ctl = dict(tensorlane_config_file=paths["config"], tensorlane_run_dir=run_dir, tensorlane_log_file=paths["log"],
-               tensorlane_watchdog_s=0, tensorlane_restart_pause_s=RESTART_PAUSE_S, tensorlane_start_timeout_s=20,
-               tensorlane_stop_timeout_s=20)
     try:
-        with Testbed(hosts=2, rate="100mbit", name=HANDOVER_TESTBED) as tb:
-            h1, h2 = tb.host(1), tb.host(2)
-            h1.run(["ip", "link", "set", "lo", "up"], timeout=10)
-            with open(paths["config"], "w") as fh:
-                fh.write(render_config(agent_config(tb, h1, socket=paths["socket"], state_dir=run_dir,
-                                                    reconcile_interval_s=0.2, trusted_users=["root"])))
-            render("tensorlane-agentctl.j2", paths["ctl"], tensorlane_venv=old_venv, **ctl)
-            before, tables_before = tc_dump(h1), nft_tables(h1)
-            try:
-                start = h1.run([paths["ctl"], "start"], check=False, timeout=60)
-                assert start.returncode == 0, start.stdout + start.stderr + _log(paths)
-                old = _read_pid(paths["pid"])
-                with AgentClient(paths["socket"], timeout=5) as agent:
-                    agent.register("job-h", 0, [{"proto": "udp", "src": h1.ip, "sport": 9811, "dst": h2.ip,
-                                                 "dport": 9810}])
-                render("tensorlane-agentctl.j2", paths["ctl"], tensorlane_venv=VENV, **ctl)  # the upgrade
-                samples: list = []
-                done = threading.Event()
-                watcher = threading.Thread(target=_watch, args=(h1, done, samples), daemon=True)
-                watcher.start()
-                _wait(lambda: len(samples) >= 3, 10)
-                restart = h1.run([paths["ctl"], "restart"], check=False, timeout=60)
-                time.sleep(0.3)
-                done.set()
-                watcher.join(15)
-                with open(paths["log"]) as fh:
-                    log = fh.read()
-                gaps = [s for s in samples if "qdisc htb 7a1: root" not in s[1] or not s[2]]
-                print(f"restart of an agent without the hand-over: {restart.stdout.strip()!r}; {len(gaps)} of "
-                      f"{len(samples)} samples without the agent's root or the mark: {gaps[:3]}")
-                assert restart.returncode == 0 and "started" in restart.stdout, restart.stdout + restart.stderr + log
-                assert "does not catch SIGUSR2" in restart.stdout and "handed over" not in restart.stdout, \
-                    restart.stdout + log[-4000:]
-                assert f"the agent (pid {old}) failed" not in log and "restored eth0" in log, log[-4000:]
-                new = _read_pid(paths["pid"])
-                assert new != old and not os.path.exists(f"/proc/{old}"), log[-4000:]
-                assert h1.run([os.path.join(VENV, "bin", "tensorlane"), "status", "--socket", paths["socket"]],
-                              check=False, timeout=10).returncode == 0, log[-4000:]
-                assert "qdisc htb 7a1: root" in tc_dump(h1), log[-4000:]
-            finally:
-                stop = h1.run([paths["ctl"], "stop"], check=False, timeout=60)
-            assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr + _log(paths)
-            assert tc_dump(h1) == before and nft_tables(h1) == tables_before, _log(paths)
+        with _agentctl_agent(workdir, old_venv) as (h1, paths, ctl):
+            old = _read_pid(paths["pid"])
+            render("tensorlane-agentctl.j2", paths["ctl"], tensorlane_venv=VENV, **ctl)  # the upgrade
+            restart, samples = _sampled_restart(h1, paths)
+            with open(paths["log"]) as fh:
+                log = fh.read()
+            gaps = [s for s in samples if "qdisc htb 7a1: root" not in s[1] or not s[2]]
+            print(f"restart of an agent without the hand-over: {restart.stdout.strip()!r}; {len(gaps)} of "
+                  f"{len(samples)} samples without the agent's root or the mark: {gaps[:3]}")
+            assert restart.returncode == 0 and "started" in restart.stdout, restart.stdout + restart.stderr + log
+            assert "does not catch SIGUSR2" in restart.stdout and "handed over" not in restart.stdout, \
+                restart.stdout + log[-4000:]
+            assert f"the agent (pid {old}) failed" not in log and "restored eth0" in log, log[-4000:]
+            new = _read_pid(paths["pid"])
+            assert new != old and not _runs(old), log[-4000:]
+            assert h1.run([os.path.join(VENV, "bin", "tensorlane"), "status", "--socket", paths["socket"]],
+                          check=False, timeout=10).returncode == 0, log[-4000:]
+            assert "qdisc htb 7a1: root" in tc_dump(h1), log[-4000:]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
