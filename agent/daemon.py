@@ -28,6 +28,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from tensorlane.agent.api import Api
 from tensorlane.agent.config import Config, ConfigError, others_may_write
+from tensorlane.agent.files import write_json_atomically
 from tensorlane.agent.handover import adopt_flows, flows_path, write_flows
 from tensorlane.agent.kernel import detect, links, snapshot, sockdiag
 from tensorlane.agent.kernel.qdisc import MAJOR, fmt_handle, handle, make_backend
@@ -130,28 +131,9 @@ def _state_of_index(cfg: Config, index: int) -> dict | None:
 
 
 def _save_state(cfg: Config, device: str, state: dict) -> None:
-    """Write the state file atomically and durably (a temporary file synced to disk, then a rename, then the
-    directory synced: a ``state_dir`` on disk holds the old record or the new one after a power loss, never an empty
-    one); a failure leaves no temporary file."""
-    path = state_path(cfg, device)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    try:
-        tmp.unlink(missing_ok=True)  # (made afresh, through no link: the agent writes it as root)
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644),
-                       "w") as fh:
-            fh.write(json.dumps(state))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write the state file atomically and durably (:func:`write_json_atomically`): after a power loss a
+    ``state_dir`` on disk holds the old record or the new one, never an empty one."""
+    write_json_atomically(state_path(cfg, device), state, 0o644)
 
 
 # What the agent cannot start without, by capability bit: tc and nftables; the qdisc probe's throwaway namespace.

@@ -29,6 +29,7 @@ import pwd
 import time
 from pathlib import Path
 
+from tensorlane.agent.files import write_json_atomically
 from tensorlane.agent.ownership import UndecidedPorts, not_owned, not_owned_by_owners
 from tensorlane.agent.peers import Peer, account_uid, process_start
 from tensorlane.agent.state import FlowTable, job_id_base
@@ -83,16 +84,9 @@ def write_flows(cfg, table: FlowTable, reported: dict | None = None) -> int:
     doc = {"format": FLOWS_FORMAT, "boot_id": boot_id(), "netns": netns_id(), "agent_pid": os.getpid(),
            "written_at": time.time(), "flows": flows, "reported": reported or {}}
     path = flows_path(cfg)
-    tmp = path.with_suffix(".tmp")
     try:
-        tmp.unlink(missing_ok=True)
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
-                       "w") as fh:
-            json.dump(doc, fh)
-        os.replace(tmp, path)
+        write_json_atomically(path, doc, 0o600)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         log.error("handing over: cannot write the flow table to %s: %s (the next agent keeps the flows' marks for "
                   "a few seconds only: clients that do not register again lose their levels)", path, exc)
         return 0
