@@ -201,11 +201,13 @@ def ddp_ops(profile: Profile, buckets: Sequence[Sequence[int]], host: HostCosts 
 
 
 def shim_ops(profile: Profile, buckets: Sequence[Sequence[int]], layer_levels: Sequence[int],
-             partition_bytes: int | None = None, host: HostCosts = HostCosts(), order: str = "urgent"
-             ) -> tuple[Op, ...]:
+             partition_bytes: int | None = None, host: HostCosts = HostCosts(), order: str = "urgent",
+             whole: bool = False) -> tuple[Op, ...]:
     """The shim's overlap hook: per bucket (in bucket order, on one thread, when it is ready) a copy, then its
     pieces issued one by one, most urgent level first, then by the forward position of their first layer
-    (``order="urgent"``; ``"buffer"``: in buffer order, the shim before that change).
+    (``order="urgent"``; ``"buffer"``: in buffer order, the shim before that change). ``whole``: every bucket goes
+    as one piece at its most urgent layer's level, as the shim sends 16-bit buckets at 3 or more ranks
+    (``shim.ddp.uncut``); ``partition_bytes`` then cuts nothing.
 
     Usage: ``shim_ops(p, ddp_buckets(sizes, 1 << 20), layer_order_levels(p, 4))``
     """
@@ -219,7 +221,8 @@ def shim_ops(profile: Profile, buckets: Sequence[Sequence[int]], layer_levels: S
     free = 0.0  # when the training thread has finished the previous hook
     for k, b in enumerate(buckets):
         sizes = [profile.layers[i].params_bytes for i in b]
-        pieces = bucket_pieces(sizes, [layer_levels[i] for i in b], part)
+        pieces = ([(0, sum(sizes), min(layer_levels[i] for i in b))] if whole
+                  else bucket_pieces(sizes, [layer_levels[i] for i in b], part))
         starts = [0]
         for s in sizes:
             starts.append(starts[-1] + s)
@@ -306,25 +309,26 @@ def ddp_iteration(profile: Profile, cost: CostModel, bucket_bytes: int, first_bu
 def shim_iteration(profile: Profile, cost: CostModel, layer_levels: Sequence[int], bucket_bytes: int,
                    partition_bytes: int | None = None, first_bucket_bytes: int | None = None,
                    host: HostCosts = HostCosts(), wait: str = "piece", order: str = "urgent",
-                   sharing: str = "messages") -> ExecResult:
+                   sharing: str = "messages", whole: bool = False) -> ExecResult:
     """One steady-state iteration of the shim's overlap mode with per-layer ``layer_levels`` (0 most urgent):
     pieces issued by the Python hook, one group per level, strict priority, and the next forward's layer ``i``
     waiting only for the pieces holding its bytes (``wait="piece"``) or for its whole bucket (``"bucket"``).
 
     With ``host.callback_s`` > 0, every operation that completes while a layer computes (backward, or forward
     after its wait) lengthens that layer by ``callback_s`` and the iteration is computed again with the
-    stretched compute (one fixed-point step: the stalls move the completions only a little).
+    stretched compute (one fixed-point step: the stalls move the completions only a little). ``whole``: buckets
+    are not cut (:func:`shim_ops`).
 
     Usage: ``shim_iteration(p, cost, layer_order_levels(p, 4), bucket_bytes=1 << 20).iter_s``
     """
     if wait not in WAITS:
         raise ValueError(f"wait must be one of {WAITS}, not {wait!r}")
     r = _shim_pass(profile, cost, layer_levels, bucket_bytes, partition_bytes, first_bucket_bytes, host, wait,
-                   order, sharing)
+                   order, sharing, whole)
     if host.callback_s <= 0 or not r.ops:
         return r
     return _shim_pass(stalled(profile, r, host.callback_s), cost, layer_levels, bucket_bytes, partition_bytes,
-                      first_bucket_bytes, host, wait, order, sharing)
+                      first_bucket_bytes, host, wait, order, sharing, whole)
 
 
 def stalled(profile: Profile, r: ExecResult, callback_s: float) -> Profile:
@@ -359,9 +363,9 @@ def stalled(profile: Profile, r: ExecResult, callback_s: float) -> Profile:
 
 def _shim_pass(profile: Profile, cost: CostModel, layer_levels: Sequence[int], bucket_bytes: int,
                partition_bytes: int | None, first_bucket_bytes: int | None, host: HostCosts, wait: str,
-               order: str, sharing: str) -> ExecResult:
+               order: str, sharing: str, whole: bool) -> ExecResult:
     buckets = ddp_buckets([ly.params_bytes for ly in profile.layers], bucket_bytes, first_bucket_bytes)
-    ops = shim_ops(profile, buckets, layer_levels, partition_bytes, host, order)
+    ops = shim_ops(profile, buckets, layer_levels, partition_bytes, host, order, whole)
     done = op_done_times(ops, cost, host, sharing)
     ready = [-INF] * len(profile.layers)
     bucket_done = [-INF] * len(buckets)

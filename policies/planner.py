@@ -99,8 +99,8 @@ def plan_shim(profile: Profile | str, ranks: int, link_bps: float, levels_max: i
               partitions: Sequence[int | None] = SHIM_PARTITIONS, latency_s: float = 0.0,
               alpha_s: float = DEFAULT_SHIM_ALPHA_S, host: HostCosts = DEFAULT_SHIM_HOST,
               first_bucket_bytes: int | None = None, policies: Sequence[str] = SHIM_POLICIES,
-              payload_fraction: float = TCP_PAYLOAD_FRACTION, tie_tolerance: float = SHIM_TIE_TOLERANCE
-              ) -> ShimPlan:
+              payload_fraction: float = TCP_PAYLOAD_FRACTION, tie_tolerance: float = SHIM_TIE_TOLERANCE,
+              whole: bool = False) -> ShimPlan:
     """The shim configuration with the lowest predicted iteration time (``policies.execution.shim_iteration``).
 
     Candidates: each level policy (``flat``; ``layer_order`` on 2..``levels_max`` levels) x each partition in
@@ -124,6 +124,8 @@ def plan_shim(profile: Profile | str, ranks: int, link_bps: float, levels_max: i
     if not buckets or not partitions or not policies:
         raise ValueError("need at least one bucket size, partition and policy")
     cost = CostModel(ranks, link_bps * payload_fraction, latency_s, alpha_s)
+    if whole:
+        partitions = (None,)
     level_sets: list[tuple[str, tuple[int, ...]]] = []
     for policy in policies:
         for k in ((1,) if policy == "flat" else range(2, levels_max + 1)):
@@ -136,7 +138,7 @@ def plan_shim(profile: Profile | str, ranks: int, link_bps: float, levels_max: i
         used = 1 + max(lv, default=0)
         for part in partitions:
             for bb in buckets:
-                r = shim_iteration(prof, cost, lv, bb, part, first_bucket_bytes, host)
+                r = shim_iteration(prof, cost, lv, bb, part, first_bucket_bytes, host, whole=whole)
                 cands.append(ShimCandidate(policy, used, part, bb, r.iter_s, len(r.ops)))
                 levels_of.append(lv)
     k = choose_candidate(cands, tie_tolerance)

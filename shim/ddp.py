@@ -698,6 +698,14 @@ def uncut(buf: torch.Tensor, world: int) -> bool:
     return world > 2 and buf.dtype in LOW_PRECISION
 
 
+def sent_whole(model, world: int) -> bool:
+    """Whether every bucket of ``model`` goes uncut (:func:`uncut`): each trained parameter 16-bit, 3 or more ranks.
+    The planner then plans levels for whole buckets; a model of mixed dtypes is planned as cut (its fp32 buckets
+    are, and the planner's buckets are not split by dtype). Usage: ``plan_shim(..., whole=sent_whole(ddp, 4))``"""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return world > 2 and bool(trained) and all(p.dtype in LOW_PRECISION for p in trained)
+
+
 def _bucket_numel(p, buffer) -> int:
     """How many of ``buffer``'s elements ``p``'s gradient takes in DDP's bucket: a complex parameter's two reals each
     where the bucket is real."""
@@ -1563,7 +1571,7 @@ def _apply_plan(handle: Handle, prof, owners: list, levels: int, link_bps: float
     bucket = int(getattr(handle.model, "bucket_bytes_cap", 25 << 20))
     first = first_bucket_bytes(handle.model)
     try:
-        chosen = choose(prof, state.world, rate, levels, bucket, first)
+        chosen = choose(prof, state.world, rate, levels, bucket, first, sent_whole(handle.model, state.world))
     except (ValueError, ArithmeticError) as exc:  # keep training on the layer-order levels, say why
         handle.plan.update(status=f"layer_order: the planner failed: {exc}", source=source)
         log.warning("tensorlane: the planner failed (%s); keeping layer-order levels", exc)

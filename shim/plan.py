@@ -167,9 +167,10 @@ def first_bucket_bytes(ddp) -> int:
 
 
 def choose(profile: Profile, ranks: int, link_bps: float, levels: int, bucket_bytes: int,
-           first_bucket_bytes: int | None = None) -> dict:
+           first_bucket_bytes: int | None = None, whole: bool = False) -> dict:
     """Run the planner for what the shim can execute; return ``{"layer_levels", "partition_bytes", ...}``.
-    ``first_bucket_bytes``: the DDP model's first bucket cap (:func:`first_bucket_bytes`; None: ``bucket_bytes``).
+    ``first_bucket_bytes``: the DDP model's first bucket cap (:func:`first_bucket_bytes`; None: ``bucket_bytes``);
+    ``whole``: the shim sends the model's buckets uncut (``shim.ddp.uncut``).
 
     Usage: ``choose(prof, ranks=2, link_bps=200e6, levels=4, bucket_bytes=5 << 20)["layer_levels"]``
     """
@@ -177,7 +178,7 @@ def choose(profile: Profile, ranks: int, link_bps: float, levels: int, bucket_by
 
     t0 = time.perf_counter()
     plan = plan_shim(profile, ranks, link_bps, levels_max=levels, bucket_bytes=bucket_bytes,
-                     first_bucket_bytes=first_bucket_bytes)
+                     first_bucket_bytes=first_bucket_bytes, whole=whole)
     return {"layer_levels": list(plan.layer_levels), "partition_bytes": plan.partition_bytes,
             "levels_used": plan.levels, "predicted_iter_s": plan.predicted_iter_s,
-            "candidates": len(plan.candidates), "plan_s": time.perf_counter() - t0}
+            "candidates": len(plan.candidates), "whole_buckets": whole, "plan_s": time.perf_counter() - t0}

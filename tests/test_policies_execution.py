@@ -176,6 +176,18 @@ def test_shim_pieces_of_one_bucket_by_hand() -> None:
     assert [op.layers for op in shim_ops(p, r.buckets, (0, 1), order="buffer")] == [(1,), (0,)]
 
 
+def test_shim_whole_buckets_by_hand() -> None:
+    """The shim sends 16-bit buckets at 3+ ranks uncut (``shim.ddp.uncut``): the same profile as above, one bucket,
+    levels (0, 1), ``whole``: one operation for both layers at level 0, 4..6; forward l0 6..7, l1 7..8: 8 s (cut
+    into pieces: 7 s). A partition cuts nothing then."""
+    p = two_layers(1000, 1000)
+    r = shim_iteration(p, COST, (0, 1), bucket_bytes=2000, whole=True)
+    assert [(op.nbytes, op.level, op.layers, op.launch_s) for op in r.ops] == [(2000, 0, (0, 1), 4.0)]
+    assert r.done_s == pytest.approx((6.0,)) and r.iter_s == pytest.approx(8.0)
+    assert shim_iteration(p, COST, (1, 1), bucket_bytes=2000, partition_bytes=500, whole=True).ops[0].level == 1
+    assert len(shim_iteration(p, COST, (0, 1), bucket_bytes=2000, partition_bytes=500, whole=True).ops) == 1
+
+
 def test_shim_partition_by_hand() -> None:
     """One layer of 2000 B (fwd 1, bwd 1) cut into 1000 B pieces on one group with two threads: both from 1,
     equal messages, so they share: both end at 3; forward 3..4. Without a partition: 1..3, same here."""

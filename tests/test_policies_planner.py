@@ -149,6 +149,26 @@ def test_plan_shim_one_bucket_size_and_limits() -> None:
         plan_shim(prof, ranks=2, link_bps=200e6, payload_fraction=0.0)
 
 
+def test_plan_shim_whole_buckets_plans_levels_only() -> None:
+    """16-bit buckets at 3+ ranks go uncut: ``whole`` plans only their levels, each candidate one operation a
+    bucket, and predicts that execution (until 2026-11-28 such a model was planned as if cut into pieces)."""
+    from tensorlane.policies.execution import TCP_PAYLOAD_FRACTION, ddp_buckets, shim_iteration
+    from tensorlane.policies.planner import DEFAULT_SHIM_ALPHA_S, DEFAULT_SHIM_HOST, plan_shim
+
+    prof, _ = _emulated("vgg16")
+    cut = plan_shim(prof, ranks=3, link_bps=200e6, bucket_bytes=25 << 20)
+    whole = plan_shim(prof, ranks=3, link_bps=200e6, bucket_bytes=25 << 20, whole=True)
+    buckets = len(ddp_buckets([ly.params_bytes for ly in prof.layers], 25 << 20))
+    assert {c.partition_bytes for c in whole.candidates} == {None} and whole.partition_bytes is None
+    assert {c.ops for c in whole.candidates} == {buckets} and any(c.ops > buckets for c in cut.candidates)
+    cost = CostModel(3, 200e6 * TCP_PAYLOAD_FRACTION, 0.0, DEFAULT_SHIM_ALPHA_S)
+    r = shim_iteration(prof, cost, whole.layer_levels, 25 << 20, None, host=DEFAULT_SHIM_HOST, whole=True)
+    assert r.iter_s == whole.predicted_iter_s
+    # DDP's default 25 MiB buckets hold layers of several levels: sent whole, 1.78 s predicted, not 1.53 s, and the
+    # levels no longer pay (flat; cut: layer order on 3 levels)
+    assert whole.predicted_iter_s > 1.1 * cut.predicted_iter_s and (whole.policy, cut.policy) == ("flat", "layer_order")
+
+
 def test_plan_shim_full_size_profiles() -> None:
     """The shim calls it with the real model's sizes: the shipped profiles at 10 Gbit/s, 8 ranks, one bucket."""
     from tensorlane.policies.planner import plan_shim

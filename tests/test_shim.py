@@ -2486,6 +2486,25 @@ def test_the_lightning_callback_given_a_closed_state_warns_and_leaves_ddp_plain(
 
 
 @pytest.mark.torch
+def test_the_planner_is_told_which_models_buckets_go_whole():
+    """bf16/fp16 buckets at 3+ ranks go uncut (``uncut``); the planner plans their levels for whole buckets
+    (``sent_whole``). Until 2026-11-28 it planned them as cut into pieces that were never sent."""
+    import torch
+
+    from tensorlane.shim.ddp import sent_whole
+
+    lin = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    assert not sent_whole(lin, 3)
+    lin.to(torch.bfloat16)
+    assert sent_whole(lin, 3) and sent_whole(lin, 8) and not sent_whole(lin, 2)
+    lin[0].float()  # mixed dtypes: the fp32 buckets are cut
+    assert not sent_whole(lin, 3)
+    lin[0].requires_grad_(False)  # frozen fp32 layer: every trained bucket is 16-bit
+    assert sent_whole(lin, 3)
+    assert not sent_whole(torch.nn.Linear(2, 2).requires_grad_(False), 3)
+
+
+@pytest.mark.torch
 def test_the_planners_partition_is_cut_in_the_gradients_own_elements(tmp_path, monkeypatch):
     """The planner's partition size is in bytes; bf16 or fp16 gradients have 2 bytes an element. Until 2026-11-28
     the plan's bytes (and ``comm_state``'s ``partition_bytes``) were divided by 4 whatever the dtype: bf16 models'
@@ -2501,8 +2520,8 @@ def test_the_planners_partition_is_cut_in_the_gradients_own_elements(tmp_path, m
     from tensorlane.shim import plan
 
     asked = []
-    monkeypatch.setattr(plan, "choose", lambda prof, world, rate, levels, bucket, first=None: asked.append(
-        (bucket, first)) or {"layer_levels": [0, 1], "partition_bytes": 4096, "levels_used": 2,
+    monkeypatch.setattr(plan, "choose", lambda prof, world, rate, levels, bucket, first=None, whole=None: asked.append(
+        (bucket, first, whole)) or {"layer_levels": [0, 1], "partition_bytes": 4096, "levels_used": 2,
                              "predicted_iter_s": 0.1})
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
@@ -2515,7 +2534,8 @@ def test_the_planners_partition_is_cut_in_the_gradients_own_elements(tmp_path, m
         try:
             assert handle.plan["status"] == "planned", handle.plan
             assert handle.state.partition_bytes == 4096
-            assert asked == [(25 << 20, 1 << 20)]  # DDP's default caps: the first bucket 1 MiB (it was taken as 25)
+            # DDP's default caps: the first bucket 1 MiB (it was taken as 25); bf16 at one rank: cut
+            assert asked == [(25 << 20, 1 << 20, False)]
             x = torch.randn(4, 8, dtype=torch.bfloat16)
             cut = []
             real = ddp_mod.pieces_of
