@@ -331,3 +331,72 @@ def test_lightning_comm_hook_refuses_a_strategy_without_ddp():
             shim_lightning.CommHook(state).on_fit_start(trainer, None)
     finally:
         state.close()
+
+
+# variant -> the global step both runs must end at (2 ranks, 6 batches of 8 per rank and epoch)
+LIGHTNING_LOOPS = {"accum": 4, "bf16": 6, "manual": 12, "resume": 10, "limit": 12}
+
+
+@pytest.mark.torch
+def test_lightning_loops(tmp_path):
+    """Lightning (hook mode, ``comm_state(module=model)`` + ``CommHook``) under torchrun: ``accumulate_grad_batches=4``
+    with value clipping (short last groups), ``precision="bf16-mixed"`` with norm clipping, manual optimization
+    (``manual_backward``, ``clip_gradients``), ``fit(ckpt_path=...)`` from a mid-epoch checkpoint in a fresh Trainer
+    and state, ``limit_train_batches`` over 3 epochs: each equal to the run without the shim bit for bit (parameters,
+    per-step losses, optimizer state). ``Tuner.scale_batch_size`` is refused by Lightning under DDP, shim or not."""
+    variants = ",".join([*LIGHTNING_LOOPS, "scale_batch_size"])
+    run_torchrun("lightning_loops_worker.py", tmp_path, ["--variants", variants])
+    for rank in (0, 1):
+        for name in ("plain", "shim"):
+            _params, rec = load(tmp_path, f"{name}-scale_batch_size", rank)
+            assert "not supported with distributed strategies" in rec["error"] and rec["global_step"] == 0, rec
+    for variant, steps in LIGHTNING_LOOPS.items():
+        for rank in (0, 1):
+            plain, plain_rec = load(tmp_path, f"plain-{variant}", rank)
+            got, rec = load(tmp_path, f"shim-{variant}", rank)
+            assert plain_rec["world_size"] == 2 and plain_rec["global_step"] == rec["global_step"] == steps, rec
+            assert rel_diff(got, plain) == 0.0, variant  # bit for bit
+            for key in ("losses", "optimizer", "precision"):
+                assert rec[key] == plain_rec[key], (variant, key)
+            assert rec["mode"] == "hook" and min(rec["allreduces"]) >= 1, rec
+            if variant == "bf16":
+                assert rec["precision"] == "bf16-mixed", rec
+            if variant == "resume":  # 4 steps before the checkpoint through the first state, 6 after through the second
+                assert rec["first_allreduces"] == [4, 4, 4] and rec["allreduces"] == [6, 6, 6], rec
+        assert rel_diff(load(tmp_path, f"shim-{variant}", 1)[0], load(tmp_path, f"shim-{variant}", 0)[0]) == 0.0
+
+
+# variant -> the mode the shim must end in (shim.attach(model, opt) on what accelerator.prepare returns)
+ACCELERATE_LOOPS = {"accum_clip": "hook", "bf16": "overlap", "no_sync": "overlap", "save_load": "overlap",
+                    "clip_late": "hook"}
+
+
+@pytest.mark.torch
+def test_accelerate_loops(tmp_path):
+    """Accelerate under torchrun (no agent): ``accumulate`` (3) with ``clip_grad_norm_`` on every micro-batch,
+    ``mixed_precision="bf16"``, ``accelerator.no_sync`` by hand, ``save_state`` mid-run and ``load_state`` into fresh
+    objects with ``skip_first_batches`` and a new ``attach``, and ``clip_grad_norm_`` on every step with a bound
+    reached only from the 4th step (the probe sees the gradients multiplied by 1.0): each equal to the loop without
+    the shim bit for bit (parameters, losses, returned norms, optimizer state), the saved files byte for byte."""
+    run_torchrun("accelerate_loops_worker.py", tmp_path, ["--variants", ",".join(ACCELERATE_LOOPS)])
+    for kind, mode in ACCELERATE_LOOPS.items():
+        for rank in (0, 1):
+            plain, plain_rec = load(tmp_path, f"plain-{kind}", rank)
+            got, rec = load(tmp_path, f"shim-{kind}", rank)
+            assert plain_rec["distributed_type"] == "MULTI_CPU" and plain_rec["ddp"] == "DistributedDataParallel"
+            assert rel_diff(got, plain) == 0.0, kind  # bit for bit
+            for key in ("losses", "norms", "optimizer"):
+                assert rec[key] == plain_rec[key], (kind, key)
+            assert rec["mode"] == mode, (kind, rec["mode"], rec["mode_reason"])
+            if "clip" in kind:  # the bound bit (from the 4th step for clip_late)
+                assert "clipping" in rec["mode_reason"] and max(plain_rec["norms"]) > 0.05, rec
+            if kind == "save_load":  # the resumed last 3 steps: the same losses and parameters, overlap again
+                for r in (plain_rec, rec):
+                    assert r["resumed_equal"] and r["resumed_losses"] == plain_rec["losses"][3:], r
+                assert rec["resumed_mode"] == "overlap" and rec["resumed_optimizer"] == plain_rec["optimizer"], rec
+        assert rel_diff(load(tmp_path, f"shim-{kind}", 1)[0], load(tmp_path, f"shim-{kind}", 0)[0]) == 0.0
+    saved = sorted(p.name for p in (tmp_path / "state-plain-save_load").iterdir())
+    assert "model.safetensors" in saved and "optimizer.bin" in saved, saved
+    for name in saved:
+        assert ((tmp_path / "state-shim-save_load" / name).read_bytes()
+                == (tmp_path / "state-plain-save_load" / name).read_bytes()), name
