@@ -368,7 +368,7 @@ def test_lightning_loops(tmp_path):
 
 # variant -> the mode the shim must end in (shim.attach(model, opt) on what accelerator.prepare returns)
 ACCELERATE_LOOPS = {"accum_clip": "hook", "bf16": "overlap", "no_sync": "overlap", "save_load": "overlap",
-                    "clip_late": "hook"}
+                    "clip_late": "hook", "zero_first": "overlap", "wclip": "overlap", "wassign": "overlap"}
 
 
 @pytest.mark.torch
@@ -376,8 +376,12 @@ def test_accelerate_loops(tmp_path):
     """Accelerate under torchrun (no agent): ``accumulate`` (3) with ``clip_grad_norm_`` on every micro-batch,
     ``mixed_precision="bf16"``, ``accelerator.no_sync`` by hand, ``save_state`` mid-run and ``load_state`` into fresh
     objects with ``skip_first_batches`` and a new ``attach``, and ``clip_grad_norm_`` on every step with a bound
-    reached only from the 4th step (the probe sees the gradients multiplied by 1.0): each equal to the loop without
-    the shim bit for bit (parameters, losses, returned norms, optimizer state), the saved files byte for byte."""
+    reached only from the 4th step (the probe sees the gradients multiplied by 1.0), ``zero_grad()`` before the
+    forward, and WGAN weight clipping after each step (``p.data.clamp_``, and ``p.data = ...``): each equal to the
+    loop without the shim bit for bit (parameters, losses, returned norms, optimizer state), the saved files byte for
+    byte."""
+    import torch
+
     run_torchrun("accelerate_loops_worker.py", tmp_path, ["--variants", ",".join(ACCELERATE_LOOPS)])
     for kind, mode in ACCELERATE_LOOPS.items():
         for rank in (0, 1):
@@ -388,8 +392,10 @@ def test_accelerate_loops(tmp_path):
             for key in ("losses", "norms", "optimizer"):
                 assert rec[key] == plain_rec[key], (kind, key)
             assert rec["mode"] == mode, (kind, rec["mode"], rec["mode_reason"])
-            if "clip" in kind:  # the bound bit (from the 4th step for clip_late)
+            if kind in ("accum_clip", "clip_late"):  # the bound bit (from the 4th step for clip_late)
                 assert "clipping" in rec["mode_reason"] and max(plain_rec["norms"]) > 0.05, rec
+            if kind.startswith("w"):  # the clipping bit: every parameter within the bound, some on it
+                assert max(float(v.abs().max()) for v in got.values()) == float(torch.tensor(0.1)), kind
             if kind == "save_load":  # the resumed last 3 steps: the same losses and parameters, overlap again
                 for r in (plain_rec, rec):
                     assert r["resumed_equal"] and r["resumed_losses"] == plain_rec["losses"][3:], r

@@ -9,6 +9,9 @@ the shim and once with ``shim.attach(model, opt)`` (overlap asked for), the same
   synchronized one; overlap;
 - ``clip_late``: ``accelerator.clip_grad_norm_`` on every step, with a bound reached only from the 4th step on
   (the first steps multiply the gradients by 1.0); hook;
+- ``zero_first``: ``opt.zero_grad()`` at the top of the iteration, before the forward (not after the step); overlap;
+- ``wclip``: WGAN's weight clipping after every step, ``p.data.clamp_(-0.1, 0.1)`` (it bites); overlap;
+- ``wassign``: the same written as ``p.data = p.data.clamp(-0.1, 0.1)`` (a new tensor); overlap;
 - ``save_load``: ``save_state`` after step 3 of 6, training on; then fresh objects (``prepare``, a new ``attach``),
   ``load_state`` and ``skip_first_batches``, the last 3 steps again: both ends equal to plain DDP's, and the saved
   files byte for byte equal to those saved without the shim.
@@ -35,7 +38,8 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from tensorlane import shim  # noqa: E402
 
-MICRO = {"accum_clip": 12, "bf16": 6, "no_sync": 12, "save_load": 6, "clip_late": 6}  # micro-batches of 4 per rank
+MICRO = {"accum_clip": 12, "bf16": 6, "no_sync": 12, "save_load": 6, "clip_late": 6, "zero_first": 6, "wclip": 6,
+         "wassign": 6}  # micro-batches of 4 per rank
 
 
 def setup(kind: str, with_shim: bool):
@@ -76,13 +80,22 @@ def run(kind, accelerator, model, opt, batches, record, save_dir=None, save_at=N
                 loss = loss_fn(model(x), y)
                 accelerator.backward(loss)
         else:
+            if kind == "zero_first":
+                opt.zero_grad()
             loss = loss_fn(model(x), y)
             accelerator.backward(loss)
             if kind == "clip_late":  # called on every step; a bound it reaches only from the 4th step
                 record["norms"].append(float(accelerator.clip_grad_norm_(model.parameters(),
                                                                          max_norm=1e3 if i < 3 else 0.05)))
             opt.step()
-            opt.zero_grad()
+            if kind == "wclip":  # WGAN's weight clipping, through .data, between step() and the next forward
+                for p in model.parameters():
+                    p.data.clamp_(-0.1, 0.1)
+            if kind == "wassign":  # a new tensor assigned to .data between step() and the next forward
+                for p in model.parameters():
+                    p.data = p.data.clamp(-0.1, 0.1)
+            if kind != "zero_first":
+                opt.zero_grad()
         record["losses"].append(float(loss.detach()))
         if save_at is not None and i + 1 == save_at:
             accelerator.save_state(save_dir)
