@@ -1,7 +1,9 @@
 """Frameworks that own DDP use the shim (docs/frameworks.md): PyTorch Lightning and Hugging Face Accelerate, the
 real libraries (the `frameworks` extra), 2 ranks on the namespace testbed with an agent on each host; Lightning
-Fabric and the Transformers ``Trainer`` (marked ``torch``, not ``netns``): 2 ranks under torchrun on loopback, no
-agent (the shim warns and trains), final parameters compared with the same run without the shim.
+Fabric, the Transformers ``Trainer``, Lightning's tuner and the Lightning and Accelerate loops around the step
+(accumulation, clipping, bf16, manual optimization, resuming; marked ``torch``, not ``netns``): 2 ranks under
+torchrun on loopback, no agent (the shim warns and trains), final parameters compared with the same run without
+the shim.
 
 Each worker (tests/framework_workers/) trains the same small model once without the shim and once with it, in
 one process per host namespace, gloo over eth0. The test checks that both runs end with the same parameters,
