@@ -9,6 +9,8 @@ real ``fit`` then builds a new DDP model. So the shim's state meets two DDP mode
 - ``lr_find``: ``comm_state(module=model)`` with ``shim.lightning.CommHook`` (CPU, as documented). The tuner's
   callback runs its steps in ``on_fit_start`` and ends that fit there, before the ``CommHook`` has registered the
   hook: the trial steps are plain DDP, and only the real fit's steps go through the shim;
+- ``lr_find-learn``: the same with ``comm_state()`` (no ``module=``): the levels learnt from the buckets in the
+  real fit's first steps (the trials being plain DDP);
 - ``lr_find-cuda``: the strategy registers the hook itself, as ``DDPStrategy`` does on CUDA (a subclass that does
   it on CPU too), with ``comm_state()`` learning its levels: the same state on the tuner's DDP model and on the
   fit's, the levels learnt during the trial steps.
@@ -78,8 +80,9 @@ def train(variant: str, with_shim: bool, root: str) -> tuple[dict, dict]:
     torch.manual_seed(99)
     model = Net()
     callbacks, state = [], None
-    if with_shim and variant == "lr_find":
-        state = shim.comm_state(3, module=model, policy="layer_order")
+    if with_shim and variant in ("lr_find", "lr_find-learn"):
+        module = model if variant == "lr_find" else None  # lr_find-learn: levels learnt from the fit's buckets
+        state = shim.comm_state(3, module=module, policy="layer_order")
         strategy = DDPStrategy(process_group_backend="gloo", ddp_comm_state=state, ddp_comm_hook=shim.priority_hook)
         callbacks.append(shim_lightning.CommHook(state))
     elif with_shim:
@@ -105,7 +108,7 @@ def train(variant: str, with_shim: bool, root: str) -> tuple[dict, dict]:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--variants", default="lr_find,lr_find-cuda")
+    p.add_argument("--variants", default="lr_find,lr_find-learn,lr_find-cuda")
     args = p.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
