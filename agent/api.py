@@ -26,13 +26,14 @@ from tensorlane.agent.metrics.jobs import JobReports
 from tensorlane.agent.ownership import (
     MAX_OWNER_FDS,
     UDP_PORT_DUMPS,
+    SharedPort,
     UndecidedPorts,
     netns_of,
     not_owned,
     not_owned_by_owners,
     still_sending,
 )
-from tensorlane.agent.peers import AccessPolicy, Peer
+from tensorlane.agent.peers import AccessPolicy, Peer, user_name
 from tensorlane.agent.protocol import ProtocolError
 from tensorlane.agent.state import SHOWN_RUNS, job_id_base, user_job_id
 from tensorlane.client import LIST_PAGE
@@ -170,7 +171,8 @@ class Api:
                             files: list[int] = []
                             try:
                                 foreign = not_owned(peer.pid, req.flows, fds=fds,
-                                                    uid=None if peer.uid == 0 else peer.uid, found=found, files=files)
+                                                    uid=None if peer.uid == 0 else peer.uid, found=found, files=files,
+                                                    exclusive=True)
                             finally:
                                 self.cost = sum(files) // FILES_PER_TOKEN
                 except ProcessLookupError:
@@ -180,6 +182,11 @@ class Api:
                                         "files of a process to find its sockets; name each flow's fd in the "
                                         "register (field fds: then only those are read), or use a process with "
                                         "fewer") from None
+                except SharedPort as exc:  # (SO_REUSEADDR: any user may bind a port so shared)
+                    raise ProtocolError("not_owner", f"flow {exc.args[0]}'s source port is shared with another user's "
+                                        f"socket (user {user_name(exc.args[1])}, SO_REUSEADDR) that owns the flow too: "
+                                        "their packets cannot be told apart, so neither user's register may give "
+                                        "them a level; bind a port no other user's socket shares") from None
                 except UndecidedPorts as exc:
                     raise ProtocolError("limit", f"UDP flows of {exc.args[0]} source ports were not judged: another "
                                         "socket answers for their addresses, so each port's sockets need a look, "

@@ -60,6 +60,13 @@ Socket = tuple[str, str, int, str, int, int]  # (proto, laddr, lport, raddr, rpo
 class UndecidedPorts(Exception):
     """A register's UDP flows needed more port dumps than ``UDP_PORT_DUMPS`` to be judged: none is taken as another
     user's, and the client is told to register them in several requests."""
+
+
+class SharedPort(Exception):
+    """A UDP flow's source port is shared (SO_REUSEADDR) with a socket another user made that owns the flow too:
+    ``args`` = (the flow, that socket's user)."""
+
+
 NetnsId = tuple[int, int]
 
 
@@ -278,6 +285,51 @@ def udp_sockets(flows: Iterable[FlowKey], inodes: set[int], undecided: set,
     return out
 
 
+def shared_with(flows: Iterable[FlowKey], uid: int) -> tuple[FlowKey, int] | None:
+    """The first UDP flow of ``flows`` (owned by a socket user ``uid`` made) that a socket another user made owns
+    too, with that user, or None. Linux lets two users' UDP sockets share a port when both set SO_REUSEADDR (no uid
+    check, unlike SO_REUSEPORT): both own every flow of the port by the UDP rule and their packets carry the same
+    5-tuple, so a register of one user's would give the other's traffic the level of its choice. One port dump per
+    (family, port), at most ``UDP_PORT_DUMPS`` (UndecidedPorts beyond); without udp_diag, the tables."""
+    udp = [k for k in flows if k.proto != "tcp"]
+    ports = sorted({(socket.AF_INET6 if ":" in k.src else socket.AF_INET, k.sport) for k in udp})
+    if not ports:
+        return None
+    if len(ports) > UDP_PORT_DUMPS:
+        raise UndecidedPorts(len(ports))
+    me = account_uid(uid)
+    try:
+        others = [(_udp_row(u), u.uid) for family, port in ports for u in _DIAG.udp_port(family, port)
+                  if u.uid >= 0 and account_uid(u.uid) != me]
+    except OSError:  # no udp_diag here: the tables (their uid column)
+        others = [(row, owner) for row, owner in _udp_table_uids({p for _, p in ports}) if account_uid(owner) != me]
+    for k in udp:
+        for row, owner in others:
+            if _owns(k, [row]):
+                return k, owner
+    return None
+
+
+def _udp_table_uids(ports: set[int]) -> list[tuple[Socket, int]]:
+    """The UDP sockets of the agent's namespace on ``ports`` with their users, from ``/proc/self/net/udp{,6}``."""
+    out = []
+    for name, _, v6 in _TABLES[2:]:
+        try:
+            with open(f"/proc/self/net/{name}") as f:
+                text = f.read()
+        except OSError:
+            continue
+        uids = {}
+        for line in text.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 10 and fields[9].isdigit() and fields[7].isdigit():
+                uids[int(fields[9])] = int(fields[7])
+        for inode, state, (laddr, lport), (raddr, rport) in parse_proc_net_tcp(text, v6):
+            if lport in ports and inode in uids:
+                out.append((("udp", str(laddr), lport, str(raddr), rport, state), uids[inode]))
+    return out
+
+
 def _udp_row(u: UdpSocket) -> Socket:
     return ("udp", u.laddr, u.lport, u.raddr, u.rport, u.state)
 
@@ -338,7 +390,8 @@ def _unowned_by_fd(entries: list[tuple[int, FlowKey, int]], undecided: set, uid:
 
 def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | None = None,
               fds: Mapping[FlowKey, int] | None = None, uid: int | None = None,
-              found: dict[FlowKey, int] | None = None, files: list[int] | None = None) -> list[FlowKey]:
+              found: dict[FlowKey, int] | None = None, files: list[int] | None = None,
+              exclusive: bool = False) -> list[FlowKey]:
     """The flows among ``flows`` that process ``pid`` does not own in the agent's network namespace (all of them
     if the process is gone). ``fds``: the client's word for which fd of the process holds each flow's socket: only
     that fd is looked at (``_unowned_by_fd``), and none of the process's other open files are read (no
@@ -349,8 +402,21 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
     flows of more ports than ``UDP_PORT_DUMPS`` could not be judged. ``uid``: only sockets that user made count
     (``made_by``), not those of another user the process holds. ``found`` (without ``fds``) gets the fd that holds
     each owned flow's socket: the sweep then checks that fd alone (``not_owned_by_owners``), as if the client had
-    named it. ``files`` gets how many open files of the process were read (none with ``fds``)."""
-    flows = list(flows)
+    named it. ``files`` gets how many open files of the process were read (none with ``fds``). ``exclusive`` (a
+    register, with ``uid``): raises SharedPort for an owned UDP flow another user's socket owns too
+    (``shared_with``)."""
+    foreign = _not_owned(pid, list(flows), table, fds, uid, found, files)
+    if exclusive and uid is not None:
+        shared = shared_with([k for k in flows if k not in set(foreign)], uid)
+        if shared is not None:
+            raise SharedPort(*shared)
+    return foreign
+
+
+def _not_owned(pid: int, flows: list[FlowKey], table: Mapping[int, Socket] | None,
+               fds: Mapping[FlowKey, int] | None, uid: int | None,
+               found: dict[FlowKey, int] | None, files: list[int] | None) -> list[FlowKey]:
+    """``not_owned`` without its ``exclusive`` check."""
     undecided: set = set()
     if fds is not None:
         foreign = [flows[i] for i in _unowned_by_fd([(pid, k, fds[k]) for k in flows], undecided, uid)]

@@ -761,3 +761,53 @@ def test_many_udp_flows_of_one_socket_cost_one_lookup(monkeypatch):
             calls.update(udp=0, stat=0)
         assert api.sweep() == 0 and len(api.table.flows) == 200
         assert calls["udp"] <= 2, calls  # one for the flows with fds, one for the others (200 before)
+
+
+@pytest.mark.parametrize("first", ["victim", "attacker"])
+def test_a_udp_port_shared_with_another_users_socket_is_not_a_users_to_register(first):
+    """Linux lets any two users' UDP sockets share a port when both set SO_REUSEADDR (no uid check, unlike
+    SO_REUSEPORT), and both then own every flow of it by the UDP rule: the packets of either socket carry the same
+    5-tuple. A user that bound another user's port so was let register that user's flows first, at a level of its
+    own (the owner's register then refused ``conflict``), whichever socket was bound first. A register of a UDP
+    flow whose port another user's socket shares, that owns the flow too, is refused ``not_owner`` since
+    2026-11-28, with fds or not; the same user's two sockets on the port are still fine."""
+    from test_jobs_agent import make_api
+
+    from tensorlane.agent.peers import Peer
+
+    api, _ = make_api()
+    nobody = Peer(os.getpid(), 65534, 65534)
+
+    def ask(msg):
+        return json.loads(api.handle(json.dumps(msg).encode(), nobody))
+
+    def bound(uid, addr, port):
+        with made_as(uid):
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((addr, port))
+        return s
+
+    with contextlib.ExitStack() as stack:
+        if first == "victim":
+            victim = stack.enter_context(bound(1, "127.0.0.1", 0))
+            port = victim.getsockname()[1]
+            mine = stack.enter_context(bound(65534, "0.0.0.0", port))
+        else:
+            mine = stack.enter_context(bound(65534, "127.0.0.1", 0))
+            port = mine.getsockname()[1]
+            stack.enter_context(bound(1, "0.0.0.0", port))
+        flow = {"proto": "udp", "src": "127.0.0.1", "sport": port, "dst": "127.0.0.2", "dport": 9}
+        for fds in (None, [mine.fileno()]):
+            msg = {"op": "register", "job": "j", "level": 3, "flows": [flow]}
+            reply = ask(msg if fds is None else {**msg, "fds": fds})
+            assert not reply["ok"] and reply["error"]["code"] == "not_owner", reply
+            assert "another user's socket" in reply["error"]["message"], reply
+        assert not api.table.flows
+        own = stack.enter_context(bound(65534, "127.0.0.1", port) if first == "victim" else bound(65534, "0.0.0.0", 0))
+        mine2 = stack.enter_context(bound(65534, "127.0.0.1", 0))
+        stack.enter_context(bound(65534, "0.0.0.0", mine2.getsockname()[1]))  # the user's own two sockets: fine
+        flow2 = {**flow, "sport": mine2.getsockname()[1]}
+        reply = ask({"op": "register", "job": "j", "level": 3, "flows": [flow2], "fds": [mine2.fileno()]})
+        assert reply["ok"], reply
+        del own

@@ -102,6 +102,7 @@ class UdpSocket(NamedTuple):
     lport: int
     raddr: str
     rport: int
+    uid: int = -1  # the user that made it (-1: not told)
 
 
 def _port_dump(seq: int, family: int, protocol: int, port: int) -> bytes:
@@ -125,8 +126,8 @@ def _udp_socket(msg: bytes) -> UdpSocket:
     """The UdpSocket an inet_diag_msg (header included) describes."""
     fam = msg[_HDR.size]
     sport, dport, src, dst = _ID.unpack_from(msg, _MSG_ID)
-    inode = struct.unpack_from("=I", msg, _MSG_INODE)[0]
-    return UdpSocket(msg[_MSG_STATE], inode, _address(fam, src), sport, _address(fam, dst), dport)
+    uid, inode = struct.unpack_from("=II", msg, _MSG_UID)
+    return UdpSocket(msg[_MSG_STATE], inode, _address(fam, src), sport, _address(fam, dst), dport, uid)
 
 
 class SockDiag:
