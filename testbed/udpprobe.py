@@ -40,10 +40,13 @@ def receive(port: int, seconds: float, bind: str = "0.0.0.0") -> dict:
             "timeline": timeline}
 
 
-def send(dst: str, port: int, sport: int, pps: float, seconds: float, size: int = 1000) -> dict:
-    """Send ``pps`` datagrams per second of ``size`` bytes from ``sport`` for ``seconds``; then a b"stop"."""
+def send(dst: str, port: int, sport: int, pps: float, seconds: float, size: int = 1000, tos: int = 0) -> dict:
+    """Send ``pps`` datagrams per second of ``size`` bytes from ``sport`` for ``seconds``; then a b"stop". ``tos``:
+    the socket's IP_TOS (the DSCP shifted left by 2), as any user may set it."""
     sent = 0
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        if tos:
+            s.setsockopt(socket.IPPROTO_IP, IP_TOS, tos)
         s.bind(("0.0.0.0", sport))
         payload = b"x" * size
         start = time.monotonic()
@@ -72,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--pps", type=float, default=200)
     s.add_argument("--seconds", type=float, default=2)
     s.add_argument("--size", type=int, default=1000)
+    s.add_argument("--tos", type=int, default=0, help="IP_TOS of the socket (DSCP << 2)")
     a = p.parse_args(argv)
-    out = receive(a.port, a.seconds) if a.cmd == "recv" else send(a.dst, a.port, a.sport, a.pps, a.seconds, a.size)
+    out = (receive(a.port, a.seconds) if a.cmd == "recv"
+           else send(a.dst, a.port, a.sport, a.pps, a.seconds, a.size, a.tos))
     print(json.dumps(out), flush=True)
     return 0
 

@@ -82,15 +82,18 @@ def wait_for(what, check, seconds: float = 8.0):
         time.sleep(0.1)
 
 
-def udp_exchange(sender, receiver, sport, dport, seconds=1.5, pps=300, during=None) -> dict:
+def udp_exchange(sender, receiver, sport, dport, seconds=1.5, pps=300, during=None, tos=0, as_uid=None) -> dict:
     """Send UDP from testbed host ``sender`` to ``receiver`` (``testbed.udpprobe``) and return what the receiver
-    saw (DSCP per datagram); ``during()`` runs while it sends."""
+    saw (DSCP per datagram); ``during()`` runs while it sends. ``tos``: the sender's IP_TOS; ``as_uid``: the sender
+    runs as that user (``setpriv``)."""
     py = [sys.executable, "-m"]
     recv = receiver.popen(py + ["testbed.udpprobe", "recv", "--port", str(dport), "--seconds", str(seconds + 5)],
                           stdout=subprocess.PIPE, text=True)
     time.sleep(0.3)
-    send = sender.popen(py + ["testbed.udpprobe", "send", "--dst", receiver.ip, "--port", str(dport), "--sport",
-                              str(sport), "--pps", str(pps), "--seconds", str(seconds)],
+    user = [] if as_uid is None else ["setpriv", f"--reuid={as_uid}", f"--regid={as_uid}", "--clear-groups"]
+    send = sender.popen(user + py + ["testbed.udpprobe", "send", "--dst", receiver.ip, "--port", str(dport),
+                                     "--sport", str(sport), "--pps", str(pps), "--seconds", str(seconds),
+                                     "--tos", str(tos)],
                         stdout=subprocess.PIPE, text=True)
     try:
         if during:

@@ -81,6 +81,24 @@ def test_registered_flow_is_marked_and_queued(tb):
     assert after["7a1:13"]["bytes"] - before["7a1:13"] >= plain["sent"]["bytes"]  # default class
 
 
+def test_a_users_unregistered_traffic_leaves_without_the_dscp_it_set(tb):
+    """``IP_TOS`` needs no privilege: a local user (not even one the agent lets register) set DSCP 46, level 0's,
+    or CS6 above every level, on traffic it never registered, and the switch queued it with the most urgent
+    training traffic or above, past ``level_limits`` and the agent. Since 2026-11-28 a user's unregistered packets
+    on a managed interface leave with DSCP 0; root's keep theirs, and a registered flow its level's."""
+    h1, h2 = tb.host(1), tb.host(2)
+    with running_agents(tb, levels=3, hosts=[1], backend="htb", config_extra=TRUST) as agents:
+        with agents[1].client() as agent:
+            agent.register("job-a", 1, [flow(h1, 9111, h2, 9110)], rank=0)
+            users = {tos: udp_exchange(h1, h2, 9112, 9110, seconds=0.5, tos=tos, as_uid=65534) for tos in (184, 192)}
+            roots = udp_exchange(h1, h2, 9113, 9110, seconds=0.5, tos=184)
+            marked = udp_exchange(h1, h2, 9111, 9110, seconds=0.5, tos=192)
+    for got in users.values():
+        assert got["packets"] > 0 and got["dscp"] == {"0": got["packets"]}, users
+    assert roots["packets"] > 0 and roots["dscp"] == {"46": roots["packets"]}, roots
+    assert marked["packets"] > 0 and marked["dscp"] == {"34": marked["packets"]}, marked
+
+
 def test_churn_never_demotes_other_flows_and_leaves_no_state(tb):
     h1, h2 = tb.host(1), tb.host(2)
     with running_agents(tb, levels=3, hosts=[1], backend="htb", config_extra=TRUST) as agents:

@@ -132,6 +132,23 @@ def _lookup_rule(ifnames: list[str], family: int) -> dict:
     ]}}}
 
 
+def _users_dscp_rule(ifnames: list[str], family: int) -> dict:
+    """A packet that no flow of the maps took (unregistered), of a local socket that a user other than root made
+    (``meta skuid``: forwarded packets and the kernel's own have no socket and keep theirs), leaves with DSCP 0,
+    the default class's. ``IP_TOS`` needs no privilege: a user set the levels' DSCP, or CS6/CS7 above them all, on
+    traffic it never registered and put it in the switch's queue of the most urgent level or above, past
+    ``level_limits`` and the agent alike."""
+    proto = "ip" if family == 4 else "ip6"
+    return {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": "egress", "expr": [
+        {"match": {"op": "==", "left": {"meta": {"key": "oifname"}},
+                   "right": ifnames[0] if len(ifnames) == 1 else {"set": list(ifnames)}}},
+        {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": "ipv4" if family == 4 else "ipv6"}},
+        {"match": {"op": "!=", "left": {"meta": {"key": "skuid"}}, "right": 0}},
+        {"match": {"op": "!=", "left": {"payload": {"protocol": proto, "field": "dscp"}}, "right": 0}},
+        {"mangle": {"key": {"payload": {"protocol": proto, "field": "dscp"}}, "value": 0}},
+    ]}}}
+
+
 def table_commands(ifnames: list[str], classids: list[int], dscp: list[int], ack_level: int | None = 0
                    ) -> list[dict]:
     """Commands that create or update the table's chains and maps in place, keeping the maps' elements.
@@ -153,6 +170,7 @@ def table_commands(ifnames: list[str], classids: list[int], dscp: list[int], ack
                                    "hook": "postrouting", "prio": -150, "policy": "accept"}}})
     cmds.append({"flush": {"chain": {"family": FAMILY, "table": TABLE, "name": "egress"}}})
     cmds.extend(_lookup_rule(ifnames, fam) for fam in (4, 6))
+    cmds.extend(_users_dscp_rule(ifnames, fam) for fam in (4, 6))
     return cmds
 
 
