@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import logging
 import os
 import random
 import socket
 import stat
+import sys
 from collections.abc import Callable, Iterable, Mapping
 
 from tensorlane.agent.kernel.sockdiag import SockDiag, UdpSocket
@@ -148,18 +150,54 @@ def fds_of(pid: int, uid: int | None = None, files: list[int] | None = None) -> 
 def made_by(pid: int, fd: int, uid: int) -> int | None:
     """The inode of the socket on fd ``fd`` of process ``pid`` if user ``uid`` made it (the socket's owner, the
     file-system uid of the process that created it, is ``uid`` or a uid of ``uid``'s subordinate range:
-    ``account_uid``), else None (another user's socket, not a socket, closed, or the process is gone). One stat.
+    ``account_uid``), else None (another user's socket, not a socket, closed, or the process is gone). One readlink
+    and one stat that asks no file system (``stat_cached``).
 
     A process may hold a socket another user made: a setuid program it exec'd after connecting to the agent (the
     connection's credentials stay its user's), an fd a root service leaked into it, one passed to it. Its user may
     not register that socket's flows: they are that other user's traffic."""
+    inode = fd_inode(pid, fd)  # (no file system is asked: a file that is not a socket is refused unlooked-at)
+    if inode is None:
+        return None
+    st = stat_cached(f"/proc/{pid}/fd/{fd}")
+    if st is None or not stat.S_ISSOCK(st[0]) or st[2] != inode or account_uid(st[1]) != uid:
+        return None  # (a file put at the fd since the readlink is not looked at either)
+    return inode
+
+
+_STATX_MASK = 0x1 | 0x2 | 0x8 | 0x100  # STATX_TYPE | STATX_MODE | STATX_UID | STATX_INO
+_AT_STATX_DONT_SYNC = 0x4000
+
+
+def _libc_statx():
     try:
-        st = os.stat(f"/proc/{pid}/fd/{fd}")
-    except OSError:
+        fn = ctypes.CDLL(None, use_errno=True).statx
+    except (OSError, AttributeError):
         return None
-    if not stat.S_ISSOCK(st.st_mode) or account_uid(st.st_uid) != uid:
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    return fn
+
+
+_STATX = _libc_statx()
+
+
+def stat_cached(path: str) -> tuple[int, int, int] | None:
+    """(mode, uid, inode) of the file ``path`` leads to, from the kernel's cached attributes (``statx`` with
+    ``AT_STATX_DONT_SYNC``), or None where it cannot be read. A plain ``stat`` of ``/proc/PID/fd/N`` follows the
+    link to whatever file a client put there; on a FUSE file system (``fusermount3`` lets any user mount one) it
+    waits for that user's daemon to answer, for ever: the agent's one loop stopped, SIGTERM included, until a
+    SIGKILL. Without ``statx`` in libc: a plain ``stat``."""
+    if _STATX is None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return st.st_mode, st.st_uid, st.st_ino
+    buf = ctypes.create_string_buffer(256)  # struct statx
+    if _STATX(-100, path.encode(), _AT_STATX_DONT_SYNC, _STATX_MASK, buf) != 0:  # (AT_FDCWD)
         return None
-    return st.st_ino
+    mode = int.from_bytes(buf.raw[28:30], sys.byteorder)
+    return mode, int.from_bytes(buf.raw[20:24], sys.byteorder), int.from_bytes(buf.raw[32:40], sys.byteorder)
 
 
 def sockets_of(pid: int, table: Mapping[int, Socket] | None = None) -> list[Socket]:

@@ -811,3 +811,61 @@ def test_a_udp_port_shared_with_another_users_socket_is_not_a_users_to_register(
         reply = ask({"op": "register", "job": "j", "level": 3, "flows": [flow2], "fds": [mine2.fileno()]})
         assert reply["ok"], reply
         del own
+
+
+FUSE_STALL = textwrap.dedent("""
+    import json, os, socket, tempfile, threading
+    from fusestall import StallFs
+    from test_jobs_agent import make_api
+    from tensorlane.agent.peers import Peer
+
+    api, _ = make_api()
+    nobody = Peer(os.getpid(), 65534, 65534)
+    os.setegid(65534); os.seteuid(65534)
+    mine = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    os.seteuid(0); os.setegid(0)
+    mine.bind(("127.0.0.1", 0))
+    flow = {"proto": "udp", "src": "127.0.0.1", "sport": mine.getsockname()[1], "dst": "127.0.0.2", "dport": 9}
+    out = {"registered": json.loads(api.handle(json.dumps(
+        {"op": "register", "job": "j", "level": 3, "flows": [flow], "fds": [mine.fileno()]}).encode(), nobody))["ok"]}
+    fs = StallFs(tempfile.mkdtemp())
+    try:
+        f = os.open(os.path.join(fs.mnt, "f"), os.O_RDONLY)
+        fs.stall.set()  # its daemon answers no GETATTR of f from now on
+
+        def attack():
+            other = {**flow, "dst": "127.0.0.3"}
+            out["named"] = json.loads(api.handle(json.dumps(
+                {"op": "register", "job": "j", "level": 3, "flows": [other], "fds": [f]}).encode(), nobody))
+            os.dup2(f, mine.fileno())  # the registered flow's fd is the file now
+            api.sweep()
+            out["left"] = len(api.table.flows)
+
+        t = threading.Thread(target=attack, daemon=True)
+        t.start()
+        t.join(3)
+        out["stalled"] = t.is_alive()
+    finally:
+        fs.close()
+    t.join(3)
+    print(json.dumps(out))
+""")
+
+
+def test_a_file_whose_stat_never_returns_put_at_a_named_fd_does_not_stall_the_agent(tmp_path):
+    """A register names fds; the agent looked at each with ``stat``, which follows ``/proc/PID/fd/N`` to the file
+    there. A user's FUSE mount (``fusermount3``) answers that stat when its daemon likes: naming such a file's fd,
+    or putting it at a registered flow's fd before a sweep, stopped the agent's one loop for as long as the daemon
+    waited (SIGTERM included). Since 2026-11-28 the fd is read as a link first (a file that is not a socket is not
+    looked at) and the socket's owner comes from the kernel's cached attributes (``AT_STATX_DONT_SYNC``): the
+    register is refused ``not_owner`` and the sweep drops the flow, with the daemon still silent. The mount is made
+    in a mount namespace of the test's own (``unshare -m``)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run(["unshare", "-m", sys.executable, "-c", FUSE_STALL], capture_output=True, text=True,
+                         timeout=60, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["registered"] and not out["stalled"], out
+    assert out["named"]["error"]["code"] == "not_owner", out
+    assert out["left"] == 0, out
