@@ -330,15 +330,17 @@ def shared_with(flows: Iterable[FlowKey], uid: int) -> tuple[FlowKey, int] | Non
     5-tuple, so a register of one user's would give the other's traffic the level of its choice. One port dump per
     (family, port), at most ``UDP_PORT_DUMPS`` (UndecidedPorts beyond); without udp_diag, the tables."""
     udp = [k for k in flows if k.proto != "tcp"]
-    ports = sorted({(socket.AF_INET6 if ":" in k.src else socket.AF_INET, k.sport) for k in udp})
+    # (an IPv4 flow's port in both families: a dual-stack IPv6 wildcard socket sends that flow's datagrams too)
+    ports = sorted({(socket.AF_INET6, k.sport) for k in udp}
+                   | {(socket.AF_INET, k.sport) for k in udp if ":" not in k.src})
     if not ports:
         return None
     if len(ports) > UDP_PORT_DUMPS:
         raise UndecidedPorts(len(ports))
     me = account_uid(uid)
     try:
-        others = [(_udp_row(u), u.uid) for family, port in ports for u in _DIAG.udp_port(family, port)
-                  if u.uid >= 0 and account_uid(u.uid) != me]
+        others = [(row, u.uid) for family, port in ports for u in _DIAG.udp_port(family, port)
+                  if u.uid >= 0 and account_uid(u.uid) != me for row in _dual_stack_rows(u)]
     except OSError:  # no udp_diag here: the tables (their uid column)
         others = [(row, owner) for row, owner in _udp_table_uids({p for _, p in ports}) if account_uid(owner) != me]
     for k in udp:
@@ -346,6 +348,15 @@ def shared_with(flows: Iterable[FlowKey], uid: int) -> tuple[FlowKey, int] | Non
             if _owns(k, [row]):
                 return k, owner
     return None
+
+
+def _dual_stack_rows(u: UdpSocket) -> list[Socket]:
+    """``u``'s row, and for an IPv6 wildcard socket without IPV6_V6ONLY, which sends IPv4 datagrams too, a row as
+    the IPv4 wildcard (for ``shared_with`` only: the UDP rule lets no one register an IPv4 flow of ``[::]``)."""
+    row = _udp_row(u)
+    if u.laddr == "::" and not u.v6only and u.raddr in ("::", "0.0.0.0"):
+        return [row, ("udp", "0.0.0.0", *row[2:])]
+    return [row]
 
 
 def _udp_table_uids(ports: set[int]) -> list[tuple[Socket, int]]:

@@ -770,7 +770,8 @@ def test_a_udp_port_shared_with_another_users_socket_is_not_a_users_to_register(
     5-tuple. A user that bound another user's port so was let register that user's flows first, at a level of its
     own (the owner's register then refused ``conflict``), whichever socket was bound first. A register of a UDP
     flow whose port another user's socket shares, that owns the flow too, is refused ``not_owner`` since
-    2026-11-28, with fds or not; the same user's two sockets on the port are still fine."""
+    2026-11-28, with fds or not, also where that socket is a dual-stack IPv6 one on ``[::]`` (it sends IPv4); the
+    same user's two sockets on the port, or another user's IPV6_V6ONLY one, are still fine."""
     from test_jobs_agent import make_api
 
     from tensorlane.agent.peers import Peer
@@ -804,6 +805,17 @@ def test_a_udp_port_shared_with_another_users_socket_is_not_a_users_to_register(
             assert not reply["ok"] and reply["error"]["code"] == "not_owner", reply
             assert "another user's socket" in reply["error"]["message"], reply
         assert not api.table.flows
+        # a dual-stack IPv6 socket on the wildcard sends the IPv4 flow's datagrams too (an IPV6_V6ONLY one does not)
+        for v6only in (0, 1):
+            with made_as(1):
+                dual = stack.enter_context(socket.socket(socket.AF_INET6, socket.SOCK_DGRAM))
+            dual.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            dual.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, v6only)
+            dual.bind(("::", 0))
+            alone = stack.enter_context(bound(65534, "127.0.0.1", dual.getsockname()[1]))
+            reply = ask({"op": "register", "job": "j", "level": 3, "fds": [alone.fileno()],
+                         "flows": [{**flow, "sport": alone.getsockname()[1]}]})
+            assert reply["ok"] == bool(v6only), (v6only, reply)
         own = stack.enter_context(bound(65534, "127.0.0.1", port) if first == "victim" else bound(65534, "0.0.0.0", 0))
         mine2 = stack.enter_context(bound(65534, "127.0.0.1", 0))
         stack.enter_context(bound(65534, "0.0.0.0", mine2.getsockname()[1]))  # the user's own two sockets: fine

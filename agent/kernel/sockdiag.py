@@ -43,6 +43,7 @@ _MSG_UID = _HDR.size + 4 + 48 + 12  # ... after timer, retrans, the sockid, expi
 _MSG_INODE = _MSG_UID + 4
 _MSG_ID = _HDR.size + 4  # the inet_diag_sockid in an inet_diag_msg
 INET_DIAG_REQ_BYTECODE = 1
+INET_DIAG_SKV6ONLY = 11  # an attribute of every AF_INET6 socket's answer: IPV6_V6ONLY
 INET_DIAG_BC_S_EQ = 11  # inet_diag_bc_op code: the socket's local port equals the next op's ``no``
 _BC_OP = struct.Struct("=BBH")  # inet_diag_bc_op: code, yes, no
 
@@ -103,6 +104,7 @@ class UdpSocket(NamedTuple):
     raddr: str
     rport: int
     uid: int = -1  # the user that made it (-1: not told)
+    v6only: bool = False  # an IPv6 socket with IPV6_V6ONLY (a wildcard one without it receives and sends IPv4 too)
 
 
 def _port_dump(seq: int, family: int, protocol: int, port: int) -> bytes:
@@ -127,7 +129,8 @@ def _udp_socket(msg: bytes) -> UdpSocket:
     fam = msg[_HDR.size]
     sport, dport, src, dst = _ID.unpack_from(msg, _MSG_ID)
     uid, inode = struct.unpack_from("=II", msg, _MSG_UID)
-    return UdpSocket(msg[_MSG_STATE], inode, _address(fam, src), sport, _address(fam, dst), dport, uid)
+    v6only = _unix_attrs(msg[_MSG_INODE + 4:]).get(INET_DIAG_SKV6ONLY, b"\0")[:1] != b"\0"
+    return UdpSocket(msg[_MSG_STATE], inode, _address(fam, src), sport, _address(fam, dst), dport, uid, v6only)
 
 
 class SockDiag:
@@ -267,7 +270,7 @@ def unix_name_uids(name: str, timeout_s: float = 1.0) -> list[int]:
 
 
 def _unix_attrs(data: bytes) -> dict[int, bytes]:
-    """A unix_diag_msg's attributes: ``{type: payload}``."""
+    """A unix_diag_msg's (or inet_diag_msg's) attributes: ``{type: payload}``."""
     out, pos = {}, 0
     while pos + _ATTR.size <= len(data):
         length, kind = _ATTR.unpack_from(data, pos)
