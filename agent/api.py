@@ -26,6 +26,7 @@ from tensorlane.agent.metrics.jobs import JobReports
 from tensorlane.agent.ownership import (
     MAX_OWNER_FDS,
     UDP_PORT_DUMPS,
+    NotLocal,
     SharedPort,
     UndecidedPorts,
     netns_of,
@@ -182,6 +183,11 @@ class Api:
                                         "files of a process to find its sockets; name each flow's fd in the "
                                         "register (field fds: then only those are read), or use a process with "
                                         "fewer") from None
+                except NotLocal as exc:  # (a wildcard socket owns flows from any source by the UDP rule)
+                    raise ProtocolError("not_owner", f"flow {exc.args[0]}'s source {exc.args[0].src} is no address of "
+                                        "this host (in this agent's network namespace): a socket of this host sends "
+                                        "no datagram from it, and the flow would match packets the host forwards "
+                                        "for others") from None
                 except SharedPort as exc:  # (SO_REUSEADDR: any user may bind a port so shared)
                     raise ProtocolError("not_owner", f"flow {exc.args[0]}'s source port is shared with another user's "
                                         f"socket (user {user_name(exc.args[1])}, SO_REUSEADDR) that owns the flow too: "

@@ -69,6 +69,10 @@ class SharedPort(Exception):
     ``args`` = (the flow, that socket's user)."""
 
 
+class NotLocal(Exception):
+    """A UDP flow's source is no address of the agent's network namespace: ``args`` = (the flow,)."""
+
+
 NetnsId = tuple[int, int]
 
 
@@ -323,6 +327,20 @@ def udp_sockets(flows: Iterable[FlowKey], inodes: set[int], undecided: set,
     return out
 
 
+def is_local(addr: str) -> bool:
+    """Whether ``addr`` is an address of the agent's network namespace (a bind to it, port 0, without IP_FREEBIND,
+    succeeds: about 10 us). A UDP socket on the wildcard owns the flows of its port from any source by the UDP rule,
+    and the maps are looked up in postrouting, which forwarded packets pass too: a user registered a flow from a
+    container's or another host's address and the packets the host forwards with that 5-tuple took its level."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((addr, 0))
+    except OSError:
+        return False
+    return True
+
+
 def shared_with(flows: Iterable[FlowKey], uid: int) -> tuple[FlowKey, int] | None:
     """The first UDP flow of ``flows`` (owned by a socket user ``uid`` made) that a socket another user made owns
     too, with that user, or None. Linux lets two users' UDP sockets share a port when both set SO_REUSEADDR (no uid
@@ -456,7 +474,11 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
     (``shared_with``)."""
     foreign = _not_owned(pid, list(flows), table, fds, uid, found, files)
     if exclusive and uid is not None:
-        shared = shared_with([k for k in flows if k not in set(foreign)], uid)
+        owned = [k for k in flows if k not in set(foreign)]
+        away = next((k for k in owned if k.proto != "tcp" and not is_local(k.src)), None)
+        if away is not None:
+            raise NotLocal(away)
+        shared = shared_with(owned, uid)
         if shared is not None:
             raise SharedPort(*shared)
     return foreign

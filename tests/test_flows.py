@@ -881,3 +881,31 @@ def test_a_file_whose_stat_never_returns_put_at_a_named_fd_does_not_stall_the_ag
     assert out["registered"] and not out["stalled"], out
     assert out["named"]["error"]["code"] == "not_owner", out
     assert out["left"] == 0, out
+
+
+def test_a_udp_flow_from_an_address_that_is_not_the_hosts_is_not_a_users_to_register():
+    """A UDP socket on the wildcard owns the flows of its port from any source by the UDP rule, and the maps are
+    looked up in postrouting, which packets the host forwards (a container's, a routed host's) pass too: a user
+    registered a flow from such an address and the forwarded datagrams of that 5-tuple left with its level (50 of
+    50 in a router namespace with the agent's table). Since 2026-11-28 a user's UDP flow must come from an address of
+    the agent's namespace (``not_owner``); root and trusted users may still register any."""
+    from test_jobs_agent import make_api
+
+    from tensorlane.agent.peers import Peer
+
+    api, _ = make_api()
+    nobody = Peer(os.getpid(), 65534, 65534)
+    with made_as(65534):
+        mine = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with mine:
+        mine.bind(("0.0.0.0", 0))
+        port = mine.getsockname()[1]
+        for src, ok in (("198.51.100.7", False), ("127.0.0.1", True)):
+            flow = {"proto": "udp", "src": src, "sport": port, "dst": "127.0.0.2", "dport": 9}
+            for fds in (None, [mine.fileno()]):
+                msg = {"op": "register", "job": "j", "level": 3, "flows": [flow]}
+                reply = json.loads(api.handle(json.dumps(msg if fds is None else {**msg, "fds": fds}).encode(), nobody))
+                assert reply["ok"] == ok, reply
+                if not ok:
+                    assert reply["error"]["code"] == "not_owner" and "no address of this host" in reply["error"]["message"]
+        assert [k.src for k in api.table.flows] == ["127.0.0.1"]
