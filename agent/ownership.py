@@ -348,23 +348,43 @@ def shared_with(flows: Iterable[FlowKey], uid: int) -> tuple[FlowKey, int] | Non
     5-tuple, so a register of one user's would give the other's traffic the level of its choice. One port dump per
     (family, port), at most ``UDP_PORT_DUMPS`` (UndecidedPorts beyond); without udp_diag, the tables."""
     udp = [k for k in flows if k.proto != "tcp"]
-    # (an IPv4 flow's port in both families: a dual-stack IPv6 wildcard socket sends that flow's datagrams too)
-    ports = sorted({(socket.AF_INET6, k.sport) for k in udp}
-                   | {(socket.AF_INET, k.sport) for k in udp if ":" not in k.src})
+    # (an IPv4 flow's port in both families: a dual-stack IPv6 wildcard socket sends that flow's datagrams too), and
+    # of each, only the sockets bound to a flow's source or the wildcard, filtered in the kernel: another user may
+    # hold thousands on the port bound to other addresses, which own none of the flows
+    ports: dict[tuple[int, int], set[tuple[int, str]]] = {}
+    for k in udp:
+        if ":" in k.src:
+            ports.setdefault((socket.AF_INET6, k.sport), set()).update({(socket.AF_INET6, k.src),
+                                                                         (socket.AF_INET6, "::")})
+        else:
+            ports.setdefault((socket.AF_INET, k.sport), set()).update({(socket.AF_INET, k.src),
+                                                                        (socket.AF_INET, "0.0.0.0")})
+            ports.setdefault((socket.AF_INET6, k.sport), set()).update({(socket.AF_INET, k.src),
+                                                                         (socket.AF_INET6, "::")})
     if not ports:
         return None
     if len(ports) > UDP_PORT_DUMPS:
         raise UndecidedPorts(len(ports))
     me = account_uid(uid)
     try:
-        others = [(row, u.uid) for family, port in ports for u in _DIAG.udp_port(family, port)
+        others = [(row, u.uid) for (family, port), addrs in sorted(ports.items())
+                  for u in _DIAG.udp_port(family, port, sorted(addrs))
                   if u.uid >= 0 and account_uid(u.uid) != me for row in _dual_stack_rows(u)]
     except OSError:  # no udp_diag here: the tables (their uid column)
         others = [(row, owner) for row, owner in _udp_table_uids({p for _, p in ports}) if account_uid(owner) != me]
+    # by (local address, remote end): each flow looks up the 4 ends that own it, not every socket (another user may
+    # hold thousands on the port, bound elsewhere, owning none: flows x sockets was seconds of the agent's loop)
+    index: dict[tuple[str, str | None, int], int] = {}
+    for (_, laddr, _, raddr, rport, _), owner in others:
+        wild = _unspecified(laddr)
+        index.setdefault(("*" + (":" if ":" in laddr else "") if wild else laddr,
+                          None if _unspecified(raddr) and rport == 0 else raddr, rport), owner)
     for k in udp:
-        for row, owner in others:
-            if _owns(k, [row]):
-                return k, owner
+        wild = "*" + (":" if ":" in k.src else "")
+        for local in (k.src, wild):
+            for end in ((k.dst, k.dport), (None, 0)):
+                if (local, *end) in index:
+                    return k, index[local, *end]
     return None
 
 
@@ -475,7 +495,8 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
     foreign = _not_owned(pid, list(flows), table, fds, uid, found, files)
     if exclusive and uid is not None:
         owned = [k for k in flows if k not in set(foreign)]
-        away = next((k for k in owned if k.proto != "tcp" and not is_local(k.src)), None)
+        local = {src: is_local(src) for src in {k.src for k in owned if k.proto != "tcp"}}  # (a bind per address)
+        away = next((k for k in owned if k.proto != "tcp" and not local[k.src]), None)
         if away is not None:
             raise NotLocal(away)
         shared = shared_with(owned, uid)

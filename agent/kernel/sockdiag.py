@@ -46,6 +46,9 @@ INET_DIAG_REQ_BYTECODE = 1
 INET_DIAG_SKV6ONLY = 11  # an attribute of every AF_INET6 socket's answer: IPV6_V6ONLY
 INET_DIAG_BC_S_EQ = 11  # inet_diag_bc_op code: the socket's local port equals the next op's ``no``
 _BC_OP = struct.Struct("=BBH")  # inet_diag_bc_op: code, yes, no
+_HOSTCOND = struct.Struct("=BBxxi")  # inet_diag_hostcond: family, prefix_len, port (-1: any), then the address
+INET_DIAG_BC_S_COND = 7  # inet_diag_bc_op code: the local end matches the inet_diag_hostcond that follows
+INET_DIAG_BC_JMP = 1  # inet_diag_bc_op code: jump by ``no``
 
 
 class TcpSocket(NamedTuple):
@@ -107,10 +110,27 @@ class UdpSocket(NamedTuple):
     v6only: bool = False  # an IPv6 socket with IPV6_V6ONLY (a wildcard one without it receives and sends IPv4 too)
 
 
-def _port_dump(seq: int, family: int, protocol: int, port: int) -> bytes:
+def _port_dump(seq: int, family: int, protocol: int, port: int,
+               addrs: Sequence[tuple[int, str]] = ()) -> bytes:
     """A SOCK_DIAG_BY_FAMILY dump request of ``family``/``protocol`` with a kernel-side bytecode filter: the local
-    port is ``port`` (the kernel walks its table but answers only those sockets)."""
-    bc = _BC_OP.pack(INET_DIAG_BC_S_EQ, 8, 12) + _BC_OP.pack(0, 0, port)  # yes: accept; no: past the end, reject
+    port is ``port`` (the kernel walks its table but answers only those sockets) and, with ``addrs`` ((family,
+    address) pairs), the local address is one of them (an AF_INET one matches a v4-mapped IPv6 socket's too)."""
+    if not addrs:
+        bc = _BC_OP.pack(INET_DIAG_BC_S_EQ, 8, 12) + _BC_OP.pack(0, 0, port)  # yes: accept; no: past the end, reject
+    else:
+        conds = [_HOSTCOND.pack(fam, 32 if fam == socket.AF_INET else 128, port) + socket.inet_pton(fam, addr)
+                 for fam, addr in addrs]
+        # cond, JMP, cond, JMP, ..., cond: a cond that holds goes on to its JMP, which jumps to the end (accept);
+        # one that does not skips its JMP, to the next cond, the last past the end (reject). (The kernel's audit
+        # walks the ``yes`` jumps: every op must lie on that walk.)
+        sizes = [_BC_OP.size + len(c) for c in conds]
+        bc = b""
+        for i, (cond, size) in enumerate(zip(conds, sizes, strict=True)):
+            last = i == len(conds) - 1
+            bc += _BC_OP.pack(INET_DIAG_BC_S_COND, size, size + 4) + cond
+            if not last:
+                rest = _BC_OP.size + sum(sizes[i + 1:]) + _BC_OP.size * (len(conds) - 2 - i)
+                bc += _BC_OP.pack(INET_DIAG_BC_JMP, _BC_OP.size, rest)
     attr = _ATTR.pack(_ATTR.size + len(bc), INET_DIAG_REQ_BYTECODE) + bc
     body = (_REQ.pack(family, protocol, 0, 0, 0xFFFFFFFF) + _ID.pack(0, 0, bytes(16), bytes(16))
             + _ID_TAIL.pack(0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE) + attr)
@@ -212,14 +232,15 @@ class SockDiag:
                     raise OSError(errno.EPROTO, f"sock_diag (udp): unexpected answer type {kind}")
                 return _udp_socket(msg)
 
-    def udp_port(self, family: int, port: int) -> list[UdpSocket]:
+    def udp_port(self, family: int, port: int, addrs: Sequence[tuple[int, str]] = ()) -> list[UdpSocket]:
         """The UDP sockets of ``family`` (AF_INET, AF_INET6) in this namespace whose local port is ``port``: one dump
         filtered in the kernel (``INET_DIAG_REQ_BYTECODE``), so the answer holds the sockets of that port only,
         not the namespace's thousands (``/proc/self/net/udp`` prints them all: 660 ms at 19,000). Raises OSError
-        when the kernel cannot answer (no ``udp_diag``): the caller falls back to the tables."""
+        when the kernel cannot answer (no ``udp_diag``): the caller falls back to the tables. ``addrs``: only sockets
+        bound to one of these (family, address) pairs (``_port_dump``)."""
         sock = self._socket()
         seq = next(self._seq)
-        sock.send(_port_dump(seq, family, socket.IPPROTO_UDP, port))
+        sock.send(_port_dump(seq, family, socket.IPPROTO_UDP, port, addrs))
         out: list[UdpSocket] = []
         while True:
             for kind, got, msg in _messages(sock.recv(1 << 16)):
