@@ -491,10 +491,13 @@ def not_owned(pid: int, flows: Iterable[FlowKey], table: Mapping[int, Socket] | 
     each owned flow's socket: the sweep then checks that fd alone (``not_owned_by_owners``), as if the client had
     named it. ``files`` gets how many open files of the process were read (none with ``fds``). ``exclusive`` (a
     register, with ``uid``): raises SharedPort for an owned UDP flow another user's socket owns too
-    (``shared_with``)."""
-    foreign = _not_owned(pid, list(flows), table, fds, uid, found, files)
+    (``shared_with``), NotLocal for an owned UDP flow whose source is no address of the agent's namespace
+    (``is_local``)."""
+    flows = list(flows)
+    foreign = _not_owned(pid, flows, table, fds, uid, found, files)
     if exclusive and uid is not None:
-        owned = [k for k in flows if k not in set(foreign)]
+        unowned = set(foreign)
+        owned = [k for k in flows if k not in unowned]
         local = {src: is_local(src) for src in {k.src for k in owned if k.proto != "tcp"}}  # (a bind per address)
         away = next((k for k in owned if k.proto != "tcp" and not local[k.src]), None)
         if away is not None:
