@@ -69,6 +69,7 @@ class Config:
     # lower levels' timeouts but not the shim's step times (docs/jobs-measured.md, "The link's rate and the CPU")
     min_rate_bps: int = field(default=0, metadata={"key": "min_rate"})
     ack_priority: bool = True  # pure ACKs of every registered flow in the most urgent class (no ACK starvation)
+    reset_user_dscp: bool = True  # a user's unregistered packets leave the managed interfaces with DSCP 0
     reconcile_interval_s: float = 5.0
     socket_group: str | None = None
     allowed_users: tuple[str, ...] = ()
@@ -404,7 +405,8 @@ def _service(raw: dict, levels: int) -> dict:
             "max_jobs_per_user": _integer(raw, "max_jobs_per_user", 1, 100_000),
             "reserved_flow_share": _number(raw, "reserved_flow_share", 0.0, 0.5, " (a share of max_flows)"),
             "socket_group": _want(raw, "socket_group", str),
-            "ack_priority": _want(raw, "ack_priority", bool)}
+            "ack_priority": _want(raw, "ack_priority", bool),
+            "reset_user_dscp": _want(raw, "reset_user_dscp", bool)}
 
 
 def _access(raw: dict) -> dict:

@@ -1123,7 +1123,8 @@ def _run(cfg: Config, lock: list[int] | None = None) -> int:
         table = FlowTable(cfg.levels, cfg.max_flows)
         layout = plan[0].backend if plan else _backend(cfg, kind, 10**9)  # the class layout (no device yet: any rate)
         rec = Reconciler([t.device() for t in plan], cfg.dscp, {eg.name: eg.index for eg in egress}, ipr,
-                         ack_level=0 if cfg.ack_priority else None, layout=layout)
+                         ack_level=0 if cfg.ack_priority else None, layout=layout,
+                         reset_user_dscp=cfg.reset_user_dscp)
         restore_orphans(cfg, ipr, plan)
         warn_incomplete(cfg)
         held = HeldDevices(cfg, kind, [eg.name for eg in egress], rec, lock)

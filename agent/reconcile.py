@@ -79,14 +79,16 @@ class Reconciler:
     """Owns the kernel objects of the managed interfaces: a queue tree per device, one nftables table."""
 
     def __init__(self, devices: list[Device], dscp: tuple[int, ...], interfaces: dict[str, int], ipr, nft=None,
-                 ack_level: int | None = 0, layout=None):
+                 ack_level: int | None = 0, layout=None, reset_user_dscp: bool = True):
         """``devices`` carry the queues of ``interfaces`` (name -> index: what is matched as output interface);
         pure ACKs of less urgent levels go to ``ack_level``'s class (None: each flow's ACKs at its own level);
-        ``layout``: a backend of the class layout, where no device is held yet (default: the first device's)."""
+        ``layout``: a backend of the class layout, where no device is held yet (default: the first device's);
+        ``reset_user_dscp``: users' unregistered packets leave with DSCP 0 (``nftables.table_commands``)."""
         self.devices = list(devices)
         self.backend = layout or self.devices[0].backend  # the class layout, the same on every device
         self.dscp = dscp
         self.ack_level = ack_level
+        self.reset_user_dscp = reset_user_dscp
         self.interfaces = dict(interfaces)
         self.ipr = ipr
         self.nft = nft or nftables.Nft()
@@ -105,7 +107,8 @@ class Reconciler:
 
     def _table_commands(self) -> list[dict]:
         classids = [self.backend.classid(lvl) for lvl in range(self.backend.levels)]
-        return nftables.table_commands(list(self.interfaces), classids, list(self.dscp), self.ack_level)
+        return nftables.table_commands(list(self.interfaces), classids, list(self.dscp), self.ack_level,
+                                       self.reset_user_dscp)
 
     def _apply_trees(self) -> None:
         for dev in self.devices:

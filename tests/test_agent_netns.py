@@ -85,7 +85,8 @@ def test_a_users_unregistered_traffic_leaves_without_the_dscp_it_set(tb):
     """``IP_TOS`` needs no privilege: a local user (not even one the agent lets register) set DSCP 46, level 0's,
     or CS6 above every level, on traffic it never registered, and the switch queued it with the most urgent
     training traffic or above, past ``level_limits`` and the agent. Since 2026-11-28 a user's unregistered packets
-    on a managed interface leave with DSCP 0; root's keep theirs, and a registered flow its level's."""
+    on a managed interface leave with DSCP 0; root's keep theirs, and a registered flow its level's.
+    ``reset_user_dscp = false`` keeps users' own marks (and is changed in place at a restart)."""
     h1, h2 = tb.host(1), tb.host(2)
     with running_agents(tb, levels=3, hosts=[1], backend="htb", config_extra=TRUST) as agents:
         with agents[1].client() as agent:
@@ -97,6 +98,9 @@ def test_a_users_unregistered_traffic_leaves_without_the_dscp_it_set(tb):
         assert got["packets"] > 0 and got["dscp"] == {"0": got["packets"]}, users
     assert roots["packets"] > 0 and roots["dscp"] == {"46": roots["packets"]}, roots
     assert marked["packets"] > 0 and marked["dscp"] == {"34": marked["packets"]}, marked
+    with running_agents(tb, levels=3, hosts=[1], backend="htb", config_extra={**TRUST, "reset_user_dscp": False}):
+        kept = udp_exchange(h1, h2, 9112, 9110, seconds=0.5, tos=184, as_uid=65534)
+    assert kept["packets"] > 0 and kept["dscp"] == {"46": kept["packets"]}, kept
 
 
 def test_churn_never_demotes_other_flows_and_leaves_no_state(tb):

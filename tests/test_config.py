@@ -96,6 +96,7 @@ def test_parse_rate(text, bps):
     ({"interface": "eth0", "requests_per_user_per_s": "fast"}, "requests_per_user_per_s"),
     ({"interface": "eth0", "idle_timeout_s": 0}, "idle_timeout_s"),
     ({"interface": "eth0", "idle_timeout_s": 10**6}, "idle_timeout_s"),
+    ({"interface": "eth0", "reset_user_dscp": "no"}, "reset_user_dscp"),
 ])
 def test_bad_values_name_their_field(raw, field):
     with pytest.raises(ConfigError) as err:

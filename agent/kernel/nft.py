@@ -149,13 +149,14 @@ def _users_dscp_rule(ifnames: list[str], family: int) -> dict:
     ]}}}
 
 
-def table_commands(ifnames: list[str], classids: list[int], dscp: list[int], ack_level: int | None = 0
-                   ) -> list[dict]:
+def table_commands(ifnames: list[str], classids: list[int], dscp: list[int], ack_level: int | None = 0,
+                   reset_user_dscp: bool = True) -> list[dict]:
     """Commands that create or update the table's chains and maps in place, keeping the maps' elements.
 
     A packet leaving through any of ``ifnames`` is looked up; ``classids[level]`` is the tc class the level's
     packets enter (the same on every managed device), ``dscp[level]`` their DSCP. With ``ack_level`` (None: off),
-    the pure ACKs of less urgent levels go to that level's class and DSCP.
+    the pure ACKs of less urgent levels go to that level's class and DSCP. With ``reset_user_dscp``, the packets no
+    flow took of users other than root leave with DSCP 0 (:func:`_users_dscp_rule`).
     """
     cmds: list[dict] = [{"add": {"table": {"family": FAMILY, "name": TABLE}}}]
     for fam in (4, 6):
@@ -170,7 +171,8 @@ def table_commands(ifnames: list[str], classids: list[int], dscp: list[int], ack
                                    "hook": "postrouting", "prio": -150, "policy": "accept"}}})
     cmds.append({"flush": {"chain": {"family": FAMILY, "table": TABLE, "name": "egress"}}})
     cmds.extend(_lookup_rule(ifnames, fam) for fam in (4, 6))
-    cmds.extend(_users_dscp_rule(ifnames, fam) for fam in (4, 6))
+    if reset_user_dscp:
+        cmds.extend(_users_dscp_rule(ifnames, fam) for fam in (4, 6))
     return cmds
 
 
