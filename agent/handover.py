@@ -158,7 +158,8 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
     the sockets it no longer holds (:func:`_not_held`); a request still refused is split until the flows at fault
     are found, a flow refused ``limit`` ends its group, and a user takes at most ``ADOPT_REQUESTS_PER_USER``."""
     flows, reported = _read(cfg)
-    counts: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()  # flows by outcome: "adopted", or why not
+    requests: collections.Counter = collections.Counter()  # registers made, by user (None: privileged)
     if flows is None:
         return None
     if not flows:
@@ -206,7 +207,8 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
             for i in range(0, len(items), ADOPT_CHUNK):
                 chunk = items[i:i + ADOPT_CHUNK]
                 if owner is not None and owner not in judged:  # (fds named: judged once a register is refused)
-                    if _register(api, peer, job, level, rank, run, named, chunk, counts, stop, taken, split=False):
+                    if _register(api, peer, job, level, rank, run, named, chunk, counts, requests, stop, taken,
+                                 split=False):
                         continue
                     judged[owner] = _not_held(peer, [g for g in groups if g[:3] == owner], groups, found)
                 if owner is not None:
@@ -215,7 +217,7 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
                         counts["not_owner"] += len(chunk) - len(kept)
                     chunk = kept
                 if chunk:
-                    _register(api, peer, job, level, rank, run, named or by_fd, chunk, counts, stop, taken)
+                    _register(api, peer, job, level, rank, run, named or by_fd, chunk, counts, requests, stop, taken)
             if by_fd:
                 for k in keys:
                     if (e := api.table.flows.get(k)) is not None and e.pid == pid and e.fd == found[k]:
@@ -224,8 +226,6 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
             if pidfd is not None:
                 os.close(pidfd)
     _take_reported(api, reported, taken)
-    for spent in [k for k in counts if isinstance(k, tuple)]:
-        del counts[spent]
     adopted = counts.pop("adopted", 0)
     dropped = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
     log.warning("took back %d of the %d flows the agent that handed over registered%s", adopted, len(flows),
@@ -279,20 +279,21 @@ def _not_held(peer, owner_groups: list[tuple], groups: dict[tuple, list[dict]],
         return set(fd_of)
 
 
-def _register(api, peer, job, level, rank, run, named, items, counts, stop: list[str], taken: dict[str, set[str]],
-              depth: int = 0, split: bool = True) -> bool:
+def _register(api, peer, job, level, rank, run, named, items, counts, requests: collections.Counter, stop: list[str],
+              taken: dict[str, set[str]], depth: int = 0, split: bool = True) -> bool:
     """One register of ``items`` as ``peer``, whether it was taken; a refusal splits them in halves (at most log2 of
-    the group deep), or with ``split`` False, is left to the caller (not counted).
+    the group deep), or with ``split`` False, is left to the caller (not counted). ``counts`` gets the flows by
+    outcome, ``requests`` the registers made by user.
     Once one flow alone is refused ``limit`` (the user's or the table's, which only fill), the rest of its group
     (``stop``) is counted so without a request: each would cost the register's ownership check."""
     if stop:
         counts[stop[0]] += len(items)
         return False
     user = None if peer is None or api.policy.privileged(peer) else peer.uid  # (no per-user limits: none here)
-    if user is not None and counts[("requests", user)] >= ADOPT_REQUESTS_PER_USER:
+    if user is not None and requests[user] >= ADOPT_REQUESTS_PER_USER:
         counts["requests"] += len(items)
         return False
-    counts[("requests", user)] += 1
+    requests[user] += 1
     req = {"op": "register", "id": "handover", "job": job, "level": level, "flows": [i["flow"] for i in items]}
     if rank is not None:
         req["rank"] = rank
@@ -314,6 +315,6 @@ def _register(api, peer, job, level, rank, run, named, items, counts, stop: list
             stop.append("limit")
         return False
     half = len(items) // 2
-    _register(api, peer, job, level, rank, run, named, items[:half], counts, stop, taken, depth + 1)
-    _register(api, peer, job, level, rank, run, named, items[half:], counts, stop, taken, depth + 1)
+    _register(api, peer, job, level, rank, run, named, items[:half], counts, requests, stop, taken, depth + 1)
+    _register(api, peer, job, level, rank, run, named, items[half:], counts, requests, stop, taken, depth + 1)
     return False
