@@ -178,6 +178,11 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
     taken: dict[str, set[str]] = {}  # the job each flow was under -> the jobs it is under now
     judged: dict[tuple, set[FlowKey]] = {}  # (pid, start, uid) -> its flows whose socket it no longer holds
     found: dict[FlowKey, int] = {}  # the fd found holding each of those it holds, that the client named none of
+
+    def judge(owner: tuple, peer: Peer) -> None:
+        """Note in ``judged`` the flows of ``owner`` whose sockets it no longer holds, all its groups at once."""
+        judged[owner] = _not_held(peer, [g for g in groups if g[:3] == owner], groups, found)
+
     for group in sorted(groups, key=lambda g: (g[4], str(g))):  # jobs under their own id first, then users' own
         pid, start, uid, job, _mapped, level, rank, run, named = group
         pidfd = None
@@ -198,7 +203,7 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
             items = groups[group]
             owner = (pid, start, uid) if pid is not None and api.policy.must_own(peer) else None
             if owner is not None and owner not in judged and not named:  # (at once: the fds found make it cheaper)
-                judged[owner] = _not_held(peer, [g for g in groups if g[:3] == owner], groups, found)
+                judge(owner, peer)
             keys = [FlowKey(**i["flow"]) for i in items]
             by_fd = not named and bool(keys) and all(k in found for k in keys)  # (its fds found: named, then marked
             if by_fd:  # found again, as the register marks those it finds: a client's word was never given)
@@ -210,7 +215,7 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
                     if _register(api, peer, job, level, rank, run, named, chunk, counts, requests, stop, taken,
                                  split=False):
                         continue
-                    judged[owner] = _not_held(peer, [g for g in groups if g[:3] == owner], groups, found)
+                    judge(owner, peer)
                 if owner is not None:
                     kept = [c for c in chunk if FlowKey(**c["flow"]) not in judged[owner]]
                     if len(kept) < len(chunk):
