@@ -33,6 +33,7 @@ from tensorlane.agent.handover import adopt_flows, flows_path, write_flows
 from tensorlane.agent.kernel import detect, links, snapshot, sockdiag
 from tensorlane.agent.kernel.qdisc import MAJOR, fmt_handle, handle, make_backend
 from tensorlane.agent.notify import Notifier
+from tensorlane.agent.ownership import listening_uids
 from tensorlane.agent.peers import process_start
 from tensorlane.agent.reconcile import Device, Reconciler
 from tensorlane.agent.server import Server, socket_dir_problem
@@ -591,23 +592,6 @@ def check_metrics_address(cfg: Config) -> str:
     return ""
 
 
-def _listening_uids(port: int) -> set[int]:
-    """The uids of the TCP sockets listening on ``port`` in this network namespace (``/proc/self/net/tcp{,6}``:
-    read only when the metrics port is found in use)."""
-    uids: set[int] = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            rows = Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            f = row.split()
-            with contextlib.suppress(IndexError, ValueError):
-                if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
-                    uids.add(int(f[7]))
-    return uids
-
-
 def metrics_port_squatted(cfg: Config, exc: OSError) -> str:
     """Why the agent may start without its metrics ("" where it may not): ``metrics_address``'s port is in use
     (``exc``: EADDRINUSE) and no socket of root's or the agent user's listens on it. Any local user may bind an
@@ -618,7 +602,10 @@ def metrics_port_squatted(cfg: Config, exc: OSError) -> str:
     if exc.errno != errno.EADDRINUSE:
         return ""
     port = int(cfg.metrics_address.rpartition(":")[2])
-    uids = _listening_uids(port)
+    try:
+        uids = listening_uids(port)
+    except OSError:  # (the tables unreadable: no listener known)
+        uids = set()
     if uids & {0, os.geteuid()}:
         return ""
     held = f"uid {', '.join(map(str, sorted(uids)))}" if uids else "a socket of another user's that does not listen"

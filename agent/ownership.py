@@ -34,7 +34,7 @@ import random
 import socket
 import stat
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from tensorlane.agent.kernel.sockdiag import SockDiag, UdpSocket
 from tensorlane.agent.peers import account_uid
@@ -42,6 +42,7 @@ from tensorlane.flows import FlowKey, TooManyFiles, parse_proc_net_tcp, socket_f
 
 log = logging.getLogger("tensorlane.ownership")
 TCP_ESTABLISHED = 0x01
+TCP_LISTEN = 0x0A
 # closed by every process that held it, the kernel still sends its queued bytes and FIN (FIN_WAIT1, LAST_ACK, CLOSING)
 TCP_CLOSED_SENDING = frozenset({0x04, 0x09, 0x0B})
 # A process that owns flows has its open files read (a readlink each, 3-8 us) at each register and sweep: one with
@@ -93,18 +94,36 @@ def agent_sockets(inodes: set[int] | None = None, proc: str = "self",
     out: dict[int, Socket] = {}
     if inodes is not None and not inodes:
         return out
+    for proto, v6, text in _tables(proc, protos):
+        for inode, state, (laddr, lport), (raddr, rport) in parse_proc_net_tcp(text, v6, inodes):
+            if inode:  # 0: TIME_WAIT and other orphans, owned by no process
+                out[inode] = (proto, str(laddr), lport, str(raddr), rport, state)
+    return out
+
+
+def listening_uids(port: int, proc: str = "self") -> set[int]:
+    """The uids of the users that made the TCP sockets listening on ``port`` in the agent's network namespace
+    (``/proc/self/net/tcp{,6}``). ``proc`` is for tests."""
+    uids: set[int] = set()
+    for _proto, v6, text in _tables(proc, ("tcp",)):
+        uid_of: dict[int, int] = {}
+        rows = parse_proc_net_tcp(text, v6, uids=uid_of)
+        uids |= {uid_of[inode] for inode, state, (_, lport), _ in rows if state == TCP_LISTEN and lport == port}
+    return uids
+
+
+def _tables(proc: str, protos: tuple[str, ...]) -> Iterator[tuple[str, bool, str]]:
+    """``(proto, v6, text)`` of each socket table of ``protos`` in ``/proc/PROC/net`` (a table this kernel lacks,
+    IPv6's, is left out)."""
     for table, proto, v6 in _TABLES:
         if proto not in protos:
             continue
         try:
             with open(f"/proc/{proc}/net/{table}") as fh:
-                rows = parse_proc_net_tcp(fh.read(), v6, inodes)
+                text = fh.read()
         except FileNotFoundError:  # no IPv6 in this kernel
             continue
-        for inode, state, (laddr, lport), (raddr, rport) in rows:
-            if inode:  # 0: TIME_WAIT and other orphans, owned by no process
-                out[inode] = (proto, str(laddr), lport, str(raddr), rport, state)
-    return out
+        yield proto, v6, text
 
 
 def tcp_rows(proc: str = "self") -> int:

@@ -108,11 +108,12 @@ def _endpoint(text: str, v6: bool):
     return (_addr6(hexaddr) if v6 else _addr4(hexaddr)), int(hexport, 16)
 
 
-def parse_proc_net_tcp(text: str, v6: bool = False, inodes: set[int] | None = None
-                       ) -> list[tuple[int, int, tuple, tuple]]:
+def parse_proc_net_tcp(text: str, v6: bool = False, inodes: set[int] | None = None,
+                       uids: dict[int, int] | None = None) -> list[tuple[int, int, tuple, tuple]]:
     """Parse the text of /proc/net/tcp(6) (or udp(6): same columns) into
     ``(inode, state, (laddr, lport), (raddr, rport))`` rows; with ``inodes``, only the rows of those sockets
-    (the others are skipped before their addresses are parsed: cheap on large tables)."""
+    (the others are skipped before their addresses are parsed: cheap on large tables). ``uids``, where given, gets
+    each row's inode -> the uid of the user that made its socket."""
     rows = []
     for line in text.splitlines()[1:]:
         fields = line.split()
@@ -125,6 +126,8 @@ def parse_proc_net_tcp(text: str, v6: bool = False, inodes: set[int] | None = No
             local = _endpoint(fields[1], v6)
             remote = _endpoint(fields[2], v6)
             state = int(fields[3], 16)
+            if uids is not None:
+                uids[inode] = int(fields[7])
         except ValueError:
             continue
         rows.append((inode, state, local, remote))

@@ -177,6 +177,28 @@ def test_parse_rows_filtered_by_inode():
     assert [r[0] for r in parse_proc_net_tcp(text)] == [111, 222]  # the unparsable row is skipped
     assert [r[0] for r in parse_proc_net_tcp(text, inodes={222, 333, 999})] == [222]
     assert parse_proc_net_tcp(text, inodes=set()) == []
+    uids: dict[int, int] = {}
+    assert [r[0] for r in parse_proc_net_tcp(text, uids=uids)] == [111, 222]
+    assert uids == {111: 0, 222: 0}
+
+
+def test_the_uids_listening_on_a_port_are_read_from_the_agents_tables():
+    """``listening_uids``: the users whose TCP sockets listen on a port of this namespace, IPv4 and IPv6 alike (the
+    metrics port found in use: root's or the agent's listener is a configuration error, another user's is not);
+    a port connected to but not listened on has none."""
+    import socket
+
+    from tensorlane.agent.ownership import listening_uids
+
+    with socket.socket() as s4, socket.socket(socket.AF_INET6) as s6:
+        s4.bind(("127.0.0.1", 0))
+        s4.listen()
+        s6.bind(("::1", 0))
+        s6.listen()
+        assert listening_uids(s4.getsockname()[1]) == {os.geteuid()}
+        assert listening_uids(s6.getsockname()[1]) == {os.geteuid()}
+        with socket.create_connection(s4.getsockname()) as c:
+            assert listening_uids(c.getsockname()[1]) == set()
 
 
 def test_agent_side_ownership_uses_the_callers_namespace_tables():
