@@ -916,11 +916,11 @@ def test_a_users_subordinate_uids_count_as_that_user_at_the_metrics_address(kern
     counts as that user: the fifth connection of the range is refused."""
     import os
 
-    from tensorlane.agent import metrics
+    from tensorlane.agent import metrics, peers
 
     subuid = tmp_path / "subuid"
     subuid.write_text("4242:100000:65536\n")
-    monkeypatch.setattr(metrics, "SUBUID", str(subuid))
+    monkeypatch.setattr(peers, "SUBUID", str(subuid))
     monkeypatch.setattr(metrics._Handler, "timeout", 5.0)
     server = start_metrics_server("127.0.0.1:0", fake_api())
     host, port = server.httpd.server_address
@@ -962,6 +962,35 @@ def test_a_users_subordinate_uids_count_as_that_user_at_the_metrics_address(kern
         os.close(hold_r)
         for pid in children:
             os.waitpid(pid, 0)
+        server.close()
+
+
+def test_a_uid_of_roots_subordinate_range_is_not_root_at_the_metrics_address(kernel, monkeypatch, tmp_path):
+    """Root's ``/etc/subuid`` range (LXD's ``root:1000000:1000000000``) holds the uids of the containers root starts.
+    The metrics server counted such a uid as root (a copy of its own of the API's mapping, left behind when the API's
+    stopped doing so): a container process scraped in a loop at any rate (40 of 40 served here) and its connections
+    took root's 4. Now it is a peer of its own, as at the API (``peers.account_uid``): limited to its rate."""
+    from tensorlane.agent import metrics, peers
+
+    subuid = tmp_path / "subuid"
+    subuid.write_text("root:300000:65536\n")
+    monkeypatch.setattr(peers, "SUBUID", str(subuid))
+    server = start_metrics_server("127.0.0.1:0", fake_api())
+    burst, rate = metrics._ThreadingServer.REQUEST_BURST, metrics._ThreadingServer.REQUESTS_PER_PEER_PER_S
+    url = f"http://{server.address}/metrics"
+
+    def loop():
+        t0, served = time.monotonic(), 0
+        for _ in range(40):
+            with contextlib.suppress(OSError):
+                served += get(url)[0] == 200
+        return [served, time.monotonic() - t0]
+
+    try:
+        (served, took), pid = in_child(loop, uid=300005)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert served <= burst + rate * took + 1, (served, took)
+    finally:
         server.close()
 
 

@@ -22,7 +22,6 @@ import contextlib
 import ipaddress
 import json
 import logging
-import os
 import socket
 import sys
 import threading
@@ -47,7 +46,7 @@ from tensorlane.agent.metrics.health import Health
 from tensorlane.agent.metrics.jobpolicy import JobPolicySource
 from tensorlane.agent.metrics.jobs import JobReports, JobsSource
 from tensorlane.agent.metrics.reconcile import ReconcileSource
-from tensorlane.agent.peers import subuid_ranges as _subuid_ranges
+from tensorlane.agent.peers import account_uid
 from tensorlane.agent.ratelimit import TokenBucket
 
 log = logging.getLogger("tensorlane.metrics")
@@ -137,9 +136,6 @@ def _cut_off(request: socket.socket) -> None:
         request.shutdown(socket.SHUT_RDWR)
 
 
-SUBUID = "/etc/subuid"  # USER:FIRST:COUNT: the uids a user may run processes as (newuidmap: rootless containers)
-
-
 def _remote_peer(host: str) -> tuple:
     """A remote client as a peer: its IPv4 address (a v4-mapped IPv6 one too), or its IPv6 /64. A host is given a
     /64 and may send from any address of it (privacy addresses, or many on purpose), so by address one remote host
@@ -195,7 +191,6 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         self.held: dict = {}  # peer -> its requests served now
         self.buckets: dict = {}  # peer -> its TokenBucket: ``_take_token``
         self.diag = SockDiag()  # (used by the accepting thread only)
-        self.subuids: tuple = (None, [])  # (SUBUID's stat when read, its ranges): ``_owner``
         self.closed = threading.Event()
         threading.Thread(target=self._reap, name="tensorlane-metrics-reaper", daemon=True).start()
 
@@ -208,7 +203,10 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 
     def _peer(self, request, client_address) -> tuple:
         """Who connects: ``("uid", UID)`` when the client's socket is one of this host's (the kernel names the user
-        that made it), else ``("address", ADDRESS)`` (``_remote_peer``)."""
+        that made it; a uid of a user's subordinate range is that user's, as at the API: :func:`account_uid`), else
+        ``("address", ADDRESS)`` (``_remote_peer``). Until 2026-11-28 the metrics server mapped uids by a copy of
+        its own that counted a uid of root's range (LXD's containers) as root: not rate limited, and its
+        connections took root's ``MAX_PER_PEER``."""
         host, port = client_address[:2]
         try:
             here = request.getsockname()
@@ -218,19 +216,7 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
             found = self.diag.tcp(host.split("%", 1)[0], port, here[0].split("%", 1)[0], here[1], scope)
         except (OSError, ValueError):  # no sock_diag, or an address it cannot take (an IPv6 scope): by address
             found = None
-        return _remote_peer(host) if found is None else ("uid", self._owner(found.uid))
-
-    def _owner(self, uid: int) -> int:
-        """``uid``, or the user whose subordinate range (``SUBUID``) holds it: a user runs processes as any uid of
-        its range (newuidmap), and 16 of them, one connection each, held every slot."""
-        try:
-            st = os.stat(SUBUID)
-            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-        except OSError:
-            stamp = None
-        if stamp != self.subuids[0]:
-            self.subuids = (stamp, _subuid_ranges(SUBUID) if stamp else [])
-        return next((owner for first, end, owner in self.subuids[1] if first <= uid < end), uid)
+        return _remote_peer(host) if found is None else ("uid", account_uid(found.uid))
 
     def process_request(self, request, client_address):
         """Serve ``request`` in a thread if its peer holds fewer than ``MAX_PER_PEER`` and a slot is free, else
