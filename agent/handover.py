@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tensorlane.agent.files import write_json_atomically
 from tensorlane.agent.ownership import UndecidedPorts, not_owned, not_owned_by_owners
-from tensorlane.agent.peers import Peer, account_uid, process_start
+from tensorlane.agent.peers import Peer, account_uid, proc_status, process_start
 from tensorlane.agent.state import FlowTable, job_id_base
 from tensorlane.flows import FlowKey, TooManyFiles
 
@@ -140,8 +140,7 @@ def _peer(uid: int, pid: int, start: int | None, pidfd: int | None) -> tuple[Pee
     if process_start(pid) != start:
         return None, "owner_gone"
     try:
-        with open(f"/proc/{pid}/status") as fh:
-            fields = dict(line.split(":", 1) for line in fh if ":" in line)
+        fields = proc_status(pid)
         euid, egid = int(fields["Uid"].split()[1]), int(fields["Gid"].split()[1])
         gids = tuple(int(g) for g in fields.get("Groups", "").split())
     except (OSError, KeyError, ValueError, IndexError):

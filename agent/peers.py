@@ -68,10 +68,8 @@ class Peer:
         gids = {self.gid, *(self.gids or ())}
         if self.gids is None:  # (more than 256 groups, or no SO_PEERGROUPS): read while the peer is pinned
             try:
-                with self.pinned(), open(f"/proc/{self.pid}/status") as fh:
-                    for line in fh:
-                        if line.startswith("Groups:"):
-                            gids.update(int(g) for g in line.split()[1:])
+                with self.pinned():
+                    gids.update(int(g) for g in proc_status(self.pid).get("Groups", "").split())
             except OSError:  # (ProcessLookupError too) gone: its primary group only
                 gids = {self.gid}
         names = set()
@@ -105,6 +103,14 @@ class Peer:
         finally:
             if fd is not None:
                 os.close(fd)
+
+
+def proc_status(pid: int | str) -> dict[str, str]:
+    """The fields of ``/proc/PID/status`` ("self": this process) by name, each its text after the colon: a reader
+    for every caller of the file. Raises OSError (ProcessLookupError too) where the process is gone.
+    Usage: ``proc_status(pid)["Uid"].split()[1]`` (its effective uid)"""
+    with open(f"/proc/{pid}/status") as fh:
+        return {name: text.strip() for name, colon, text in (line.partition(":") for line in fh) if colon}
 
 
 def process_start(pid: int) -> int | None:

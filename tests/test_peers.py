@@ -200,3 +200,40 @@ def test_a_uid_of_roots_subordinate_range_is_not_root(tmp_path, monkeypatch):
     assert peers.account_uid(300007) == 300007
     assert peers.account_uid(400007) == 400007
     assert peers.account_uid(500007) == NOBODY
+
+
+def test_a_peers_groups_are_read_from_its_status_where_the_kernel_did_not_tell_them():
+    """``Peer.groups`` where SO_PEERGROUPS gave none (more than 256 groups): the process's ``Groups`` line of
+    ``/proc/PID/status`` (``proc_status``, the reader the hand-over's owners are read with too); a process that is
+    gone keeps its primary group only."""
+    import grp
+
+    from tensorlane.agent.peers import Peer, proc_status
+
+    assert int(proc_status(os.getpid())["Uid"].split()[1]) == os.geteuid()
+    assert proc_status("self")["Groups"].split() == [str(g) for g in sorted(os.getgroups())]
+
+    def name(g: int) -> str:
+        try:
+            return grp.getgrgid(g).gr_name
+        except KeyError:
+            return str(g)
+
+    ready_r, ready_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # (a process of a few groups of its own, held until killed)
+        try:
+            os.setgroups([1, 2, 3])
+            os.write(ready_w, b"1")
+            time.sleep(30)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        assert Peer(child, 0, 0, gids=None).groups() == {name(g) for g in (0, 1, 2, 3)}
+    finally:
+        os.close(ready_r)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    assert Peer(child, 0, 0, gids=None).groups() == {name(0)}
