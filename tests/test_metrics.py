@@ -846,6 +846,16 @@ def test_one_local_user_cannot_take_every_metrics_slot(kernel, monkeypatch):
         server.close()
 
 
+def scrapes_in_a_row(url: str, count: int = 40) -> list:
+    """``[served, seconds]``: how many of ``count`` scrapes of ``url`` made one after another were answered 200, and
+    how long they took (the rest were closed unanswered)."""
+    t0, served = time.monotonic(), 0
+    for _ in range(count):
+        with contextlib.suppress(OSError):
+            served += get(url)[0] == 200
+    return [served, time.monotonic() - t0]
+
+
 def test_one_local_user_scraping_in_a_loop_is_limited_to_its_rate(kernel):
     """A local user scraping in loops made the agent render 130 scrapes a second, a core of the host (root's API
     p50 2.6 -> 6.6 ms). Now a peer gets REQUEST_BURST requests, then REQUESTS_PER_PEER_PER_S (beyond, the connection
@@ -856,15 +866,8 @@ def test_one_local_user_scraping_in_a_loop_is_limited_to_its_rate(kernel):
     burst, rate = (getattr(metrics._ThreadingServer, name, 8) for name in ("REQUEST_BURST", "REQUESTS_PER_PEER_PER_S"))
     url = f"http://{server.address}/metrics"
 
-    def loop():
-        t0, served = time.monotonic(), 0
-        for _ in range(40):
-            with contextlib.suppress(OSError):
-                served += get(url)[0] == 200
-        return [served, time.monotonic() - t0]
-
     try:
-        (served, took), pid = in_child(loop, uid=NOBODY)
+        (served, took), pid = in_child(lambda: scrapes_in_a_row(url), uid=NOBODY)
         assert os.waitpid(pid, 0)[1] == 0
         assert served <= burst + rate * took + 1, (served, took)
         status, pid = in_child(lambda: get(url)[0], uid=1)  # another user (daemon), as Prometheus would be
@@ -979,15 +982,8 @@ def test_a_uid_of_roots_subordinate_range_is_not_root_at_the_metrics_address(ker
     burst, rate = metrics._ThreadingServer.REQUEST_BURST, metrics._ThreadingServer.REQUESTS_PER_PEER_PER_S
     url = f"http://{server.address}/metrics"
 
-    def loop():
-        t0, served = time.monotonic(), 0
-        for _ in range(40):
-            with contextlib.suppress(OSError):
-                served += get(url)[0] == 200
-        return [served, time.monotonic() - t0]
-
     try:
-        (served, took), pid = in_child(loop, uid=300005)
+        (served, took), pid = in_child(lambda: scrapes_in_a_row(url), uid=300005)
         assert os.waitpid(pid, 0)[1] == 0
         assert served <= burst + rate * took + 1, (served, took)
     finally:
