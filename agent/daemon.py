@@ -290,31 +290,28 @@ def lock_netns(name: str = NETNS_LOCK) -> socket.socket | None:
             sock.close()
             error = exc
         try:
-            uids = sockdiag.unix_name_uids(name)
+            held = sockdiag.unix_name_sockets(name)
         except OSError as exc:  # the kernel cannot tell (no unix_diag): refused, as a second agent would be
             raise StartupError(f"the abstract socket @{name} is held ({error}) and this kernel cannot tell by whom "
                                f"({exc}): another tensorlane agent may run in this network namespace") from None
+        uids = [h.uid for h in held]
         if any(uid in (0, os.geteuid()) for uid in uids):
-            holders = ", ".join(_socket_holders(name)) or "unknown"
+            holders = ", ".join(_socket_holders(held)) or "unknown"
             raise StartupError(f"another tensorlane agent (pid {holders}) runs in this network namespace ({error}); "
                                "one agent manages every interface of a namespace (interfaces = [...]): stop it first")
         if uids:
             log.error("the abstract socket @%s, which tells agents of this network namespace apart, is held by a "
                       "socket of uid %s (pid %s), not an agent's: starting without it (a second agent in this "
                       "namespace would not be refused)", name, ", ".join(map(str, sorted(set(uids)))),
-                      ", ".join(_socket_holders(name)) or "unknown")
+                      ", ".join(_socket_holders(held)) or "unknown")
             return None
     raise StartupError(f"the abstract socket @{name} is held, by no socket the kernel lists ({error})")
 
 
-def _socket_holders(name: str) -> list[str]:
-    """The pids of the processes that hold the abstract Unix socket ``name`` of this network namespace (its
-    inode in ``/proc/net/unix``, then each process's descriptors); only when a start is refused."""
-    try:
-        rows = [line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:]]
-    except OSError:
-        return []
-    links = {f"socket:[{row[6]}]" for row in rows if len(row) > 7 and row[7] == "@" + name}
+def _socket_holders(held: list[sockdiag.UnixSocket]) -> list[str]:
+    """The pids of the processes that hold the sockets ``held`` (``sockdiag.unix_name_sockets``: their inodes, then
+    each process's descriptors); only when a start is refused."""
+    links = {f"socket:[{h.inode}]" for h in held}
     pids = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():

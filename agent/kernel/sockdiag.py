@@ -8,7 +8,7 @@ network namespace, so a socket of another namespace is never found. Usage::
     diag = SockDiag()
     found = diag.tcp("198.18.0.1", 41000, "198.18.0.2", 29500)   # TcpSocket(state, inode, uid) or None
     many = diag.tcp_many([("198.18.0.1", 41000, "198.18.0.2", 29500), ...])   # batched, in order
-    owners = unix_name_uids("tensorlane-agent")   # the uids that made the abstract Unix sockets of that name
+    owners = unix_name_sockets("tensorlane-agent")   # [UnixSocket(inode, uid)]: the abstract sockets of that name
     on_port = diag.udp_port(socket.AF_INET, 5000)  # [UdpSocket(state, inode, laddr, lport, raddr, rport)], one dump
 """
 from __future__ import annotations
@@ -263,9 +263,17 @@ class SockDiag:
             self._sock = None
 
 
-def unix_name_uids(name: str, timeout_s: float = 1.0) -> list[int]:
-    """The uids of the processes that made the abstract Unix sockets named ``name`` in this network namespace
-    (``UNIX_DIAG_UID``: the socket's owner, fixed at ``socket()``; passing the socket on or handing it to a
+class UnixSocket(NamedTuple):
+    """One Unix socket as a unix_diag dump gives it: its inode (``socket:[INODE]`` among a holder's open files) and
+    the uid of the user that made it."""
+
+    inode: int
+    uid: int
+
+
+def unix_name_sockets(name: str, timeout_s: float = 1.0) -> list[UnixSocket]:
+    """The abstract Unix sockets named ``name`` in this network namespace, each with the uid of the process that
+    made it (``UNIX_DIAG_UID``: the socket's owner, fixed at ``socket()``; passing the socket on or handing it to a
     setuid program does not change it). One dump of the namespace's Unix sockets. Raises OSError where the kernel
     cannot answer (no ``unix_diag``)."""
     want = b"\0" + name.encode()
@@ -274,11 +282,11 @@ def unix_name_uids(name: str, timeout_s: float = 1.0) -> list[int]:
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as sock:
         sock.settimeout(timeout_s)
         sock.send(_HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + body)
-        uids: list[int] = []
+        found: list[UnixSocket] = []
         while True:
             for kind, _seq, msg in _messages(sock.recv(1 << 16)):
                 if kind == NLMSG_DONE:
-                    return uids
+                    return found
                 if kind == NLMSG_ERROR:
                     code = -struct.unpack_from("=i", msg, _HDR.size)[0]
                     raise OSError(code, f"sock_diag (unix): {errno.errorcode.get(code, code)}")
@@ -287,7 +295,8 @@ def unix_name_uids(name: str, timeout_s: float = 1.0) -> list[int]:
                     continue
                 if UNIX_DIAG_UID not in attrs:  # (Linux before 5.3 ignores UDIAG_SHOW_UID)
                     raise OSError(errno.EOPNOTSUPP, "sock_diag (unix): this kernel reports no UNIX_DIAG_UID")
-                uids.append(struct.unpack_from("=I", attrs[UNIX_DIAG_UID])[0])
+                inode = struct.unpack_from("=I", msg, _HDR.size + 4)[0]  # (udiag_ino)
+                found.append(UnixSocket(inode, struct.unpack_from("=I", attrs[UNIX_DIAG_UID])[0]))
 
 
 def _unix_attrs(data: bytes) -> dict[int, bytes]:
