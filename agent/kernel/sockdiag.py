@@ -79,15 +79,21 @@ def _messages(data: bytes) -> Iterator[tuple[int, int, bytes]]:
         pos += max(_HDR.size, (length + 3) & ~3)
 
 
+def _kernel_error(msg: bytes, what: str) -> OSError:
+    """The error an NLMSG_ERROR message ``msg`` carries, as an OSError naming ``what`` (errno 0: an ack)."""
+    code = -struct.unpack_from("=i", msg, _HDR.size)[0]
+    return OSError(code, f"{what}: {errno.errorcode.get(code, code)}")
+
+
 def _answers(data: bytes) -> Iterator[tuple[int, TcpSocket | None]]:
     """``(seq, TcpSocket or None)`` of each netlink message in ``data``; OSError for a kernel error other
     than "no such socket" or an unexpected message."""
     for kind, seq, msg in _messages(data):
         length = len(msg)
         if kind == NLMSG_ERROR:
-            code = -struct.unpack_from("=i", msg, _HDR.size)[0]
-            if code not in (errno.ENOENT, 0):
-                raise OSError(code, f"sock_diag: {errno.errorcode.get(code, code)}")
+            exc = _kernel_error(msg, "sock_diag")
+            if exc.errno not in (errno.ENOENT, 0):
+                raise exc
             yield seq, None
         elif kind != SOCK_DIAG_BY_FAMILY or length < _MSG_INODE + 4:
             raise OSError(errno.EPROTO, f"sock_diag: unexpected answer type {kind}")
@@ -224,10 +230,10 @@ class SockDiag:
                 if got != seq:  # a late answer to an earlier request that timed out
                     continue
                 if kind == NLMSG_ERROR:
-                    code = -struct.unpack_from("=i", msg, _HDR.size)[0]
-                    if code in (errno.ENOENT, 0):
+                    exc = _kernel_error(msg, "sock_diag (udp)")
+                    if exc.errno in (errno.ENOENT, 0):
                         return None
-                    raise OSError(code, f"sock_diag (udp): {errno.errorcode.get(code, code)}")
+                    raise exc
                 if kind != SOCK_DIAG_BY_FAMILY or len(msg) < _MSG_INODE + 4:
                     raise OSError(errno.EPROTO, f"sock_diag (udp): unexpected answer type {kind}")
                 return _udp_socket(msg)
@@ -249,8 +255,7 @@ class SockDiag:
                 if kind == NLMSG_DONE:
                     return out
                 if kind == NLMSG_ERROR:
-                    code = -struct.unpack_from("=i", msg, _HDR.size)[0]
-                    raise OSError(code, f"sock_diag (udp): {errno.errorcode.get(code, code)}")
+                    raise _kernel_error(msg, "sock_diag (udp)")
                 if kind != SOCK_DIAG_BY_FAMILY or len(msg) < _MSG_INODE + 4:
                     raise OSError(errno.EPROTO, f"sock_diag (udp): unexpected answer type {kind}")
                 found = _udp_socket(msg)
@@ -288,8 +293,7 @@ def unix_name_sockets(name: str, timeout_s: float = 1.0) -> list[UnixSocket]:
                 if kind == NLMSG_DONE:
                     return found
                 if kind == NLMSG_ERROR:
-                    code = -struct.unpack_from("=i", msg, _HDR.size)[0]
-                    raise OSError(code, f"sock_diag (unix): {errno.errorcode.get(code, code)}")
+                    raise _kernel_error(msg, "sock_diag (unix)")
                 attrs = _unix_attrs(msg[_HDR.size + _UNIX_MSG:])
                 if attrs.get(UNIX_DIAG_NAME) != want:
                     continue
