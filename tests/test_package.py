@@ -215,7 +215,8 @@ def test_agent_runs_from_the_wheel_without_torch(wheel, tmp_path):
     with Testbed(hosts=1, rate="100mbit", name="twh", shape_hosts=False) as tb:
         host = tb.host(1)
         conf = tmp_path / "agent.toml"  # a veth's driver speed is a placeholder: the rate is the config's
-        conf.write_text(f'interface = "{host.ifname}"\nlink_rate = "100mbit"\n')
+        conf.write_text(f'interface = "{host.ifname}"\nlink_rate = "100mbit"\n'  # (a state_dir of its own: an agent
+                        f'state_dir = "{tmp_path / "state"}"\n')  # of the host's /run/tensorlane refused this one)
         agent = host.popen([str(cli), "agent", "--config", str(conf), "--socket", sock, "--metrics-address", ""],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
