@@ -160,11 +160,22 @@ def inner_optimizer(optimizer):
                     f"not {type(optimizer).__name__}")
 
 
+def snapshot(value):
+    """``value`` as it is now: a tensor copied, a tuple or list of values copied element by element, else itself."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)) and any(isinstance(v, (torch.Tensor, tuple, list)) for v in value):
+        return type(value)(snapshot(v) for v in value)
+    return value
+
+
 def hyperparameters(optimizer) -> list[dict]:
-    """Every param group's values except its parameters, as they are now (tensors copied: schedulers may change
-    a tensor learning rate in place)."""
-    return [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
-            for g in optimizer.param_groups]
+    """Every param group's values except its parameters, as they are now (tensors copied, also inside a tuple:
+    schedulers may change a tensor learning rate in place, and a user's momentum schedule a tensor beta of Adam's
+    ``betas=(tensor, tensor)``; until 2026-11-28 only a tensor directly in the group was copied, and a beta written
+    in place after ``step()`` took effect one step early, silently: 0.3 relative off DDP after 8 Adam steps at 2 ranks,
+    idiom ``tensor_betas_in_place``)."""
+    return [{k: snapshot(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
 @dataclass

@@ -2901,6 +2901,381 @@ def _optimizer_family(ctx: Ctx):
             handle.close()
         ctx.record(f"{name}_params", nn.utils.parameters_to_vector(model.parameters()))
 
+
+# -- review 4 (loops users write that the matrix did not hold) ---------------------------------------------------
+@idiom("sgd_mixed_dtypes")
+def _sgd_mixed_dtypes(ctx: Ctx):
+    """An fp32 layer and a bf16 one in one DDP model (a bucket per dtype), SGD with momentum (per parameter)."""
+    model = ctx.ddp(MixedDtypes())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, batch=ctx.vectors)
+
+
+@idiom("requires_grad_off_eval")
+def _requires_grad_off_eval(ctx: Ctx):
+    """An evaluation pass with the whole model's ``requires_grad_(False)`` (no ``no_grad``) after some step()s,
+    ``requires_grad_(True)`` after it."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    x_eval = ctx.images(10_000)[0]
+
+    def validate(step):
+        if step % 3 == 1:
+            model.requires_grad_(False)
+            model.eval()
+            ctx.record("eval_out", model(x_eval))
+            model.train()
+            model.requires_grad_(True)
+    plain_loop(ctx, model, opt, after_step=validate)
+
+
+@idiom("module_eval_all_ranks")
+def _module_eval_all_ranks(ctx: Ctx):
+    """Validation through ``model.module`` (bypassing DDP) on every rank after every other step(), under no_grad."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    x_eval = ctx.images(10_000)[0]
+
+    def validate(step):
+        if step % 2 == 0:
+            with torch.no_grad():
+                ctx.record("eval_out", model.module(x_eval))
+    plain_loop(ctx, model, opt, after_step=validate)
+
+
+@idiom("compiled_ddp")
+def _compiled_ddp(ctx: Ctx):
+    """``torch.compile`` of the DDP model itself (dynamo's DDPOptimizer splits the graph at the buckets)."""
+    ctx.model = model = DDP(convnet().to(ctx.device))
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    compiled = torch.compile(model, backend="aot_eager")
+    plain_loop(ctx, compiled, opt)
+
+
+@idiom("differentiable_optimizers")
+def _differentiable_optimizers(ctx: Ctx):
+    """SGD (momentum) and Adam with ``differentiable=True`` (meta-learning code), one model each."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3, differentiable=True)
+    ctx.attach(model, opt)
+    step = opt.step
+    opt_step = lambda: (torch.no_grad()(step))()  # noqa: E731
+    plain_loop(ctx, model, type("O", (), {"step": staticmethod(opt_step), "zero_grad": opt.zero_grad,
+                                          "param_groups": opt.param_groups})())
+
+
+@idiom("sgd_differentiable")
+def _sgd_differentiable(ctx: Ctx):
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, differentiable=True)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("adam_capturable")
+def _adam_capturable(ctx: Ctx):
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3, capturable=True)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("fused_sgd")
+def _fused_sgd(ctx: Ctx):
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3, fused=True)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("tensor_lr_adam")
+def _tensor_lr_adam(ctx: Ctx):
+    """Adam with a tensor learning rate, written in place each step (``group['lr'].fill_(...)``)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(2e-3))
+    ctx.attach(model, opt)
+
+    def before(step):
+        for g in opt.param_groups:
+            g["lr"].fill_(2e-3 * (1 + step) / ctx.steps)
+    plain_loop(ctx, model, opt, before_forward=before)
+
+
+@idiom("sgd_closure")
+def _sgd_closure(ctx: Ctx):
+    """``optimizer.step(closure)`` with SGD: the closure zeroes, forwards and backwards."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+        loss = opt.step(closure)
+        ctx.record("loss", loss.item())
+
+
+@idiom("broadcast_buffers_off")
+def _broadcast_buffers_off(ctx: Ctx):
+    """BatchNorm with ``broadcast_buffers=False`` (each rank keeps its own running statistics)."""
+    model = ctx.ddp(convnet(batchnorm=True), broadcast_buffers=False)
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("user_comm_hook")
+def _user_comm_hook(ctx: Ctx):
+    """A comm hook of the user's registered before attach (bf16 compression)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    model = ctx.ddp(convnet())
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+@idiom("sync_batchnorm")
+def _sync_batchnorm(ctx: Ctx):
+    """``nn.SyncBatchNorm.convert_sync_batchnorm`` before DDP: BatchNorm statistics all-reduced in the forward."""
+    model = ctx.ddp(nn.SyncBatchNorm.convert_sync_batchnorm(convnet(batchnorm=True)))
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+@idiom("tensor_lr_scheduler")
+def _tensor_lr_scheduler(ctx: Ctx):
+    """Adam with a tensor learning rate (as torch's tutorial on compiled optimizers has it) and an LR scheduler
+    stepped after step(): the scheduler writes the new rate into that tensor in place (``fill_``)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(5e-3), betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    ctx.attach(model, opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 3 * s))
+    plain_loop(ctx, model, opt, sched=sched)
+
+class ViTish(nn.Module):
+    """Parameters on modules whose forward never runs: a position embedding on the root, per-block scales in an
+    ``nn.ParameterList``, an ``nn.MultiheadAttention`` (its out_proj's weight used functionally), dropout."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.embed = nn.Embedding(50, 32, max_norm=1.0)
+        self.pos = nn.Parameter(torch.randn(1, 4, 32) * 0.02)
+        self.attn = nn.MultiheadAttention(32, 4, dropout=0.1, batch_first=True)
+        self.scales = nn.ParameterList([nn.Parameter(torch.ones(32)) for _ in range(2)])
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 32))
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, tokens):
+        h = self.embed(tokens) + self.pos
+        h = h + self.scales[0] * self.attn(h, h, h, need_weights=False)[0]
+        h = h + self.scales[1] * self.mlp(h)
+        return self.head(h.mean(1))
+
+
+@idiom("vit_like")
+def _vit_like(ctx: Ctx):
+    model = ctx.ddp(ViTish())
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05)
+    ctx.attach(model, opt)
+    torch.manual_seed(7 + ctx.rank)
+    plain_loop(ctx, model, opt, batch=ctx.tokens)
+
+
+@idiom("transformer_train")
+def _transformer_train(ctx: Ctx):
+    model = ctx.ddp(TinyTransformer())
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, batch=ctx.tokens)
+
+
+class LSTMNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.embed = nn.Embedding(50, 16)
+        self.rnn = nn.LSTM(16, 32, num_layers=2, batch_first=True)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, tokens):
+        return self.head(self.rnn(self.embed(tokens))[0][:, -1])
+
+
+@idiom("lstm")
+def _lstm(ctx: Ctx):
+    model = ctx.ddp(LSTMNet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, batch=ctx.tokens)
+
+
+@idiom("weight_norm_legacy")
+def _weight_norm_legacy(ctx: Ctx):
+    net = convnet()
+    net[5] = nn.utils.weight_norm(net[5])
+    net[7] = nn.utils.weight_norm(net[7])
+    model = ctx.ddp(net)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("zero_grad_after_forward")
+def _zero_grad_after_forward(ctx: Ctx):
+    """zero_grad() between the forward and backward(), a branch used on some steps (find_unused_parameters)."""
+    net = Branchy()
+    model = ctx.ddp(net, find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.vectors(step)
+        loss = F.cross_entropy(model(x, use_branch=step % 3 == 1), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.record("loss", loss.item())
+
+@idiom("find_unused_zero_grad_keep")
+def _find_unused_zero_grad_keep(ctx: Ctx):
+    """find_unused_parameters=True, a branch used on some steps only (by every rank, or by rank 0 alone), gradients
+    zeroed with set_to_none=False (kept as zeros): weight decay and momentum move the unused branch under DDP."""
+    model = ctx.ddp(Branchy(), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.vectors(step)
+        loss = F.cross_entropy(model(x, use_branch=step % 3 == 1 or (step == 4 and ctx.rank == 0)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        ctx.record("loss", loss.item())
+
+
+@idiom("find_unused_adam_zero_grad_keep")
+def _find_unused_adam_zero_grad_keep(ctx: Ctx):
+    model = ctx.ddp(Branchy(), find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-2)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.vectors(step)
+        opt.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(model(x, use_branch=step % 3 == 1 or (step == 4 and ctx.rank == 0)), y)
+        loss.backward()
+        opt.step()
+        ctx.record("loss", loss.item())
+
+
+@idiom("compiled_ddp_hook_flat")
+def _compiled_ddp_hook_flat(ctx: Ctx):
+    ctx.model = model = DDP(convnet().to(ctx.device))
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    if ctx.mode == "hook":
+        ctx.handle = shim.attach(model, levels=ctx.args.levels, agent_socket=ctx.args.agent_socket,
+                                 link_bps=ctx.args.link_bps, policy="flat")
+    elif ctx.mode == "overlap":
+        ctx.handle = shim.attach(model, levels=ctx.args.levels, agent_socket=ctx.args.agent_socket,
+                                 link_bps=ctx.args.link_bps, policy="layer_order")
+    compiled = torch.compile(model, backend="aot_eager")
+    plain_loop(ctx, compiled, opt)
+
+def eval_with_grad(ctx: Ctx, find_unused: bool):
+    """Validation that forgot ``torch.no_grad()``: ``model.eval(); model(x)`` with autograd on and no backward after
+    it, every other iteration right after step() (BatchNorm: eval uses the running statistics)."""
+    model = ctx.ddp(convnet(batchnorm=True), find_unused_parameters=find_unused)
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    x_eval = ctx.images(10_000)[0]
+
+    def validate(step):
+        if step % 2 == 0:
+            model.eval()
+            out = model(x_eval)
+            ctx.record("eval_out", out)
+            model.train()
+    plain_loop(ctx, model, opt, after_step=validate)
+
+
+idiom("eval_with_grad")(functools.partial(eval_with_grad, find_unused=False))
+idiom("eval_with_grad_find_unused")(functools.partial(eval_with_grad, find_unused=True))
+
+@idiom("forward_without_backward")
+def _forward_without_backward(ctx: Ctx):
+    """A forward in training mode with autograd on whose output is only logged (no backward), right after step()
+    every other iteration (DDP without find_unused_parameters allows it)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    x_eval = ctx.images(10_000)[0]
+
+    def log(step):
+        if step % 2 == 0:
+            ctx.record("eval_out", model(x_eval))
+    plain_loop(ctx, model, opt, after_step=log)
+
+def dino_clip(model, clip: float) -> None:
+    """DINO's ``clip_gradients``: each parameter's gradient clipped on its own norm, through ``.grad.data``."""
+    for p in model.parameters():
+        if p.grad is not None:
+            param_norm = p.grad.data.norm(2)
+            clip_coef = clip / (param_norm + 1e-6)
+            if clip_coef < 1:
+                p.grad.data.mul_(clip_coef)
+
+
+def dino_loop(ctx: Ctx, start: int, cancel: bool = True):
+    """DINO's loop (facebookresearch/dino): per-parameter clipping through ``.grad.data`` from iteration ``start``
+    on, the last layer's gradients dropped (``p.grad = None``) in the first iterations, and a momentum teacher
+    updated through ``.data`` after step() (``param_k.data.mul_(m).add_((1 - m) * param_q.detach().data)``)."""
+    model = ctx.ddp(convnet())
+    teacher = copy.deepcopy(model.module).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.04)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        with torch.no_grad():
+            target = F.softmax(teacher(x), -1)
+        loss = F.cross_entropy(model(x), y) + F.cross_entropy(model(x), target)
+        opt.zero_grad()
+        loss.backward()
+        if step >= start:
+            dino_clip(model, 0.05)
+        if cancel and step < 2:
+            for n, p in model.module.named_parameters():
+                if n.startswith("7."):
+                    p.grad = None
+        opt.step()
+        with torch.no_grad():
+            for param_q, param_k in zip(model.module.parameters(), teacher.parameters()):
+                param_k.data.mul_(0.99).add_((1 - 0.99) * param_q.detach().data)
+        ctx.record("loss", loss.item())
+    ctx.record("teacher", nn.utils.parameters_to_vector(teacher.parameters()))
+
+
+idiom("dino_clip")(functools.partial(dino_loop, start=0))
+idiom("dino_clip_late")(functools.partial(dino_loop, start=3, cancel=False))
+
+@idiom("tensor_betas_in_place")
+def _tensor_betas_in_place(ctx: Ctx):
+    """Adam with tensor betas (no recompilation of a compiled step when they change) whose first beta a momentum
+    schedule of the user's writes in place (``group['betas'][0].fill_(...)``) right after step()."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(5e-3), betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    ctx.attach(model, opt)
+
+    def momentum_schedule(step):
+        for g in opt.param_groups:
+            g["betas"][0].fill_(0.5 + 0.4 * step / ctx.steps)
+    plain_loop(ctx, model, opt, after_step=momentum_schedule)
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
