@@ -64,7 +64,8 @@ FALLS_BACK_TO_HOOK = ("clip_grad_norm", "clip_grad_value", "grad_scaler", "join_
                       "sparse_embedding", "two_optimizers", "step_hooks", "compiled_optimizer_step",
                       "adafactor_mixed_dtypes", "grad_norm_skip", "zero_redundancy", "retain_graph_two_losses",
                       "grad_as_bucket_view", "sam", "noisy_optimizer_dropout",
-                      "wrapped_optimizer_step", "class_wrapped_optimizer_step")
+                      "wrapped_optimizer_step", "class_wrapped_optimizer_step", "sgd_closure", "dino_clip",
+                      "fused_adamw_grad_scaler")
 # Idioms whose parameters DDP leaves per rank on purpose (parameters it ignores, a layer it never all-reduced):
 # every mode must end equal to DDP rank by rank, but the ranks differ from each other
 PER_RANK = ("ddp_ignored", "unfreeze_add_group", "retain_graph_two_losses",  # (DDP synchronizes the first backward)
@@ -91,6 +92,13 @@ STAYS_OVERLAP = tuple(n for n in MAIN + ["checkpoint_resume"] if n not in FALLS_
 # overlap design adds is checked as tightly as ever.
 MAGNIFIES_ROUNDING = ("autocast_bf16", "optimizer_state_reset")
 ADAMW_DRIFT = 2 * 2e-3 * worker.STEPS  # twice the idiom's lr x the worker's steps (both idioms' lr: 2e-3)
+# Parameters whose true gradient is zero, so that their gradient is rounding noise: the key part of an attention's
+# in_proj_bias (it adds the same q . b_k to every score of a row, which the softmax ignores). AdamW turns noise into
+# updates of about lr each, whatever its size, so at 3 ranks the pieces' order of summation moved these biases by
+# 1.7e-2 relative (transformer_train) and 3.7e-4 (vit_like) from DDP's, hook and overlap mode alike, while every
+# other parameter stayed within 8e-7 and the losses within 1.2e-7 (2026-11-28): the outputs do not depend on them.
+# At 3 or more ranks these parameters are judged by AdamW's drift, the rest of the cell by TOLERANCE as usual.
+NOISE_GRADIENT = {"transformer_train": ("in_proj_bias",), "vit_like": ("in_proj_bias",)}  # (both idioms' lr: 2e-3)
 
 CELLS = ([(idiom, mode, world) for world in WORLDS for idiom in MAIN for mode in SHIM_MODES]
          + [("checkpoint_resume", mode, world) for world in WORLDS for mode in ("ddp",) + SHIM_MODES])
@@ -231,7 +239,16 @@ def test_cell_matches_ddp(launches, idiom, mode, world):
         assert not any(ref_meta["errors"]), f"the ddp reference raised:\n{next(e for e in ref_meta['errors'] if e)}"
         assert not any(meta["errors"]), f"rank {rank}: the cell raised on some rank:\n" + \
             next(e for e in meta["errors"] if e)
-        d, key = max_rel_diff(cell["state"], ref["state"])
+        state, ref_state = cell["state"], ref["state"]
+        if world > 2 and idiom in NOISE_GRADIENT:
+            noise = [k for k in ref_state if k.endswith(NOISE_GRADIENT[idiom])]
+            assert noise, f"{idiom}: no parameter ends with {NOISE_GRADIENT[idiom]}"
+            for k in noise:
+                drift = float((state[k].double() - ref_state[k].double()).abs().max())
+                assert drift <= ADAMW_DRIFT, f"rank {rank}: {k} {drift:.3g} from DDP's, beyond AdamW's drift"
+            state = {k: v for k, v in state.items() if k not in noise}
+            ref_state = {k: v for k, v in ref_state.items() if k not in noise}
+        d, key = max_rel_diff(state, ref_state)
         assert d <= limit, f"rank {rank}: state_dict differs from DDP: max rel diff {d:.3g} at {key!r}"
         if idiom == "checkpoint_resume":  # the resumed run saw only the second half of the steps
             n = len(cell["extras"]["loss"])
