@@ -3011,8 +3011,8 @@ class ViTish(nn.Module):
 def _vit_like(ctx: Ctx):
     model = ctx.ddp(ViTish())
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05)
+    torch.manual_seed(7 + ctx.rank)  # dropout's generator, seeded before attach (which must not draw from it)
     ctx.attach(model, opt)
-    torch.manual_seed(7 + ctx.rank)
     plain_loop(ctx, model, opt, batch=ctx.tokens)
 
 
@@ -3216,6 +3216,59 @@ def fused_scaler_loop(ctx: Ctx, warmup: int):
 
 idiom("fused_adamw_grad_scaler")(functools.partial(fused_scaler_loop, warmup=0))
 idiom("fused_adamw_grad_scaler_late")(functools.partial(fused_scaler_loop, warmup=3))
+
+
+def data_clamp_loop(ctx: Ctx, start: int, assign: bool):
+    """WGAN's weight clipping as its reference code has it: ``p.data.clamp_(-c, c)`` (or ``p.data = p.data.clamp(...)``)
+    over every parameter right after step(), from iteration ``start`` on."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.RMSprop(model.parameters(), lr=5e-4)
+    ctx.attach(model, opt)
+
+    def clamp(step):
+        if step >= start:
+            for p in model.parameters():
+                if assign:
+                    p.data = p.data.clamp(-CLAMP, CLAMP)
+                else:
+                    p.data.clamp_(-CLAMP, CLAMP)
+    plain_loop(ctx, model, opt, after_step=clamp)
+
+
+idiom("data_clamp_late")(functools.partial(data_clamp_loop, start=3, assign=False))
+idiom("data_assign_clamp_late")(functools.partial(data_clamp_loop, start=3, assign=True))
+
+@idiom("accumulate_via_module")
+def _accumulate_via_module(ctx: Ctx):
+    """Accumulation without ``no_sync``: the first micro-batches through ``model.module`` (bypassing DDP, so its
+    backward is not synchronized), the last through the DDP model, whose backward all-reduces the sum."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        for micro in range(3):
+            x, y = ctx.images(step, micro)
+            loss = F.cross_entropy((model.module if micro < 2 else model)(x), y) / 3
+            loss.backward()
+            ctx.record("loss", loss.item())
+        opt.step()
+        opt.zero_grad()
+
+
+@idiom("static_graph_unused")
+def _static_graph_unused(ctx: Ctx):
+    """static_graph=True over a model with a submodule never used (DDP finds it unused in the first iteration and
+    leaves it out from then on) and a branch used in every iteration."""
+    model = ctx.ddp(Branchy(), static_graph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.vectors(step)
+        loss = F.cross_entropy(model(x, use_branch=True), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
 
 
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
