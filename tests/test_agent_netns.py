@@ -13,6 +13,7 @@ import pytest
 from agent_clients import flow, nft_tables, tc_dump, udp_exchange, wait_for
 
 from bench.agents import AgentStartError, running_agents
+from tensorlane.agent.kernel import nft as nftables
 from testbed import Testbed
 
 pytestmark = pytest.mark.netns
@@ -94,6 +95,11 @@ def test_a_users_unregistered_traffic_leaves_without_the_dscp_it_set(tb):
             users = {tos: udp_exchange(h1, h2, 9112, 9110, seconds=0.5, tos=tos, as_uid=65534) for tos in (184, 192)}
             roots = udp_exchange(h1, h2, 9113, 9110, seconds=0.5, tos=184)
             marked = udp_exchange(h1, h2, 9111, 9110, seconds=0.5, tos=192)
+            egress = json.loads(h1.run(["nft", "-j", "list", "chain", "inet", "tensorlane", "egress"]).stdout)
+    # what tensorlane_unregistered_dscp_reset_packets_total reports: the users' packets (those received, and a few
+    # the probe sends besides), not root's or the registered flow's
+    received = sum(got["packets"] for got in users.values())
+    assert received <= nftables.reset_counters(egress)["packets"] <= received + 16, egress
     for got in users.values():
         assert got["packets"] > 0 and got["dscp"] == {"0": got["packets"]}, users
     assert roots["packets"] > 0 and roots["dscp"] == {"46": roots["packets"]}, roots

@@ -72,6 +72,7 @@ class Kernel:
     def __init__(self):
         self.classes = {cid: zero() for cid in (L0, L1, L2, L3, DEFAULT)}
         self.marks: dict[int, dict[str, int]] = {}
+        self.reset = {"packets": 0, "bytes": 0}
         self.fail = False
 
 
@@ -92,6 +93,7 @@ def kernel(monkeypatch) -> Kernel:
 
     monkeypatch.setattr(metrics_base.Scrape, "classes", classes)
     monkeypatch.setattr(metrics_flows, "marked_counters", lambda levels: k.marks)
+    monkeypatch.setattr(metrics_flows, "reset_counters", lambda: k.reset)
     return k
 
 
@@ -411,8 +413,10 @@ def test_flows_by_class_and_job_capped_with_the_rest_summed(kernel):
         assert request(api, op="register", job=f"job{j:02d}", level=j % 2,
                        flows=[flow(100 * j + i) for i in range(n)])["ok"]
     kernel.marks = {0: {"bytes": 1234, "packets": 5}}
+    kernel.reset = {"packets": 7, "bytes": 700}
     registry, _ = make_registry(api)
     s = scrape(registry)
+    assert value(s, "tensorlane_unregistered_dscp_reset_packets_total") == 7
     flows = {(dict(lab)["class"], dict(lab)["training_job"]): v
              for (n, lab), v in s.items() if n == "tensorlane_registered_flows"}
     assert len({job for _, job in flows}) == 33                           # 32 jobs and _other

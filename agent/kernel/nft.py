@@ -145,6 +145,7 @@ def _users_dscp_rule(ifnames: list[str], family: int) -> dict:
         {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": "ipv4" if family == 4 else "ipv6"}},
         {"match": {"op": "!=", "left": {"meta": {"key": "skuid"}}, "right": 0}},
         {"match": {"op": "!=", "left": {"payload": {"protocol": proto, "field": "dscp"}}, "right": 0}},
+        {"counter": None},
         {"mangle": {"key": {"payload": {"protocol": proto, "field": "dscp"}}, "value": 0}},
     ]}}}
 
@@ -223,6 +224,21 @@ def chain_counters(listing: dict | None) -> dict[int, dict[str, int]]:
                 c = out.setdefault(level, {"packets": 0, "bytes": 0})
                 c["packets"] += expr["counter"].get("packets", 0)
                 c["bytes"] += expr["counter"].get("bytes", 0)
+    return out
+
+
+def reset_counters(listing: dict | None) -> dict[str, int]:
+    """Packets and bytes whose DSCP the egress chain reset to 0 (a user's unregistered packets,
+    :func:`_users_dscp_rule`), both IP families summed, from a ``list chain`` (or table) JSON answer."""
+    out = {"packets": 0, "bytes": 0}
+    for item in (listing or {}).get("nftables", []):
+        rule = item.get("rule")
+        if not rule or rule.get("chain") != "egress" or not any("mangle" in e for e in rule.get("expr", [])):
+            continue
+        for expr in rule["expr"]:
+            if "counter" in expr:
+                out["packets"] += expr["counter"].get("packets", 0)
+                out["bytes"] += expr["counter"].get("bytes", 0)
     return out
 
 

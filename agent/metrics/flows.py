@@ -13,6 +13,8 @@
 - ``tensorlane_class_marked_bytes_total`` / ``_packets_total{device,class}``: what each level's nftables chain
   marked (set DSCP and class); the default class has none. Read through a libnftables context of this scrape's
   own (the agent's context belongs to its main thread).
+- ``tensorlane_unregistered_dscp_reset_packets_total{device}``: packets of users' unregistered traffic that
+  carried a DSCP of their own and left with 0 (``reset_user_dscp``): a user marking its bulk traffic.
 """
 from __future__ import annotations
 
@@ -37,18 +39,29 @@ def cap_jobs(counts: dict[tuple[str, str], int], max_jobs: int = MAX_JOBS) -> di
     return out
 
 
-def marked_counters(levels: list[int]) -> dict[int, dict[str, int]]:
-    """Counters of the level chains, listed chain by chain (listing the table would dump every map element)."""
+def _chains(names: list[str]) -> dict:
+    """The table's chains ``names`` as one ``list`` JSON answer, listed chain by chain (listing the table would
+    dump every map element)."""
     nft = nftables.Nft()
     try:
         items = []
-        for level in levels:
+        for name in names:
             listing = nft.run([{"list": {"chain": {"family": nftables.FAMILY, "table": nftables.TABLE,
-                                                   "name": nftables.level_chain(level)}}}])
+                                                   "name": name}}}])
             items += (listing or {}).get("nftables", [])
-        return nftables.chain_counters({"nftables": items})
+        return {"nftables": items}
     finally:
         nft.close()
+
+
+def marked_counters(levels: list[int]) -> dict[int, dict[str, int]]:
+    """Counters of the level chains."""
+    return nftables.chain_counters(_chains([nftables.level_chain(level) for level in levels]))
+
+
+def reset_counters() -> dict[str, int]:
+    """Packets and bytes of users' unregistered traffic whose DSCP the egress chain reset (``reset_user_dscp``)."""
+    return nftables.reset_counters(_chains(["egress"]))
 
 
 class FlowsSource(Source):
@@ -92,3 +105,6 @@ class FlowsSource(Source):
             mp.add_metric([dev, cls], c.get("packets", 0))
         yield mb
         yield mp
+        reset = names.DSCP_RESET_PACKETS.counter()
+        reset.add_metric([dev], reset_counters()["packets"])
+        yield reset
