@@ -243,9 +243,29 @@ def test_rules_pass_promtool_check_and_unit_tests():
     check = subprocess.run([promtool(), "check", "rules", "rules.yml"], cwd=DASHBOARDS, capture_output=True,
                            text=True, timeout=60)
     assert check.returncode == 0 and "SUCCESS" in check.stdout, check.stdout + check.stderr
-    test = subprocess.run([promtool(), "test", "rules", "rules_test.yml"], cwd=DASHBOARDS, capture_output=True,
-                          text=True, timeout=120)
-    assert test.returncode == 0 and "SUCCESS" in test.stdout, test.stdout + test.stderr
+    for tests in ("rules_test.yml", "rules_test_scrape_1m.yml"):  # the second: scrapes every 1m, off the evaluations
+        test = subprocess.run([promtool(), "test", "rules", tests], cwd=DASHBOARDS, capture_output=True, text=True,
+                              timeout=120)
+        assert test.returncode == 0 and "SUCCESS" in test.stdout, tests + ": " + test.stdout + test.stderr
+
+
+def test_every_rules_window_holds_several_scrapes_at_the_default_interval():
+    """Every range of rules.yml (``rate(x[5m])``, ``avg_over_time``, ``increase``) spans at least 4 scrapes at
+    Prometheus' default scrape interval, 1m (docs/deploy.md's scrape config sets none), as Prometheus advises: a
+    window of one interval holds one sample off the scrape times, and its rate() is nothing. Until 2026-11-28
+    ``tensorlane:class_link_share:ratio_rate1m`` took ``rate(...[1m])``: empty at every evaluation
+    (rules_test_scrape_1m.yml shows it with promtool)."""
+    import yaml
+
+    seconds = {"s": 1, "m": 60, "h": 3600}
+    for group in yaml.safe_load((DASHBOARDS / "rules.yml").read_text())["groups"]:
+        for rule in group["rules"]:
+            name = rule.get("alert") or rule["record"]
+            for number, unit in re.findall(r"\[(\d+)([smh])(?::[^\]]*)?\]", rule["expr"]):
+                assert int(number) * seconds[unit] >= 4 * 60, f"{name}: [{number}{unit}] is under 4 scrapes of 1m"
+            window = re.search(r"_rate(\d+[smh])$", name)  # a recorded rate's name says its window
+            if window:
+                assert f"[{window.group(1)}]" in rule["expr"], f"{name}: its name and its window differ"
 
 
 def test_every_rule_has_a_test_case():

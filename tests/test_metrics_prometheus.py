@@ -240,7 +240,7 @@ def check_prometheus(prom: Prometheus, build, start: float, end: float, tb) -> N
                                                       'tensorlane_class_info{level="default"} / on (instance, device)'
                                                       ' group_left () tensorlane_link_rate_bytes_per_second)[5m:1s])',
                                              "time": f"{end:.3f}"}},
-        {"path": "/api/v1/query", "params": {"query": "tensorlane:class_link_share:ratio_rate1m > 0",
+        {"path": "/api/v1/query", "params": {"query": "tensorlane:class_link_share:ratio_rate5m > 0",
                                              "time": f"{end:.3f}"}},
     ]
     allreduces, flows, marked, bulk_share, recorded = (r["data"]["result"] for r in prom.call(instant))
