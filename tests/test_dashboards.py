@@ -310,3 +310,37 @@ def test_the_alert_table_of_docs_metrics_is_rules_yml():
         numbers = {float(x) for x in re.findall(r"\b\d+(?:\.\d+)?\b", alerts[name]["expr"])}
         for value, unit in re.findall(r"> (\d+(?:\.\d+)?) (%|ms)(?!\w)", when):
             assert float(value) / {"%": 100, "ms": 1000}[unit] in numbers, f"{name}: docs say > {value} {unit}"
+
+
+def test_queries_and_rules_match_only_label_values_the_agent_exports(kernel):  # noqa: F811
+    """Each ``label="value"`` matcher of a selector (and each alternative of a ``label=~"a|b"`` one) of the rules and
+    panels matches a value the agent exports for that metric's label (``job`` and ``instance`` aside: Prometheus'
+    own): ``level="0"``, ``level="default"``, ``op="register"``, the refusal reasons the alerts count. A value the
+    agent never exports selects nothing, silently, as a wrong label name does (the test above)."""
+    import yaml
+
+    from tensorlane.agent.metrics import make_registry
+
+    api = fake_api(job_policy="shortest", job_share="auto")
+    registry, _ = make_registry(api)
+    request(api, op="register", job="a", level=0, flows=[flow(1)])
+    values: dict[tuple[str, str], set] = {}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in fam.samples:
+            for label, value in sample.labels.items():
+                values.setdefault((sample.name, label), set()).add(value)
+    rules = [r for g in yaml.safe_load((DASHBOARDS / "rules.yml").read_text())["groups"] for r in g["rules"]]
+    exprs = [(f"rule {r.get('alert') or r['record']}", r["expr"]) for r in rules]
+    exprs += [(f"{name}: {title}", e) for name in DASHBOARD_NAMES for title, _, e in build.queries(load(name))]
+    checked = 0
+    for where, expr in exprs:
+        for metric, matchers in SELECTOR.findall(expr):
+            for label, op, value in re.findall(r'(\w+)\s*(=~|=)\s*"([^"]*)"', matchers):
+                if label in ("job", "instance") or "$" in value:
+                    continue
+                seen = values.get((metric, label), set())
+                for want in value.split("|") if op == "=~" else [value]:
+                    assert any(re.fullmatch(want, v) for v in seen), \
+                        f"{where}: {metric} has no {label} matching {want!r} (it exports {sorted(seen)})"
+                    checked += 1
+    assert checked >= 10
