@@ -2,9 +2,10 @@
 the dashboards pass the rules of Grafana's dashboard linter (grafana/dashboard-linter, mirrored here: datasource
 variable, multi-select job and instance with "All" = .+, job and instance matchers, $__rate_interval, units,
 descriptions, not editable), "All" stays within tensorlane's scrape jobs, the fleet links to the host, every
-query parses and names only metrics the agent exports and labels they have, and the rules pass `promtool check
-rules` and `promtool test rules` (a test case per rule), each alert with a runbook section. Evaluating the panels
-against a live Prometheus is in test_metrics_prometheus.py."""
+query (and each variable's) parses and names only metrics the agent exports, labels they have and values they
+take, and the rules pass `promtool check rules` and `promtool test rules` (a test case per rule; their windows hold
+several scrapes at the default interval), each alert with a runbook section. Evaluating the panels against a live
+Prometheus is in test_metrics_prometheus.py."""
 from __future__ import annotations
 
 import re
@@ -177,7 +178,9 @@ def test_queries_and_rules_name_only_metrics_the_agent_exports(kernel):  # noqa:
     exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
     used = set()
     for name in DASHBOARD_NAMES:
-        for _, _, expr in build.queries(load(name)):
+        dash = load(name)
+        variables = [v["query"]["query"] for v in dash["templating"]["list"] if isinstance(v.get("query"), dict)]
+        for expr in [e for _, _, e in build.queries(dash)] + variables:  # a variable of no series lists nothing
             used |= set(re.findall(r"\b((?:tensorlane|process)_[a-z0-9_]+)", expr))
     rules = (DASHBOARDS / "rules.yml").read_text()
     used |= set(re.findall(r"\b(tensorlane_[a-z0-9_]+)", rules))
