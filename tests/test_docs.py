@@ -473,3 +473,48 @@ def test_the_dscp_table_is_dscp_table():
         want = (dscp, switch_queue(dscp), f"`{fmt_handle(HtbBackend(MAX_LEVELS, 10**9).classid(level))}`")
         assert DSCP_NAMES.get(name) == dscp and (int(value), int(queue), host) == want, \
             f"level {level}: docs say {name} {value} queue {queue} {host}, the code {dscp} queue {want[1]} {want[2]}"
+
+
+# Settings whose bounds depend on another setting (the doc states them as expressions) or that are not plain numbers
+RANGE_EXEMPT = {"min_share": "0..0.5 / (levels + 1)", "job_share": "0..min(0.95, 1 - min_share * (levels + 1))",
+                "reserved_connections": "0..max_connections - 1",
+                "max_connections_per_user": "1..max_connections - reserved_connections",
+                "min_rate": "a rate, or 0", "socket_mode": "an octal mode"}
+RANGE_NEEDS = {"rotate_epoch_s": {"job_policy": "rotate"}, "job_sample_s": {"job_policy": "shortest"},
+               "job_hold_s": {"job_policy": "shortest"},
+               "max_connections": {"reserved_connections": 0, "max_connections_per_user": 1}}
+
+
+def test_every_numeric_setting_documents_its_range_and_the_agent_holds_it():
+    """Each number setting of docs/agent.md's tables gives its range, ``(LO..HI)``, and it is the agent's: LO and HI
+    are accepted, a step beyond either is refused (an integer setting by 1). Until 2026-11-28 seven settings gave
+    none (``queue_limit_packets`` refuses below 10, ``reconcile_interval_s`` below 0.1 s): a value out of range was
+    found only when the agent or the role's ``--check-config`` refused it."""
+    from tensorlane.agent.config import _KEYS, ConfigError, _default, from_dict
+
+    rows = _table(REPO / "docs" / "agent.md", "| field | default | meaning |")
+    numeric = {k for k in _KEYS if type(_default(k)) in (int, float)} - set(RANGE_EXEMPT)
+    assert {"queue_limit_packets", "reconcile_interval_s", "max_flows", "idle_timeout_s"} <= numeric
+    missing = {}
+    for key in sorted(numeric):
+        found = re.findall(r"\((-?[\d.]+)\.\.(-?[\d.]+)\)", rows[key][1])
+        if len(found) != 1:
+            missing[key] = rows[key][1][:80]
+            continue
+        lo, hi = (float(x) for x in found[0])
+        integer = isinstance(_default(key), int)
+        step = 1 if integer else 1e-3 * max(1.0, abs(lo), abs(hi))
+        cast = int if integer else float
+
+        def accepts(value, key=key):
+            try:
+                from_dict({"interface": "eth0", **RANGE_NEEDS.get(key, {}), key: value})
+            except ConfigError as exc:
+                assert exc.field == key, exc
+                return False
+            return True
+
+        assert accepts(cast(lo)) and accepts(cast(hi)), f"{key}: docs say ({found[0][0]}..{found[0][1]})"
+        assert not accepts(cast(lo - step)), f"{key}: {lo - step} accepted, docs say from {found[0][0]}"
+        assert not accepts(cast(hi + step)), f"{key}: {hi + step} accepted, docs say up to {found[0][1]}"
+    assert not missing, f"no range (LO..HI) in docs/agent.md: {missing}"
