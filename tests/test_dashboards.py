@@ -347,3 +347,27 @@ def test_queries_and_rules_match_only_label_values_the_agent_exports(kernel):  #
                         f"{where}: {metric} has no {label} matching {want!r} (it exports {sorted(seen)})"
                     checked += 1
     assert checked >= 10
+
+
+def test_the_documented_scrape_config_fits_grafanas_rate_interval():
+    """The dashboards' ``rate(x[$__rate_interval])``: Grafana makes ``$__rate_interval`` 4 x the data source's
+    "Scrape interval" (15s unless set) at short time ranges, 60s: scraped at Prometheus' default of 1m, such a window
+    holds one sample off the scrape times and every rate panel is empty (Grafana's dashboards of the last hours). So
+    each scrape config of tensorlane in the docs scrapes every 15s or less; until 2026-11-28 docs/deploy.md's set no
+    interval (Prometheus' 1m)."""
+    import yaml
+
+    seconds = {"s": 1, "m": 60}
+    found = 0
+    for page in sorted((DASHBOARDS.parent / "docs").glob("*.md")):
+        for block in re.findall(r"```ya?ml\n(.*?)```", page.read_text(), re.S):
+            if "scrape_configs:" not in block:
+                continue
+            config = yaml.safe_load(block)
+            default = config.get("global", {}).get("scrape_interval", "1m")
+            for job in config["scrape_configs"]:
+                if job["job_name"].startswith("tensorlane"):
+                    value = re.fullmatch(r"(\d+)([sm])", str(job.get("scrape_interval", default)))
+                    assert value and int(value.group(1)) * seconds[value.group(2)] <= 15, (page.name, job)
+                    found += 1
+    assert found, "no scrape config of tensorlane in docs/"
