@@ -518,3 +518,25 @@ def test_every_numeric_setting_documents_its_range_and_the_agent_holds_it():
         assert not accepts(cast(lo - step)), f"{key}: {lo - step} accepted, docs say from {found[0][0]}"
         assert not accepts(cast(hi + step)), f"{key}: {hi + step} accepted, docs say up to {found[0][1]}"
     assert not missing, f"no range (LO..HI) in docs/agent.md: {missing}"
+
+
+def test_the_rate_settings_document_their_range_and_the_agent_holds_it():
+    """``link_rate`` and ``min_rate`` (a rate string or bits/s) give their range in docs/agent.md, ``(LO..HI)`` in
+    tc's units, and it is the agent's: LO and HI accepted, a bit/s beyond either refused (``min_rate`` also takes 0,
+    off). Until 2026-11-28 neither gave one."""
+    from tensorlane import units
+    from tensorlane.agent.config import ConfigError, from_dict
+
+    rows = _table(REPO / "docs" / "agent.md", "| field | default | meaning |")
+    for key in ("link_rate", "min_rate"):
+        found = re.findall(r"\((\d+[kmgt]?bit)\.\.(\d+[kmgt]?bit)\)", rows[key][1])
+        assert len(found) == 1, f"{key}: no range (LO..HI) in docs/agent.md"
+        lo, hi = (units.parse_rate(x, 1, 10**15) for x in found[0])
+        for value, ok in ((lo, True), (hi, True), (lo - 1, False), (hi + 1, False)):
+            try:
+                from_dict({"interface": "eth0", key: value})
+                accepted = True
+            except ConfigError as exc:
+                assert exc.field == key, exc
+                accepted = False
+            assert accepted == ok, f"{key} = {value} bit/s: docs say {found[0][0]}..{found[0][1]}"
