@@ -371,3 +371,32 @@ def test_the_documented_scrape_config_fits_grafanas_rate_interval():
                     assert value and int(value.group(1)) * seconds[value.group(2)] <= 15, (page.name, job)
                     found += 1
     assert found, "no scrape config of tensorlane in docs/"
+
+
+def test_the_docs_promql_examples_parse_and_keep_the_scrape_job_in_their_joins(tmp_path):
+    """The ```promql examples of docs/ parse (promtool) and, like the panels, join ``on`` (or group ``by``) ``job``
+    wherever they name ``instance``: a reader who copies one to a Prometheus with two tensorlane scrape jobs of one
+    instance (a canary) gets a many-to-many error otherwise (until 2026-11-28 docs/metrics.md's joined on
+    ``instance`` alone)."""
+    blocks = [b for page in sorted((DASHBOARDS.parent / "docs").glob("*.md"))
+              for b in re.findall(r"```promql\n(.*?)```", page.read_text(), re.S)]
+    # one expression per line, a line indented by two spaces continues the one above it
+    exprs = []
+    for line in "\n".join(blocks).splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if line.startswith("  ") and exprs:
+            exprs[-1] += " " + line.strip()
+        else:
+            exprs.append(line.strip())
+    assert exprs
+    lines = ["groups:", "  - name: docs", "    rules:"]
+    for i, expr in enumerate(exprs):
+        for by in re.findall(r"\b(?:on|by)\s*\(([^)]*)\)", expr):
+            labels = {label.strip() for label in by.split(",")}
+            assert "instance" not in labels or "job" in labels, expr
+        lines += [f"      - record: docs:example:{i}", f"        expr: '{expr}'"]
+    path = tmp_path / "docs.yml"
+    path.write_text("\n".join(lines) + "\n")
+    out = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
