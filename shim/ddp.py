@@ -60,6 +60,18 @@ _FALSE = ("", "0", "false", "no", "off")
 PROBE_MAX_BACKWARDS = 16  # synchronized iterations without a step() seen before overlap mode gives up
 CLOSE_WAIT_S = 300.0  # close() on another thread: how long to wait for the training thread's backward to end
 AGREE_TIMEOUT_S = 10.0  # close(): how long to wait for the compute time's all-reduce in flight before freeing groups
+# what the guard's flush warns of, by ov.cause(): until 2026-11-28 a DataLoader's workers forked at iter(loader) were
+# warned of as "an EMA of the weights, logging or changing them", which a loop without any had to hunt for
+_USE_CAUSES = {
+    None: "a parameter was used between optimizer.step() and the next forward (an EMA of the weights, logging or "
+          "changing them); the pending updates were applied first, as under DDP",
+    "fork": "a process was forked between optimizer.step() and the next forward (os.fork(): a DataLoader's workers "
+            "under the fork start method, made at each iter(loader), or multiprocessing); the pending updates were "
+            "applied first, so that the child holds the updated weights, as under DDP (a DataLoader with "
+            "persistent_workers=True forks once, at the first iter(loader), before any step)",
+    "compiled": "a torch.compile'd function or module was called between optimizer.step() and the next forward "
+                "(compiled code may read any weight); the pending updates were applied first, as under DDP",
+}
 
 
 _EXIT_HOOK: list = []  # set once the exit's collection is registered
@@ -1192,9 +1204,7 @@ class Handle:
     def _flush_on_use(self) -> None:
         """A parameter whose update is pending was used after step() (the guard saw it): apply every update first."""
         self.flush()
-        self._lost_overlap("flushed_on_use", "a parameter was used between optimizer.step() and the next forward (an "
-                           "EMA of the weights, logging or changing them); the pending updates were applied first, "
-                           "as under DDP")
+        self._lost_overlap("flushed_on_use", _USE_CAUSES[ov.cause()])
 
     def _lost_overlap(self, counter: str, what: str) -> None:
         """Count an iteration that gave up its overlap to stay exact (``stats()['overlap'][counter]``), and warn

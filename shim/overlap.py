@@ -959,7 +959,28 @@ def _before_compiled() -> None:
     compiled gradient norm), and stays on the stack with nothing to watch: dynamo traces it as an operation's plain
     call (bit for bit as without it: a compiled teacher, 2026-11-28), and it watches the next backward's gradients.
     Usage: called by the wrapper :class:`CompiledCalls` installs."""
-    _each_before_compiled(_modes_on_this_thread())
+    with _because("compiled"):
+        _each_before_compiled(_modes_on_this_thread())
+
+
+_CAUSE = threading.local()  # .what: why the shim's modes act on every watched tensor now ("fork", "compiled")
+
+
+@contextlib.contextmanager
+def _because(what: str):
+    """Within: :func:`cause` says ``what`` on this thread (for the shim's warning), as it was after."""
+    before = getattr(_CAUSE, "what", None)
+    _CAUSE.what = what
+    try:
+        yield
+    finally:
+        _CAUSE.what = before
+
+
+def cause():
+    """Why the guard applies every pending update now on this thread: ``"fork"`` (an ``os.fork()``),
+    ``"compiled"`` (a compiled call), or None (a use of a parameter). Usage: in the guard's ``on_use``"""
+    return getattr(_CAUSE, "what", None)
 
 
 def _each_before_compiled(modes: list) -> None:
@@ -1157,7 +1178,8 @@ def _before_fork() -> None:
     2026-11-28 a worker forked after ``step()`` held the weights before their update, and one that used them ran
     the guard's flush in the child, waiting there for all-reduces of the parent's process groups.
     Usage: registered with ``os.register_at_fork(before=...)``"""
-    _each_before_compiled([m for m in list(_PUSHED.values()) if not m.retired and not m.handling])
+    with _because("fork"):
+        _each_before_compiled([m for m in list(_PUSHED.values()) if not m.retired and not m.handling])
 
 
 def _after_fork_in_child() -> None:

@@ -831,6 +831,36 @@ def test_two_threads_applying_one_pending_step_take_it_once(tmp_path, monkeypatc
 
 
 @pytest.mark.torch
+def test_a_fork_after_step_is_warned_of_as_a_fork(world1):
+    """A DataLoader's workers forked at ``iter(loader)`` after ``step()`` (the fork start method, every epoch without
+    ``persistent_workers``) make the guard apply the pending updates: its warning names the fork and the way to fork
+    once, and the child holds the updated weights. Until 2026-11-28 it said "a parameter was used between
+    optimizer.step() and the next forward (an EMA of the weights, logging or changing them)" (a new user's loop with
+    ``DataLoader(num_workers=2)``, no EMA anywhere)."""
+    import warnings
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, models = world1
+    ddp, opt, handle = models(True)
+    _train(ddp, opt, x, 3)
+    assert handle.stats()["mode"] == "overlap"
+    ddp(x).sum().backward()
+    opt.step()
+    loader = DataLoader(TensorDataset(torch.arange(4.0)), batch_size=2, num_workers=1,
+                        multiprocessing_context="fork")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert [b[0].tolist() for b in loader] == [[0.0, 1.0], [2.0, 3.0]]
+    said = [str(w.message) for w in seen if "tensorlane" in str(w.message)]
+    assert handle.stats()["overlap"]["flushed_on_use"] == 1
+    assert len(said) == 1 and "forked" in said[0] and "persistent_workers=True" in said[0], said
+    assert "EMA" not in said[0], said
+    handle.close()
+
+
+@pytest.mark.torch
 @pytest.mark.parametrize("held", ["waiting", "stepping", "fork"])
 def test_weights_read_while_another_thread_applies_the_step_are_updated(world1, monkeypatch, held):
     """The training thread reads the weights after ``step()`` (an EMA, a logged norm) while another thread applies the
