@@ -857,6 +857,14 @@ def test_a_fork_after_step_is_warned_of_as_a_fork(world1):
     assert handle.stats()["overlap"]["flushed_on_use"] == 1
     assert len(said) == 1 and "forked" in said[0] and "persistent_workers=True" in said[0], said
     assert "EMA" not in said[0], said
+    _train(ddp, opt, x, 1)
+    double = torch.compile(lambda t: t * 2, backend="eager")  # (a compiled call after step(): its own cause)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        handle.state.deferred.flushed_on_use = 0  # (the next one warns again)
+        double(x)
+    said = [str(w.message) for w in seen if "tensorlane" in str(w.message)]
+    assert len(said) == 1 and "torch.compile'd" in said[0] and "EMA" not in said[0], said
     handle.close()
 
 
