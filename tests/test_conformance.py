@@ -43,7 +43,9 @@ pytestmark = pytest.mark.torch
 TOLERANCE = 1e-5
 # World sizes of the matrix: 2 and 3 ranks; TENSORLANE_CONFORMANCE_WORLDS=2,3,4 adds 4 ranks (judged as 3 ranks are:
 # within TOLERANCE, the summation order; on 2026-11-28 every cell passed at 4 ranks, worst 6.4e-6, and every cell
-# was exact with each bucket all-reduced whole, so the rest is the pieces' summation order; about 4 more minutes here)
+# was exact with each bucket all-reduced whole, so the rest is the pieces' summation order; about 4 more minutes here;
+# of the 26 idioms added later that day two are judged as MAGNIFIES_ROUNDING's, below, the rest passed (worst
+# 1.3e-6 but the attention biases of NOISE_GRADIENT))
 WORLDS = tuple(int(w) for w in os.environ.get("TENSORLANE_CONFORMANCE_WORLDS", "2,3").split(","))
 MAIN = list(worker.MAIN_IDIOMS)
 SHIM_MODES = ("hook", "overlap")
@@ -90,8 +92,13 @@ STAYS_OVERLAP = tuple(n for n in MAIN + ["checkpoint_resume"] if n not in FALLS_
 # (hook mode; 2026-11-27). In both, overlap mode must also equal hook mode within TOLERANCE where the planner cut
 # both cells into the same pieces (``pieces``; it times the first iteration, so under load it may not): what the
 # overlap design adds is checked as tightly as ever.
-MAGNIFIES_ROUNDING = ("autocast_bf16", "optimizer_state_reset")
-ADAMW_DRIFT = 2 * 2e-3 * worker.STEPS  # twice the idiom's lr x the worker's steps (both idioms' lr: 2e-3)
+# Adam at lr 5e-3 with its rate or first beta changed in place each step grows the same order of summation too,
+# at 4 ranks (the opt-in world): 1.03e-5 (tensor_lr_scheduler) and 3.65e-5 (tensor_betas_in_place) relative from
+# DDP, hook and overlap mode alike, 0 with every bucket all-reduced whole (2026-11-28); within 6.6e-7 at 3 ranks,
+# where they are judged by TOLERANCE. Idiom -> the world from which it is judged by AdamW's drift:
+MAGNIFIES_ROUNDING = {"autocast_bf16": 3, "optimizer_state_reset": 3, "tensor_lr_scheduler": 4,
+                      "tensor_betas_in_place": 4}
+ADAMW_DRIFT = 2 * 2e-3 * worker.STEPS  # twice lr x the worker's steps (lr 2e-3; the lr 5e-3 idioms: tighter still)
 # Parameters whose true gradient is zero, so that their gradient is rounding noise: the key part of an attention's
 # in_proj_bias (it adds the same q . b_k to every score of a row, which the softmax ignores). AdamW turns noise into
 # updates of about lr each, whatever its size, so at 3 ranks the pieces' order of summation moved these biases by
@@ -219,7 +226,7 @@ def test_cell_matches_ddp(launches, idiom, mode, world):
     """The cell's final parameters and buffers, and what the loop saw on the way, equal plain DDP's."""
     res = launches(world)
     ref_idiom = "checkpoint_save" if idiom == "checkpoint_resume" else idiom  # the uninterrupted DDP run
-    if idiom in MAGNIFIES_ROUNDING and world > 2:
+    if world >= MAGNIFIES_ROUNDING.get(idiom, math.inf):
         for rank in range(world):
             cell, ref = load_cell(res, idiom, mode, rank)[0], load_cell(res, idiom, "ddp", rank)[0]
             drift = max(float((cell["state"][k].double() - v.double()).abs().max()) for k, v in ref["state"].items())
