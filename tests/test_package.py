@@ -7,6 +7,7 @@ The import rules (docs in README.md, "Repository layout"):
 - the shared modules and the policies import neither the agent nor the shim; the policies do no I/O;
 - nothing shipped imports the repository tools (``bench``, ``testbed``), and no private name crosses a package;
 - the agent and the CLI never load torch.
+- the shim, and the shared modules it imports, make no privileged calls.
 """
 from __future__ import annotations
 
@@ -89,6 +90,72 @@ def test_imports_flow_one_way():
             for bans in rules:
                 bad += [f"{name} imports {t}" for t in targets for ban in bans if _under(t, ban)]
     assert not bad, "\n".join(sorted(set(bad)))
+
+
+# what the shim, and the shared modules it imports, must never do: it runs in the training process, as its user
+PRIVILEGED_MODULES = ("pyroute2", "subprocess", "ctypes", "fcntl", "nftables")
+PRIVILEGED_CALLS = ("setsockopt", "ioctl", "system", "popen", "chmod", "chown", "mknod", "setns", "unshare")
+PRIVILEGED_PATHS = ("/sys", "/run", "/dev", "/etc")
+
+
+def _shim_side() -> dict[str, Path]:
+    """The shim's modules and every shared module it imports (client, flows, units, the top package)."""
+    mods = modules()
+    return {n: p for n, p in mods.items() if _under(n, "tensorlane.shim") or package_of(n) == n
+            and not _under(n, "tensorlane.cli") and n != "tensorlane.__main__"}
+
+
+def privileged_uses(path: Path) -> list[str]:
+    """``LINE: what`` for each privileged thing the module does: imports of netlink, nftables, subprocess, ctypes
+    or fcntl; a ``setsockopt`` (SO_PRIORITY, IP_TOS: the agent classifies, no socket option of the shim's may),
+    ``ioctl``, ``os.system`` and the like; a file opened for writing, or a path under /sys, /run, /dev or /etc named
+    outside a docstring."""
+    tree = ast.parse(path.read_text(), str(path))
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    out = []
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        out += [f"{node.lineno}: import {n}" for n in names if n.split(".")[0] in PRIVILEGED_MODULES]
+        if isinstance(node, ast.Call):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if func in PRIVILEGED_CALLS:
+                out.append(f"{node.lineno}: {func}()")
+            mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"),
+                                                                 None)
+            reads = mode is None or isinstance(mode, ast.Constant) and set(str(mode.value)) <= set("rbt")
+            if func == "open" and not reads:
+                out.append(f"{node.lineno}: open() to write")
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs \
+                and node.value.startswith(tuple(p + "/" for p in PRIVILEGED_PATHS)):
+            out.append(f"{node.lineno}: the path {node.value!r}")
+    return out
+
+
+def test_the_shim_makes_no_privileged_calls():
+    """The shim runs inside training processes, as the training user: no netlink, nftables or tc, no socket option
+    (the agent classifies the flows; ``SO_PRIORITY`` above 6 needs CAP_NET_ADMIN and ``IP_TOS`` resets it), no
+    ``ioctl``, no subprocess, no file written and no path under /sys, /run, /dev or /etc of its own: the agent's
+    socket path comes from ``tensorlane.client.DEFAULT_SOCKET`` (a constant the shim connects to, never writes).
+    The shared modules it imports are held to the same rule."""
+    side = _shim_side()
+    assert "tensorlane.shim.ddp" in side and "tensorlane.flows" in side and "tensorlane.client" in side
+    bad = [f"{name}:{use}" for name, path in side.items() for use in privileged_uses(path)
+           if not (name == "tensorlane.client" and use.endswith("'/run/tensorlane/agent.sock'"))]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_privileged_check_sees_what_it_looks_for(tmp_path):
+    """``privileged_uses`` finds each kind of privileged call (a check that finds nothing proves nothing)."""
+    f = tmp_path / "m.py"
+    f.write_text('"""/run/x in a docstring is fine."""\nimport pyroute2\nfrom subprocess import run\n'
+                 "s.setsockopt(1, 2, 3)\nopen('/x', 'w')\nopen(p, mode='ab')\nopen('/proc/1/stat')\n"
+                 "P = '/sys/class/net'\n")
+    got = [u.split(": ", 1)[1] for u in privileged_uses(f)]
+    assert got == ["import pyroute2", "import subprocess", "setsockopt()", "open() to write", "open() to write",
+                   "the path '/sys/class/net'"], got
 
 
 def test_no_private_name_crosses_a_package():
