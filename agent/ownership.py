@@ -38,10 +38,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from tensorlane.agent.kernel.sockdiag import SockDiag, UdpSocket
 from tensorlane.agent.peers import account_uid
-from tensorlane.flows import FlowKey, TooManyFiles, parse_proc_net_tcp, socket_fds, socket_inodes
+from tensorlane.flows import TCP_ESTABLISHED, FlowKey, TooManyFiles, parse_proc_net_tcp, socket_fds, socket_inodes
 
 log = logging.getLogger("tensorlane.ownership")
-TCP_ESTABLISHED = 0x01
 TCP_LISTEN = 0x0A
 # closed by every process that held it, the kernel still sends its queued bytes and FIN (FIN_WAIT1, LAST_ACK, CLOSING)
 TCP_CLOSED_SENDING = frozenset({0x04, 0x09, 0x0B})
@@ -221,18 +220,6 @@ def stat_cached(path: str) -> tuple[int, int, int] | None:
         return None
     mode = int.from_bytes(buf.raw[28:30], sys.byteorder)
     return mode, int.from_bytes(buf.raw[20:24], sys.byteorder), int.from_bytes(buf.raw[32:40], sys.byteorder)
-
-
-def sockets_of(pid: int, table: Mapping[int, Socket] | None = None) -> list[Socket]:
-    """``(proto, laddr, lport, raddr, rport, state)`` of every socket of process ``pid`` that lives in the agent's
-    network namespace (``table``: from ``agent_sockets``, read now when not given).
-
-    Raises ProcessLookupError when the process is gone.
-    """
-    inodes = inodes_of(pid)
-    if table is None:
-        table = agent_sockets(inodes)
-    return [table[i] for i in inodes if i in table]
 
 
 _UNSPECIFIED = frozenset({"0.0.0.0", "::"})  # as the socket tables' addresses are written (str of an ip_address)

@@ -204,7 +204,7 @@ def test_the_uids_listening_on_a_port_are_read_from_the_agents_tables():
 def test_agent_side_ownership_uses_the_callers_namespace_tables():
     """agent.ownership finds a process's sockets through the CALLER's (the agent's) /proc/self/net tables: a
     child in the same namespace owns its connection, a closed connection is owned by no one."""
-    from tensorlane.agent.ownership import agent_sockets, not_owned, not_owned_by_owners, sockets_of
+    from tensorlane.agent.ownership import agent_sockets, inodes_of, not_owned, not_owned_by_owners
     from tensorlane.agent.protocol import FlowKey
 
     with socket.socket() as listener:
@@ -226,7 +226,7 @@ def test_agent_side_ownership_uses_the_callers_namespace_tables():
                 cport = int(child.stdout.readline())
                 key = FlowKey("tcp", "127.0.0.1", cport, "127.0.0.1", port)
                 other = FlowKey("tcp", "127.0.0.1", cport + 1 if cport < 65535 else 1, "127.0.0.1", port)
-                assert ("tcp", "127.0.0.1", cport, "127.0.0.1", port, 1) in sockets_of(child.pid)
+                assert ("tcp", "127.0.0.1", cport, "127.0.0.1", port, 1) in agent_sockets(inodes_of(child.pid)).values()
                 assert not_owned(child.pid, [key, other]) == [other]
                 assert not_owned_by_owners({child.pid: [key]}) == []
                 assert not_owned(child.pid, [key], table={}) == [key]  # a table without its socket: not owned
