@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from tensorlane.agent.files import write_json_atomically
-from tensorlane.agent.ownership import UndecidedPorts, not_owned, not_owned_by_owners
+from tensorlane.agent.ownership import UndecidedPorts, netns_of, not_owned, not_owned_by_owners
 from tensorlane.agent.peers import Peer, account_uid, proc_status, process_start
 from tensorlane.agent.state import FlowTable, job_id_base
 from tensorlane.flows import FlowKey, TooManyFiles
@@ -61,8 +61,8 @@ def boot_id() -> str:
 
 
 def netns_id() -> list[int]:
-    st = os.stat("/proc/self/ns/net")
-    return [st.st_dev, st.st_ino]
+    """This agent's network namespace as the hand-over file writes it (``ownership.netns_of``, as a JSON list)."""
+    return list(netns_of("self"))
 
 
 def write_flows(cfg, table: FlowTable, reported: dict | None = None) -> int:

@@ -20,6 +20,11 @@ from pyroute2 import IPRoute
 from tensorlane.agent.kernel import tcstats
 from tensorlane.agent.kernel.qdisc import fmt_handle
 
+# the training_job series a source keeps at most; the others are folded into the job OTHER (flows, job reports, the
+# job policy: one cap, so that the three agree on which jobs have series of their own)
+MAX_JOBS = 32
+OTHER = "_other"
+
 
 def link_rate_bps(api, device) -> int | None:
     """The rate the agent shapes ``device`` (a reconcile Device) to (htb), else its configured or driver-reported

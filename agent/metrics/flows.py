@@ -20,10 +20,7 @@ from __future__ import annotations
 
 from tensorlane.agent.kernel import nft as nftables
 from tensorlane.agent.metrics import names
-from tensorlane.agent.metrics.base import Source, class_label
-
-MAX_JOBS = 32
-OTHER = "_other"
+from tensorlane.agent.metrics.base import MAX_JOBS, OTHER, Source, class_label
 
 
 def cap_jobs(counts: dict[tuple[str, str], int], max_jobs: int = MAX_JOBS) -> dict[tuple[str, str], int]:

@@ -17,8 +17,7 @@ it guarantees them and, with ``job_share = "auto"``, whether the jobs saturate t
 from __future__ import annotations
 
 from tensorlane.agent.metrics import names
-from tensorlane.agent.metrics.base import Source
-from tensorlane.agent.metrics.flows import MAX_JOBS  # the same cap on training_job series as the flows'
+from tensorlane.agent.metrics.base import MAX_JOBS, Source
 
 
 class JobPolicySource(Source):

@@ -29,16 +29,14 @@ import time
 from collections import OrderedDict
 
 from tensorlane.agent.metrics import names
-from tensorlane.agent.metrics.base import Source
+from tensorlane.agent.metrics.base import MAX_JOBS, OTHER, Source
 
-MAX_JOBS = 32
 MAX_SESSIONS = 4096
 # of one user that is not root: series of its own, and sessions (its least recent go first), so that no user fills
 # the series for the others or evicts another user's sessions (whose next report would then count twice)
 MAX_JOBS_PER_USER = 8
 MAX_SESSIONS_PER_USER = 512
 JOB_TTL_S = 900.0
-OTHER = "_other"
 FIELDS = ("allreduces", "bytes", "comm_s")
 
 
