@@ -14,7 +14,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from tensorlane import units
 from tensorlane.client import DEFAULT_SOCKET, JOB_ID_RE
 from tensorlane.policies.jobs import JOB_POLICIES, ROTATING, SHARE_AMONG, TIMED
-from tensorlane.policies.levels import dscp_table
+from tensorlane.policies.levels import DEFAULT_LEVELS, MAX_LEVELS, dscp_table
 
 BACKENDS = ("auto", "htb", "prio")
 
@@ -58,7 +58,7 @@ class Config:
     metrics_address: str = "127.0.0.1:9477"
     backend: str = "auto"
     link_rate_bps: int | dict | None = field(default=None, metadata={"key": "link_rate"})  # or {device: bits/s}
-    levels: int = 4
+    levels: int = DEFAULT_LEVELS
     dscp: tuple[int, ...] = field(default_factory=lambda: dscp_table(Config.levels))  # the default levels' table
     take_over_root: bool = False
     state_dir: str = "/run/tensorlane"
@@ -263,8 +263,8 @@ def _dscp(raw: dict, levels) -> tuple[int, ...]:
             overrides[int(key)] = value
         except ValueError:
             raise ConfigError("dscp", f"keys are level numbers, got {key!r}") from None
-    if not isinstance(levels, int) or not 1 <= levels <= 5:
-        raise ConfigError("levels", f"expected 1..5 priority levels, got {levels!r}")
+    if not isinstance(levels, int) or not 1 <= levels <= MAX_LEVELS:
+        raise ConfigError("levels", f"expected 1..{MAX_LEVELS} priority levels, got {levels!r}")
     try:
         return dscp_table(levels, overrides)
     except ValueError as exc:

@@ -21,6 +21,7 @@ DSCP_NAMES: dict[str, int] = {
 }
 DEFAULT_DSCP_TABLE: tuple[int, ...] = (46, 34, 26, 18, 10)
 MAX_LEVELS = len(DEFAULT_DSCP_TABLE)  # distinct levels a DSCP-trusting switch tells apart here
+DEFAULT_LEVELS = 4  # the agent's ``levels`` and the shim's ``levels=`` when none is given
 SWITCH_QUEUES = 8
 RESERVED_QUEUES = frozenset({6, 7})  # CS6 / CS7: network control
 

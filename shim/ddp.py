@@ -47,6 +47,7 @@ from tensorlane.client import agent_socket as resolve_socket
 from tensorlane.client import clean_job_id
 from tensorlane.flows import new_flows, own_tcp_flows
 from tensorlane.policies.cutting import parameter_levels, pieces_of
+from tensorlane.policies.levels import DEFAULT_LEVELS, MAX_LEVELS
 from tensorlane.shim import overlap as ov
 from tensorlane.shim import report
 from tensorlane.shim.agent_link import AgentLink
@@ -174,7 +175,7 @@ class ShimState:
     world: int
     param_level: dict  # id(param) -> level
     partition_bytes: int | None  # a piece's most bytes (None: no limit), cut in each bucket's own elements
-    levels: int = 4
+    levels: int = DEFAULT_LEVELS
     mode: str = "hook"
     mode_reason: str = "no optimizer given: DDP's own step (hook mode)"
     counters: list[LevelStats] = field(default_factory=list)  # per level
@@ -238,7 +239,7 @@ class ShimState:
         o = self.options
         self.world = dist.get_world_size()
         self.groups, self.link, self.flows, self.job = _connect(self.levels, o.get("agent_socket"), o.get("job"))
-        self.reporter = _start_reporter(self, o.get("report_interval_s", 5.0))
+        self.reporter = _start_reporter(self, o.get("report_interval_s", report.INTERVAL_S))
         module = o.get("module")
         if module is not None:
             _set_layer_levels(self, [p for p in module.parameters() if p.requires_grad], o.get("policy"))
@@ -1766,10 +1767,12 @@ def _not_ddp(model) -> str:
 MAX_REPORT_INTERVAL_S = 86400.0  # (a day: threading's waits take no timeout beyond time_t)
 
 
-def _check_levels(levels: int, partition_bytes: int | None = None, report_interval_s: float = 5.0) -> None:
-    if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 5:
+def _check_levels(levels: int, partition_bytes: int | None = None,
+                  report_interval_s: float = report.INTERVAL_S) -> None:
+    if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= MAX_LEVELS:
         # (a string, as from os.environ, was a bare "'<=' not supported between instances of 'int' and 'str'")
-        raise ValueError(f"levels must be an integer 1..5 (the DSCP table's distinct switch queues), not {levels!r}")
+        raise ValueError(f"levels must be an integer 1..{MAX_LEVELS} (the DSCP table's distinct switch queues), "
+                         f"not {levels!r}")
     if partition_bytes is not None and (isinstance(partition_bytes, bool) or not isinstance(partition_bytes, int)
                                         or partition_bytes < 1):
         raise ValueError(f"partition_bytes must be a positive number of bytes (or None), not {partition_bytes!r}")
@@ -1824,9 +1827,9 @@ def _disabled_state() -> ShimState:
                      mode_reason="the shim is disabled (disable=True or TENSORLANE_DISABLE=1): plain DDP")
 
 
-def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | None = None,
+def comm_state(levels: int = DEFAULT_LEVELS, *, agent_socket: str | None = None, job: str | None = None,
                partition_bytes: int | None = None, module=None, policy: str = "layer_order",
-               report_interval_s: float = 5.0, disable: bool | str | None = None) -> ShimState:
+               report_interval_s: float = report.INTERVAL_S, disable: bool | str | None = None) -> ShimState:
     """A hook-mode state for a framework that wraps the model in DDP itself; nothing collective happens until the
     first hook call, which makes the groups and registers the flows on every rank. ``disable`` (else
     ``$TENSORLANE_DISABLE``, as in ``attach``): a state whose mode is ``"disabled"``, no groups and no flows, that
@@ -1852,9 +1855,10 @@ def comm_state(levels: int = 4, *, agent_socket: str | None = None, job: str | N
                      order_source=[] if module is None else None)
 
 
-def attach(model, optimizer=None, *, levels: int = 4, policy: str = "planner", agent_socket: str | None = None,
-           job: str | None = None, partition_bytes: int | None = None, disable: bool | str | None = None,
-           report_interval_s: float = 5.0, profile=None, link_bps: float | None = None,
+def attach(model, optimizer=None, *, levels: int = DEFAULT_LEVELS, policy: str = "planner",
+           agent_socket: str | None = None, job: str | None = None, partition_bytes: int | None = None,
+           disable: bool | str | None = None, report_interval_s: float = report.INTERVAL_S, profile=None,
+           link_bps: float | None = None,
            require_overlap: bool = False, per_parameter_optimizer: bool | None = None) -> Handle:
     """Give ``model`` (a DistributedDataParallel, or Lightning Fabric's wrapper of one) prioritized all-reduce; with
     ``optimizer``, overlap mode.

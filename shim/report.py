@@ -24,6 +24,7 @@ from tensorlane.client import AgentClient, AgentError, AgentUnavailable
 
 log = logging.getLogger("tensorlane.shim")
 # the job-order inputs a report may carry, and their types (the agent takes those its job policy orders by)
+INTERVAL_S = 5.0  # how often a reporter sends, unless ``attach(report_interval_s=)`` says otherwise
 INPUTS = {"step_bytes": int, "compute_s": float, "tail_bytes": int, "window_start": float, "window_steps": int}
 
 
@@ -40,7 +41,7 @@ class Reporter:
     counters of the shim's levels beyond them are added to its last level's, as their flows are registered there
     (None: unknown, sent as they are)."""
 
-    def __init__(self, stats, socket_path: str, job: str, interval_s: float = 5.0, timeout_s: float = 0.25,
+    def __init__(self, stats, socket_path: str, job: str, interval_s: float = INTERVAL_S, timeout_s: float = 0.25,
                  session: str | None = None, start: bool = True, step_bytes=None, compute_s=None,
                  tail_bytes=None, window_start=None, window_steps=None, agent_levels=None):
         self.stats = stats
@@ -170,7 +171,7 @@ def fold_levels(levels: list[dict], agent_levels: int | None) -> list[dict]:
     return [out[lvl] for lvl in sorted(out)]
 
 
-def start(handle, interval_s: float = 5.0, timeout_s: float = 0.25) -> Reporter | None:
+def start(handle, interval_s: float = INTERVAL_S, timeout_s: float = 0.25) -> Reporter | None:
     """A Reporter for a ``shim.attach`` handle (its agent socket and job id); None when the shim is disabled. A
     handle whose shim already reports (``attach`` starts a reporter) gets that one: two would count twice."""
     if getattr(handle, "disabled", False) or getattr(handle, "link", None) is None:
