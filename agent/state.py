@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
+from tensorlane.agent.config import Config
 from tensorlane.agent.protocol import ProtocolError
 from tensorlane.flows import FlowKey
 
@@ -57,7 +58,7 @@ def requested_level(entry: FlowEntry) -> int:
 class FlowTable:
     """Registered flows keyed by 5-tuple; every change is validated before anything is modified."""
 
-    def __init__(self, levels: int, max_flows: int = 100_000,
+    def __init__(self, levels: int, max_flows: int = Config.max_flows,
                  level_of: Callable[[FlowEntry], int] = requested_level):
         self.levels = levels
         self.max_flows = max_flows

@@ -17,7 +17,8 @@ below every level.
 - ``prio`` (when the kernel has sch_prio): one band per level plus a default band; no shaping, relies on the NIC
   (with BQL) to keep its own ring short.
 
-Usage: ``backend = make_backend("htb", cfg); backend.apply(ipr, ifindex)``
+Usage: ``backend = make_backend("htb", cfg.levels, rate, cfg.queue_limit_packets, cfg.min_share, cfg.min_rate_bps);
+backend.apply(ipr, ifindex)``
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import logging
 import struct
 from dataclasses import dataclass
 
+from tensorlane.agent.config import Config
 from tensorlane.agent.kernel import snapshot
 from tensorlane.agent.kernel.htbclass import ClassRates, change_classes
 
@@ -59,8 +61,8 @@ class HtbBackend:
 
     kind = "htb"
 
-    def __init__(self, levels: int, link_rate_bps: int, queue_limit: int = 1000, min_share: float = 0.0,
-                 min_rate: int = 0):
+    def __init__(self, levels: int, link_rate_bps: int, queue_limit: int = Config.queue_limit_packets,
+                 min_share: float = 0.0, min_rate: int = 0):
         if link_rate_bps is None:
             raise ValueError("the htb backend needs link_rate (the interface reports no speed)")
         self.levels = levels
@@ -236,7 +238,7 @@ class PrioBackend:
 
     kind = "prio"
 
-    def __init__(self, levels: int, link_rate_bps: int | None = None, queue_limit: int = 1000,
+    def __init__(self, levels: int, link_rate_bps: int | None = None, queue_limit: int = Config.queue_limit_packets,
                  min_share: float = 0.0, min_rate: int = 0):
         self.levels = levels  # min_share, min_rate: sch_prio is strict, it has no guarantee to give (ets would)
         self.queue_limit = queue_limit
@@ -365,9 +367,11 @@ def remove_filters(ipr, index: int, parents: tuple[int, ...]) -> int:
     return found
 
 
-def make_backend(kind: str, levels: int, link_rate_bps: int | None, queue_limit: int = 1000,
-                 min_share: float = 0.0, min_rate: int = 0):
-    """Return the backend object for ``kind`` ("htb" or "prio")."""
+def make_backend(kind: str, levels: int, link_rate_bps: int | None, queue_limit: int, min_share: float,
+                 min_rate: int):
+    """Return the backend object for ``kind`` ("htb" or "prio"), every setting given (the agent's defaults are
+    Config's; a backend made directly, in a test or a benchmark, has no guarantee: ``min_share`` and ``min_rate`` 0).
+    """
     if kind == "htb":
         return HtbBackend(levels, link_rate_bps, queue_limit, min_share, min_rate)
     if kind == "prio":
