@@ -26,6 +26,49 @@ def test_every_default_is_the_config_dataclass_one():
     assert dataclasses.asdict(from_dict({"interface": "eth0"})) == dataclasses.asdict(Config(interfaces=("eth0",)))
 
 
+# parameters named after a setting that keep a default of their own, and why
+OWN_DEFAULTS = {
+    # a backend made directly (tests, bench.classifier) gives no guarantee; the agent passes Config's min_share and
+    # min_rate through make_backend, which takes every setting
+    ("agent/kernel/qdisc.py", "HtbBackend", "min_share"), ("agent/kernel/qdisc.py", "HtbBackend", "min_rate"),
+    ("agent/kernel/qdisc.py", "PrioBackend", "min_share"), ("agent/kernel/qdisc.py", "PrioBackend", "min_rate"),
+}
+
+
+def test_the_agents_defaults_are_declared_once_in_config():
+    """A parameter named after a setting (``queue_limit`` for ``queue_limit_packets``, ``max_flows``, ``levels``)
+    takes Config's default (``Config.max_flows``) or none, never a literal of its own: until 2026-11-28 the backends
+    wrote 1000 and FlowTable 100_000 again, and the shim 4 and 5 for the levels. The exceptions are OWN_DEFAULTS."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    names = {}
+    for f in dataclasses.fields(Config):
+        for n in (f.name, f.metadata.get("key", f.name), re.sub(r"_(packets|bps|per_s|s)$", "", f.name)):
+            names[n] = f.name
+    bad = []
+    for part in ("agent", "tensorlane", "shim"):
+        for path in sorted((root / part).rglob("*.py")):
+            rel = str(path.relative_to(root))
+            if rel == "agent/config.py":
+                continue
+            tree = ast.parse(path.read_text())
+            owners = {id(fn): cls.name for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) for fn in cls.body}
+            for fn in ast.walk(tree):
+                if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                a = fn.args
+                pos = a.posonlyargs + a.args
+                pairs = list(zip(pos[len(pos) - len(a.defaults):], a.defaults, strict=True))
+                pairs += [(k, d) for k, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is not None]
+                for arg, d in pairs:
+                    literal = isinstance(d, ast.Constant | ast.UnaryOp | ast.BinOp) and not (
+                        isinstance(d, ast.Constant) and d.value is None)
+                    if arg.arg in names and literal and (rel, owners.get(id(fn), fn.name), arg.arg) not in OWN_DEFAULTS:
+                        bad.append(f"{rel}:{fn.lineno} {fn.name}({arg.arg}={ast.unparse(d)}): Config.{names[arg.arg]}")
+    assert not bad, "\n".join(bad)
+
+
 def test_known_settings_are_the_dataclass_fields_and_the_ansible_template_writes_only_those():
     known = {f.metadata.get("key", f.name) for f in dataclasses.fields(Config)} | {"interface"}
     with pytest.raises(ConfigError) as err:

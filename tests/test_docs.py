@@ -197,7 +197,27 @@ def test_the_shims_options_table_is_attachs_signature():
     for name, (default, _meaning) in rows.items():
         literal = default.strip("`")
         if literal in ("None", "False", "True") or re.fullmatch(r"[\d.]+|\"\w+\"", literal):
-            assert ast.literal_eval(literal) == ast.literal_eval(params[name]), f"{name}: docs say {default}"
+            code = _named_value(REPO / "shim" / "ddp.py", params[name])
+            assert ast.literal_eval(literal) == code, f"{name}: docs say {default}, the code {code!r}"
+
+
+def _named_value(path: Path, node):
+    """The value of a default as ``path`` writes it: a literal, or a constant it imports (``DEFAULT_LEVELS``, from
+    ``tensorlane.policies.levels import ...``; ``report.INTERVAL_S``, from ``tensorlane.shim import report``), read
+    from the source of the module that declares it (``_code_value``)."""
+    import ast
+
+    if isinstance(node, ast.Constant):
+        return node.value
+    folders = {"tensorlane.agent": "agent", "tensorlane.shim": "shim", "tensorlane.policies": "policies"}
+    name, owner = (node.id, None) if isinstance(node, ast.Name) else (node.attr, node.value.id)
+    for imp in ast.walk(ast.parse(path.read_text())):
+        if isinstance(imp, ast.ImportFrom) and any((a.asname or a.name) == (owner or name) for a in imp.names):
+            module = f"{imp.module}.{owner}" if owner else imp.module
+            pkg = next(p for p in folders if module.startswith(p + "."))
+            return _code_value(REPO / folders[pkg] / (module.removeprefix(pkg + ".").replace(".", "/") + ".py"),
+                               name)
+    raise AssertionError(f"{path.relative_to(REPO)}: cannot tell where {ast.unparse(node)} comes from")
 
 
 def test_the_protocols_ops_fields_and_error_codes_are_the_agents():
