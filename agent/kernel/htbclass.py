@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from pyroute2.netlink.rtnl.tcmsg.common import calc_xmittime
 
-from tensorlane.agent.kernel.tcstats import NLM_F_REQUEST, NLMSG_ERROR, NLMSG_HDR, RTM_NEWTCLASS, TCMSG, messages
+from tensorlane.agent.kernel.netlink import NLM_F_ACK, NLM_F_REQUEST, NLMSG_ERROR, NLMSG_HDR, RTM_NEWTCLASS, messages
+from tensorlane.agent.kernel.tcstats import TCMSG
 
-NLM_F_ACK = 0x4
 TCA_KIND, TCA_OPTIONS = 1, 2
 TCA_HTB_PARMS, TCA_HTB_RATE64, TCA_HTB_CEIL64 = 1, 6, 7
 TC_LINKLAYER_ETHERNET = 1

@@ -16,16 +16,25 @@ from dataclasses import asdict, dataclass, field
 
 from pyroute2.netns import create_socket
 
-RTM_NEWQDISC, RTM_NEWTCLASS, RTM_NEWTFILTER, RTM_GETTFILTER = 36, 40, 44, 46
-NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
+from tensorlane.agent.kernel.netlink import (
+    NLM_F_ACK,
+    NLM_F_CREATE,
+    NLM_F_EXCL,
+    NLM_F_REQUEST,
+    NLMSG_ERROR,
+    NLMSG_HDR,
+    RTM_GETTFILTER,
+    RTM_NEWQDISC,
+    RTM_NEWTCLASS,
+    RTM_NEWTFILTER,
+)
+
 TC_H_ROOT = 0xFFFFFFFF
 U32_ROOT = 0xFFF00000  # u32's handle "fff:": the root table of the instance a request names (by parent and prio)
-NLMSG_ERROR = 2
 # Attributes that configure an object (the rest of a dump is statistics).
 _CONFIG_ATTRS = {1, 2, 5, 8, 11}  # TCA_KIND, TCA_OPTIONS, TCA_RATE, TCA_STAB, TCA_CHAIN
 _U32_KIND = "0800010075333200"  # TCA_KIND "u32", as dumped
 _TCMSG = struct.Struct("=BxxxiIII")
-_NLMSG = struct.Struct("=IHHII")
 
 
 @dataclass
@@ -76,8 +85,8 @@ def _raw(msg) -> bytes:
 
 
 def _parse(what: str, raw: bytes) -> TcObject:
-    _, _, handle, parent, info = _TCMSG.unpack_from(raw, _NLMSG.size)
-    pos, attrs, kind = _NLMSG.size + _TCMSG.size, [], ""
+    _, _, handle, parent, info = _TCMSG.unpack_from(raw, NLMSG_HDR.size)
+    pos, attrs, kind = NLMSG_HDR.size + _TCMSG.size, [], ""
     while pos + 4 <= len(raw):
         length, atype = struct.unpack_from("=HH", raw, pos)
         if length < 4:
@@ -112,16 +121,16 @@ def _u32_root(sock: socket.socket, ifindex: int, f: TcObject) -> int | None:
     Usage: ``_u32_root(sock, 2, f)``"""
     body = _TCMSG.pack(0, ifindex, U32_ROOT, f.parent, f.info)
     body += b"".join(bytes.fromhex(h) + b"\0" * (-len(bytes.fromhex(h)) % 4) for t, h in f.attrs if t in (1, 11))
-    sock.send(_NLMSG.pack(_NLMSG.size + len(body), RTM_GETTFILTER, NLM_F_REQUEST | NLM_F_ACK, 1, 0) + body)
+    sock.send(NLMSG_HDR.pack(NLMSG_HDR.size + len(body), RTM_GETTFILTER, NLM_F_REQUEST | NLM_F_ACK, 1, 0) + body)
     root = None
     while True:
         data, pos = sock.recv(65536), 0
-        while pos + _NLMSG.size <= len(data):
-            length, rtype, _, rseq, _ = _NLMSG.unpack_from(data, pos)
+        while pos + NLMSG_HDR.size <= len(data):
+            length, rtype, _, rseq, _ = NLMSG_HDR.unpack_from(data, pos)
             if rtype == RTM_NEWTFILTER and rseq == 1:
                 root = _parse("filter", data[pos: pos + length]).handle
             elif rtype == NLMSG_ERROR and rseq == 1:
-                (err,) = struct.unpack_from("=i", data, pos + _NLMSG.size)
+                (err,) = struct.unpack_from("=i", data, pos + NLMSG_HDR.size)
                 if err and err != -errno.ENOENT:
                     raise OSError(-err, f"asking u32's root table at {f.parent:#x} prio {f.info >> 16}")
                 return None if err else root
@@ -202,12 +211,12 @@ def _request(sock: socket.socket, seq: int, mtype: int, obj: TcObject, ifindex: 
     body = _TCMSG.pack(0, ifindex, obj.handle, obj.parent, obj.info)
     body += b"".join(_as_config(obj, t, bytes.fromhex(h)) for t, h in obj.attrs)
     flags = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | (NLM_F_EXCL if obj.what != "filter" else 0)
-    sock.send(_NLMSG.pack(_NLMSG.size + len(body), mtype, flags, seq, 0) + body)
+    sock.send(NLMSG_HDR.pack(NLMSG_HDR.size + len(body), mtype, flags, seq, 0) + body)
     while True:
         data = sock.recv(65536)
-        length, rtype, _, rseq, _ = _NLMSG.unpack_from(data, 0)
+        length, rtype, _, rseq, _ = NLMSG_HDR.unpack_from(data, 0)
         if rtype == NLMSG_ERROR and rseq == seq:
-            (err,) = struct.unpack_from("=i", data, _NLMSG.size)
+            (err,) = struct.unpack_from("=i", data, NLMSG_HDR.size)
             if err:
                 raise OSError(-err, f"restoring {obj.what} {obj.kind} {obj.handle:#x}: "
                                     f"{errno.errorcode.get(-err, str(-err))}")

@@ -21,27 +21,23 @@ import struct
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
+from tensorlane.agent.kernel.netlink import NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR, NLMSG_HDR, RTATTR
+
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
-NLM_F_REQUEST = 1
-NLM_F_DUMP = 0x300
-NLMSG_ERROR = 2
-NLMSG_DONE = 3
 UDIAG_SHOW_NAME, UDIAG_SHOW_UID = 0x01, 0x40
 UNIX_DIAG_NAME, UNIX_DIAG_UID = 0, 7
 _UNIX_REQ = struct.Struct("=BBHIII2I")  # unix_diag_req: family, protocol, pad, states, ino, show, cookie[2]
 _UNIX_MSG = 16  # unix_diag_msg: family, type, state, pad, ino, cookie[2]; its attributes follow
-_ATTR = struct.Struct("=HH")  # rtattr: len, type
 INET_DIAG_NOCOOKIE = 0xFFFFFFFF
 BATCH = 64  # requests per send: their answers (about 1 KiB each with overhead) fit the receive buffer
-_HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
 _REQ = struct.Struct("=BBBBI")  # inet_diag_req_v2 head: family, protocol, ext, pad, states
 _ID = struct.Struct(">HH16s16s")  # inet_diag_sockid head: sport, dport (big-endian), src, dst
 _ID_TAIL = struct.Struct("=III")  # if, cookie[2]
-_MSG_STATE = _HDR.size + 1  # inet_diag_msg: family, state, ...
-_MSG_UID = _HDR.size + 4 + 48 + 12  # ... after timer, retrans, the sockid, expires, rqueue, wqueue
+_MSG_STATE = NLMSG_HDR.size + 1  # inet_diag_msg: family, state, ...
+_MSG_UID = NLMSG_HDR.size + 4 + 48 + 12  # ... after timer, retrans, the sockid, expires, rqueue, wqueue
 _MSG_INODE = _MSG_UID + 4
-_MSG_ID = _HDR.size + 4  # the inet_diag_sockid in an inet_diag_msg
+_MSG_ID = NLMSG_HDR.size + 4  # the inet_diag_sockid in an inet_diag_msg
 INET_DIAG_REQ_BYTECODE = 1
 INET_DIAG_SKV6ONLY = 11  # an attribute of every AF_INET6 socket's answer: IPV6_V6ONLY
 INET_DIAG_BC_S_EQ = 11  # inet_diag_bc_op code: the socket's local port equals the next op's ``no``
@@ -67,21 +63,21 @@ def _request(seq: int, src: str, sport: int, dst: str, dport: int, ifindex: int 
     body = (_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF)
             + _ID.pack(sport, dport, socket.inet_pton(family, src), socket.inet_pton(family, dst))
             + _ID_TAIL.pack(ifindex, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE))
-    return _HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq, 0) + body
+    return NLMSG_HDR.pack(NLMSG_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq, 0) + body
 
 
 def _messages(data: bytes) -> Iterator[tuple[int, int, bytes]]:
     """``(type, seq, message)`` of each netlink message in the datagram ``data`` (header included)."""
     pos = 0
-    while pos + _HDR.size <= len(data):
-        length, kind, _flags, seq, _pid = _HDR.unpack_from(data, pos)
+    while pos + NLMSG_HDR.size <= len(data):
+        length, kind, _flags, seq, _pid = NLMSG_HDR.unpack_from(data, pos)
         yield kind, seq, data[pos:pos + length]
-        pos += max(_HDR.size, (length + 3) & ~3)
+        pos += max(NLMSG_HDR.size, (length + 3) & ~3)
 
 
 def _kernel_error(msg: bytes, what: str) -> OSError:
     """The error an NLMSG_ERROR message ``msg`` carries, as an OSError naming ``what`` (errno 0: an ack)."""
-    code = -struct.unpack_from("=i", msg, _HDR.size)[0]
+    code = -struct.unpack_from("=i", msg, NLMSG_HDR.size)[0]
     return OSError(code, f"{what}: {errno.errorcode.get(code, code)}")
 
 
@@ -137,10 +133,10 @@ def _port_dump(seq: int, family: int, protocol: int, port: int,
             if not last:
                 rest = _BC_OP.size + sum(sizes[i + 1:]) + _BC_OP.size * (len(conds) - 2 - i)
                 bc += _BC_OP.pack(INET_DIAG_BC_JMP, _BC_OP.size, rest)
-    attr = _ATTR.pack(_ATTR.size + len(bc), INET_DIAG_REQ_BYTECODE) + bc
+    attr = RTATTR.pack(RTATTR.size + len(bc), INET_DIAG_REQ_BYTECODE) + bc
     body = (_REQ.pack(family, protocol, 0, 0, 0xFFFFFFFF) + _ID.pack(0, 0, bytes(16), bytes(16))
             + _ID_TAIL.pack(0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE) + attr)
-    return _HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
+    return NLMSG_HDR.pack(NLMSG_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
 
 
 def _address(family: int, raw: bytes) -> str:
@@ -152,7 +148,7 @@ def _address(family: int, raw: bytes) -> str:
 
 def _udp_socket(msg: bytes) -> UdpSocket:
     """The UdpSocket an inet_diag_msg (header included) describes."""
-    fam = msg[_HDR.size]
+    fam = msg[NLMSG_HDR.size]
     sport, dport, src, dst = _ID.unpack_from(msg, _MSG_ID)
     uid, inode = struct.unpack_from("=II", msg, _MSG_UID)
     v6only = _unix_attrs(msg[_MSG_INODE + 4:]).get(INET_DIAG_SKV6ONLY, b"\0")[:1] != b"\0"
@@ -224,7 +220,7 @@ class SockDiag:
                 + _ID.pack(dport, sport, socket.inet_pton(family, dst), socket.inet_pton(family, src))
                 + _ID_TAIL.pack(0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE))
         sock = self._socket()
-        sock.send(_HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq, 0) + body)
+        sock.send(NLMSG_HDR.pack(NLMSG_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq, 0) + body)
         while True:
             for kind, got, msg in _messages(sock.recv(1 << 16)):
                 if got != seq:  # a late answer to an earlier request that timed out
@@ -286,7 +282,8 @@ def unix_name_sockets(name: str, timeout_s: float = 1.0) -> list[UnixSocket]:
                           INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE)
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as sock:
         sock.settimeout(timeout_s)
-        sock.send(_HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + body)
+        head = NLMSG_HDR.pack(NLMSG_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
+        sock.send(head + body)
         found: list[UnixSocket] = []
         while True:
             for kind, _seq, msg in _messages(sock.recv(1 << 16)):
@@ -294,22 +291,22 @@ def unix_name_sockets(name: str, timeout_s: float = 1.0) -> list[UnixSocket]:
                     return found
                 if kind == NLMSG_ERROR:
                     raise _kernel_error(msg, "sock_diag (unix)")
-                attrs = _unix_attrs(msg[_HDR.size + _UNIX_MSG:])
+                attrs = _unix_attrs(msg[NLMSG_HDR.size + _UNIX_MSG:])
                 if attrs.get(UNIX_DIAG_NAME) != want:
                     continue
                 if UNIX_DIAG_UID not in attrs:  # (Linux before 5.3 ignores UDIAG_SHOW_UID)
                     raise OSError(errno.EOPNOTSUPP, "sock_diag (unix): this kernel reports no UNIX_DIAG_UID")
-                inode = struct.unpack_from("=I", msg, _HDR.size + 4)[0]  # (udiag_ino)
+                inode = struct.unpack_from("=I", msg, NLMSG_HDR.size + 4)[0]  # (udiag_ino)
                 found.append(UnixSocket(inode, struct.unpack_from("=I", attrs[UNIX_DIAG_UID])[0]))
 
 
 def _unix_attrs(data: bytes) -> dict[int, bytes]:
     """A unix_diag_msg's (or inet_diag_msg's) attributes: ``{type: payload}``."""
     out, pos = {}, 0
-    while pos + _ATTR.size <= len(data):
-        length, kind = _ATTR.unpack_from(data, pos)
-        if length < _ATTR.size:
+    while pos + RTATTR.size <= len(data):
+        length, kind = RTATTR.unpack_from(data, pos)
+        if length < RTATTR.size:
             break
-        out[kind] = data[pos + _ATTR.size:pos + length]
+        out[kind] = data[pos + RTATTR.size:pos + length]
         pos += (length + 3) & ~3
     return out

@@ -15,15 +15,22 @@ import os
 import socket
 import struct
 
+from tensorlane.agent.kernel.netlink import (
+    MAX_RECVS,
+    NLM_F_DUMP,
+    NLM_F_REQUEST,
+    NLMSG_DONE,
+    NLMSG_ERROR,
+    NLMSG_HDR,
+    RTM_GETTCLASS,
+    RTM_NEWTCLASS,
+    attrs,
+    messages,
+)
+
 TCA_STATS_PKT64 = 8
-RTM_NEWTCLASS, RTM_GETTCLASS = 40, 42
-NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
-NLMSG_ERROR, NLMSG_DONE = 2, 3
 TCA_STATS2, TCA_STATS_QUEUE = 7, 3
-NLMSG_HDR = struct.Struct("=IHHII")  # length, type, flags, sequence, port
 TCMSG = struct.Struct("=BBHiIII")  # family, pad, pad, ifindex, handle, parent, info
-RECV_BYTES = 1 << 16
-MAX_RECVS = 256  # a dump of a few hundred classes takes a few datagrams; a bound, never reached
 PSCHED_TICK_S = 64e-9  # PSCHED_SHIFT = 6: one psched tick is 2**6 ns
 HTB_KEYS = ("lends", "borrows", "tokens", "ctokens")
 
@@ -31,7 +38,7 @@ HTB_KEYS = ("lends", "borrows", "tokens", "ctokens")
 def pkt64(stats2) -> int | None:
     """The ``TCA_STATS_PKT64`` packet count inside a decoded ``TCA_STATS2`` attribute, or None when absent."""
     start = stats2.offset
-    for kind, vstart, vend in _attrs(stats2.data, start + 4, start + stats2.length):
+    for kind, vstart, vend in attrs(stats2.data, start + 4, start + stats2.length):
         if kind == TCA_STATS_PKT64 and vend - vstart >= 8:
             return struct.unpack_from("Q", stats2.data, vstart)[0]
     return None
@@ -66,39 +73,15 @@ def class_stats(ipr, index: int) -> dict[int, dict[str, float]]:
     return {msg["handle"]: decode(msg.get_attr("TCA_STATS2")) for msg in ipr.get_classes(index=index)}
 
 
-def _attrs(data: bytes, pos: int, end: int):
-    """``(type, value start, value end)`` of each netlink attribute in ``data[pos:end]`` (flags masked off)."""
-    while pos + 4 <= end:
-        length, kind = struct.unpack_from("=HH", data, pos)
-        if length < 4 or pos + length > end:
-            return
-        yield kind & 0x3FFF, pos + 4, pos + length
-        pos += (length + 3) & ~3
-
-
 def _qlen(data: bytes, pos: int, end: int) -> int:
     """``qlen`` of ``TCA_STATS2``/``TCA_STATS_QUEUE`` among the class message's attributes in ``data[pos:end]``
     (``struct gnet_stats_queue {u32 qlen, backlog, drops, requeues, overlimits}``), 0 where absent."""
-    for kind, start, stop in _attrs(data, pos, end):
+    for kind, start, stop in attrs(data, pos, end):
         if kind == TCA_STATS2:
-            for inner, istart, istop in _attrs(data, start, stop):
+            for inner, istart, istop in attrs(data, start, stop):
                 if inner == TCA_STATS_QUEUE and istop - istart >= 4:
                     return struct.unpack_from("=I", data, istart)[0]
     return 0
-
-
-def messages(sock: socket.socket, what: str):
-    """Every netlink message read from ``sock``, datagram after datagram (at most :data:`MAX_RECVS`), as ``(type,
-    sequence, data, start, length)``; a truncated one raises OSError, ``what`` naming the request."""
-    for _ in range(MAX_RECVS):
-        data = sock.recv(RECV_BYTES)
-        pos = 0
-        while pos + NLMSG_HDR.size <= len(data):
-            length, kind, _flags, seq, _port = NLMSG_HDR.unpack_from(data, pos)
-            if length < NLMSG_HDR.size or pos + length > len(data):
-                raise OSError(f"{what}: a truncated netlink message")
-            yield kind, seq, data, pos, length
-            pos += (length + 3) & ~3
 
 
 def class_backlogs(index: int, sock: socket.socket | None = None) -> dict[int, int]:
