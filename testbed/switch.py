@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 
+from tensorlane.policies.levels import SWITCH_QUEUES  # the switch the DSCP table is made for
+
 ETH_P_IP = 0x0800
 ETH_P_IPV6 = 0x86DD
-SWITCH_QUEUES = 8
 MTU = 1500
 FRAME = MTU + 14  # what HTB charges for a full-size Ethernet frame (skb->len on a veth, no FCS)
 SWITCH_QUEUE_PACKETS = 1000  # pfifo limit of each of the 8 queues of a switch port
