@@ -45,7 +45,8 @@ class Notifier:
     def __init__(self, env=None, clock=time.monotonic):
         """Read ``NOTIFY_SOCKET``, ``WATCHDOG_USEC``/``WATCHDOG_PID`` and ``TENSORLANE_HEARTBEAT`` from ``env``."""
         env = os.environ if env is None else env
-        self.address = notify_address(env.get("NOTIFY_SOCKET"))
+        self.socket = env.get("NOTIFY_SOCKET")
+        self.address = notify_address(self.socket)
         self.watchdog_s = watchdog_period_s(env) if self.address else None
         heartbeat = env.get(HEARTBEAT_ENV)
         self.heartbeat = Path(heartbeat) if heartbeat else None
@@ -63,7 +64,7 @@ class Notifier:
             return True
         except OSError as exc:
             if not self.failed:  # once: a broken socket must not fill the log every pass
-                log.warning("cannot notify the service manager at %s: %s", os.environ.get("NOTIFY_SOCKET"), exc)
+                log.warning("cannot notify the service manager at %s: %s", self.socket, exc)
                 self.failed = True
             return False
 

@@ -89,6 +89,16 @@ def test_notify_abstract_address_and_absent_manager(tmp_path):
     assert not gone.send("READY=1") and gone.failed
 
 
+def test_a_failed_notify_names_the_socket_it_was_given(tmp_path, caplog, monkeypatch):
+    """The warning of a notification that failed named ``$NOTIFY_SOCKET`` of the process's environment, not the one
+    the notifier was given (``Notifier(env)``), and so named none, or another socket, where they differ."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    missing = str(tmp_path / "missing.sock")
+    with caplog.at_level(logging.WARNING, logger="tensorlane"):
+        assert not notify.Notifier({"NOTIFY_SOCKET": missing}).send("READY=1")
+    assert f"cannot notify the service manager at {missing}:" in caplog.text, caplog.text
+
+
 def test_journal_priorities(tmp_path):
     assert [syslog_priority(lv) for lv in (logging.CRITICAL, logging.ERROR, logging.WARNING, logging.INFO,
                                            logging.DEBUG)] == [2, 3, 4, 6, 7]
