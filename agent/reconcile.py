@@ -15,6 +15,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from tensorlane.agent.config import Config
 from tensorlane.agent.kernel import links, qdisc, tcstats
 from tensorlane.agent.kernel import nft as nftables
 from tensorlane.agent.state import FlowTable
@@ -79,7 +80,8 @@ class Reconciler:
     """Owns the kernel objects of the managed interfaces: a queue tree per device, one nftables table."""
 
     def __init__(self, devices: list[Device], dscp: tuple[int, ...], interfaces: dict[str, int], ipr, nft=None,
-                 ack_level: int | None = 0, layout=None, reset_user_dscp: bool = True):
+                 ack_level: int | None = 0, layout=None,
+                 reset_user_dscp: bool = Config.reset_user_dscp):
         """``devices`` carry the queues of ``interfaces`` (name -> index: what is matched as output interface);
         pure ACKs of less urgent levels go to ``ack_level``'s class (None: each flow's ACKs at its own level);
         ``layout``: a backend of the class layout, where no device is held yet (default: the first device's);

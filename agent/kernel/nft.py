@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import json
 
+from tensorlane.agent.config import Config
 from tensorlane.flows import FlowKey
 
 TABLE = "tensorlane"
@@ -151,7 +152,7 @@ def _users_dscp_rule(ifnames: list[str], family: int) -> dict:
 
 
 def table_commands(ifnames: list[str], classids: list[int], dscp: list[int], ack_level: int | None = 0,
-                   reset_user_dscp: bool = True) -> list[dict]:
+                   reset_user_dscp: bool = Config.reset_user_dscp) -> list[dict]:
     """Commands that create or update the table's chains and maps in place, keeping the maps' elements.
 
     A packet leaving through any of ``ifnames`` is looked up; ``classids[level]`` is the tc class the level's
