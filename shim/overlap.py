@@ -125,6 +125,10 @@ STEP_WRAPPED = ("optimizer.step was replaced on the optimizer (or its class) bef
                 "overlap mode takes each step later and in parts, through that function, so it would run once per "
                 "part and see only that part's parameters (pass per_parameter_optimizer=True if it updates each "
                 "parameter on its own and may run per part)")
+GROUP_WRITTEN = ("the optimizer's step writes a tensor of its param groups in place (a step counter kept in the "
+                 "group as a tensor, group['step'] += 1): overlap mode takes each step later and in parts, each on a "
+                 "copy of the hyperparameters stamped at step(), so the count would advance once per part, on the "
+                 "copy, and the group's own tensor not at all")
 STEP_HOOKS = ("the optimizer has step hooks (register_step_pre_hook/register_step_post_hook, or global ones): "
               "overlap mode takes each step later and in parts, so the hooks would run out of time and once per part")
 
@@ -215,6 +219,7 @@ class Probe:
     compiled: bool = False  # step() ran under torch.compile, or the optimizer's step is a compiled function
     grads_read: bool = False  # a torch operation used a gradient DDP wrote (GradWatch), beyond metadata and zeroing
     random: bool = False  # the optimizer's step drew from torch's random number generator (rng_states changed)
+    group_written: bool = False  # the optimizer's step wrote a tensor of its param groups in place (GROUP_WRITTEN)
     ran: set = field(default_factory=set)  # id(module) of modules whose forward ran since the last backward
 
 
@@ -433,8 +438,14 @@ class Deferred:
                 g["params"] = []
             quiet = contextlib.nullcontext() if self.stamped_state is None else self.stamped_state.quiet()
             mode = torch.inference_mode(inference) if inference is not None else contextlib.nullcontext()
+            stamped_tensors = group_tensors(hparams)
+            versions = [t._version for t in stamped_tensors]
             with mode, torch.no_grad(), quiet, autocast_as(autocast or {}):
                 self.orig_step()
+            if written(stamped_tensors, versions):  # (the probe saw none: it began after, or another optimizer's)
+                raise RuntimeError(f"tensorlane overlap mode: {GROUP_WRITTEN}. The first iteration showed no such "
+                                   "write, so overlap mode was chosen. Use hook mode (shim.attach without "
+                                   "optimizer) for this optimizer.")
         finally:
             # put back only what still holds the stamped value: another thread (the training thread's LR scheduler,
             # while this step runs on a validation thread) may have set a new one meanwhile, which holds, as under
@@ -514,6 +525,24 @@ def rng_states() -> list:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states += torch.cuda.get_rng_state_all()
     return states
+
+
+def group_tensors(groups) -> list:
+    """The tensors among the values of ``groups`` (param group dicts, or stamped hyperparameters) other than the
+    parameters, also inside a tuple or list (Adam's tensor betas)."""
+    out, todo = [], [v for g in groups for k, v in g.items() if k != "params"]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            todo.extend(v)
+    return out
+
+
+def written(tensors: list, versions: list) -> bool:
+    """Whether any of ``tensors`` was written in place since ``versions`` (their ``_version``s) were taken."""
+    return any(t._version != v for t, v in zip(tensors, versions, strict=True))
 
 
 def coupled_steps(optimizer) -> bool:

@@ -63,14 +63,31 @@ def counted(step):
     return wrapper
 
 
+class CountingSGD(torch.optim.SGD):
+    """SGD (declared per parameter) that, once ``counting`` is set, counts its steps in a tensor of its param group,
+    in place (``group["count"] += 1``)."""
+
+    counting = False
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        if self.counting:
+            for g in self.param_groups:
+                g["count"] += 1
+        return out
+
+
 def loop(scenario: str, shim_on: bool, steps: int):
     """Train ``steps`` iterations; returns (parameters, error text or None)."""
     model = DDP(Net(), bucket_cap_mb=0.0001)  # a bucket per parameter: c's step waits for c alone
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    counter = scenario == "group_counter_later"
+    opt = (CountingSGD if counter else torch.optim.SGD)(model.parameters(), lr=0.1, momentum=0.9)
+    if counter:
+        opt.param_groups[0]["count"] = torch.tensor(0.0)
     handle, own_step = None, torch.optim.SGD.step
     if shim_on:
         handle = shim.attach(model, opt, levels=2, policy="layer_order", agent_socket="/nonexistent/tl.sock",
-                             require_overlap=scenario == "require_overlap")
+                             require_overlap=scenario == "require_overlap", per_parameter_optimizer=counter or None)
     error, other = None, None
     try:
         for step in range(steps):
@@ -87,6 +104,8 @@ def loop(scenario: str, shim_on: bool, steps: int):
                 next(model.parameters()).grad.zero_()
             if scenario == "step_hook_later" and step == LATE:  # a hook after overlap mode was chosen
                 opt.register_step_post_hook(lambda *_: None)
+            if counter and step == LATE:  # the optimizer's step starts writing its group's tensor in place
+                opt.counting = True
             if scenario == "class_step_replaced_later" and step == LATE:  # a call counter on the class's step
                 torch.optim.SGD.step = counted(own_step)
             if scenario == "step_around_shim" and late:  # the optimizer's own step, not the one the shim
@@ -136,6 +155,7 @@ SCENARIOS = {"grad_zeroed_later": LATE, "require_overlap": 1,
              "other_optimizer_later": LATE, "step_hook_later": LATE,
              "state_replaced_later": LATE,  # that step would be applied at the next forward, which refuses
              "class_step_replaced_later": LATE,  # refused at that step(), before it runs
+             "group_counter_later": None,  # refused after the first part of that step (its write shows it)
              "early_use": STEPS,  # c's parameters used outside c from the first iteration on: exact, no error
              "param_write_later": STEPS,  # clamped after step(): the guard applies the update first, exact
              "clip_later": STEPS,  # clipping (and a .grad scaled in place) that starts after the probe reads the
