@@ -3271,6 +3271,236 @@ def _static_graph_unused(ctx: Ctx):
         ctx.record("loss", loss.item())
 
 
+# -- review loops2 (2026-11-28): user-written optimizers and loops around the optimizer ----------------------------
+class LARS(torch.optim.Optimizer):
+    """LARS as timm and most code write it: an ``Optimizer`` subclass with its own ``step()``, a trust ratio per
+    parameter (its weight norm over its gradient's), momentum in ``self.state``."""
+
+    def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=1e-4, eta=1e-3):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, eta=eta))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                d = p.grad.add(p, alpha=g["weight_decay"])
+                wn, gn = p.norm(), d.norm()
+                d = d.mul(torch.where((wn > 0) & (gn > 0), g["eta"] * wn / gn, torch.ones_like(wn)))
+                buf = self.state[p].setdefault("mu", torch.zeros_like(p))
+                buf.mul_(g["momentum"]).add_(d)
+                p.add_(buf, alpha=-g["lr"])
+
+    @torch.no_grad()
+    def decay_momentum(self, factor: float):
+        """A user's method called between steps: the momenta scaled in place through ``self.state``."""
+        for st in self.state.values():
+            st["mu"].mul_(factor)
+
+
+class CountingAdam(torch.optim.Optimizer):
+    """Adam written by hand with its step count in the param group (``group["step"]``, as timm's Lamb keeps it):
+    an int rebound each step, or a tensor incremented in place (``tensor_step``)."""
+
+    def __init__(self, params, lr=2e-3, tensor_step=False):
+        super().__init__(params, dict(lr=lr, step=torch.tensor(0.0) if tensor_step else 0))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            if isinstance(g["step"], torch.Tensor):
+                g["step"] += 1
+            else:
+                g["step"] = g["step"] + 1
+            t = float(g["step"])
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                m, v = st.setdefault("m", torch.zeros_like(p)), st.setdefault("v", torch.zeros_like(p))
+                m.mul_(0.9).add_(p.grad, alpha=0.1)
+                v.mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
+                p.addcdiv_(m / (1 - 0.9 ** t), (v / (1 - 0.999 ** t)).sqrt().add_(1e-8), value=-g["lr"])
+
+
+def user_optimizer_loop(ctx: Ctx, make, declared: bool, decay: bool = False):
+    """A user-written optimizer, given to ``attach`` as is (``declared``: with ``per_parameter_optimizer=True``);
+    ``decay``: the momenta scaled through ``self.state`` after every other ``step()``."""
+    model = ctx.ddp(convnet())
+    opt = make(model.parameters())
+    if ctx.mode == "ddp":
+        pass
+    elif declared:
+        ctx.handle = shim.attach(model, optimizer=opt if ctx.mode == "overlap" else None, levels=ctx.args.levels,
+                                 agent_socket=ctx.args.agent_socket, link_bps=ctx.args.link_bps,
+                                 per_parameter_optimizer=True if ctx.mode == "overlap" else None)
+    else:
+        ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, after_step=(lambda s: opt.decay_momentum(0.5) if s % 2 else None) if decay else None)
+
+
+idiom("lars_subclass")(functools.partial(user_optimizer_loop, make=LARS, declared=False))
+idiom("lars_declared")(functools.partial(user_optimizer_loop, make=LARS, declared=True, decay=True))
+idiom("group_step_counter_int")(functools.partial(user_optimizer_loop, make=CountingAdam, declared=True))
+idiom("group_step_counter_tensor")(functools.partial(
+    user_optimizer_loop, make=functools.partial(CountingAdam, tensor_step=True), declared=True))
+
+
+@idiom("kept_exp_avg_in_place")
+def _kept_exp_avg_in_place(ctx: Ctx):
+    """Adam's first moments kept by the loop (references taken from ``opt.state`` after the first step) and scaled
+    in place after every other later ``step()``, without going through ``opt.state`` again (the ``_foreach`` form
+    from iteration 4 on)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    kept: list = []
+
+    def damp(step):
+        nonlocal kept
+        if step == 0:
+            kept = [opt.state[p]["exp_avg"] for p in model.parameters()]
+        elif step % 2 == 0:
+            if step < 4:
+                for t in kept:
+                    t.mul_(0.3)
+            else:
+                torch._foreach_mul_(kept, 0.3)
+    plain_loop(ctx, model, opt, after_step=damp)
+
+
+@idiom("plateau_allreduced_metric")
+def _plateau_allreduced_metric(ctx: Ctx):
+    """``ReduceLROnPlateau`` fed a validation loss all-reduced over the ranks (``dist.all_reduce``) after every
+    ``step()``: eval mode, ``no_grad``, then ``sched.step(metric)``."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.5)
+    ctx.attach(model, opt)
+
+    def validate(step):
+        model.eval()
+        with torch.no_grad():
+            vx, vy = ctx.images(1000 + step)
+            metric = F.cross_entropy(model(vx), vy)
+        model.train()
+        dist.all_reduce(metric)
+        sched.step(metric.item() / ctx.world)
+        ctx.record("metric", metric.item())
+    plain_loop(ctx, model, opt, after_step=validate)
+
+
+@idiom("optimizer_in_backward")
+def _optimizer_in_backward(ctx: Ctx):
+    """The optimizer-in-backward pattern: one SGD per parameter stepped by a ``register_post_accumulate_grad_hook``
+    (this rank's gradient, before DDP averages it), which then zeroes it; no optimizer for ``attach`` (hook mode)."""
+    model = ctx.ddp(convnet())
+    opts = {p: torch.optim.SGD([p], lr=0.05, momentum=0.9) for p in model.parameters()}
+
+    def hook(p):
+        opts[p].step()
+        opts[p].zero_grad()
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    ctx.attach(model, None)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        ctx.record("loss", loss.item())
+
+
+@idiom("step_every_batch_zero_every_3")
+def _step_every_batch_zero_every_3(ctx: Ctx):
+    """``step()`` after every batch, ``zero_grad()`` every 3rd, the backward synchronized only then (``no_sync``
+    for the others): the steps between are each rank's own."""
+    model = ctx.ddp(convnet())
+    opt = sgd(model.parameters())
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        last = step % 3 == 2
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss = F.cross_entropy(model(x), y) / 3
+            loss.backward()
+        opt.step()
+        if last:
+            opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
+@idiom("loss_per_rank_batch_size")
+def _loss_per_rank_batch_size(ctx: Ctx):
+    """Uneven batches without ``join`` (rank r has 16 - 5r samples), the loss summed and scaled by the all-reduced
+    global batch size times the world size, so that DDP's average is the global mean."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        n = 16 - 5 * ctx.rank
+        total = torch.tensor(float(n))
+        dist.all_reduce(total)
+        loss = F.cross_entropy(model(x[:n]), y[:n], reduction="sum") * ctx.world / total
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
+def dropout_mlp() -> nn.Module:
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Flatten(), nn.Linear(192, 64), nn.Dropout(0.3), nn.ReLU(), nn.Linear(64, 64),
+                         nn.Dropout(0.3), nn.ReLU(), nn.Linear(64, 10))
+
+
+@idiom("manual_seed_in_loop")
+def _manual_seed_in_loop(ctx: Ctx):
+    """Dropout, ``torch.manual_seed`` reset at the top of every iteration (per rank and step) and after ``step()``."""
+    model = ctx.ddp(dropout_mlp())
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt, before_forward=lambda s: torch.manual_seed(77 + s + 1000 * ctx.rank),
+               after_step=lambda s: torch.manual_seed(5 + s))
+
+
+@idiom("module_backward_hooks")
+def _module_backward_hooks(ctx: Ctx):
+    """Module hooks of the user's that change gradients: ``register_full_backward_hook`` halving a layer's input
+    gradient and ``register_full_backward_pre_hook`` doubling another's output gradient."""
+    model = ctx.ddp(convnet())
+    model.module[2].register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.5,))
+    model.module[5].register_full_backward_pre_hook(lambda m, go: (go[0] * 2.0,))
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ctx.attach(model, opt)
+    plain_loop(ctx, model, opt)
+
+
+@idiom("grow_model_reattach")
+def _grow_model_reattach(ctx: Ctx):
+    """A layer added after 4 steps: a new DDP over the old layers and the new one, its parameters added to the
+    optimizer as a param group (SGD with momentum: the old momenta kept), the handle closed and attached again."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        if step == 4:
+            torch.manual_seed(99)
+            extra = nn.Linear(10, 10)
+            if ctx.handle is not None:
+                ctx.handle.close()
+            model = ctx.ddp(nn.Sequential(*model.module, extra))
+            opt.add_param_group({"params": extra.parameters()})
+            ctx.attach(model, opt)
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
