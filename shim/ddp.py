@@ -584,15 +584,16 @@ def _decide(state: ShimState) -> None:
     flags = torch.tensor([0.0 if pr.stepped else 1.0, float(pr.grads_changed), float(pr.closure),
                           float(pr.sparse), float(bool(d.bucketed - held)), float(ov.step_hooks(d.optimizer) > 0),
                           float(pr.compiled), float(ov.coupled_steps(d.optimizer)), float(pr.grads_read),
-                          float(pr.random and not pr.closure), float(pr.group_written)],
+                          float(pr.random and not pr.closure), float(pr.group_written), float(pr.parts_differ)],
                          dtype=torch.float64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=state.groups[0])
-    not_stepped, changed, closure, sparse, unoptimized, hooks, compiled, coupled, read, random, written = \
+    not_stepped, changed, closure, sparse, unoptimized, hooks, compiled, coupled, read, random, written, parts = \
         (v > 0 for v in flags.tolist())
     reasons = ((ov.GRADS_CHANGED, changed), (ov.CLOSURE, closure), (ov.SPARSE, sparse),
                (ov.UNOPTIMIZED, unoptimized), (ov.STEP_HOOKS, hooks), (ov.COMPILED, compiled), (ov.COUPLED, coupled),
                (ov.GRADS_READ, read and not changed),  # (a change reads them too: one reason is enough)
-               (ov.RANDOM, random), (ov.GROUP_WRITTEN, written))
+               (ov.RANDOM, random), (ov.GROUP_WRITTEN, written),
+               (ov.PARTS_DIFFER, parts and not (random or written)))  # (those differ in parts too: one reason)
     if any(f for _r, f in reasons):
         state.fallback("; ".join(r for r, f in reasons if f))
     elif not not_stepped:
@@ -1248,12 +1249,17 @@ class Handle:
         if state.mode == "probing":
             with d.watch.paused():  # (the probe's own checks read the gradients too)
                 d.probe_step(closure)
+                # a declared optimizer: its step in two parts on copies first (put back as it was), compared with
+                # the real step after it
+                trial = ov.step_in_parts(d.optimizer, d.orig_step) if self._per_part_ok and closure is None and \
+                    not ov.step_hooks(d.optimizer) else None
                 rng = ov.rng_states()
                 tensors = ov.group_tensors(d.optimizer.param_groups)
                 versions = [t._version for t in tensors]
                 out = d.orig_step() if closure is None else d.orig_step(closure)
                 d.probe.random |= any(not torch.equal(a, b) for a, b in zip(rng, ov.rng_states(), strict=True))
                 d.probe.group_written |= ov.written(tensors, versions)
+                d.probe.parts_differ |= ov.parts_differ(trial, d.optimizer)
                 return out
         # under apply_lock: another thread making .grad DDP's average meanwhile (an os.fork() there) has done so
         # first; until 2026-11-28 this step stamped the updates that thread was dropping, and was lost, silently

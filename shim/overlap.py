@@ -129,6 +129,10 @@ GROUP_WRITTEN = ("the optimizer's step writes a tensor of its param groups in pl
                  "group as a tensor, group['step'] += 1): overlap mode takes each step later and in parts, each on a "
                  "copy of the hyperparameters stamped at step(), so the count would advance once per part, on the "
                  "copy, and the group's own tensor not at all")
+PARTS_DIFFER = ("the optimizer was declared per parameter (per_parameter_optimizer=True), but its step taken in two "
+                "parts, as overlap mode takes it, on copies of the parameters and state, did not give what one step of "
+                "all gave (an update that depends on other parameters, such as a norm over all gradients, or a count "
+                "kept per call of step())")
 STEP_HOOKS = ("the optimizer has step hooks (register_step_pre_hook/register_step_post_hook, or global ones): "
               "overlap mode takes each step later and in parts, so the hooks would run out of time and once per part")
 
@@ -220,6 +224,7 @@ class Probe:
     grads_read: bool = False  # a torch operation used a gradient DDP wrote (GradWatch), beyond metadata and zeroing
     random: bool = False  # the optimizer's step drew from torch's random number generator (rng_states changed)
     group_written: bool = False  # the optimizer's step wrote a tensor of its param groups in place (GROUP_WRITTEN)
+    parts_differ: bool = False  # a declared optimizer's step in parts differed from its whole step (PARTS_DIFFER)
     ran: set = field(default_factory=set)  # id(module) of modules whose forward ran since the last backward
 
 
@@ -538,6 +543,81 @@ def group_tensors(groups) -> list:
         elif isinstance(v, (tuple, list)):
             todo.extend(v)
     return out
+
+
+def set_rng_states(states: list) -> None:
+    """Put back what :func:`rng_states` returned."""
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state_all(states[1:])
+
+
+def step_in_parts(optimizer, step) -> dict | None:
+    """The probe's check of an optimizer declared per parameter: ``step()`` (the optimizer's own) taken in two parts,
+    as overlap mode takes it, on copies of the parameters that have a gradient, of their gradients and state and of
+    the groups' values (each part starting from the same values, as each deferred part starts from the stamped ones).
+    The optimizer (its groups, state and attributes) and torch's generators are then put back as they were. Returns
+    ``{param: (copy, copied state)}`` for :func:`parts_differ` after the real step; None where there is nothing to
+    split (fewer than 2 such parameters, sparse gradients); ``{}`` where the step raised on the copies."""
+    groups = optimizer.param_groups
+    params = [p for g in groups for p in g["params"] if p.grad is not None]
+    if len(params) < 2 or any(p.grad.is_sparse for p in params):
+        return None
+    copies = {}
+    for p in params:
+        q = p.detach().clone().requires_grad_(p.requires_grad)
+        q.grad = p.grad.detach().clone()
+        copies[p] = q
+    state = collections.defaultdict(dict)
+    for p, q in copies.items():
+        if p in optimizer.state:
+            state[q] = {k: snapshot(v) for k, v in optimizer.state[p].items()}
+    saved_groups = [dict(g) for g in groups]
+    saved_vars = dict(vars(optimizer))
+    rng = rng_states()
+    half = {id(p) for p in params[:len(params) // 2]}
+    try:
+        optimizer.state = state
+        for part in (True, False):
+            for g, saved in zip(groups, saved_groups, strict=True):
+                g.clear()
+                g.update({k: snapshot(v) for k, v in saved.items() if k != "params"})
+                g["params"] = [copies[p] for p in saved["params"] if p in copies and (id(p) in half) == part]
+            with torch.no_grad():
+                step()
+    except Exception:  # noqa: BLE001 - an optimizer that cannot step copies (keyed by its parameters' identity)
+        return {}
+    finally:
+        for g, saved in zip(groups, saved_groups, strict=True):
+            g.clear()
+            g.update(saved)
+        vars(optimizer).clear()
+        vars(optimizer).update(saved_vars)
+        set_rng_states(rng)
+    return {p: (q, state[q]) for p, q in copies.items()}
+
+
+def parts_differ(trial: dict | None, optimizer) -> bool:
+    """Whether the real step (taken since :func:`step_in_parts` returned ``trial``) left any parameter or state value
+    other than the step in parts left on the copies (bit for bit)."""
+    if trial is None:
+        return False
+    if not trial:
+        return True
+    for p, (q, st) in trial.items():
+        if not torch.equal(p.detach(), q):
+            return True
+        real = optimizer.state.get(p, {})
+        if set(real) != set(st):
+            return True
+        for k, v in real.items():
+            w = st[k]
+            if isinstance(v, torch.Tensor):
+                if not isinstance(w, torch.Tensor) or v.shape != w.shape or not torch.equal(v, w):
+                    return True
+            elif v != w:
+                return True
+    return False
 
 
 def written(tensors: list, versions: list) -> bool:

@@ -3347,6 +3347,42 @@ idiom("group_step_counter_tensor")(functools.partial(
     user_optimizer_loop, make=functools.partial(CountingAdam, tensor_step=True), declared=True))
 
 
+class GlobalNormSGD(torch.optim.Optimizer):
+    """Each update divided by the norm of ALL gradients (LAMB's ``max_grad_norm`` clipping, apex-style): not per
+    parameter, whatever its author may declare."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads]))
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / (norm + 1e-6), alpha=-g["lr"])
+
+
+class CallCountAdam(CountingAdam):
+    """``CountingAdam`` with its step count kept as an attribute (``self.t``), advanced once per call of ``step()``."""
+
+    def __init__(self, params, lr=2e-3):
+        super().__init__(params, lr=lr)
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.t += 1
+        for g in self.param_groups:
+            g["step"] = self.t - 1  # (CountingAdam's step advances it to self.t)
+        return super().step(closure)
+
+
+idiom("global_norm_declared")(functools.partial(user_optimizer_loop, make=GlobalNormSGD, declared=True))
+idiom("call_count_declared")(functools.partial(user_optimizer_loop, make=CallCountAdam, declared=True))
+
+
 @idiom("kept_exp_avg_in_place")
 def _kept_exp_avg_in_place(ctx: Ctx):
     """Adam's first moments kept by the loop (references taken from ``opt.state`` after the first step) and scaled

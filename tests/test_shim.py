@@ -2630,3 +2630,59 @@ def test_a_disabled_shims_stats_have_every_key(monkeypatch):
     assert (st["enabled"], st["mode"], st["flows"], st["levels"], st["agent"]) == (False, "disabled", {}, [],
                                                                                    {"connected": False})
     assert shim.comm_state().stats()["enabled"] is False
+
+
+def test_step_in_parts_puts_the_optimizer_back_and_tells_a_declared_optimizer_that_is_not_per_parameter():
+    """The probe's check of ``per_parameter_optimizer=True`` (``shim.overlap.step_in_parts``): the step in two parts on
+    copies leaves the parameters, state, groups, attributes and torch's generator as they were; compared with the
+    real step after it, a per-parameter optimizer (SGD with momentum, a step count in the group as an int) matches
+    bit for bit, and one dividing by the norm of all gradients, or counting its calls, does not."""
+    import torch
+
+    from tensorlane.shim import overlap as ov
+
+    class GlobalNorm(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure=None):
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads]))
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.add_(p.grad / norm, alpha=-g["lr"])
+
+    class Counting(torch.optim.SGD):
+        calls = 0
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            self.calls += 1
+            for g in self.param_groups:
+                g["count"] = g.get("count", 0) + 1
+                for p in g["params"]:
+                    p.add_(p.grad, alpha=-g["lr"] * self.calls)
+
+    def made(cls, **kw):
+        torch.manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3)),
+                  torch.nn.Parameter(torch.randn(2))]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = cls(params, lr=0.1, **kw)
+        opt.step()  # (a state to copy)
+        return params, opt
+
+    for cls, kw, per_parameter in ((torch.optim.SGD, {"momentum": 0.9}, True), (GlobalNorm, {}, False),
+                                   (Counting, {}, False)):
+        params, opt = made(cls, **kw)
+        before = [p.detach().clone() for p in params]
+        state = {id(p): {k: ov.snapshot(v) for k, v in opt.state[p].items()} for p in params}
+        groups, attrs, rng = [dict(g) for g in opt.param_groups], dict(vars(opt)), torch.get_rng_state()
+        trial = ov.step_in_parts(opt, opt.step)
+        assert trial, cls
+        assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True)), cls
+        assert all(set(opt.state[p]) == set(state[id(p)]) and all(torch.equal(v, state[id(p)][k])
+                   for k, v in opt.state[p].items()) for p in params), cls
+        assert [dict(g) for g in opt.param_groups] == groups and vars(opt) == attrs, cls
+        assert torch.equal(torch.get_rng_state(), rng)
+        opt.step()
+        assert ov.parts_differ(trial, opt) is not per_parameter, cls
