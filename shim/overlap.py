@@ -77,6 +77,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import copy
 import functools
 import os
 import sys
@@ -552,6 +553,15 @@ def set_rng_states(states: list) -> None:
         torch.cuda.set_rng_state_all(states[1:])
 
 
+def _copy(value):
+    """A copy of a state or group value that a step may change in place: tensors cloned, containers deep-copied
+    (a list the step appends to), else :func:`snapshot` (where a value cannot be deep-copied)."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001
+        return snapshot(value)
+
+
 def step_in_parts(optimizer, step) -> dict | None:
     """The probe's check of an optimizer declared per parameter: ``step()`` (the optimizer's own) taken in two parts,
     as overlap mode takes it, on copies of the parameters that have a gradient, of their gradients and state and of
@@ -571,7 +581,7 @@ def step_in_parts(optimizer, step) -> dict | None:
     state = collections.defaultdict(dict)
     for p, q in copies.items():
         if p in optimizer.state:
-            state[q] = {k: snapshot(v) for k, v in optimizer.state[p].items()}
+            state[q] = {k: _copy(v) for k, v in optimizer.state[p].items()}
     saved_groups = [dict(g) for g in groups]
     saved_vars = dict(vars(optimizer))
     rng = rng_states()
@@ -581,7 +591,7 @@ def step_in_parts(optimizer, step) -> dict | None:
         for part in (True, False):
             for g, saved in zip(groups, saved_groups, strict=True):
                 g.clear()
-                g.update({k: snapshot(v) for k, v in saved.items() if k != "params"})
+                g.update({k: _copy(v) for k, v in saved.items() if k != "params"})
                 g["params"] = [copies[p] for p in saved["params"] if p in copies and (id(p) in half) == part]
             with torch.no_grad():
                 step()

@@ -2659,6 +2659,7 @@ def test_step_in_parts_puts_the_optimizer_back_and_tells_a_declared_optimizer_th
             for g in self.param_groups:
                 g["count"] = g.get("count", 0) + 1
                 for p in g["params"]:
+                    self.state[p].setdefault("seen", []).append(self.calls)  # (a list in the state, appended to)
                     p.add_(p.grad, alpha=-g["lr"] * self.calls)
 
     def made(cls, **kw):
@@ -2675,13 +2676,14 @@ def test_step_in_parts_puts_the_optimizer_back_and_tells_a_declared_optimizer_th
                                    (Counting, {}, False)):
         params, opt = made(cls, **kw)
         before = [p.detach().clone() for p in params]
-        state = {id(p): {k: ov.snapshot(v) for k, v in opt.state[p].items()} for p in params}
+        state = {id(p): {k: ov._copy(v) for k, v in opt.state[p].items()} for p in params}
         groups, attrs, rng = [dict(g) for g in opt.param_groups], dict(vars(opt)), torch.get_rng_state()
         trial = ov.step_in_parts(opt, opt.step)
         assert trial, cls
         assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True)), cls
-        assert all(set(opt.state[p]) == set(state[id(p)]) and all(torch.equal(v, state[id(p)][k])
-                   for k, v in opt.state[p].items()) for p in params), cls
+        assert all(set(opt.state[p]) == set(state[id(p)]) and all(
+            torch.equal(v, state[id(p)][k]) if isinstance(v, torch.Tensor) else v == state[id(p)][k]
+            for k, v in opt.state[p].items()) for p in params), cls
         assert [dict(g) for g in opt.param_groups] == groups and vars(opt) == attrs, cls
         assert torch.equal(torch.get_rng_state(), rng)
         opt.step()
