@@ -132,8 +132,8 @@ GROUP_WRITTEN = ("the optimizer's step writes a tensor of its param groups in pl
                  "copy, and the group's own tensor not at all")
 PARTS_DIFFER = ("the optimizer was declared per parameter (per_parameter_optimizer=True), but its step taken in two "
                 "parts, as overlap mode takes it, on copies of the parameters and state, did not give what one step of "
-                "all gave (an update that depends on other parameters, such as a norm over all gradients, or a count "
-                "kept per call of step())")
+                "all gave, or raised there (an update that depends on other parameters, such as a norm over all "
+                "gradients, or a count kept per call of step())")
 STEP_HOOKS = ("the optimizer has step hooks (register_step_pre_hook/register_step_post_hook, or global ones): "
               "overlap mode takes each step later and in parts, so the hooks would run out of time and once per part")
 
