@@ -76,6 +76,11 @@ PER_RANK = ("ddp_ignored", "unfreeze_add_group", "retain_graph_two_losses",  # (
             "skip_step_on_one_rank",  # (one rank skips step() twice: the ranks diverge under DDP, as meant)
             "broadcast_rank0_weights",  # (rank 1 skips a step: its momentum stays apart after each re-broadcast)
             "to_float64_midrun",  # (DDP all-reduces nothing after model.to(torch.float64): the ranks diverge)
+            # (nn.Embedding(max_norm=1.0) renormalizes the rows each rank's batch looks up, in place, in the forward:
+            # DDP's ranks end with embed.weight 5.6e-3 apart; found when the whole matrix first ran it, 2026-11-28)
+            "vit_like",
+            "optimizer_in_backward",  # (each rank steps on its own gradient, before DDP averages it)
+            "step_every_batch_zero_every_3",  # (the steps between two synchronized backwards are each rank's own)
             "freeze_without_find_unused")  # (DDP's step after the unfinished backward takes each rank's own .grad)
 STAYS_OVERLAP = tuple(n for n in MAIN + ["checkpoint_resume"] if n not in FALLS_BACK_TO_HOOK)
 
