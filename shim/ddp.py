@@ -1643,11 +1643,25 @@ SHARED_STORE_HINT = (
     "docs/shim.md, \"torchrun restarts\". The error: {error}")
 
 
-def _new_level_group(level: int):
-    """One gloo group for ``level``, all its connections up (a collective). Under torchrun's shared worker store a
-    failure names the likely cause, the killed attempt's keys in that store (SHARED_STORE_HINT)."""
+def _default_group_timeout():
+    """The default process group's timeout (``init_process_group(timeout=...)``), or None where torch does not say.
+    ``new_group`` without a timeout takes torch's default (30 min for gloo), not the user's: a hung peer then held
+    the shim's all-reduces for 30 min where plain DDP's raised after the user's timeout (and torchrun restarted)."""
     try:
-        group = dist.new_group(backend="gloo")
+        pg = dist.distributed_c10d._get_default_group()
+        for device in pg._device_types:
+            return pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError) as e:
+        log.debug("tensorlane: the default process group's timeout is unknown (%s); the level groups take torch's", e)
+    return None
+
+
+def _new_level_group(level: int):
+    """One gloo group for ``level``, all its connections up (a collective), with the default group's timeout. Under
+    torchrun's shared worker store a failure names the likely cause, the killed attempt's keys in that store
+    (SHARED_STORE_HINT)."""
+    try:
+        group = dist.new_group(backend="gloo", timeout=_default_group_timeout())
         dist.barrier(group=group)  # every connection of the group is up
     except RuntimeError as e:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
