@@ -469,7 +469,9 @@ def priority_hook(state: ShimState, bucket):
     futures, _, launched = state.launch(buf, bucket.parameters(), bucket.is_last())
 
     def finished(fut):  # one callback per bucket (DDP needs the bucket's future anyway)
-        state.completed(launched, range(len(launched)))
+        for piece in fut.value():  # collect_all completes without error when a piece failed (a peer gone):
+            piece.value()  # its error is raised here, and DDP's backward raises it, instead of a step on unaveraged
+        state.completed(launched, range(len(launched)))  # gradients (until 2026-11-28, silently)
         return fut.value()[0].value()[0] if buf.is_sparse else buf  # a sparse all-reduce's result is new
     return torch.futures.collect_all(futures).then(finished)
 

@@ -112,3 +112,41 @@ def test_level_groups_take_the_default_groups_timeout(tmp_path):
             assert timeouts == [datetime.timedelta(seconds=7)] * 2, timeouts
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.torch
+def test_a_failed_all_reduce_in_hook_mode_raises_in_backward(tmp_path, monkeypatch):
+    """A level's all-reduce that fails (its peer killed: gloo's "Connection closed by peer") makes DDP's backward
+    raise, as plain DDP's does. Until 2026-11-28 hook mode collected the pieces' futures with ``collect_all``, which
+    completes without error when a piece fails: the backward returned the bucket unaveraged, the step took it, and a
+    survivor trained on to its next other collective, silently (on the testbed, ``scripts/torchrun_restart.py
+    --shim-mode hook``: rank 0 trained out the epoch alone and saved that checkpoint, the restart resumed from it,
+    the final parameters 4.6e-2 off plain DDP's)."""
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        handle = shim.attach(ddp, levels=2, policy="flat", agent_socket="/nonexistent/tl.sock")
+        ddp(torch.ones(2, 4)).sum().backward()  # the groups made, the first iteration measured
+        launch = handle.state.launch
+
+        def failing_launch(buf, params, last_bucket):
+            futures, pieces, launched = launch(buf, params, last_bucket)
+            for f in futures:
+                f.wait()
+            failed = torch.futures.Future()
+            failed.set_exception(RuntimeError("Connection closed by peer [127.0.0.1]:1 (injected)"))
+            return [*futures[:-1], failed], pieces, launched
+
+        monkeypatch.setattr(handle.state, "launch", failing_launch)
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            ddp(torch.ones(2, 4)).sum().backward()
+        monkeypatch.undo()
+        handle.close()
+    finally:
+        dist.destroy_process_group()
