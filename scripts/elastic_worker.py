@@ -1,7 +1,7 @@
 """A training worker for ``scripts/torchrun_restart.py``: run by ``torchrun --max-restarts N`` on each testbed host.
 
-Trains a small CNN with SGD + momentum, plain DDP (``--mode ddp``) or through the shim (``--mode overlap``), for
-``--epochs`` epochs of ``--steps`` steps. After each epoch rank 0 writes a checkpoint (model, optimizer, epoch) to
+Trains a small CNN with SGD + momentum, plain DDP (``--mode ddp``) or through the shim (``--mode overlap`` or ``hook``),
+for ``--epochs`` epochs of ``--steps`` steps. After each epoch rank 0 writes a checkpoint (model, optimizer, epoch) to
 ``OUT/ckpt.pt`` (a temporary file renamed into place, so a kill never leaves half a checkpoint); a (re)started
 worker resumes from it. Each start writes ``OUT/init-RANK-N.json`` (N: this rank's start number from 0; the worker
 store's address and key count) and ``OUT/start-RANK-N.json`` (pid, torchrun's run id and restart count, the shim's
@@ -51,7 +51,7 @@ def write_json(path: str, obj: dict) -> None:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", default="overlap", choices=["ddp", "overlap"])
+    p.add_argument("--mode", default="overlap", choices=["ddp", "overlap", "hook"])
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--step-sleep", type=float, default=0.1)
@@ -79,9 +79,9 @@ def main() -> int:
         start_epoch = ckpt["epoch"] + 1
     model = DDP(model, bucket_cap_mb=0.01)  # several buckets, so both levels carry traffic
     handle = None
-    if args.mode == "overlap":
-        handle = shim.attach(model, optimizer=opt, levels=args.levels, agent_socket=args.agent_socket,
-                             require_overlap=True)
+    if args.mode != "ddp":  # hook mode: attach without the optimizer
+        handle = shim.attach(model, optimizer=opt if args.mode == "overlap" else None, levels=args.levels,
+                             agent_socket=args.agent_socket, require_overlap=args.mode == "overlap")
     job = handle.state.job if handle is not None else None
     write_json(os.path.join(args.out, f"start-{rank}-{attempt}.json"),
                {"pid": os.getpid(), "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "restart": restart,

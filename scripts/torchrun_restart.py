@@ -99,7 +99,7 @@ def run_job(tb, agents, out: str, mode: str, rdzv_id: str, port: int, args) -> d
                                           stdout=logs[-1], stderr=subprocess.STDOUT))
         prog = wait_for(lambda: (p := read_json(os.path.join(out, "progress-1.json"))) and p["epoch"] == args.kill_epoch
                         and p["step"] >= args.steps // 2 and p, 120, "epoch's middle", procs)
-        if mode == "overlap":
+        if mode != "ddp":
             seen["flows_before"] = {i: flows_of(agents[i], rdzv_id) for i in (1, 2)}
         os.kill(prog["pid"], signal.SIGKILL)
         t_kill = time.monotonic()
@@ -107,7 +107,7 @@ def run_job(tb, agents, out: str, mode: str, rdzv_id: str, port: int, args) -> d
         for rank in (0, 1):
             seen[f"start-{rank}-1"] = wait_for(lambda r=rank: read_json(os.path.join(out, f"start-{r}-1.json")), 90,
                                                f"rank {rank}'s restart", procs)
-        if mode == "overlap":
+        if mode != "ddp":
             old = {i: flow_keys(seen["flows_before"][i]) for i in (1, 2)}
             # the restarted workers register their own flows (new ports); the old ones are withdrawn
             seen["conflict_runs_max"] = 0
@@ -128,7 +128,7 @@ def run_job(tb, agents, out: str, mode: str, rdzv_id: str, port: int, args) -> d
             p.wait(timeout=120)
         seen["returncodes"] = [p.returncode for p in procs]
         seen["wall_s"] = round(time.monotonic() - t0, 1)
-        if mode == "overlap":
+        if mode != "ddp":
             seen["status_end"] = {i: {k: agents[i].status().get(k) for k in ("flows", "job_conflicts")}
                                   for i in (1, 2)}
         for rank in (0, 1):
@@ -144,8 +144,8 @@ def run_job(tb, agents, out: str, mode: str, rdzv_id: str, port: int, args) -> d
             f.close()
 
 
-def checks(shim: dict, ddp: dict, rdzv_id: str, out: str) -> dict[str, bool]:
-    """The checks on both runs' observations and final parameters."""
+def checks(shim: dict, ddp: dict, rdzv_id: str, out: str, shim_mode: str = "overlap") -> dict[str, bool]:
+    """The checks on both runs' observations and final parameters (the shim's run in ``shim_mode``)."""
     import torch
 
     res = {}
@@ -165,7 +165,7 @@ def checks(shim: dict, ddp: dict, rdzv_id: str, out: str) -> dict[str, bool]:
     res["overlap: no job id conflict"] = shim["conflict_runs_max"] == 0 and all(
         not s["job_conflicts"] and not s["job_conflict_runs"] for s in shim["status_after"].values())
     res["overlap: no flows left after the job"] = all(s["flows"] == 0 for s in shim["status_end"].values())
-    res["overlap: ran in overlap mode after the restart"] = all(shim[f"stats-{r}"]["mode"] == "overlap"
+    res[f"overlap: ran in {shim_mode} mode after the restart"] = all(shim[f"stats-{r}"]["mode"] == shim_mode
                                                                 for r in (0, 1))
     a = [torch.load(os.path.join(out, "overlap", f"final-{r}.pt")) for r in (0, 1)]
     b = [torch.load(os.path.join(out, "ddp", f"final-{r}.pt")) for r in (0, 1)]
@@ -183,16 +183,19 @@ def main() -> int:
     p.add_argument("--share-store", action="store_true",
                    help="keep torchrun's shared worker store (its default): stale keys across restarts")
     p.add_argument("--modes", default="overlap,ddp", help="which runs (the checks need both)")
+    p.add_argument("--shim-mode", default="overlap", choices=["overlap", "hook"],
+                   help="the shim's mode in the run through it (hook: attach without the optimizer)")
     p.add_argument("--json", default=None, help="also write the measurements here")
     args = p.parse_args()
     out = tempfile.mkdtemp(prefix="torchrun-restart-")
     rdzv_id = "trst-job"
     t0 = time.monotonic()
     with Testbed(hosts=2, rate="200mbit", name=args.name) as tb, running_agents(tb, levels=2) as agents:
-        seen = {mode: run_job(tb, agents, os.path.join(out, mode), mode, rdzv_id, port, args)
+        seen = {mode: run_job(tb, agents, os.path.join(out, mode), args.shim_mode if mode == "overlap" else mode,
+                              rdzv_id, port, args)
                 for mode, port in (("overlap", 29431), ("ddp", 29432)) if mode in args.modes.split(",")}
     shim, ddp = seen.get("overlap"), seen.get("ddp")
-    res = checks(shim, ddp, rdzv_id, out) if shim and ddp else {}
+    res = checks(shim, ddp, rdzv_id, out, args.shim_mode) if shim and ddp else {}
     report = {"checks": res, "overlap": shim, "ddp": ddp, "out": out, "total_s": round(time.monotonic() - t0, 1)}
     text = json.dumps(report, indent=1, default=str)
     if args.json:
