@@ -536,14 +536,21 @@ def rng_states() -> list:
 def group_tensors(groups) -> list:
     """The tensors among the values of ``groups`` (param group dicts, or stamped hyperparameters) other than the
     parameters, also inside a tuple or list (Adam's tensor betas)."""
-    out, todo = [], [v for g in groups for k, v in g.items() if k != "params"]
+    return tensors_in([v for g in groups for k, v in g.items() if k != "params"])
+
+
+def tensors_in(values) -> list:
+    """The tensors among ``values``, also in lists, tuples and dicts at any depth."""
+    found, todo = [], list(values)
     while todo:
-        v = todo.pop()
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (tuple, list)):
-            todo.extend(v)
-    return out
+        a = todo.pop()
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            todo.extend(a)
+        elif isinstance(a, dict):
+            todo.extend(a.values())
+    return found
 
 
 def set_rng_states(states: list) -> None:
@@ -1111,16 +1118,7 @@ def _each_before_compiled(modes: list) -> None:
 
 def _argument_tensors(args, kwargs) -> list:
     """The tensors among a TorchScript call's arguments, in lists, tuples and dicts at any depth."""
-    found, todo = [], [*args, *kwargs.values()]
-    while todo:
-        a = todo.pop()
-        if isinstance(a, torch.Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            todo.extend(a)
-        elif isinstance(a, dict):
-            todo.extend(a.values())
-    return found
+    return tensors_in([*args, *kwargs.values()])
 
 
 def _script_module_tensors(cpp_module) -> list:

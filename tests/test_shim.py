@@ -2632,6 +2632,20 @@ def test_a_disabled_shims_stats_have_every_key(monkeypatch):
     assert shim.comm_state().stats()["enabled"] is False
 
 
+def test_a_group_tensor_in_a_dict_is_watched_for_writes():
+    """``group_tensors``, what the probe watches for an optimizer's writes to its param groups (a step counter kept as
+    a tensor falls back to hook mode: each deferred part would count on the group's one tensor), finds a tensor in a
+    tuple, a list or a dict of a group's values; until 2026-11-28 one in a dict (``group["state"] = {"t":
+    tensor}``) went unwatched, and an optimizer counting there overlapped."""
+    import torch
+
+    from tensorlane.shim.overlap import group_tensors
+
+    t1, t2, t3, lr = torch.zeros(()), torch.zeros(()), torch.zeros(()), torch.tensor(0.1)
+    groups = [{"params": [torch.zeros(2)], "lr": lr, "betas": (t1, 0.99), "extra": [[t2]], "state": {"t": t3}}]
+    assert {id(t) for t in group_tensors(groups)} == {id(lr), id(t1), id(t2), id(t3)}
+
+
 def test_step_in_parts_puts_the_optimizer_back_and_tells_a_declared_optimizer_that_is_not_per_parameter():
     """The probe's check of ``per_parameter_optimizer=True`` (``shim.overlap.step_in_parts``): the step in two parts on
     copies leaves the parameters, state, groups, attributes and torch's generator as they were; compared with the

@@ -23,7 +23,6 @@ Recorded: the final parameters, the per-step losses, the AdamW/SGD state sums, t
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import warnings
@@ -142,10 +141,7 @@ def main() -> int:
             params, record = train(kind, with_shim, args.out)
             name = f"{'shim' if with_shim else 'plain'}-{kind}"
             common.save(args.out, name, torch.distributed.get_rank(), params, record)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    gc.collect()  # free the DDP models and their process groups now, not in the interpreter's exit (docs/shim.md, Exit)
-    return 0
+    return common.finish()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import sys
 import warnings
@@ -126,10 +125,7 @@ def main() -> int:
             params, record = train(kind, with_shim, args)
             rank = torch.distributed.get_rank()
             common.save(args.out, f"{'shim' if with_shim else 'plain'}-{kind}", rank, params, record)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    gc.collect()  # free the DDP models and their process groups now, not in the interpreter's exit (docs/shim.md, Exit)
-    return 0
+    return common.finish()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ job's flows while training and after close).
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -77,3 +78,14 @@ def save(out: str, variant: str, rank: int, params: dict, record: dict) -> None:
     torch.save(params, os.path.join(out, f"{variant}-{rank}.pt"))
     with open(os.path.join(out, f"{variant}-{rank}.json"), "w") as fh:
         json.dump(record, fh, default=str)
+
+
+def finish() -> int:
+    """The worker's end: every rank past its saves, the default group destroyed where one was made (not after
+    Lightning's shim-spawn alone: no process trained), the DDP models and their process groups freed now, not in the
+    interpreter's exit (docs/shim.md, Exit). Returns the exit status."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    gc.collect()
+    return 0

@@ -20,7 +20,6 @@ Recorded: the final parameters, the per-step losses, the global step, the optimi
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
@@ -164,11 +163,7 @@ def main() -> int:
             name = f"{'shim' if with_shim else 'plain'}-{variant}"
             params, record = train(variant, with_shim, os.path.join(args.out, name))
             common.save(args.out, name, int(os.environ["RANK"]), params, record)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    gc.collect()  # free the DDP models and their process groups now, not in the interpreter's exit (docs/shim.md, Exit)
-    return 0
+    return common.finish()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ LR scheduler with ``"interval": "step"``, and ``on_before_optimizer_step`` loggi
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
@@ -152,11 +151,7 @@ def main() -> int:
     for variant in args.variants.split(","):
         params, record = train(variant, args)
         common.save(args.out, variant, rank, params, record)
-    if torch.distributed.is_initialized():  # (not after shim-spawn alone: no process trained)
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    gc.collect()  # free the DDP models and their process groups now, not in the interpreter's exit (docs/shim.md, Exit)
-    return 0
+    return common.finish()
 
 
 if __name__ == "__main__":
