@@ -20,7 +20,15 @@ from dataclasses import dataclass
 
 from pyroute2.netlink.rtnl.tcmsg.common import calc_xmittime
 
-from tensorlane.agent.kernel.netlink import NLM_F_ACK, NLM_F_REQUEST, NLMSG_ERROR, NLMSG_HDR, RTM_NEWTCLASS, messages
+from tensorlane.agent.kernel.netlink import (
+    NLM_F_ACK,
+    NLM_F_REQUEST,
+    NLMSG_ERROR,
+    NLMSG_HDR,
+    RTM_NEWTCLASS,
+    error_code,
+    messages,
+)
 from tensorlane.agent.kernel.tcstats import TCMSG
 
 TCA_KIND, TCA_OPTIONS = 1, 2
@@ -80,10 +88,10 @@ def change_classes(index: int, parent: int, classes: list[ClassRates], timeout_s
             sock.send(change_message(index, parent, c, seq))
         for kind, seq, data, pos, length in messages(sock, f"changing HTB classes on interface {index}"):
             if kind == NLMSG_ERROR and seq in waiting and length >= NLMSG_HDR.size + 4:
-                code = struct.unpack_from("=i", data, pos + NLMSG_HDR.size)[0]
+                code = error_code(data, pos)
                 c = waiting.pop(seq)
                 if code:
-                    errors[c.classid] = -code
+                    errors[c.classid] = code
                 if not waiting:
                     break
     if waiting:

@@ -18,6 +18,11 @@ RECV_BYTES = 1 << 16
 MAX_RECVS = 256  # a dump of a few hundred classes takes a few datagrams; a bound, never reached
 
 
+def error_code(data: bytes, pos: int = 0) -> int:
+    """The errno an NLMSG_ERROR message at ``data[pos:]`` carries (its header included; 0: an ack)."""
+    return -struct.unpack_from("=i", data, pos + NLMSG_HDR.size)[0]
+
+
 def attrs(data: bytes, pos: int, end: int):
     """``(type, value start, value end)`` of each netlink attribute in ``data[pos:end]`` (flags masked off)."""
     while pos + RTATTR.size <= end:

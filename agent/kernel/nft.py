@@ -220,12 +220,17 @@ def chain_counters(listing: dict | None) -> dict[int, dict[str, int]]:
         if not rule or not rule.get("chain", "").startswith("level"):
             continue
         level = int(rule["chain"][5:])
-        for expr in rule.get("expr", []):
-            if "counter" in expr:
-                c = out.setdefault(level, {"packets": 0, "bytes": 0})
-                c["packets"] += expr["counter"].get("packets", 0)
-                c["bytes"] += expr["counter"].get("bytes", 0)
+        if any("counter" in e for e in rule.get("expr", [])):
+            _add_counters(rule, out.setdefault(level, {"packets": 0, "bytes": 0}))
     return out
+
+
+def _add_counters(rule: dict, into: dict[str, int]) -> None:
+    """Add the packets and bytes of ``rule``'s counters (a listed rule's JSON) to ``into``."""
+    for expr in rule.get("expr", []):
+        if "counter" in expr:
+            into["packets"] += expr["counter"].get("packets", 0)
+            into["bytes"] += expr["counter"].get("bytes", 0)
 
 
 def reset_counters(listing: dict | None) -> dict[str, int]:
@@ -234,12 +239,8 @@ def reset_counters(listing: dict | None) -> dict[str, int]:
     out = {"packets": 0, "bytes": 0}
     for item in (listing or {}).get("nftables", []):
         rule = item.get("rule")
-        if not rule or rule.get("chain") != "egress" or not any("mangle" in e for e in rule.get("expr", [])):
-            continue
-        for expr in rule["expr"]:
-            if "counter" in expr:
-                out["packets"] += expr["counter"].get("packets", 0)
-                out["bytes"] += expr["counter"].get("bytes", 0)
+        if rule and rule.get("chain") == "egress" and any("mangle" in e for e in rule.get("expr", [])):
+            _add_counters(rule, out)
     return out
 
 

@@ -27,6 +27,7 @@ from tensorlane.agent.kernel.netlink import (
     RTM_NEWQDISC,
     RTM_NEWTCLASS,
     RTM_NEWTFILTER,
+    error_code,
 )
 
 TC_H_ROOT = 0xFFFFFFFF
@@ -130,9 +131,9 @@ def _u32_root(sock: socket.socket, ifindex: int, f: TcObject) -> int | None:
             if rtype == RTM_NEWTFILTER and rseq == 1:
                 root = _parse("filter", data[pos: pos + length]).handle
             elif rtype == NLMSG_ERROR and rseq == 1:
-                (err,) = struct.unpack_from("=i", data, pos + NLMSG_HDR.size)
-                if err and err != -errno.ENOENT:
-                    raise OSError(-err, f"asking u32's root table at {f.parent:#x} prio {f.info >> 16}")
+                err = error_code(data, pos)
+                if err and err != errno.ENOENT:
+                    raise OSError(err, f"asking u32's root table at {f.parent:#x} prio {f.info >> 16}")
                 return None if err else root
             pos += (length + 3) & ~3 if length else len(data)
 
@@ -216,10 +217,10 @@ def _request(sock: socket.socket, seq: int, mtype: int, obj: TcObject, ifindex: 
         data = sock.recv(65536)
         length, rtype, _, rseq, _ = NLMSG_HDR.unpack_from(data, 0)
         if rtype == NLMSG_ERROR and rseq == seq:
-            (err,) = struct.unpack_from("=i", data, NLMSG_HDR.size)
+            err = error_code(data)
             if err:
-                raise OSError(-err, f"restoring {obj.what} {obj.kind} {obj.handle:#x}: "
-                                    f"{errno.errorcode.get(-err, str(-err))}")
+                raise OSError(err, f"restoring {obj.what} {obj.kind} {obj.handle:#x}: "
+                                   f"{errno.errorcode.get(err, str(err))}")
             return
 
 

@@ -21,7 +21,15 @@ import struct
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-from tensorlane.agent.kernel.netlink import NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR, NLMSG_HDR, RTATTR
+from tensorlane.agent.kernel.netlink import (
+    NLM_F_DUMP,
+    NLM_F_REQUEST,
+    NLMSG_DONE,
+    NLMSG_ERROR,
+    NLMSG_HDR,
+    RTATTR,
+    error_code,
+)
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -77,7 +85,7 @@ def _messages(data: bytes) -> Iterator[tuple[int, int, bytes]]:
 
 def _kernel_error(msg: bytes, what: str) -> OSError:
     """The error an NLMSG_ERROR message ``msg`` carries, as an OSError naming ``what`` (errno 0: an ack)."""
-    code = -struct.unpack_from("=i", msg, NLMSG_HDR.size)[0]
+    code = error_code(msg)
     return OSError(code, f"{what}: {errno.errorcode.get(code, code)}")
 
 
