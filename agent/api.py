@@ -32,6 +32,7 @@ from tensorlane.agent.ownership import (
     netns_of,
     not_owned,
     not_owned_by_owners,
+    socket_users,
     still_sending,
 )
 from tensorlane.agent.peers import AccessPolicy, Peer, user_name
@@ -157,6 +158,7 @@ class Api:
         pid = uid = None
         floor = 0
         found: dict[FlowKey, int] = {}  # (no fds named: the fd found holding each flow's socket, for the sweep)
+        skuids: dict[FlowKey, int] = {}  # each UDP flow's socket user: only its sockets' packets get the level
         if peer is not None:
             self.policy.check_level(peer, req.level)
             floor = self.policy.most_urgent_level(peer) if self.jobs.enabled else 0
@@ -174,6 +176,7 @@ class Api:
                                 foreign = not_owned(peer.pid, req.flows, fds=fds,
                                                     uid=None if peer.uid == 0 else peer.uid, found=found, files=files,
                                                     exclusive=True)
+                                skuids = self._socket_users(peer, req.flows, fds if fds is not None else found)
                             finally:
                                 self.cost = sum(files) // FILES_PER_TOKEN
                 except ProcessLookupError:
@@ -217,7 +220,7 @@ class Api:
                                            run=req.run,
                                            fds=dict(zip(req.flows, req.fds, strict=True)) if req.fds else
                                            found or None, fds_found=not req.fds,
-                                           see_all=peer is None or self.policy.privileged(peer))
+                                           see_all=peer is None or self.policy.privileged(peer), skuids=skuids)
         self._push(added, moved, [])
         level = self.table.effective_level(req.flows[0])  # one job, one requested level: one effective level
         reply = {"job": req.job, "level": level, "requested_level": req.level, "added": len(added),
@@ -239,6 +242,22 @@ class Api:
                                  f"job's flows are registered as its own job {req.job!r}, at their levels; give this "
                                  "job its own id (TENSORLANE_JOB, or torchrun --rdzv-id)")
         return reply
+
+    @staticmethod
+    def _socket_users(peer, flows, fds: dict[FlowKey, int]) -> dict[FlowKey, int]:
+        """The user each UDP flow of ``flows`` is marked for (``FlowTable.mark``): the maker of the socket its fd
+        holds (``ownership.socket_users``: the user or a uid of its subordinate range), else, for a user other than
+        root, the user itself; root's flows whose socket was not found are marked for any socket (not in the map).
+        Linux lets two users' sockets share a UDP port (SO_REUSEADDR, both set), and their datagrams carry the same
+        5-tuple: keyed by the socket's user, a flow registered before another user's socket joined its port gives
+        that user's datagrams no level (until 2026-11-28 it did)."""
+        udp = [k for k in flows if k.proto == "udp"]
+        if not udp:
+            return {}
+        found = socket_users(peer.pid, {k: fds[k] for k in udp if k in fds}, None if peer.uid == 0 else peer.uid)
+        if peer.uid != 0:
+            found.update((k, peer.uid) for k in udp if k not in found)
+        return found
 
     def _users_job(self, req, peer) -> str:
         """The job a user's request is about: the id it names, or the user's own job under that id

@@ -187,6 +187,25 @@ def made_by(pid: int, fd: int, uid: int) -> int | None:
     return inode
 
 
+def socket_users(pid: int, fds: Mapping[FlowKey, int], uid: int | None) -> dict[FlowKey, int]:
+    """The user that made the socket on each flow's fd (``fds``) of process ``pid``, for its UDP flows: the uid the
+    kernel sees as the socket's (``meta skuid``: the file-system uid of the process that created it), which is
+    ``uid``'s own or one of its subordinate range (``account_uid``; ``uid`` None: root's register, any). A flow
+    whose fd holds no socket of that user now is left out. One cached stat per fd, whatever the flows."""
+    seen: dict[int, int | None] = {}
+    out: dict[FlowKey, int] = {}
+    for k, fd in fds.items():
+        if k.proto != "udp":
+            continue
+        if fd not in seen:
+            st = stat_cached(f"/proc/{pid}/fd/{fd}")
+            ok = st is not None and stat.S_ISSOCK(st[0]) and (uid is None or account_uid(st[1]) == uid)
+            seen[fd] = st[1] if ok else None
+        if seen[fd] is not None:
+            out[k] = seen[fd]
+    return out
+
+
 _STATX_MASK = 0x1 | 0x2 | 0x8 | 0x100  # STATX_TYPE | STATX_MODE | STATX_UID | STATX_INO
 _AT_STATX_DONT_SYNC = 0x4000
 

@@ -97,7 +97,8 @@ class Reconciler:
         self.stats = ReconcileStats()
         self._shape: list[str] | None = None  # the table's chains and rules as listed after the last install
         self._failing = ""  # what the last pass failed on ("" : nothing)
-        self._inherited: dict[FlowKey, int] = {}  # a killed agent's marks, kept until _inherit_until (inherit())
+        self._inherited: dict[FlowKey, nftables.Mark] = {}  # a killed agent's marks, kept until _inherit_until
+        self._users: dict[FlowKey, int] = {}  # the socket user of each mark in a uflows map, as last put or listed
         self._inherit_until = 0.0
         self.shares: dict[int, float] = {}  # the job policy's guaranteed shares (set_shares), for a device taken later
         self._egress: dict[tuple[str, str], tuple[str, float]] = {}  # (src, dst) -> (interface, when looked up)
@@ -188,6 +189,7 @@ class Reconciler:
         its old mark. ``listing``: the table as :meth:`install` listed it, before the first pass. Returns how many
         are kept."""
         self._inherited = nftables.parse_map_elements(listing)
+        self._users = {k: uid for k, (_, uid) in self._inherited.items() if uid is not None}
         self._inherit_until = time.monotonic() + seconds
         if self._inherited:
             log.info("keeping %d flow marks a previous agent left for %.0f s, while their jobs register again",
@@ -201,7 +203,7 @@ class Reconciler:
         flow's 5-tuple no longer gets its level meanwhile."""
         self._inherit_until = time.monotonic()
 
-    def _still_inherited(self) -> dict[FlowKey, int]:
+    def _still_inherited(self) -> dict[FlowKey, nftables.Mark]:
         """The inherited marks still kept (none once ``_inherit_until`` has passed). Once their time is up, the
         flows' part of the next pass runs whatever its pacing (:data:`FLOW_CHECK_SHARE`), so that the marks nobody
         registered again go at the first pass after ``INHERIT_S``: before (until 2026-11-28) they waited for the
@@ -219,12 +221,17 @@ class Reconciler:
         """
         inherited = self._still_inherited()
         replaced = [k for k in added if inherited.pop(k, None) is not None]  # a killed agent's mark: replaced
-        cmds = nftables.element_commands("delete", [(k, None) for k in (*removed, *moved, *replaced)])
-        cmds += nftables.element_commands("add", [(k, table.effective_level(k)) for k in (*added, *moved)])
+        users = self._users
+        cmds = nftables.element_commands("delete", [(k, None, users.get(k)) for k in (*removed, *moved, *replaced)])
+        marks = [(k, *table.mark(k)) for k in (*added, *moved)]
+        cmds += nftables.element_commands("add", marks)
         if not cmds:
             return
         try:
             self.nft.run(cmds)
+            for k in (*removed, *moved, *replaced):
+                users.pop(k, None)
+            users.update((k, uid) for k, _, uid in marks if uid is not None)
         except nftables.NftError as exc:
             log.warning("incremental update failed (%s); reconciling fully", exc)
             self._flows_paced.reset()  # the flows' part runs now, whatever it cost last time
@@ -331,17 +338,20 @@ class Reconciler:
             self.stats.repairs += 1
             listing = self._install_table()
         have = nftables.parse_map_elements(listing)
-        level_of = table.level_of
-        want = {k: level_of(e) for k, e in table.flows.items()}
+        mark = table.mark
+        want = {k: mark(k) for k in table.flows}
         inherited = self._still_inherited()
-        stale = [k for k, lvl in have.items() if want.get(k) != lvl and not (k not in want and k in inherited)]
-        missing = [k for k, lvl in want.items() if have.get(k) != lvl]
-        cmds = nftables.element_commands("delete", [(k, None) for k in stale])
-        cmds += nftables.element_commands("add", [(k, want[k]) for k in missing])
+        stale = [k for k, m in have.items() if want.get(k) != m and not (k not in want and k in inherited)]
+        missing = [k for k, m in want.items() if have.get(k) != m]
+        cmds = nftables.element_commands("delete", [(k, None, have[k][1]) for k in stale])
+        cmds += nftables.element_commands("add", [(k, *want[k]) for k in missing])
+        gone = set(stale)
+        now = {k: m for k, m in have.items() if k not in gone} | {k: want[k] for k in missing}
         if cmds:
             self.nft.run(cmds)
             self.stats.repairs += len(stale) + len(missing)
             log.info("reconcile: removed %d stale and added %d missing flow entries", len(stale), len(missing))
+        self._users = {k: uid for k, (_, uid) in now.items() if uid is not None}
         return len(stale) + len(missing)
 
     def egress(self, keys, ipr=None) -> dict[FlowKey, str | None]:

@@ -48,6 +48,7 @@ class FlowEntry(NamedTuple):
     run: str | None = None  # the run of the job that registered it (the shim's token): two runs = an id conflict
     fd: int | None = None  # the owner's fd that holds the flow's socket, when the client named it: the sweep checks it
     fd_found: bool = False  # ``fd`` found by the agent at the register, not named: not a promise of the client's
+    skuid: int | None = None  # a UDP flow's packets get its level only from sockets this user made (None: any)
 
 
 def requested_level(entry: FlowEntry) -> int:
@@ -78,15 +79,24 @@ class FlowTable:
         """The level flow ``key`` gets in the kernel (``level_of`` of its entry)."""
         return self.level_of(self.flows[key])
 
+    def mark(self, key: FlowKey) -> tuple[int, int | None]:
+        """What the kernel's maps hold for flow ``key``: its effective level, and for a UDP flow the user whose
+        sockets' packets alone get it (``meta skuid``; None: any packet of the 5-tuple, TCP's and those of
+        registers that checked no socket). The one desired state the reconciler makes the maps equal to."""
+        entry = self.flows[key]
+        return self.level_of(entry), entry.skuid if key.proto == "udp" else None
+
     def register(self, job: str, level: int, flows: tuple[FlowKey, ...], rank: int | None = None,
                  pid: int | None = None, uid: int | None = None, floor: int = 0,
                  run: str | None = None, fds: Mapping[FlowKey, int] | None = None, see_all: bool = True,
-                 fds_found: bool = False) -> tuple[list[FlowKey], list[FlowKey]]:
+                 fds_found: bool = False,
+                 skuids: Mapping[FlowKey, int] | None = None) -> tuple[list[FlowKey], list[FlowKey]]:
         """Add ``flows`` for ``job`` at ``level`` (moving the job's own flows that are at another level).
 
         ``floor``: the most urgent level the registering user may use; a job policy never puts the flows above
         it. ``run``: the run of the job registering (see ``conflicts``). ``fds``: each flow's fd in process ``pid``
-        (kept with the flow for the sweep; ``fds_found``: found by the agent, the client named none). ``see_all``: a
+        (kept with the flow for the sweep; ``fds_found``: found by the agent, the client named none). ``skuids``:
+        the user whose sockets alone send each UDP flow's packets at its level (``mark``). ``see_all``: a
         refusal may name another user's job (root, trusted users); else it says "another user's job" (``_job_of``).
         Returns (added, moved). Raises ProtocolError, changing nothing, when the level is out of range, a flow belongs
         to another job, or the table would overflow.
@@ -100,7 +110,7 @@ class FlowTable:
                 added.append(key)
             elif cur.job != job:
                 raise ProtocolError("conflict", f"flow {key} is registered by {self._job_of(cur, uid, see_all)}")
-            elif cur.level != level or cur.floor != floor:
+            elif cur.level != level or cur.floor != floor or (skuids or {}).get(key) != cur.skuid:
                 moved.append(key)
         if len(self.flows) + len(added) > self.max_flows:
             raise ProtocolError("limit", f"registering {len(added)} flows would exceed {self.max_flows}")
@@ -108,7 +118,8 @@ class FlowTable:
         for key in flows:
             self._forget_owner(key)
             self.flows[key] = FlowEntry(job, level, rank, pid, uid, now, floor, run,
-                                        fds.get(key) if fds is not None and pid is not None else None, fds_found)
+                                        fds.get(key) if fds is not None and pid is not None else None, fds_found,
+                                        (skuids or {}).get(key))
             self.by_job.setdefault(job, set()).add(key)
             mine = self.of_user.setdefault(uid, {})
             mine[job] = mine.get(job, 0) + 1

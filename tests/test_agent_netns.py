@@ -674,8 +674,8 @@ def test_a_hand_over_passes_the_flow_table_to_the_next_agent(tb, tmp_path):
     h1, h2 = tb.host(1), tb.host(2)
     extra = {"reconcile_interval_s": 0.5, "job_policy": "shortest"}
 
-    def marks() -> str:
-        return h1.run(["nft", "list", "map", "inet", "tensorlane", "flows4"]).stdout
+    def marks() -> str:  # (the holders' UDP flows, their sockets root's: in uflows4, keyed by the socket's user)
+        return "".join(h1.run(["nft", "list", "map", "inet", "tensorlane", m]).stdout for m in ("flows4", "uflows4"))
 
     holders = []
     try:

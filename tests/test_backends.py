@@ -284,6 +284,62 @@ def test_prio_backend_nftables_side_for_real():
     assert '"value": "7a1:3"' in out and '"value": "af31"' in out and '"target": "level2"' in out
 
 
+UDP_BY_USER = """
+import json
+from tests.test_backends import RecordingIPRoute
+from tensorlane.agent.kernel import nft
+from tensorlane.agent.kernel.qdisc import PrioBackend
+from tensorlane.agent.reconcile import Device, Reconciler
+from tensorlane.agent.state import FlowTable
+from tensorlane.flows import FlowKey
+
+def reconciler():
+    return Reconciler([Device('lo', 1, PrioBackend(3))], (46, 34, 26), {'lo': 1}, RecordingIPRoute())
+
+def marks(rec):
+    return {f"{k.proto} {k.sport}": list(m) for k, m in nft.parse_map_elements(nft.list_table(rec.nft)).items()}
+
+out = {}
+rec = reconciler(); listing = rec.install(); t = FlowTable(3)
+u4, u6 = FlowKey('udp', '198.18.0.1', 1, '198.18.0.2', 2), FlowKey('udp', 'fd00::1', 3, 'fd00::2', 2)
+tcp, anyone = FlowKey('tcp', '198.18.0.1', 5, '198.18.0.2', 2), FlowKey('udp', '198.18.0.1', 7, '198.18.0.2', 2)
+t.register('j', 2, (u4, u6, tcp, anyone), skuids={u4: 65534, u6: 1000, tcp: 65534})
+rec.apply(t, [u4, u6, tcp, anyone], [], [])
+out["added"] = marks(rec)
+added, moved = t.register('j', 1, (u4, u6, tcp, anyone), skuids={u4: 65534, u6: 1001, tcp: 65534})
+rec.apply(t, added, moved, [])
+out["moved"] = marks(rec)
+out["repairs"] = rec.reconcile(t)
+rec.nft.run(nft.element_commands("delete", [(u4, None, 65534)]) + nft.element_commands("add", [(u4, 0)]))
+rec._flows_paced.reset()  # (the pass's flows part, paced, runs now)
+out["older"] = rec.reconcile(t)  # an older agent's mark of a user's UDP flow by 5-tuple: moved to its user's
+out["repaired"] = marks(rec)
+nxt = reconciler(); out["inherited"] = nxt.inherit(nxt.install())  # a killed agent's marks, then registered again
+t2 = FlowTable(3); t2.register('j', 2, (u4,), skuids={u4: 65534}); nxt.apply(t2, [u4], [], [])
+out["registered_again"] = marks(nxt)
+gone = t.drop([u4, u6]); rec.apply(t, [], [], gone)
+out["dropped"] = marks(rec)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.netns
+def test_a_users_udp_flows_are_keyed_by_the_sockets_user_through_every_change():
+    """A UDP flow registered with its socket's user (``FlowTable.mark``) is marked in ``uflows4``/``uflows6``,
+    keyed by ``meta skuid``: added, moved to another level or user, kept by a pass, dropped, kept from a killed
+    agent's table and replaced by a register; an older agent's 5-tuple mark of it is moved by the pass. TCP flows
+    and flows without a user stay in the 5-tuple maps."""
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", UDP_BY_USER], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["added"] == {"udp 1": [2, 65534], "udp 3": [2, 1000], "tcp 5": [2, None], "udp 7": [2, None]}, got
+    assert got["moved"] == {"udp 1": [1, 65534], "udp 3": [1, 1001], "tcp 5": [1, None], "udp 7": [1, None]}, got
+    assert got["repairs"] == 0 and got["older"] == 2 and got["repaired"] == got["moved"], got
+    assert got["inherited"] == 4 and got["registered_again"]["udp 1"] == [2, 65534], got
+    assert got["dropped"] == {"tcp 5": [1, None], "udp 7": [1, None]}, got
+
+
 @pytest.mark.netns
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("rate", [50_000_000, 100_000_000_000], ids=["50mbit", "100gbit"])

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
-from agent_clients import enter_netns, request
+from agent_clients import enter_netns, request, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -148,6 +150,100 @@ def test_flows_of_closed_sockets_go_within_one_second(agent):
     finally:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
+
+
+class Sender:
+    """A forked child in network namespace ``netns``, as ``uid``, that binds a UDP socket to ``(addr, port)`` with
+    SO_REUSEADDR (as any user may, to share a port with another user's socket that set it too) and, while it lives,
+    runs ``register(sock)`` once and then sends ``count`` datagrams to ``dst`` (and 3 b"stop") at each ``send()``."""
+
+    def __init__(self, netns: str, uid: int, addr: str, port: int, register=None):
+        self._cmd_r, self._cmd_w = os.pipe()
+        r, w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # child
+            try:
+                os.close(r)
+                os.close(self._cmd_w)
+                enter_netns(netns)
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((addr, port))
+                os.write(w, json.dumps(register(s) if register else {}).encode() + b"\n")
+                with os.fdopen(self._cmd_r) as cmds:
+                    for line in cmds:  # "HOST PORT COUNT"
+                        host, dport, count = line.split()
+                        for _ in range(int(count)):
+                            s.sendto(b"x" * 200, (host, int(dport)))
+                            time.sleep(0.002)
+                        for _ in range(3):
+                            s.sendto(b"stop", (host, int(dport)))
+                        os.write(w, b"{}\n")
+            finally:
+                os._exit(0)
+        os.close(w)
+        os.close(self._cmd_r)
+        self._out = os.fdopen(r)
+        self.reply = json.loads(self._out.readline())
+
+    def send(self, dst: str, dport: int, count: int) -> None:
+        os.write(self._cmd_w, f"{dst} {dport} {count}\n".encode())
+        self._out.readline()
+
+    def close(self) -> None:
+        os.close(self._cmd_w)
+        self._out.close()
+        os.waitpid(self.pid, 0)
+
+
+def test_a_udp_flow_registered_before_another_user_shares_its_port_gives_that_user_no_level():
+    """Linux lets two users' UDP sockets share a port when both set SO_REUSEADDR, and their datagrams carry the same
+    5-tuple. A register whose port another user's socket shares is refused; but a flow registered *before* another
+    user bound the port so kept its level, and the maps, keyed by the 5-tuple alone, gave that user's datagrams the
+    registered flow's level and DSCP (all 200 here). Since 2026-11-28 a user's UDP flow is keyed by its socket's
+    user as well (``meta skuid``): the other user's datagrams leave unmarked, the registering user's keep the level."""
+    extra = {"socket_mode": "0666", "allowed_users": ["nobody"], "rate_limit_per_s": 100000}
+    with Testbed(hosts=2, rate="100mbit", name="tx4") as tb, \
+            running_agents(tb, levels=3, hosts=[1], config_extra=extra) as agents:
+        h1, h2 = tb.host(1), tb.host(2)
+        sport, dport = 40500, 40501
+        flow = {"proto": "udp", "src": h1.ip, "sport": sport, "dst": h2.ip, "dport": dport}
+
+        def register(s):
+            return request(agents[1].socket, {"op": "register", "job": "a", "level": 1, "flows": [flow],
+                                              "fds": [s.fileno()]})
+
+        def received(sender: Sender, count: int = 200) -> dict:
+            recv = h2.popen([sys.executable, "-m", "testbed.udpprobe", "recv", "--port", str(dport), "--seconds",
+                             "10"], stdout=subprocess.PIPE, text=True)
+            try:
+                wait_for("the receiver", lambda: f":{dport} " in h2.run(["ss", "-Hlun"]).stdout, seconds=10)
+                sender.send(h2.ip, dport, count)
+                return json.loads(recv.communicate(timeout=15)[0])
+            finally:
+                if recv.poll() is None:
+                    recv.kill()
+                    recv.wait(5)
+
+        owner = Sender(h1.name, NOBODY, h1.ip, sport, register)
+        try:
+            assert owner.reply["ok"], owner.reply
+            dscp = str(owner.reply["result"]["dscp"])
+            other = Sender(h1.name, 1, h1.ip, sport)  # user daemon shares the port after the register
+            try:
+                theirs = received(other)
+            finally:
+                other.close()
+            mine = received(owner)
+            listed = registered(agents[1].socket)
+        finally:
+            owner.close()
+    assert [f["sport"] for f in listed] == [sport], listed  # the owner's flow stays registered
+    assert theirs["packets"] >= 190 and theirs["dscp"] == {"0": theirs["packets"]}, theirs
+    assert mine["packets"] >= 190 and mine["dscp"] == {dscp: mine["packets"]}, mine
 
 
 def test_rate_limit_and_oversized_messages(tmp_path):

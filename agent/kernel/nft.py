@@ -1,12 +1,16 @@
 """nftables through libnftables' JSON API (ctypes; the same library the `nft` tool and python3-nftables use).
 
-The agent's table ``inet tensorlane`` holds one verdict map per IP family keyed by the flow 5-tuple. A packet
-leaving a managed interface is looked up once (a hash lookup: cost does not grow with the number of flows)
-and jumps to its level's chain, which sets ``meta priority`` (the tc class) and the DSCP, and counts. In the
-chains of the less urgent levels a first rule sends the flows' pure ACKs (TCP, no SYN, FIN, RST or PSH, under
-:data:`ACK_MAX_BYTES`) to the most urgent level's class and DSCP instead: an ACK queued behind the class's own
-data, throttled to its guaranteed share while more urgent classes are busy, would stall the *other* direction's
-sender into a retransmission timeout (docs/agent.md, ``ack_priority``).
+The agent's table ``inet tensorlane`` holds two verdict maps per IP family: ``flows4``/``flows6`` keyed by the flow
+5-tuple, and ``uflows4``/``uflows6`` for UDP flows keyed by the sending socket's user (``meta skuid``) and the
+4-tuple: a UDP port may be shared by two users' sockets (SO_REUSEADDR), whose datagrams carry the same 5-tuple, so a
+user's UDP flow matches only the packets of sockets of the user whose socket owned it at its register (a packet with
+no socket, forwarded or the kernel's own, matches no ``uflows`` element). A packet leaving a managed interface is
+looked up (a hash lookup: cost does not grow with the number of flows) and jumps to its level's chain, which sets
+``meta priority`` (the tc class) and the DSCP, and counts. In the chains of the less urgent levels a first rule
+sends the flows' pure ACKs (TCP, no SYN, FIN, RST or PSH, under :data:`ACK_MAX_BYTES`) to the most urgent level's
+class and DSCP instead: an ACK queued behind the class's own data, throttled to its guaranteed share while more
+urgent classes are busy, would stall the *other* direction's sender into a retransmission timeout (docs/agent.md,
+``ack_priority``).
 Usage: ``nft = Nft(); nft.run([{"add": {"table": {...}}}])``
 """
 from __future__ import annotations
@@ -77,9 +81,16 @@ class Nft:
 
 # ---- the desired table, as JSON commands ------------------------------------------------------------------
 
-def _map_type(family: int) -> list[str]:
+def _map_type(family: int, by_user: bool = False) -> list[str]:
+    """The key of map ``flows{family}`` (5-tuple), or with ``by_user`` of ``uflows{family}`` (uid and 4-tuple)."""
     addr = "ipv4_addr" if family == 4 else "ipv6_addr"
-    return [addr, addr, "inet_proto", "inet_service", "inet_service"]
+    return ["uid", addr, addr, "inet_service", "inet_service"] if by_user else [addr, addr, "inet_proto",
+                                                                                  "inet_service", "inet_service"]
+
+
+def map_name(family: int, uid: int | None) -> str:
+    """The map that holds a flow of ``family`` marked for socket user ``uid`` (None: any socket, by 5-tuple)."""
+    return f"flows{family}" if uid is None else f"uflows{family}"
 
 
 def level_chain(level: int) -> str:
@@ -118,18 +129,25 @@ def _level_rules(level: int, priority: int, dscp: int, ack: tuple[int, int] | No
     return rules
 
 
-def _lookup_rule(ifnames: list[str], family: int) -> dict:
+def _lookup_rule(ifnames: list[str], family: int, by_user: bool = False) -> dict:
+    """The egress rule that looks a packet up in ``flows{family}`` by its 5-tuple, or with ``by_user`` a UDP
+    packet in ``uflows{family}`` by its socket's user and 4-tuple (``meta skuid``: a packet without a socket of
+    this namespace, forwarded or the kernel's own, breaks the lookup and goes on to the next rule)."""
     proto = "ip" if family == 4 else "ip6"
-    key = {"concat": [
-        {"payload": {"protocol": proto, "field": "saddr"}}, {"payload": {"protocol": proto, "field": "daddr"}},
-        {"meta": {"key": "l4proto"}},
-        {"payload": {"protocol": "th", "field": "sport"}}, {"payload": {"protocol": "th", "field": "dport"}},
-    ]}
+    ends = [{"payload": {"protocol": proto, "field": "saddr"}}, {"payload": {"protocol": proto, "field": "daddr"}}]
+    if by_user:
+        key = {"concat": [{"meta": {"key": "skuid"}}, *ends, {"payload": {"protocol": "udp", "field": "sport"}},
+                          {"payload": {"protocol": "udp", "field": "dport"}}]}
+    else:
+        key = {"concat": [*ends, {"meta": {"key": "l4proto"}}, {"payload": {"protocol": "th", "field": "sport"}},
+                          {"payload": {"protocol": "th", "field": "dport"}}]}
+    udp = [{"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "udp"}}] if by_user else []
     return {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": "egress", "expr": [
         {"match": {"op": "==", "left": {"meta": {"key": "oifname"}},
                    "right": ifnames[0] if len(ifnames) == 1 else {"set": list(ifnames)}}},
         {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": "ipv4" if family == 4 else "ipv6"}},
-        {"vmap": {"key": key, "data": f"@flows{family}"}},
+        *udp,
+        {"vmap": {"key": key, "data": f"@{map_name(family, 0 if by_user else None)}"}},
     ]}}}
 
 
@@ -162,8 +180,10 @@ def table_commands(ifnames: list[str], classids: list[int], dscp: list[int], ack
     """
     cmds: list[dict] = [{"add": {"table": {"family": FAMILY, "name": TABLE}}}]
     for fam in (4, 6):
-        cmds.append({"add": {"map": {"family": FAMILY, "table": TABLE, "name": f"flows{fam}",
-                                     "type": _map_type(fam), "map": "verdict"}}})
+        for by_user in (False, True):
+            name = map_name(fam, 0 if by_user else None)
+            cmds.append({"add": {"map": {"family": FAMILY, "table": TABLE, "name": name,
+                                         "type": _map_type(fam, by_user), "map": "verdict"}}})
     for level in range(len(classids)):
         cmds.append({"add": {"chain": {"family": FAMILY, "table": TABLE, "name": level_chain(level)}}})
         cmds.append({"flush": {"chain": {"family": FAMILY, "table": TABLE, "name": level_chain(level)}}})
@@ -172,43 +192,59 @@ def table_commands(ifnames: list[str], classids: list[int], dscp: list[int], ack
     cmds.append({"add": {"chain": {"family": FAMILY, "table": TABLE, "name": "egress", "type": "filter",
                                    "hook": "postrouting", "prio": -150, "policy": "accept"}}})
     cmds.append({"flush": {"chain": {"family": FAMILY, "table": TABLE, "name": "egress"}}})
-    cmds.extend(_lookup_rule(ifnames, fam) for fam in (4, 6))
+    cmds.extend(_lookup_rule(ifnames, fam, by_user) for fam in (4, 6) for by_user in (True, False))
     if reset_user_dscp:
         cmds.extend(_users_dscp_rule(ifnames, fam) for fam in (4, 6))
     return cmds
 
 
-def _elem(key: FlowKey, level: int | None) -> list | dict:
-    concat = {"concat": [key.src, key.dst, key.proto, key.sport, key.dport]}
+Mark = tuple[int, int | None]  # a flow's (level, socket user: None for any socket) in the maps
+
+
+def _elem(key: FlowKey, level: int | None, uid: int | None) -> list | dict:
+    if uid is None:
+        concat = {"concat": [key.src, key.dst, key.proto, key.sport, key.dport]}
+    else:
+        concat = {"concat": [uid, key.src, key.dst, key.sport, key.dport]}
     return concat if level is None else [concat, {"goto": {"target": level_chain(level)}}]
 
 
-def element_commands(verb: str, items: list[tuple[FlowKey, int | None]]) -> list[dict]:
-    """``add`` or ``delete`` commands for map elements, grouped per family (one command each)."""
-    cmds = []
-    for fam in (4, 6):
-        elems = [_elem(k, lvl if verb == "add" else None) for k, lvl in items if k.family == fam]
-        if elems:
-            cmds.append({verb: {"element": {"family": FAMILY, "table": TABLE, "name": f"flows{fam}",
-                                            "elem": elems}}})
-    return cmds
+def element_commands(verb: str, items: list[tuple]) -> list[dict]:
+    """``add`` or ``delete`` commands for map elements, grouped per map (one command each). ``items``: (flow,
+    level, uid) or (flow, level): ``uid`` None or left out puts the flow in ``flows{family}`` (any socket's packets
+    of its 5-tuple), else in ``uflows{family}`` (only the packets of sockets user ``uid`` made; UDP flows only);
+    ``level`` is ignored for ``delete``."""
+    groups: dict[str, list] = {}
+    for key, level, *uid in items:
+        user = uid[0] if uid else None
+        groups.setdefault(map_name(key.family, user), []).append(_elem(key, level if verb == "add" else None, user))
+    return [{verb: {"element": {"family": FAMILY, "table": TABLE, "name": name, "elem": elems}}}
+            for name, elems in sorted(groups.items())]
 
 
-def parse_map_elements(listing: dict | None) -> dict[FlowKey, int]:
-    """Flows and levels found in a ``list table`` JSON answer."""
-    out: dict[FlowKey, int] = {}
+def parse_map_elements(listing: dict | None) -> dict[FlowKey, Mark]:
+    """Flows and their marks (level, socket user or None) found in a ``list table`` JSON answer."""
+    out: dict[FlowKey, Mark] = {}
     for item in (listing or {}).get("nftables", []):
         m = item.get("map")
-        if not m or not m.get("name", "").startswith("flows"):
+        name = (m or {}).get("name", "")
+        if not m or not name.startswith(("flows", "uflows")):
             continue
+        by_user = name.startswith("uflows")
         for elem in m.get("elem", []):
             key, verdict = elem if isinstance(elem, list) else (elem, None)
             if isinstance(key, dict) and "elem" in key:
                 key = key["elem"]["val"]
-            src, dst, proto, sport, dport = key["concat"]
+            if by_user:
+                uid, src, dst, sport, dport = key["concat"]
+                proto = "udp"
+            else:
+                src, dst, proto, sport, dport = key["concat"]
+                uid = None
             target = (verdict or {}).get("goto", {}).get("target", "")
             if target.startswith("level"):
-                out[FlowKey(proto, src, int(sport), dst, int(dport))] = int(target[5:])
+                out[FlowKey(proto, src, int(sport), dst, int(dport))] = (int(target[5:]),
+                                                                          None if uid is None else int(uid))
     return out
 
 
@@ -273,9 +309,9 @@ def stale_level_commands(listing: dict | None, levels: int) -> list[dict]:
             stale.add(int(name[5:]))
     if not stale:
         return []
-    moved = [k for k, lvl in parse_map_elements(listing).items() if lvl >= levels]
-    cmds = element_commands("delete", [(k, None) for k in moved])
-    cmds += element_commands("add", [(k, levels - 1) for k in moved])
+    moved = [(k, uid) for k, (lvl, uid) in parse_map_elements(listing).items() if lvl >= levels]
+    cmds = element_commands("delete", [(k, None, uid) for k, uid in moved])
+    cmds += element_commands("add", [(k, levels - 1, uid) for k, uid in moved])
     cmds += [{"delete": {"chain": {"family": FAMILY, "table": TABLE, "name": level_chain(lvl)}}}
              for lvl in sorted(stale)]
     return cmds
