@@ -427,6 +427,31 @@ def test_flows_by_class_and_job_capped_with_the_rest_summed(kernel):
     assert value(s, "tensorlane_class_marked_packets_total", **{"class": "7a1:11"}) == 0
 
 
+def test_one_users_jobs_do_not_take_every_job_series(kernel):
+    """A user that is neither root nor trusted keeps at most MAX_JOBS_PER_USER jobs with series of their own in
+    tensorlane_registered_flows and tensorlane_job_first_level: until 2026-11-28 one user's 32 jobs (its
+    max_jobs_per_user), a few more flows each than another user's job (one unconnected UDP socket owns a flow to
+    every destination), took all 32 series and every other user's job was summed as _other."""
+    for policy in ("none", "static"):
+        api = fake_api(job_policy=policy, trusted_users=["root"])
+        registry, _ = make_registry(api)
+        api.table.register("victim", 1, tuple(FlowKey(*protocol.parse_flow(flow(i))) for i in range(8)), uid=1)
+        for j in range(32):
+            keys = tuple(FlowKey(*protocol.parse_flow(flow(1000 + 100 * j + i))) for i in range(9))
+            api.table.register(f"junk{j:02d}", 2, keys, uid=NOBODY)
+        api.table.register("roots", 0, (FlowKey(*protocol.parse_flow(flow(9000))),), uid=0)
+        api.jobs.update(api.table)
+        s = scrape(registry)
+        flows = {dict(lab)["training_job"] for (n, lab), _ in s.items() if n == "tensorlane_registered_flows"}
+        assert "victim" in flows and "roots" in flows, policy
+        assert len([j for j in flows if j.startswith("junk")]) == metrics_base.MAX_JOBS_PER_USER
+        assert value(s, "tensorlane_registered_flows", training_job=OTHER) == 9 * (32 - metrics_base.MAX_JOBS_PER_USER)
+        if policy != "none":
+            first = {dict(lab)["training_job"] for (n, lab), _ in s.items() if n == "tensorlane_job_first_level"}
+            assert "victim" in first and "roots" in first
+            assert len([j for j in first if j.startswith("junk")]) == metrics_base.MAX_JOBS_PER_USER
+
+
 def test_request_outcomes_and_latency_histogram(kernel):
     api = fake_api()
     registry, _ = make_registry(api)

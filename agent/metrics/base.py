@@ -12,18 +12,53 @@ they copy what they iterate (``list(d.items())``) and never use the main thread'
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client.metrics_core import Metric
 from pyroute2 import IPRoute
 
 from tensorlane.agent.kernel import tcstats
 from tensorlane.agent.kernel.qdisc import fmt_handle
+from tensorlane.agent.peers import user_name
 
 # the training_job series a source keeps at most; the others are folded into the job OTHER (flows, job reports, the
 # job policy: one cap, so that the three agree on which jobs have series of their own)
 MAX_JOBS = 32
 OTHER = "_other"
+# of those, the jobs of one user that is neither root nor in trusted_users: one user's 32 jobs (max_jobs_per_user)
+# with more flows than the others' took every series of tensorlane_registered_flows, every other user's job summed
+# as _other (until 2026-11-28)
+MAX_JOBS_PER_USER = 8
+
+
+def kept_jobs(ranked: Iterable[str], users_of: Callable[[str], set], max_jobs: int = MAX_JOBS,
+              per_user: int = MAX_JOBS_PER_USER) -> set[str]:
+    """The jobs of ``ranked`` (best first) that keep series of their own: the first ``max_jobs``, skipping a job of
+    a user (``users_of(job)``: the uids that hold it that count, none for root's or a trusted user's) once that user
+    has ``per_user`` kept."""
+    kept: set[str] = set()
+    held: dict = {}
+    for job in ranked:
+        if len(kept) >= max_jobs:
+            break
+        users = users_of(job)
+        if any(held.get(u, 0) >= per_user for u in users):
+            continue
+        for u in users:
+            held[u] = held.get(u, 0) + 1
+        kept.add(job)
+    return kept
+
+
+def capped_users(api, entries: Iterable | None = None) -> Callable[[str], set]:
+    """``users_of`` for ``kept_jobs`` from the flow table's ``entries`` (a copy: the main thread changes the table;
+    default ``api``'s now): a job's users other than root, the agent and ``trusted_users`` (not capped per user)."""
+    trusted = api.policy.trusted_users
+    users: dict[str, set] = {}
+    for e in list(api.table.flows.values()) if entries is None else entries:
+        if e.uid not in (None, 0) and user_name(e.uid) not in trusted:
+            users.setdefault(e.job, set()).add(e.uid)
+    return lambda job: users.get(job, set())
 
 
 def link_rate_bps(api, device) -> int | None:

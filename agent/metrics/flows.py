@@ -1,7 +1,8 @@
 """Registered flows (the agent's FlowTable) and what the nftables marking chains counted.
 
 - ``tensorlane_registered_flows{device,class,training_job}``: flows registered now. At most ``MAX_JOBS``
-  training jobs get their own series (those with the most flows); the others are summed under
+  training jobs get their own series (those with the most flows, at most ``MAX_JOBS_PER_USER`` of one user that is
+  neither root nor trusted); the others are summed under
   ``training_job="_other"`` (a job id must start with a letter or digit, so no real job has that name).
   The label is ``training_job``, not ``job``, which Prometheus reserves for the scrape job.
 - ``tensorlane_registered_jobs{device}``: jobs with at least one flow (not capped).
@@ -18,17 +19,21 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tensorlane.agent.kernel import nft as nftables
 from tensorlane.agent.metrics import names
-from tensorlane.agent.metrics.base import MAX_JOBS, OTHER, Source, class_label
+from tensorlane.agent.metrics.base import MAX_JOBS, OTHER, Source, capped_users, class_label, kept_jobs
 
 
-def cap_jobs(counts: dict[tuple[str, str], int], max_jobs: int = MAX_JOBS) -> dict[tuple[str, str], int]:
-    """``{(class, job): n}`` with all but the ``max_jobs`` largest jobs folded into job ``_other``."""
+def cap_jobs(counts: dict[tuple[str, str], int], max_jobs: int = MAX_JOBS,
+             users_of: Callable[[str], set] = lambda job: set()) -> dict[tuple[str, str], int]:
+    """``{(class, job): n}`` with all but the ``max_jobs`` largest jobs folded into job ``_other``, at most
+    ``MAX_JOBS_PER_USER`` of one user's (``users_of``: see ``base.kept_jobs``)."""
     per_job: dict[str, int] = {}
     for (_, job), n in counts.items():
         per_job[job] = per_job.get(job, 0) + n
-    keep = set(sorted(per_job, key=lambda j: (-per_job[j], j))[:max_jobs])
+    keep = kept_jobs(sorted(per_job, key=lambda j: (-per_job[j], j)), users_of, max_jobs)
     out: dict[tuple[str, str], int] = {}
     for (cls, job), n in counts.items():
         key = (cls, job if job in keep else OTHER)
@@ -80,7 +85,7 @@ class FlowsSource(Source):
             key = (by_level.get(lvl, str(lvl)), e.job)
             counts[key] = counts.get(key, 0) + 1
         flows = names.REGISTERED_FLOWS.gauge()
-        for (cls, job), n in sorted(cap_jobs(counts).items()):
+        for (cls, job), n in sorted(cap_jobs(counts, users_of=capped_users(self.api, entries)).items()):
             flows.add_metric([dev, cls, job], n)
         yield flows
         jobs = names.REGISTERED_JOBS.gauge()

@@ -4,7 +4,8 @@ it guarantees them and, with ``job_share = "auto"``, whether the jobs saturate t
 
 - ``tensorlane_job_policy_info{device,policy}``: the job policy in force.
 - ``tensorlane_job_first_level{device,training_job}``: the most urgent level of the job's band now (0: the job goes
-  first on this host). At most ``MAX_JOBS`` jobs, the most urgent first (the order moves, the set of series with it).
+  first on this host). At most ``MAX_JOBS`` jobs, the most urgent first, ``MAX_JOBS_PER_USER`` of one user's (the
+  order moves, the set of series with it).
 - ``tensorlane_job_order_changes_total{device}``: recomputations that changed the order or the bands.
 - ``tensorlane_job_share_ratio{device}``: the share of the link guaranteed to the jobs together (``job_share``; with
   "auto" the part chosen now).
@@ -17,7 +18,7 @@ it guarantees them and, with ``job_share = "auto"``, whether the jobs saturate t
 from __future__ import annotations
 
 from tensorlane.agent.metrics import names
-from tensorlane.agent.metrics.base import MAX_JOBS, Source
+from tensorlane.agent.metrics.base import MAX_JOBS, Source, capped_users, kept_jobs
 
 
 class JobPolicySource(Source):
@@ -35,9 +36,11 @@ class JobPolicySource(Source):
         info.add_metric([dev], {"policy": jobs.policy})
         yield info
         first = names.JOB_FIRST_LEVEL.gauge()
-        bands = sorted(dict(jobs.bands).items(), key=lambda kv: (kv[1][0], kv[0]))[:MAX_JOBS]
+        bands = sorted(dict(jobs.bands).items(), key=lambda kv: (kv[1][0], kv[0]))
+        keep = kept_jobs([job for job, _ in bands], capped_users(self.api), MAX_JOBS)
         for job, (level, _) in bands:
-            first.add_metric([dev, job], level)
+            if job in keep:
+                first.add_metric([dev, job], level)
         yield first
         for metric, value in ((names.JOB_ORDER_CHANGES, jobs.changes), (names.JOB_SHARE_CHANGES, jobs.share_changes)):
             fam = metric.counter()

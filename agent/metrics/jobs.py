@@ -29,12 +29,11 @@ import time
 from collections import OrderedDict
 
 from tensorlane.agent.metrics import names
-from tensorlane.agent.metrics.base import MAX_JOBS, OTHER, Source
+from tensorlane.agent.metrics.base import MAX_JOBS, MAX_JOBS_PER_USER, OTHER, Source
 
 MAX_SESSIONS = 4096
-# of one user that is not root: series of its own, and sessions (its least recent go first), so that no user fills
-# the series for the others or evicts another user's sessions (whose next report would then count twice)
-MAX_JOBS_PER_USER = 8
+# of one user that is not root: sessions (its least recent go first), so that no user evicts another user's sessions
+# (whose next report would then count twice); its series: base.MAX_JOBS_PER_USER
 MAX_SESSIONS_PER_USER = 512
 JOB_TTL_S = 900.0
 FIELDS = ("allreduces", "bytes", "comm_s")
