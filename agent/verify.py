@@ -46,17 +46,18 @@ def _key(pkt) -> FlowKey | None:
 
 
 def _pure_ack(pkt) -> bool:
-    """A TCP segment the agent's ``ack_priority`` rule sends at the most urgent level: none of SYN, FIN, RST, PSH,
-    and an IP length under ``ACK_MAX_BYTES`` (agent/kernel/nft.py)."""
+    """A TCP segment the agent's ``ack_priority`` rules send at the most urgent level: none of SYN, FIN, RST, PSH,
+    and no data (``nft._pure_acks``: IPv4 without options, IPv6 without extension headers)."""
     from scapy.layers.inet import IP, TCP
     from scapy.layers.inet6 import IPv6
 
-    from tensorlane.agent.kernel.nft import ACK_MAX_BYTES
-
     tcp = pkt.getlayer(TCP)
     ip = pkt.getlayer(IP) or pkt.getlayer(IPv6)
-    return tcp is not None and ip is not None and not int(tcp.flags) & 0x0F and len(ip) < ACK_MAX_BYTES
-    # (0x0F: FIN, SYN, RST, PSH)
+    if tcp is None or ip is None or int(tcp.flags) & 0x0F:  # (0x0F: FIN, SYN, RST, PSH)
+        return False
+    if isinstance(ip, IPv6):
+        return ip.nh == 6 and ip.plen == tcp.dataofs * 4
+    return ip.ihl == 5 and ip.len == 20 + tcp.dataofs * 4
 
 
 def _dscp(pkt) -> int:

@@ -257,7 +257,12 @@ for _ in range(50):
     except ConnectionRefusedError:
         s.close(); time.sleep(0.1)
 chunk = int(sys.argv[5]) if len(sys.argv) > 5 else 0
-if chunk:  # small writes, one segment each (no Nagle, a pause between them): small data segments with PSH
+more = len(sys.argv) > 6 and sys.argv[6] == "more"
+if chunk and more:  # small writes with MSG_MORE, each pushed by setting TCP_NODELAY: small data segments without PSH
+    for _ in range(int(sys.argv[4]) // chunk):
+        s.sendall(b"x" * chunk, socket.MSG_MORE); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        time.sleep(0.002)
+elif chunk:  # small writes, one segment each (no Nagle, a pause between them): small data segments with PSH
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for _ in range(int(sys.argv[4]) // chunk):
         s.sendall(b"x" * chunk); time.sleep(0.002)
@@ -267,13 +272,14 @@ s.close()
 """
 
 
-def tcp_push(sender, receiver, sport, dport, nbytes, chunk: int = 0) -> int:
+def tcp_push(sender, receiver, sport, dport, nbytes, chunk: int = 0, more: bool = False) -> int:
     """Send ``nbytes`` over one TCP connection ``sender:sport -> receiver:dport`` (in writes of ``chunk`` bytes, each
-    its own segment, when given); the bytes the receiver got."""
+    its own segment, when given; ``more``: each written with MSG_MORE, then pushed without PSH); the bytes the
+    receiver got."""
     recv = receiver.popen([sys.executable, "-c", RECV_TCP, str(dport)], stdout=subprocess.PIPE, text=True)
     try:
-        sender.run([sys.executable, "-c", SEND_TCP, receiver.ip, str(dport), str(sport), str(nbytes), str(chunk)],
-                   timeout=30)
+        sender.run([sys.executable, "-c", SEND_TCP, receiver.ip, str(dport), str(sport), str(nbytes), str(chunk),
+                    "more" if more else ""], timeout=30)
         return int(recv.communicate(timeout=30)[0])
     finally:
         if recv.poll() is None:
@@ -315,6 +321,23 @@ def test_small_data_segments_keep_their_level(tb):
             after = {c["class"]: c["bytes"] for c in agent.status()["classes"]}
     top, own = (after[c] - before[c] for c in ("7a1:10", "7a1:12"))
     assert own >= 400 * (20 + 52) and top <= 1_000, (top, own)  # 20 B of data + 52 B of headers per write
+
+
+def test_small_data_segments_without_psh_keep_their_level(tb):
+    """h1 sends 400 writes of 60 bytes on a flow registered at level 2, each with MSG_MORE and then pushed by setting
+    TCP_NODELAY: each leaves as a small data segment *without* PSH (IP length 112). Such segments are data, not pure
+    ACKs, so they stay in level 2's class. Until 2026-11-28 the pure-ACK rule matched any segment without SYN, FIN,
+    RST or PSH under 128 bytes: any user sent its data so at the most urgent class and DSCP, whatever its
+    level_limits."""
+    h1, h2 = tb.host(1), tb.host(2)
+    with running_agents(tb, levels=3, hosts=[1], backend="htb", config_extra=TRUST) as agents:
+        with agents[1].client() as agent:
+            agent.register("job-p", 2, [flow(h1, 9330, h2, 9331, "tcp")], rank=0)
+            before = {c["class"]: c["bytes"] for c in agent.status()["classes"]}
+            assert tcp_push(h1, h2, 9330, 9331, 24_000, chunk=60, more=True) == 24_000
+            after = {c["class"]: c["bytes"] for c in agent.status()["classes"]}
+    top, own = (after[c] - before[c] for c in ("7a1:10", "7a1:12"))
+    assert own >= 400 * (60 + 52) and top <= 1_000, (top, own)  # 60 B of data + 52 B of headers per write
 
 
 def test_a_second_agent_with_the_same_state_dir_is_refused(tb):

@@ -6,8 +6,8 @@ The agent's table ``inet tensorlane`` holds two verdict maps per IP family: ``fl
 user's UDP flow matches only the packets of sockets of the user whose socket owned it at its register (a packet with
 no socket, forwarded or the kernel's own, matches no ``uflows`` element). A packet leaving a managed interface is
 looked up (a hash lookup: cost does not grow with the number of flows) and jumps to its level's chain, which sets
-``meta priority`` (the tc class) and the DSCP, and counts. In the chains of the less urgent levels a first rule
-sends the flows' pure ACKs (TCP, no SYN, FIN, RST or PSH, under :data:`ACK_MAX_BYTES`) to the most urgent level's
+``meta priority`` (the tc class) and the DSCP, and counts. In the chains of the less urgent levels first rules
+send the flows' pure ACKs (TCP, no SYN, FIN, RST or PSH, and no data: ``_pure_acks``) to the most urgent level's
 class and DSCP instead: an ACK queued behind the class's own data, throttled to its guaranteed share while more
 urgent classes are busy, would stall the *other* direction's sender into a retransmission timeout (docs/agent.md,
 ``ack_priority``).
@@ -24,7 +24,6 @@ from tensorlane.flows import FlowKey
 
 TABLE = "tensorlane"
 FAMILY = "inet"
-ACK_MAX_BYTES = 128  # IP length of a pure ACK: 40 + 12 (timestamps) + up to 4 SACK blocks (36) = 88 for IPv6
 _OUTPUT_JSON = 1 << 4
 
 
@@ -101,22 +100,37 @@ def _prio(classid: int) -> str:
     return f"{classid >> 16:x}:{classid & 0xFFFF:x}"
 
 
-def _pure_ack() -> list[dict]:
-    """Matches a TCP segment without SYN, FIN, RST or PSH whose IP length is under ACK_MAX_BYTES (a pure ACK).
-    PSH excludes small *data* segments (the kernel sets it on the last segment of a write): moved ahead of their
-    flow's queued data they arrived out of order, and the senders retransmitted spuriously (docs/jobs-measured.md)."""
-    return [{"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "tcp"}},
-            {"match": {"op": "!", "left": {"payload": {"protocol": "tcp", "field": "flags"}},
-                       "right": ["fin", "syn", "rst", "psh"]}},   # none of them set
-            {"match": {"op": "<", "left": {"meta": {"key": "length"}}, "right": ACK_MAX_BYTES}}]
+def _pure_acks(proto: str) -> list[list[dict]]:
+    """Matches of a pure ACK of IP family ``proto`` ("ip", "ip6"), one per TCP header length (``doff`` 5..15): a
+    TCP segment without SYN, FIN, RST or PSH and without data, its IP length (``ip length``; IPv6: the payload's,
+    ``ip6 length``) exactly its headers' (IPv4 without options; IPv6 without extension headers).
+    PSH excludes small *data* segments the kernel pushes at the end of a write (moved ahead of their flow's queued
+    data they arrived out of order: docs/jobs-measured.md). A length bound instead (``meta length < 128``, until
+    2026-11-28) took a data segment without PSH to the most urgent level: any user sends them (a write with
+    ``MSG_MORE``, then ``TCP_NODELAY`` set: the segment leaves without PSH), 75 bytes of data each, and so sent its
+    data at the most urgent class and DSCP whatever its ``level_limits``."""
+    tcp = [{"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "tcp"}},
+           {"match": {"op": "!", "left": {"payload": {"protocol": "tcp", "field": "flags"}},
+                      "right": ["fin", "syn", "rst", "psh"]}}]  # none of them set
+    if proto == "ip":
+        head = [{"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "hdrlength"}}, "right": 5}}]
+        base = 20
+    else:
+        head = [{"match": {"op": "==", "left": {"payload": {"protocol": "ip6", "field": "nexthdr"}}, "right": "tcp"}}]
+        base = 0
+    return [[*tcp, *head,
+             {"match": {"op": "==", "left": {"payload": {"protocol": "tcp", "field": "doff"}}, "right": doff}},
+             {"match": {"op": "==", "left": {"payload": {"protocol": proto, "field": "length"}},
+                        "right": base + 4 * doff}}]
+            for doff in range(5, 16)]
 
 
 def _level_rules(level: int, priority: int, dscp: int, ack: tuple[int, int] | None = None) -> list[dict]:
     """The rules of level ``level``'s chain: class ``priority`` and ``dscp``; pure ACKs first to ``ack``
     (classid, dscp) when given."""
     rules = []
-    marks = ([(_pure_ack(), *ack)] if ack is not None else []) + [([], priority, dscp)]
     for proto, nfproto in (("ip", "ipv4"), ("ip6", "ipv6")):
+        marks = ([(match, *ack) for match in _pure_acks(proto)] if ack is not None else []) + [([], priority, dscp)]
         family = {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": nfproto}}
         for match, classid, code in marks:
             rules.append({"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": level_chain(level), "expr": [
