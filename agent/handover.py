@@ -15,7 +15,8 @@ urgent one, as the shim's do. The jobs' reported inputs (``report``: step bytes,
 the jobs taken back, so an order by them holds through the restart. The file is read once and removed: a file of
 another boot or network namespace, or of a newer format, is dropped with a warning (the shims register again).
 Adoption runs before the agent serves: each owner's open files are read once for all its flows, and a group refused
-``limit`` stops at its first flow so refused, so no owner makes it cost a request per flow.
+``limit`` stops at its first flow so refused, so no owner makes it cost a request per flow; one user's owners are
+read up to ``ADOPT_FILES_PER_USER`` open files in all.
 Usage: ``write_flows(cfg, table)`` at a hand-over; ``adopt_flows(cfg, api)`` before serving
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 from tensorlane.agent.files import write_json_atomically
-from tensorlane.agent.ownership import UndecidedPorts, netns_of, not_owned, not_owned_by_owners
+from tensorlane.agent.ownership import MAX_OWNER_FDS, UndecidedPorts, netns_of, not_owned, not_owned_by_owners
 from tensorlane.agent.peers import Peer, account_uid, proc_status, process_start
 from tensorlane.agent.state import FlowTable, job_id_base
 from tensorlane.flows import FlowKey, TooManyFiles
@@ -44,6 +45,12 @@ FLOWS_FORMAT = 1
 # 5,000 flows had a rank each made as many requests (1.8 s before the agent served, 18 s at max_flows_per_user);
 # the rest are left out (``requests``)
 ADOPT_REQUESTS_PER_USER = 2048
+# open files of one user's owners (neither root nor trusted_users) that the start reads to find the sockets of
+# flows registered without fds, all its processes together; the flows of its owners beyond are left out (``files``):
+# a user whose 100 processes held 8,000 open files and one such flow each kept the next agent from serving for 25 s
+# (a readlink each, about 31 us on this loaded host), and nothing bounded the processes (the sweep reads them by
+# the fd its register found, at no cost). 65,536 are 8 processes at ``MAX_OWNER_FDS``.
+ADOPT_FILES_PER_USER = 65_536
 ADOPT_CHUNK = 512  # flows per register: 1,024 (the most a message may name) of IPv4 flows exceed its 64 KiB
 
 
@@ -177,10 +184,21 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
     taken: dict[str, set[str]] = {}  # the job each flow was under -> the jobs it is under now
     judged: dict[tuple, set[FlowKey]] = {}  # (pid, start, uid) -> its flows whose socket it no longer holds
     found: dict[FlowKey, int] = {}  # the fd found holding each of those it holds, that the client named none of
+    files: collections.Counter = collections.Counter()  # open files read, by user (ADOPT_FILES_PER_USER)
+    unread: set[tuple] = set()  # owners not judged: their user's open files were read up to the bound
 
     def judge(owner: tuple, peer: Peer) -> None:
-        """Note in ``judged`` the flows of ``owner`` whose sockets it no longer holds, all its groups at once."""
-        judged[owner] = _not_held(peer, [g for g in groups if g[:3] == owner], groups, found)
+        """Note in ``judged`` the flows of ``owner`` whose sockets it no longer holds, all its groups at once (all
+        of them, in ``unread``, once its user's ``ADOPT_FILES_PER_USER`` open files were read)."""
+        owner_groups = [g for g in groups if g[:3] == owner]
+        user = None if api.policy.privileged(peer) else peer.uid
+        if user is not None and files[user] >= ADOPT_FILES_PER_USER:
+            unread.add(owner)
+            judged[owner] = {FlowKey(**i["flow"]) for g in owner_groups for i in groups[g]}
+            return
+        read: list[int] = []
+        judged[owner] = _not_held(peer, owner_groups, groups, found, read)
+        files[user] += sum(read)
 
     for group in sorted(groups, key=lambda g: (g[4], str(g))):  # jobs under their own id first, then users' own
         pid, start, uid, job, _mapped, level, rank, run, named = group
@@ -218,7 +236,7 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
                 if owner is not None:
                     kept = [c for c in chunk if FlowKey(**c["flow"]) not in judged[owner]]
                     if len(kept) < len(chunk):
-                        counts["not_owner"] += len(chunk) - len(kept)
+                        counts["files" if owner in unread else "not_owner"] += len(chunk) - len(kept)
                     chunk = kept
                 if chunk:
                     _register(api, peer, job, level, rank, run, named or by_fd, chunk, counts, requests, stop, taken)
@@ -256,7 +274,7 @@ def _take_reported(api, reported: dict, taken: dict[str, set[str]]) -> None:
 
 
 def _not_held(peer, owner_groups: list[tuple], groups: dict[tuple, list[dict]],
-              found: dict[FlowKey, int]) -> set[FlowKey]:
+              found: dict[FlowKey, int], files: list[int] | None = None) -> set[FlowKey]:
     """The flows of one owner (``peer``: its process, pinned) whose sockets it no longer holds, in one look at its
     open files for all of them: before, each refused register was split in halves down to the flows at fault, every
     request reading the process's open files again, and an owner that closed half of its 2,000 sockets in the gap
@@ -264,7 +282,8 @@ def _not_held(peer, owner_groups: list[tuple], groups: dict[tuple, list[dict]],
     that holds each held flow's socket where the client named none (``not_owned``): the registers then name it, and
     read no other open file (each read them all: 10,000 flows over 4 owners took 1.7-2 s, 0.3-0.4 s so). Flows
     whose ports could not all be looked at (``UndecidedPorts``), or of an owner of too many open files, are judged
-    as the sweep judges owners (``not_owned_by_owners``). A flow judged held goes through the register's own check."""
+    as the sweep judges owners (``not_owned_by_owners``). A flow judged held goes through the register's own check.
+    ``files`` gets how many open files were read."""
     fd_of = {FlowKey(**i["flow"]): i["fd"] for g in owner_groups for i in groups[g]}
     user = None if peer.uid == 0 else peer.uid
     unnamed = [k for k, fd in fd_of.items() if fd is None]
@@ -272,8 +291,10 @@ def _not_held(peer, owner_groups: list[tuple], groups: dict[tuple, list[dict]],
     try:
         with peer.pinned():
             try:
-                gone = set(not_owned(peer.pid, unnamed, uid=user, found=mine)) if unnamed else set()
+                gone = set(not_owned(peer.pid, unnamed, uid=user, found=mine, files=files)) if unnamed else set()
             except (UndecidedPorts, TooManyFiles):
+                if files is not None:
+                    files.append(MAX_OWNER_FDS)  # (listed up to the bound, or read, before it was refused)
                 return set(not_owned_by_owners({peer.pid: list(fd_of)}, fd_of=fd_of.get, uid_of=lambda k: user))
             named = [k for k, fd in fd_of.items() if fd is not None]
             gone |= set(not_owned_by_owners({peer.pid: named}, fd_of=fd_of.get, uid_of=lambda k: user))

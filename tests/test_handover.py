@@ -249,3 +249,53 @@ def test_a_user_takes_a_bounded_number_of_requests_at_the_start(tmp_path, monkey
     _write(tmp_path, flows)
     assert handover.adopt_flows(_cfg(tmp_path), api) == {"adopted": 9, "requests": 12}
     assert len(api.calls) == 9
+
+
+def test_a_users_owners_open_files_are_read_up_to_a_bound_at_the_start(tmp_path, monkeypatch):
+    """Flows registered without fds are taken back after one read of each owner's open files; one user's owners
+    together are read up to ``ADOPT_FILES_PER_USER`` files, the flows of its other owners left out (``files``).
+    Until 2026-11-28 nothing bounded them: a user whose 100 processes held 8,000 open files and one such flow each
+    kept the next agent from serving for 25 s (and its register costs it nothing after: the sweep reads the fd found).
+    Here 3 processes of ``nobody`` with 150 open files each, under a bound of 100: the first is read, the others
+    not."""
+    import resource
+    import socket
+    import time
+    monkeypatch.setattr(handover, "ADOPT_FILES_PER_USER", 100, raising=False)  # (raising: fails on the count)
+    nobody = 65534
+    kids, flows = [], []
+    try:
+        for _ in range(3):
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # child: holds a UDP socket and 150 open files as nobody until killed
+                try:
+                    os.close(r)
+                    os.setgroups([])
+                    os.setgid(nobody)
+                    os.setuid(nobody)
+                    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                    s.bind(("127.0.0.1", 0))
+                    null = os.open("/dev/null", os.O_RDONLY)
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+                    for _ in range(150):
+                        os.dup(null)
+                    os.write(w, f"{s.getsockname()[1]}\n".encode())
+                    time.sleep(60)
+                finally:
+                    os._exit(0)
+            os.close(w)
+            with os.fdopen(r) as fh:
+                port = int(fh.readline())
+            kids.append(pid)
+            flows.append({"flow": ["udp", "127.0.0.1", port, "127.0.0.1", 20000], "job": "job-a", "level": 1,
+                          "rank": None, "run": None, "fd": None, "pid": pid, "start": process_start(pid),
+                          "uid": nobody})
+        api = FakeApi()
+        _write(tmp_path, flows)
+        assert handover.adopt_flows(_cfg(tmp_path), api) == {"adopted": 1, "files": 2}
+        assert len(api.calls) == 1
+    finally:
+        for pid in kids:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
