@@ -118,10 +118,11 @@ def _pure_acks(proto: str) -> list[list[dict]]:
     else:
         head = [{"match": {"op": "==", "left": {"payload": {"protocol": "ip6", "field": "nexthdr"}}, "right": "tcp"}}]
         base = 0
-    return [[*tcp, *head,
-             {"match": {"op": "==", "left": {"payload": {"protocol": "tcp", "field": "doff"}}, "right": doff}},
-             {"match": {"op": "==", "left": {"payload": {"protocol": proto, "field": "length"}},
-                        "right": base + 4 * doff}}]
+    # (the IP length first: a data packet, a bulk flow's most, leaves each of the 11 rules at its second test)
+    return [[{"match": {"op": "==", "left": {"payload": {"protocol": proto, "field": "length"}},
+                        "right": base + 4 * doff}},
+             *tcp, *head,
+             {"match": {"op": "==", "left": {"payload": {"protocol": "tcp", "field": "doff"}}, "right": doff}}]
             for doff in range(5, 16)]
 
 
