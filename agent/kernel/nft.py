@@ -100,6 +100,10 @@ def _prio(classid: int) -> str:
     return f"{classid >> 16:x}:{classid & 0xFFFF:x}"
 
 
+# the IP length field of the longest pure ACK (IPv4: 20 + a 60-byte TCP header; IPv6: the payload's, 60)
+ACK_HEADERS_MAX = {"ip": 80, "ip6": 60}
+
+
 def _pure_acks(proto: str) -> list[list[dict]]:
     """Matches of a pure ACK of IP family ``proto`` ("ip", "ip6"), one per TCP header length (``doff`` 5..15): a
     TCP segment without SYN, FIN, RST or PSH and without data, its IP length (``ip length``; IPv6: the payload's,
@@ -118,7 +122,7 @@ def _pure_acks(proto: str) -> list[list[dict]]:
     else:
         head = [{"match": {"op": "==", "left": {"payload": {"protocol": "ip6", "field": "nexthdr"}}, "right": "tcp"}}]
         base = 0
-    # (the IP length first: a data packet, a bulk flow's most, leaves each of the 11 rules at its second test)
+    # (the IP length first: a small data packet leaves each of the 11 rules at its second test)
     return [[{"match": {"op": "==", "left": {"payload": {"protocol": proto, "field": "length"}},
                         "right": base + 4 * doff}},
              *tcp, *head,
@@ -131,7 +135,11 @@ def _level_rules(level: int, priority: int, dscp: int, ack: tuple[int, int] | No
     (classid, dscp) when given."""
     rules = []
     for proto, nfproto in (("ip", "ipv4"), ("ip6", "ipv6")):
-        marks = ([(match, *ack) for match in _pure_acks(proto)] if ack is not None else []) + [([], priority, dscp)]
+        marks = [([], priority, dscp)]
+        if ack is not None:  # (longer than any pure ACK: at its level in one rule, the bulk of a flow's packets)
+            longer = {"match": {"op": ">", "left": {"payload": {"protocol": proto, "field": "length"}},
+                                "right": ACK_HEADERS_MAX[proto]}}
+            marks = [([longer], priority, dscp), *((match, *ack) for match in _pure_acks(proto)), *marks]
         family = {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": nfproto}}
         for match, classid, code in marks:
             rules.append({"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": level_chain(level), "expr": [
