@@ -8,9 +8,9 @@ no socket, forwarded or the kernel's own, matches no ``uflows`` element). A pack
 looked up (a hash lookup: cost does not grow with the number of flows) and jumps to its level's chain, which sets
 ``meta priority`` (the tc class) and the DSCP, and counts. In the chains of the less urgent levels, after a rule
 that takes every packet longer than a pure ACK at the level, rules send the flows' pure ACKs (TCP, no SYN, FIN, RST
-or PSH, and no data: ``_pure_acks``) to the most urgent level's class and DSCP instead: an ACK queued behind the class's own data, throttled to its guaranteed share while more
-urgent classes are busy, would stall the *other* direction's sender into a retransmission timeout (docs/agent.md,
-``ack_priority``).
+or PSH, and no data: ``_pure_acks``) to the most urgent level's class and DSCP instead: an ACK queued behind the
+class's own data, throttled to its guaranteed share while more urgent classes are busy, would stall the *other*
+direction's sender into a retransmission timeout (docs/agent.md, ``ack_priority``).
 Usage: ``nft = Nft(); nft.run([{"add": {"table": {...}}}])``
 """
 from __future__ import annotations
