@@ -3537,6 +3537,52 @@ def _grow_model_reattach(ctx: Ctx):
         ctx.record("loss", loss.item())
 
 
+@idiom("no_sync_forward_decides_late")
+def _no_sync_forward_decides_late(ctx: Ctx):
+    """From iteration 3 on, three micro-batches per step with ``no_sync()`` around the forward or the backward only:
+    DDP decides at the forward whether a backward synchronizes, so the first (forward under it, backward outside) and
+    the third are local, and the second (forward outside, backward under it) is synchronized, its average then added
+    to by the third's gradient before ``step()``."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        for micro in range(3 if step >= WARMUP else 1):
+            x, y = ctx.images(step, micro)
+            local = step >= WARMUP and micro != 1
+            with model.no_sync() if local else contextlib.nullcontext():
+                loss = F.cross_entropy(model(x), y) / (3 if step >= WARMUP else 1)
+            with model.no_sync() if step >= WARMUP and micro == 1 else contextlib.nullcontext():
+                loss.backward()
+            ctx.record("loss", loss.item())
+        opt.step()
+        opt.zero_grad()
+
+
+@idiom("optimizer_load_new_lr_before_step")
+def _optimizer_load_new_lr_before_step(ctx: Ctx):
+    """SGD with momentum; the optimizer's ``state_dict()`` kept (deep copy) at iteration 2 with a new learning rate
+    and momentum written into its param group, and loaded between ``backward()`` and ``step()`` at iteration 5 (a
+    resume from an edited checkpoint: ``load_state_dict`` replaces the param group dicts that ``step()`` reads)."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    kept = {}
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if step == 2:
+            kept["opt"] = copy.deepcopy(opt.state_dict())
+            kept["opt"]["param_groups"][0].update(lr=0.2, momentum=0.5)
+        if step == 5:
+            opt.load_state_dict(kept["opt"])
+        opt.step()
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+        ctx.record("lr", opt.param_groups[0]["lr"])
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 
