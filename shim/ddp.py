@@ -1561,6 +1561,8 @@ def _plan_due(state: ShimState, bucket) -> None:
     if rec is not None and rec.done and bucket.index() == 0:
         del state.options["recorder"]
         rec.consume()
+    elif rec is not None:
+        rec.note_synced()  # (the measured iteration ends with a synchronized backward on every rank)
 
 
 def _agree(prof, rate: float | None, group=None):

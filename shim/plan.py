@@ -71,8 +71,12 @@ class _CopyInert:
 class Recorder:
     """Times one iteration: per module forward duration and per parameter gradient-ready time (host clock).
 
-    ``done`` becomes true at the end of the first backward after a forward, whatever parameters it reached: the
-    same iteration on every rank (``on_done`` agrees on the profile over the ranks, a collective). Waiting for every
+    ``done`` becomes true at the end of the first synchronized backward after a forward (one whose buckets DDP
+    reduced: the shim's comm hook calls ``note_synced()``), whatever parameters it reached: the same iteration on
+    every rank (``on_done`` agrees on the profile over the ranks, a collective). A backward under ``no_sync()`` does
+    not count: ranks may accumulate different numbers of micro-batches per step (until 2026-11-28 it counted, and a
+    rank whose first backward was under ``no_sync()`` agreed one synchronized backward before the others: gloo's
+    collective mismatch, the job aborted; idiom ``uneven_accumulation_per_rank``). Waiting for every
     parameter's gradient instead left a rank whose iteration did not use a branch (``find_unused_parameters``)
     measuring while the others agreed alone: a hang, or a collective mismatch. ``consume()`` then calls
     ``on_done(recorder)``, where ``profile()`` builds the :class:`Profile` (a layer this rank did not run or reach
@@ -90,6 +94,7 @@ class Recorder:
         self.ready: dict[int, float] = {}  # id(param) -> time its gradient was accumulated
         self.forward_end = 0.0
         self.done = False
+        self.synced = False  # the backward under way is synchronized (note_synced)
         self.consumed = False
         self._params = [[p for p in m.parameters(recurse=False) if p.requires_grad] for m in modules]
         self._hooks = []
@@ -129,8 +134,16 @@ class Recorder:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
         self.ready[id(p)] = time.perf_counter()
 
+    def note_synced(self) -> None:
+        """The backward under way is one DDP synchronizes (the shim's comm hook got a bucket of it). Not before the
+        first measured forward: that backward has no end callback here (attach between forward and backward)."""
+        if self.fwd_s:
+            self.synced = True
+
     def _backward_ended(self) -> None:
-        self.done = True  # consume() hands it over (the shim: at the next synchronized backward's first bucket)
+        self.done, self.synced = self.synced, False  # consume() hands it over (the shim: at the next synchronized
+        if not self.done:  # backward's first bucket); under no_sync() the next backward (its forward) is measured
+            self.ready.clear()
 
     def profile(self, name: str = "measured") -> Profile:
         """The measured profile: layer i's backward is the time between the gradients of layer i + 1 and i."""

@@ -3583,6 +3583,26 @@ def _optimizer_load_new_lr_before_step(ctx: Ctx):
         ctx.record("lr", opt.param_groups[0]["lr"])
 
 
+@idiom("uneven_accumulation_per_rank")
+def _uneven_accumulation_per_rank(ctx: Ctx):
+    """Accumulation with ``no_sync()`` over a number of micro-batches that differs between the ranks and the steps
+    (1 to 3: ``1 + (step + rank) % 3``, as when each rank accumulates up to a token budget): under DDP only the
+    synchronized backward, one per step on every rank, has to match across the ranks."""
+    model = ctx.ddp(convnet())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    for step in range(ctx.steps):
+        k = 1 + (step + ctx.rank) % 3
+        for micro in range(k):
+            x, y = ctx.images(step, micro)
+            with model.no_sync() if micro < k - 1 else contextlib.nullcontext():
+                loss = F.cross_entropy(model(x), y) / k
+                loss.backward()
+            ctx.record("loss", loss.item())
+        opt.step()
+        opt.zero_grad()
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

@@ -28,7 +28,11 @@ def test_recorder_measures_forward_and_backward_per_module():
     rec = Recorder(owners, on_done=seen.append)
     x, t = synthetic_batch()
     reset_stream()
-    (model(x) - t).square().mean().backward()
+    (model(x) - t).square().mean().backward()  # a backward DDP does not synchronize (no_sync: no note_synced)
+    assert not rec.done  # ranks may accumulate different numbers of micro-batches: only synchronized ones count
+    loss = (model(x) - t).square().mean()
+    rec.note_synced()  # (the shim's comm hook, at a bucket of this backward)
+    loss.backward()
     assert rec.done and not seen  # handed over by consume() (the shim's comm hook at the next backward)
     model(x)
     assert not seen  # a forward is no point every rank reaches alike (a validation on rank 0 alone)
