@@ -774,7 +774,10 @@ def _apply_locked(state: ShimState, param) -> bool:
     for p, _o, _n in ready:
         pend.applied.add(id(p))
     try:
-        return _step_ready(d, pend, [r for r in ready if id(r[0]) not in pend.skip])
+        stepped = _step_ready(d, pend, [r for r in ready if id(r[0]) not in pend.skip])
+        if d.check is not None and not d.check.remaining and _graph_task() == -1:  # (in a backward: at step())
+            _verify_parts(state)
+        return stepped
     finally:
         # only now do they leave the pending set and the guard: another thread (the training thread reading the
         # weights, its flush() or forward) that finds them there waits for this lock, and so for the step. Until
@@ -788,6 +791,51 @@ def _apply_locked(state: ShimState, param) -> bool:
                     d.guard.disarm()
 
 
+def _verify_parts(state: ShimState) -> None:
+    """The last part of a checked step (``Deferred.check``: an optimizer declared per parameter) has been applied:
+    take that step once more whole, on copies (``ov.whole_step``). Where it differs from what the parts gave, put the
+    whole step's parameters, state and attributes in place (DDP's, bit for bit), fall back to hook mode for the rest
+    of the run and raise: the forward that applied the parts (or the backward after it, where the last part was
+    applied there) ran on the parts' values, so this iteration is not DDP's and must be taken again. Until 2026-11-28
+    only the probe's step was so checked, and a coupling that began later (timm's Lamb clipping by the norm of all
+    gradients once it exceeds max_grad_norm) overlapped silently: 1.5e-3 relative off DDP after 8 steps at 2 ranks
+    (tests/refusal_worker.py, ``parts_differ_later``)."""
+    d = state.deferred
+    check, d.check = d.check, None
+    guard = d.guard if d.guard is not None and d.guard.armed else None
+    with d.watch.paused(), guard.paused() if guard is not None else contextlib.nullcontext():
+        quiet = d.stamped_state.quiet() if d.stamped_state is not None else contextlib.nullcontext()
+        with quiet:
+            differs = ov.whole_step(d.optimizer, d.orig_step, check)
+            d.checked += 1
+            if differs is None:
+                return
+            values, states, attrs = differs
+            if values is not None:
+                with torch.no_grad():
+                    for p in check.params:
+                        p.copy_(values[id(p)])
+                        if states[id(p)]:
+                            dict.__setitem__(d.optimizer.state, p, states[id(p)])
+                        else:
+                            dict.pop(d.optimizer.state, p, None)
+                vars(d.optimizer).update(attrs)
+    if d.unstamped:  # (the last part was applied in the next backward: its .grad made DDP's average, as in hook mode)
+        _average_into_grads(state)
+        d.synced = False
+    try:
+        state.fallback(ov.PARTS_DIFFER_LATER)
+    finally:
+        state.mode = "hook"
+    fixed = ("the parameters, the optimizer's state and attributes have been set to that whole step's (plain DDP's)"
+             if values is not None else "the whole step raised, so the parameters hold the parts' step (not DDP's)")
+    raise RuntimeError(f"tensorlane overlap mode: {ov.PARTS_DIFFER_LATER}. The shim checks every step of such an "
+                       f"optimizer: {fixed}, and the run goes on in hook mode, exact; the forward pass that applied "
+                       "that step ran on the parts' values, so take this iteration again (or stop the run), and "
+                       "declare per_parameter_optimizer=True only for an optimizer whose update of a parameter never "
+                       "depends on the others")
+
+
 def _step_ready(d, pend, ready: list) -> bool:
     """Take the stamped step of the parameters ``ready`` (``(param, offset, numel)``: all-reduced, not skipped) on
     their averaged gradients in ``pend.buffer``, ``.grad`` left as DDP leaves it. Returns whether there were any."""
@@ -796,6 +844,13 @@ def _step_ready(d, pend, ready: list) -> bool:
     saved = [p.grad for p, _o, _n in ready]
     for p, o, _n in ready:
         p.grad = _grad_view(pend.buffer, p, o)
+    check = d.check
+    if check is not None:  # (an optimizer declared per parameter: the averages kept for the step whole)
+        with d.watch.paused():
+            for p, _o, _n in ready:
+                if id(p) in check.remaining:
+                    check.grads[id(p)] = p.grad.detach().clone()
+                    check.remaining.discard(id(p))
     try:
         with d.watch.paused():  # the shim's step and its copies are not the loop reading gradients
             d.step_subset([p for p, _o, _n in ready], pend.hparams, pend.autocast, pend.inference, pend.members)
@@ -1267,6 +1322,8 @@ class Handle:
         # first; until 2026-11-28 this step stamped the updates that thread was dropping, and was lost, silently
         # (tests/test_shim.py::test_step_while_a_fork_on_another_thread_averages_the_gradients_is_taken)
         with d.locked(), d.watch.paused():
+            if d.check is not None and not d.check.remaining and not d.closing:
+                _verify_parts(state)  # (its last part was applied in a backward; raises where it differs)
             if not d.closing:
                 return self._stamp_locked(closure)
         self._await_close()
@@ -1969,7 +2026,11 @@ def attach(model, optimizer=None, *, levels: int = DEFAULT_LEVELS, policy: str =
         type(optimizer) in ov.PER_PARAMETER_OPTIMIZERS
     wrapped = ov.wrapped_step(optimizer) and per_parameter_optimizer is not True  # (before the shim's own step)
     handle._per_part_ok = per_parameter_optimizer is True
+    users_step = ov.wrapped_step(optimizer)
     handle._install_overlap()
+    # every overlap step of an optimizer declared per parameter is checked whole (a known torch.optim class is not)
+    state.deferred.verify = handle._per_part_ok and (type(ov.inner_optimizer(optimizer)) not in
+                                                     ov.PER_PARAMETER_OPTIMIZERS or users_step)
     if getattr(model, "gradient_as_bucket_view", False):
         why = ov.BUCKET_VIEW
     elif not per_param:

@@ -134,6 +134,10 @@ PARTS_DIFFER = ("the optimizer was declared per parameter (per_parameter_optimiz
                 "parts, as overlap mode takes it, on copies of the parameters and state, did not give what one step of "
                 "all gave, or raised there (an update that depends on other parameters, such as a norm over all "
                 "gradients, or a count kept per call of step())")
+PARTS_DIFFER_LATER = ("the optimizer was declared per parameter (per_parameter_optimizer=True), but a step after the "
+                      "first, taken in parts as overlap mode takes it, did not give what the same step of all "
+                      "parameters gives (a coupling that starts later: a clipping by the norm of all gradients once it "
+                      "exceeds a limit, as timm's Lamb with max_grad_norm)")
 STEP_HOOKS = ("the optimizer has step hooks (register_step_pre_hook/register_step_post_hook, or global ones): "
               "overlap mode takes each step later and in parts, so the hooks would run out of time and once per part")
 
@@ -229,6 +233,23 @@ class Probe:
     ran: set = field(default_factory=set)  # id(module) of modules whose forward ran since the last backward
 
 
+@dataclass
+class PartsCheck:
+    """One step of an optimizer declared per parameter, in overlap mode, kept from ``step()`` until its last part is
+    applied, to be taken once more whole, on copies, and compared with what the parts gave (:func:`whole_step`)."""
+
+    params: list  # the parameters it steps (those with a gradient at step())
+    before: dict  # id(param) -> a copy of its value at step()
+    state: dict  # id(param) -> a copy of its state at step()
+    attrs: dict  # the optimizer's attributes at step() (tensors copied), its state and groups aside
+    hparams: list  # the groups' values stamped at step()
+    members: list  # each group's parameters at step()
+    autocast: dict
+    inference: bool
+    grads: dict  # id(param) -> the gradient its part stepped on (DDP's average; its own .grad outside the buckets)
+    remaining: set  # id(param) of those whose part is not applied yet
+
+
 class _Hold:
     """``Deferred.locked()``: ``apply_lock`` with its owner and depth, and the owner's ``close_later`` run at the
     outermost exit, once the lock is released."""
@@ -292,6 +313,9 @@ class Deferred:
         self.synced = False  # a read made this iteration's .grad DDP's average before step(): step() takes it now
         self.averaged_on_read = 0  # iterations in which a read after the probe waited for the averages
         self.averaged_unstepped = 0  # backward passes that found an unstepped one's averages to write first
+        self.verify = False  # an optimizer declared per parameter: every overlap step checked whole (PartsCheck)
+        self.check: PartsCheck | None = None  # the last step()'s, until its last part is applied and compared
+        self.checked = 0  # steps so checked
         self.previous: list = []  # Pendings of the last synchronized backward, until step() (a later backward
         # that finds them still unstamped writes their averages into .grad first: ddp._average_unstepped)
 
@@ -309,6 +333,7 @@ class Deferred:
         holds the model); the counters stay for ``stats()``. Not the optimizer's own step, which a wrapper of the
         shim's ``step`` made by someone else still calls."""
         self.pending, self.unstamped, self.marks, self.holders, self.previous = {}, [], [], {}, []
+        self.check = None
         self.launched_now = []
         self.guard = self.norms = self.on_state_use = self.stamped_state = None  # (on_state_use: the handle)
         self.watch.unwatch()
@@ -350,6 +375,8 @@ class Deferred:
             pend.versions = {id(p): p._version for p, *_ in pend.params}
             pend.skip = {id(p) for p, *_ in pend.params if p.grad is None}  # DDP left no gradient (unused)
             pend.grads = {id(p): (p.grad, p.grad._version) for p, *_ in pend.params if p.grad is not None}
+        # (a check of the last step whose parts were not all applied, dropped at a close(), is left)
+        self.check = parts_check(self.optimizer, hp, members, amp, inference, self.bucketed) if self.verify else None
         self.unstamped = []
         self.previous = []
         self.marks = []
@@ -624,7 +651,7 @@ def parts_differ(trial: dict | None, optimizer) -> bool:
     for p, (q, st) in trial.items():
         if not torch.equal(p.detach(), q):
             return True
-        real = optimizer.state.get(p, {})
+        real = dict.get(optimizer.state, p) or {}
         if set(real) != set(st):
             return True
         for k, v in real.items():
@@ -635,6 +662,95 @@ def parts_differ(trial: dict | None, optimizer) -> bool:
             elif v != w:
                 return True
     return False
+
+
+_OWN_ATTRS = ("state", "param_groups")
+
+
+def _attrs(optimizer) -> dict:
+    """The optimizer's attributes but its state and groups."""
+    return {k: v for k, v in vars(optimizer).items() if k not in _OWN_ATTRS}
+
+
+def parts_check(optimizer, hparams: list, members: list, autocast: dict, inference: bool,
+                bucketed: set) -> PartsCheck | None:
+    """At an overlap-mode ``step()`` of an optimizer declared per parameter: copies of what its step starts from (the
+    parameters with a gradient, their state, the optimizer's attributes), for :func:`whole_step` once every part is
+    applied. None where there is nothing to split (fewer than 2 such parameters)."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if len(params) < 2 or any(p.grad.is_sparse for p in params):
+        return None
+    with torch.no_grad():
+        before = {id(p): p.detach().clone() for p in params}
+        state = {id(p): {k: _copy(v) for k, v in (dict.get(optimizer.state, p) or {}).items()} for p in params}
+        grads = {id(p): p.grad.detach().clone() for p in params if id(p) not in bucketed}
+    return PartsCheck(params, before, state, {k: snapshot(v) for k, v in _attrs(optimizer).items()}, hparams,
+                      members, autocast, inference, grads, {id(p) for p in params if id(p) in bucketed})
+
+
+def _same(a, b) -> bool:
+    """Whether two state or attribute values are equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
+            a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return set(a) == set(b) and all(_same(v, b[k]) for k, v in a.items())
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 - a value that cannot be compared: taken as different
+        return False
+
+
+def whole_step(optimizer, step, check: PartsCheck):
+    """The step ``check`` holds, taken whole (as DDP takes it) on its copies, the optimizer put back as it is after
+    the parts (its groups, state, attributes; torch's generators). Returns None where it matches what the parts left
+    (parameters, state and attributes, bit for bit), else ``(values, states, attrs)``, what the whole step gave (each
+    keyed by ``id(param)``; ``values`` None where the whole step raised)."""
+    copies = {}
+    for p in check.params:
+        q = check.before[id(p)].requires_grad_(p.requires_grad)
+        q.grad = check.grads.get(id(p))
+        copies[id(p)] = q
+    state = collections.defaultdict(dict)
+    for p in check.params:
+        if check.state[id(p)]:
+            state[copies[id(p)]] = check.state[id(p)]
+    groups = optimizer.param_groups
+    saved_groups = [dict(g) for g in groups]
+    saved_vars = dict(vars(optimizer))
+    rng = rng_states()
+    try:
+        vars(optimizer).update(check.attrs)
+        optimizer.state = state
+        for i, g in enumerate(groups):
+            g.clear()
+            if i < len(check.hparams):
+                g.update({k: _copy(v) for k, v in check.hparams[i].items()})
+                g["params"] = [copies[id(p)] for p in check.members[i] if id(p) in copies]
+            else:
+                g.update(saved_groups[i])
+                g["params"] = []
+        with torch.inference_mode(check.inference), torch.no_grad(), autocast_as(check.autocast):
+            step()
+        attrs = _attrs(optimizer)
+    except Exception:  # noqa: BLE001 - the whole step raised where the parts did not: they differ
+        return None, {}, {}
+    finally:
+        for g, saved in zip(groups, saved_groups, strict=True):
+            g.clear()
+            g.update(saved)
+        vars(optimizer).clear()
+        vars(optimizer).update(saved_vars)
+        set_rng_states(rng)
+    states = {id(p): state.get(copies[id(p)], {}) for p in check.params}
+    values = {id(p): copies[id(p)].detach() for p in check.params}
+    same = all(torch.equal(p.detach(), values[id(p)]) and _same(dict(dict.get(optimizer.state, p) or {}),
+                                                                 dict(states[id(p)])) for p in check.params)
+    if same and _same(_attrs(optimizer), attrs):
+        return None
+    return values, states, attrs
 
 
 def written(tensors: list, versions: list) -> bool:

@@ -77,17 +77,47 @@ class CountingSGD(torch.optim.SGD):
         return out
 
 
+class ClipLaterSGD(torch.optim.Optimizer):
+    """SGD with momentum, declared per parameter, that divides every gradient by the norm of all of them where that
+    norm exceeds ``max_norm`` (as timm's Lamb with ``max_grad_norm``): per parameter while it does not, which the
+    probe sees; the loop lowers ``max_norm`` under the gradients' norm at LATE."""
+
+    max_norm = float("inf")
+
+    def __init__(self, params, lr: float):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads]))
+        scale = self.max_norm / norm if norm > self.max_norm else 1.0
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                d = p.grad * scale
+                st = self.state[p]
+                if "m" not in st:
+                    st["m"] = d.clone()
+                else:
+                    st["m"].mul_(0.9).add_(d)
+                p.add_(st["m"], alpha=-g["lr"])
+
+
 def loop(scenario: str, shim_on: bool, steps: int):
     """Train ``steps`` iterations; returns (parameters, error text or None)."""
     model = DDP(Net(), bucket_cap_mb=0.0001)  # a bucket per parameter: c's step waits for c alone
-    counter = scenario == "group_counter_later"
-    opt = (CountingSGD if counter else torch.optim.SGD)(model.parameters(), lr=0.1, momentum=0.9)
+    counter, clip = scenario == "group_counter_later", scenario == "parts_differ_later"
+    opt = ClipLaterSGD(model.parameters(), lr=0.1) if clip else \
+        (CountingSGD if counter else torch.optim.SGD)(model.parameters(), lr=0.1, momentum=0.9)
     if counter:
         opt.param_groups[0]["count"] = torch.tensor(0.0)
     handle, own_step = None, torch.optim.SGD.step
     if shim_on:
         handle = shim.attach(model, opt, levels=2, policy="layer_order", agent_socket="/nonexistent/tl.sock",
-                             require_overlap=scenario == "require_overlap", per_parameter_optimizer=counter or None)
+                             require_overlap=scenario == "require_overlap",
+                             per_parameter_optimizer=counter or clip or None)
     error, other = None, None
     try:
         for step in range(steps):
@@ -104,6 +134,8 @@ def loop(scenario: str, shim_on: bool, steps: int):
                 next(model.parameters()).grad.zero_()
             if scenario == "step_hook_later" and step == LATE:  # a hook after overlap mode was chosen
                 opt.register_step_post_hook(lambda *_: None)
+            if clip and step == LATE:  # the optimizer's step starts clipping by the norm of all gradients
+                opt.max_norm = 0.01
             if counter and step == LATE:  # the optimizer's step starts writing its group's tensor in place
                 opt.counting = True
             if scenario == "class_step_replaced_later" and step == LATE:  # a call counter on the class's step
@@ -156,6 +188,8 @@ SCENARIOS = {"grad_zeroed_later": LATE, "require_overlap": 1,
              "state_replaced_later": LATE,  # that step would be applied at the next forward, which refuses
              "class_step_replaced_later": LATE,  # refused at that step(), before it runs
              "group_counter_later": None,  # refused after the first part of that step (its write shows it)
+             "parts_differ_later": LATE + 1,  # that step's last part applied in the next forward: checked whole,
+             # set to the whole step's result, refused there
              "early_use": STEPS,  # c's parameters used outside c from the first iteration on: exact, no error
              "param_write_later": STEPS,  # clamped after step(): the guard applies the update first, exact
              "clip_later": STEPS,  # clipping (and a .grad scaled in place) that starts after the probe reads the

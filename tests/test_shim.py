@@ -2177,6 +2177,7 @@ REFUSALS = {  # scenario of tests/refusal_worker.py -> what the error says
     "state_replaced_later": "optimizer.state was replaced between optimizer.step() and the next forward",
     "class_step_replaced_later": "SGD.step was replaced after attach by a function of the user's",
     "group_counter_later": "the optimizer's step writes a tensor of its param groups in place",
+    "parts_differ_later": "but a step after the first, taken in parts as overlap mode takes it, did not give",
 }
 # scenarios overlap mode reproduces: no error, DDP's parameters (clipping or a .grad scaled in place that starts
 # after the probe, and the optimizer's own step called around the shim on the training thread: the read makes
