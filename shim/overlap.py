@@ -707,7 +707,9 @@ def whole_step(optimizer, step, check: PartsCheck):
     """The step ``check`` holds, taken whole (as DDP takes it) on its copies, the optimizer put back as it is after
     the parts (its groups, state, attributes; torch's generators). Returns None where it matches what the parts left
     (parameters, state and attributes, bit for bit), else ``(values, states, attrs)``, what the whole step gave (each
-    keyed by ``id(param)``; ``values`` None where the whole step raised)."""
+    keyed by ``id(param)``, and the attributes it changed; ``values`` None where the whole step raised). The step
+    reads the optimizer's attributes as they were at ``step()``: a deferred part reads them later, so one the loop
+    sets between ``step()`` and the next forward (a limit lowered) shows here as a difference."""
     copies = {}
     for p in check.params:
         q = check.before[id(p)].requires_grad_(p.requires_grad)
@@ -722,7 +724,9 @@ def whole_step(optimizer, step, check: PartsCheck):
     saved_vars = dict(vars(optimizer))
     rng = rng_states()
     try:
-        vars(optimizer).update(check.attrs)
+        # (its attributes as at step(): one the loop set after step(), a clipping limit lowered, is not this step's)
+        vars(optimizer).clear()
+        vars(optimizer).update({**check.attrs, "param_groups": groups})
         optimizer.state = state
         for i, g in enumerate(groups):
             g.clear()
@@ -748,9 +752,13 @@ def whole_step(optimizer, step, check: PartsCheck):
     values = {id(p): copies[id(p)].detach() for p in check.params}
     same = all(torch.equal(p.detach(), values[id(p)]) and _same(dict(dict.get(optimizer.state, p) or {}),
                                                                  dict(states[id(p)])) for p in check.params)
-    if same and _same(_attrs(optimizer), attrs):
+    # an attribute the whole step changes (a count of its calls) must be as the parts left it; the others may have
+    # been set by the loop since step()
+    changed = {k: v for k, v in attrs.items() if k not in check.attrs or not _same(v, check.attrs[k])}
+    now = _attrs(optimizer)
+    if same and all(k in now and _same(now[k], v) for k, v in changed.items()):
         return None
-    return values, states, attrs
+    return values, states, changed
 
 
 def written(tensors: list, versions: list) -> bool:

@@ -3383,6 +3383,56 @@ idiom("global_norm_declared")(functools.partial(user_optimizer_loop, make=Global
 idiom("call_count_declared")(functools.partial(user_optimizer_loop, make=CallCountAdam, declared=True))
 
 
+class ClipAboveSGD(torch.optim.Optimizer):
+    """SGD with momentum that divides every gradient by the norm of all of them once that norm exceeds ``max_norm``
+    (timm's ``Lamb`` with ``max_grad_norm``): per parameter while it does not, as in the probe's step."""
+
+    max_norm = float("inf")
+
+    def __init__(self, params, lr=5e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads]))
+        scale = self.max_norm / norm if norm > self.max_norm else 1.0
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    m = self.state[p].setdefault("m", torch.zeros_like(p))
+                    m.mul_(0.9).add_(p.grad * scale)
+                    p.add_(m, alpha=-g["lr"])
+
+
+@idiom("clip_later_declared")
+def _clip_later_declared(ctx: Ctx):
+    """``ClipAboveSGD`` declared per parameter, its ``max_norm`` lowered under the gradients' norm after the 3rd
+    ``step()``: from then on its update of a parameter depends on all the others. The loop takes an iteration again
+    when its forward raises the shim's error about it (the shim has then put DDP's step in place and gone on in hook
+    mode); under DDP nothing raises."""
+    model = ctx.ddp(convnet())
+    opt = ClipAboveSGD(model.parameters())
+    if ctx.mode != "ddp":
+        ctx.handle = shim.attach(model, optimizer=opt if ctx.mode == "overlap" else None, levels=ctx.args.levels,
+                                 agent_socket=ctx.args.agent_socket, link_bps=ctx.args.link_bps,
+                                 per_parameter_optimizer=True if ctx.mode == "overlap" else None)
+    for step in range(ctx.steps):
+        x, y = ctx.images(step)
+        try:
+            loss = F.cross_entropy(model(x), y)
+        except RuntimeError as exc:  # (once, in overlap mode: the iteration after the clipping began)
+            if "per_parameter_optimizer=True" not in str(exc):
+                raise
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if step == 2:
+            opt.max_norm = CLIP_NORM
+        opt.zero_grad()
+        ctx.record("loss", loss.item())
+
+
 @idiom("kept_exp_avg_in_place")
 def _kept_exp_avg_in_place(ctx: Ctx):
     """Adam's first moments kept by the loop (references taken from ``opt.state`` after the first step) and scaled
