@@ -682,7 +682,8 @@ def parts_check(optimizer, hparams: list, members: list, autocast: dict, inferen
         return None
     with torch.no_grad():
         before = {id(p): p.detach().clone() for p in params}
-        state = {id(p): {k: _copy(v) for k, v in (dict.get(optimizer.state, p) or {}).items()} for p in params}
+        state = {id(p): {k: v.detach().clone() if isinstance(v, torch.Tensor) else _copy(v)
+                         for k, v in (dict.get(optimizer.state, p) or {}).items()} for p in params}
         grads = {id(p): p.grad.detach().clone() for p in params if id(p) not in bucketed}
     return PartsCheck(params, before, state, {k: snapshot(v) for k, v in _attrs(optimizer).items()}, hparams,
                       members, autocast, inference, grads, {id(p) for p in params if id(p) in bucketed})
