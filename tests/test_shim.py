@@ -2703,3 +2703,70 @@ def test_step_in_parts_puts_the_optimizer_back_and_tells_a_declared_optimizer_th
         assert torch.equal(torch.get_rng_state(), rng)
         opt.step()
         assert ov.parts_differ(trial, opt) is not per_parameter, cls
+
+
+def test_whole_step_checks_a_later_step_against_its_parts():
+    """Every overlap step of an optimizer declared per parameter is checked whole once its parts are applied
+    (``shim.overlap.parts_check`` at ``step()``, ``whole_step`` after the parts): SGD with momentum taken in two parts
+    matches; an optimizer clipping by the norm of all gradients once it exceeds ``max_norm`` differs, and the whole
+    step it returns is the one-call step, with the attributes as at ``step()`` (``max_norm`` lowered after it)."""
+    import torch
+
+    from tensorlane.shim import overlap as ov
+
+    class ClipAbove(torch.optim.Optimizer):
+        max_norm = float("inf")
+
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads]))
+            scale = self.max_norm / norm if norm > self.max_norm else 1.0
+            for g in self.param_groups:
+                for p in g["params"]:
+                    m = self.state[p].setdefault("m", torch.zeros_like(p))
+                    m.mul_(0.9).add_(p.grad * scale)
+                    p.add_(m, alpha=-g["lr"])
+
+    def made(cls, **kw):
+        torch.manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = cls(params, **kw)
+        opt.step()  # (a state to copy)
+        return params, opt
+
+    def in_parts(opt, params, lower_after_stamp=False):
+        """A step checked as overlap mode takes it: stamped, then each parameter's part on its own."""
+        check = ov.parts_check(opt, ov.hyperparameters(opt), [tuple(g["params"]) for g in opt.param_groups], {},
+                               False, {id(p) for p in params})
+        if lower_after_stamp:
+            opt.max_norm = 0.5
+        for p in params:
+            check.grads[id(p)] = p.grad.clone()
+            check.remaining.discard(id(p))
+            saved = opt.param_groups[0]["params"]
+            opt.param_groups[0]["params"] = [p]
+            opt.step()
+            opt.param_groups[0]["params"] = saved
+        return ov.whole_step(opt, opt.step, check)
+
+    params, opt = made(torch.optim.SGD, lr=0.1, momentum=0.9)
+    assert in_parts(opt, params) is None
+    for lowered in (False, True):
+        params, opt = made(ClipAbove)
+        whole_params, whole_opt = made(ClipAbove)
+        if not lowered:
+            opt.max_norm = whole_opt.max_norm = 0.5
+        whole_opt.step()  # DDP's: one call over both, the limit as at step()
+        differs = in_parts(opt, params, lower_after_stamp=lowered)
+        assert differs is not None, lowered
+        values, states, _attrs = differs
+        for p, w in zip(params, whole_params, strict=True):
+            assert torch.equal(values[id(p)], w.detach()), lowered
+            assert torch.equal(states[id(p)]["m"], whole_opt.state[w]["m"]), lowered
+            assert not torch.equal(p.detach(), w.detach()), lowered  # (the parts: each clipped by its own norm)
