@@ -82,6 +82,9 @@ PER_RANK = ("ddp_ignored", "unfreeze_add_group", "retain_graph_two_losses",  # (
             "vit_like",
             "optimizer_in_backward",  # (each rank steps on its own gradient, before DDP averages it)
             "step_every_batch_zero_every_3",  # (the steps between two synchronized backwards are each rank's own)
+            # (no_sync() around the backward only: DDP synchronized the forward's micro-batch, and the next local
+            # one adds each rank's own gradient to that average; found when the whole matrix first ran it)
+            "no_sync_forward_decides_late",
             "freeze_without_find_unused")  # (DDP's step after the unfinished backward takes each rank's own .grad)
 STAYS_OVERLAP = tuple(n for n in MAIN + ["checkpoint_resume"] if n not in FALLS_BACK_TO_HOOK)
 
