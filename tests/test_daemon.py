@@ -14,6 +14,8 @@ import pytest
 from tensorlane.agent import daemon
 from tensorlane.agent.peers import process_start
 
+pytestmark = pytest.mark.concurrent  # netns tests here run beside another file's (make test; pyproject markers)
+
 
 def dead_agents_record(cfg, name: str, index: int, snap=None) -> dict:
     """Save the state file of device ``name`` (ifindex ``index``) as an agent that is gone left it (its pid names

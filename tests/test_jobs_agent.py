@@ -33,6 +33,8 @@ from tensorlane.policies.jobs import (
     rotation_epoch,
 )
 
+pytestmark = pytest.mark.concurrent  # netns tests here run beside another file's (make test; pyproject markers)
+
 
 class RecordingRec:
     """The parts of the Reconciler the api uses: records every change it would push to the kernel."""
