@@ -203,6 +203,7 @@ class ShimState:
     _pending: dict = field(default_factory=dict)  # step -> its pieces launched and not yet seen complete
     _step_acc: int = 0
     _agreeing: tuple | None = None  # (work, tensor) of the clock's all-reduce in flight
+    backwards: int = 0  # synchronized backwards whose buckets this state's hook was given (the same on every rank)
 
     def __reduce_ex__(self, _protocol):
         """Refuse pickling with a clear error (until 2026-11-27 Python's own "cannot pickle '_thread.lock' object";
@@ -450,13 +451,15 @@ def _set_layer_levels(state: ShimState, params_in_forward_order: list, policy: s
     state.forward_index = {id(p): i for i, p in enumerate(params_in_forward_order)}
 
 
-def priority_hook(state: ShimState, bucket):
+def priority_hook(state: ShimState, bucket, counted: bool = False):
     """DDP comm hook: average the bucket with one all-reduce per level piece, all launched at once.
 
     Usage: ``ddp.register_comm_hook(state, priority_hook)`` (state from ``attach`` or ``comm_state()``)
     """
     if bucket.index() == 0 and _join_divides_by_active(state):  # (DDP launches bucket 0 first, on every rank)
         raise RuntimeError(f"tensorlane: {JOIN_ACTIVE}")
+    if not counted:
+        _count_backward(state, bucket)
     if state.closed:
         return _after_close(state, bucket)
     if state.groups is None:
@@ -469,11 +472,35 @@ def priority_hook(state: ShimState, bucket):
     futures, _, launched = state.launch(buf, bucket.parameters(), bucket.is_last())
 
     def finished(fut):  # one callback per bucket (DDP needs the bucket's future anyway)
-        for piece in fut.value():  # collect_all completes without error when a piece failed (a peer gone):
-            piece.value()  # its error is raised here, and DDP's backward raises it, instead of a step on unaveraged
-        state.completed(launched, range(len(launched)))  # gradients (until 2026-11-28, silently)
+        for piece in _piece_value(fut):  # (collect_all may complete without error when a piece failed, a peer gone:
+            _piece_value(piece)  # its error is raised here, and DDP's backward raises it, instead of a step on
+        state.completed(launched, range(len(launched)))  # unaveraged gradients (until 2026-11-28, silently)
         return fut.value()[0].value()[0] if buf.is_sparse else buf  # a sparse all-reduce's result is new
     return torch.futures.collect_all(futures).then(finished)
+
+
+CLOSED_APART = ("A peer process ended, or a rank's handle was closed at another point of training than this one's: "
+                "from its close() on, a rank all-reduces its buckets on DDP's own process group and no longer on the "
+                "shim's, which it destroys. Every rank must close at the same iteration: have a watchdog only set a "
+                "flag, agree on it between two iterations (all_reduce with MAX) and call close() on the training "
+                "thread of every rank there (docs/shim.md)")
+
+
+def _piece_value(fut, wait: bool = False, where: str = "the shim's per-level process groups"):
+    """The value of a piece's all-reduce on a level's group (``wait``: waited for first); its failure (gloo's
+    "Connection closed by peer" when a peer destroyed the shim's groups at its close()) raised with its likely cause."""
+    try:
+        return fut.wait() if wait else fut.value()
+    except RuntimeError as exc:
+        if str(exc).startswith("tensorlane"):
+            raise
+        raise RuntimeError(f"tensorlane: an all-reduce on {where} failed ({exc}). {CLOSED_APART}") from exc
+
+
+def _count_backward(state: ShimState, bucket) -> None:
+    """Count a synchronized backward at its first bucket (DDP launches bucket 0 first, on every rank)."""
+    if bucket.index() == 0:
+        state.backwards += 1
 
 
 def _after_close(state: ShimState, bucket):
@@ -492,9 +519,33 @@ def _after_close(state: ShimState, bucket):
 
 
 def _plain_allreduce(state: ShimState, bucket):
-    """After ``close()``: DDP's own all-reduce of the bucket on its process group (DDP keeps a hook for good)."""
+    """After ``close()``: DDP's own all-reduce of the bucket on its process group (DDP keeps a hook for good), after
+    a check that every rank all-reduces the same bucket of the same synchronized backward there: a small all-reduce
+    (MAX) of (backward, bucket, size) and their negatives, launched before the bucket's, so that both meet their
+    partners in the same order. Ranks that closed at different points (a watchdog's close() on one rank, another's
+    an iteration later) would pair one rank's bucket with another bucket or iteration of the other's, of the same
+    size: a silently wrong average (2.8e-5 off DDP at 2 ranks, docs/shim.md); their backward raises instead."""
     buf = bucket.buffer().mul_(1.0 / dist.get_world_size())  # as DDP scales (1/world: not a division)
-    return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    backward, index, size = state.backwards, bucket.index(), buf.numel()
+    mine = torch.tensor([backward, index, size], dtype=torch.float64)
+    seen = torch.cat([mine, -mine])
+    check = dist.all_reduce(seen, op=dist.ReduceOp.MAX, async_op=True).get_future()
+    work = dist.all_reduce(buf, async_op=True).get_future()
+
+    def paired(fut):
+        where = "DDP's own process group after close()"
+        _check, averaged = (_piece_value(part, where=where) for part in _piece_value(fut, where=where))
+        high, low = seen[:3], -seen[3:]
+        if not torch.equal(high, low):
+            lo, hi = [int(v) for v in low.tolist()], [int(v) for v in high.tolist()]
+            raise RuntimeError(
+                f"tensorlane: this rank's all-reduce of bucket {index} of synchronized backward {backward} "
+                f"({size} elements) on DDP's own process group, after close(), met another rank's of another bucket "
+                f"or backward (backwards {lo[0]} to {hi[0]}, buckets {lo[1]} to {hi[1]}, {lo[2]} to {hi[2]} "
+                f"elements): its average would be wrong, so this backward raises (.grad is not DDP's average). "
+                f"{CLOSED_APART}")
+        return averaged[0]  # (buf; a sparse all-reduce's result is new)
+    return torch.futures.collect_all([check, work]).then(paired)
 
 
 def _learn_order(state: ShimState, bucket) -> None:
@@ -519,6 +570,7 @@ def overlap_hook(state: ShimState, bucket):
     d = state.deferred
     if bucket.index() == 0 and _join_divides_by_active(state):
         raise RuntimeError(f"tensorlane: {JOIN_ACTIVE}")
+    _count_backward(state, bucket)
     if state.closed:
         return _after_close(state, bucket)
     _plan_due(state, bucket)
@@ -538,7 +590,7 @@ def overlap_hook(state: ShimState, bucket):
         d.probe.sparse = True  # probing: this iteration runs as hook mode anyway
     if state.mode == "probing":
         d.bucketed.update(id(p) for p in bucket.parameters())
-    fut = priority_hook(state, bucket) if state.mode != "overlap" else _launch_deferred(state, bucket)
+    fut = priority_hook(state, bucket, counted=True) if state.mode != "overlap" else _launch_deferred(state, bucket)
     if bucket.is_last() and state.mode != "hook":
         params = state.options["params"]
         probing = state.mode == "probing"
@@ -869,7 +921,7 @@ def _wait(state: ShimState, pend, pieces) -> list[bool]:
     count every piece of it seen complete by now; returns whether each piece has completed."""
     t0 = time.perf_counter()
     for i in pieces:
-        pend.futures[i].wait()
+        _piece_value(pend.futures[i], wait=True)
     with state.lock:
         state.clock.waited(time.perf_counter() - t0)
     done = [fut.done() for fut in pend.futures]
@@ -1552,7 +1604,7 @@ class Handle:
             d.unstamped = []  # the optimizer's own step (given back in close) then takes
         for pend in {id(p): p for p in list(d.pending.values())}.values():  # (a copy: as _apply_completed)
             for fut in pend.futures:  # steps never asked for: let their all-reduces end before we leave
-                fut.wait()
+                _piece_value(fut, wait=True)
         d.pending.clear()
 
     def stats(self) -> dict:

@@ -2770,3 +2770,85 @@ def test_whole_step_checks_a_later_step_against_its_parts():
             assert torch.equal(values[id(p)], w.detach()), lowered
             assert torch.equal(states[id(p)]["m"], whole_opt.state[w]["m"]), lowered
             assert not torch.equal(p.detach(), w.detach()), lowered  # (the parts: each clipped by its own norm)
+
+
+CLOSED_APART_SCRIPT = r"""
+import datetime, faulthandler, sys, types
+import torch, torch.distributed as dist
+from tensorlane import shim
+from tensorlane.shim import ddp as shim_ddp
+faulthandler.dump_traceback_later(90, exit=True)  # (a hang ends the process: the test fails, it does not wait)
+rank, how = int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 2), rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=30))
+if how == "pairing":
+    # the mechanism itself: two ranks' closed hooks all-reduce buckets of the same size on DDP's group, rank 0 its
+    # bucket 1 of backward 4, rank 1 its bucket 0 of backward 4 (as after closes at different buckets)
+    class Bucket:
+        def __init__(self, index, value):
+            self._index, self._buf = index, torch.full((72,), float(value))
+        def index(self):
+            return self._index
+        def buffer(self):
+            return self._buf
+    state = types.SimpleNamespace(backwards=4)
+    same = shim_ddp._plain_allreduce(state, Bucket(0, 1 + rank)).wait()
+    print("same", float(same[0]), flush=True)  # (1 + 2) / 2
+    other = shim_ddp._plain_allreduce(state, Bucket(1 - rank, 1 + rank)).wait()
+    print("other", float(other[0]), flush=True)
+else:
+    mode = how
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]), bucket_cap_mb=0.0001)  # (a bucket per layer)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+    handle = shim.attach(ddp, None if mode == "hook" else opt, levels=2, agent_socket="/nonexistent/tl.sock",
+                         link_bps=2e8, policy="flat")
+    torch.manual_seed(1 + rank)
+    x = torch.randn(4, 8)
+    for i in range(6):
+        if i == 3 + rank:  # (rank 0 closes before the fourth iteration, rank 1 one iteration later)
+            handle.close()
+        ddp(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    handle.close()
+    print("finished", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _closed_apart(tmp_path, how: str) -> list[tuple[int, str, str]]:
+    env = dict(os.environ, PYTHONPATH=REPO)
+    procs = [subprocess.Popen([sys.executable, "-c", CLOSED_APART_SCRIPT, str(tmp_path / "store"), str(rank), how],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = [p.communicate(timeout=150) for p in procs]
+    return [(p.returncode, o, e) for p, (o, e) in zip(procs, outs, strict=True)]
+
+
+@pytest.mark.torch
+def test_all_reduces_after_close_of_different_buckets_raise(tmp_path):
+    """After ``close()`` a rank's buckets are DDP's own all-reduces, on DDP's group. Ranks that closed at different
+    points (one at a bucket of a backward, another at a later one, or an iteration later) pair one rank's bucket
+    with another bucket of the other's there: of the same size, the all-reduce completes with a wrong average,
+    silently (until 2026-11-28; docs/shim.md measured 2.8e-5 off DDP on the rank that finished). Each such
+    all-reduce is now checked first (backward, bucket, size agreed with MAX): the same bucket averages as before,
+    another raises on both ranks, saying the ranks closed at different points."""
+    res = _closed_apart(tmp_path, "pairing")
+    for rc, out, err in res:
+        assert "same 1.5" in out, err[-3000:]
+        assert rc != 0 and "other" not in out, (out, err[-3000:])
+        assert "met another rank's of another bucket or backward" in err and "same iteration" in err, err[-3000:]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("mode", ["hook", "overlap"])
+def test_ranks_closing_at_different_iterations_fail_with_the_shims_error(tmp_path, mode):
+    """Rank 0 closes its handle before the fourth iteration, rank 1 one iteration later, training going on: rank 1's
+    all-reduces of that iteration go on the shim's groups, which rank 0 destroyed, and rank 0's on DDP's. Both ranks
+    fail, each with the shim's error naming closes at different points and what to do; until 2026-11-28 they failed
+    with gloo's "Connection closed by peer" alone."""
+    res = _closed_apart(tmp_path, mode)
+    for rc, out, err in res:
+        assert rc != 0 and "finished" not in out, (out, err[-3000:])
+        assert "tensorlane: an all-reduce on" in err and "closed at another point of training" in err, err[-3000:]
