@@ -1622,7 +1622,8 @@ class Handle:
         thread than the training thread while that one is in a synchronized ``backward()`` (overlap mode: a watchdog),
         it waits up to ``timeout`` seconds for that backward's end, where the training thread closes (TimeoutError
         past it, the close still due there); a ``step()`` there once it has begun waits for it (``_await_close``).
-        Every rank must close at the same point of training (docs/shim.md)."""
+        Every rank must close at the same point of training (docs/shim.md): ranks that close at different points fail
+        with the shim's error (``CLOSED_APART``), none averaging a bucket with another rank's other bucket."""
         if self.closed or self.disabled:
             self.closed = True
             return
