@@ -4,6 +4,7 @@ Every error names the field it is about. Usage: ``cfg = load_config("/etc/tensor
 """
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import os
 import re
@@ -247,9 +248,12 @@ def _check_keys(raw) -> None:
     """Refuse anything but a table of known settings."""
     if not isinstance(raw, dict):
         raise ConfigError("<root>", "expected a table of settings")
-    unknown = sorted(set(raw) - set(_KEYS) - set(ALIASES))
+    known = sorted({*_KEYS, *ALIASES})
+    unknown = sorted(set(raw) - set(known))
     if unknown:
-        raise ConfigError(unknown[0], f"unknown setting (known: {', '.join(sorted({*_KEYS, *ALIASES}))})")
+        near = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f", did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(unknown[0], f"unknown setting{hint} (known: {', '.join(known)})")
 
 
 def _dscp(raw: dict, levels) -> tuple[int, ...]:

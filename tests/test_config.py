@@ -74,6 +74,9 @@ def test_known_settings_are_the_dataclass_fields_and_the_ansible_template_writes
     with pytest.raises(ConfigError) as err:
         from_dict({"interface": "eth0", "colour": "blue"})
     assert str(err.value).endswith(f"unknown setting (known: {', '.join(sorted(known))})")
+    with pytest.raises(ConfigError) as err:                   # a misspelt setting names the one meant
+        from_dict({"interface": "eth0", "level": 4})
+    assert f"'level': unknown setting, did you mean 'levels'? (known: {', '.join(sorted(known))})" in str(err.value)
     written = set(re.findall(r"^([a-z_]+) = ", TEMPLATE.read_text(), re.M))
     assert written and written <= known, sorted(written - known)
 
