@@ -83,6 +83,7 @@ class Api:
         self._reordered_by: dict[int, float] = {}  # uid -> when its reports last reordered the jobs (monotonic)
         self.reorder_at: float | None = None  # when a reorder a report asked for is due (the server's loop runs it)
         self.cost = 0  # tokens the last request takes beyond its own (``FILES_PER_TOKEN``): the server charges them
+        self.journal = None  # the flow table kept on disk for the next agent after a crash (handover.FlowJournal)
         self.taken_back: dict[str, int] = {}  # a hand-over's flows taken back at the start, or not by reason (handover)
         table.level_of = self.jobs.level_of
         self.jobs.update(table)
@@ -576,7 +577,9 @@ class Api:
             for k in flows:
                 if k not in foreign:
                     kept.add(k)
-                    self.table.flows[k] = self.table.flows[k]._replace(fd=found.get(k))  # (None: all read each sweep)
+                    if (e := self.table.flows[k]).fd != found.get(k):  # (None: all read each sweep)
+                        self.table.flows[k] = e._replace(fd=found.get(k))
+                        self.table.changes += 1
         return [k for k in keys if k not in kept]
 
     def _fd_of(self, key: FlowKey) -> int | None:

@@ -29,7 +29,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from tensorlane.agent.api import Api
 from tensorlane.agent.config import Config, ConfigError, others_may_write
 from tensorlane.agent.files import write_json_atomically
-from tensorlane.agent.handover import adopt_flows, flows_path, write_flows
+from tensorlane.agent.handover import FlowJournal, adopt_after_crash, adopt_flows, flows_path, write_flows
 from tensorlane.agent.kernel import detect, links, snapshot, sockdiag
 from tensorlane.agent.kernel.qdisc import MAJOR, fmt_handle, handle, make_backend
 from tensorlane.agent.notify import Notifier
@@ -1134,12 +1134,19 @@ def _run(cfg: Config, lock: list[int] | None = None) -> int:
             api = Api(cfg, table, rec, kind)
             if adopt_flows(cfg, api) is not None:  # a hand-over's flows, their owners checked as at a register:
                 rec.end_inherit()  # the marks of those not taken back go at the first pass, not after INHERIT_S
+            else:  # a killed agent's, as its file has them: the marks stay INHERIT_S (its last changes not in it)
+                adopt_after_crash(cfg, api)
+            api.journal = FlowJournal(cfg, table, lambda: api.jobs.reported)
             metrics = Metrics(cfg, api)
             _serve(cfg, api, held, table, Notifier(), _describe(egress), stop, metrics)
         finally:
             if handover.is_set():  # (SIGUSR2: a planned restart; the next agent adopts everything)
+                if api is not None and api.journal is not None:
+                    api.journal.flush()  # (the next agent's fallback, should the hand-over's file fail)
                 _hand_over(cfg, touched, held, table, api.jobs.reported if api is not None else None)
             else:
+                if api is not None and api.journal is not None:
+                    api.journal.remove()  # (the flows' marks go with the table: no agent takes them back)
                 if installed or touched:  # else nothing was changed: a killed agent's table (its flows' marks) stays
                     rec.teardown()  # (touched: devices held now; a device that left since is no longer in it)
                 restored = []

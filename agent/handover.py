@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import json
 import logging
 import os
 import pwd
+import stat
 import time
 from pathlib import Path
 
@@ -52,10 +54,93 @@ ADOPT_REQUESTS_PER_USER = 2048
 # the fd its register found, at no cost). 65,536 are 8 processes at ``MAX_OWNER_FDS``.
 ADOPT_FILES_PER_USER = 65_536
 ADOPT_CHUNK = 512  # flows per register: 1,024 (the most a message may name) of IPv4 flows exceed its 64 KiB
+CRASH_FILE = "flows.json"  # in state_dir: the flow table as it stands, for the next agent after a crash
+MAX_FILE_BYTES = 256 << 20  # read of a flow table file at most (10,000 flows: 1.7 MB; max_flows bounds it)
+# the crash path's writes (FlowJournal): the first change not written waits JOURNAL_DEBOUNCE_S for the rest of its
+# burst (a shim's registers come within milliseconds), and a write comes JOURNAL_MIN_GAP_S after the last one at
+# the earliest, or JOURNAL_PACE times its duration (at most 1/JOURNAL_PACE, 5 %, of the agent's time spent writing)
+JOURNAL_DEBOUNCE_S = 0.1
+JOURNAL_MIN_GAP_S = 0.5
+JOURNAL_PACE = 20
+JOURNAL_RETRY_S = 10.0  # after a failed write (the state_dir full or read-only): logged once until one succeeds
 
 
 def flows_path(cfg) -> Path:
     return Path(cfg.state_dir) / FLOWS_FILE
+
+
+def crash_path(cfg) -> Path:
+    return Path(cfg.state_dir) / CRASH_FILE
+
+
+class FlowJournal:
+    """The flow table kept on disk as it changes (``flows.json`` in ``state_dir``, the hand-over's format:
+    :func:`flows_doc`), so that the next agent after a crash or SIGKILL takes its flows back
+    (:func:`adopt_after_crash`). Written whole (a temporary file, then a rename), debounced and paced
+    (``JOURNAL_*``): the server loop asks :meth:`due_in` and calls :meth:`tick`. ``table.changes`` tells a change.
+    Usage: ``j = FlowJournal(cfg, table, lambda: jobs.reported); j.tick()`` in the loop; ``j.remove()`` at a stop"""
+
+    def __init__(self, cfg, table: FlowTable, reported=dict):
+        self.path = crash_path(cfg)
+        self.table = table
+        self.reported = reported  # () -> the jobs' reported inputs, written along
+        self.written: int | None = None  # table.changes at the last write (None: none yet)
+        self.since: float | None = None  # when the first change not written was seen (monotonic)
+        self.next_at = 0.0  # the earliest next write (monotonic)
+        self.starts: dict[int, int | None] = {}  # owner pid -> its start time (flows_doc's cache)
+        self.writes = 0
+        self.last_s = 0.0  # the last write's duration
+        self.failing = False
+
+    def due_in(self, now: float) -> float | None:
+        """Seconds until the next write is due (0: now), or None: nothing to write."""
+        if self.table.changes == self.written:
+            return None
+        if self.since is None:
+            self.since = now
+        return max(0.0, self.since + JOURNAL_DEBOUNCE_S - now, self.next_at - now)
+
+    def tick(self, now: float | None = None) -> bool:
+        """Write the table if a write is due; whether it was written."""
+        now = time.monotonic() if now is None else now
+        wait = self.due_in(now)
+        return wait is not None and wait <= 0 and self.write(now)
+
+    def flush(self) -> bool:
+        """Write the table now if it changed since the last write (a hand-over stop)."""
+        return self.table.changes != self.written and self.write()
+
+    def write(self, now: float | None = None) -> bool:
+        """Write the table now (``now``: the loop's monotonic time, the pacing's); a failure is logged (once until a
+        write succeeds) and retried later."""
+        t0 = time.monotonic()
+        now = t0 if now is None else now
+        changes = self.table.changes
+        owners = self.table.by_pid
+        for pid in [p for p in self.starts if p not in owners]:
+            del self.starts[pid]  # (an owner without flows: its pid may be another process's by the next one)
+        doc = flows_doc(self.table, self.reported(), self.starts)
+        try:
+            write_json_atomically(self.path, doc, 0o600)
+        except OSError as exc:
+            if not self.failing:
+                log.error("cannot write the flow table to %s: %s (retried every %.0f s; an agent killed meanwhile "
+                          "loses the flows of clients that do not register again)", self.path, exc, JOURNAL_RETRY_S)
+            self.failing = True
+            self.next_at = now + JOURNAL_RETRY_S
+            return False
+        if self.failing:
+            log.warning("the flow table is written to %s again", self.path)
+        self.failing = False
+        self.written, self.since, self.writes = changes, None, self.writes + 1
+        self.last_s = time.monotonic() - t0
+        self.next_at = now + max(JOURNAL_MIN_GAP_S, JOURNAL_PACE * self.last_s)
+        return True
+
+    def remove(self) -> None:
+        """Remove the file (a stop that restores: the flows' marks are gone with the agent's table)."""
+        with contextlib.suppress(OSError):
+            self.path.unlink()
 
 
 def boot_id() -> str:
@@ -72,11 +157,11 @@ def netns_id() -> list[int]:
     return list(netns_of("self"))
 
 
-def write_flows(cfg, table: FlowTable, reported: dict | None = None) -> int:
-    """Write ``table``'s flows (not those draining: their owners let go) and the jobs' ``reported`` inputs
-    (``JobScheduler.reported``) for the next agent; returns how many flows. A failure is logged: the next agent then
-    keeps the kernel's marks for ``INHERIT_S`` only."""
-    starts: dict[int, int | None] = {}
+def flows_doc(table: FlowTable, reported: dict | None = None, starts: dict[int, int | None] | None = None) -> dict:
+    """The flow table file's document: ``table``'s flows (not those draining: their owners let go; not those whose
+    owner is gone already: the sweep would drop them) and the jobs' ``reported`` inputs. ``starts`` caches each
+    owner's start time (:func:`process_start`) from one document to the next (the journal's)."""
+    starts = {} if starts is None else starts
     flows = []
     for key, e in table.flows.items():
         if key in table.draining:
@@ -88,41 +173,78 @@ def write_flows(cfg, table: FlowTable, reported: dict | None = None) -> int:
         flows.append({"flow": list(key), "job": e.job, "level": e.level, "rank": e.rank, "run": e.run,
                       "pid": e.pid, "start": starts.get(e.pid), "uid": e.uid,
                       "fd": None if e.fd_found else e.fd})
-    doc = {"format": FLOWS_FORMAT, "boot_id": boot_id(), "netns": netns_id(), "agent_pid": os.getpid(),
-           "written_at": time.time(), "flows": flows, "reported": reported or {}}
+    return {"format": FLOWS_FORMAT, "boot_id": boot_id(), "netns": netns_id(), "agent_pid": os.getpid(),
+            "agent_start": process_start(os.getpid()), "written_at": time.time(), "flows": flows,
+            "reported": reported or {}}
+
+
+def write_flows(cfg, table: FlowTable, reported: dict | None = None) -> int:
+    """Write ``table``'s flows and the jobs' ``reported`` inputs (``JobScheduler.reported``) for the next agent
+    (:func:`flows_doc`); returns how many flows. A failure is logged: the next agent then takes back the flow table
+    the crash path kept (:class:`FlowJournal`), as after a crash."""
+    doc = flows_doc(table, reported)
     path = flows_path(cfg)
     try:
         write_json_atomically(path, doc, 0o600)
     except OSError as exc:
-        log.error("handing over: cannot write the flow table to %s: %s (the next agent keeps the flows' marks for "
-                  "a few seconds only: clients that do not register again lose their levels)", path, exc)
+        log.error("handing over: cannot write the flow table to %s: %s (the next agent takes back the one kept for "
+                  "a crash, %s, up to its last write)", path, exc, crash_path(cfg))
         return 0
-    return len(flows)
+    return len(doc["flows"])
 
 
-def _read(cfg) -> tuple[list[dict] | None, dict]:
-    """The flows and reported inputs a hand-over left, after the file's checks (None: no file, or not one to take);
-    the file is removed (read once)."""
-    path = flows_path(cfg)
+def read_own_file(path: Path, limit: int = MAX_FILE_BYTES) -> str | None:
+    """The text of ``path``, a file the agent wrote itself (None: no such file), opened through no link
+    (``O_NOFOLLOW``) and read only when it is a plain file of the agent's own user (root), with one link and written
+    by no one else (not group or other writable): a local user who can make a file or a link in ``state_dir``
+    cannot hand the next agent flows of its own. Raises OSError (with the reason) otherwise."""
     try:
-        with open(path) as fh:
-            raw = fh.read(256 << 20)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        return None, {}
+        return None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a symbolic link, not the agent's file") from None
+        raise
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 or st.st_mode & 0o022:
+            raise OSError(errno.EPERM, f"not the agent's own file (a plain file of uid {os.geteuid()}, one link, "
+                                       f"mode 0600; found uid {st.st_uid}, mode {stat.filemode(st.st_mode)}, "
+                                       f"{st.st_nlink} links)")
+        return fh.read(limit).decode()
+
+
+def _read(path: Path, what: str, gone_writer: bool = False) -> tuple[list[dict] | None, dict]:
+    """The flows and reported inputs of a flow table file (``what``: whose, for the log), after the file's checks
+    (None: no file, or not one to take); the file is removed (read once). With ``gone_writer`` (the crash path's),
+    a file whose agent still runs (its pid and start time) is not taken, nor removed."""
+    try:
+        raw = read_own_file(path)
+    except (OSError, UnicodeDecodeError) as exc:
         log.warning("cannot read %s: %s (its flows are not taken back; their clients register again)", path, exc)
-        return None, {}
-    finally:
         with contextlib.suppress(OSError):
             path.unlink()
+        return None, {}
+    if raw is None:
+        return None, {}
     try:
         doc = json.loads(raw)
         fmt, flows, reported = doc.get("format", 1), doc["flows"], doc.get("reported") or {}
         if not isinstance(flows, list) or not isinstance(reported, dict):
             raise TypeError("flows is not a list, or reported not an object")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.warning("%s is not a hand-over's flow table (%s): not taken back", path, exc)
+        log.warning("%s is not %s flow table, or was cut short (%s): its flows are not taken back (their clients "
+                    "register again)", path, what, exc)
+        with contextlib.suppress(OSError):
+            path.unlink()
         return None, {}
+    if gone_writer and _writer_runs(doc):
+        log.warning("%s is the flow table of agent pid %s, which still runs: not taken back", path,
+                    doc.get("agent_pid"))
+        return None, {}
+    with contextlib.suppress(OSError):
+        path.unlink()
     if not isinstance(fmt, int) or fmt > FLOWS_FORMAT:
         log.warning("%s is of format %r, newer than this agent's (%d): its flows are not taken back (their clients "
                     "register again)", path, fmt, FLOWS_FORMAT)
@@ -131,6 +253,15 @@ def _read(cfg) -> tuple[list[dict] | None, dict]:
         log.warning("%s was written in another boot or network namespace: its flows are not taken back", path)
         return None, {}
     return flows, reported
+
+
+def _writer_runs(doc: dict) -> bool:
+    """Whether the agent that wrote a flow table file still runs: its pid holds the same process (its start time,
+    as a device's record tells a live agent's from a dead one's, ``daemon._agent_runs``); never this agent."""
+    pid, start = doc.get("agent_pid"), doc.get("agent_start")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid == os.getpid() or not isinstance(start, int):
+        return False
+    return process_start(pid) == start
 
 
 def _peer(uid: int, pid: int, start: int | None, pidfd: int | None) -> tuple[Peer | None, str]:
@@ -159,15 +290,35 @@ def _peer(uid: int, pid: int, start: int | None, pidfd: int | None) -> tuple[Pee
 
 def adopt_flows(cfg, api) -> dict[str, int] | None:
     """Register again, through ``api``, the flows a hand-over left (:func:`write_flows`); returns counts
-    ``{"adopted": n, reason: n, ...}`` and logs them (None: no hand-over's table was read). Each owner's flows go
+    ``{"adopted": n, reason: n, ...}`` and logs them (None: no hand-over's table was read). The crash path's file is
+    then stale (the hand-over's is the later): removed. See :func:`_adopt`."""
+    flows, reported = _read(flows_path(cfg), "a hand-over's")
+    if flows is None:
+        return None
+    with contextlib.suppress(OSError):
+        crash_path(cfg).unlink()
+    return _adopt(cfg, api, flows, reported, "the agent that handed over")
+
+
+def adopt_after_crash(cfg, api) -> dict[str, int] | None:
+    """Register again, through ``api``, the flows of the flow table a killed agent kept (:class:`FlowJournal`), as
+    :func:`adopt_flows` does a hand-over's, with the same checks; None: no such table was read (none, its agent still
+    runs, cut short, another boot's). Its flows registered in the last moments before the crash (the journal's
+    debounce) are not in it: the caller keeps the kernel's marks for ``INHERIT_S`` all the same."""
+    flows, reported = _read(crash_path(cfg), "a killed agent's", gone_writer=True)
+    if flows is None:
+        return None
+    return _adopt(cfg, api, flows, reported, "the killed agent kept in its file")
+
+
+def _adopt(cfg, api, flows: list, reported: dict, whose: str) -> dict[str, int]:
+    """Register again the ``flows`` of a flow table file; returns counts ``{"adopted": n, reason: n, ...}`` and
+    logs them (``whose``: the table's, for the log). Each owner's flows go
     in requests of one job, level, rank and run, checked as its own would be, after one look at its open files for
     the sockets it no longer holds (:func:`_not_held`); a request still refused is split until the flows at fault
     are found, a flow refused ``limit`` ends its group, and a user takes at most ``ADOPT_REQUESTS_PER_USER``."""
-    flows, reported = _read(cfg)
     counts: collections.Counter = collections.Counter()  # flows by outcome: "adopted", or why not
     requests: collections.Counter = collections.Counter()  # registers made, by user (None: privileged)
-    if flows is None:
-        return None
     if not flows:
         return dict(counts)
     groups: dict[tuple, list[dict]] = {}
@@ -253,7 +404,7 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
     _take_reported(api, reported, taken)
     adopted = counts.pop("adopted", 0)
     dropped = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
-    log.warning("took back %d of the %d flows the agent that handed over registered%s", adopted, len(flows),
+    log.warning("took back %d of the %d flows %s%s", adopted, len(flows), whose,
                 f" (not taken back: {dropped})" if dropped else "")
     api.taken_back = {"adopted": adopted, **counts}  # (tensorlane_agent_handover_flows_total: not the requests')
     return dict(api.taken_back)

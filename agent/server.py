@@ -260,6 +260,8 @@ class Server:
                     timeout = min(timeout, self.api.reorder_at - now)
                 if jobs.samples_wanted() or jobs.rerank_wanted():
                     timeout = min(timeout, next_sample - now)
+                if self.api.journal is not None and (due := self.api.journal.due_in(now)) is not None:
+                    timeout = min(timeout, due)  # (the flow table's file for a crash: debounced, paced)
             for key, events in self.sel.select(max(0.0, timeout)):
                 kind, data = key.data
                 if kind == "listen":
@@ -273,6 +275,8 @@ class Server:
             if self.paused:
                 self._resume_paused(time.monotonic())
             self._work()
+            if self.api.journal is not None:
+                self._guarded("writing the flow table", self.api.journal.tick)
             if jobs.epoch_due():  # a new rotation epoch: a new job order
                 self._guarded("reordering the jobs", self.api.reorder)
             if self.api.reorder_at is not None and time.monotonic() >= self.api.reorder_at:  # a report's, held back

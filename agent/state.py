@@ -74,6 +74,7 @@ class FlowTable:
         # flows whose owner let go of the socket while the kernel still sends what was written to it (``drain``):
         # key -> monotonic deadline, oldest first; no longer in ``by_pid``
         self.draining: dict[FlowKey, float] = {}
+        self.changes = 0  # counts the changes of ``flows`` and ``draining``: the crash path's file follows it
 
     def effective_level(self, key: FlowKey) -> int:
         """The level flow ``key`` gets in the kernel (``level_of`` of its entry)."""
@@ -115,6 +116,7 @@ class FlowTable:
         if len(self.flows) + len(added) > self.max_flows:
             raise ProtocolError("limit", f"registering {len(added)} flows would exceed {self.max_flows}")
         now = time.time()
+        self.changes += 1
         for key in flows:
             self._forget_owner(key)
             self.flows[key] = FlowEntry(job, level, rank, pid, uid, now, floor, run,
@@ -191,6 +193,7 @@ class FlowTable:
         """Keep ``keys`` (registered flows whose owner closed the socket or exited) at their level until ``until``
         or until ``drop``: the kernel still sends what was written before the close. They no longer count as
         their process's (``by_pid``); they stay their job's and their user's."""
+        self.changes += bool(keys)
         for key in keys:
             entry = self.flows[key]
             if entry.pid is not None:
@@ -202,6 +205,7 @@ class FlowTable:
     def drop(self, keys: list[FlowKey]) -> list[FlowKey]:
         """Remove ``keys`` whatever their job (their sockets are gone); return those that were present."""
         gone = [k for k in keys if k in self.flows]
+        self.changes += bool(gone)
         for key in gone:
             self._forget_owner(key)
             del self.flows[key]
@@ -241,6 +245,7 @@ class FlowTable:
             for key in gone:
                 if self.flows[key].uid not in (None, uid):
                     raise ProtocolError("forbidden", f"flow {key} was registered by another user")
+        self.changes += bool(gone)
         for key in gone:
             self._forget_owner(key)
             del self.flows[key]

@@ -748,6 +748,66 @@ def test_a_hand_over_passes_the_flow_table_to_the_next_agent(tb, tmp_path):
             p.wait(5)
 
 
+def test_a_killed_agents_flow_table_is_taken_back_by_the_next_agent(tb, tmp_path):
+    """SIGKILL (a crash) with three flows registered once by their own processes, as ``AgentClient`` users do (no
+    shim registering again): the next agent takes back, from the file the killed agent kept (``flows.json``), the
+    two whose owners still hold their sockets, at their levels, and their marks stay past ``INHERIT_S`` with no
+    register from their clients; the flow whose socket was closed while no agent ran is not taken back and its mark
+    goes after ``INHERIT_S``. Until 2026-11-28 a crash lost the flow table: all three lost their levels 5 s after
+    the next agent started."""
+    from tensorlane.agent.handover import CRASH_FILE
+    from tensorlane.agent.reconcile import INHERIT_S
+
+    h1, h2 = tb.host(1), tb.host(2)
+    extra = {"reconcile_interval_s": 0.5}
+
+    def marks() -> str:
+        return "".join(h1.run(["nft", "list", "map", "inet", "tensorlane", m]).stdout for m in ("flows4", "uflows4"))
+
+    holders = []
+    try:
+        with pytest.raises(AgentStartError, match="exited with -9"):
+            with running_agents(tb, hosts=[1], backend="htb", workdir=str(tmp_path), config_extra=extra) as agents:
+                state_dir = os.path.dirname(agents[1].socket)
+                for sport, level, named in ((9851, 1, "1"), (9852, 2, "0"), (9853, 1, "1")):
+                    p = h1.popen([sys.executable, "-c", HOLDER, agents[1].socket, h1.ip, str(sport), h2.ip, "9850",
+                                  str(level), named], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                    holders.append(p)
+                    assert p.stdout.readline().strip() == "registered"
+                assert agents[1].status()["flows"] == 3
+                wait_for("the flow table written", lambda: len(_flows_in(f"{state_dir}/{CRASH_FILE}")) == 3, 3)
+                agents[1].proc.kill()
+                agents[1].proc.wait(5)
+        holders[2].stdin.write("close\n")  # while no agent runs: its socket closed, its process alive
+        holders[2].stdin.flush()
+        assert holders[2].stdout.readline().strip() == "closed"
+        with running_agents(tb, hosts=[1], backend="htb", config_extra=extra) as agents:
+            started = time.monotonic()
+            with agents[1].client() as agent:
+                got = {f["sport"]: f["requested_level"] for f in agent.list()["flows"]}
+            assert got == {9851: 1, 9852: 2}, got
+            log = agents[1].stderr_tail()
+            assert "took back 2 of the 3 flows the killed agent kept" in log and "1 not_owner" in log, log
+            time.sleep(max(0.0, INHERIT_S + 1.5 - (time.monotonic() - started)))  # past the kept marks' window
+            m = marks()
+            assert "9851 . 9850 : goto level1" in m and "9852 . 9850 : goto level2" in m, m
+            assert "9853" not in m, m
+            assert agents[1].status()["flows"] == 2
+    finally:
+        for p in holders:
+            p.kill()
+            p.wait(5)
+
+
+def _flows_in(path: str) -> list:
+    """The flows of a flow table file (none: no file yet)."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)["flows"]
+    except (OSError, ValueError):
+        return []
+
+
 def test_another_users_socket_on_the_metrics_port_after_a_hand_over_does_not_keep_the_agent_down(tmp_path):
     """A hand-over restart (SIGUSR2) leaves the devices taken over and the flow marks for the next agent; in the gap
     a local user (nobody) binds and listens on the metrics port (9477: any user may). The next agent starts all the

@@ -316,3 +316,98 @@ def test_a_user_whose_registers_are_spent_costs_no_look_at_its_processes(tmp_pat
     out = handover.adopt_flows(_cfg(tmp_path), api)
     assert out["requests"] == 12 and len(api.calls) == 8, out
     assert len(looks) == 8, len(looks)
+
+
+def _write_crash(tmp_path, flows, **doc):
+    body = {"format": 1, "boot_id": handover.boot_id(), "netns": handover.netns_id(), "flows": flows} | doc
+    path = tmp_path / handover.CRASH_FILE
+    path.write_text(json.dumps(body))
+    path.chmod(0o600)
+    return path
+
+
+def test_the_crash_paths_file_follows_the_table_one_write_a_burst_paced(tmp_path):
+    """The flow table kept for a crash (``FlowJournal``): nothing is due while the table is as written; a burst of
+    registers is one write, ``JOURNAL_DEBOUNCE_S`` after its first, and the next comes ``JOURNAL_MIN_GAP_S`` after
+    it at the earliest; what it writes is the hand-over's document, which the next agent takes back."""
+    table = FlowTable(4)
+    journal = handover.FlowJournal(_cfg(tmp_path), table, lambda: {"job-a": {"step_bytes": 1}})
+    assert not journal.tick(100.0)  # (a fresh agent's empty table: written too, JOURNAL_DEBOUNCE_S later)
+    assert journal.tick(100.0 + handover.JOURNAL_DEBOUNCE_S) and journal.writes == 1
+    assert journal.due_in(100.2) is None
+    for i in range(100):  # a burst
+        table.register("job-a", 1, (_key(i),), pid=None, uid=None)
+        assert not journal.tick(100.2 + i * 1e-4)
+    assert journal.due_in(100.25) > 0
+    assert journal.tick(100.0 + handover.JOURNAL_DEBOUNCE_S + handover.JOURNAL_MIN_GAP_S) and journal.writes == 2
+    doc = json.loads((tmp_path / handover.CRASH_FILE).read_text())
+    assert len(doc["flows"]) == 100 and doc["reported"] == {"job-a": {"step_bytes": 1}}
+    assert doc["agent_pid"] == os.getpid() and doc["agent_start"] == process_start(os.getpid())
+    assert oct((tmp_path / handover.CRASH_FILE).stat().st_mode & 0o777) == "0o600"
+    table.drop([_key(0)])
+    last = 100.0 + handover.JOURNAL_DEBOUNCE_S + handover.JOURNAL_MIN_GAP_S
+    assert not journal.tick(last + 0.01)  # (the change seen)
+    assert not journal.tick(last + handover.JOURNAL_MIN_GAP_S - 0.01)  # paced: JOURNAL_MIN_GAP_S after the last one
+    assert journal.tick(last + handover.JOURNAL_MIN_GAP_S) and journal.writes == 3
+    table.register("job-a", 2, (_key(0),), pid=None, uid=None)
+    journal.remove()
+    assert not (tmp_path / handover.CRASH_FILE).exists()
+
+
+def test_a_killed_agents_file_is_taken_back_with_the_hand_overs_checks(tmp_path):
+    """The crash path's file goes through the hand-over's checks: an owner whose pid is another process now (a file
+    from long ago: its flows' sockets may be another user's since) or gone is not taken back; a hand-over's file,
+    when there is one, wins and the crash path's is removed."""
+    api = FakeApi()
+    api.policy.must_own = lambda peer: False
+    reused = dict(_flow(1), pid=os.getpid(), start=process_start(os.getpid()) + 1, uid=os.getuid())
+    other_user = dict(_flow(2), pid=os.getpid(), start=process_start(os.getpid()), uid=os.getuid() + 4242)
+    same = dict(_flow(3), pid=os.getpid(), start=process_start(os.getpid()), uid=os.getuid())
+    path = _write_crash(tmp_path, [reused, other_user, same], agent_pid=2**22 + 1, agent_start=1)
+    assert handover.adopt_after_crash(_cfg(tmp_path), api) == {"adopted": 1, "owner_changed_user": 1,
+                                                              "owner_gone": 1}
+    assert not path.exists()  # read once
+    assert handover.adopt_after_crash(_cfg(tmp_path), FakeApi()) is None  # none: the marks kept INHERIT_S only
+    _write_crash(tmp_path, [same])
+    _write(tmp_path, [])
+    assert handover.adopt_flows(_cfg(tmp_path), FakeApi()) == {}
+    assert not path.exists()  # (the hand-over's is the later)
+
+
+def test_a_crash_file_not_the_agents_own_or_cut_short_or_of_a_live_agent_is_not_taken(tmp_path, caplog):
+    """The crash path's file is taken only as the agent wrote it: not through a symbolic link, not a file of
+    another user (a local user who can write in the state directory could inject flows), not one others may write,
+    nor one cut short (a half-written file, logged); nor while the agent that writes it still runs (its pid and
+    start time), which keeps its file."""
+    import subprocess
+
+    flow = dict(_flow(1), uid=0)
+    target = tmp_path / "elsewhere.json"
+    target.write_text(json.dumps({"format": 1, "boot_id": handover.boot_id(), "netns": handover.netns_id(),
+                                  "flows": [flow]}))
+    target.chmod(0o600)
+    (tmp_path / handover.CRASH_FILE).symlink_to(target)
+    assert handover.adopt_after_crash(_cfg(tmp_path), FakeApi()) is None
+    assert "symbolic link" in caplog.text
+    for owner, mode in ((65534, 0o600), (0, 0o666)):
+        path = _write_crash(tmp_path, [flow])
+        os.chown(path, owner, owner)
+        path.chmod(mode)
+        api = FakeApi()
+        assert handover.adopt_after_crash(_cfg(tmp_path), api) is None and api.calls == [], (owner, mode)
+        assert "not the agent's own file" in caplog.text
+    path = _write_crash(tmp_path, [flow])
+    path.write_text(path.read_text()[:40])
+    caplog.clear()
+    assert handover.adopt_after_crash(_cfg(tmp_path), FakeApi()) is None
+    assert "cut short" in caplog.text and not path.exists()
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        path = _write_crash(tmp_path, [flow], agent_pid=live.pid, agent_start=process_start(live.pid))
+        api = FakeApi()
+        assert handover.adopt_after_crash(_cfg(tmp_path), api) is None and api.calls == []
+        assert "which still runs" in caplog.text and path.exists()
+    finally:
+        live.kill()
+        live.wait()
+    assert handover.adopt_after_crash(_cfg(tmp_path), FakeApi()) == {"adopted": 1}  # its agent gone now
