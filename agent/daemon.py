@@ -898,6 +898,8 @@ def _serve(cfg: Config, api: Api, held: HeldDevices, table: FlowTable, notifier:
         if api.jobs.follow_link(rec.share_budget(), rec.link_bps()):  # the devices held changed: the parts follow
             rec.set_shares(api.jobs.shares)
         rec.reconcile(table, problems)
+        if api.journal is not None:
+            api.journal.touch()  # (alive: a killed agent's flows without an owner are taken back from a fresh file)
         notifier.watchdog()
 
     try:

@@ -62,6 +62,10 @@ MAX_FILE_BYTES = 256 << 20  # read of a flow table file at most (10,000 flows: 1
 JOURNAL_DEBOUNCE_S = 0.1
 JOURNAL_MIN_GAP_S = 0.5
 JOURNAL_PACE = 20
+# a killed agent's flows registered without an owner process (root's, or trusted_users' without check_ownership:
+# no process, start time or socket to check) are taken back only from a file that agent touched this recently (each
+# reconcile pass): from an older one their 5-tuples may be another user's connections since (``stale``)
+CRASH_OWNERLESS_S = 120.0
 JOURNAL_RETRY_S = 10.0  # after a failed write (the state_dir full or read-only): logged once until one succeeds
 
 
@@ -137,6 +141,12 @@ class FlowJournal:
         self.next_at = now + max(JOURNAL_MIN_GAP_S, JOURNAL_PACE * self.last_s)
         return True
 
+    def touch(self) -> None:
+        """Stamp the file as this agent's, alive now (each reconcile pass; ``CRASH_OWNERLESS_S``)."""
+        if self.written is not None:
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
     def remove(self) -> None:
         """Remove the file (a stop that restores: the flows' marks are gone with the agent's table)."""
         with contextlib.suppress(OSError):
@@ -193,11 +203,11 @@ def write_flows(cfg, table: FlowTable, reported: dict | None = None) -> int:
     return len(doc["flows"])
 
 
-def read_own_file(path: Path, limit: int = MAX_FILE_BYTES) -> str | None:
-    """The text of ``path``, a file the agent wrote itself (None: no such file), opened through no link
-    (``O_NOFOLLOW``) and read only when it is a plain file of the agent's own user (root), with one link and written
-    by no one else (not group or other writable): a local user who can make a file or a link in ``state_dir``
-    cannot hand the next agent flows of its own. Raises OSError (with the reason) otherwise."""
+def read_own_file(path: Path, limit: int = MAX_FILE_BYTES) -> tuple[str, float] | None:
+    """The text and modification time of ``path``, a file the agent wrote itself (None: no such file), opened
+    through no link (``O_NOFOLLOW``) and read only when it is a plain file of the agent's own user (root), with one
+    link and written by no one else (not group or other writable): a local user who can make a file or a link in
+    ``state_dir`` cannot hand the next agent flows of its own. Raises OSError (with the reason) otherwise."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -212,22 +222,24 @@ def read_own_file(path: Path, limit: int = MAX_FILE_BYTES) -> str | None:
             raise OSError(errno.EPERM, f"not the agent's own file (a plain file of uid {os.geteuid()}, one link, "
                                        f"mode 0600; found uid {st.st_uid}, mode {stat.filemode(st.st_mode)}, "
                                        f"{st.st_nlink} links)")
-        return fh.read(limit).decode()
+        return fh.read(limit).decode(), st.st_mtime
 
 
-def _read(path: Path, what: str, gone_writer: bool = False) -> tuple[list[dict] | None, dict]:
-    """The flows and reported inputs of a flow table file (``what``: whose, for the log), after the file's checks
-    (None: no file, or not one to take); the file is removed (read once). With ``gone_writer`` (the crash path's),
+def _read(path: Path, what: str, gone_writer: bool = False) -> tuple[list[dict] | None, dict, float]:
+    """The flows, reported inputs and age (seconds since it was last written or touched) of a flow table file
+    (``what``: whose, for the log), after the file's checks (None: no file, or not one to take); the file is removed
+    (read once). With ``gone_writer`` (the crash path's),
     a file whose agent still runs (its pid and start time) is not taken, nor removed."""
     try:
-        raw = read_own_file(path)
+        got = read_own_file(path)
     except (OSError, UnicodeDecodeError) as exc:
         log.warning("cannot read %s: %s (its flows are not taken back; their clients register again)", path, exc)
         with contextlib.suppress(OSError):
             path.unlink()
-        return None, {}
-    if raw is None:
-        return None, {}
+        return None, {}, 0.0
+    if got is None:
+        return None, {}, 0.0
+    raw, age = got[0], time.time() - got[1]
     try:
         doc = json.loads(raw)
         fmt, flows, reported = doc.get("format", 1), doc["flows"], doc.get("reported") or {}
@@ -238,21 +250,21 @@ def _read(path: Path, what: str, gone_writer: bool = False) -> tuple[list[dict] 
                     "register again)", path, what, exc)
         with contextlib.suppress(OSError):
             path.unlink()
-        return None, {}
+        return None, {}, age
     if gone_writer and _writer_runs(doc):
         log.warning("%s is the flow table of agent pid %s, which still runs: not taken back", path,
                     doc.get("agent_pid"))
-        return None, {}
+        return None, {}, age
     with contextlib.suppress(OSError):
         path.unlink()
     if not isinstance(fmt, int) or fmt > FLOWS_FORMAT:
         log.warning("%s is of format %r, newer than this agent's (%d): its flows are not taken back (their clients "
                     "register again)", path, fmt, FLOWS_FORMAT)
-        return None, {}
+        return None, {}, age
     if doc.get("boot_id") != boot_id() or doc.get("netns") != netns_id():
         log.warning("%s was written in another boot or network namespace: its flows are not taken back", path)
-        return None, {}
-    return flows, reported
+        return None, {}, age
+    return flows, reported, age
 
 
 def _writer_runs(doc: dict) -> bool:
@@ -292,7 +304,7 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
     """Register again, through ``api``, the flows a hand-over left (:func:`write_flows`); returns counts
     ``{"adopted": n, reason: n, ...}`` and logs them (None: no hand-over's table was read). The crash path's file is
     then stale (the hand-over's is the later): removed. See :func:`_adopt`."""
-    flows, reported = _read(flows_path(cfg), "a hand-over's")
+    flows, reported, _age = _read(flows_path(cfg), "a hand-over's")
     if flows is None:
         return None
     with contextlib.suppress(OSError):
@@ -305,22 +317,29 @@ def adopt_after_crash(cfg, api) -> dict[str, int] | None:
     :func:`adopt_flows` does a hand-over's, with the same checks; None: no such table was read (none, its agent still
     runs, cut short, another boot's). Its flows registered in the last moments before the crash (the journal's
     debounce) are not in it: the caller keeps the kernel's marks for ``INHERIT_S`` all the same."""
-    flows, reported = _read(crash_path(cfg), "a killed agent's", gone_writer=True)
+    flows, reported, age = _read(crash_path(cfg), "a killed agent's", gone_writer=True)
     if flows is None:
         return None
-    return _adopt(cfg, api, flows, reported, "the killed agent kept in its file")
+    stale = 0
+    if age > CRASH_OWNERLESS_S:
+        kept = [f for f in flows if not isinstance(f, dict) or f.get("pid") is not None]
+        stale, flows = len(flows) - len(kept), kept
+    return _adopt(cfg, api, flows, reported, "the killed agent kept in its file", {"stale": stale} if stale else {},
+                  f", {age:.0f} s before this start")
 
 
-def _adopt(cfg, api, flows: list, reported: dict, whose: str) -> dict[str, int]:
+def _adopt(cfg, api, flows: list, reported: dict, whose: str, left: dict[str, int] | None = None,
+           when: str = "") -> dict[str, int]:
     """Register again the ``flows`` of a flow table file; returns counts ``{"adopted": n, reason: n, ...}`` and
-    logs them (``whose``: the table's, for the log). Each owner's flows go
+    logs them (``whose``: the table's, ``when`` its age, for the log; ``left``: flows left out before, by reason).
+    Each owner's flows go
     in requests of one job, level, rank and run, checked as its own would be, after one look at its open files for
     the sockets it no longer holds (:func:`_not_held`); a request still refused is split until the flows at fault
     are found, a flow refused ``limit`` ends its group, and a user takes at most ``ADOPT_REQUESTS_PER_USER``."""
-    counts: collections.Counter = collections.Counter()  # flows by outcome: "adopted", or why not
+    counts: collections.Counter = collections.Counter(left or {})  # flows by outcome: "adopted", or why not
     requests: collections.Counter = collections.Counter()  # registers made, by user (None: privileged)
-    if not flows:
-        return dict(counts)
+    if not flows and not counts:
+        return {}
     groups: dict[tuple, list[dict]] = {}
     for f in flows:
         try:
@@ -404,7 +423,7 @@ def _adopt(cfg, api, flows: list, reported: dict, whose: str) -> dict[str, int]:
     _take_reported(api, reported, taken)
     adopted = counts.pop("adopted", 0)
     dropped = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
-    log.warning("took back %d of the %d flows %s%s", adopted, len(flows), whose,
+    log.warning("took back %d of the %d flows %s%s%s", adopted, len(flows) + sum((left or {}).values()), whose, when,
                 f" (not taken back: {dropped})" if dropped else "")
     api.taken_back = {"adopted": adopted, **counts}  # (tensorlane_agent_handover_flows_total: not the requests')
     return dict(api.taken_back)

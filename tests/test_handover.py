@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import types
 
 from tensorlane.agent import handover
@@ -411,3 +412,20 @@ def test_a_crash_file_not_the_agents_own_or_cut_short_or_of_a_live_agent_is_not_
         live.kill()
         live.wait()
     assert handover.adopt_after_crash(_cfg(tmp_path), FakeApi()) == {"adopted": 1}  # its agent gone now
+
+
+def test_a_killed_agents_flows_without_an_owner_are_not_taken_back_from_an_old_file(tmp_path, caplog):
+    """A flow registered without an owner process (root's; ``trusted_users`` without ``check_ownership``) has no
+    process, start time or socket to check: from a crash path's file older than ``CRASH_OWNERLESS_S`` (its agent
+    touches it each pass; one dead for long) its 5-tuple may be another user's connection since, so it is left out
+    (``stale``); owners' flows still go through their checks, and a fresh file's flows without an owner are taken."""
+    api = FakeApi()
+    api.policy.must_own = lambda peer: False
+    owned = dict(_flow(1), pid=os.getpid(), start=process_start(os.getpid()), uid=os.getuid())
+    path = _write_crash(tmp_path, [_flow(2), owned])
+    old = time.time() - handover.CRASH_OWNERLESS_S - 60
+    os.utime(path, (old, old))
+    assert handover.adopt_after_crash(_cfg(tmp_path), api) == {"adopted": 1, "stale": 1}
+    assert "took back 1 of the 2 flows the killed agent kept in its file" in caplog.text and "1 stale" in caplog.text
+    _write_crash(tmp_path, [_flow(2), owned])
+    assert handover.adopt_after_crash(_cfg(tmp_path), api) == {"adopted": 2}
