@@ -17,7 +17,12 @@ another boot or network namespace, or of a newer format, is dropped with a warni
 Adoption runs before the agent serves: each owner's open files are read once for all its flows, and a group refused
 ``limit`` stops at its first flow so refused, so no owner makes it cost a request per flow; one user's owners are
 read up to ``ADOPT_FILES_PER_USER`` open files in all.
-Usage: ``write_flows(cfg, table)`` at a hand-over; ``adopt_flows(cfg, api)`` before serving
+The crash path (since 2026-11-28; before, a crash or SIGKILL lost the flow table): the agent keeps the same document
+as it changes in ``flows.json`` (:class:`FlowJournal`: debounced, paced), and the next agent after a crash, with no
+hand-over's file, takes it back through the same checks (:func:`adopt_after_crash`) once the agent that wrote it is
+gone; the file is taken only as the agent wrote it (:func:`read_own_file`).
+Usage: ``write_flows(cfg, table)`` at a hand-over; ``adopt_flows(cfg, api)``, else ``adopt_after_crash(cfg, api)``,
+before serving; ``FlowJournal(cfg, table).tick()`` in the loop
 """
 from __future__ import annotations
 
