@@ -793,6 +793,9 @@ def test_a_killed_agents_flow_table_is_taken_back_by_the_next_agent(tb, tmp_path
             assert "9851 . 9850 : goto level1" in m and "9852 . 9850 : goto level2" in m, m
             assert "9853" not in m, m
             assert agents[1].status()["flows"] == 2
+            state_dir = os.path.dirname(agents[1].socket)
+            wait_for("the table written again", lambda: len(_flows_in(f"{state_dir}/{CRASH_FILE}")) == 2, 3)
+        assert not os.path.exists(f"{state_dir}/{CRASH_FILE}")  # a SIGTERM stop: the marks gone, and the file
     finally:
         for p in holders:
             p.kill()
