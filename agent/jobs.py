@@ -27,7 +27,9 @@ classes' backlog every ``job_sample_s`` (``observe``) and each of ``k`` jobs see
 once: the agent sees one queue); with two jobs the parts are the same either way. With ``job_share = "auto"`` the
 server samples with two jobs or more, and the part is ``AUTO_SHARES[0]`` while the jobs leave the link idle at
 times and ``AUTO_SHARES[1]`` while they keep it saturated (``policies.jobs.link_saturated`` over the last
-``AUTO_WINDOW_S`` of samples).
+``AUTO_WINDOW_S`` of samples). A part is one job's for root's, the agent's and ``trusted_users``' jobs; the jobs
+of one ordinary user hold one part in all, and so do those of a tier limited by ``level_limits``
+(``policies.jobs.tier_weights``), so that no user takes more of ``job_share`` by starting jobs.
 
 The jobs this agent sees (those with flows in its table) get contiguous bands of levels in that order, most urgent
 first (``policies.jobs.job_bands``), and a flow's effective level is the level its client asked for compressed into
@@ -51,6 +53,7 @@ import math
 import time
 from collections import deque
 
+from tensorlane.agent.peers import ordinary_uid
 from tensorlane.agent.state import job_id_base
 from tensorlane.flows import FlowKey
 from tensorlane.policies.jobs import (
@@ -110,6 +113,8 @@ class JobScheduler:
         self.keys: tuple = ()  # the reported inputs the order was computed from: ((job, ((input, value), ...)), ...)
         self.bands: dict[str, tuple[int, int]] = {}
         self.floors: dict[str, int] = {}  # job -> the most urgent level its users may ask for (its tier of bands)
+        self.trusted = frozenset(getattr(cfg, "trusted_users", ()) or ())
+        self.owners: dict[str, tuple] = {}  # job -> its ordinary users (not root, trusted): their jobs share a part
         self.weights: dict[str, float] = {}  # job -> its weight among the parts (policies.jobs.tier_weights)
         self.shares: dict[int, float] = {}  # level -> guaranteed share of the link (job_share among the jobs)
         self.backlogged_at: dict[str, float] = {}  # job -> when a sample last found it sending (monotonic)
@@ -171,8 +176,9 @@ class JobScheduler:
             del self.reported[gone]
         keys = self._keys(jobs)
         floors = {job: table.job_floor(job) for job in jobs}
-        if (jobs == self.jobs and epoch == self.epoch and keys == self.keys and floors == self.floors and self.bands
-                and not self.timed):
+        owners = self._owners(table, jobs)
+        if (jobs == self.jobs and epoch == self.epoch and keys == self.keys and floors == self.floors
+                and owners == self.owners and self.bands and not self.timed):
             return []
         now_s = 0.0 if epoch is None else epoch * self.epoch_s
         if self.timed:
@@ -197,7 +203,7 @@ class JobScheduler:
             if epoch != self.epoch and epoch is not None:
                 log.info("epoch %d: job order %s", epoch, ", ".join(order) or "(no jobs)")
         self.jobs, self.epoch, self.order, self.bands, self.keys = jobs, epoch, order, bands, keys
-        self.floors, self.weights = floors, tier_weights(floors)
+        self.floors, self.owners, self.weights = floors, owners, tier_weights(floors, owners)
         self.sending = self.sending & jobs if self.follows_sending() else frozenset()
         if not self.sending:
             self.backlogged_at.clear()
@@ -206,6 +212,16 @@ class JobScheduler:
             self._saturate(False, time.monotonic())
         self.shares = job_shares(bands, self.job_share, self.sending, self.budget, self.weights)
         return sorted(shifted)
+
+    def _owners(self, table, jobs) -> dict[str, tuple]:
+        """The jobs held by ordinary users alone (neither root, the agent nor ``trusted_users``): job -> those
+        users' uids. One user's jobs share one part of ``job_share`` (``policies.jobs.tier_weights``)."""
+        out = {}
+        for job in jobs:
+            users = table.job_users(job)
+            if users and all(ordinary_uid(u, self.trusted) for u in users):
+                out[job] = tuple(sorted(users))
+        return out
 
     def _tables(self, jobs) -> dict[str, dict]:
         """``job_priority`` and ``job_intensity`` for ``jobs``: a user's own job under an id another user holds

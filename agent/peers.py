@@ -49,6 +49,12 @@ def user_name(uid: int) -> str:
     return name
 
 
+def ordinary_uid(uid: int | None, trusted: frozenset[str] | tuple[str, ...]) -> bool:
+    """Whether ``uid`` is an ordinary user, capped per user (its jobs' parts of ``job_share``, its metric series):
+    neither root, nor the agent itself (None), nor one of ``trusted`` (``trusted_users``)."""
+    return uid not in (None, 0) and user_name(uid) not in trusted
+
+
 @dataclass(frozen=True)
 class Peer:
     pid: int

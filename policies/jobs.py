@@ -302,18 +302,26 @@ def banded_level(band: tuple[int, int], requested: int, levels: int, floor: int 
     return max(first + requested * width // levels, floor)
 
 
-def tier_weights(floors: Mapping[str, int]) -> dict[str, float]:
-    """Each job's weight among the parts (:func:`job_shares`): 1 for a job of the most privileged tier present
-    (the least ``floors`` value), ``1/k`` for each of the ``k`` jobs of any other tier, so that a tier of users
-    limited to less urgent levels holds one job's part in all, however many jobs its users start.
+def tier_weights(floors: Mapping[str, int], owners: Mapping[str, object] | None = None) -> dict[str, float]:
+    """Each job's weight among the parts (:func:`job_shares`): the jobs of one group hold one job's part in all,
+    ``1/k`` each for the ``k`` jobs of their group, however many jobs a user starts. A job of a tier of users
+    limited to less urgent levels than the most privileged tier present (the least ``floors`` value) is in its
+    tier's group; a job of the most privileged tier is in its owner's group (``owners``: job -> the one user that
+    holds it, for a user that is neither root nor trusted) or, not named there (root's, a trusted user's), a group of
+    its own (weight 1). The weights depend only on who holds the jobs, never on their order.
 
-    Usage: ``tier_weights({"root-a": 0, "u1": 2, "u2": 2}) == {"root-a": 1.0, "u1": 0.5, "u2": 0.5}``
+    Usage: ``tier_weights({"root-a": 0, "u1": 2, "u2": 2}) == {"root-a": 1.0, "u1": 0.5, "u2": 0.5}``;
+    ``tier_weights({"r": 0, "a1": 0, "a2": 0, "b": 0}, {"a1": 1000, "a2": 1000, "b": 1001})`` gives ``r`` and ``b``
+    1 each, ``a1`` and ``a2`` 0.5 each
     """
     if not floors:
         return {}
     top = min(floors.values())
-    sizes = Counter(floors.values())
-    return {job: 1.0 if f == top else 1.0 / sizes[f] for job, f in floors.items()}
+    owners = owners or {}
+    group = {job: ("tier", f) if f != top else ("user", owners[job]) if job in owners else ("job", job)
+             for job, f in floors.items()}
+    sizes = Counter(group.values())
+    return {job: 1.0 / sizes[g] for job, g in group.items()}
 
 
 def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float,
@@ -339,7 +347,7 @@ def job_shares(bands: Mapping[str, tuple[int, int]], job_share: float,
     Priority still decides whatever the guarantees leave: the most urgent job takes all the link the others do not
     use, and with ``job_share`` near 1 a saturated link is shared about as under FIFO.
     ``weights`` (default 1 each; :func:`tier_weights`) counts a job as that fraction of one among the ``n`` and
-    the ``k``: the jobs of a limited tier share one part.
+    the ``k``: the jobs of a limited tier share one part, and so do one ordinary user's jobs.
     Usage: ``job_shares({"x": (0, 2), "y": (2, 2)}, 0.5) == {0: 0.25, 2: 0.25}``;
     ``job_shares({"x": (0, 1), "y": (1, 1), "z": (2, 2)}, 0.9, {"x", "z"})`` gives x and z 0.45 each and the idle
     y the 0.1 they leave, not 0.3

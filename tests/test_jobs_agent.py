@@ -965,6 +965,38 @@ def test_a_limited_users_jobs_share_one_part_and_its_inputs_go_when_root_joins()
     assert "squat" not in api.jobs.reported and "squat" not in api.jobs.inputs_of("step_bytes")
 
 
+def test_an_ordinary_users_jobs_share_one_part_with_no_level_limits(monkeypatch):
+    """With no ``level_limits`` every user is in root's tier; still, the jobs of a user that is neither root nor
+    trusted hold one job's part of ``job_share`` in all, split among them: two jobs of user mal beside root's job and
+    user bob's leave those 0.3 each of ``job_share`` 0.9 (before: 0.225, a part per job), and 20 jobs weigh one job
+    in all (before, 20 parts of 22: root's job 0.041). Root's and a trusted user's jobs keep one part each. The order
+    is the policy's, as before: only the parts change."""
+    from tensorlane.agent import peers
+
+    names = {1000: "mal", 1001: "bob", 1002: "ops"}
+    monkeypatch.setattr(peers, "user_name", lambda uid: names.get(uid, str(uid)))
+    api, rec = make_api(job_policy="static", job_share=0.9, job_share_among="present", check_ownership=False,
+                        trusted_users=["ops"],
+                        job_priority={"prod": 0, "b": 1, **{f"m{i}": 2 + i for i in range(20)}, "t1": 30, "t2": 31})
+    mal, bob, ops = (Peer(pid=1, uid=uid, gid=uid) for uid in names)
+    request(api, op="register", job="prod", level=0, flows=[flow(1)])
+    request(api, bob, op="register", job="b", level=0, flows=[flow(2)])
+    for i in range(2):
+        request(api, mal, op="register", job=f"m{i}", level=0, flows=[flow(10 + i)])
+    assert api.jobs.shares == pytest.approx({0: 0.3, 1: 0.3, 2: 0.15, 3: 0.15})
+    for i in range(2, 20):
+        request(api, mal, op="register", job=f"m{i}", level=0, flows=[flow(10 + i)])
+    assert api.jobs.order == ("prod", "b", *(f"m{i}" for i in range(20)))  # the policy's order, as before
+    weights = api.jobs.weights
+    assert weights["prod"] == weights["b"] == 1.0 and sum(weights[f"m{i}"] for i in range(20)) == pytest.approx(1)
+    assert api.jobs.shares[0] == pytest.approx(0.9 * (2 + 2 / 20) / 3)  # prod, b, m0, m1 share level 0's class
+    request(api, ops, op="register", job="t1", level=0, flows=[flow(40)])
+    request(api, ops, op="register", job="t2", level=0, flows=[flow(41)])
+    assert api.jobs.weights["t1"] == api.jobs.weights["t2"] == api.jobs.weights["prod"] == 1.0
+    request(api, op="register", job="m0", level=0, flows=[flow(50)])  # root joins one of mal's jobs: a part of its own
+    assert api.jobs.weights["m0"] == 1.0 and api.jobs.weights["m1"] == pytest.approx(1 / 19)
+
+
 def test_users_leave_root_its_reserve_of_flows():
     """Users that are neither root nor trusted fill at most max_flows less reserved_flow_share of it together; root
     can always register (before, two users at their caps filled the table and root was refused ``limit``)."""

@@ -494,3 +494,29 @@ def test_a_limited_tier_holds_one_part_however_many_jobs(privileged, limited, fl
         out = job_shares(bands, share, budget=1.0, weights=tier_weights(floors))
         return {lvl: v for lvl, v in out.items() if lvl < floor}
     assert parts(limited) == pytest.approx(parts(1))
+
+
+def test_one_ordinary_users_jobs_share_one_part() -> None:
+    """In the most privileged tier, the jobs of one ordinary user (``owners``) share one part; root's and trusted
+    users' jobs (not in ``owners``) keep one each; a limited tier still shares one part across its users."""
+    floors = {"r": 0, "a1": 0, "a2": 0, "a3": 0, "b": 0, "u1": 2, "u2": 2}
+    owners = {"a1": 1000, "a2": 1000, "a3": 1000, "b": 1001, "u1": 1002, "u2": 1003}
+    w = tier_weights(floors, owners)
+    assert w == pytest.approx({"r": 1, "a1": 1 / 3, "a2": 1 / 3, "a3": 1 / 3, "b": 1, "u1": 0.5, "u2": 0.5})
+    assert tier_weights({"a1": 0, "a2": 0}) == {"a1": 1.0, "a2": 1.0}  # no owners: one part per job, as before
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 12), st.floats(0.05, 0.95), st.booleans())
+def test_an_ordinary_user_holds_one_part_however_many_jobs(many, share, sending) -> None:
+    """User A's jobs ahead of user B's one job and root's: B's and root's parts do not depend on how many jobs A
+    starts (each job on a band of its own), whether every job sends or none."""
+    def parts(k):
+        order = [f"a{i}" for i in range(k)] + ["root", "b"]
+        owners = {f"a{i}": 1000 for i in range(k)} | {"b": 1001}
+        floors = dict.fromkeys(order, 0)
+        bands = tiered_bands(order, 16, floors=floors)
+        out = job_shares(bands, share, order if sending else (), budget=1.0, weights=tier_weights(floors, owners))
+        return out[bands["root"][0]], out[bands["b"][0]]
+    assert parts(many) == pytest.approx(parts(1))
+    assert parts(many)[1] == pytest.approx(share / 3)  # A, root and B: one part each

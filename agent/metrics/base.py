@@ -19,7 +19,7 @@ from pyroute2 import IPRoute
 
 from tensorlane.agent.kernel import tcstats
 from tensorlane.agent.kernel.qdisc import fmt_handle
-from tensorlane.agent.peers import user_name
+from tensorlane.agent.peers import ordinary_uid
 
 # the training_job series a source keeps at most; the others are folded into the job OTHER (flows, job reports, the
 # job policy: one cap, so that the three agree on which jobs have series of their own)
@@ -56,7 +56,7 @@ def capped_users(api, entries: Iterable | None = None) -> Callable[[str], set]:
     trusted = api.policy.trusted_users
     users: dict[str, set] = {}
     for e in list(api.table.flows.values()) if entries is None else entries:
-        if e.uid not in (None, 0) and user_name(e.uid) not in trusted:
+        if ordinary_uid(e.uid, trusted):
             users.setdefault(e.job, set()).add(e.uid)
     return lambda job: users.get(job, set())
 
