@@ -243,3 +243,72 @@ def test_job_share_auto_gives_large_parts_while_the_jobs_saturate_the_link(tb):
     assert after["7a1:10"] == after["7a1:12"] == pytest.approx(small, rel=0.02), after
     # the stream's first second or so ran at the small part, before a window of samples found the link saturated
     assert got["low_bps"] >= 0.3 * large, got
+
+
+def register_as(user: str, path: str, jobs: dict[str, dict]) -> None:
+    """Register ``jobs`` (``{job: flow}``, level 0 each) through the agent's socket ``path`` as ``user``, from a
+    forked child that takes that user's uid (the agent knows its clients by their socket's credentials)."""
+    import os
+    import pwd
+
+    from tensorlane.client import AgentClient
+
+    pid = os.fork()
+    if pid == 0:  # child: no pytest machinery from here on
+        code = 1
+        try:
+            pw = pwd.getpwnam(user)
+            os.setgroups([])
+            os.setgid(pw.pw_gid)
+            os.setuid(pw.pw_uid)
+            with AgentClient(path, timeout=5.0) as c:
+                for job, spec in jobs.items():
+                    c.register(job, 0, [spec])
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"{user} could not register {sorted(jobs)}"
+
+
+def test_one_users_many_jobs_leave_another_users_job_its_part(tb):
+    """With no ``level_limits`` every user is in root's tier. User nobody starts three jobs that each flood UDP (45
+    Mbit/s each, above the link together) ahead of user bin's one job, an iperf3 stream (static order, ``job_share =
+    0.6``, the parts of the jobs sending). Nobody's jobs share one part, so bin's job keeps half of ``job_share``
+    (0.3 of the link) and nobody's three 0.1 each; before 2026-11-28 each job took a part, and bin's fell to 0.15
+    (four parts). The order is the same either way: only the classes' guarantees differ. Link rate as above."""
+    h1, h2 = tb.host(1), tb.host(2)
+    rate = int(0.95 * tb.rate_bps)
+    a_jobs = ("a1", "a2", "a3")
+    cfg = {**TRUST, "job_policy": "static", "job_priority": {"a1": 0, "a2": 1, "a3": 2, "b": 3}, "job_share": 0.6,
+           "link_rate": rate, "socket_mode": "0666", "allowed_users": ["nobody", "bin"], "check_ownership": False}
+    seconds = 4
+    with running_agents(tb, levels=4, hosts=[1], backend="htb", config_extra=cfg) as agents:
+        agent = agents[1]
+        register_as("nobody", agent.socket, {job: {"proto": "udp", "src": h1.ip, "sport": 43130 + i, "dst": h2.ip,
+                                                   "dport": 43230 + i} for i, job in enumerate(a_jobs)})
+        register_as("bin", agent.socket, {"b": {"proto": "tcp", "src": h1.ip, "sport": 43139, "dst": h2.ip,
+                                                "dport": 5303}})
+        server = h2.popen(["iperf3", "-s", "-1", "-p", "5303"], stdout=subprocess.DEVNULL)
+        floods = [h1.popen(PY + ["testbed.udpprobe", "send", "--dst", h2.ip, "--port", str(43230 + i), "--sport",
+                                 str(43130 + i), "--pps", str(int(45e6 / 8 / 1000)), "--seconds", str(seconds + 2)],
+                           stdout=subprocess.DEVNULL) for i in range(len(a_jobs))]
+        try:
+            time.sleep(1.0)  # the floods fill their queues first
+            stream = h1.popen(["iperf3", "-c", h2.ip, "-p", "5303", "--cport", "43139", "-t", str(seconds), "-J"],
+                              stdout=subprocess.PIPE, text=True)
+            time.sleep(seconds / 2)
+            rates, st = class_rates(h1), agent.status()["job_policy"]
+            out, _ = stream.communicate(timeout=seconds + 30)
+        finally:
+            for p in (*floods, server):
+                if p.poll() is None:
+                    p.kill()
+                p.wait(5)
+    b_bps = json.loads(out)["end"]["sum_received"]["bits_per_second"]
+    print({"b_bps": b_bps, "rates": rates, "level_shares": st["level_shares"], "sending": st["sending"]})
+    assert st["order"] == ["a1", "a2", "a3", "b"] and st["sending"] == ["a1", "a2", "a3", "b"], st
+    assert st["level_shares"] == pytest.approx({"0": 0.1, "1": 0.1, "2": 0.1, "3": 0.3}), st
+    assert rates["7a1:13"] == pytest.approx(0.3 * rate, rel=0.02), rates
+    assert rates["7a1:10"] == rates["7a1:11"] == rates["7a1:12"] == pytest.approx(0.1 * rate, rel=0.02), rates
+    assert b_bps >= 0.2 * rate, b_bps  # a third more than the whole part bin's job had before (0.15 of the link)
