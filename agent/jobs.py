@@ -186,7 +186,7 @@ class JobScheduler:
         order, ranks = job_order(self.policy, sorted(jobs), now_s=now_s, epoch_s=self.epoch_s,
                                  **self._tables(jobs), link_bps=self.link_bps,
                                  **{name: self.inputs_of(name, keys) for name in self.inputs})
-        bands = tiered_bands(order, self.levels, ranks, floors)
+        bands = tiered_bands(order, self.levels, ranks, floors, owners)
         old = self.bands
         shifted: list[FlowKey] = []
         for job, band in bands.items():

@@ -18,12 +18,13 @@ not). :class:`Job` is the job as the paper reproductions (``policies.papers.tens
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tensorlane.policies.compress import compress_levels
+from tensorlane.policies.compress import compress_levels, contiguous_split
 
 JOB_POLICIES = ("none", "static", "rotate", "alternate", "intensity", "shortest", "measured_intensity", "slowdown")
 ROTATING = ("rotate", "alternate")  # the policies whose order changes every epoch
@@ -237,13 +238,24 @@ def slowdown_rank(now_s: float, window_start: float, window_steps: int, compute_
     return -max(0.0, now_s - window_start) / ((window_steps + 1) * ideal)
 
 
-def job_bands(order: Sequence[str], levels: int, ranks: Sequence[float] | None = None) -> dict[str, tuple[int, int]]:
+def job_bands(order: Sequence[str], levels: int, ranks: Sequence[float] | None = None,
+              groups: Mapping[str, Hashable] | None = None) -> dict[str, tuple[int, int]]:
     """Each job's band of levels ``(first level, width)``: the jobs in ``order`` (most urgent first; equal
     ``ranks`` together, default all distinct) are compressed onto ``b = min(levels, distinct ranks)`` bands
     (``policies.compress``, order preserved, least urgent bands filled first), and band ``i`` gets the levels
     ``[i * levels // b, (i + 1) * levels // b)``: the bands tile all levels, most urgent first.
 
-    Usage: ``job_bands(("x", "y"), 4) == {"x": (0, 2), "y": (2, 2)}``
+    ``groups`` (job -> a key, e.g. the one ordinary user that holds it; jobs not named are a group of their own):
+    the jobs of one group weigh one job in all in the cut (``1/k`` each of its ``k`` jobs, as ``tier_weights``
+    weighs the parts), and a run of consecutive ranks whose jobs are all one group's is cut as one item; its band
+    is then cut among its own jobs as they would be cut alone. So a group's many jobs take no more levels from the
+    jobs around them than one job would, and the bands of the jobs outside a run do not depend on how many jobs the
+    run holds. Bands change levels, never the order: the bands still tile the levels along ``order``. With every
+    job in one group, or none named, the bands are those without ``groups``.
+
+    Usage: ``job_bands(("x", "y"), 4) == {"x": (0, 2), "y": (2, 2)}``;
+    ``job_bands(("r", "a1", "a2", "a3", "b"), 4, groups={"a1": 1, "a2": 1, "a3": 1})`` gives ``r`` (0, 1), ``a1``
+    to ``a3`` level 1 and ``b`` (2, 2), as with one job of that group
     """
     if not isinstance(levels, int) or levels < 1:
         raise ValueError(f"levels must be a positive integer, not {levels!r}")
@@ -255,19 +267,44 @@ def job_bands(order: Sequence[str], levels: int, ranks: Sequence[float] | None =
         raise ValueError("ranks must not decrease along the order")
     if not order:
         return {}
-    group = compress_levels(list(ranks), queues=levels, reserved=0)
-    n = max(group) + 1
-    return {job: (g * levels // n, (g + 1) * levels // n - g * levels // n)
-            for job, g in zip(order, group, strict=True)}
+    groups = groups or {}
+    key = {job: ("group", groups[job]) if job in groups else ("job", job) for job in order}
+    size = Counter(key.values())
+    scale = math.lcm(*size.values())  # a job weighs scale // size: whole numbers, exact, proportional to 1/size
+    items: list[list[tuple[str, float]]] = []  # the runs cut as one: (job, rank) of each
+    owner_of_last = None
+    for _, tied in itertools.groupby(zip(order, ranks, strict=True), key=lambda jr: jr[1]):
+        tied = list(tied)
+        owners = {key[j] for j, _ in tied}
+        owner = owners.pop() if len(owners) == 1 else None  # a tie of two groups' jobs is an item of its own
+        if owner is not None and owner == owner_of_last:
+            items[-1].extend(tied)
+        else:
+            items.append(tied)
+        owner_of_last = owner
+    cut = contiguous_split([sum(scale // size[key[j]] for j, _ in item) for item in items], levels)
+    n = max(cut) + 1
+    out: dict[str, tuple[int, int]] = {}
+    for g in range(n):  # more items than levels: width 1, the group's items share it; else one item per band
+        first, width = g * levels // n, (g + 1) * levels // n - g * levels // n
+        members = [jr for item, c in zip(items, cut, strict=True) if c == g for jr in item]
+        inner = compress_levels([r for _, r in members], queues=width, reserved=0)
+        m = max(inner) + 1
+        out.update({j: (first + i * width // m, (i + 1) * width // m - i * width // m)
+                    for (j, _), i in zip(members, inner, strict=True)})
+    return out
 
 
 def tiered_bands(order: Sequence[str], levels: int, ranks: Sequence[float] | None = None,
-                 floors: Mapping[str, int] | None = None) -> dict[str, tuple[int, int]]:
+                 floors: Mapping[str, int] | None = None,
+                 owners: Mapping[str, Hashable] | None = None) -> dict[str, tuple[int, int]]:
     """:func:`job_bands` per tier of users: a job's floor (``floors``, default 0) is the most urgent level its users
     may ask for (``level_limits``), and the jobs of one floor ``f`` tile the levels ``[f, levels)`` among themselves,
     in the policy's order. So the bands of one tier do not depend on the jobs of any other: a user limited to less
     urgent levels cannot push a more privileged user's job down, or narrow its band, by starting jobs; its jobs
-    share the levels it may use anyway with the lower levels of the privileged jobs' bands.
+    share the levels it may use anyway with the lower levels of the privileged jobs' bands. Within a tier the jobs
+    of one ordinary user (``owners``: job -> the one user that holds it, as for :func:`tier_weights`) weigh one
+    job in all (``job_bands``' ``groups``), so such a user cannot push another user's job of its tier down either.
 
     Usage: ``tiered_bands(("a", "b", "c"), 4, floors={"b": 2, "c": 2}) == {"a": (0, 4), "b": (2, 1), "c": (3, 1)}``
     """
@@ -277,14 +314,15 @@ def tiered_bands(order: Sequence[str], levels: int, ranks: Sequence[float] | Non
         raise ValueError("order and ranks differ in length")
     floors = floors or {}
     tiers = sorted({floors.get(j, 0) for j in order})
+    owners = owners or {}
     if tiers in ([], [0]):
-        return job_bands(order, levels, ranks)
+        return job_bands(order, levels, ranks, owners)
     out: dict[str, tuple[int, int]] = {}
     for f in tiers:
         if not isinstance(f, int) or not 0 <= f < levels:
             raise ValueError(f"floor {f!r} outside 0..{levels - 1}")
         mine = [(j, r) for j, r in zip(order, ranks, strict=True) if floors.get(j, 0) == f]
-        bands = job_bands([j for j, _ in mine], levels - f, [r for _, r in mine])
+        bands = job_bands([j for j, _ in mine], levels - f, [r for _, r in mine], owners)
         out.update({j: (first + f, width) for j, (first, width) in bands.items()})
     return out
 

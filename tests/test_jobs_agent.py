@@ -970,7 +970,9 @@ def test_an_ordinary_users_jobs_share_one_part_with_no_level_limits(monkeypatch)
     trusted hold one job's part of ``job_share`` in all, split among them: two jobs of user mal beside root's job and
     user bob's leave those 0.3 each of ``job_share`` 0.9 (before: 0.225, a part per job), and 20 jobs weigh one job
     in all (before, 20 parts of 22: root's job 0.041). Root's and a trusted user's jobs keep one part each. The order
-    is the policy's, as before: only the parts change."""
+    is the policy's, as before; mal's jobs weigh one job in the bands' cut too: root's job keeps level 0 and bob's
+    level 1, each alone in its class, and mal's 20 jobs take levels 2-3 (before, bands were cut by the number of
+    jobs: prod, b, m0 and m1 shared level 0's class, and level 0's part was 0.63)."""
     from tensorlane.agent import peers
 
     names = {1000: "mal", 1001: "bob", 1002: "ops"}
@@ -989,7 +991,10 @@ def test_an_ordinary_users_jobs_share_one_part_with_no_level_limits(monkeypatch)
     assert api.jobs.order == ("prod", "b", *(f"m{i}" for i in range(20)))  # the policy's order, as before
     weights = api.jobs.weights
     assert weights["prod"] == weights["b"] == 1.0 and sum(weights[f"m{i}"] for i in range(20)) == pytest.approx(1)
-    assert api.jobs.shares[0] == pytest.approx(0.9 * (2 + 2 / 20) / 3)  # prod, b, m0, m1 share level 0's class
+    assert api.jobs.bands["prod"] == (0, 1) and api.jobs.bands["b"] == (1, 1)
+    assert [api.jobs.bands[f"m{i}"] for i in range(20)] == [(2, 1)] * 10 + [(3, 1)] * 10
+    assert [rec.kernel[key(p)] for p in (1, 2, 10, 11, 29)] == [0, 1, 2, 2, 3]  # prod, b, m0, m1, m19: no move
+    assert api.jobs.shares == pytest.approx({0: 0.3, 1: 0.3, 2: 0.15, 3: 0.15})  # as with two of mal's jobs
     request(api, ops, op="register", job="t1", level=0, flows=[flow(40)])
     request(api, ops, op="register", job="t2", level=0, flows=[flow(41)])
     assert api.jobs.weights["t1"] == api.jobs.weights["t2"] == api.jobs.weights["prod"] == 1.0

@@ -276,7 +276,11 @@ def test_one_users_many_jobs_leave_another_users_job_its_part(tb):
     Mbit/s each, above the link together) ahead of user bin's one job, an iperf3 stream (static order, ``job_share =
     0.6``, the parts of the jobs sending). Nobody's jobs share one part, so bin's job keeps half of ``job_share``
     (0.3 of the link) and nobody's three 0.1 each; before 2026-11-28 each job took a part, and bin's fell to 0.15
-    (four parts). The order is the same either way: only the classes' guarantees differ. Link rate as above."""
+    (four parts). Nobody's jobs also weigh one job in the bands' cut (since 2026-11-28): they take levels 0-1 (a2 and
+    a3 share level 1's class, which counts once among the jobs sending: parts 0.12, 0.2 and 0.36 for bin's, scaled
+    to ``job_share``) and bin's job levels 2-3: bin's class is level 2's, with 0.318 of the link (before, each job
+    had a level of its own and bin's was level 3, with 0.3). The order is the same either way: only the levels and
+    the classes' guarantees differ. Link rate as above."""
     h1, h2 = tb.host(1), tb.host(2)
     rate = int(0.95 * tb.rate_bps)
     a_jobs = ("a1", "a2", "a3")
@@ -308,7 +312,11 @@ def test_one_users_many_jobs_leave_another_users_job_its_part(tb):
     b_bps = json.loads(out)["end"]["sum_received"]["bits_per_second"]
     print({"b_bps": b_bps, "rates": rates, "level_shares": st["level_shares"], "sending": st["sending"]})
     assert st["order"] == ["a1", "a2", "a3", "b"] and st["sending"] == ["a1", "a2", "a3", "b"], st
-    assert st["level_shares"] == pytest.approx({"0": 0.1, "1": 0.1, "2": 0.1, "3": 0.3}), st
-    assert rates["7a1:13"] == pytest.approx(0.3 * rate, rel=0.02), rates
-    assert rates["7a1:10"] == rates["7a1:11"] == rates["7a1:12"] == pytest.approx(0.1 * rate, rel=0.02), rates
+    assert {j: (b["first_level"], b["levels"]) for j, b in st["bands"].items()} == {
+        "a1": (0, 1), "a2": (1, 1), "a3": (1, 1), "b": (2, 2)}, st
+    assert st["level_shares"] == pytest.approx({"0": 0.6 * 0.15 / 0.85, "1": 0.6 * 0.25 / 0.85,
+                                                "2": 0.6 * 0.45 / 0.85}, abs=1e-5), st
+    assert rates["7a1:12"] == pytest.approx(0.6 * 0.45 / 0.85 * rate, rel=0.02), rates  # 0.318: bin's class
+    assert rates["7a1:10"] == pytest.approx(0.6 * 0.15 / 0.85 * rate, rel=0.02), rates
+    assert rates["7a1:11"] == pytest.approx(0.6 * 0.25 / 0.85 * rate, rel=0.02), rates  # a2 and a3 together
     assert b_bps >= 0.2 * rate, b_bps  # a third more than the whole part bin's job had before (0.15 of the link)

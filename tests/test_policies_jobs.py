@@ -210,6 +210,64 @@ def test_job_bands_by_hand() -> None:
         job_bands(("x",), 0)
 
 
+def test_one_users_many_jobs_take_one_jobs_levels_by_hand() -> None:
+    """On 4 levels, root's job r, user B's job b and user A's 20 jobs (``groups``: A's jobs weigh one job): r and b
+    keep a level each, A's jobs split the two levels a third job would get. Before, bands were cut by the number of
+    jobs, and r, b and two of A's jobs shared level 0 (and its class); A's 20 jobs behind b took b's levels 2-3."""
+    many = [f"a{i:02d}" for i in range(20)]
+    groups = dict.fromkeys(many, 1000)
+    bands = job_bands(("r", "b", *many), 4, groups=groups)
+    assert bands["r"] == (0, 1) and bands["b"] == (1, 1)
+    assert [bands[j] for j in many] == [(2, 1)] * 10 + [(3, 1)] * 10  # as A's jobs alone on levels 2-3
+    assert job_bands(("r", *many, "b"), 4, groups=groups) == {"r": (0, 1), **dict.fromkeys(many, (1, 1)),
+                                                              "b": (2, 2)}
+    # a tie of A's jobs with b's: one item, weighing two jobs; A's jobs split by b: each run its own item
+    assert job_bands(("r", "a1", "a2", "b"), 4, (0, 1, 1, 1), {"a1": 1, "a2": 1}) == {
+        "r": (0, 2), "a1": (2, 2), "a2": (2, 2), "b": (2, 2)}
+    assert job_bands(("a1", "b", "a2"), 4, groups={"a1": 1, "a2": 1}) == {"a1": (0, 1), "b": (1, 1), "a2": (2, 2)}
+    # in root's tier and in a tier limited to level 1 alike
+    limited = ("x", "y1", "y2", "y3", "z")
+    floors = dict.fromkeys(("r", "u1", "u2", "u3", "v"), 0) | dict.fromkeys(limited, 1)
+    owners = {"u1": 7, "u2": 7, "u3": 7, "v": 8, "y1": 9, "y2": 9, "y3": 9, "z": 10}
+    got = tiered_bands(("r", "u1", "u2", "u3", "v", *limited), 4, floors=floors, owners=owners)
+    assert [got[j] for j in ("r", "u1", "u2", "u3", "v")] == [(0, 1), (1, 1), (1, 1), (1, 1), (2, 2)]
+    assert [got[j] for j in limited] == [(1, 1), (2, 1), (2, 1), (2, 1), (3, 1)]  # before: y3 beside z at 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.sampled_from([None, 1001, 1002])), min_size=0, max_size=8),
+       st.integers(0, 8), st.integers(1, 20), st.sampled_from(["distinct", "tied", "with_prev"]), st.integers(1, 5))
+def test_another_users_band_does_not_depend_on_how_many_jobs_a_user_starts(others, at, many, how, levels) -> None:
+    """User A's jobs come as one run in the policy's order (ranks between two other jobs', distinct or tied among
+    themselves, or all tied with the job before): every other job's band (root's, user B's, user C's) is the same
+    whether A runs one job or ``many``. Before, bands were cut by the number of jobs, and A's jobs took levels
+    from the jobs around them (B's job behind 20 of A's on 4 levels: level 3 instead of levels 2-3)."""
+    ranks_of_others = sorted(10 * r for r, _ in others)
+    names = [f"o{i}" for i in range(len(others))]
+    owners = {n: u for n, (_, u) in zip(names, others, strict=True) if u is not None}
+    at = min(at, len(names))
+    lo = ranks_of_others[at - 1] if at else -10
+    if at and at < len(names) and ranks_of_others[at] == lo:  # between two tied jobs: only a tie with them
+        how = "with_prev"
+    if how == "with_prev" and not at:
+        how = "tied"
+
+    def bands(k):
+        if how == "with_prev":
+            mine = [lo] * k
+        elif how == "tied":
+            mine = [lo + 5] * k
+        else:
+            mine = [lo + 1 + (i * 8) // k for i in range(k)]  # distinct up to 8 jobs, then ties among them
+        a = [f"a{i}" for i in range(k)]
+        order = names[:at] + a + names[at:]
+        ranks = ranks_of_others[:at] + mine + ranks_of_others[at:]
+        got = job_bands(order, levels, ranks, owners | dict.fromkeys(a, 1000))
+        _assert_tiled_in_order(got, order, ranks, levels)
+        return {j: got[j] for j in names}
+    assert bands(many) == bands(1)
+
+
 def test_banded_level_by_hand() -> None:
     """Two jobs on 4 levels: the first gets 0-1, the second 2-3; tensor levels 0,1 -> first, 2,3 -> second."""
     assert [banded_level((0, 2), t, 4) for t in range(4)] == [0, 0, 1, 1]
@@ -224,11 +282,23 @@ def test_banded_level_by_hand() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from("abcdefghij"), min_size=0, max_size=10, unique=True),
-       st.lists(st.integers(0, 3), min_size=10, max_size=10), st.integers(1, 5))
-def test_bands_tile_the_levels_and_keep_the_order(jobs, prios, levels) -> None:
+       st.lists(st.integers(0, 3), min_size=10, max_size=10), st.integers(1, 5),
+       st.lists(st.sampled_from([None, 1000, 1001]), min_size=10, max_size=10))
+def test_bands_tile_the_levels_and_keep_the_order(jobs, prios, levels, users) -> None:
+    """With or without ``groups`` (the jobs' ordinary users), the bands tile the levels along the order; with
+    every job one user's, they are the bands without ``groups`` (a host of one user's jobs: as before)."""
     order, ranks = job_order("static", jobs, priority=dict(zip("abcdefghij", prios, strict=True)))
-    bands = job_bands(order, levels, ranks)
-    if not jobs:
+    plain = job_bands(order, levels, ranks)
+    assert job_bands(order, levels, ranks, dict.fromkeys(order, 1000)) == plain
+    owners = {j: u for j, u in zip("abcdefghij", users, strict=True) if u is not None and j in jobs}
+    for bands in (plain, job_bands(order, levels, ranks, owners)):
+        _assert_tiled_in_order(bands, order, ranks, levels)
+
+
+def _assert_tiled_in_order(bands, order, ranks, levels) -> None:
+    """``bands`` tile 0..levels-1 contiguously, never less urgent for an earlier job, one band for a tie, and
+    the effective levels keep the order (job rank, requested level)."""
+    if not order:
         return
     distinct = sorted({bands[j] for j in order})
     assert distinct[0][0] == 0 and distinct[-1][0] + distinct[-1][1] == levels

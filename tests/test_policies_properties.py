@@ -192,14 +192,17 @@ def test_job_ranks_refuse_inputs_that_would_break_the_order() -> None:
 @given(ids_st, ids_st, st.integers(2, 5), st.data())
 def test_tiered_bands_agree_on_every_shared_pair_of_one_tier(seen1, seen2, levels, data) -> None:
     """With ``level_limits`` (floors), two agents that see different jobs never invert a requested level of two
-    shared jobs of one tier (the jobs' own order and floors alike on both)."""
+    shared jobs of one tier (the jobs' own order and floors alike on both), also where one ordinary user's jobs
+    weigh one job in the cut (``owners``)."""
     every = sorted(set(seen1) | set(seen2))
     floors = {j: data.draw(st.integers(0, levels - 1)) for j in every}
     prio = {j: data.draw(st.integers(0, 3)) for j in every}
+    owners = {j: u for j in every if (u := data.draw(st.sampled_from([None, 1000, 1001]))) is not None}
     bands = []
     for seen in (seen1, seen2):
         order, ranks = job_order("static", seen, priority={j: prio[j] for j in seen})
-        bands.append(tiered_bands(order, levels, ranks, {j: floors[j] for j in seen}))
+        bands.append(tiered_bands(order, levels, ranks, {j: floors[j] for j in seen},
+                                  {j: owners[j] for j in seen if j in owners}))
     shared = set(seen1) & set(seen2)
     for a in shared:
         for b in shared:
