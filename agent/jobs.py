@@ -32,8 +32,9 @@ of one ordinary user hold one part in all, and so do those of a tier limited by 
 (``policies.jobs.tier_weights``), so that no user takes more of ``job_share`` by starting jobs.
 
 The jobs this agent sees (those with flows in its table) get contiguous bands of levels in that order, most urgent
-first (``policies.jobs.job_bands``), and a flow's effective level is the level its client asked for compressed into
-its job's band, never above its user's ``level_limits`` (``policies.jobs.banded_level``). The order is a pure
+first (``policies.jobs.tiered_bands``; one ordinary user's jobs weigh one job in the cut, as in the parts), and a
+flow's effective level is the level its client asked for compressed into its job's band, never above its user's
+``level_limits`` (``policies.jobs.banded_level``). The order is a pure
 function of the job ids, the wall-clock epoch number, the config and (``shortest``, ``measured_intensity``) the
 jobs' reported inputs, which are the same on every rank of a job: agents need no coordination, and agents with
 different job sets still agree on the relative order of every two jobs they share.

@@ -7,13 +7,13 @@ The agent (``agent/jobs.py``, docs/jobs.md) uses ``job_order`` (the order and ra
 policy ``none``, ``static``, ``rotate``, ``alternate``, ``intensity``, ``shortest``, ``measured_intensity`` or
 ``slowdown``), ``measured_intensity_rank`` (the order of Crux's ``policies.papers.crux.gpu_intensity`` from a job's
 reported compute time and bytes), ``slowdown_rank`` (how far a job's last steps ran behind its ideal step),
-``job_bands`` (each job's contiguous band of levels), ``banded_level`` (a flow's effective level: its job's band,
-with the level the client asked for compressed inside) and ``job_shares`` (the link's share guaranteed to each band,
-so that no order leaves a job less than its part). Rotation is ``hashed_rotation_order``: the relative order of two
-jobs depends only on those two ids and the epoch number, so agents that see different sets of jobs still agree on
-every pair they share (TensorLights' positional rotation, ``policies.papers.tensorlights.rotate_job_order``, does
-not). :class:`Job` is the job as the paper reproductions (``policies.papers.tensorlights``,
-``policies.papers.crux``) see it.
+``job_bands`` (each job's contiguous band of levels; one ordinary user's jobs weigh one job), ``banded_level`` (a
+flow's effective level: its job's band, with the level the client asked for compressed inside) and ``job_shares``
+(the link's share guaranteed to each band, so that no order leaves a job less than its part). Rotation is
+``hashed_rotation_order``: the relative order of two jobs depends only on those two ids and the epoch number, so
+agents that see different sets of jobs still agree on every pair they share (TensorLights' positional rotation,
+``policies.papers.tensorlights.rotate_job_order``, does not). :class:`Job` is the job as the paper reproductions
+(``policies.papers.tensorlights``, ``policies.papers.crux``) see it.
 """
 from __future__ import annotations
 
