@@ -12,7 +12,8 @@ user and still allowed by the new config (``allowed_users``, ``level_limits``, t
 registered without an ownership check (root or a ``trusted_users`` member with ``check_ownership``, or the agent
 itself) is taken back where its user may still register it so. Levels beyond the new ``levels`` go to the least
 urgent one, as the shim's do. The jobs' reported inputs (``report``: step bytes, compute time, ...) come along for
-the jobs taken back, so an order by them holds through the restart. The file is read once and removed: a file of
+the jobs taken back, so an order by them holds through the restart. The file taken is kept as the crash path's
+(``flows.json``) until the new agent's journal replaces it (so a second crash in a row loses nothing): a file of
 another boot or network namespace, or of a newer format, is dropped with a warning (the shims register again).
 Adoption runs before the agent serves: each owner's open files are read once for all its flows, and a group refused
 ``limit`` stops at its first flow so refused, so no owner makes it cost a request per flow; one user's owners are
@@ -230,11 +231,15 @@ def read_own_file(path: Path, limit: int = MAX_FILE_BYTES) -> tuple[str, float] 
         return fh.read(limit).decode(), st.st_mtime
 
 
-def _read(path: Path, what: str, gone_writer: bool = False) -> tuple[list[dict] | None, dict, float]:
+def _read(path: Path, what: str, gone_writer: bool = False, keep: Path | None = None
+          ) -> tuple[list[dict] | None, dict, float]:
     """The flows, reported inputs and age (seconds since it was last written or touched) of a flow table file
-    (``what``: whose, for the log), after the file's checks (None: no file, or not one to take); the file is removed
-    (read once). With ``gone_writer`` (the crash path's),
-    a file whose agent still runs (its pid and start time) is not taken, nor removed."""
+    (``what``: whose, for the log), after the file's checks (None: no file, or not one to take). A file taken is
+    kept as ``keep`` (renamed; the crash path's own name: left where it is) until this agent's journal replaces it,
+    so that an agent killed while it takes the flows back, or before its first write, leaves them to the next one
+    (until 2026-11-28 the file was removed once read, and a second crash in a row lost the table); a file not taken
+    is removed. With ``gone_writer`` (the crash path's), a file whose agent still runs (its pid and start time) is
+    not taken, nor removed."""
     try:
         got = read_own_file(path)
     except (OSError, UnicodeDecodeError) as exc:
@@ -260,16 +265,19 @@ def _read(path: Path, what: str, gone_writer: bool = False) -> tuple[list[dict] 
         log.warning("%s is the flow table of agent pid %s, which still runs: not taken back", path,
                     doc.get("agent_pid"))
         return None, {}, age
-    with contextlib.suppress(OSError):
-        path.unlink()
     if not isinstance(fmt, int) or fmt > FLOWS_FORMAT:
         log.warning("%s is of format %r, newer than this agent's (%d): its flows are not taken back (their clients "
                     "register again)", path, fmt, FLOWS_FORMAT)
-        return None, {}, age
-    if doc.get("boot_id") != boot_id() or doc.get("netns") != netns_id():
+        keep = None
+    elif doc.get("boot_id") != boot_id() or doc.get("netns") != netns_id():
         log.warning("%s was written in another boot or network namespace: its flows are not taken back", path)
-        return None, {}, age
-    return flows, reported, age
+        keep = None
+    with contextlib.suppress(OSError):
+        if keep is None:
+            path.unlink()
+        elif keep != path:
+            os.replace(path, keep)
+    return (flows, reported, age) if keep is not None else (None, {}, age)
 
 
 def _writer_runs(doc: dict) -> bool:
@@ -308,13 +316,11 @@ def _peer(uid: int, pid: int, start: int | None, pidfd: int | None) -> tuple[Pee
 def adopt_flows(cfg, api) -> dict[str, int] | None:
     """Register again, through ``api``, the flows a hand-over left (:func:`write_flows`); returns counts
     ``{"adopted": n, reason: n, ...}`` and logs them (None: no hand-over's table was read). The crash path's file is
-    then stale (the hand-over's is the later): removed. See :func:`_adopt`."""
-    flows, reported, _age = _read(flows_path(cfg), "a hand-over's")
+    then stale (the hand-over's is the later): replaced by the hand-over's. See :func:`_adopt`."""
+    flows, reported, _age = _read(flows_path(cfg), "a hand-over's", keep=crash_path(cfg))
     if flows is None:
         return None
-    with contextlib.suppress(OSError):
-        crash_path(cfg).unlink()
-    return _adopt(cfg, api, flows, reported, "the agent that handed over")
+    return _adopting(cfg, api, flows, reported, "the agent that handed over")
 
 
 def adopt_after_crash(cfg, api) -> dict[str, int] | None:
@@ -322,15 +328,26 @@ def adopt_after_crash(cfg, api) -> dict[str, int] | None:
     :func:`adopt_flows` does a hand-over's, with the same checks; None: no such table was read (none, its agent still
     runs, cut short, another boot's). Its flows registered in the last moments before the crash (the journal's
     debounce) are not in it: the caller keeps the kernel's marks for ``INHERIT_S`` all the same."""
-    flows, reported, age = _read(crash_path(cfg), "a killed agent's", gone_writer=True)
+    flows, reported, age = _read(crash_path(cfg), "a killed agent's", gone_writer=True, keep=crash_path(cfg))
     if flows is None:
         return None
     stale = 0
     if age > CRASH_OWNERLESS_S:
         kept = [f for f in flows if not isinstance(f, dict) or f.get("pid") is not None]
         stale, flows = len(flows) - len(kept), kept
-    return _adopt(cfg, api, flows, reported, "the killed agent kept in its file", {"stale": stale} if stale else {},
-                  f", {age:.0f} s before this start")
+    return _adopting(cfg, api, flows, reported, "the killed agent kept in its file",
+                     {"stale": stale} if stale else {}, f", {age:.0f} s before this start")
+
+
+def _adopting(cfg, api, *args) -> dict[str, int]:
+    """:func:`_adopt` of a file kept as the crash path's until this agent's journal replaces it; a failure removes
+    it (a file that fails every start would keep the agent from ever starting)."""
+    try:
+        return _adopt(cfg, api, *args)
+    except Exception:
+        with contextlib.suppress(OSError):
+            crash_path(cfg).unlink()
+        raise
 
 
 def _adopt(cfg, api, flows: list, reported: dict, whose: str, left: dict[str, int] | None = None,
