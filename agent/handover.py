@@ -148,8 +148,11 @@ class FlowJournal:
         return True
 
     def touch(self) -> None:
-        """Stamp the file as this agent's, alive now (each reconcile pass; ``CRASH_OWNERLESS_S``)."""
-        if self.written is not None:
+        """Stamp the file as this agent's, alive now (each reconcile pass; ``CRASH_OWNERLESS_S``), while it holds the
+        table: not while writes fail (``state_dir`` full or read-only), when the file is an older table whose flows
+        without an owner may have been unregistered since and their 5-tuples be another user's connections by now
+        (until 2026-11-28 the stale file was stamped fresh all the same, and a crash then took them back)."""
+        if self.written is not None and not self.failing:
             with contextlib.suppress(OSError):
                 os.utime(self.path)
 

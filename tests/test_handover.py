@@ -465,3 +465,35 @@ def test_a_killed_agents_flows_without_an_owner_are_not_taken_back_from_an_old_f
     assert "took back 1 of the 2 flows the killed agent kept in its file" in caplog.text and "1 stale" in caplog.text
     _write_crash(tmp_path, [_flow(2), owned])
     assert handover.adopt_after_crash(_cfg(tmp_path), api) == {"adopted": 2}
+
+
+def test_a_file_the_journal_cannot_write_again_is_not_stamped_fresh(tmp_path):
+    """A ``state_dir`` full (a real tmpfs filled up): the journal's writes fail and the file holds an older table.
+    Its reconcile stamp (``touch``) must not make it look fresh, or a flow without an owner unregistered since (its
+    5-tuple maybe another user's connection by then) is taken back after a crash from a file it is not in: until
+    2026-11-28 it was (``adopted``), since it is ``stale`` once ``CRASH_OWNERLESS_S`` passed since the last write."""
+    import subprocess
+
+    state = tmp_path / "state"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "h16i-full", str(state)], check=True)
+    try:
+        table = FlowTable(4)
+        table.register("job-a", 1, (_key(1),), pid=None, uid=None)  # root's, registered without an owner
+        journal = handover.FlowJournal(_cfg(state), table)
+        assert journal.write()
+        fd = os.open(state / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            with pytest.raises(OSError, match="No space left"):
+                for _ in range(1000):
+                    os.write(fd, b"x" * 4096)
+        finally:
+            os.close(fd)
+        table.drop([_key(1)])  # unregistered: not the table any more
+        assert not journal.write() and journal.failing
+        old = time.time() - handover.CRASH_OWNERLESS_S - 60
+        os.utime(state / handover.CRASH_FILE, (old, old))
+        journal.touch()  # (a reconcile pass)
+        assert handover.adopt_after_crash(_cfg(state), FakeApi()) == {"adopted": 0, "stale": 1}
+    finally:
+        subprocess.run(["umount", str(state)], check=True)
