@@ -320,10 +320,12 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
     """Register again, through ``api``, the flows a hand-over left (:func:`write_flows`); returns counts
     ``{"adopted": n, reason: n, ...}`` and logs them (None: no hand-over's table was read). The crash path's file is
     then stale (the hand-over's is the later): replaced by the hand-over's. See :func:`_adopt`."""
-    flows, reported, _age = _read(flows_path(cfg), "a hand-over's", keep=crash_path(cfg))
+    flows, reported, age = _read(flows_path(cfg), "a hand-over's", keep=crash_path(cfg))
     if flows is None:
         return None
-    return _adopting(cfg, api, flows, reported, "the agent that handed over")
+    flows, stale = _without_stale(flows, age)
+    return _adopting(cfg, api, flows, reported, "the agent that handed over", stale,
+                     f", {age:.0f} s before this start" if stale else "")
 
 
 def adopt_after_crash(cfg, api) -> dict[str, int] | None:
@@ -334,12 +336,20 @@ def adopt_after_crash(cfg, api) -> dict[str, int] | None:
     flows, reported, age = _read(crash_path(cfg), "a killed agent's", gone_writer=True, keep=crash_path(cfg))
     if flows is None:
         return None
-    stale = 0
-    if age > CRASH_OWNERLESS_S:
-        kept = [f for f in flows if not isinstance(f, dict) or f.get("pid") is not None]
-        stale, flows = len(flows) - len(kept), kept
-    return _adopting(cfg, api, flows, reported, "the killed agent kept in its file",
-                     {"stale": stale} if stale else {}, f", {age:.0f} s before this start")
+    flows, stale = _without_stale(flows, age)
+    return _adopting(cfg, api, flows, reported, "the killed agent kept in its file", stale,
+                     f", {age:.0f} s before this start")
+
+
+def _without_stale(flows: list, age: float) -> tuple[list, dict[str, int]]:
+    """``flows`` less those registered without an owner process when the file is older than ``CRASH_OWNERLESS_S``
+    (their 5-tuples may be another user's connections since), and their count (``stale``). A hand-over's file too:
+    one whose next agent did not start (a start that failed, an operator back an hour later) is as old as a dead
+    agent's (until 2026-11-28 its flows without an owner were taken back at any age)."""
+    if age <= CRASH_OWNERLESS_S:
+        return flows, {}
+    kept = [f for f in flows if not isinstance(f, dict) or f.get("pid") is not None]
+    return kept, ({"stale": len(flows) - len(kept)} if len(kept) < len(flows) else {})
 
 
 def _adopting(cfg, api, *args) -> dict[str, int]:

@@ -497,3 +497,20 @@ def test_a_file_the_journal_cannot_write_again_is_not_stamped_fresh(tmp_path):
         assert handover.adopt_after_crash(_cfg(state), FakeApi()) == {"adopted": 0, "stale": 1}
     finally:
         subprocess.run(["umount", str(state)], check=True)
+
+
+def test_a_hand_overs_old_file_gives_no_flow_without_an_owner(tmp_path, caplog):
+    """A hand-over's file whose next agent started long after (its start failed, the operator came back later) is as
+    old as a dead agent's: its flows without an owner process (root's) are left out (``stale``) once it is older than
+    ``CRASH_OWNERLESS_S``, as from the crash path's file; owners' flows go through their checks. Until 2026-11-28
+    they were taken back at any age."""
+    api = FakeApi()
+    api.policy.must_own = lambda peer: False
+    owned = dict(_flow(1), pid=os.getpid(), start=process_start(os.getpid()), uid=os.getuid())
+    _write(tmp_path, [_flow(2), owned])
+    old = time.time() - handover.CRASH_OWNERLESS_S - 3600
+    os.utime(tmp_path / handover.FLOWS_FILE, (old, old))
+    assert handover.adopt_flows(_cfg(tmp_path), api) == {"adopted": 1, "stale": 1}
+    assert "took back 1 of the 2 flows the agent that handed over" in caplog.text
+    _write(tmp_path, [_flow(2), owned])
+    assert handover.adopt_flows(_cfg(tmp_path), api) == {"adopted": 2}
