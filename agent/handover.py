@@ -12,8 +12,8 @@ user and still allowed by the new config (``allowed_users``, ``level_limits``, t
 registered without an ownership check (root or a ``trusted_users`` member with ``check_ownership``, or the agent
 itself) is taken back where its user may still register it so. Levels beyond the new ``levels`` go to the least
 urgent one, as the shim's do. The jobs' reported inputs (``report``: step bytes, compute time, ...) come along for
-the jobs taken back, so an order by them holds through the restart. The file taken is kept as the crash path's
-(``flows.json``) until the new agent's journal replaces it (so a second crash in a row loses nothing): a file of
+the jobs taken back, so an order by them holds through the restart. The file taken is kept (``TAKING_FILE``)
+until the new agent's journal first writes, for one more try (so a second crash in a row loses nothing): a file of
 another boot or network namespace, or of a newer format, is dropped with a warning (the shims register again).
 Adoption runs before the agent serves: each owner's open files are read once for all its flows, and a group refused
 ``limit`` stops at its first flow so refused, so no owner makes it cost a request per flow; one user's owners are
@@ -61,6 +61,10 @@ ADOPT_REQUESTS_PER_USER = 2048
 ADOPT_FILES_PER_USER = 65_536
 ADOPT_CHUNK = 512  # flows per register: 1,024 (the most a message may name) of IPv4 flows exceed its 64 KiB
 CRASH_FILE = "flows.json"  # in state_dir: the flow table as it stands, for the next agent after a crash
+# in state_dir: a flow table file an agent took (renamed, the crash path's or a hand-over's) and is taking back, until
+# its journal's first write; the next agent takes it back once more (an agent killed while it took the flows back,
+# or before its first write), then it is gone (an adoption that kills each agent does not keep them from starting)
+TAKING_FILE = "flows-taking.json"
 MAX_FILE_BYTES = 256 << 20  # read of a flow table file at most (10,000 flows: 1.7 MB; max_flows bounds it)
 # the crash path's writes (FlowJournal): the first change not written waits JOURNAL_DEBOUNCE_S for the rest of its
 # burst (a shim's registers come within milliseconds), and a write comes JOURNAL_MIN_GAP_S after the last one at
@@ -83,6 +87,10 @@ def crash_path(cfg) -> Path:
     return Path(cfg.state_dir) / CRASH_FILE
 
 
+def taking_path(cfg) -> Path:
+    return Path(cfg.state_dir) / TAKING_FILE
+
+
 class FlowJournal:
     """The flow table kept on disk as it changes (``flows.json`` in ``state_dir``, the hand-over's format:
     :func:`flows_doc`), so that the next agent after a crash or SIGKILL takes its flows back
@@ -92,6 +100,7 @@ class FlowJournal:
 
     def __init__(self, cfg, table: FlowTable, reported=dict):
         self.path = crash_path(cfg)
+        self.taking = taking_path(cfg)  # the file this agent took back, removed once its own is written
         self.table = table
         self.reported = reported  # () -> the jobs' reported inputs, written along
         self.written: int | None = None  # table.changes at the last write (None: none yet)
@@ -141,6 +150,9 @@ class FlowJournal:
             return False
         if self.failing:
             log.warning("the flow table is written to %s again", self.path)
+        if self.written is None:
+            with contextlib.suppress(OSError):
+                self.taking.unlink()  # (this agent's own table on disk now)
         self.failing = False
         self.written, self.since, self.writes = changes, None, self.writes + 1
         self.last_s = time.monotonic() - t0
@@ -158,8 +170,9 @@ class FlowJournal:
 
     def remove(self) -> None:
         """Remove the file (a stop that restores: the flows' marks are gone with the agent's table)."""
-        with contextlib.suppress(OSError):
-            self.path.unlink()
+        for path in (self.path, self.taking):
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def boot_id() -> str:
@@ -238,10 +251,10 @@ def _read(path: Path, what: str, gone_writer: bool = False, keep: Path | None = 
           ) -> tuple[list[dict] | None, dict, float]:
     """The flows, reported inputs and age (seconds since it was last written or touched) of a flow table file
     (``what``: whose, for the log), after the file's checks (None: no file, or not one to take). A file taken is
-    kept as ``keep`` (renamed; the crash path's own name: left where it is) until this agent's journal replaces it,
-    so that an agent killed while it takes the flows back, or before its first write, leaves them to the next one
-    (until 2026-11-28 the file was removed once read, and a second crash in a row lost the table); a file not taken
-    is removed. With ``gone_writer`` (the crash path's), a file whose agent still runs (its pid and start time) is
+    kept as ``keep`` (renamed: :data:`TAKING_FILE`) until this agent's journal first writes, so that an agent killed
+    while it takes the flows back, or before that write, leaves them to the next one (until 2026-11-28 the file was
+    removed once read, and a second crash in a row lost the table); ``keep`` None: removed (read once), as is a file
+    not taken. With ``gone_writer`` (the crash path's), a file whose agent still runs (its pid and start time) is
     not taken, nor removed."""
     try:
         got = read_own_file(path)
@@ -268,19 +281,20 @@ def _read(path: Path, what: str, gone_writer: bool = False, keep: Path | None = 
         log.warning("%s is the flow table of agent pid %s, which still runs: not taken back", path,
                     doc.get("agent_pid"))
         return None, {}, age
+    taken = True
     if not isinstance(fmt, int) or fmt > FLOWS_FORMAT:
         log.warning("%s is of format %r, newer than this agent's (%d): its flows are not taken back (their clients "
                     "register again)", path, fmt, FLOWS_FORMAT)
-        keep = None
+        taken = False
     elif doc.get("boot_id") != boot_id() or doc.get("netns") != netns_id():
         log.warning("%s was written in another boot or network namespace: its flows are not taken back", path)
-        keep = None
+        taken = False
     with contextlib.suppress(OSError):
-        if keep is None:
+        if keep is None or not taken:
             path.unlink()
-        elif keep != path:
+        else:
             os.replace(path, keep)
-    return (flows, reported, age) if keep is not None else (None, {}, age)
+    return (flows, reported, age) if taken else (None, {}, age)
 
 
 def _writer_runs(doc: dict) -> bool:
@@ -319,10 +333,12 @@ def _peer(uid: int, pid: int, start: int | None, pidfd: int | None) -> tuple[Pee
 def adopt_flows(cfg, api) -> dict[str, int] | None:
     """Register again, through ``api``, the flows a hand-over left (:func:`write_flows`); returns counts
     ``{"adopted": n, reason: n, ...}`` and logs them (None: no hand-over's table was read). The crash path's file is
-    then stale (the hand-over's is the later): replaced by the hand-over's. See :func:`_adopt`."""
-    flows, reported, age = _read(flows_path(cfg), "a hand-over's", keep=crash_path(cfg))
+    then stale (the hand-over's is the later): removed. See :func:`_adopt`."""
+    flows, reported, age = _read(flows_path(cfg), "a hand-over's", keep=taking_path(cfg))
     if flows is None:
         return None
+    with contextlib.suppress(OSError):
+        crash_path(cfg).unlink()
     flows, stale = _without_stale(flows, age)
     return _adopting(cfg, api, flows, reported, "the agent that handed over", stale,
                      f", {age:.0f} s before this start" if stale else "")
@@ -333,12 +349,16 @@ def adopt_after_crash(cfg, api) -> dict[str, int] | None:
     :func:`adopt_flows` does a hand-over's, with the same checks; None: no such table was read (none, its agent still
     runs, cut short, another boot's). Its flows registered in the last moments before the crash (the journal's
     debounce) are not in it: the caller keeps the kernel's marks for ``INHERIT_S`` all the same."""
-    flows, reported, age = _read(crash_path(cfg), "a killed agent's", gone_writer=True, keep=crash_path(cfg))
+    whose = "the killed agent kept in its file"
+    flows, reported, age = _read(crash_path(cfg), "a killed agent's", gone_writer=True, keep=taking_path(cfg))
+    if flows is None and not crash_path(cfg).exists():  # (none, or not one to take: removed; a live agent's: kept)
+        # (an agent killed while it took this one back, or before its first write: taken back once more, the last)
+        flows, reported, age = _read(taking_path(cfg), "a killed agent's", gone_writer=True)
+        whose = "the killed agent kept in its file (the last try: the agent before this one was killed taking them)"
     if flows is None:
         return None
     flows, stale = _without_stale(flows, age)
-    return _adopting(cfg, api, flows, reported, "the killed agent kept in its file", stale,
-                     f", {age:.0f} s before this start")
+    return _adopting(cfg, api, flows, reported, whose, stale, f", {age:.0f} s before this start")
 
 
 def _without_stale(flows: list, age: float) -> tuple[list, dict[str, int]]:
@@ -353,13 +373,13 @@ def _without_stale(flows: list, age: float) -> tuple[list, dict[str, int]]:
 
 
 def _adopting(cfg, api, *args) -> dict[str, int]:
-    """:func:`_adopt` of a file kept as the crash path's until this agent's journal replaces it; a failure removes
-    it (a file that fails every start would keep the agent from ever starting)."""
+    """:func:`_adopt` of a file kept as :data:`TAKING_FILE` until this agent's journal first writes; a failure
+    removes it (a file that fails every start would keep the agent from ever starting)."""
     try:
         return _adopt(cfg, api, *args)
     except Exception:
         with contextlib.suppress(OSError):
-            crash_path(cfg).unlink()
+            taking_path(cfg).unlink()
         raise
 
 

@@ -372,12 +372,13 @@ def test_a_killed_agents_file_is_taken_back_with_the_hand_overs_checks(tmp_path)
     path = _write_crash(tmp_path, [reused, other_user, same], agent_pid=2**22 + 1, agent_start=1)
     assert handover.adopt_after_crash(_cfg(tmp_path), api) == {"adopted": 1, "owner_changed_user": 1,
                                                               "owner_gone": 1}
-    path.unlink()  # (the next agent's journal replaces it: test_a_second_crash_in_a_row_loses_no_flow)
+    (tmp_path / handover.TAKING_FILE).unlink()  # (the next agent's journal's first write removes it:
+    # test_a_second_crash_in_a_row_loses_no_flow)
     assert handover.adopt_after_crash(_cfg(tmp_path), FakeApi()) is None  # none: the marks kept INHERIT_S only
     _write_crash(tmp_path, [same])
     _write(tmp_path, [])
     assert handover.adopt_flows(_cfg(tmp_path), FakeApi()) == {}
-    assert _flows_of(path) == [] and not (tmp_path / handover.FLOWS_FILE).exists()  # (the hand-over's is the later)
+    assert not path.exists() and not (tmp_path / handover.FLOWS_FILE).exists()  # (the hand-over's is the later)
 
 
 def _flows_of(path):
@@ -386,33 +387,40 @@ def _flows_of(path):
 
 def test_a_second_crash_in_a_row_loses_no_flow(tmp_path):
     """An agent killed while it takes a killed agent's flows back, or before its own first write (the journal's
-    debounce, after adoption that may take seconds), leaves them to the next agent: the file taken stays until the
-    journal replaces it, and a hand-over's file taken becomes the crash path's. Until 2026-11-28 each was removed
-    once read: a second crash in a row lost the whole table (the third agent found no file). A file whose adoption
-    fails is removed (no agent would ever start past it)."""
+    debounce, after adoption that may take seconds), leaves them to the next agent: the file taken is kept
+    (``TAKING_FILE``) until the journal first writes, and the next agent takes it back once more, the last (an
+    adoption that killed every agent would keep the agent from starting). A hand-over's file taken is kept so too.
+    Until 2026-11-28 each was removed once read: a second crash in a row lost the whole table (the third agent found
+    no file). A file whose adoption fails is removed."""
     def unchecked():  # (the test's process owns no socket of these flows: no ownership check)
         api = FakeApi()
         api.policy.must_own = lambda peer: False
         return api
 
     owned = dict(_flow(1), pid=os.getpid(), start=process_start(os.getpid()), uid=os.getuid())
-    path = _write_crash(tmp_path, [owned, _flow(2)], agent_pid=2**22 + 1, agent_start=1)
+    path, taking = _write_crash(tmp_path, [owned, _flow(2)], agent_pid=2**22 + 1, agent_start=1), \
+        tmp_path / handover.TAKING_FILE
     for agent in ("second", "third"):  # (the second killed before its journal wrote)
         assert handover.adopt_after_crash(_cfg(tmp_path), unchecked()) == {"adopted": 2}, agent
+    assert not path.exists() and not taking.exists()
+    assert handover.adopt_after_crash(_cfg(tmp_path), unchecked()) is None  # (the third killed too: no more tries)
+    _write_crash(tmp_path, [owned], agent_pid=2**22 + 1, agent_start=1)
+    assert handover.adopt_after_crash(_cfg(tmp_path), unchecked()) == {"adopted": 1} and taking.exists()
     table = FlowTable(4)
     table.register("job-b", 1, (_key(3),), pid=None, uid=None)
-    assert handover.FlowJournal(_cfg(tmp_path), table).write() and [f["flow"][2] for f in _flows_of(path)] == [3]
-    path.unlink()
+    journal = handover.FlowJournal(_cfg(tmp_path), table)
+    assert journal.write() and [f["flow"][2] for f in _flows_of(path)] == [3] and not taking.exists()
+    journal.remove()
     _write(tmp_path, [owned])  # a hand-over's file, its next agent killed while it takes it back
     assert handover.adopt_flows(_cfg(tmp_path), unchecked()) == {"adopted": 1}
-    assert not (tmp_path / handover.FLOWS_FILE).exists() and len(_flows_of(path)) == 1
+    assert not (tmp_path / handover.FLOWS_FILE).exists() and len(_flows_of(taking)) == 1
     assert handover.adopt_after_crash(_cfg(tmp_path), unchecked()) == {"adopted": 1}
+    _write_crash(tmp_path, [owned])
     api = unchecked()
     api.handle = None  # (an adoption that fails: the file goes)
     with pytest.raises(TypeError):
         handover.adopt_after_crash(_cfg(tmp_path), api)
-    assert not path.exists()
-
+    assert not path.exists() and not taking.exists()
 
 def test_a_crash_file_not_the_agents_own_or_cut_short_or_of_a_live_agent_is_not_taken(tmp_path, caplog):
     """The crash path's file is taken only as the agent wrote it: not through a symbolic link, not a file of
