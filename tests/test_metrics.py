@@ -608,7 +608,7 @@ def test_reporter_sends_cumulative_counters_and_a_last_report_at_close(tmp_path,
                 {"level": 1, "allreduces": 1, "bytes": 10, "comm_s": 0.25}]
 
     try:
-        rep = Reporter(stats, str(tmp_path / "agent.sock"), "job-r", interval_s=0.05, timeout_s=0.5)
+        rep = Reporter(stats, str(tmp_path / "agent.sock"), "job-r", interval_s=0.05, timeout_s=5.0)
         deadline = time.monotonic() + 5
         while rep.counters["sent"] < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -637,7 +637,7 @@ def test_reporter_sends_step_bytes_at_once_when_woken(tmp_path, kernel):
     sent, server = recording_server(api, tmp_path)
     try:
         rep = Reporter(lambda: [{"level": 0, "allreduces": 1, "bytes": 1, "comm_s": 0.1}],
-                       str(tmp_path / "agent.sock"), "job-w", interval_s=60, timeout_s=0.5,
+                       str(tmp_path / "agent.sock"), "job-w", interval_s=60, timeout_s=5.0,
                        step_bytes=lambda: step["bytes"])
         assert rep.report() and "step_bytes" not in sent[-1]
         step["bytes"] = 4096
@@ -661,7 +661,7 @@ def test_reporter_sends_each_step_while_the_agent_ranks_by_the_window(tmp_path, 
     sent, server = recording_server(api, tmp_path)
     try:
         rep = Reporter(lambda: [{"level": 0, "allreduces": 1, "bytes": 1, "comm_s": 0.1}],
-                       str(tmp_path / "agent.sock"), "job-s", interval_s=60, timeout_s=0.5,
+                       str(tmp_path / "agent.sock"), "job-s", interval_s=60, timeout_s=5.0,
                        step_bytes=lambda: 4096, compute_s=lambda: 0.5, window_start=lambda: window["start"],
                        window_steps=lambda: window["steps"])
         assert rep.report() and "window_start" not in sent[-1]  # (no window yet: two steps must end first)
