@@ -641,6 +641,22 @@ def step_in_parts(optimizer, step) -> dict | None:
     return {p: (q, state[q]) for p, q in copies.items()}
 
 
+def same_bits(a, b) -> bool:
+    """Whether two tensors hold the same values (shape, dtype, each element), a NaN matching a NaN in the same place.
+    ``torch.equal`` alone takes a NaN as differing from itself: a parameter or state holding one (a diverged run,
+    which plain DDP trains on) made the checks of an optimizer declared per parameter report its parts as differing
+    from its whole step, a false "not per parameter" (until 2026-11-28: the probe fell back to hook mode, a later
+    step raised ``PARTS_DIFFER_LATER`` and went to hook mode)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    if a.is_sparse or not (a.is_floating_point() or a.is_complex()):
+        return False
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+
+
 def parts_differ(trial: dict | None, optimizer) -> bool:
     """Whether the real step (taken since :func:`step_in_parts` returned ``trial``) left any parameter or state value
     other than the step in parts left on the copies (bit for bit)."""
@@ -649,7 +665,7 @@ def parts_differ(trial: dict | None, optimizer) -> bool:
     if not trial:
         return True
     for p, (q, st) in trial.items():
-        if not torch.equal(p.detach(), q):
+        if not same_bits(p.detach(), q):
             return True
         real = dict.get(optimizer.state, p) or {}
         if set(real) != set(st):
@@ -657,7 +673,7 @@ def parts_differ(trial: dict | None, optimizer) -> bool:
         for k, v in real.items():
             w = st[k]
             if isinstance(v, torch.Tensor):
-                if not isinstance(w, torch.Tensor) or v.shape != w.shape or not torch.equal(v, w):
+                if not isinstance(w, torch.Tensor) or not same_bits(v, w):
                     return True
             elif v != w:
                 return True
@@ -692,8 +708,7 @@ def parts_check(optimizer, hparams: list, members: list, autocast: dict, inferen
 def _same(a, b) -> bool:
     """Whether two state or attribute values are equal, tensors bit for bit."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
-            a.dtype == b.dtype and torch.equal(a, b)
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and same_bits(a, b)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict) and isinstance(b, dict):
@@ -751,7 +766,7 @@ def whole_step(optimizer, step, check: PartsCheck):
         set_rng_states(rng)
     states = {id(p): state.get(copies[id(p)], {}) for p in check.params}
     values = {id(p): copies[id(p)].detach() for p in check.params}
-    same = all(torch.equal(p.detach(), values[id(p)]) and _same(dict(dict.get(optimizer.state, p) or {}),
+    same = all(same_bits(p.detach(), values[id(p)]) and _same(dict(dict.get(optimizer.state, p) or {}),
                                                                  dict(states[id(p)])) for p in check.params)
     # an attribute the whole step changes (a count of its calls) must be as the parts left it; the others may have
     # been set by the loop since step()

@@ -2772,6 +2772,47 @@ def test_whole_step_checks_a_later_step_against_its_parts():
             assert not torch.equal(p.detach(), w.detach()), lowered  # (the parts: each clipped by its own norm)
 
 
+def test_a_nan_in_a_parameter_or_its_state_is_not_taken_as_parts_differing_from_the_whole_step():
+    """The checks of an optimizer declared per parameter compare bit for bit, a NaN equal to a NaN in the same place:
+    a declared SGD with momentum (per parameter), one element of a parameter NaN (a diverged run, which plain DDP
+    trains on) and so its momentum, matches at the probe (``step_in_parts``/``parts_differ``) and at a later step
+    (``parts_check``/``whole_step``). Until 2026-11-28 ``torch.equal`` took the NaN as a difference: the probe fell
+    back to hook mode, and a later step raised ``PARTS_DIFFER_LATER`` ("not per parameter") at 2 ranks, where DDP
+    raises nothing. A NaN where the other has a number still differs."""
+    import torch
+
+    from tensorlane.shim import overlap as ov
+
+    def made():
+        torch.manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with torch.no_grad():
+            params[0][1, 1] = float("nan")
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        opt.step()  # (a momentum, NaN where the parameter is)
+        return params, opt
+
+    params, opt = made()
+    trial = ov.step_in_parts(opt, opt.step)
+    opt.step()
+    assert not ov.parts_differ(trial, opt)
+    params, opt = made()
+    check = ov.parts_check(opt, ov.hyperparameters(opt), [tuple(g["params"]) for g in opt.param_groups], {}, False,
+                           {id(p) for p in params})
+    for p in params:
+        check.grads[id(p)] = p.grad.clone()
+        check.remaining.discard(id(p))
+        saved = opt.param_groups[0]["params"]
+        opt.param_groups[0]["params"] = [p]
+        opt.step()
+        opt.param_groups[0]["params"] = saved
+    assert ov.whole_step(opt, opt.step, check) is None
+    assert ov.same_bits(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0]))
+    assert not ov.same_bits(torch.tensor([float("nan"), 1.0]), torch.tensor([1.0, float("nan")]))
+
+
 CLOSED_APART_SCRIPT = r"""
 import datetime, faulthandler, sys, types
 import torch, torch.distributed as dist
