@@ -204,6 +204,7 @@ class ShimState:
     _step_acc: int = 0
     _agreeing: tuple | None = None  # (work, tensor) of the clock's all-reduce in flight
     backwards: int = 0  # synchronized backwards whose buckets this state's hook was given (the same on every rank)
+    paired_in: int | None = None  # the synchronized backward of the first bucket all-reduced on DDP's group after close
 
     def __reduce_ex__(self, _protocol):
         """Refuse pickling with a clear error (until 2026-11-27 Python's own "cannot pickle '_thread.lock' object";
@@ -524,9 +525,18 @@ def _plain_allreduce(state: ShimState, bucket):
     (MAX) of (backward, bucket, size) and their negatives, launched before the bucket's, so that both meet their
     partners in the same order. Ranks that closed at different points (a watchdog's close() on one rank, another's
     an iteration later) would pair one rank's bucket with another bucket or iteration of the other's, of the same
-    size: a silently wrong average (2.8e-5 off DDP at 2 ranks, docs/shim.md); their backward raises instead."""
+    size: a silently wrong average (2.8e-5 off DDP at 2 ranks, docs/shim.md); their backward raises instead.
+    Only the buckets of the first such backward are checked: ranks whose first buckets there paired one for one closed
+    at the same point, and from then on meet as under DDP (a check every bucket of the rest of the run, until
+    2026-11-28, doubled the all-reduces of a run that went on as plain DDP)."""
     buf = bucket.buffer().mul_(1.0 / dist.get_world_size())  # as DDP scales (1/world: not a division)
     backward, index, size = state.backwards, bucket.index(), buf.numel()
+    if getattr(state, "paired_in", None) is None:
+        state.paired_in = backward
+    if backward != state.paired_in:
+        where = "DDP's own process group after close()"
+        return dist.all_reduce(buf, async_op=True).get_future().then(
+            lambda fut: _piece_value(fut, where=where)[0])
     mine = torch.tensor([backward, index, size], dtype=torch.float64)
     seen = torch.cat([mine, -mine])
     check = dist.all_reduce(seen, op=dist.ReduceOp.MAX, async_op=True).get_future()

@@ -2837,6 +2837,33 @@ if how == "pairing":
     print("same", float(same[0]), flush=True)  # (1 + 2) / 2
     other = shim_ddp._plain_allreduce(state, Bucket(1 - rank, 1 + rank)).wait()
     print("other", float(other[0]), flush=True)
+elif how == "count":
+    # all ranks close at the same point (before the fourth iteration) and train on as plain DDP: the all-reduces on
+    # DDP's group per backward after it, and the parameters against plain DDP's
+    calls = []
+    plain_all_reduce = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: (calls.append(1), plain_all_reduce(*a, **k))[1]
+    ends = []
+    for shimmed in (False, True):
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]), bucket_cap_mb=0.0001)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+        handle = shim.attach(ddp, opt, levels=2, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                             policy="flat") if shimmed else None
+        torch.manual_seed(1 + rank)
+        x = torch.randn(4, 8)
+        for i in range(6):
+            if shimmed and i == 3:
+                handle.close()
+            calls.clear()
+            ddp(x).sum().backward()
+            if shimmed and i >= 3:
+                print("all_reduces", i, len(calls), flush=True)
+            opt.step()
+            opt.zero_grad()
+        ends.append([p.detach().clone() for p in ddp.parameters()])
+    print("off", max(float((a - b).abs().max()) for a, b in zip(*ends, strict=True)), flush=True)
 else:
     mode = how
     torch.manual_seed(0)
@@ -2880,6 +2907,22 @@ def test_all_reduces_after_close_of_different_buckets_raise(tmp_path):
         assert "same 1.5" in out, err[-3000:]
         assert rc != 0 and "other" not in out, (out, err[-3000:])
         assert "met another rank's of another bucket or backward" in err and "same iteration" in err, err[-3000:]
+
+
+@pytest.mark.torch
+def test_after_a_close_at_the_same_point_only_the_first_backward_is_checked(tmp_path):
+    """Both ranks close before the fourth iteration and train on as plain DDP (6 buckets): the first backward after
+    the close checks each bucket's pairing on DDP's group (2 all-reduces a bucket: 12), the later ones are DDP's
+    own (6), and the parameters end equal to plain DDP's. Ranks whose first backward on DDP's group paired bucket
+    for bucket closed at the same point, and stay paired as under DDP. Until 2026-11-28 (since that day's check)
+    every bucket of every later backward paid the check's all-reduce, a latency-bound round trip about as long as
+    a small bucket's own (263 us against 300 us for 272 floats at 2 ranks here), for the rest of the run."""
+    res = _closed_apart(tmp_path, "count")
+    for rc, out, err in res:
+        assert rc == 0, err[-3000:]
+        counts = [int(line.split()[2]) for line in out.splitlines() if line.startswith("all_reduces")]
+        assert counts == [12, 6, 6], out
+        assert out.split()[-1] == "0.0", out
 
 
 @pytest.mark.torch
