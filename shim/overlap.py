@@ -596,6 +596,26 @@ def _copy(value):
         return snapshot(value)
 
 
+@contextlib.contextmanager
+def put_back(optimizer):
+    """A trial step on ``optimizer`` inside: its groups' values, its attributes (its ``state`` with them) and torch's
+    generators are put back as they were when the block ends, however it ends. Yields the groups' saved values.
+    Usage: ``with put_back(opt) as saved_groups: opt.state = copies; opt.step()``"""
+    groups = optimizer.param_groups
+    saved_groups = [dict(g) for g in groups]
+    saved_vars = dict(vars(optimizer))
+    rng = rng_states()
+    try:
+        yield saved_groups
+    finally:
+        for g, saved in zip(groups, saved_groups, strict=True):
+            g.clear()
+            g.update(saved)
+        vars(optimizer).clear()
+        vars(optimizer).update(saved_vars)
+        set_rng_states(rng)
+
+
 def step_in_parts(optimizer, step) -> dict | None:
     """The probe's check of an optimizer declared per parameter: ``step()`` (the optimizer's own) taken in two parts,
     as overlap mode takes it, on copies of the parameters that have a gradient, of their gradients and state and of
@@ -616,28 +636,19 @@ def step_in_parts(optimizer, step) -> dict | None:
     for p, q in copies.items():
         if p in optimizer.state:
             state[q] = {k: _copy(v) for k, v in optimizer.state[p].items()}
-    saved_groups = [dict(g) for g in groups]
-    saved_vars = dict(vars(optimizer))
-    rng = rng_states()
     half = {id(p) for p in params[:len(params) // 2]}
-    try:
-        optimizer.state = state
-        for part in (True, False):
-            for g, saved in zip(groups, saved_groups, strict=True):
-                g.clear()
-                g.update({k: _copy(v) for k, v in saved.items() if k != "params"})
-                g["params"] = [copies[p] for p in saved["params"] if p in copies and (id(p) in half) == part]
-            with torch.no_grad():
-                step()
-    except Exception:  # noqa: BLE001 - an optimizer that cannot step copies (keyed by its parameters' identity)
-        return {}
-    finally:
-        for g, saved in zip(groups, saved_groups, strict=True):
-            g.clear()
-            g.update(saved)
-        vars(optimizer).clear()
-        vars(optimizer).update(saved_vars)
-        set_rng_states(rng)
+    with put_back(optimizer) as saved_groups:
+        try:
+            optimizer.state = state
+            for part in (True, False):
+                for g, saved in zip(groups, saved_groups, strict=True):
+                    g.clear()
+                    g.update({k: _copy(v) for k, v in saved.items() if k != "params"})
+                    g["params"] = [copies[p] for p in saved["params"] if p in copies and (id(p) in half) == part]
+                with torch.no_grad():
+                    step()
+        except Exception:  # noqa: BLE001 - an optimizer that cannot step copies (keyed by its parameters' identity)
+            return {}
     return {p: (q, state[q]) for p, q in copies.items()}
 
 
@@ -736,34 +747,26 @@ def whole_step(optimizer, step, check: PartsCheck):
         if check.state[id(p)]:
             state[copies[id(p)]] = check.state[id(p)]
     groups = optimizer.param_groups
-    saved_groups = [dict(g) for g in groups]
-    saved_vars = dict(vars(optimizer))
-    rng = rng_states()
-    try:
-        # (its attributes as at step(): one the loop set after step(), a clipping limit lowered, is not this step's)
-        vars(optimizer).clear()
-        vars(optimizer).update({**check.attrs, "param_groups": groups})
-        optimizer.state = state
-        for i, g in enumerate(groups):
-            g.clear()
-            if i < len(check.hparams):
-                g.update({k: _copy(v) for k, v in check.hparams[i].items()})
-                g["params"] = [copies[id(p)] for p in check.members[i] if id(p) in copies]
-            else:
-                g.update(saved_groups[i])
-                g["params"] = []
-        with torch.inference_mode(check.inference), torch.no_grad(), autocast_as(check.autocast):
-            step()
-        attrs = _attrs(optimizer)
-    except Exception:  # noqa: BLE001 - the whole step raised where the parts did not: they differ
-        return None, {}, {}
-    finally:
-        for g, saved in zip(groups, saved_groups, strict=True):
-            g.clear()
-            g.update(saved)
-        vars(optimizer).clear()
-        vars(optimizer).update(saved_vars)
-        set_rng_states(rng)
+    with put_back(optimizer) as saved_groups:
+        try:
+            # (its attributes as at step(): one the loop set after step(), a clipping limit lowered, is not this
+            # step's)
+            vars(optimizer).clear()
+            vars(optimizer).update({**check.attrs, "param_groups": groups})
+            optimizer.state = state
+            for i, g in enumerate(groups):
+                g.clear()
+                if i < len(check.hparams):
+                    g.update({k: _copy(v) for k, v in check.hparams[i].items()})
+                    g["params"] = [copies[id(p)] for p in check.members[i] if id(p) in copies]
+                else:
+                    g.update(saved_groups[i])
+                    g["params"] = []
+            with torch.inference_mode(check.inference), torch.no_grad(), autocast_as(check.autocast):
+                step()
+            attrs = _attrs(optimizer)
+        except Exception:  # noqa: BLE001 - the whole step raised where the parts did not: they differ
+            return None, {}, {}
     states = {id(p): state.get(copies[id(p)], {}) for p in check.params}
     values = {id(p): copies[id(p)].detach() for p in check.params}
     same = all(same_bits(p.detach(), values[id(p)]) and _same(dict(dict.get(optimizer.state, p) or {}),
