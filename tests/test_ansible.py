@@ -32,7 +32,7 @@ import yaml
 from tensorlane.agent.config import from_dict, parse_rate
 from testbed import Testbed
 
-pytestmark = [pytest.mark.netns, pytest.mark.concurrent]  # beside another file's (make test)
+pytestmark = [pytest.mark.netns, pytest.mark.concurrent]  # beside the unit tests (make test)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ANSIBLE_DIR = os.path.join(REPO_ROOT, "ansible")
