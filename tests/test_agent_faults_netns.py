@@ -21,7 +21,7 @@ from agent_clients import flow, nft_tables, tc_dump, udp_exchange, wait_for
 from bench.agents import AgentStartError, agent_config, render_config, running_agents
 from testbed import Testbed
 
-pytestmark = [pytest.mark.netns, pytest.mark.concurrent]  # beside the unit tests (make test)
+pytestmark = [pytest.mark.netns, pytest.mark.concurrent]  # beside another file's (make test)
 PY = [sys.executable, "-m"]
 TRUST = {"trusted_users": ["root"]}
 FAST = {"reconcile_interval_s": 0.1, **TRUST}

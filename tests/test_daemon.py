@@ -14,7 +14,7 @@ import pytest
 from tensorlane.agent import daemon
 from tensorlane.agent.peers import process_start
 
-pytestmark = pytest.mark.concurrent  # netns tests here run beside the unit tests (make test; pyproject markers)
+pytestmark = pytest.mark.concurrent  # netns tests here run beside another file's (make test; pyproject markers)
 
 
 def dead_agents_record(cfg, name: str, index: int, snap=None) -> dict:

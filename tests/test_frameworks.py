@@ -23,7 +23,7 @@ import pytest
 from bench.agents import running_agents
 from testbed import Testbed
 
-pytestmark = pytest.mark.concurrent  # netns tests here run beside the unit tests (make test; pyproject markers)
+pytestmark = pytest.mark.concurrent  # netns tests here run beside another file's (make test; pyproject markers)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "framework_workers")

@@ -22,7 +22,7 @@ from test_security_netns import NOBODY, in_child
 from bench.agents import running_agents
 from testbed import Testbed
 
-pytestmark = [pytest.mark.netns, pytest.mark.concurrent]  # beside the unit tests (make test)
+pytestmark = [pytest.mark.netns, pytest.mark.concurrent]  # beside another file's (make test)
 PY = [sys.executable, "-m"]
 RECV = r"""
 import json, socket, sys

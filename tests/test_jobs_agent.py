@@ -33,7 +33,7 @@ from tensorlane.policies.jobs import (
     rotation_epoch,
 )
 
-pytestmark = pytest.mark.concurrent  # netns tests here run beside the unit tests (make test; pyproject markers)
+pytestmark = pytest.mark.concurrent  # netns tests here run beside another file's (make test; pyproject markers)
 
 
 class RecordingRec:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from test_ansible import fleet_testbed  # builds the wheel from a copy of the tr
 
 from testbed import Testbed
 
-pytestmark = pytest.mark.concurrent  # netns tests here run beside the unit tests (make test; pyproject markers)
+pytestmark = pytest.mark.concurrent  # netns tests here run beside another file's (make test; pyproject markers)
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = {"tensorlane": REPO / "tensorlane", "tensorlane.agent": REPO / "agent", "tensorlane.shim": REPO / "shim",
@@ -306,3 +307,19 @@ def test_agent_runs_from_the_wheel_without_torch(wheel, tmp_path):
                 agent.kill()
                 err = agent.communicate()[1]
         assert agent.returncode == 0, err
+
+
+def test_concurrent_netns_files_use_testbed_names_of_their_own():
+    """make test runs the netns tests of files marked ``concurrent`` two files at a time: a testbed (or namespace)
+    name used by two such files would have one file's ``up`` meet the other's testbed, now and then."""
+    names: dict[str, str] = {}
+    pattern = re.compile(r'Testbed\([^)]*name="([a-z0-9-]+)"|"TENSORLANE_TESTBED_NAME", "([a-z0-9-]+)"'
+                         r'|"netns", "add", "([a-z0-9-]+)"')
+    files = sorted(p for p in (REPO / "tests").glob("test_*.py") if "pytest.mark.concurrent" in p.read_text())
+    assert len(files) >= 9, files  # (the files marked 2026-11-28)
+    clashes = []
+    for path in files:
+        for found in {n for m in pattern.finditer(path.read_text()) for n in m.groups() if n}:
+            if names.setdefault(found, path.name) != path.name:
+                clashes.append((found, names[found], path.name))
+    assert not clashes, f"testbed names used by two concurrent files: {clashes}"

@@ -16,7 +16,7 @@ import pytest
 from bench.agents import AgentStartError, running_agents
 from testbed import Testbed
 
-pytestmark = [pytest.mark.netns, pytest.mark.concurrent]  # beside the unit tests (make test)
+pytestmark = [pytest.mark.netns, pytest.mark.concurrent]  # beside another file's (make test)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

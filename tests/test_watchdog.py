@@ -23,7 +23,7 @@ from bench.agents import agent_config, render_config
 from tensorlane.agent import notify
 from tensorlane.agent.logs import JournalFormatter, journal_prefix, stderr_is_journal, syslog_priority
 
-pytestmark = pytest.mark.concurrent  # netns tests here run beside the unit tests (make test; pyproject markers)
+pytestmark = pytest.mark.concurrent  # netns tests here run beside another file's (make test; pyproject markers)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMPLATES = os.path.join(REPO_ROOT, "ansible", "roles", "tensorlane", "templates")
