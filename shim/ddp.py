@@ -487,6 +487,9 @@ CLOSED_APART = ("A peer process ended, or a rank's handle was closed at another 
                 "thread of every rank there (docs/shim.md)")
 
 
+AFTER_CLOSE = "DDP's own process group after close()"  # (where a failed all-reduce ran, for _piece_value's error)
+
+
 def _piece_value(fut, wait: bool = False, where: str = "the shim's per-level process groups"):
     """The value of a piece's all-reduce on a level's group (``wait``: waited for first); its failure (gloo's
     "Connection closed by peer" when a peer destroyed the shim's groups at its close()) raised with its likely cause."""
@@ -534,17 +537,15 @@ def _plain_allreduce(state: ShimState, bucket):
     if getattr(state, "paired_in", None) is None:
         state.paired_in = backward
     if backward != state.paired_in:
-        where = "DDP's own process group after close()"
         return dist.all_reduce(buf, async_op=True).get_future().then(
-            lambda fut: _piece_value(fut, where=where)[0])
+            lambda fut: _piece_value(fut, where=AFTER_CLOSE)[0])
     mine = torch.tensor([backward, index, size], dtype=torch.float64)
     seen = torch.cat([mine, -mine])
     check = dist.all_reduce(seen, op=dist.ReduceOp.MAX, async_op=True).get_future()
     work = dist.all_reduce(buf, async_op=True).get_future()
 
     def paired(fut):
-        where = "DDP's own process group after close()"
-        _check, averaged = (_piece_value(part, where=where) for part in _piece_value(fut, where=where))
+        _check, averaged = (_piece_value(part, where=AFTER_CLOSE) for part in _piece_value(fut, where=AFTER_CLOSE))
         high, low = seen[:3], -seen[3:]
         if not torch.equal(high, low):
             lo, hi = [int(v) for v in low.tolist()], [int(v) for v in high.tolist()]

@@ -675,20 +675,8 @@ def parts_differ(trial: dict | None, optimizer) -> bool:
         return False
     if not trial:
         return True
-    for p, (q, st) in trial.items():
-        if not same_bits(p.detach(), q):
-            return True
-        real = dict.get(optimizer.state, p) or {}
-        if set(real) != set(st):
-            return True
-        for k, v in real.items():
-            w = st[k]
-            if isinstance(v, torch.Tensor):
-                if not isinstance(w, torch.Tensor) or not same_bits(v, w):
-                    return True
-            elif v != w:
-                return True
-    return False
+    return any(not same_bits(p.detach(), q) or not _same(dict(dict.get(optimizer.state, p) or {}), dict(st))
+               for p, (q, st) in trial.items())
 
 
 _OWN_ATTRS = ("state", "param_groups")
