@@ -8,20 +8,14 @@ PYTEST_ARGS ?=
 bootstrap:
 	@scripts/bootstrap $(VENV)
 
-# The linter runs first: `make test` fails on any finding. Then the tests that build no network namespace, on two
-# workers (pytest-xdist; a file's tests on one worker, in order: module fixtures are made once); then the netns tests
-# of the files marked `concurrent` (no rate, no tight time window: Ansible, agent faults, the shim's registrations),
-# two files at a time; then the other netns tests one at a time (their rates and timings must not share the machine's
-# two cores). The parts run one after the other: each keeps both cores busy (the concurrent files beside the unit
-# tests slowed those by 200 s, 2026-11-28). Every part always runs; pytest's 5 (nothing selected, e.g. PYTEST_ARGS
-# naming netns files only) is not a failure.
+# The linter runs first: `make test` fails on any finding. Then scripts/test: the tests that build no network
+# namespace (two workers, pytest-xdist; a file's tests on one worker, in order: module fixtures are made once) in the
+# background under SCHED_IDLE, while the netns tests whose rates and timings need the CPU run one at a time in the
+# foreground (they leave two thirds of the two cores idle, which the unit tests fill); then the netns tests of the
+# files marked `concurrent` (no rate, no tight time window: Ansible, agent faults, the shim's registrations), two
+# files at a time. Every part always runs; its exit status is 1 if any failed.
 test: lint
-	@rc=0; \
-	$(PY) -m pytest -ra --durations=15 -n 2 --dist loadfile -m "not netns" $(PYTEST_ARGS) || [ $$? -eq 5 ] || rc=1; \
-	$(PY) -m pytest -ra --durations=15 -n 2 --dist loadfile -m "netns and concurrent" $(PYTEST_ARGS) \
-		|| [ $$? -eq 5 ] || rc=1; \
-	$(PY) -m pytest -ra --durations=30 -m "netns and not concurrent" $(PYTEST_ARGS) || [ $$? -eq 5 ] || rc=1; \
-	exit $$rc
+	@scripts/test $(PY) $(PYTEST_ARGS)
 
 test-unit: bootstrap
 	$(PY) -m pytest -ra -m "not netns" $(PYTEST_ARGS)
