@@ -56,6 +56,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from optimizers import ClipAboveSGD  # noqa: E402  (tests/, this script's folder)
+
 from tensorlane import shim  # noqa: E402
 
 MODES = ("ddp", "hook", "overlap")
@@ -3383,28 +3385,6 @@ idiom("global_norm_declared")(functools.partial(user_optimizer_loop, make=Global
 idiom("call_count_declared")(functools.partial(user_optimizer_loop, make=CallCountAdam, declared=True))
 
 
-class ClipAboveSGD(torch.optim.Optimizer):
-    """SGD with momentum that divides every gradient by the norm of all of them once that norm exceeds ``max_norm``
-    (timm's ``Lamb`` with ``max_grad_norm``): per parameter while it does not, as in the probe's step."""
-
-    max_norm = float("inf")
-
-    def __init__(self, params, lr=5e-2):
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads]))
-        scale = self.max_norm / norm if norm > self.max_norm else 1.0
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    m = self.state[p].setdefault("m", torch.zeros_like(p))
-                    m.mul_(0.9).add_(p.grad * scale)
-                    p.add_(m, alpha=-g["lr"])
-
-
 @idiom("clip_later_declared")
 def _clip_later_declared(ctx: Ctx):
     """``ClipAboveSGD`` declared per parameter, its ``max_norm`` lowered under the gradients' norm after the 3rd
@@ -3412,7 +3392,7 @@ def _clip_later_declared(ctx: Ctx):
     when its forward raises the shim's error about it (the shim has then put DDP's step in place and gone on in hook
     mode); under DDP nothing raises."""
     model = ctx.ddp(convnet())
-    opt = ClipAboveSGD(model.parameters())
+    opt = ClipAboveSGD(model.parameters(), lr=5e-2)
     if ctx.mode != "ddp":
         ctx.handle = shim.attach(model, optimizer=opt if ctx.mode == "overlap" else None, levels=ctx.args.levels,
                                  agent_socket=ctx.args.agent_socket, link_bps=ctx.args.link_bps,

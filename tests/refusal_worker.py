@@ -24,6 +24,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from optimizers import ClipAboveSGD  # noqa: E402  (tests/, this script's folder)
+
 from tensorlane import shim  # noqa: E402
 
 STEPS = 6
@@ -77,39 +79,11 @@ class CountingSGD(torch.optim.SGD):
         return out
 
 
-class ClipLaterSGD(torch.optim.Optimizer):
-    """SGD with momentum, declared per parameter, that divides every gradient by the norm of all of them where that
-    norm exceeds ``max_norm`` (as timm's Lamb with ``max_grad_norm``): per parameter while it does not, which the
-    probe sees; the loop lowers ``max_norm`` under the gradients' norm at LATE."""
-
-    max_norm = float("inf")
-
-    def __init__(self, params, lr: float):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads]))
-        scale = self.max_norm / norm if norm > self.max_norm else 1.0
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                d = p.grad * scale
-                st = self.state[p]
-                if "m" not in st:
-                    st["m"] = d.clone()
-                else:
-                    st["m"].mul_(0.9).add_(d)
-                p.add_(st["m"], alpha=-g["lr"])
-
-
 def loop(scenario: str, shim_on: bool, steps: int):
     """Train ``steps`` iterations; returns (parameters, error text or None)."""
     model = DDP(Net(), bucket_cap_mb=0.0001)  # a bucket per parameter: c's step waits for c alone
     counter, clip = scenario == "group_counter_later", scenario == "parts_differ_later"
-    opt = ClipLaterSGD(model.parameters(), lr=0.1) if clip else \
+    opt = ClipAboveSGD(model.parameters(), lr=0.1) if clip else \
         (CountingSGD if counter else torch.optim.SGD)(model.parameters(), lr=0.1, momentum=0.9)
     if counter:
         opt.param_groups[0]["count"] = torch.tensor(0.0)

@@ -2711,25 +2711,9 @@ def test_whole_step_checks_a_later_step_against_its_parts():
     matches; an optimizer clipping by the norm of all gradients once it exceeds ``max_norm`` differs, and the whole
     step it returns is the one-call step, with the attributes as at ``step()`` (``max_norm`` lowered after it)."""
     import torch
+    from optimizers import ClipAboveSGD
 
     from tensorlane.shim import overlap as ov
-
-    class ClipAbove(torch.optim.Optimizer):
-        max_norm = float("inf")
-
-        def __init__(self, params):
-            super().__init__(params, {"lr": 0.1})
-
-        @torch.no_grad()
-        def step(self, closure=None):
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads]))
-            scale = self.max_norm / norm if norm > self.max_norm else 1.0
-            for g in self.param_groups:
-                for p in g["params"]:
-                    m = self.state[p].setdefault("m", torch.zeros_like(p))
-                    m.mul_(0.9).add_(p.grad * scale)
-                    p.add_(m, alpha=-g["lr"])
 
     def made(cls, **kw):
         torch.manual_seed(3)
@@ -2758,8 +2742,8 @@ def test_whole_step_checks_a_later_step_against_its_parts():
     params, opt = made(torch.optim.SGD, lr=0.1, momentum=0.9)
     assert in_parts(opt, params) is None
     for lowered in (False, True):
-        params, opt = made(ClipAbove)
-        whole_params, whole_opt = made(ClipAbove)
+        params, opt = made(ClipAboveSGD)
+        whole_params, whole_opt = made(ClipAboveSGD)
         if not lowered:
             opt.max_norm = whole_opt.max_norm = 0.5
         whole_opt.step()  # DDP's: one call over both, the limit as at step()
