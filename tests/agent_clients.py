@@ -106,3 +106,44 @@ def udp_exchange(sender, receiver, sport, dport, seconds=1.5, pps=300, during=No
                 p.kill()
                 p.wait(5)
     return {"sent": sent, **got}
+
+
+RECV_DSCP = r"""
+import json, socket, sys
+v6 = ":" in sys.argv[1]
+s = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
+if v6:
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVTCLASS, 1)
+else:
+    s.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.settimeout(float(sys.argv[3]))
+print("ready", flush=True)
+dscp = {}
+try:
+    while True:
+        data, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(4))
+        if data == b"stop":
+            break
+        tos = next((int.from_bytes(c[2][:4], sys.byteorder) if v6 else c[2][0]) for c in anc)
+        dscp[str(tos >> 2)] = dscp.get(str(tos >> 2), 0) + 1
+except TimeoutError:
+    pass
+print(json.dumps(dscp))
+"""
+
+
+def dscp_receiver(host, address: str, port: int, seconds: float = 10.0) -> subprocess.Popen:
+    """A UDP receiver on ``address``:``port`` (IPv6 where it has a colon) in testbed host ``host``, counting the
+    DSCP of each datagram (traffic class or TOS, read from the control message) until a datagram ``stop`` or
+    ``seconds`` with none; returned once its socket is bound. ``communicate()[0]`` then gives the counts as JSON, the
+    DSCP as a string key."""
+    recv = host.popen([sys.executable, "-c", RECV_DSCP, address, str(port), str(seconds)], stdout=subprocess.PIPE,
+                      text=True)
+    try:
+        assert recv.stdout.readline().strip() == "ready"
+    except BaseException:
+        recv.kill()
+        recv.wait(5)
+        raise
+    return recv

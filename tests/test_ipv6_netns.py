@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from agent_clients import request, tc_dump
+from agent_clients import dscp_receiver, request, tc_dump
 from test_security_netns import NOBODY, in_child
 
 from bench.agents import running_agents
@@ -24,24 +24,6 @@ from testbed import Testbed
 
 pytestmark = [pytest.mark.netns, pytest.mark.concurrent]  # beside another file's (make test)
 PY = [sys.executable, "-m"]
-RECV = r"""
-import json, socket, sys
-s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
-s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVTCLASS, 1)
-s.bind(("::", int(sys.argv[1])))
-s.settimeout(float(sys.argv[2]))
-dscp = {}
-try:
-    while True:
-        data, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(4))
-        if data == b"stop":
-            break
-        tclass = next(int.from_bytes(c[2][:4], sys.byteorder) for c in anc if c[0] == socket.IPPROTO_IPV6)
-        dscp[tclass >> 2] = dscp.get(tclass >> 2, 0) + 1
-except TimeoutError:
-    pass
-print(json.dumps(dscp))
-"""
 SEND = r"""
 import socket, sys, time
 s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
@@ -77,7 +59,7 @@ def test_ipv6_flows_are_marked_queued_verified_and_owned(bed):
         st0 = agent.status()
         verify = h1.popen(PY + ["tensorlane", "verify", "--socket", agent.socket, "--seconds", "3", "--json"],
                           stdout=subprocess.PIPE, text=True)
-        recv = h2.popen([sys.executable, "-c", RECV, "42600", "6"], stdout=subprocess.PIPE, text=True)
+        recv = dscp_receiver(h2, "::", 42600, seconds=6)
         try:
             time.sleep(0.5)
             h1.run([sys.executable, "-c", SEND, h1.ip6, "41600", h2.ip6, "42600", "200"], timeout=20)

@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
-from agent_clients import enter_netns, request
+from agent_clients import dscp_receiver, enter_netns, request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -200,31 +198,6 @@ class Sender:
         os.waitpid(self.pid, 0)
 
 
-RECV_DSCP = r"""
-import json, socket, sys
-v6 = ":" in sys.argv[1]
-s = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
-if v6:
-    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVTCLASS, 1)
-else:
-    s.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
-s.bind((sys.argv[1], int(sys.argv[2])))
-s.settimeout(10)
-print("ready", flush=True)
-dscp = {}
-try:
-    while True:
-        data, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(4))
-        if data == b"stop":
-            break
-        tos = next((int.from_bytes(c[2][:4], sys.byteorder) if v6 else c[2][0]) for c in anc)
-        dscp[str(tos >> 2)] = dscp.get(str(tos >> 2), 0) + 1
-except TimeoutError:
-    pass
-print(json.dumps(dscp))
-"""
-
-
 @pytest.mark.parametrize("family", [4, 6])
 def test_a_udp_flow_registered_before_another_user_shares_its_port_gives_that_user_no_level(family):
     """Linux lets two users' UDP sockets share a port when both set SO_REUSEADDR, and their datagrams carry the same
@@ -246,10 +219,8 @@ def test_a_udp_flow_registered_before_another_user_shares_its_port_gives_that_us
                                               "fds": [s.fileno()]})
 
         def received(sender: Sender, count: int = 200) -> dict:
-            recv = h2.popen([sys.executable, "-c", RECV_DSCP, "::" if family == 6 else "0.0.0.0", str(dport)],
-                            stdout=subprocess.PIPE, text=True)
+            recv = dscp_receiver(h2, "::" if family == 6 else "0.0.0.0", dport)
             try:
-                assert recv.stdout.readline().strip() == "ready"
                 sender.send(dst, dport, count)
                 return json.loads(recv.communicate(timeout=15)[0])
             finally:
