@@ -114,32 +114,37 @@ def test_ipv4_mapped_dual_stack_is_reported_as_ipv4():
         assert own_tcp_flows(remote_filter="::ffff:127.0.0.1") == own_tcp_flows(remote_filter="127.0.0.1")
 
 
-def test_other_process_by_pid():
+@contextlib.contextmanager
+def connected_child(closes_on_line: bool = False):
+    """A child process connected over TCP to a listener of this one on 127.0.0.1: yields (child, the listener's
+    port, the child's port) once the connection is accepted, and reaps the child on exit (its stdin closed). With
+    ``closes_on_line``, a line written to its stdin makes it close its socket and print ``closed``."""
+    closing = 'sys.stdin.readline()\ns.close()\nprint("closed", flush=True)\n' if closes_on_line else ""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         port = listener.getsockname()[1]
-        child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-            import socket, sys
-            s = socket.create_connection(("127.0.0.1", {port}), timeout=5)
-            print(s.getsockname()[1], flush=True)
-            sys.stdin.read()
-        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen([sys.executable, "-c", "import socket, sys\n"
+                                  f"s = socket.create_connection(('127.0.0.1', {port}), timeout=5)\n"
+                                  "print(s.getsockname()[1], flush=True)\n" + closing + "sys.stdin.read()\n"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             conn, _ = listener.accept()
             with conn:
-                cport = int(child.stdout.readline())
-                theirs = own_tcp_flows(pid=child.pid)
-                assert theirs == [{"proto": "tcp", "src": "127.0.0.1", "sport": cport,
-                                   "dst": "127.0.0.1", "dport": port}]
-                mine = own_tcp_flows()
-                assert {"proto": "tcp", "src": "127.0.0.1", "sport": port, "dst": "127.0.0.1",
-                        "dport": cport} in mine
-                assert not any(f["sport"] == cport for f in mine)
+                yield child, port, int(child.stdout.readline())
         finally:
             child.stdin.close()
             child.wait(timeout=10)
             child.stdout.close()
+
+
+def test_other_process_by_pid():
+    with connected_child() as (child, port, cport):
+        theirs = own_tcp_flows(pid=child.pid)
+        assert theirs == [{"proto": "tcp", "src": "127.0.0.1", "sport": cport, "dst": "127.0.0.1", "dport": port}]
+        mine = own_tcp_flows()
+        assert {"proto": "tcp", "src": "127.0.0.1", "sport": port, "dst": "127.0.0.1", "dport": cport} in mine
+        assert not any(f["sport"] == cport for f in mine)
 
 
 def test_parse_rows_byte_order_and_state():
@@ -207,38 +212,18 @@ def test_agent_side_ownership_uses_the_callers_namespace_tables():
     from tensorlane.agent.ownership import agent_sockets, inodes_of, not_owned, not_owned_by_owners
     from tensorlane.agent.protocol import FlowKey
 
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        port = listener.getsockname()[1]
-        child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-            import socket, sys
-            s = socket.create_connection(("127.0.0.1", {port}), timeout=5)
-            print(s.getsockname()[1], flush=True)
-            sys.stdin.readline()
-            s.close()
-            print("closed", flush=True)
-            sys.stdin.read()
-        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            conn, _ = listener.accept()
-            with conn:
-                cport = int(child.stdout.readline())
-                key = FlowKey("tcp", "127.0.0.1", cport, "127.0.0.1", port)
-                other = FlowKey("tcp", "127.0.0.1", cport + 1 if cport < 65535 else 1, "127.0.0.1", port)
-                assert ("tcp", "127.0.0.1", cport, "127.0.0.1", port, 1) in agent_sockets(inodes_of(child.pid)).values()
-                assert not_owned(child.pid, [key, other]) == [other]
-                assert not_owned_by_owners({child.pid: [key]}) == []
-                assert not_owned(child.pid, [key], table={}) == [key]  # a table without its socket: not owned
-                assert len(agent_sockets()) >= 2
-                child.stdin.write("close\n")
-                child.stdin.flush()
-                assert child.stdout.readline().strip() == "closed"
-                assert not_owned_by_owners({child.pid: [key]}) == [key]
-        finally:
-            child.stdin.close()
-            child.wait(timeout=10)
-            child.stdout.close()
+    with connected_child(closes_on_line=True) as (child, port, cport):
+        key = FlowKey("tcp", "127.0.0.1", cport, "127.0.0.1", port)
+        other = FlowKey("tcp", "127.0.0.1", cport + 1 if cport < 65535 else 1, "127.0.0.1", port)
+        assert ("tcp", "127.0.0.1", cport, "127.0.0.1", port, 1) in agent_sockets(inodes_of(child.pid)).values()
+        assert not_owned(child.pid, [key, other]) == [other]
+        assert not_owned_by_owners({child.pid: [key]}) == []
+        assert not_owned(child.pid, [key], table={}) == [key]  # a table without its socket: not owned
+        assert len(agent_sockets()) >= 2
+        child.stdin.write("close\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "closed"
+        assert not_owned_by_owners({child.pid: [key]}) == [key]
     assert not_owned(child.pid, [key]) == [key]  # gone
     assert not_owned_by_owners({child.pid: [key]}) == [key]
 
