@@ -28,7 +28,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from tensorlane.agent.api import Api
 from tensorlane.agent.config import Config, ConfigError, others_may_write
-from tensorlane.agent.files import write_json_atomically
+from tensorlane.agent.files import read_own_file, write_json_atomically, writer_runs
 from tensorlane.agent.handover import FlowJournal, adopt_after_crash, adopt_flows, flows_path, write_flows
 from tensorlane.agent.kernel import detect, links, snapshot, sockdiag
 from tensorlane.agent.kernel.qdisc import MAJOR, fmt_handle, handle, make_backend
@@ -88,17 +88,27 @@ def _newer_format(state: dict) -> int | None:
     return fmt if not isinstance(fmt, int) or fmt > RECORD_FORMAT else None
 
 
+def _read_record(path: Path) -> object | None:
+    """The JSON document of the device record ``path`` (None: no such file), read only as the agent wrote it
+    (:func:`read_own_file`: through no link, a plain file of the agent's user with one link, not group or other
+    writable). Until 2026-11-29 records were read with ``read_text``, through any link: a link or another user's file
+    planted there named the tree the agent adopted and restored as root, and a FIFO there kept the start waiting.
+    Raises OSError (refused, with the reason, or unreadable) or ValueError (not JSON)."""
+    got = read_own_file(path)
+    return None if got is None else json.loads(got[0])
+
+
 def _load_state(cfg: Config, device: str) -> dict | None:
     """The state a previous agent left for ``device`` (None: none); a corrupt file, one that is not an agent's
     state, or one of a newer record format (its tree is neither adopted nor restored by this agent, which could
     misread it) stops the start (nothing changed)."""
     path = state_path(cfg, device)
     try:
-        state = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
+        state = _read_record(path)
     except (ValueError, OSError) as exc:
         raise StartupError(f"state file {path} is corrupt or unreadable ({exc}); inspect it and remove it") from None
+    if state is None:
+        return None
     if isinstance(state, dict) and (fmt := _newer_format(state)) is not None:
         raise StartupError(f"state file {path} is of record format {fmt!r}, newer than this agent's "
                            f"({RECORD_FORMAT}): a newer agent left {device} taken over (a hand-over or a crash before "
@@ -204,6 +214,10 @@ def _lock_file(cfg: Config, path: str) -> int | None:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             raise StartupError(f"{path} is not a file of this agent's user (uid {st.st_uid}): someone else made it, "
                                f"and could hold the lock; remove it, and keep {cfg.state_dir} writable by root only")
+        if st.st_nlink > 1:  # (a hard link to another file of root's: its mode would be changed below; until
+            # 2026-11-29 it was, /etc/shadow's or any other root file's so linked made 0600)
+            raise StartupError(f"{path} has {st.st_nlink} links: another file of root's is linked there; remove it "
+                               f"(nothing was changed), and keep {cfg.state_dir} writable by root only")
         if stat.S_IMODE(st.st_mode) & 0o077:
             os.fchmod(fd, 0o600)  # (no one else may open it: a reader could lock it too)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -215,7 +229,7 @@ def _lock_file(cfg: Config, path: str) -> int | None:
         pids = set()
         for _device, state in _state_files(cfg):
             with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):
-                pids.add(str(int(json.loads(state.read_text())["pid"])))
+                pids.add(str(int(_read_record(state)["pid"])))
         raise StartupError(f"another tensorlane agent (pid {', '.join(sorted(pids)) or 'unknown'}) runs with "
                            f"state_dir {cfg.state_dir}; stop it first (two agents would fight over the same "
                            "devices)") from None
@@ -1045,35 +1059,26 @@ def drop_superseded(cfg: Config, t: Takeover) -> None:
 
 def _records_not_running(cfg: Config) -> list[tuple[str, Path, dict, int]]:
     """``(device, path, record, ifindex)`` of each state file whose agent is this one or gone, not another running
-    agent's (one sharing ``state_dir``); a file without a pid or unreadable is left out (not ours to judge)."""
+    agent's (one sharing ``state_dir``); a file without a pid or unreadable is left out (not ours to judge), and one
+    that is not the agent's own (:func:`_read_record`) is left out with a warning."""
     out = []
     for name, path in _state_files(cfg):
         try:
-            state = json.loads(path.read_text())
+            state = _read_record(path)
             pid, index = int(state["pid"]), int(state["ifindex"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except OSError as exc:
+            log.warning("state file %s is not read: %s; it is left as it is (inspect it and remove it)", path, exc)
             continue
-        if pid == os.getpid() or not _agent_runs(pid, state.get("started")):
+        except (ValueError, KeyError, TypeError):
+            continue
+        started = state.get("started")
+        # a record without ``started`` (written before 2026-11-28) counts as running where its pid is root's: until
+        # 2026-11-28 any live pid did, and a user's process holding a dead agent's freed pid kept its device taken
+        # over, a device dropped from the config shaped by the agent's tree, for as long as that process lived
+        if not writer_runs(pid, started if isinstance(started, int) and not isinstance(started, bool) else None,
+                           unstamped_root=True):
             out.append((name, path, state, index))
     return out
-
-
-def _agent_runs(pid: int, started: object) -> bool:
-    """Whether the agent that wrote a record (its ``pid`` and ``started``: :func:`process_start`) still runs. A
-    pid alone is not enough: an agent's pid is free once it exits (a hand-over restart), and any local user can
-    fork until it holds it (32,768 pids here): until 2026-11-28 its record was then taken for a running agent's, and
-    a device dropped from the config stayed taken over (the agent's tree, shaped, on an interface no agent manages)
-    for as long as that user's process lived. A record without ``started`` (written before) counts as running only
-    where the process is the agent's own user's (root's: another user cannot start one)."""
-    now = process_start(pid)
-    if now is None:
-        return False
-    if isinstance(started, int) and not isinstance(started, bool):
-        return now == started
-    try:
-        return os.stat(f"/proc/{pid}").st_uid == os.geteuid()
-    except OSError:
-        return False
 
 
 def _describe(egress: list[links.Egress]) -> str:

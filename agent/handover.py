@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import json
 import logging
 import os
 import pwd
-import stat
 import time
 from pathlib import Path
 
-from tensorlane.agent.files import write_json_atomically
+from tensorlane.agent.files import read_own_file, write_json_atomically, writer_runs
 from tensorlane.agent.ownership import MAX_OWNER_FDS, UndecidedPorts, netns_of, not_owned, not_owned_by_owners
 from tensorlane.agent.peers import Peer, account_uid, proc_status, process_start
 from tensorlane.agent.state import FlowTable, job_id_base
@@ -65,7 +63,6 @@ CRASH_FILE = "flows.json"  # in state_dir: the flow table as it stands, for the 
 # its journal's first write; the next agent takes it back once more (an agent killed while it took the flows back,
 # or before its first write), then it is gone (an adoption that kills each agent does not keep them from starting)
 TAKING_FILE = "flows-taking.json"
-MAX_FILE_BYTES = 256 << 20  # read of a flow table file at most (10,000 flows: 1.7 MB; max_flows bounds it)
 # the crash path's writes (FlowJournal): the first change not written waits JOURNAL_DEBOUNCE_S for the rest of its
 # burst (a shim's registers come within milliseconds), and a write comes JOURNAL_MIN_GAP_S after the last one at
 # the earliest, or JOURNAL_PACE times its duration (at most 1/JOURNAL_PACE, 5 %, of the agent's time spent writing)
@@ -225,28 +222,6 @@ def write_flows(cfg, table: FlowTable, reported: dict | None = None) -> int:
     return len(doc["flows"])
 
 
-def read_own_file(path: Path, limit: int = MAX_FILE_BYTES) -> tuple[str, float] | None:
-    """The text and modification time of ``path``, a file the agent wrote itself (None: no such file), opened
-    through no link (``O_NOFOLLOW``) and read only when it is a plain file of the agent's own user (root), with one
-    link and written by no one else (not group or other writable): a local user who can make a file or a link in
-    ``state_dir`` cannot hand the next agent flows of its own. Raises OSError (with the reason) otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, "a symbolic link, not the agent's file") from None
-        raise
-    with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 or st.st_mode & 0o022:
-            raise OSError(errno.EPERM, f"not the agent's own file (a plain file of uid {os.geteuid()}, one link, "
-                                       f"mode 0600; found uid {st.st_uid}, mode {stat.filemode(st.st_mode)}, "
-                                       f"{st.st_nlink} links)")
-        return fh.read(limit).decode(), st.st_mtime
-
-
 def _read(path: Path, what: str, gone_writer: bool = False, keep: Path | None = None
           ) -> tuple[list[dict] | None, dict, float]:
     """The flows, reported inputs and age (seconds since it was last written or touched) of a flow table file
@@ -298,12 +273,13 @@ def _read(path: Path, what: str, gone_writer: bool = False, keep: Path | None = 
 
 
 def _writer_runs(doc: dict) -> bool:
-    """Whether the agent that wrote a flow table file still runs: its pid holds the same process (its start time,
-    as a device's record tells a live agent's from a dead one's, ``daemon._agent_runs``); never this agent."""
+    """Whether the agent that wrote a flow table file still runs (:func:`writer_runs`, the rule a device's record is
+    judged by): its pid holds the same process (its start time); a file without a start time is taken; never this
+    agent."""
     pid, start = doc.get("agent_pid"), doc.get("agent_start")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid == os.getpid() or not isinstance(start, int):
+    if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(start, int):
         return False
-    return process_start(pid) == start
+    return writer_runs(pid, start, unstamped_root=False)
 
 
 def _peer(uid: int, pid: int, start: int | None, pidfd: int | None) -> tuple[Peer | None, str]:

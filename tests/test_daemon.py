@@ -648,3 +648,114 @@ def test_a_metrics_port_root_listens_on_stops_the_start_another_users_does_not()
         user.stdin.close()
         user.wait(timeout=10)
     assert daemon.check_metrics_address(cfg) == ""
+
+
+@pytest.mark.parametrize("why", ["symbolic link", "2 links", "uid 65534"])
+def test_a_device_record_not_the_agents_own_is_refused_and_left_alone(tmp_path, monkeypatch, caplog, why):
+    """A device's record is read only as the agent wrote it (``files.read_own_file``, the flow table files' reader):
+    not through a symbolic link, not a hard link (a root file linked in from elsewhere), not another user's file
+    (root: chown). The start on its device is refused naming it (as for a corrupt record), an orphan's is logged and
+    left as it is, a running agent's pid is not taken from it, and nothing else changes. Until 2026-11-29 each was
+    read with ``read_text``: the planted record's tree was adopted and, at the stop, restored as root."""
+    import json
+
+    from tensorlane.agent.config import Config
+
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    cfg = Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(state_dir))
+    record = dead_agents_record(cfg, "tlx", 7) | {"pid": 4242}
+    path = daemon.state_path(cfg, "tlx")
+    path.unlink()
+    planted = tmp_path / "planted.json"  # a well-formed record, outside state_dir
+    planted.write_text(json.dumps(record))
+    if why == "symbolic link":
+        path.symlink_to(planted)
+    elif why == "2 links":
+        os.link(planted, path)
+    else:
+        path.write_text(json.dumps(record))
+        os.chown(path, 65534, 65534)
+    before = (os.lstat(path).st_ino, planted.read_text())
+    monkeypatch.setattr(daemon, "_root_handle", lambda ipr, index: pytest.fail("a planted record was acted on"))
+    with pytest.raises(daemon.StartupError, match=f"agent-tlx.json is corrupt or unreadable .*{why}"):
+        daemon._load_state(cfg, "tlx")
+    assert daemon._state_of_index(cfg, 7) is None
+    with caplog.at_level(logging.WARNING, logger="tensorlane.agent"):
+        assert daemon.restore_orphans(cfg, None, []) == []
+    assert "agent-tlx.json is not read: " in caplog.text and why in caplog.text
+    held = daemon.lock_state_dir(cfg)
+    try:  # (another agent holds the lock: the pid named is not the planted record's)
+        with pytest.raises(daemon.StartupError, match=r"another tensorlane agent \(pid unknown\)"):
+            daemon.lock_state_dir(cfg)
+    finally:
+        daemon.unlock_state_dir(cfg, held)
+    assert (os.lstat(path).st_ino, planted.read_text()) == before  # (nothing changed)
+    path.unlink()
+    daemon._save_state(cfg, "tlx", record)  # the agent's own: read as before
+    assert daemon._load_state(cfg, "tlx")["ifindex"] == 7
+
+
+def test_a_hard_link_at_the_lock_file_is_refused_and_its_file_left_unchanged(tmp_path):
+    """``state_dir/agent.lock`` a hard link to another file of root's (planted while ``state_dir`` was writable):
+    the start is refused naming it, and the other file's mode is left as it is. Until 2026-11-29 the agent took the
+    lock on it and made it mode 0600 (``/etc/shadow`` so linked lost its group's read)."""
+    from tensorlane.agent.config import Config
+
+    cfg = Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(tmp_path / "state"))
+    os.makedirs(cfg.state_dir)
+    other = tmp_path / "other"
+    other.write_text("root's\n")
+    other.chmod(0o644)
+    os.link(other, os.path.join(cfg.state_dir, daemon.STATE_LOCK))
+    with pytest.raises(daemon.StartupError, match="agent.lock has 2 links"):
+        daemon.lock_state_dir(cfg)
+    assert other.stat().st_mode & 0o777 == 0o644 and other.read_text() == "root's\n"
+
+
+def test_a_writer_still_runs_by_the_same_rule_for_records_and_flow_tables(tmp_path):
+    """Whether the agent that wrote a device's record or a flow table file still runs (``files.writer_runs``, one
+    rule since 2026-11-29, two functions before): its pid holds the process of its start time; never this agent;
+    a record without ``started`` counts as running where the pid is root's (records before 2026-11-28), a flow
+    table file without ``agent_start`` as not running (taken). The outcomes are those of the two functions before."""
+    import json
+    import subprocess
+
+    from tensorlane.agent import handover
+    from tensorlane.agent.config import Config
+
+    def nobody():
+        os.setgid(65534)
+        os.setuid(65534)
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    root_proc = subprocess.Popen(["sleep", "60"])
+    user_proc = subprocess.Popen(["sleep", "60"], preexec_fn=nobody if os.geteuid() == 0 else None)
+    try:
+        root, user, me = root_proc.pid, user_proc.pid, os.getpid()
+        rs, us, ms = process_start(root), process_start(user), process_start(me)
+        user_unstamped = os.geteuid() != 0  # (not root: "another user's" process is the agent user's own)
+        # (pid, start or None, runs by a record, runs by a flow table file)
+        cases = [(root, rs, True, True), (root, rs + 1, False, False), (root, None, True, False),
+                 (user, us, True, True), (user, None, user_unstamped, False), (dead.pid, None, False, False),
+                 (dead.pid, rs, False, False), (me, ms, False, False), (me, None, False, False)]
+        cfg = Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(tmp_path))
+        for n, (pid, start, _, _) in enumerate(cases):
+            rec = {"ifindex": n + 1, "pid": pid, "snapshot": {"ifname": f"d{n}", "ifindex": n + 1, "objects": []}}
+            (tmp_path / f"agent-d{n}.json").write_text(json.dumps(rec | ({} if start is None else {"started": start})))
+        not_running = {index for _, _, _, index in daemon._records_not_running(cfg)}
+        assert [n + 1 not in not_running for n in range(len(cases))] == [c[2] for c in cases]
+        flows = [handover._writer_runs({"agent_pid": pid, **({} if start is None else {"agent_start": start})})
+                 for pid, start, _, _ in cases]
+        assert flows == [c[3] for c in cases]
+        # what each file's own format allows: a record's pid as a string, a boolean ``started`` (no start time:
+        # root's pid counts); a flow table's pid must be a number, not a boolean
+        (tmp_path / "agent-d0.json").write_text(json.dumps({"ifindex": 1, "pid": str(root), "started": True}))
+        assert 1 not in {index for _, _, _, index in daemon._records_not_running(cfg)}
+        assert not handover._writer_runs({"agent_pid": str(root), "agent_start": rs})
+        assert not handover._writer_runs({"agent_pid": True, "agent_start": process_start(1)})
+    finally:
+        for proc in (root_proc, user_proc):
+            proc.kill()
+            proc.wait()
