@@ -162,8 +162,8 @@ class FlowJournal:
         without an owner may have been unregistered since and their 5-tuples be another user's connections by now
         (until 2026-11-28 the stale file was stamped fresh all the same, and a crash then took them back)."""
         if self.written is not None and not self.failing:
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
+            with contextlib.suppress(OSError):  # (through no link: until 2026-11-29 a link there had its target's
+                os.utime(self.path, follow_symlinks=False)  # time set, any file's; the link is refused when read)
 
     def remove(self) -> None:
         """Remove the file (a stop that restores: the flows' marks are gone with the agent's table)."""

@@ -525,3 +525,20 @@ def test_a_hand_overs_old_file_gives_no_flow_without_an_owner(tmp_path, caplog):
     assert "took back 1 of the 2 flows the agent that handed over" in caplog.text
     _write(tmp_path, [_flow(2), owned])
     assert handover.adopt_flows(_cfg(tmp_path), api) == {"adopted": 2}
+
+
+def test_the_journals_stamp_goes_through_no_link(tmp_path):
+    """``FlowJournal.touch`` stamps its own file each reconcile pass; a symbolic link put in its place meanwhile (a
+    ``state_dir`` others could write once) is stamped itself, never its target, and refused when read
+    (``files.read_own_file``). Until 2026-11-29 the target's time was set: any file's the link named."""
+    target = tmp_path / "elsewhere"
+    target.write_text("x")
+    os.utime(target, (1_000_000, 1_000_000))
+    journal = handover.FlowJournal(_cfg(tmp_path), FlowTable(4))
+    assert journal.write()
+    path = tmp_path / handover.CRASH_FILE
+    path.unlink()
+    path.symlink_to(target)
+    journal.touch()
+    assert target.stat().st_mtime == 1_000_000 and target.read_text() == "x"
+    assert handover.adopt_after_crash(_cfg(tmp_path), FakeApi()) is None
