@@ -49,6 +49,33 @@ def user_name(uid: int) -> str:
     return name
 
 
+_account_groups: dict[int, tuple[frozenset[str], float]] = {}  # uid -> (its groups' names, when looked up)
+
+
+def account_groups(uid: int) -> frozenset[str]:
+    """The names of the groups user ``uid`` is in by the account database (its passwd entry's group and the group
+    file's members; none for a uid without an entry), remembered for ``NAME_TTL_S`` as ``user_name``'s."""
+    now = time.monotonic()
+    hit = _account_groups.get(uid)
+    if hit is not None and now - hit[1] < NAME_TTL_S:
+        return hit[0]
+    try:
+        entry = pwd.getpwuid(uid)
+        gids = os.getgrouplist(entry.pw_name, entry.pw_gid)
+    except (KeyError, OSError):
+        gids = []
+    names = set()
+    for g in gids:
+        try:
+            names.add(grp.getgrgid(g).gr_name)
+        except KeyError:
+            names.add(str(g))
+    if len(_account_groups) >= 4096:  # bounded, as _names
+        _account_groups.clear()
+    _account_groups[uid] = (frozenset(names), now)
+    return _account_groups[uid][0]
+
+
 def ordinary_uid(uid: int | None, trusted: frozenset[str] | tuple[str, ...]) -> bool:
     """Whether ``uid`` is an ordinary user, capped per user (its jobs' parts of ``job_share``, its metric series):
     neither root, nor the agent itself (None), nor one of ``trusted`` (``trusted_users``)."""
@@ -211,8 +238,14 @@ class AccessPolicy:
         return peer.user in self.allowed_users or bool(peer.groups() & self.allowed_groups)
 
     def most_urgent_level(self, peer: Peer) -> int:
-        """The smallest level number ``peer`` may register at (0 for root unless limited by name)."""
-        limits = [self.level_limits[k] for k in (peer.user, *(f"@{g}" for g in peer.groups()))
+        """The smallest level number ``peer`` may register at (0 for root unless limited by name). A group's key
+        holds for the user's groups in the account database as well as for the process's (``account_groups``): a
+        process may leave its groups (``newgidmap`` and ``setgroups`` in a user namespace of its own), and a member
+        of a limited group then matched no key (until 2026-11-29), the ``"*"`` limit or none holding for it."""
+        groups = peer.groups()
+        if any(k.startswith("@") for k in self.level_limits):
+            groups |= account_groups(peer.uid)
+        limits = [self.level_limits[k] for k in (peer.user, *(f"@{g}" for g in groups))
                   if k in self.level_limits]
         if limits:
             return min(limits)

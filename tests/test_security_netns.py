@@ -334,3 +334,47 @@ def test_fuzz_10000_messages_agent_stays_up_and_consistent():
                 src, dst, proto, sport, dport = elem[0]["concat"]
                 kernel[(proto, src, sport, dst, dport)] = int(elem[1]["goto"]["target"][5:])
         assert listed == kernel and status["reconcile"]["errors"] == 0
+
+
+def test_a_group_limit_holds_for_a_member_whose_process_dropped_the_group():
+    """``level_limits`` may cap a group (``"@nogroup": 2``); such a limit is a user's, not its process's: a member
+    whose process left the group (a user with an ``/etc/subgid`` range runs processes as any gid of it and with no
+    supplementary groups: ``newgidmap`` in a user namespace of its own, then ``setgroups``) matched no key of its
+    own, so the ``"*"`` limit held for it, or none (level 0). The group is read from the account too since
+    2026-11-29: the child below has the credentials such a process has (gid 300000, no groups, uid nobody, whose
+    group is ``nogroup``), and is refused level 0 as nobody's own process is."""
+    extra = {"socket_mode": "0666", "allowed_users": ["nobody"], "level_limits": {"@nogroup": 2},
+             "rate_limit_per_s": 100000}
+
+    def register(gid: int, port: int) -> dict:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(r)
+                enter_netns(agent.host.name)
+                os.setgroups([])
+                os.setgid(gid)
+                os.setuid(NOBODY)
+                s, flow = own_udp_flow(port)
+                out = request(agent.socket, {"op": "register", "job": "g", "level": 0, "flows": [flow],
+                                             "fds": [s.fileno()]})
+                os.write(w, json.dumps(out).encode() + b"\n")
+                s.close()
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as fh:
+            line = fh.readline()
+        os.waitpid(pid, 0)
+        return json.loads(line)
+
+    with Testbed(hosts=1, rate="100mbit", name="h17h5") as tb, \
+            running_agents(tb, levels=3, config_extra=extra) as agents:
+        agent = agents[1]
+        own = register(NOBODY, 40600)
+        dropped = register(300000, 40601)
+        listed = registered(agent.socket)
+    assert own["error"]["code"] == "forbidden" and "level 2" in own["error"]["message"], own
+    assert dropped.get("ok") is False and dropped["error"]["code"] == "forbidden", dropped
+    assert "level 2" in dropped["error"]["message"] and listed == [], (dropped, listed)
