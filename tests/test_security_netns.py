@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -369,7 +371,7 @@ def test_a_group_limit_holds_for_a_member_whose_process_dropped_the_group():
         os.waitpid(pid, 0)
         return json.loads(line)
 
-    with Testbed(hosts=1, rate="100mbit", name="h17h5") as tb, \
+    with Testbed(hosts=1, rate="100mbit", name="tx5") as tb, \
             running_agents(tb, levels=3, config_extra=extra) as agents:
         agent = agents[1]
         own = register(NOBODY, 40600)
@@ -378,3 +380,56 @@ def test_a_group_limit_holds_for_a_member_whose_process_dropped_the_group():
     assert own["error"]["code"] == "forbidden" and "level 2" in own["error"]["message"], own
     assert dropped.get("ok") is False and dropped["error"]["code"] == "forbidden", dropped
     assert "level 2" in dropped["error"]["message"] and listed == [], (dropped, listed)
+
+
+def test_a_users_tcp_sent_after_close_or_through_mptcp_leaves_without_the_dscp_it_set():
+    """A user's unregistered packets leave a managed interface with DSCP 0 (``meta skuid``), but that reads the
+    socket's file: what a TCP socket still sends after ``close()`` (its send buffer) and every packet of an MPTCP
+    connection (its subflows are the kernel's sockets, no file; ``IPPROTO_MPTCP`` needs no privilege) matched no
+    rule and kept the user's ``IP_TOS``: here 0.5 MB of 2 MB of plain TCP, and 1.7 MB of 2 MB of MPTCP, arrived with
+    DSCP 46 (level 0's) before 2026-11-29. Since, none (the receiver's counters by DSCP)."""
+    extra = {"socket_mode": "0666", "allowed_users": ["nobody"], "level_limits": {"nobody": 2}}
+    counters = ("table inet cnt { chain in { type filter hook input priority 0; policy accept;\n"
+                + "".join(f"tcp dport {port} ip dscp {d} counter\n" for port in (45000, 45001) for d in ("ef", "cs0"))
+                + "}\n}\n")
+    listen = ("import socket, sys\nls = []\nfor port in (45000, 45001):\n"
+              "    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+              "    s.bind(('0.0.0.0', port)); s.listen(1); ls.append(s)\nprint('ready', flush=True)\n"
+              "for s in ls:\n    c, _ = s.accept(); c.settimeout(15)\n    while c.recv(65536):\n        pass\n"
+              "print('done', flush=True)\n")
+    with Testbed(hosts=2, rate="100mbit", name="tx6") as tb, \
+            running_agents(tb, levels=3, hosts=[1], config_extra=extra):
+        h1, h2 = tb.host(1), tb.host(2)
+        h2.run(["nft", "-f", "-"], input=counters)
+        recv = h2.popen([sys.executable, "-c", listen], stdout=subprocess.PIPE, text=True)
+        try:
+            assert recv.stdout.readline().strip() == "ready"
+
+            def send() -> dict:
+                for proto, port in ((socket.IPPROTO_TCP, 45000), (262, 45001)):  # 262: IPPROTO_MPTCP
+                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM, proto)
+                    s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 0xb8)
+                    s.connect((h2.ip, port))
+                    s.sendall(b"x" * 2_000_000)
+                    s.close()  # (the send buffer's bytes leave after this)
+                return {}
+
+            _, pid = in_child(send, uid=NOBODY, netns=h1.name)
+            os.waitpid(pid, 0)
+            assert recv.stdout.readline().strip() == "done"
+        finally:
+            if recv.poll() is None:
+                recv.kill()
+            recv.wait(5)
+        listed = json.loads(h2.run(["nft", "-j", "list", "table", "inet", "cnt"]).stdout)
+    got = {}
+    for item in listed["nftables"]:
+        rule = item.get("rule")
+        if rule:
+            port = next(e["match"]["right"] for e in rule["expr"] if "match" in e
+                        and e["match"]["left"].get("payload", {}).get("field") == "dport")
+            dscp = next(e["match"]["right"] for e in rule["expr"] if "match" in e
+                        and e["match"]["left"].get("payload", {}).get("field") == "dscp")
+            got[(port, dscp)] = next(e["counter"]["bytes"] for e in rule["expr"] if "counter" in e)
+    assert got[(45000, "cs0")] > 1_900_000 and got[(45001, "cs0")] > 1_900_000, got
+    assert got[(45000, "ef")] == 0 and got[(45001, "ef")] == 0, got

@@ -192,6 +192,36 @@ def _users_dscp_rule(ifnames: list[str], family: int) -> dict:
     ]}}}
 
 
+def _roots_accept_rule(ifnames: list[str]) -> dict:
+    """Root's packets (a local socket of root's: ``meta skuid 0``) keep their DSCP: the rules after it are not
+    theirs (:func:`_users_dscp_rule`, :func:`_sockless_tcp_dscp_rule`)."""
+    return {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": "egress", "expr": [
+        {"match": {"op": "==", "left": {"meta": {"key": "oifname"}},
+                   "right": ifnames[0] if len(ifnames) == 1 else {"set": list(ifnames)}}},
+        {"match": {"op": "==", "left": {"meta": {"key": "skuid"}}, "right": 0}},
+        {"accept": None},
+    ]}}}
+
+
+def _sockless_tcp_dscp_rule(ifnames: list[str], family: int) -> dict:
+    """A TCP packet that no flow of the maps took, from this host (its source one of the host's addresses: not
+    forwarded) and with no socket file to tell its user (``meta skuid`` reads the socket's file), leaves with DSCP 0:
+    what a closed socket still sends (the send buffer and FIN after ``close()``), an MPTCP connection's subflows
+    (the kernel's sockets), the kernel's resets and time-wait ACKs. Until 2026-11-29 such packets kept the DSCP a
+    user set with ``IP_TOS``: a user's MPTCP connection, or a TCP one's tail after close, left at DSCP 46."""
+    proto = "ip" if family == 4 else "ip6"
+    return {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": "egress", "expr": [
+        {"match": {"op": "==", "left": {"meta": {"key": "oifname"}},
+                   "right": ifnames[0] if len(ifnames) == 1 else {"set": list(ifnames)}}},
+        {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": "ipv4" if family == 4 else "ipv6"}},
+        {"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "tcp"}},
+        {"match": {"op": "!=", "left": {"payload": {"protocol": proto, "field": "dscp"}}, "right": 0}},
+        {"match": {"op": "==", "left": {"fib": {"flags": ["saddr"], "result": "type"}}, "right": "local"}},
+        {"counter": None},
+        {"mangle": {"key": {"payload": {"protocol": proto, "field": "dscp"}}, "value": 0}},
+    ]}}}
+
+
 def table_commands(ifnames: list[str], classids: list[int], dscp: list[int], ack_level: int | None = 0,
                    reset_user_dscp: bool = Config.reset_user_dscp) -> list[dict]:
     """Commands that create or update the table's chains and maps in place, keeping the maps' elements.
@@ -217,7 +247,9 @@ def table_commands(ifnames: list[str], classids: list[int], dscp: list[int], ack
     cmds.append({"flush": {"chain": {"family": FAMILY, "table": TABLE, "name": "egress"}}})
     cmds.extend(_lookup_rule(ifnames, fam, by_user) for fam in (4, 6) for by_user in (True, False))
     if reset_user_dscp:
+        cmds.append(_roots_accept_rule(ifnames))
         cmds.extend(_users_dscp_rule(ifnames, fam) for fam in (4, 6))
+        cmds.extend(_sockless_tcp_dscp_rule(ifnames, fam) for fam in (4, 6))
     return cmds
 
 
