@@ -15,7 +15,8 @@
   marked (set DSCP and class); the default class has none. Read through a libnftables context of this scrape's
   own (the agent's context belongs to its main thread).
 - ``tensorlane_unregistered_dscp_reset_packets_total{device}``: packets of users' unregistered traffic that
-  carried a DSCP of their own and left with 0 (``reset_user_dscp``): a user marking its bulk traffic.
+  carried a DSCP of their own and left with 0 (``reset_user_dscp``): a user marking its bulk traffic; also TCP from
+  the host's addresses with no socket file (sent after ``close()``, MPTCP subflows, the kernel's resets).
 """
 from __future__ import annotations
 
