@@ -41,7 +41,8 @@ What overlap mode cannot reproduce, and how it is caught:
   updates them itself), and step hooks on the optimizer (``register_step_pre_hook``/``post_hook``, or global
   ones): in overlap mode ``.grad`` holds this rank's own gradient until the deferred step, and that step is taken
   in parts, each of which would run the hooks. The probe sees both and falls back to hook mode; step hooks added
-  later raise at the next ``step()``, and another optimizer that steps DDP's parameters later raises before its
+  later are left out of the steps stamped before them, and the next ``step()`` goes on in hook mode, exact (it
+  raised there until 2026-11-29), and another optimizer that steps DDP's parameters later raises before its
   update (a global step pre-hook). Parameters the optimizer holds outside DDP's buckets (DDP's ignored
   parameters, a layer frozen when DDP was made, a parameter outside the model such as a learnable temperature)
   are stepped at ``step()`` itself, with their own gradient, as DDP leaves them.
@@ -138,6 +139,9 @@ PARTS_DIFFER_LATER = ("the optimizer was declared per parameter (per_parameter_o
                       "first, taken in parts as overlap mode takes it, did not give what the same step of all "
                       "parameters gives (a coupling that starts later: a clipping by the norm of all gradients once it "
                       "exceeds a limit, as timm's Lamb with max_grad_norm)")
+STEP_HOOKS_LATE = ("step hooks were registered on the optimizer (register_step_pre_hook/register_step_post_hook, or "
+                   "global ones) after overlap mode had begun: from this step() on the optimizer's whole step is "
+                   "taken at step(), with its hooks, as under DDP")
 STEP_HOOKS = ("the optimizer has step hooks (register_step_pre_hook/register_step_post_hook, or global ones): "
               "overlap mode takes each step later and in parts, so the hooks would run out of time and once per part")
 
@@ -449,7 +453,6 @@ class Deferred:
         reads it is this step's; the optimizer's step reads only the live groups, so hiding them would take a
         per-thread view of ``param_groups`` (left)."""
         opt = self.optimizer
-        self.check_step_hooks()
         if self.stamped_state is not None and opt.state is not self.stamped_state:
             raise RuntimeError("tensorlane overlap mode: optimizer.state was replaced between optimizer.step() and "
                                "the next forward; under DDP the step used the state it had at step(), which "
@@ -473,7 +476,9 @@ class Deferred:
             mode = torch.inference_mode(inference) if inference is not None else contextlib.nullcontext()
             stamped_tensors = group_tensors(hparams)
             versions = [t._version for t in stamped_tensors]
-            with mode, torch.no_grad(), quiet, autocast_as(autocast or {}):
+            # step hooks registered since that step() did not run for it under DDP (stamp() refuses to stamp with
+            # any): until 2026-11-29 this raised, the update not applied, where DDP trains on (step_post_hook_late)
+            with mode, torch.no_grad(), quiet, autocast_as(autocast or {}), step_hooks_hidden(opt):
                 self.orig_step()
             if written(stamped_tensors, versions):  # (the probe saw none: it began after, or another optimizer's)
                 raise RuntimeError(f"tensorlane overlap mode: {GROUP_WRITTEN}. The first iteration showed no such "
@@ -837,6 +842,36 @@ def step_hooks(optimizer) -> int:
         len(getattr(optimizer, "_optimizer_step_post_hooks", ()))
     glob = [h for d in (optim._global_optimizer_pre_hooks, optim._global_optimizer_post_hooks) for h in d.values()]
     return own + sum(1 for h in glob if not getattr(h, "tensorlane", False))
+
+
+@contextlib.contextmanager
+def step_hooks_hidden(optimizer):
+    """Take the optimizer's step hooks and the global ones (not the shim's own) out of the way for a block: a deferred
+    part of a step stamped with none (they were registered after that ``step()``, so under DDP they did not run for
+    it). The hooks registered meanwhile (none: the block is the shim's own step) would be dropped; the global
+    dictionaries are edited in place (another thread's step in that window runs without them: left).
+    Usage: ``with step_hooks_hidden(opt): opt.step()``"""
+    import torch.optim.optimizer as optim
+    if not step_hooks(optimizer):
+        yield
+        return
+    own = {name: getattr(optimizer, name) for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+           if hasattr(optimizer, name)}
+    glob = [(d, dict(d)) for d in (optim._global_optimizer_pre_hooks, optim._global_optimizer_post_hooks)]
+    try:
+        for name, hooks in own.items():
+            setattr(optimizer, name, type(hooks)())
+        for d, kept in glob:
+            for key, h in kept.items():
+                if not getattr(h, "tensorlane", False):
+                    del d[key]
+        yield
+    finally:
+        for name, hooks in own.items():
+            setattr(optimizer, name, hooks)
+        for d, kept in glob:
+            d.clear()
+            d.update(kept)
 
 
 class StateView(collections.defaultdict):

@@ -3633,6 +3633,58 @@ def _uneven_accumulation_per_rank(ctx: Ctx):
         opt.zero_grad()
 
 
+@idiom("step_post_hook_late", where="before_forward")
+@idiom("step_pre_hook_late", where="before_step")
+@idiom("global_step_hook_late", where="after_step")
+def _step_hooks_late(ctx: Ctx, where: str):
+    """Step hooks registered mid-run (a callback that starts an EMA, a gradient-scale warm-up, a logging library's
+    global hook), once overlap mode has begun: at iteration 4 before the forward, an EMA in a post-hook
+    (``step_post_hook_late``); at iteration 4 between ``backward()`` and ``step()``, a pre-hook halving every
+    gradient (``step_pre_hook_late``); at iteration 3 right after ``step()``, a global post-hook
+    (``register_optimizer_step_post_hook``) logging a weight norm (``global_step_hook_late``). Under DDP a hook runs
+    from the first ``step()`` after its registration; the EMA and the logged norms are compared too."""
+    import torch.optim.optimizer as optim
+    model = ctx.ddp(convnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt)
+    ema = [p.detach().clone() for p in model.parameters()]
+
+    def post(*_args):
+        with torch.no_grad():
+            for e, p in zip(ema, model.parameters(), strict=True):
+                e.mul_(0.8).add_(p, alpha=0.2)
+
+    def pre(optimizer, *_args):
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+
+    def logged(*_args):
+        ctx.record("norm", model.module[0].weight.norm())
+
+    removable = None
+    try:
+        for step in range(ctx.steps):
+            if where == "before_forward" and step == 4:
+                opt.register_step_post_hook(post)
+            x, y = ctx.images(step)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if where == "before_step" and step == 4:
+                opt.register_step_pre_hook(pre)
+            opt.step()
+            if where == "after_step" and step == 3:
+                removable = optim.register_optimizer_step_post_hook(logged)
+            opt.zero_grad()
+            ctx.record("loss", loss.item())
+    finally:
+        if removable is not None:  # (a global hook: not into the next cells)
+            removable.remove()
+    for e in ema:
+        ctx.record("ema", e)
+
+
 MAIN_IDIOMS = [name for name in IDIOMS if name != "checkpoint_resume"]
 
 

@@ -158,7 +158,9 @@ SCENARIOS = {"grad_zeroed_later": LATE, "require_overlap": 1,
              "step_around_shim_thread": None, "param_write_thread": None,
              "stale_use": STEPS,  # c used outside c from LATE on: the guard applies the updates first, exact
              "step_around_shim": STEPS,  # its step reads the gradients: averaged first, exact
-             "other_optimizer_later": LATE, "step_hook_later": LATE,
+             "other_optimizer_later": LATE,
+             "step_hook_later": STEPS,  # steps stamped before it applied without it, then hook mode: exact (raised
+             # until 2026-11-29)
              "state_replaced_later": LATE,  # that step would be applied at the next forward, which refuses
              "class_step_replaced_later": LATE,  # refused at that step(), before it runs
              "group_counter_later": None,  # refused after the first part of that step (its write shows it)

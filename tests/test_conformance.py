@@ -69,7 +69,9 @@ FALLS_BACK_TO_HOOK = ("clip_grad_norm", "clip_grad_value", "grad_scaler", "join_
                       "wrapped_optimizer_step", "class_wrapped_optimizer_step", "sgd_closure", "dino_clip",
                       "fused_adamw_grad_scaler", "lars_subclass", "group_step_counter_tensor",
                       "optimizer_in_backward", "global_norm_declared", "call_count_declared",
-                      "clip_later_declared")  # (its clipping begins after the probe: checked at that step)
+                      "clip_later_declared",  # (its clipping begins after the probe: checked at that step)
+                      # (step hooks registered after the probe: hook mode from that step() on)
+                      "step_post_hook_late", "step_pre_hook_late", "global_step_hook_late")
 # Idioms whose parameters DDP leaves per rank on purpose (parameters it ignores, a layer it never all-reduced):
 # every mode must end equal to DDP rank by rank, but the ranks differ from each other
 PER_RANK = ("ddp_ignored", "unfreeze_add_group", "retain_graph_two_losses",  # (DDP synchronizes the first backward)
