@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 
 from tensorlane.agent.peers import process_start
@@ -18,16 +19,24 @@ MAX_FILE_BYTES = 256 << 20  # read of one of these files at most (10,000 flows: 
 
 
 def write_json_atomically(path: Path, doc: object, mode: int) -> None:
-    """Write ``doc`` as JSON to ``path`` atomically and durably (a temporary file made afresh through no link, with
-    ``mode``, synced to disk, then a rename, then the directory synced: a ``state_dir`` on disk holds the old file or
-    the new one after a power loss, never an empty one). Raises OSError; a failure leaves no temporary file."""
+    """Write ``doc`` as JSON to ``path`` atomically and durably (:func:`write_atomically`). Raises OSError; a failure
+    leaves no temporary file."""
+    write_atomically(path, (json.dumps(doc),), mode)
+
+
+def write_atomically(path: Path, parts: Iterable[str], mode: int) -> None:
+    """Write the text ``parts`` (an iterable, consumed as it is written: a large document need not be one string)
+    to ``path`` atomically and durably (a temporary file made afresh through no link, with ``mode``, synced to disk,
+    then a rename, then the directory synced: a ``state_dir`` on disk holds the old file or the new one after a power
+    loss, never an empty one). Raises OSError, or what ``parts`` raises; a failure leaves no temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     try:
         tmp.unlink(missing_ok=True)  # (made afresh, through no link: the agent writes it as root)
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode),
                        "w") as fh:
-            fh.write(json.dumps(doc))
+            for part in parts:
+                fh.write(part)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -36,7 +45,7 @@ def write_json_atomically(path: Path, doc: object, mode: int) -> None:
             os.fsync(dirfd)
         finally:
             os.close(dirfd)
-    except OSError:
+    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
