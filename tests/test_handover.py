@@ -547,8 +547,8 @@ def test_the_journals_stamp_goes_through_no_link(tmp_path):
 
 def test_the_journals_text_is_the_documents_json_and_follows_replaced_entries(tmp_path):
     """The journal writes :func:`handover.flows_doc`'s document as ``json.dumps`` would, in parts, each flow's JSON
-    kept from one write to the next only while its entry (a tuple, replaced at each change) and its owner's start
-    time are the same: a flow registered again at another level is written at that level, a flow dropped is gone."""
+    kept from one write to the next only while its entry is the same one (a tuple, replaced at each change): a flow
+    registered again at another level is written at that level, a flow dropped is gone."""
     table = FlowTable(4)
     for i in range(handover.JOURNAL_CHUNK * 2 + 3):  # (parts of JOURNAL_CHUNK flows, and one not full)
         table.register("job-a", i % 4, (_key(i),), pid=None, uid=None, rank=i % 3)
@@ -578,7 +578,8 @@ def test_a_large_tables_write_does_not_hold_the_agents_requests(tmp_path):
     (``hello``) sent every 2 ms is answered within a fraction of the write's time. The loop takes a copy of the table
     (a dict's: one C call) and a thread encodes and writes it, letting the GIL go every ``JOURNAL_CHUNK`` flows. Until
     2026-11-29 the loop built and wrote the document itself and every request waited for the whole write (here, at
-    load 2.5: 10,000 flows up to 134 ms a request, 100,000 flows up to 512 ms; since, 10 ms and 19 ms)."""
+    load 2-4: 10,000 flows up to 134-231 ms a request, 100,000 flows up to 512-557 ms; since, 8-10 ms and 19-21
+    ms)."""
     import socket
     import threading
 
