@@ -620,4 +620,6 @@ def test_a_large_tables_write_does_not_hold_the_agents_requests(tmp_path):
         thread.join(timeout=30)
         server.close()
     assert journal.writes >= 1 and len(_flows_of(tmp_path / handover.CRASH_FILE)) == n
-    assert worst < journal.last_s / 4, (worst, journal.last_s)
+    # (half the write's time: the old loop waited for all of it, 353 ms against a 352 ms write; make test runs this at
+    # idle priority beside the netns tests, where a pause of the whole process lengthens both sides)
+    assert worst < journal.last_s / 2, (worst, journal.last_s)
