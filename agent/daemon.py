@@ -88,14 +88,17 @@ def _newer_format(state: dict) -> int | None:
     return fmt if not isinstance(fmt, int) or fmt > RECORD_FORMAT else None
 
 
-def _read_record(path: Path) -> object | None:
-    """The JSON document of the device record ``path`` (None: no such file), read only as the agent wrote it
+def _read_record(path: Path) -> object:
+    """The JSON document of the device record ``path``, read only as the agent wrote it
     (:func:`read_own_file`: through no link, a plain file of the agent's user with one link, not group or other
     writable). Until 2026-11-29 records were read with ``read_text``, through any link: a link or another user's file
     planted there named the tree the agent adopted and restored as root, and a FIFO there kept the start waiting.
-    Raises OSError (refused, with the reason, or unreadable) or ValueError (not JSON)."""
+    Raises FileNotFoundError (no such file: not None, which is what a record of ``null`` holds), OSError (refused,
+    with the reason, or unreadable) or ValueError (not JSON)."""
     got = read_own_file(path)
-    return None if got is None else json.loads(got[0])
+    if got is None:
+        raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
+    return json.loads(got[0])
 
 
 def _load_state(cfg: Config, device: str) -> dict | None:
@@ -105,10 +108,10 @@ def _load_state(cfg: Config, device: str) -> dict | None:
     path = state_path(cfg, device)
     try:
         state = _read_record(path)
+    except FileNotFoundError:
+        return None
     except (ValueError, OSError) as exc:
         raise StartupError(f"state file {path} is corrupt or unreadable ({exc}); inspect it and remove it") from None
-    if state is None:
-        return None
     if isinstance(state, dict) and (fmt := _newer_format(state)) is not None:
         raise StartupError(f"state file {path} is of record format {fmt!r}, newer than this agent's "
                            f"({RECORD_FORMAT}): a newer agent left {device} taken over (a hand-over or a crash before "
@@ -1066,6 +1069,8 @@ def _records_not_running(cfg: Config) -> list[tuple[str, Path, dict, int]]:
         try:
             state = _read_record(path)
             pid, index = int(state["pid"]), int(state["ifindex"])
+        except FileNotFoundError:  # (gone since it was listed)
+            continue
         except OSError as exc:
             log.warning("state file %s is not read: %s; it is left as it is (inspect it and remove it)", path, exc)
             continue
