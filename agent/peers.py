@@ -64,16 +64,21 @@ def account_groups(uid: int) -> frozenset[str]:
         gids = os.getgrouplist(entry.pw_name, entry.pw_gid)
     except (KeyError, OSError):
         gids = []
+    if len(_account_groups) >= 4096:  # bounded, as _names
+        _account_groups.clear()
+    _account_groups[uid] = (frozenset(group_names(gids)), now)
+    return _account_groups[uid][0]
+
+
+def group_names(gids) -> set[str]:
+    """The names of the groups ``gids`` (a group without an entry: its number)."""
     names = set()
     for g in gids:
         try:
             names.add(grp.getgrgid(g).gr_name)
         except KeyError:
             names.add(str(g))
-    if len(_account_groups) >= 4096:  # bounded, as _names
-        _account_groups.clear()
-    _account_groups[uid] = (frozenset(names), now)
-    return _account_groups[uid][0]
+    return names
 
 
 def ordinary_uid(uid: int | None, trusted: frozenset[str] | tuple[str, ...]) -> bool:
@@ -105,13 +110,7 @@ class Peer:
                     gids.update(int(g) for g in proc_status(self.pid).get("Groups", "").split())
             except OSError:  # (ProcessLookupError too) gone: its primary group only
                 gids = {self.gid}
-        names = set()
-        for g in gids:
-            try:
-                names.add(grp.getgrgid(g).gr_name)
-            except KeyError:
-                names.add(str(g))
-        return names
+        return group_names(gids)
 
     @contextlib.contextmanager
     def pinned(self):
