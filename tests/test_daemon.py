@@ -18,15 +18,24 @@ pytestmark = pytest.mark.concurrent  # netns tests here run beside another file'
 
 
 def dead_agents_record(cfg, name: str, index: int, snap=None) -> dict:
-    """Save the state file of device ``name`` (ifindex ``index``) as an agent that is gone left it (its pid names
-    no process: a child that exited); returns the record."""
+    """Save the state file of device ``name`` (ifindex ``index``) as an agent that is gone left it (its pid and start
+    time name no process: a child that exited); returns the record. The start time matters: a record without one
+    counts as running where its pid is root's, and under make test (the unit tests beside the netns tests, as root)
+    the exited child's pid was taken by another root process before the restore looked, once in a run (2026-11-29)."""
     from tensorlane.agent.kernel import snapshot
+    from tensorlane.agent.peers import process_start
 
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
+        os.read(r, 1)
         os._exit(0)
+    started = process_start(pid)
+    os.write(w, b"x")
     os.waitpid(pid, 0)
-    state = {"ifindex": index, "interface": name, "serves": name, "backend": "htb", "pid": pid,
+    os.close(r)
+    os.close(w)
+    state = {"ifindex": index, "interface": name, "serves": name, "backend": "htb", "pid": pid, "started": started,
              "snapshot": (snap or snapshot.Snapshot(name, index)).to_json()}
     daemon._save_state(cfg, name, state)
     return state
