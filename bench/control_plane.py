@@ -87,6 +87,19 @@ def kernel_objects(host, pid: int) -> dict:
     return {"map_elements": elems, "tc_classes": classes, "agent_fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
+def settled_objects(host, pid: int, timeout_s: float = 5.0) -> dict:
+    """:func:`kernel_objects` once two samples 0.3 s apart agree (up to ``timeout_s``): a client's connection
+    being closed or the journal being written holds an fd for a moment, which is not a leak."""
+    deadline, last = time.monotonic() + timeout_s, kernel_objects(host, pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        cur = kernel_objects(host, pid)
+        if cur == last:
+            break
+        last = cur
+    return last
+
+
 def soak(path: str, clients: int, seconds: float, levels: int) -> dict:
     """``clients`` threads, each on its own connection, register and unregister 5 flows in a loop."""
     ops, errors, lat = [0] * clients, [], []
@@ -270,7 +283,7 @@ def run(sizes=(0, 1000, 10000), rounds: int = 400, iperf_s: float = 5, clients: 
             tb, hosts=[1], levels=4, config_extra={"trusted_users": ["root"], "rate_limit_per_s": 100000}) as ags:
         agent, h1, h2 = ags[1], tb.host(1), tb.host(2)
         pid = agent.proc.pid
-        base_rss, base_objects = agent_rss(pid), kernel_objects(h1, pid)
+        base_rss, base_objects = agent_rss(pid), settled_objects(h1, pid)
         have = 0
         with iperf_server(h2, 5301):
             for size in sizes:
@@ -293,7 +306,7 @@ def run(sizes=(0, 1000, 10000), rounds: int = 400, iperf_s: float = 5, clients: 
         time.sleep(0.5)
         with AgentClient(agent.socket) as c:
             flows_after = c.status()["flows"]
-        after = kernel_objects(h1, pid)
+        after = settled_objects(h1, pid)
         result["soak"].update({"flows_after": flows_after, "objects_before": base_objects, "objects_after": after,
                                "rss_start": base_rss, "rss_before": rss_before_soak, "rss_after": agent_rss(pid)})
         result["soak"]["rss_growth_bytes"] = result["soak"]["rss_after"] - rss_before_soak
