@@ -81,12 +81,15 @@ def rel_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a)
 
 
-def check_shim_record(tb, rank: int, record: dict, job: str) -> None:
+def check_shim_record(tb, rank: int, record: dict, job: str, agent_log: str = "") -> None:
     """Every level's flows were registered with this host's agent under ``job`` (this host -> the other),
-    withdrawn after close; the shim counted all-reduces on every level."""
+    withdrawn after close; the shim counted all-reduces on every level. ``agent_log``: the tail of that agent's log,
+    for the message."""
     host, other = tb.host(rank + 1), tb.host(2 - rank)
     flows = record["flows_during"]
-    assert {f["level"] for f in flows} == set(range(LEVELS)), (job, rank, flows)
+    assert {f["level"] for f in flows} == set(range(LEVELS)), (job, rank, flows, record.get("flows_poll_errors"),
+                                                               record.get("agent_flows_all"), record["stats"],
+                                                               agent_log)
     assert all(f["src"] == host.ip and f["dst"] == other.ip for f in flows), flows
     assert record["flows_after_close"] == [], (job, rank, record["flows_after_close"])
     stats = record["stats"]
@@ -106,6 +109,7 @@ def test_lightning_ddp_strategy_with_shim_hook(tmp_path):
         run_workers(tb, agents, "lightning_worker.py", tmp_path, 29710,
                     ["--variants", ",".join(("plain", *variants)), "--steps", "6", "--levels", str(LEVELS),
                      "--job", job])
+        logs = [agents[i].stderr_tail(2000) for i in (1, 2)]
         for i in (1, 2):
             with agents[i].client() as c:
                 assert [f for f in c.list()["flows"] if f["job"].startswith(job)] == []
@@ -120,7 +124,7 @@ def test_lightning_ddp_strategy_with_shim_hook(tmp_path):
             assert rec["global_step"] == 6, rec
             assert (rec["grad_norms"], rec["lrs"]) == (plain_rec["grad_norms"], plain_rec["lrs"]), variant
             assert rel_diff(got, plain) == 0.0, variant  # bit for bit
-            check_shim_record(tb, rank, rec, f"{job}-{variant}")
+            check_shim_record(tb, rank, rec, f"{job}-{variant}", logs[rank])
             assert rec["stats"]["mode"] == "hook"  # Lightning steps with a closure: hook mode only
     for variant in variants:
         assert rel_diff(load(tmp_path, variant, 1)[0], load(tmp_path, variant, 0)[0]) == 0.0
@@ -165,6 +169,7 @@ def test_accelerate_prepare_then_attach(tmp_path):
             running_agents(tb, hosts=[1, 2], levels=LEVELS) as agents:
         run_workers(tb, agents, "accelerate_worker.py", tmp_path, 29711,
                     ["--variants", ",".join(ACCELERATE_MODES), "--levels", str(LEVELS), "--job", job])
+        logs = [agents[i].stderr_tail(2000) for i in (1, 2)]
         for i in (1, 2):
             with agents[i].client() as c:
                 assert [f for f in c.list()["flows"] if f["job"].startswith(job)] == []
@@ -177,7 +182,7 @@ def test_accelerate_prepare_then_attach(tmp_path):
             assert plain_rec["steps"] == rec["steps"] == (3 if kind.startswith("accum") else 6), (plain_rec, rec)
             assert plain_rec["initial_changed"]  # it trained
             assert rel_diff(got, plain) == 0.0, kind  # bit for bit
-            check_shim_record(tb, rank, rec, f"{job}-{kind}")
+            check_shim_record(tb, rank, rec, f"{job}-{kind}", logs[rank])
             stats = rec["stats"]
             assert stats["mode"] == mode, (kind, stats["mode"], stats.get("mode_reason"))
             if mode == "hook":

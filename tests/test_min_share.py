@@ -300,12 +300,15 @@ def test_one_users_many_jobs_leave_another_users_job_its_part(tb):
     a3 share level 1's class, which counts once among the jobs sending: parts 0.12, 0.2 and 0.36 for bin's, scaled
     to ``job_share``) and bin's job levels 2-3: bin's class is level 2's, with 0.318 of the link (before, each job
     had a level of its own and bin's was level 3, with 0.3). The order is the same either way: only the levels and
-    the classes' guarantees differ. Link rate as above."""
+    the classes' guarantees differ. Link rate as above. ``job_hold_s = 0.5``: a1 alone on the top level sends all it
+    offers, so its class holds a queue only now and then, and one sample taken when it held none took a1 out of
+    ``sending`` just as the test looked (make test, 2026-11-29); held, the parts stay those of all four jobs."""
     h1, h2 = tb.host(1), tb.host(2)
     rate = int(0.95 * tb.rate_bps)
     a_jobs = ("a1", "a2", "a3")
     cfg = {**TRUST, "job_policy": "static", "job_priority": {"a1": 0, "a2": 1, "a3": 2, "b": 3}, "job_share": 0.6,
-           "link_rate": rate, "socket_mode": "0666", "allowed_users": ["nobody", "bin"], "check_ownership": False}
+           "link_rate": rate, "socket_mode": "0666", "allowed_users": ["nobody", "bin"], "check_ownership": False,
+           "job_hold_s": 0.5}
     seconds = 4
     with running_agents(tb, levels=4, hosts=[1], backend="htb", config_extra=cfg) as agents:
         agent = agents[1]

@@ -43,24 +43,33 @@ def params_of(module: nn.Module) -> dict:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def agent_flows(socket: str | None, job: str) -> list[dict]:
-    """The flows the host's agent holds for ``job`` ([] when no agent answers)."""
+def agent_flows(socket: str | None, job: str | None, errors: list | None = None) -> list[dict]:
+    """The flows the host's agent holds for ``job`` (every job's: None); [] when no agent answers (``errors``
+    gets why)."""
     if not socket:
         return []
     try:
         with AgentClient(socket, timeout=1.0) as c:
-            return list(c.list(job=job)["flows"])
-    except OSError:
+            return list(c.list(job=job)["flows"] if job is not None else c.list()["flows"])
+    except OSError as exc:
+        if errors is not None:
+            errors.append(f"{time.time():.3f} {type(exc).__name__}: {exc}")
         return []
 
 
-def wait_levels(socket: str | None, job: str, levels: int, timeout: float = 10.0) -> list[dict]:
-    """Poll the agent until it holds flows of ``job`` at every level (or ``timeout``); return its last answer."""
-    deadline = time.monotonic() + timeout
-    flows = agent_flows(socket, job)
+def wait_levels(socket: str | None, job: str, levels: int, timeout: float = 10.0,
+                record: dict | None = None) -> list[dict]:
+    """Poll the agent until it holds flows of ``job`` at every level (or ``timeout``); return its last answer.
+    When it never did, ``record`` gets what tells why (for the test's message): the polls that got no answer
+    (``flows_poll_errors``) and every flow the agent holds (``agent_flows_all``)."""
+    deadline, errors = time.monotonic() + timeout, []
+    flows = agent_flows(socket, job, errors)
     while {f["level"] for f in flows} != set(range(levels)) and time.monotonic() < deadline:
         time.sleep(0.1)
-        flows = agent_flows(socket, job)
+        flows = agent_flows(socket, job, errors)
+    if record is not None and {f["level"] for f in flows} != set(range(levels)):
+        record["flows_poll_errors"] = errors[-20:]
+        record["agent_flows_all"] = agent_flows(socket, None, errors)
     return flows
 
 
