@@ -211,6 +211,8 @@ class Api:
                                     + (f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""))
             if must_own:
                 pid = peer.pid
+            elif not self.policy.privileged(peer):  # check_ownership = false: no socket was checked
+                skuids = self._unchecked_socket_users(peer, req)
             if not self.policy.privileged(peer):
                 self._check_user_limits(req, peer)
         had = set(self.table.runs.get(req.job, ()))
@@ -259,6 +261,25 @@ class Api:
         if peer.uid != 0:
             found.update((k, peer.uid) for k in udp if k not in found)
         return found
+
+    def _unchecked_socket_users(self, peer, req) -> dict[FlowKey, int]:
+        """The user each UDP flow of a register that no socket check judged (``check_ownership = false``) is marked
+        for, for a user that is neither root nor in ``trusted_users``: the maker of the socket at the flow's named fd
+        where it is the user or a uid of its subordinate range, else the user itself. Its register claims its own
+        traffic: keyed so, the flow gives another user's socket bound to that 5-tuple (SO_REUSEADDR, or a port the
+        user named without holding it) no level. Until 2026-11-29 such a flow was keyed by its 5-tuple alone, and a
+        user gave any socket's datagrams of it the level of its choice (docs/agent.md, threat model)."""
+        udp = [k for k in req.flows if k.proto == "udp"]
+        if not udp:
+            return {}
+        if req.fds is not None and (peer.sock is not None or peer.pidfd is not None):  # (a live client: its fds)
+            fds = dict(zip(req.flows, req.fds, strict=True))
+            try:
+                with peer.pinned():
+                    return self._socket_users(peer, udp, fds)
+            except ProcessLookupError:
+                pass
+        return {k: peer.uid for k in udp}
 
     def _users_job(self, req, peer) -> str:
         """The job a user's request is about: the id it names, or the user's own job under that id

@@ -248,6 +248,55 @@ def test_a_udp_flow_registered_before_another_user_shares_its_port_gives_that_us
     assert sum(mine.values()) >= 190 and list(mine) == [dscp], mine
 
 
+def test_an_unchecked_users_udp_flow_gives_another_users_socket_no_level():
+    """With ``check_ownership = false`` a user's register is judged by no socket: ``nobody`` may name any 5-tuple,
+    one it holds no socket of too. Such a UDP flow was keyed by its 5-tuple alone, so another user's datagrams of
+    it (user daemon's socket on that port) left at the level ``nobody`` chose, its DSCP and class. Since
+    2026-11-29 an unchecked user's UDP flow is keyed by that user (``meta skuid``): daemon's datagrams leave
+    unmarked, and ``nobody``'s own socket on the port, bound after the register, gets the level."""
+    extra = {"socket_mode": "0666", "allowed_users": ["nobody", "daemon"], "check_ownership": False,
+             "rate_limit_per_s": 100000}
+    with Testbed(hosts=2, rate="100mbit", name="tx5") as tb, \
+            running_agents(tb, levels=3, hosts=[1], config_extra=extra) as agents:
+        h1, h2 = tb.host(1), tb.host(2)
+        sport, dport = 40600, 40601
+        flow = {"proto": "udp", "src": h1.ip, "sport": sport, "dst": h2.ip, "dport": dport}
+
+        def register():  # nobody, holding no socket of the flow (nothing checks it)
+            return request(agents[1].socket, {"op": "register", "job": "a", "level": 1, "flows": [flow]})
+
+        reply, pid = in_child(register, uid=NOBODY, netns=h1.name)
+        os.waitpid(pid, 0)
+        assert reply["ok"], reply
+        dscp = str(reply["result"]["dscp"])
+        assert dscp != "0"
+
+        def received(sender: Sender) -> dict:
+            recv = dscp_receiver(h2, "0.0.0.0", dport)
+            try:
+                sender.send(h2.ip, dport, 200)
+                return json.loads(recv.communicate(timeout=15)[0])
+            finally:
+                if recv.poll() is None:
+                    recv.kill()
+                    recv.wait(5)
+
+        other = Sender(h1.name, 1, h1.ip, sport)  # user daemon's socket on the flow's port
+        try:
+            theirs = received(other)
+        finally:
+            other.close()
+        mine = Sender(h1.name, NOBODY, h1.ip, sport)  # the registering user's own socket on it
+        try:
+            own = received(mine)
+        finally:
+            mine.close()
+        listed = registered(agents[1].socket)
+    assert [(f["sport"], f["level"]) for f in listed] == [(sport, 1)], listed
+    assert sum(theirs.values()) >= 190 and list(theirs) == ["0"], theirs
+    assert sum(own.values()) >= 190 and list(own) == [dscp], own
+
+
 def test_rate_limit_and_oversized_messages(tmp_path):
     with Testbed(hosts=1, rate="100mbit", name="tx2") as tb, \
             running_agents(tb, config_extra={"rate_limit_per_s": 50}) as agents:
