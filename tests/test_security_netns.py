@@ -256,7 +256,7 @@ def test_an_unchecked_users_udp_flow_gives_another_users_socket_no_level():
     unmarked, and ``nobody``'s own socket on the port, bound after the register, gets the level."""
     extra = {"socket_mode": "0666", "allowed_users": ["nobody", "daemon"], "check_ownership": False,
              "rate_limit_per_s": 100000}
-    with Testbed(hosts=2, rate="100mbit", name="tx5") as tb, \
+    with Testbed(hosts=2, rate="100mbit", name="tx7") as tb, \
             running_agents(tb, levels=3, hosts=[1], config_extra=extra) as agents:
         h1, h2 = tb.host(1), tb.host(2)
         sport, dport = 40600, 40601
