@@ -17,6 +17,14 @@ from tensorlane.agent.peers import process_start
 pytestmark = pytest.mark.concurrent  # netns tests here run beside another file's (make test; pyproject markers)
 
 
+def pid_of_no_process() -> int:
+    """A pid that names no process, now or later: pids are below ``kernel.pid_max``. (A child's that exited is not:
+    under make test another root process may take it before the test looks, pids wrapping at 32,768 here, and a
+    record without ``started`` then counts as a running agent's, as in dead_agents_record.)"""
+    with open("/proc/sys/kernel/pid_max") as fh:
+        return int(fh.read())
+
+
 def dead_agents_record(cfg, name: str, index: int, snap=None) -> dict:
     """Save the state file of device ``name`` (ifindex ``index``) as an agent that is gone left it (its pid and start
     time name no process: a child that exited); returns the record. The start time matters: a record without one
@@ -203,13 +211,11 @@ def test_a_killed_agents_record_on_a_default_root_is_restored_only_on_the_device
     by a device moved in from another namespace) is dropped, nothing done to that device. In a fresh namespace,
     on ``lo`` (index 1, noop root), with records of a dead agent."""
     import json
-    import subprocess
 
-    dead = subprocess.Popen(["true"])
-    dead.wait()  # its pid names no process: the records' agent is gone
+    gone = pid_of_no_process()  # the records' agent is gone
     for name, iface in (("lo", "lo"), ("eth7:1", "eth7")):
         (tmp_path / f"agent-{name}.json").write_text(json.dumps({
-            "ifindex": 1, "interface": iface, "serves": iface, "backend": "htb", "pid": dead.pid,
+            "ifindex": 1, "interface": iface, "serves": iface, "backend": "htb", "pid": gone,
             "snapshot": {"ifname": iface, "ifindex": 1, "objects": []}}))
     out = _restore_orphans_in_a_fresh_netns(tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "['lo']", out
@@ -737,8 +743,7 @@ def test_a_writer_still_runs_by_the_same_rule_for_records_and_flow_tables(tmp_pa
         os.setgid(65534)
         os.setuid(65534)
 
-    dead = subprocess.Popen(["true"])
-    dead.wait()
+    gone = pid_of_no_process()
     root_proc = subprocess.Popen(["sleep", "60"])
     user_proc = subprocess.Popen(["sleep", "60"], preexec_fn=nobody if os.geteuid() == 0 else None)
     try:
@@ -747,8 +752,8 @@ def test_a_writer_still_runs_by_the_same_rule_for_records_and_flow_tables(tmp_pa
         user_unstamped = os.geteuid() != 0  # (not root: "another user's" process is the agent user's own)
         # (pid, start or None, runs by a record, runs by a flow table file)
         cases = [(root, rs, True, True), (root, rs + 1, False, False), (root, None, True, False),
-                 (user, us, True, True), (user, None, user_unstamped, False), (dead.pid, None, False, False),
-                 (dead.pid, rs, False, False), (me, ms, False, False), (me, None, False, False)]
+                 (user, us, True, True), (user, None, user_unstamped, False), (gone, None, False, False),
+                 (gone, rs, False, False), (me, ms, False, False), (me, None, False, False)]
         cfg = Config(interfaces=("eth0",), link_rate_bps=10**9, state_dir=str(tmp_path))
         for n, (pid, start, _, _) in enumerate(cases):
             rec = {"ifindex": n + 1, "pid": pid, "snapshot": {"ifname": f"d{n}", "ifindex": n + 1, "objects": []}}
