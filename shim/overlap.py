@@ -848,30 +848,29 @@ def step_hooks(optimizer) -> int:
 def step_hooks_hidden(optimizer):
     """Take the optimizer's step hooks and the global ones (not the shim's own) out of the way for a block: a deferred
     part of a step stamped with none (they were registered after that ``step()``, so under DDP they did not run for
-    it). The hooks registered meanwhile (none: the block is the shim's own step) would be dropped; the global
-    dictionaries are edited in place (another thread's step in that window runs without them: left).
-    Usage: ``with step_hooks_hidden(opt): opt.step()``"""
+    it). The dictionaries are edited in place (another thread's step in that window runs without them: left); a hook
+    registered meanwhile (another thread's: the training thread's, while a validation thread applies the step) is
+    kept, after them, and its handle still removes it (until 2026-11-29 it was dropped: an EMA in a post-hook never
+    ran, silently). Usage: ``with step_hooks_hidden(opt): opt.step()``"""
     import torch.optim.optimizer as optim
     if not step_hooks(optimizer):
         yield
         return
-    own = {name: getattr(optimizer, name) for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
-           if hasattr(optimizer, name)}
-    glob = [(d, dict(d)) for d in (optim._global_optimizer_pre_hooks, optim._global_optimizer_post_hooks)]
+    own = [getattr(optimizer, name) for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+           if hasattr(optimizer, name)]
+    hidden = [(d, dict(d)) for d in (*own, optim._global_optimizer_pre_hooks, optim._global_optimizer_post_hooks)]
     try:
-        for name, hooks in own.items():
-            setattr(optimizer, name, type(hooks)())
-        for d, kept in glob:
+        for d, kept in hidden:
             for key, h in kept.items():
                 if not getattr(h, "tensorlane", False):
                     del d[key]
         yield
     finally:
-        for name, hooks in own.items():
-            setattr(optimizer, name, hooks)
-        for d, kept in glob:
+        for d, kept in hidden:
+            meanwhile = {key: h for key, h in d.items() if key not in kept}
             d.clear()
             d.update(kept)
+            d.update(meanwhile)
 
 
 class StateView(collections.defaultdict):

@@ -2921,3 +2921,37 @@ def test_ranks_closing_at_different_iterations_fail_with_the_shims_error(tmp_pat
     for rc, out, err in res:
         assert rc != 0 and "finished" not in out, (out, err[-3000:])
         assert "tensorlane: an all-reduce on" in err and "closed at another point of training" in err, err[-3000:]
+
+
+def test_step_hooks_registered_while_hidden_are_kept_and_removable():
+    """``overlap.step_hooks_hidden`` hides the step hooks while a deferred step stamped before them is applied, which
+    may be on another thread (a validation forward) than the one registering a hook meanwhile (the training thread,
+    an EMA's post-hook before its forward: idiom ``step_post_hook_late``). Such a hook, the optimizer's or a global
+    one, runs from the next step on and its handle removes it; until 2026-11-29 it was dropped, silently."""
+    import torch
+    import torch.optim.optimizer as optim
+
+    from tensorlane.shim import overlap as ov
+
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    calls = []
+    before = opt.register_step_post_hook(lambda *_: calls.append("before"))
+    p.grad = torch.ones(2)
+    handles = []
+    try:
+        with ov.step_hooks_hidden(opt):
+            opt.step()  # (the deferred step: none runs)
+            handles.append(opt.register_step_post_hook(lambda *_: calls.append("own")))
+            handles.append(optim.register_optimizer_step_post_hook(lambda *_: calls.append("global")))
+        assert calls == []
+        opt.step()
+        assert sorted(calls) == ["before", "global", "own"], calls
+        for h in handles:
+            h.remove()
+        calls.clear()
+        opt.step()
+        assert calls == ["before"], calls
+    finally:
+        for h in (*handles, before):
+            h.remove()
