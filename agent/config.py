@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from tensorlane import units
 from tensorlane.client import DEFAULT_SOCKET, JOB_ID_RE
 from tensorlane.policies.jobs import JOB_POLICIES, ROTATING, SHARE_AMONG, TIMED
-from tensorlane.policies.levels import DEFAULT_LEVELS, MAX_LEVELS, dscp_table
+from tensorlane.policies.levels import DEFAULT_LEVELS, MAX_LEVELS, dscp_table, parse_dscp
 
 BACKENDS = ("auto", "htb", "prio")
 
@@ -71,6 +71,9 @@ class Config:
     min_rate_bps: int = field(default=0, metadata={"key": "min_rate"})
     ack_priority: bool = True  # pure ACKs of every registered flow in the most urgent class (no ACK starvation)
     reset_user_dscp: bool = True  # a user's unregistered packets leave the managed interfaces with DSCP 0
+    # with reset_user_dscp: the DSCP values that this host's TCP packets without a socket file keep (the kernel's own
+    # TCP clients root gave one, such as NVMe/TCP's --tos); empty: those packets leave with DSCP 0 too
+    kernel_tcp_dscp: tuple[int, ...] = ()
     reconcile_interval_s: float = 5.0
     socket_group: str | None = None
     allowed_users: tuple[str, ...] = ()
@@ -410,7 +413,26 @@ def _service(raw: dict, levels: int) -> dict:
             "reserved_flow_share": _number(raw, "reserved_flow_share", 0.0, 0.5, " (a share of max_flows)"),
             "socket_group": _want(raw, "socket_group", str),
             "ack_priority": _want(raw, "ack_priority", bool),
-            "reset_user_dscp": _want(raw, "reset_user_dscp", bool)}
+            "reset_user_dscp": _want(raw, "reset_user_dscp", bool),
+            "kernel_tcp_dscp": _kernel_tcp_dscp(raw)}
+
+
+def _kernel_tcp_dscp(raw: dict) -> tuple[int, ...]:
+    """``kernel_tcp_dscp``: DSCP values (numbers 0..63 or names such as "CS3"), each once, sorted; only with
+    ``reset_user_dscp`` (without it every packet keeps its DSCP: a list would say otherwise)."""
+    value = _want(raw, "kernel_tcp_dscp", list)
+    out = []
+    for v in value:
+        try:
+            out.append(parse_dscp(v))
+        except ValueError as exc:
+            raise ConfigError("kernel_tcp_dscp", str(exc)) from None
+    if len(set(out)) != len(out):
+        raise ConfigError("kernel_tcp_dscp", f"a DSCP is named twice in {value!r}")
+    if out and not _want(raw, "reset_user_dscp", bool):
+        raise ConfigError("kernel_tcp_dscp", "only used with reset_user_dscp = true (with false, every packet keeps "
+                                             "its DSCP)")
+    return tuple(sorted(out))
 
 
 def _access(raw: dict) -> dict:

@@ -1120,7 +1120,7 @@ def _run(cfg: Config, lock: list[int] | None = None) -> int:
         layout = plan[0].backend if plan else _backend(cfg, kind, 10**9)  # the class layout (no device yet: any rate)
         rec = Reconciler([t.device() for t in plan], cfg.dscp, {eg.name: eg.index for eg in egress}, ipr,
                          ack_level=0 if cfg.ack_priority else None, layout=layout,
-                         reset_user_dscp=cfg.reset_user_dscp)
+                         reset_user_dscp=cfg.reset_user_dscp, kernel_tcp_dscp=cfg.kernel_tcp_dscp)
         restore_orphans(cfg, ipr, plan)
         warn_incomplete(cfg)
         held = HeldDevices(cfg, kind, [eg.name for eg in egress], rec, lock)

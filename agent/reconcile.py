@@ -81,16 +81,19 @@ class Reconciler:
 
     def __init__(self, devices: list[Device], dscp: tuple[int, ...], interfaces: dict[str, int], ipr, nft=None,
                  ack_level: int | None = 0, layout=None,
-                 reset_user_dscp: bool = Config.reset_user_dscp):
+                 reset_user_dscp: bool = Config.reset_user_dscp,
+                 kernel_tcp_dscp: tuple[int, ...] = Config.kernel_tcp_dscp):
         """``devices`` carry the queues of ``interfaces`` (name -> index: what is matched as output interface);
         pure ACKs of less urgent levels go to ``ack_level``'s class (None: each flow's ACKs at its own level);
         ``layout``: a backend of the class layout, where no device is held yet (default: the first device's);
-        ``reset_user_dscp``: users' unregistered packets leave with DSCP 0 (``nftables.table_commands``)."""
+        ``reset_user_dscp``: users' unregistered packets leave with DSCP 0, and this host's TCP without a socket file
+        unless its DSCP is one of ``kernel_tcp_dscp`` (``nftables.table_commands``)."""
         self.devices = list(devices)
         self.backend = layout or self.devices[0].backend  # the class layout, the same on every device
         self.dscp = dscp
         self.ack_level = ack_level
         self.reset_user_dscp = reset_user_dscp
+        self.kernel_tcp_dscp = tuple(kernel_tcp_dscp)
         self.interfaces = dict(interfaces)
         self.ipr = ipr
         self.nft = nft or nftables.Nft()
@@ -111,7 +114,7 @@ class Reconciler:
     def _table_commands(self) -> list[dict]:
         classids = [self.backend.classid(lvl) for lvl in range(self.backend.levels)]
         return nftables.table_commands(list(self.interfaces), classids, list(self.dscp), self.ack_level,
-                                       self.reset_user_dscp)
+                                       self.reset_user_dscp, self.kernel_tcp_dscp)
 
     def _apply_trees(self) -> None:
         for dev in self.devices:

@@ -218,35 +218,43 @@ def test_sigterm_during_start_up_restores(fz, tmp_path):
 
 
 def test_nftables_table_deleted_or_its_policy_or_hook_changed(fz):
-    """A foreign actor deletes the agent's table, sets its chain's policy to drop, re-creates the chain as a drop
-    chain at another priority: each time host networking is back (plain traffic flows) and the flow is marked
-    within a few passes; on exit no table is left."""
+    """A foreign actor deletes the agent's table, sets a chain's policy to drop, re-creates a chain as a drop
+    chain at another hook or priority (``egress`` at postrouting, ``sockless`` at output): each time host networking
+    is back (plain traffic flows) and the flow is marked within a few passes; on exit no table is left."""
     h1, h2 = fz.host(1), fz.host(2)
     tables = nft_tables(h1)
+    hooks = {"egress": "hook postrouting priority mangle; policy accept;",
+             "sockless": "hook output priority mangle; policy accept;"}
     with running_agents(fz, hosts=[1], backend="htb", config_extra=FAST) as agents:
         with agents[1].client() as agent:
             agent.register("job-n", 0, [flow(h1, 9821, h2, 9820)])
-        faults = [
-            ["nft", "delete", "table", "inet", "tensorlane"],
-            ["nft", "chain", "inet", "tensorlane", "egress", "{", "policy", "drop", ";", "}"],
-            ["nft", "-f", "-"],
-        ]
-        recreate = ("delete chain inet tensorlane egress\n"
-                    "add chain inet tensorlane egress { type filter hook postrouting priority 0; policy drop; }\n")
-        for fault in faults:
-            h1.run(fault, input=recreate if fault[-1] == "-" else None)
+        faults = [["nft", "delete", "table", "inet", "tensorlane"]]
+        for chain in hooks:
+            faults += [["nft", "chain", "inet", "tensorlane", chain, "{", "policy", "drop", ";", "}"],
+                       ["nft", "-f", "-", chain]]
+        recreate = {"egress": "add chain inet tensorlane egress { type filter hook postrouting priority 0; "
+                              "policy drop; }\n",
+                    "sockless": "add chain inet tensorlane sockless { type filter hook postrouting priority mangle; "
+                                "policy drop; }\n"}
 
-            def repaired():  # (none of the faults leaves this: each drops the table, or the chain's policy or hook)
-                chain = h1.run(["nft", "list", "chain", "inet", "tensorlane", "egress"], check=False).stdout
-                return "policy accept" in chain and "priority mangle" in chain and "9821" in h1.run(
+        def chains_as_made() -> bool:
+            return all(hook in h1.run(["nft", "list", "chain", "inet", "tensorlane", chain], check=False).stdout
+                       for chain, hook in hooks.items())
+        for fault in faults:
+            if fault[2] == "-":
+                h1.run(fault[:3], input=f"delete chain inet tensorlane {fault[3]}\n" + recreate[fault[3]])
+            else:
+                h1.run(fault)
+
+            def repaired():  # (none of the faults leaves this: each drops the table, or a chain's policy or hook)
+                return chains_as_made() and "9821" in h1.run(
                     ["nft", "list", "map", "inet", "tensorlane", "flows4"], check=False).stdout
             wait_for(f"repaired after {fault}", repaired, 5)  # (a pass every 0.1 s: FAST)
             got = udp_exchange(h1, h2, 9821, 9820, seconds=0.5)
             plain = udp_exchange(h1, h2, 9822, 9820, seconds=0.5)
             assert got["dscp"] == {"46": got["packets"]} and got["packets"] > 0, (fault, got)
             assert plain["dscp"] == {"0": plain["packets"]} and plain["packets"] > 0, (fault, plain)
-            chain = h1.run(["nft", "list", "chain", "inet", "tensorlane", "egress"]).stdout
-            assert "policy accept" in chain and "priority mangle" in chain, chain
+            assert chains_as_made(), fault
     assert nft_tables(h1) == tables
 
 

@@ -143,12 +143,30 @@ def test_parse_rate(text, bps):
     ({"interface": "eth0", "idle_timeout_s": 0}, "idle_timeout_s"),
     ({"interface": "eth0", "idle_timeout_s": 10**6}, "idle_timeout_s"),
     ({"interface": "eth0", "reset_user_dscp": "no"}, "reset_user_dscp"),
+    ({"interface": "eth0", "kernel_tcp_dscp": 24}, "kernel_tcp_dscp"),
+    ({"interface": "eth0", "kernel_tcp_dscp": [64]}, "kernel_tcp_dscp"),
+    ({"interface": "eth0", "kernel_tcp_dscp": [-1]}, "kernel_tcp_dscp"),
+    ({"interface": "eth0", "kernel_tcp_dscp": ["XX"]}, "kernel_tcp_dscp"),
+    ({"interface": "eth0", "kernel_tcp_dscp": [True]}, "kernel_tcp_dscp"),
+    ({"interface": "eth0", "kernel_tcp_dscp": [24, "CS3"]}, "kernel_tcp_dscp"),  # 24 twice
+    ({"interface": "eth0", "kernel_tcp_dscp": [24], "reset_user_dscp": False}, "kernel_tcp_dscp"),
 ])
 def test_bad_values_name_their_field(raw, field):
     with pytest.raises(ConfigError) as err:
         from_dict(raw)
     assert err.value.field == field
     assert f"'{field}'" in str(err.value)
+
+
+def test_kernel_tcp_dscp_is_a_list_of_dscp_values_kept_only_with_reset_user_dscp():
+    """The DSCP values this host's TCP without a socket file keeps (the kernel's own TCP clients root configured):
+    numbers or names, sorted; empty by default, and with ``reset_user_dscp = false`` (nothing is reset then) an
+    empty list is accepted, any other refused (it would say something that does not happen)."""
+    assert from_dict({"interface": "eth0"}).kernel_tcp_dscp == ()
+    assert from_dict({"interface": "eth0", "kernel_tcp_dscp": ["AF31", 24, "0"]}).kernel_tcp_dscp == (0, 24, 26)
+    assert from_dict({"interface": "eth0", "kernel_tcp_dscp": [], "reset_user_dscp": False}).kernel_tcp_dscp == ()
+    with pytest.raises(ConfigError, match="only used with reset_user_dscp = true"):
+        from_dict({"interface": "eth0", "kernel_tcp_dscp": [24], "reset_user_dscp": False})
 
 
 def test_load_file_and_overrides(tmp_path):

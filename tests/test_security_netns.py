@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.agents import running_agents
+from tensorlane.agent.kernel import nft as nftables
 from tensorlane.client import AgentClient
 from testbed import Testbed
 
@@ -482,3 +483,45 @@ def test_a_users_tcp_sent_after_close_or_through_mptcp_leaves_without_the_dscp_i
             got[(port, dscp)] = next(e["counter"]["bytes"] for e in rule["expr"] if "counter" in e)
     assert got[(45000, "cs0")] > 1_900_000 and got[(45001, "cs0")] > 1_900_000, got
     assert got[(45000, "ef")] == 0 and got[(45001, "ef")] == 0, got
+
+
+def test_kernel_tcp_dscp_keeps_the_dscp_of_the_kernels_tcp_without_a_socket_file():
+    """The kernel's own TCP sockets have no socket file either (``meta skuid`` fails): a storage client root gave a
+    DSCP (NVMe/TCP's ``nvme connect --tos``), the kernel's resets (IPv4's carry the TOS of the packet they answer).
+    Root on the other host sends SYNs with DSCP 24 (``IP_TOS`` 0x60) to closed ports of the agent's host: with the
+    default settings the resets leave with DSCP 0 (and the reset counter says so), with ``kernel_tcp_dscp = [24]``
+    with 24. Either way the reset of a registered flow leaves with its level's DSCP (the ``sockless`` chain at
+    ``output`` comes before the lookup at ``postrouting``), and root's own SYN (a socket file) keeps 24."""
+    counters = ("table inet cnt {\nchain in { type filter hook input priority 0; policy accept;\n"
+                + "".join(f'tcp {field} {port} ip dscp {d} counter comment "{port}/{d}"\n'
+                          for field, port in (("sport", 45100), ("sport", 45101), ("dport", 45102))
+                          for d in (0, 24, 46))
+                + "}\n}\n")
+    syns = ("import socket, sys\nfor i in range(5):\n    for dst, port, sport in {targets}:\n"
+            "        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            "        s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 0x60); s.bind(('', sport)); s.settimeout(2)\n"
+            "        try:\n            s.connect((dst, port))\n        except ConnectionRefusedError:\n"
+            "            pass\n        else:\n            sys.exit(f'port {{port}} is open')\n        s.close()\n")
+    got = {}
+    with Testbed(hosts=2, rate="100mbit", name="tkr") as tb:
+        h1, h2 = tb.host(1), tb.host(2)
+        for kept in ([24], None):
+            h2.run(["nft", "-f", "-"], input="table inet cnt\ndelete table inet cnt\n" + counters)  # (counting anew)
+            # (root registers the flow of h1's kernel on its behalf: the test runs outside h1's namespace)
+            extra = {"trusted_users": ["root"], **({} if kept is None else {"kernel_tcp_dscp": kept})}
+            with running_agents(tb, levels=3, hosts=[1], config_extra=extra) as agents:
+                with agents[1].client() as agent:  # the resets of 45101 are a registered flow's, level 0: DSCP 46
+                    agent.register("job-k", 0, [{"proto": "tcp", "src": h1.ip, "sport": 45101, "dst": h2.ip,
+                                                 "dport": 45201}])
+                h2.run([sys.executable, "-c", syns.format(targets=[(h1.ip, 45100, 45200), (h1.ip, 45101, 45201)])])
+                h1.run([sys.executable, "-c", syns.format(targets=[(h2.ip, 45102, 45202)])])  # root's, on h1
+                sockless = json.loads(h1.run(["nft", "-j", "list", "chain", "inet", "tensorlane", "sockless"]).stdout)
+            listed = json.loads(h2.run(["nft", "-j", "list", "table", "inet", "cnt"]).stdout)["nftables"]
+            got[str(kept)] = {r["comment"]: next(e["counter"]["packets"] for e in r["expr"] if "counter" in e)
+                              for r in (item["rule"] for item in listed if "rule" in item)}
+            # (tensorlane_unregistered_dscp_reset_packets_total: the registered flow's resets too, marked after)
+            got[str(kept)]["reset"] = nftables.reset_counters(sockless)["packets"]
+    assert got["[24]"] == {"45100/0": 0, "45100/24": 5, "45100/46": 0, "45101/0": 0, "45101/24": 0, "45101/46": 5,
+                           "45102/0": 0, "45102/24": 5, "45102/46": 0, "reset": 0}, got
+    assert got["None"] == {"45100/0": 5, "45100/24": 0, "45100/46": 0, "45101/0": 0, "45101/24": 0, "45101/46": 5,
+                           "45102/0": 0, "45102/24": 5, "45102/46": 0, "reset": 10}, got

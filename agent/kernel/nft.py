@@ -10,7 +10,9 @@ looked up (a hash lookup: cost does not grow with the number of flows) and jumps
 that takes every packet longer than a pure ACK at the level, rules send the flows' pure ACKs (TCP, no SYN, FIN, RST
 or PSH, and no data: ``_pure_acks``) to the most urgent level's class and DSCP instead: an ACK queued behind the
 class's own data, throttled to its guaranteed share while more urgent classes are busy, would stall the *other*
-direction's sender into a retransmission timeout (docs/agent.md, ``ack_priority``).
+direction's sender into a retransmission timeout (docs/agent.md, ``ack_priority``). With ``reset_user_dscp``,
+``egress`` then resets the DSCP of the packets no flow took of users other than root, and chain ``sockless`` (hook
+``output``, before ``egress``) that of this host's TCP packets without a socket file (``kernel_tcp_dscp`` kept).
 Usage: ``nft = Nft(); nft.run([{"add": {"table": {...}}}])``
 """
 from __future__ import annotations
@@ -176,10 +178,10 @@ def _lookup_rule(ifnames: list[str], family: int, by_user: bool = False) -> dict
 
 def _users_dscp_rule(ifnames: list[str], family: int) -> dict:
     """A packet that no flow of the maps took (unregistered), of a local socket that a user other than root made
-    (``meta skuid``: forwarded packets and the kernel's own have no socket and keep theirs), leaves with DSCP 0,
-    the default class's. ``IP_TOS`` needs no privilege: a user set the levels' DSCP, or CS6/CS7 above them all, on
-    traffic it never registered and put it in the switch's queue of the most urgent level or above, past
-    ``level_limits`` and the agent alike."""
+    (``meta skuid``: forwarded packets and the kernel's own have no socket file and keep theirs here; this host's
+    TCP without one: :func:`_sockless_tcp_rules`), leaves with DSCP 0, the default class's. ``IP_TOS`` needs no
+    privilege: a user set the levels' DSCP, or CS6/CS7 above them all, on traffic it never registered and put it in
+    the switch's queue of the most urgent level or above, past ``level_limits`` and the agent alike."""
     proto = "ip" if family == 4 else "ip6"
     return {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": "egress", "expr": [
         {"match": {"op": "==", "left": {"meta": {"key": "oifname"}},
@@ -193,8 +195,8 @@ def _users_dscp_rule(ifnames: list[str], family: int) -> dict:
 
 
 def _roots_accept_rule(ifnames: list[str]) -> dict:
-    """Root's packets (a local socket of root's: ``meta skuid 0``) keep their DSCP: the rules after it are not
-    theirs (:func:`_users_dscp_rule`, :func:`_sockless_tcp_dscp_rule`)."""
+    """Root's packets (a local socket of root's: ``meta skuid 0``) keep their DSCP: the rule after it is not
+    theirs (:func:`_users_dscp_rule`)."""
     return {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": "egress", "expr": [
         {"match": {"op": "==", "left": {"meta": {"key": "oifname"}},
                    "right": ifnames[0] if len(ifnames) == 1 else {"set": list(ifnames)}}},
@@ -203,33 +205,52 @@ def _roots_accept_rule(ifnames: list[str]) -> dict:
     ]}}}
 
 
-def _sockless_tcp_dscp_rule(ifnames: list[str], family: int) -> dict:
-    """A TCP packet that no flow of the maps took, from this host (its source one of the host's addresses: not
-    forwarded) and with no socket file to tell its user (``meta skuid`` reads the socket's file), leaves with DSCP 0:
-    what a closed socket still sends (the send buffer and FIN after ``close()``), an MPTCP connection's subflows
-    (the kernel's sockets), the kernel's resets and time-wait ACKs. Until 2026-11-29 such packets kept the DSCP a
-    user set with ``IP_TOS``: a user's MPTCP connection, or a TCP one's tail after close, left at DSCP 46."""
+SOCKLESS_CHAIN = "sockless"  # at the output hook: TCP sent from this host with no socket file (_sockless_tcp_rules)
+
+
+def _sockless_tcp_rules(ifnames: list[str], family: int, kept: tuple[int, ...] = ()) -> list[dict]:
+    """The rules of chain ``sockless`` (hook ``output``: only this host's own packets pass it, never forwarded
+    ones) for IP ``family``: a TCP packet with no socket file to tell its user (``meta skuid`` reads the socket's
+    file, and fails without one) leaves the managed interfaces with DSCP 0 unless its DSCP is one of ``kept``
+    (``kernel_tcp_dscp``: the DSCP root gave the kernel's own TCP clients, such as NVMe/TCP's ``--tos``): what a
+    closed socket still sends (the send buffer and FIN after ``close()``), an MPTCP connection's subflows (the
+    kernel's sockets), the kernel's resets (IPv4's reflect the TOS of the packet they answer) and time-wait ACKs.
+    Until 2026-11-29 such packets kept the DSCP a user set with ``IP_TOS``: a user's MPTCP connection, or a TCP
+    one's tail after close, left at DSCP 46. The first rule lets every packet with a socket file go (the ``egress``
+    chain tells root's from a user's); the DSCP is tested before it, so a packet with DSCP 0 (or a kept one) leaves
+    without its socket looked at. A registered flow's packets reset here get their level's DSCP in ``egress`` at
+    ``postrouting``, which comes after ``output``; the counter counts them too (the shim sets no ``IP_TOS``: a
+    registered flow's packets carry DSCP 0 here unless its process set one). The hook tells this host's packets
+    apart: the rule this chain replaced sat in ``egress`` and matched ``fib saddr type local``, which needs the
+    kernel's nft_fib (not probed): without it the table, and so the agent, could not start."""
     proto = "ip" if family == 4 else "ip6"
-    return {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": "egress", "expr": [
+    dscp = {"payload": {"protocol": proto, "field": "dscp"}}
+    keep = sorted({0, *kept})
+    match = [
         {"match": {"op": "==", "left": {"meta": {"key": "oifname"}},
                    "right": ifnames[0] if len(ifnames) == 1 else {"set": list(ifnames)}}},
         {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": "ipv4" if family == 4 else "ipv6"}},
         {"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "tcp"}},
-        {"match": {"op": "!=", "left": {"payload": {"protocol": proto, "field": "dscp"}}, "right": 0}},
-        {"match": {"op": "==", "left": {"fib": {"flags": ["saddr"], "result": "type"}}, "right": "local"}},
-        {"counter": None},
-        {"mangle": {"key": {"payload": {"protocol": proto, "field": "dscp"}}, "value": 0}},
-    ]}}}
+        {"match": {"op": "!=", "left": dscp, "right": keep[0] if len(keep) == 1 else {"set": keep}}},
+    ]
+    return [{"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": SOCKLESS_CHAIN, "expr": [
+                *match, {"match": {"op": ">=", "left": {"meta": {"key": "skuid"}}, "right": 0}}, {"accept": None}]}}},
+            {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": SOCKLESS_CHAIN, "expr": [
+                *match, {"counter": None}, {"mangle": {"key": dscp, "value": 0}}]}}}]
 
 
 def table_commands(ifnames: list[str], classids: list[int], dscp: list[int], ack_level: int | None = 0,
-                   reset_user_dscp: bool = Config.reset_user_dscp) -> list[dict]:
+                   reset_user_dscp: bool = Config.reset_user_dscp,
+                   kernel_tcp_dscp: tuple[int, ...] = Config.kernel_tcp_dscp) -> list[dict]:
     """Commands that create or update the table's chains and maps in place, keeping the maps' elements.
 
     A packet leaving through any of ``ifnames`` is looked up; ``classids[level]`` is the tc class the level's
     packets enter (the same on every managed device), ``dscp[level]`` their DSCP. With ``ack_level`` (None: off),
     the pure ACKs of less urgent levels go to that level's class and DSCP. With ``reset_user_dscp``, the packets no
-    flow took of users other than root leave with DSCP 0 (:func:`_users_dscp_rule`).
+    flow took of users other than root leave with DSCP 0 (:func:`_users_dscp_rule`), and so do this host's TCP
+    packets without a socket file, unless their DSCP is one of ``kernel_tcp_dscp`` (:func:`_sockless_tcp_rules`).
+    Chain ``sockless`` is made either way (empty without ``reset_user_dscp``): flushed, a restart that turns the
+    setting off leaves none of its rules behind.
     """
     cmds: list[dict] = [{"add": {"table": {"family": FAMILY, "name": TABLE}}}]
     for fam in (4, 6):
@@ -249,7 +270,12 @@ def table_commands(ifnames: list[str], classids: list[int], dscp: list[int], ack
     if reset_user_dscp:
         cmds.append(_roots_accept_rule(ifnames))
         cmds.extend(_users_dscp_rule(ifnames, fam) for fam in (4, 6))
-        cmds.extend(_sockless_tcp_dscp_rule(ifnames, fam) for fam in (4, 6))
+    cmds.append({"add": {"chain": {"family": FAMILY, "table": TABLE, "name": SOCKLESS_CHAIN, "type": "filter",
+                                   "hook": "output", "prio": -150, "policy": "accept"}}})
+    cmds.append({"flush": {"chain": {"family": FAMILY, "table": TABLE, "name": SOCKLESS_CHAIN}}})
+    if reset_user_dscp:
+        for fam in (4, 6):
+            cmds.extend(_sockless_tcp_rules(ifnames, fam, kernel_tcp_dscp))
     return cmds
 
 
@@ -325,12 +351,14 @@ def _add_counters(rule: dict, into: dict[str, int]) -> None:
 
 
 def reset_counters(listing: dict | None) -> dict[str, int]:
-    """Packets and bytes whose DSCP the egress chain reset to 0 (a user's unregistered packets,
-    :func:`_users_dscp_rule`), both IP families summed, from a ``list chain`` (or table) JSON answer."""
+    """Packets and bytes whose DSCP the ``egress`` and ``sockless`` chains reset to 0 (a user's unregistered
+    packets, :func:`_users_dscp_rule`; TCP without a socket file, :func:`_sockless_tcp_rules`), both IP families
+    summed, from a ``list chain`` (or table) JSON answer."""
     out = {"packets": 0, "bytes": 0}
     for item in (listing or {}).get("nftables", []):
         rule = item.get("rule")
-        if rule and rule.get("chain") == "egress" and any("mangle" in e for e in rule.get("expr", [])):
+        if (rule and rule.get("chain") in ("egress", SOCKLESS_CHAIN)
+                and any("mangle" in e for e in rule.get("expr", []))):
             _add_counters(rule, out)
     return out
 

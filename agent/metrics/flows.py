@@ -15,8 +15,9 @@
   marked (set DSCP and class); the default class has none. Read through a libnftables context of this scrape's
   own (the agent's context belongs to its main thread).
 - ``tensorlane_unregistered_dscp_reset_packets_total{device}``: packets of users' unregistered traffic that
-  carried a DSCP of their own and left with 0 (``reset_user_dscp``): a user marking its bulk traffic; also TCP from
-  the host's addresses with no socket file (sent after ``close()``, MPTCP subflows, the kernel's resets).
+  carried a DSCP of their own and left with 0 (``reset_user_dscp``): a user marking its bulk traffic; also this
+  host's TCP with no socket file (sent after ``close()``, MPTCP subflows, the kernel's resets, and the kernel's own
+  TCP clients root gave a DSCP not in ``kernel_tcp_dscp``, such as NVMe/TCP: a steady rise, not tails).
 """
 from __future__ import annotations
 
@@ -63,8 +64,9 @@ def marked_counters(levels: list[int]) -> dict[int, dict[str, int]]:
 
 
 def reset_counters() -> dict[str, int]:
-    """Packets and bytes of users' unregistered traffic whose DSCP the egress chain reset (``reset_user_dscp``)."""
-    return nftables.reset_counters(_chains(["egress"]))
+    """Packets and bytes of users' unregistered traffic, and of this host's TCP without a socket file, whose DSCP the
+    ``egress`` and ``sockless`` chains reset (``reset_user_dscp``)."""
+    return nftables.reset_counters(_chains(["egress", nftables.SOCKLESS_CHAIN]))
 
 
 class FlowsSource(Source):

@@ -101,8 +101,9 @@ CLASS_MARKED_BYTES = Name("tensorlane_class_marked_bytes",
 CLASS_MARKED_PACKETS = Name("tensorlane_class_marked_packets",
                             "Packets marked (DSCP and class) by the level's nftables chain", DEVICE_CLASS)
 DSCP_RESET_PACKETS = Name("tensorlane_unregistered_dscp_reset_packets",
-                          "Packets of users' unregistered traffic (and TCP from the host's addresses with no socket "
-                          "file) that set a DSCP of their own and left with 0 (reset_user_dscp)", DEVICE)
+                          "Packets of users' unregistered traffic (and this host's TCP with no socket file, its DSCP "
+                          "not in kernel_tcp_dscp) that set a DSCP of their own and left with 0 (reset_user_dscp)",
+                          DEVICE)
 HANDOVER_FLOWS = Name("tensorlane_agent_handover_flows",
                       "Flows of the hand-over's flow table this agent took back at its start (outcome adopted) or "
                       "not, by reason", ("outcome",))
