@@ -655,6 +655,7 @@ class Api:
         owner's exit is seen at once through its pidfd, ``Server.MAX_WATCHED``). A closed socket's flow that the
         kernel still sends keeps its level until it is done (``_let_go``). Returns how many flows went."""
         gone = self._drained() if self.table.draining else []
+        example = ""  # (one flow judged closed, for the log line)
         by_pid = self.table.by_pid
         if by_pid:
             pids = sorted(by_pid)
@@ -663,14 +664,18 @@ class Api:
             self._swept_to = turn[-1]
             owners = {pid: list(by_pid[pid]) for pid in turn}  # (unsorted: sorting 50,000 flows cost 50 ms)
             read: list[int] = []  # (the owners judged: at most SWEEP_FDS open files are read per pass)
-            gone += self._let_go(self._found_elsewhere(not_owned_by_owners(owners, read, self._fd_of,
-                                                                           self._made_by)))
+            closed = self._found_elsewhere(not_owned_by_owners(owners, read, self._fd_of, self._made_by))
+            if closed:
+                k, e = closed[0], self.table.flows[closed[0]]
+                example = f"{k.proto} {k.src}:{k.sport} > {k.dst}:{k.dport} of job {e.job!r}, process {e.pid}, " \
+                          f"fd {e.fd}"
+            gone += self._let_go(closed)
             self._swept_to = read[-1] if read else self._swept_to
         if gone:
             self._push([], [], gone)
             self.record("socket_closed", "removed")
-            self.refusal_log.note("sockets closed", logging.INFO, "removed %d flows whose sockets were closed",
-                                  len(gone))  # bounded: a user can close sockets at will
+            self.refusal_log.note("sockets closed", logging.INFO, "removed %d flows whose sockets were closed%s",
+                                  len(gone), f" ({example})" if example else "")  # bounded: a user can close at will
         return len(gone)
 
 
