@@ -106,10 +106,10 @@ def test_lightning_ddp_strategy_with_shim_hook(tmp_path):
     variants = ("shim", "shim-learn")  # comm_state(module=model); comm_state() learning levels from the buckets
     with Testbed(hosts=2, rate="200mbit", name="fwl") as tb, \
             running_agents(tb, hosts=[1, 2], levels=LEVELS) as agents:
-        run_workers(tb, agents, "lightning_worker.py", tmp_path, 29710,
-                    ["--variants", ",".join(("plain", *variants)), "--steps", "6", "--levels", str(LEVELS),
-                     "--job", job])
-        logs = [agents[i].stderr_tail(2000) for i in (1, 2)]
+        outs = run_workers(tb, agents, "lightning_worker.py", tmp_path, 29710,
+                           ["--variants", ",".join(("plain", *variants)), "--steps", "6", "--levels", str(LEVELS),
+                            "--job", job])
+        logs = [f"{agents[i].stderr_tail(2000)}\nthe worker's output:\n{outs[i - 1][-2000:]}" for i in (1, 2)]
         for i in (1, 2):
             with agents[i].client() as c:
                 assert [f for f in c.list()["flows"] if f["job"].startswith(job)] == []
@@ -167,9 +167,9 @@ def test_accelerate_prepare_then_attach(tmp_path):
     job = "fw-acc"
     with Testbed(hosts=2, rate="200mbit", name="fwa") as tb, \
             running_agents(tb, hosts=[1, 2], levels=LEVELS) as agents:
-        run_workers(tb, agents, "accelerate_worker.py", tmp_path, 29711,
-                    ["--variants", ",".join(ACCELERATE_MODES), "--levels", str(LEVELS), "--job", job])
-        logs = [agents[i].stderr_tail(2000) for i in (1, 2)]
+        outs = run_workers(tb, agents, "accelerate_worker.py", tmp_path, 29711,
+                           ["--variants", ",".join(ACCELERATE_MODES), "--levels", str(LEVELS), "--job", job])
+        logs = [f"{agents[i].stderr_tail(2000)}\nthe worker's output:\n{outs[i - 1][-2000:]}" for i in (1, 2)]
         for i in (1, 2):
             with agents[i].client() as c:
                 assert [f for f in c.list()["flows"] if f["job"].startswith(job)] == []
