@@ -1994,6 +1994,19 @@ def _disabled_state() -> ShimState:
                      mode_reason="the shim is disabled (disable=True or TENSORLANE_DISABLE=1): plain DDP")
 
 
+def refuse_delayed_all_reduce(model) -> None:
+    """Raise ValueError for a DDP model built with ``delay_all_reduce_named_params``: DDP all-reduces those
+    parameters itself, outside its comm hook, and on gloo never waits for that all-reduce (plain DDP ends with
+    different parameters on each rank and in each run): nothing exact to reproduce. Usage:
+    ``refuse_delayed_all_reduce(ddp)``"""
+    if getattr(model, "_delay_all_reduce_params", None):
+        raise ValueError("tensorlane refuses a DDP model built with delay_all_reduce_named_params: DDP all-reduces "
+                         "those parameters itself, outside its communication hook, and on gloo it never waits for "
+                         "that all-reduce (plain DDP ends with different parameters on each rank and in each run), "
+                         "so the shim has nothing exact to reproduce. Build the DDP model without it, or leave the "
+                         "shim out")
+
+
 def comm_state(levels: int = DEFAULT_LEVELS, *, agent_socket: str | None = None, job: str | None = None,
                partition_bytes: int | None = None, module=None, policy: str = "layer_order",
                report_interval_s: float = report.INTERVAL_S, disable: bool | str | None = None) -> ShimState:
@@ -2066,6 +2079,7 @@ def attach(model, optimizer=None, *, levels: int = DEFAULT_LEVELS, policy: str =
                          f"runs on a group of {dist.get_world_size(group)} of {dist.get_world_size()} ranks (the "
                          "shim's groups and its averaging span the world). Attach nothing to it, or use one DDP "
                          "over all ranks")
+    refuse_delayed_all_reduce(model)
     prior = _shim_state_of(model)
     if prior is not None and not prior.closed:
         raise RuntimeError("tensorlane: this DDP model is attached already and its handle is open; call "

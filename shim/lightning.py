@@ -28,7 +28,7 @@ import warnings
 
 from torch.nn.parallel import DistributedDataParallel
 
-from tensorlane.shim.ddp import priority_hook
+from tensorlane.shim.ddp import priority_hook, refuse_delayed_all_reduce
 
 
 class CommHook(Callback):
@@ -53,6 +53,7 @@ class CommHook(Callback):
                           "new shim.comm_state() for each Trainer, and close it after that Trainer's fits",
                           stacklevel=2)
             return
+        refuse_delayed_all_reduce(getattr(model, "_orig_mod", model))  # (before any step, Lightning's hook or not)
         hooks = list(getattr(model, "_comm_hooks", ()))  # DDP's registered (hook, state) pairs
         if any(state is self.state for _hook, state in hooks):
             return  # Lightning registered it (on CUDA it passes ddp_comm_hook on)

@@ -1592,6 +1592,33 @@ def test_attach_refuses_a_model_that_has_a_comm_hook_before_any_collective(tmp_p
 
 
 @pytest.mark.torch
+def test_attach_refuses_a_ddp_model_with_delayed_all_reduce_params(tmp_path):
+    """``DistributedDataParallel(..., delay_all_reduce_named_params=..., param_to_hook_all_reduce=...)``: DDP
+    all-reduces those parameters itself, outside the comm hook, and on gloo never waits for it (plain DDP itself
+    ended with different parameters on each rank and in each of 3 runs, newuser18, 2026-11-29): ``attach`` refuses
+    it, naming the option, before it creates a group or wraps the optimizer."""
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            module, delay_all_reduce_named_params=list(module[1].named_parameters()),
+            param_to_hook_all_reduce=module[0].weight)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        groups = len(dist.distributed_c10d._world.pg_map)
+        for optimizer in (None, opt):
+            with pytest.raises(ValueError, match="delay_all_reduce_named_params"):
+                shim.attach(ddp, optimizer, agent_socket="/nonexistent/tl.sock")
+        assert len(dist.distributed_c10d._world.pg_map) == groups and "step" not in vars(opt)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_the_shim_frees_ddp_models_left_in_cycles_before_the_interpreter_exits(tmp_path):
     """A DDP model the script leaves in a reference cycle after ``dist.destroy_process_group()`` keeps its process
     group (and gloo's threads) until the garbage is collected; collected during the interpreter's exit, a gloo
