@@ -152,7 +152,7 @@ def _remove_dir(path: str) -> None:
 
 
 @contextlib.contextmanager
-def running_agents(tb, levels: int = 4, hosts=None, backend: str = "auto", ready_timeout: float = 10.0,
+def running_agents(tb, levels: int = 4, hosts=None, backend: str = "auto", ready_timeout: float = 30.0,
                    stop_timeout: float = 10.0, workdir: str | None = None, config_extra: dict | None = None,
                    env: dict | None = None):
     """Run one agent per testbed host (``hosts``: indexes, default all); yields ``{index: RunningAgent}``.
