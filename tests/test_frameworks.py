@@ -89,7 +89,8 @@ def check_shim_record(tb, rank: int, record: dict, job: str, agent_log: str = ""
     flows = record["flows_during"]
     assert {f["level"] for f in flows} == set(range(LEVELS)), (  # (a string: pytest shortens a tuple's repr)
         f"{job} rank {rank}: flows {flows}; polls unanswered {record.get('flows_poll_errors')}; the agent's flows "
-        f"{record.get('agent_flows_all')}; stats {record['stats']}; the agent's log:\n{agent_log}")
+        f"{record.get('agent_flows_all')}; the shim's flows {record.get('shim_flows')}; the process's connections "
+        f"{record.get('own_flows')}; stats {record['stats']}; the agent's log:\n{agent_log}")
     assert all(f["src"] == host.ip and f["dst"] == other.ip for f in flows), flows
     assert record["flows_after_close"] == [], (job, rank, record["flows_after_close"])
     stats = record["stats"]

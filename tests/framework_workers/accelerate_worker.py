@@ -101,7 +101,8 @@ def train(kind: str, with_shim: bool, args) -> tuple[dict, dict]:
                 local_sgd = None
     record.update(steps=steps, micro_batches=micro)
     if handle is not None:
-        record["flows_during"] = common.wait_levels(args.agent_socket, job, args.levels, record=record)
+        record["flows_during"] = common.wait_levels(args.agent_socket, job, args.levels, record=record,
+                                                    state=handle.state)
         record["stats"] = handle.stats()
         handle.close()  # applies the pending updates (overlap mode) before the parameters are read
         record["flows_after_close"] = common.wait_gone(args.agent_socket, job)

@@ -58,10 +58,11 @@ def agent_flows(socket: str | None, job: str | None, errors: list | None = None)
 
 
 def wait_levels(socket: str | None, job: str, levels: int, timeout: float = 10.0,
-                record: dict | None = None) -> list[dict]:
+                record: dict | None = None, state=None) -> list[dict]:
     """Poll the agent until it holds flows of ``job`` at every level (or ``timeout``); return its last answer.
     When it never did, ``record`` gets what tells why (for the test's message): the polls that got no answer
-    (``flows_poll_errors``) and every flow the agent holds (``agent_flows_all``)."""
+    (``flows_poll_errors``), every flow the agent holds (``agent_flows_all``), the flows the shim's ``state`` found
+    at each level (``shim_flows``) and the process's established TCP connections now (``own_flows``)."""
     deadline, errors = time.monotonic() + timeout, []
     flows = agent_flows(socket, job, errors)
     while {f["level"] for f in flows} != set(range(levels)) and time.monotonic() < deadline:
@@ -70,6 +71,11 @@ def wait_levels(socket: str | None, job: str, levels: int, timeout: float = 10.0
     if record is not None and {f["level"] for f in flows} != set(range(levels)):
         record["flows_poll_errors"] = errors[-20:]
         record["agent_flows_all"] = agent_flows(socket, None, errors)
+        from tensorlane.flows import own_tcp_flows
+        record["own_flows"] = [(f["sport"], f["dst"], f["dport"]) for f in own_tcp_flows()]
+        if state is not None:
+            record["shim_flows"] = {lvl: [(f["sport"], f["dst"], f["dport"]) for f in fl]
+                                    for lvl, fl in (state.flows or {}).items()}
     return flows
 
 

@@ -127,7 +127,7 @@ def train(variant: str, args) -> tuple[dict, dict]:
     if state is not None:
         record["hook_registered_by_callback"] = callbacks[0].registered_here
         job = f"{args.job}-{variant}"
-        record["flows_during"] = common.wait_levels(args.agent_socket, job, args.levels, record=record)
+        record["flows_during"] = common.wait_levels(args.agent_socket, job, args.levels, record=record, state=state)
         record["stats"] = state.stats()
         state.close()
         record["flows_after_close"] = common.wait_gone(args.agent_socket, job)
