@@ -53,6 +53,7 @@ class AgentLink:
         self._away_since: float | None = None  # monotonic time the agent was last found away (None: answering)
         self._fold_warned = False  # warned that levels beyond the agent's are registered at its last
         self._ever_registered = False
+        self._was_held: set = set()  # flows whose socket this process held at a register (_drop_closed)
         self._ever_answered = False  # an agent answered hello once (a process with no flows registers none)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -92,6 +93,7 @@ class AgentLink:
                         "at its level %d", self.socket_path, self.agent_levels, self.agent_levels,
                         self.agent_levels - 1)
         held = own_flow_fds()  # which fd holds each flow's socket: the agent checks those alone
+        flows = self._drop_closed(flows, held)
         for level, fl in sorted(flows.items()):
             for i in range(0, len(fl), MAX_FLOWS_PER_REQUEST):
                 part = fl[i:i + MAX_FLOWS_PER_REQUEST]
@@ -101,6 +103,27 @@ class AgentLink:
                 if reply.get("conflict") and not self.conflict:
                     self.conflict = agent_text(reply["conflict"])
                     log.warning("tensorlane: %s", self.conflict)
+
+    def _drop_closed(self, flows: dict[int, list[dict]], held: dict) -> dict[int, list[dict]]:
+        """``flows`` less those this process held a socket of at an earlier register and holds none of now (``held``:
+        ``own_flow_fds()``): a closed TCP connection never comes back, and the agent refuses a whole register that
+        names one (``not_owner``). They leave ``self.flows`` too, with a warning. Until 2026-11-29 they stayed, and
+        every register after an agent restart or a timeout (every RETRY_S for RETRY_WINDOW_S) was refused: the
+        job's other flows, still open, were never registered again. Flows never held (another process's, a test's)
+        are sent as before."""
+        closed = {flow_key(f) for fl in flows.values() for f in fl
+                  if flow_key(f) in self._was_held and flow_key(f) not in held}
+        self._was_held.update(k for fl in flows.values() for f in fl if (k := flow_key(f)) in held)
+        if not closed:
+            return flows
+        for level in list(self.flows):
+            self.flows[level] = [f for f in self.flows[level] if flow_key(f) not in closed]
+        self._was_held -= closed
+        log.warning("tensorlane: %d of this job's connections registered with the agent were closed (%s): they are "
+                    "no longer registered, and what their levels still send goes on connections the shim did not "
+                    "find, unprioritised", len(closed),
+                    ", ".join(f"{k.src}:{k.sport} > {k.dst}:{k.dport}" for k in sorted(closed)[:3]))
+        return {level: [f for f in fl if flow_key(f) not in closed] for level, fl in flows.items()}
 
     def _register_all_if_new(self, agent: AgentClient) -> None:
         hello = agent.request("hello")
