@@ -195,8 +195,8 @@ def register_latency(q: float) -> str:
 def borrowing_panel(lay, who: str) -> None:
     """The panel that shows priority at work in HTB: each level borrowing while the default class waits."""
     lay.add("HTB borrowing by level, default class waiting", "pps",
-            [(borrowed(), f"{who}level {{{{level}}}} borrowed"),
-             (default_waiting(), f"{who}default class held back")],
+            [(borrowed(), f"{who}{{{{device}}}} level {{{{level}}}} borrowed"),
+             (default_waiting(), f"{who}{{{{device}}}} default class held back")],
             "Packets per second each class sent on tokens borrowed from the link (HTB borrows: every level's "
             "own rate is tiny, so a busy level borrows nearly all it sends), and times per second HTB held the "
             "default class back (overlimits) while the levels took the link.")
@@ -321,13 +321,19 @@ def host() -> dict:
             "Packets dropped by the class's queue; times HTB throttled the class.")
     borrowing_panel(lay, "")
     lay.add("HTB tokens by class", "s",
-            [(with_level(f"tensorlane_class_tokens_seconds{sel()}"), "tokens level {{level}}"),
-             (with_level(f"tensorlane_class_ctokens_seconds{sel()}"), "ctokens level {{level}}")],
+            [(with_level(f"tensorlane_class_tokens_seconds{sel()}"), "tokens {{device}} level {{level}}"),
+             (with_level(f"tensorlane_class_ctokens_seconds{sel()}"), "ctokens {{device}} level {{level}}")],
             "Time each class may still send at its rate (tokens) and at its ceil (ctokens) before it must "
             "borrow or wait; below zero the class is in debt.", min_zero=False)
     lay.add("Marked bytes by class", "Bps",
             [(with_level(f"rate(tensorlane_class_marked_bytes_total{sel()}{RATE})"), "{{device}} level {{level}}")],
             "Bytes of registered flows the level's nftables chain marked (DSCP and class).")
+    lay.add("DSCP reset on unregistered traffic", "pps",
+            [(f"rate(tensorlane_unregistered_dscp_reset_packets_total{sel()}{RATE})", "{{device}}")],
+            "Packets that left the managed interfaces with DSCP 0 instead of a DSCP of their own (reset_user_dscp): "
+            "a user's unregistered traffic, the tails of closed connections, and this host's TCP without a socket "
+            "file. A steady rate is likely a kernel TCP client root gave a DSCP (NVMe/TCP's --tos): list its DSCP in "
+            "kernel_tcp_dscp (docs/agent.md).")
     lay.add("Registered flows by class and job", "short",
             [(with_level(f"tensorlane_registered_flows{sel()}"), "{{training_job}} level {{level}}")],
             "Flows registered now.")

@@ -128,11 +128,25 @@ def test_joins_keep_the_scrape_job_and_shares_of_several_links_are_not_stacked(n
                 labels = {label.strip() for label in by.split(",")}
                 if "instance" in labels:
                     assert "job" in labels, (panel["title"], target["expr"])
-            if "level" in target["legendFormat"] and "device" in target["expr"] + target["legendFormat"]:
+            # a series of a queue device (the class series read from tc, their info aside) that no outer
+            # aggregation sums over the devices keeps ``device``: until 2026-11-29 the borrowing and token panels
+            # had none in their legends (their joins on the class alone do not name it, which this check needed)
+            outer = re.match(r"\s*(?:sum|max|min|avg) by \(([^)]*)\)", target["expr"])
+            per_device = (re.search(r"\btensorlane_class_(?!info\b)\w+", target["expr"])
+                          and (outer is None or "device" in outer.group(1)))
+            if per_device or ("level" in target["legendFormat"] and "device" in target["expr"]):
                 assert "{{device}}" in target["legendFormat"], (panel["title"], target["legendFormat"])
         if panel.get("fieldConfig", {}).get("defaults", {}).get("unit") == "percentunit":
             stacking = panel["fieldConfig"]["defaults"].get("custom", {}).get("stacking", {})
             assert stacking.get("mode", "none") == "none", panel["title"]
+
+
+def test_the_host_dashboard_shows_the_dscp_resets_that_kernel_tcp_dscp_is_tuned_by():
+    """docs/metrics.md and docs/agent.md tell the operator to watch tensorlane_unregistered_dscp_reset_packets_total
+    (a steady rise: a kernel TCP client root gave a DSCP, to list in kernel_tcp_dscp); until 2026-11-29 no panel
+    showed it."""
+    exprs = [t["expr"] for p in build.panels(load("tensorlane-host.json")) for t in p["targets"]]
+    assert any("rate(tensorlane_unregistered_dscp_reset_packets_total" in e for e in exprs)
 
 
 def test_fleet_dashboard_shows_what_the_issue_asks_for():
