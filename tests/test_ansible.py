@@ -18,10 +18,12 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import tomllib
 import zipfile
@@ -268,6 +270,24 @@ def test_defaults_argument_spec_and_docs_agree(tmp_path):
         elif not text.startswith("...") and text != raw[name]:  # "...": a path given in full on the row already
             value = yaml.safe_load(text)
             assert value in (raw[name], rendered[name]), f"{name}: docs/deploy.md says {text!r}, default {raw[name]!r}"
+
+
+def test_the_deploy_docs_config_extra_examples_render_into_a_config_the_agent_takes(tmp_path):
+    """Each ```yaml example of docs/deploy.md that sets tensorlane_config_extra, rendered by agent.toml.j2, is a
+    config the agent's parser takes with those settings; among them kernel_tcp_dscp, which a host whose kernel TCP
+    clients mark their traffic (NVMe/TCP) needs: until 2026-11-29 the deploy docs did not say that the agent resets
+    those marks by default, nor how to keep them."""
+    with open(os.path.join(REPO_ROOT, "docs", "deploy.md")) as fh:
+        blocks = re.findall(r"```yaml\n(.*?)```", fh.read(), re.S)
+    examples = [yaml.safe_load(textwrap.dedent(b)) for b in blocks if "tensorlane_config_extra:" in b]
+    assert examples
+    for i, example in enumerate(examples):
+        example.pop("tensorlane_socket_group", None)  # a group of the example's, not of this machine
+        text = render(tmp_path, os.path.join(ROLE, "templates", "agent.toml.j2"), f"agent-{i}.toml", **example)
+        cfg = from_dict(tomllib.loads(text))
+        for key, value in example["tensorlane_config_extra"].items():
+            assert getattr(cfg, key) == (tuple(value) if isinstance(value, list) else value), (key, text)
+    assert any("kernel_tcp_dscp" in e["tensorlane_config_extra"] for e in examples)
 
 
 RENDER_CASES = {
