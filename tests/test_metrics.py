@@ -154,7 +154,8 @@ def test_exposition_passes_promtool_lint_and_has_no_reserved_labels(kernel):
             "tensorlane_link_rate_bytes_per_second", "tensorlane_agent_connections_refused",
             "tensorlane_class_lent_packets", "tensorlane_class_borrowed_packets", "tensorlane_class_tokens_seconds",
             "tensorlane_class_ctokens_seconds", "tensorlane_class_guaranteed_rate_bytes_per_second",
-            "process_cpu_seconds", "process_resident_memory_bytes"} <= exported
+            "tensorlane_class_min_share_rate_bytes_per_second", "process_cpu_seconds",
+            "process_resident_memory_bytes"} <= exported
 
 
 def test_every_exported_name_is_declared_once_in_the_names_module(kernel):
@@ -331,6 +332,42 @@ def test_inversion_leaves_out_min_rates_raise():
     assert backend.guaranteed(3) == backend.guaranteed(None) == 2_500_000 and backend.least() == 500_000
     allowed = _beyond_min_share(backend, backend.leaves())
     assert allowed == {c.classid: 250_000.0 for c in backend.leaves()}  # 2 Mbit/s each beyond min_share's 0.5
+
+
+def test_the_min_share_rate_is_what_the_inversion_counter_includes_and_0_on_prio(kernel):
+    """``tensorlane_class_min_share_rate_bytes_per_second``: per class, the part of its guarantee the inversion counter
+    includes (``min_share``'s alone, ``min_rate``'s raise left out), which TensorlanePriorityInversion adds to its
+    threshold; 0 on the prio backend, which guarantees nothing. Until 2026-11-29 the alert's threshold was a fixed
+    8 %, and with ``min_share = 0.03`` four lower classes at their guarantees (12 %) fired it on a healthy host."""
+    from tensorlane.agent.kernel.qdisc import PrioBackend
+    from tensorlane.agent.metrics.contention import ContentionSource, _beyond_min_share, min_share_Bps
+
+    api = fake_api(min_share=0.03)
+    api.rec.backend = HtbBackend(4, RATE_BPS, min_share=0.03, min_rate=10_000_000)  # the raise: 10 of 6 Mbit/s
+    api.rec.devices = [Device("eth0", 7, api.rec.backend, "eth0")]
+    registry, _ = make_registry(api)
+    s = scrape(registry)
+    for cid in (L0, L1, L2, L3, DEFAULT):
+        rate = value(s, "tensorlane_class_min_share_rate_bytes_per_second", **{"class": f"7a1:{cid - 0x7A10000:x}"})
+        assert rate == 0.03 * RATE_BPS / 8 == 750_000
+        assert value(s, "tensorlane_class_guaranteed_rate_bytes_per_second",
+                     **{"class": f"7a1:{cid - 0x7A10000:x}"}) == 1_250_000  # min_rate's raise: not in the counter
+    # a lower class sending its whole guarantee for 1 s while level 0 waits: the counter grows by the gauge
+    backend, leaves = api.rec.backend, api.rec.backend.leaves()
+    src = ContentionSource(api)
+    stats = {c.classid: {"bytes": 0, "backlog_bytes": 9000 if c.classid == L0 else 0} for c in leaves}
+    src.observe(leaves, stats, "eth0", when=1.0, allowed_Bps=_beyond_min_share(backend, leaves))
+    stats[L3] = {"bytes": backend.guaranteed(3) // 8, "backlog_bytes": 0}
+    got = src.observe(leaves, stats, "eth0", when=2.0, allowed_Bps=_beyond_min_share(backend, leaves))
+    assert got[L3] == min_share_Bps(backend) == 750_000
+    prio = PrioBackend(4)
+    api.rec.backend = prio
+    api.rec.devices = [Device("eth0", 7, prio, "eth0")]
+    registry, _ = make_registry(api)
+    s = scrape(registry)
+    assert min_share_Bps(prio) == 0 and _beyond_min_share(prio, prio.leaves()) == {}
+    assert {lab: v for (n, lab), v in s.items() if n == "tensorlane_class_min_share_rate_bytes_per_second"} == \
+        {(("class", f"7a1:{i}"), ("device", "eth0")): 0.0 for i in range(1, 6)}
 
 
 def static_two_jobs(job_share, registered=("job-a", "job-b")):

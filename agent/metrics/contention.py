@@ -11,7 +11,11 @@
   a measurement: U's queue may have drained and refilled between the scrapes (counted although there was no
   inversion), or been backlogged only between them (missed). It gets sharper with shorter scrape intervals;
   several Prometheus servers scraping the same agent make the intervals shorter, not wrong. HTB's own
-  guarantee to each class (by design) is included.
+  guarantee to each class (by design) is included: ``min_share``'s own part of it, which the next series gives.
+- ``tensorlane_class_min_share_rate_bytes_per_second{device,class}``: that included part, in bytes/s: HTB's
+  guarantee from ``min_share`` alone (:meth:`HtbBackend.least`); 0 on the prio backend, which guarantees nothing and
+  subtracts nothing. TensorlanePriorityInversion's threshold adds the lower classes' sum of it (dashboards/rules.yml),
+  so the alert fires on inversion beyond what the configuration guarantees, whatever ``min_share`` is.
 - ``tensorlane_class_queue_delay_seconds{device,class}``: the queueing delay a packet entering C now would see
   if nothing more urgent arrived: (backlog of C and of every more urgent class) / link rate. Exact for the top
   class under strict priority (up to the packet on the wire and the lower classes' tiny guarantees); a lower
@@ -70,20 +74,32 @@ class ContentionSource(Source):
         device."""
         leaves = scrape.leaves()
         inversion = names.CLASS_INVERSION_BYTES.counter()
+        included = names.CLASS_MIN_SHARE_RATE.gauge()
         delay = names.CLASS_QUEUE_DELAY.gauge()
         for device in scrape.devices:
             dev, stats = device.name, scrape.classes(device.name)
             totals = self.observe(leaves, stats, dev, scrape.monotonic, _beyond_min_share(device.backend, leaves))
+            base = min_share_Bps(device.backend)
             for spec in leaves:
                 inversion.add_metric([dev, class_label(spec)], totals.get(spec.classid, 0))
+                included.add_metric([dev, class_label(spec)], base)
             rate = link_rate_bps(self.api, device)
             ahead = 0
             for spec in leaves if rate else ():  # most urgent first; none when the rate is unknown
                 ahead += stats.get(spec.classid, {}).get("backlog_bytes", 0)
                 delay.add_metric([dev, class_label(spec)], ahead * 8 / rate)
         yield inversion
+        yield included
         if delay.samples:
             yield delay
+
+
+def min_share_Bps(backend) -> float:
+    """The rate in bytes/s every leaf is guaranteed by ``min_share`` alone (:meth:`HtbBackend.least`): what
+    :func:`_beyond_min_share` leaves in the inversion counter. 0 for a backend with no guarantees (prio).
+    Usage: ``min_share_Bps(HtbBackend(4, 200_000_000, min_share=0.03)) == 750_000.0``"""
+    least = getattr(backend, "least", None)
+    return least() / 8 if least is not None else 0.0
 
 
 def _beyond_min_share(backend, leaves) -> dict[int, float]:

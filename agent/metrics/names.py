@@ -85,6 +85,11 @@ CLASS_INVERSION_BYTES = Name(
     "tensorlane_class_inversion_bytes",
     "Bytes the class sent between two scrapes at both of which a more urgent class had a backlog "
     "(priority inversion estimate, see docs/metrics.md)", DEVICE_CLASS)
+CLASS_MIN_SHARE_RATE = Name(
+    "tensorlane_class_min_share_rate_bytes_per_second",
+    "Rate the class is guaranteed by min_share alone (htb: min_share of the link, at least 8 kbit/s, or min_share 0's "
+    "tiny one; before min_rate's raise and a job's part; prio: 0, no guarantee): the part of the class's bytes "
+    "the inversion counter includes by design", DEVICE_CLASS)
 CLASS_QUEUE_DELAY = Name(
     "tensorlane_class_queue_delay_seconds",
     "Queueing delay a packet entering the class now would see: backlog of this and more urgent classes "
