@@ -131,7 +131,8 @@ def test_reports_fold_the_levels_the_agent_lacks_into_its_last(agent):
     try:
         link.add(0, flows(0))
         stats = [{"level": lvl, "allreduces": 1, "bytes": 10 * (lvl + 1), "comm_s": 0.5} for lvl in range(4)]
-        rep = Reporter(lambda: stats, agent.path, "job", start=False, agent_levels=lambda: link.agent_levels)
+        rep = Reporter(lambda: stats, agent.path, "job", start=False, agent_levels=lambda: link.agent_levels,
+                       timeout_s=10.0)  # (the default 0.25 s: a failure on a stalled CPU)
         assert rep.report(), rep.last_error
         sent = [r for r in agent.requests if r["op"] == "report"][-1]["levels"]
         assert sent == [{"level": 0, "allreduces": 1, "bytes": 10, "comm_s": 0.5},

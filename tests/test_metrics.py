@@ -736,7 +736,7 @@ def test_reporter_sends_counters_alone_to_an_agent_without_the_inputs(tmp_path):
     try:
         rep = Reporter(lambda: [{"level": 0, "allreduces": 1, "bytes": 1, "comm_s": 0.1}],
                        str(tmp_path / "agent.sock"), "job-a", start=False, step_bytes=lambda: 64,
-                       compute_s=lambda: 0.5)
+                       compute_s=lambda: 0.5, timeout_s=10.0)  # (the default 0.25 s: a failure on a stalled CPU)
         assert rep.report() and rep.counters_only and "compute_s" in sent[0] and "compute_s" not in sent[1]
         assert rep.report() and len(sent) == 3 and "step_bytes" not in sent[2]
     finally:
@@ -751,8 +751,8 @@ def test_reporter_stops_asking_an_agent_without_the_report_op(tmp_path):
     server = ApiOverSocket(str(tmp_path / "agent.sock"), OldApi())
     try:
         rep = Reporter(lambda: [{"level": 0, "allreduces": 1, "bytes": 1, "comm_s": 0.1}],
-                       str(tmp_path / "agent.sock"), "job-a", start=False)
-        assert rep.report() is False and rep.unsupported
+                       str(tmp_path / "agent.sock"), "job-a", start=False, timeout_s=10.0)  # (not the 0.25 s default)
+        assert rep.report() is False and rep.unsupported, rep.last_error
         assert rep.report() is False and rep.counters["refusals"] == 1
     finally:
         server.close()
