@@ -1589,10 +1589,13 @@ def test_a_jobs_ranks_attaching_on_a_loaded_host_are_not_held_past_the_shims_tim
     time at p50, 42 ms at p90. Charged by wall time (until 2026-11-28), the 8 ranks of one job attaching at once
     (``hello`` and ``status`` each, the shim's AgentLink) took 8 x 56-86 tokens of the user's 200, and the last ranks
     were held past the shim's 0.5 s timeout: "training continues without network priority". Here a `status` is 6 ms
-    of CPU and 24 ms of waiting (a sleep stands for the wait)."""
+    of CPU and 24 ms of waiting (a sleep stands for the wait): no rank is held back (``user_rate_limited``: charged
+    by wall time, 8 x about 62 tokens of 200 held some). The clients wait up to 10 s, not the shim's 0.5 s: what
+    is checked is the charge, which the machine's load does not change (with 0.5 s, the test's own server thread
+    starved at idle priority beside make test's namespace tests timed ranks out, 2026-11-29)."""
     from tensorlane.client import AgentClient, AgentError, AgentUnavailable
 
-    server, _ = served()  # (requests_per_user_per_s: the default, 200)
+    server, registry = served()  # (requests_per_user_per_s: the default, 200)
     handle = server.api.handle
 
     def loaded(line, peer):
@@ -1609,7 +1612,7 @@ def test_a_jobs_ranks_attaching_on_a_loaded_host_are_not_held_past_the_shims_tim
 
     def rank():
         try:
-            with AgentClient(server.path, timeout=0.5) as agent:  # (the shim's AgentLink timeout)
+            with AgentClient(server.path, timeout=10.0) as agent:
                 agent.request("hello")
                 agent.request("status")
         except (AgentUnavailable, AgentError) as exc:
@@ -1619,8 +1622,10 @@ def test_a_jobs_ranks_attaching_on_a_loaded_host_are_not_held_past_the_shims_tim
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=10)
+        t.join(timeout=30)
     assert not failures, failures
+    held = value(scrape(registry), "tensorlane_agent_connections_refused_total", reason="user_rate_limited")
+    assert not held, held
 
 
 def test_a_request_is_charged_its_cpu_time_not_the_time_it_slept(kernel, served):
