@@ -1239,12 +1239,12 @@ def test_server_caps_a_user_holds_its_excess_requests_and_closes_idle_connection
         reader = socks[0].makefile("rb")
         codes = [json.loads(reader.readline()).get("error", {}).get("code", "ok") for _ in range(150)]
         took = time.monotonic() - t0
-        assert codes == ["ok"] * 150 and 1.7 < took < 3.5, took
+        assert codes == ["ok"] * 150 and 1.7 < took < 10, took  # (2.1 s at the rate; the bound above: a stalled CPU)
         # idle: the other four went quiet at the start; socks[0] after its last reply
         t0 = time.monotonic()
         notice = json.loads(reader.readline())
         assert notice["error"]["code"] == "idle_timeout" and reader.readline() == b""
-        assert 0.8 < time.monotonic() - t0 < 1.5
+        assert 0.8 < time.monotonic() - t0 < 4.5  # (1 s; never closed: the socket's 5 s timeout raises)
         s = scrape(registry)
         assert value(s, "tensorlane_agent_connections_refused_total", reason="user_limit") == 3
         assert value(s, "tensorlane_agent_connections_refused_total", reason="idle_closed") == 5
