@@ -639,7 +639,12 @@ def test_run_directory_removed_then_sigkill_the_next_agent_starts_and_restores(f
         with running_agents(fz, hosts=[1], backend="htb", workdir=str(tmp_path), config_extra=FAST) as agents:
             agent = agents[1]
             run_dir = os.path.dirname(agent.socket)
-            subprocess.run(["rm", "-rf", run_dir], check=True)
+            for _ in range(20):  # (the agent may write a file into it while rm empties it: rmdir then fails)
+                if subprocess.run(["rm", "-rf", run_dir], stderr=subprocess.DEVNULL).returncode == 0:
+                    break
+                time.sleep(0.05)
+            else:
+                pytest.fail(f"rm -rf {run_dir} failed 20 times")
             wait_for("state file again", lambda: os.path.exists(f"{run_dir}/agent-eth0.json"))
             wait_for("socket again", lambda: os.path.exists(agent.socket))
             wait_for("lock file again", lambda: os.path.exists(f"{run_dir}/agent.lock"))
