@@ -347,7 +347,7 @@ def test_lightning_comm_hook_refuses_a_strategy_without_ddp():
 
 
 # variant -> the global step both runs must end at (2 ranks, 6 batches of 8 per rank and epoch)
-LIGHTNING_LOOPS = {"accum": 4, "bf16": 6, "manual": 12, "resume": 10, "limit": 12}
+LIGHTNING_LOOPS = {"accum": 4, "bf16": 6, "manual": 12, "resume": 10, "limit": 12, "plateau": 24, "manual2": 18}
 
 
 @pytest.mark.torch
@@ -355,8 +355,11 @@ def test_lightning_loops(tmp_path):
     """Lightning (hook mode, ``comm_state(module=model)`` + ``CommHook``) under torchrun: ``accumulate_grad_batches=4``
     with value clipping (short last groups), ``precision="bf16-mixed"`` with norm clipping, manual optimization
     (``manual_backward``, ``clip_gradients``), ``fit(ckpt_path=...)`` from a mid-epoch checkpoint in a fresh Trainer
-    and state, ``limit_train_batches`` over 3 epochs: each equal to the run without the shim bit for bit (parameters,
-    per-step losses, optimizer state). ``Tuner.scale_batch_size`` is refused by Lightning under DDP, shim or not."""
+    and state, ``limit_train_batches`` over 3 epochs, a validation loop every second epoch feeding a
+    ``ReduceLROnPlateau`` beside a step scheduler, manual optimization with two optimizers and schedulers under
+    ``find_unused_parameters=True, static_graph=True``: each equal to the run without the shim bit for bit
+    (parameters, per-step losses, optimizer state, learning rates, validation losses and logged metrics).
+    ``Tuner.scale_batch_size`` is refused by Lightning under DDP, shim or not."""
     variants = ",".join([*LIGHTNING_LOOPS, "scale_batch_size"])
     run_torchrun("lightning_loops_worker.py", tmp_path, ["--variants", variants])
     for rank in (0, 1):
@@ -369,11 +372,16 @@ def test_lightning_loops(tmp_path):
             got, rec = load(tmp_path, f"shim-{variant}", rank)
             assert plain_rec["world_size"] == 2 and plain_rec["global_step"] == rec["global_step"] == steps, rec
             assert rel_diff(got, plain) == 0.0, variant  # bit for bit
-            for key in ("losses", "optimizer", "precision"):
+            for key in ("losses", "optimizer", "precision", "lrs", "val_losses", "metrics"):
                 assert rec[key] == plain_rec[key], (variant, key)
             assert rec["mode"] == "hook" and min(rec["allreduces"]) >= 1, rec
             if variant == "bf16":
                 assert rec["precision"] == "bf16-mixed", rec
+            if variant == "plateau":  # validated at epochs 2 and 4 (+ the sanity check); the plateau rate cut once
+                assert len(plain_rec["val_losses"]) == 6 and "val_loss" in plain_rec["metrics"], plain_rec
+                assert plain_rec["lrs"][-1][0] < 0.05 * 0.7 ** 12 * 0.9, plain_rec["lrs"]
+            if variant == "manual2":  # both schedulers moved the rates; the second optimizer moved the unused layer
+                assert plain_rec["lrs"][-1][0] < 0.05 and plain_rec["lrs"][-1][1] < 2e-3, plain_rec["lrs"]
             if variant == "resume":  # 4 steps before the checkpoint through the first state, 6 after through the second
                 assert rec["first_allreduces"] == [4, 4, 4] and rec["allreduces"] == [6, 6, 6], rec
         assert rel_diff(load(tmp_path, f"shim-{variant}", 1)[0], load(tmp_path, f"shim-{variant}", 0)[0]) == 0.0

@@ -10,6 +10,14 @@ processes on one host, gloo over loopback, no agent), each variant trained once 
 - ``resume``: ``max_steps=4`` (mid-epoch), ``trainer.save_checkpoint``, then a fresh model, ``comm_state`` and
   ``Trainer`` resuming with ``fit(ckpt_path=...)`` to 2 epochs;
 - ``limit``: ``limit_train_batches=4`` with ``max_epochs=3`` (a shuffled loader: a new order every epoch);
+- ``plateau``: a validation loop every second epoch (``check_val_every_n_epoch=2``, 4 epochs, ``val_loss`` logged with
+  ``sync_dist``) and two schedulers on one optimizer: a step ``StepLR`` and a ``ReduceLROnPlateau`` monitoring
+  ``val_loss`` (``"strict": False``: no ``val_loss`` in the epochs without validation); the validation losses and the
+  learning rates at each epoch's end recorded;
+- ``manual2``: manual optimization with two optimizers (SGD on the convolutions, AdamW on the head and on a layer
+  the forward never uses, stepped every second batch) and their schedulers (``StepLR``; ``ReduceLROnPlateau`` stepped
+  by hand on the ranks' mean loss), value clipping on the first, under
+  ``DDPStrategy(find_unused_parameters=True, static_graph=True)``;
 - ``scale_batch_size``: ``Tuner(trainer).scale_batch_size(model)``: refused by Lightning itself under DDP, with or
   without the shim (the error recorded), before anything trains.
 
@@ -46,7 +54,10 @@ class Net(L.LightningModule):
         self.loss = nn.CrossEntropyLoss()
         self.losses: list[float] = []
         self.batch_size = 8
-        if variant == "manual":
+        self.lrs: list = []
+        if variant == "manual2":
+            self.unused = nn.Linear(4, 4)  # never used by the forward: find_unused_parameters=True
+        if variant in ("manual", "manual2"):
             self.automatic_optimization = False
 
     def training_step(self, batch, _idx):
@@ -55,6 +66,19 @@ class Net(L.LightningModule):
         self.losses.append(float(loss.detach()))
         if self.automatic_optimization:
             return loss
+        if self.variant == "manual2":
+            (opt_a, opt_b), (sched_a, sched_b) = self.optimizers(), self.lr_schedulers()
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            self.manual_backward(loss)
+            self.clip_gradients(opt_a, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+            opt_a.step()
+            if _idx % 2 == 1:
+                opt_b.step()
+            sched_a.step()
+            sched_b.step(self.all_gather(loss.detach()).mean())
+            self.lrs.append([opt_a.param_groups[0]["lr"], opt_b.param_groups[0]["lr"]])
+            return None
         opt, sched = self.optimizers(), self.lr_schedulers()
         opt.zero_grad()
         self.manual_backward(loss)
@@ -67,13 +91,42 @@ class Net(L.LightningModule):
         return torch.utils.data.DataLoader(common.dataset(), batch_size=self.batch_size, shuffle=True,
                                            generator=torch.Generator().manual_seed(7))
 
+    def on_train_epoch_end(self):
+        self.lrs.append([o.param_groups[0]["lr"] for o in self.trainer.optimizers])
+
     def configure_optimizers(self):
+        if self.variant == "manual2":
+            opt_a = torch.optim.SGD(self.net[:4].parameters(), lr=0.05, momentum=0.9)
+            opt_b = torch.optim.AdamW([*self.net[4:].parameters(), *self.unused.parameters()], lr=2e-3)
+            return [opt_a, opt_b], [torch.optim.lr_scheduler.StepLR(opt_a, 2, 0.7),
+                                    torch.optim.lr_scheduler.ReduceLROnPlateau(opt_b, patience=0, factor=0.5)]
         if self.variant == "bf16":
             opt = torch.optim.AdamW(self.parameters(), lr=2e-3, weight_decay=0.01)
         else:
             opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+        if self.variant == "plateau":
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+            return [opt], [{"scheduler": sched, "interval": "step"},
+                           {"scheduler": plateau, "monitor": "val_loss", "interval": "epoch", "strict": False}]
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class NetVal(Net):
+    """``Net`` with a validation loop (``plateau``)."""
+
+    def __init__(self, variant: str):
+        super().__init__(variant)
+        self.val_losses: list[float] = []
+
+    def validation_step(self, batch, _idx):
+        x, y = batch
+        loss = self.loss(self.net(x), y)
+        self.log("val_loss", loss, sync_dist=True)
+        self.val_losses.append(float(loss))
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(common.dataset(32), batch_size=8)
 
 
 TRAINER_ARGS = {  # variant -> the Trainer's arguments beyond the common ones
@@ -82,6 +135,8 @@ TRAINER_ARGS = {  # variant -> the Trainer's arguments beyond the common ones
     "manual": dict(max_epochs=2),
     "resume": dict(max_epochs=2),
     "limit": dict(max_epochs=3, limit_train_batches=4),
+    "plateau": dict(max_epochs=4, check_val_every_n_epoch=2),
+    "manual2": dict(max_epochs=2),
     "scale_batch_size": dict(max_epochs=1),
 }
 
@@ -89,12 +144,14 @@ TRAINER_ARGS = {  # variant -> the Trainer's arguments beyond the common ones
 def make_trainer(variant: str, model: Net, with_shim: bool, root: str, **extra):
     """A Trainer for ``variant`` and, with the shim, its state (``comm_state(module=model)`` + ``CommHook``)."""
     state, callbacks = None, []
+    ddp = dict(find_unused_parameters=True, static_graph=True) if variant == "manual2" else {}
     if with_shim:
         state = shim.comm_state(3, module=model, policy="layer_order")
-        strategy = DDPStrategy(process_group_backend="gloo", ddp_comm_state=state, ddp_comm_hook=shim.priority_hook)
+        strategy = DDPStrategy(process_group_backend="gloo", ddp_comm_state=state, ddp_comm_hook=shim.priority_hook,
+                               **ddp)
         callbacks.append(shim_lightning.CommHook(state))
     else:
-        strategy = DDPStrategy(process_group_backend="gloo")
+        strategy = DDPStrategy(process_group_backend="gloo", **ddp)
     kwargs = dict(TRAINER_ARGS[variant], **extra)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, deterministic=True,
@@ -103,14 +160,14 @@ def make_trainer(variant: str, model: Net, with_shim: bool, root: str, **extra):
 
 
 def optimizer_sums(trainer) -> list[float]:
-    """Each optimizer state tensor's sum, in order (momentum buffers, Adam moments)."""
-    opt = trainer.optimizers[0]
-    return [float(v.double().sum()) for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    """Each optimizer state tensor's sum, in order (momentum buffers, Adam moments), optimizer after optimizer."""
+    return [float(v.double().sum()) for opt in trainer.optimizers for st in opt.state.values() for v in st.values()
+            if torch.is_tensor(v)]
 
 
 def train(variant: str, with_shim: bool, root: str) -> tuple[dict, dict]:
     torch.manual_seed(99)
-    model = Net(variant)
+    model = (NetVal if variant == "plateau" else Net)(variant)
     record: dict = {"variant": variant, "shim": with_shim}
     os.makedirs(root, exist_ok=True)
     if variant == "scale_batch_size":
@@ -142,12 +199,17 @@ def train(variant: str, with_shim: bool, root: str) -> tuple[dict, dict]:
         trainer.fit(model)
     losses += model.losses
     record.update(global_step=trainer.global_step, world_size=trainer.world_size, losses=losses,
-                  optimizer=optimizer_sums(trainer), precision=str(trainer.precision))
+                  optimizer=optimizer_sums(trainer), precision=str(trainer.precision), lrs=model.lrs,
+                  val_losses=getattr(model, "val_losses", []),
+                  metrics={k: float(v) for k, v in sorted(trainer.callback_metrics.items())})
     if state is not None:
         stats = state.stats()
         record.update(mode=stats["mode"], allreduces=[lv["allreduces"] for lv in stats["levels"]])
         state.close()
-    return common.params_of(model.net), record
+    params = common.params_of(model.net)
+    if variant == "manual2":  # the layer the forward never uses (AdamW's weight decay moves it)
+        params.update({f"unused.{k}": v for k, v in common.params_of(model.unused).items()})
+    return params, record
 
 
 def main() -> int:
