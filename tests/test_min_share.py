@@ -6,6 +6,7 @@ A UDP flood at level 0 and a real iperf3 TCP stream at level 2 on a namespace te
 from __future__ import annotations
 
 import json
+import pwd
 import subprocess
 import sys
 import time
@@ -302,7 +303,9 @@ def test_one_users_many_jobs_leave_another_users_job_its_part(tb):
     had a level of its own and bin's was level 3, with 0.3). The order is the same either way: only the levels and
     the classes' guarantees differ. Link rate as above. ``job_hold_s = 0.5``: a1 alone on the top level sends all it
     offers, so its class holds a queue only now and then, and one sample taken when it held none took a1 out of
-    ``sending`` just as the test looked (make test, 2026-11-29); held, the parts stay those of all four jobs."""
+    ``sending`` just as the test looked (make test, 2026-11-29); held, the parts stay those of all four jobs. The floods
+    run as nobody, whose flows they are: since 2026-11-29 a flow a user registers unchecked (``check_ownership =
+    false``) gives only that user's sockets' datagrams its level, and root's floods went to the default class."""
     h1, h2 = tb.host(1), tb.host(2)
     rate = int(0.95 * tb.rate_bps)
     a_jobs = ("a1", "a2", "a3")
@@ -317,8 +320,11 @@ def test_one_users_many_jobs_leave_another_users_job_its_part(tb):
         register_as("bin", agent.socket, {"b": {"proto": "tcp", "src": h1.ip, "sport": 43139, "dst": h2.ip,
                                                 "dport": 5303}})
         server = h2.popen(["iperf3", "-s", "-1", "-p", "5303"], stdout=subprocess.DEVNULL)
-        floods = [h1.popen(PY + ["testbed.udpprobe", "send", "--dst", h2.ip, "--port", str(43230 + i), "--sport",
-                                 str(43130 + i), "--pps", str(int(45e6 / 8 / 1000)), "--seconds", str(seconds + 2)],
+        nobody = pwd.getpwnam("nobody")  # (nobody's flows: its sockets' datagrams alone get their levels)
+        as_nobody = ["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups"]
+        floods = [h1.popen(as_nobody + PY + ["testbed.udpprobe", "send", "--dst", h2.ip, "--port", str(43230 + i),
+                                             "--sport", str(43130 + i), "--pps", str(int(45e6 / 8 / 1000)),
+                                             "--seconds", str(seconds + 2)],
                            stdout=subprocess.DEVNULL) for i in range(len(a_jobs))]
         try:
             time.sleep(1.0)  # the floods fill their queues first
