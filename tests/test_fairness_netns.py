@@ -224,9 +224,9 @@ def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def p99(xs: list[float]) -> float:
+def quantile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[max(0, math.ceil(0.99 * len(xs)) - 1)]
+    return xs[max(0, math.ceil(q * len(xs)) - 1)]
 
 
 def refusals(host) -> dict[str, float]:
@@ -312,8 +312,9 @@ def both_churn(start, agent) -> dict:
 def latency_figures(lat: dict, quiet: dict) -> dict:
     """Register/unregister latency of each churning user, with the flood and without it (``_without_flood``)."""
     return {f"{who}{tag}": {"n": len(r["register"]), "register_p50_ms": round(median(r["register"]) * 1e3, 3),
-                            "register_p99_ms": round(p99(r["register"]) * 1e3, 3),
-                            "unregister_p99_ms": round(p99(r["unregister"]) * 1e3, 3)}
+                            "register_p95_ms": round(quantile(r["register"], 0.95) * 1e3, 3),
+                            "register_p99_ms": round(quantile(r["register"], 0.99) * 1e3, 3),
+                            "unregister_p99_ms": round(quantile(r["unregister"], 0.99) * 1e3, 3)}
             for tag, runs in (("", lat), ("_without_flood", quiet)) for who, r in runs.items()}
 
 
@@ -361,8 +362,14 @@ def test_a_user_at_its_limits_does_not_slow_root_or_other_users(agent):
     print("\nfairness figures:", json.dumps(figures))
     for who in ("root", "daemon"):
         # Under 10 ms, or, on a machine too loaded for that even without the flood (a CI run: 31-39 ms without
-        # it), no more than twice the same loop's p99 without the flood, measured side by side.
-        bound_ms = max(10.0, 2 * figures[f"{who}_without_flood"]["register_p99_ms"])
+        # it), no more than twice the same loop's p95 without the flood, measured side by side; the p99 (two or
+        # three of some 220 registers: one stall of the machine's) within four times it, or under 20 ms. Judged
+        # on the p99 alone, twice it failed beside make test's unit tests (22.9 ms against 2 x 8.2, 2026-11-29);
+        # a flood that held the loop would put both at tens to hundreds of ms.
+        quiet_ms = figures[f"{who}_without_flood"]
+        bound_ms = max(10.0, 2 * quiet_ms["register_p95_ms"])
+        assert figures[who]["register_p95_ms"] < bound_ms, (who, bound_ms, figures)
+        bound_ms = max(20.0, 4 * quiet_ms["register_p99_ms"])
         assert figures[who]["register_p99_ms"] < bound_ms, (who, bound_ms, figures)
     assert idle["still_open"] == 0 and len(closed) == PER_USER, idle
     assert min(closed) >= IDLE_S - 0.05 and max(closed) <= IDLE_S + 0.5, figures["idle_close_s"]
