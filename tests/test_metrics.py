@@ -1274,7 +1274,7 @@ def test_a_users_large_requests_take_its_bucket_by_their_size(kernel, served):
         reader = s.makefile("rb")
         codes = [json.loads(reader.readline()).get("error", {}).get("code", "ok") for _ in range(10)]
         took = time.monotonic() - t0
-        assert codes == ["ok"] * 10 and 3.0 < took < 8.0, (codes, took)
+        assert codes == ["ok"] * 10 and 3.0 < took < 30, (codes, took)  # (the upper bound: a stalled CPU's room)
         sender.join(timeout=5)
     finally:
         s.close()
@@ -1536,7 +1536,7 @@ def test_a_register_without_fds_takes_a_token_per_16_open_files_read(kernel, ser
         s.sendall(line)  # waits for the tokens the first one's 1,600 files took (100) beyond the bucket's 50
         assert json.loads(reader.readline())["ok"]
         took = time.monotonic() - t0
-        assert (1600 // FILES_PER_TOKEN - 50) / 50 - 0.2 < took < 6.0, took  # (before: at once)
+        assert (1600 // FILES_PER_TOKEN - 50) / 50 - 0.2 < took < 30, took  # (before: at once)
     finally:
         for fd in extra:
             os.close(fd)
@@ -1544,10 +1544,11 @@ def test_a_register_without_fds_takes_a_token_per_16_open_files_read(kernel, ser
             sock.close()
 
 
-def ten_hellos_each_after(served, work) -> float:
+def ten_hellos_each_after(served, work) -> tuple[float, float]:
     """Seconds an agent granting 50 requests a second to a user takes to answer 10 hellos sent at once on one
-    connection, its loop running ``work()`` before each answer."""
-    server, _ = served(requests_per_user_per_s=50)
+    connection, its loop running ``work()`` before each answer, and how many times it held the user's requests back
+    (``user_rate_limited``)."""
+    server, registry = served(requests_per_user_per_s=50)
     handle = server.api.handle
 
     def after_work(line, peer):
@@ -1562,7 +1563,8 @@ def ten_hellos_each_after(served, work) -> float:
         s.sendall(b'{"op":"hello"}\n' * 10)
         reader = s.makefile("rb")
         assert all(json.loads(reader.readline())["ok"] for _ in range(10))
-        return time.monotonic() - t0
+        took = time.monotonic() - t0
+        return took, value(scrape(registry), "tensorlane_agent_connections_refused_total", reason="user_rate_limited")
     finally:
         s.close()
 
@@ -1578,8 +1580,8 @@ def test_a_request_takes_a_token_per_half_millisecond_of_the_agents_work(kernel,
         while time.thread_time() - t0 < 0.010:  # the agent's CPU (a sleep costs nothing: the test below)
             pass
 
-    took = ten_hellos_each_after(served, busy)
-    assert 1.5 < took < 8.0, took  # 10 x (1 + 20) tokens beyond the bucket's 50, at 50 a second: about 3.2 s
+    took, held = ten_hellos_each_after(served, busy)
+    assert held and 1.5 < took < 30, (took, held)  # 10 x (1 + 20) tokens beyond the bucket's 50, at 50/s: ~3.2 s
 
 
 def test_a_jobs_ranks_attaching_on_a_loaded_host_are_not_held_past_the_shims_timeout(kernel, served):
@@ -1631,8 +1633,8 @@ def test_a_jobs_ranks_attaching_on_a_loaded_host_are_not_held_past_the_shims_tim
 def test_a_request_is_charged_its_cpu_time_not_the_time_it_slept(kernel, served):
     """A request whose answer took 10 ms of the agent's CPU is charged 20 tokens more (``WORK_PER_TOKEN_S``); one
     that spent 10 ms waiting (the loop without a core) none: 10 of them at 50 a second are answered at once."""
-    took = ten_hellos_each_after(served, lambda: time.sleep(0.010))
-    assert took < 1.0, took
+    took, held = ten_hellos_each_after(served, lambda: time.sleep(0.010))
+    assert not held and took < 10, (took, held)  # (about 0.1 s: the bound is for a stalled CPU; held: the charge)
 
 
 def test_a_hand_overs_flows_taken_back_are_counted_by_outcome_not_as_requests(kernel, tmp_path):
