@@ -210,21 +210,13 @@ class FlowJournal:
         starts = self.starts
         for pid in [p for p in starts if p not in owners]:
             del starts[pid]  # (an owner without flows: its pid may be another process's by the next one)
-        head = json.dumps({"format": FLOWS_FORMAT, "boot_id": boot_id(), "netns": netns_id(), "agent_pid": os.getpid(),
-                           "agent_start": process_start(os.getpid()), "written_at": written_at})
-        yield head[:-1] + ', "flows": ['
+        yield json.dumps(_doc_head(written_at))[:-1] + ', "flows": ['
         old_entry, old_text, chunk, sep = self.entries, self.texts, [], ""
         entry: dict[FlowKey, FlowEntry] = {}
         texts: dict[FlowKey, str] = {}
-        for key, e in flows.items():  # (no new object a flow whose JSON is kept: a copy of the table or new tuples
-            if key in draining:       # each write made the collector's full passes come sooner, 60 ms at 10,000)
-                continue
-            pid = e.pid
-            if pid is not None and pid not in starts:
-                starts[pid] = process_start(pid)
-            start = starts.get(pid)
-            if pid is not None and start is None:
-                continue  # (its owner is gone already: the sweep would drop it)
+        # (no new object a flow whose JSON is kept: a copy of the table or new tuples each write made the
+        # collector's full passes come sooner, 60 ms at 10,000)
+        for key, e, start in _kept_flows(flows, draining, starts):
             text = old_text[key] if old_entry.get(key) is e else json.dumps(flow_record(key, e, start))
             entry[key], texts[key] = e, text
             chunk.append(text)
@@ -299,18 +291,30 @@ def flows_doc(table: FlowTable, reported: dict | None = None, starts: dict[int, 
     owner is gone already: the sweep would drop them) and the jobs' ``reported`` inputs. ``starts`` caches each
     owner's start time (:func:`process_start`) from one document to the next (the journal's)."""
     starts = {} if starts is None else starts
-    flows = []
-    for key, e in table.flows.items():
-        if key in table.draining:
-            continue
-        if e.pid is not None and e.pid not in starts:
-            starts[e.pid] = process_start(e.pid)
-        if e.pid is not None and starts[e.pid] is None:
-            continue  # (its owner is gone already: the sweep would drop it)
-        flows.append(flow_record(key, e, starts.get(e.pid)))
+    flows = [flow_record(key, e, start) for key, e, start in _kept_flows(table.flows, table.draining, starts)]
+    return {**_doc_head(time.time()), "flows": flows, "reported": reported or {}}
+
+
+def _doc_head(written_at: float) -> dict:
+    """The flow table file's fields before its flows: the format, this boot, namespace and agent, the time."""
     return {"format": FLOWS_FORMAT, "boot_id": boot_id(), "netns": netns_id(), "agent_pid": os.getpid(),
-            "agent_start": process_start(os.getpid()), "written_at": time.time(), "flows": flows,
-            "reported": reported or {}}
+            "agent_start": process_start(os.getpid()), "written_at": written_at}
+
+
+def _kept_flows(flows: dict, draining, starts: dict[int, int | None]):
+    """``(key, entry, its owner's start time)`` of the flows a flow table file holds: not those draining (their
+    owners let go), nor those whose owner is gone already (the sweep would drop them). ``starts`` caches each
+    owner's start time (:func:`process_start`)."""
+    for key, e in flows.items():
+        if key in draining:
+            continue
+        pid = e.pid
+        if pid is not None and pid not in starts:
+            starts[pid] = process_start(pid)
+        start = starts.get(pid)
+        if pid is not None and start is None:
+            continue
+        yield key, e, start
 
 
 def flow_record(key: FlowKey, e: FlowEntry, start: int | None) -> dict:
