@@ -35,18 +35,28 @@ def user_name(uid: int) -> str:
     """The name of ``uid`` (its number when it has none), remembered for ``NAME_TTL_S``: every connection asks it
     (access, limits, log lines), and the passwd lookup was a quarter of the agent's work while one user connected
     and closed in a loop, refused ``user_limit`` 25,000 times a second."""
+    return _remembered(_names, uid, _look_up_name)
+
+
+def _look_up_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _remembered(cache: dict, uid: int, look_up):
+    """``look_up(uid)``, remembered in ``cache`` for ``NAME_TTL_S`` (bounded: cleared at 4096 uids, which are many
+    only on odd hosts)."""
     now = time.monotonic()
-    hit = _names.get(uid)
+    hit = cache.get(uid)
     if hit is not None and now - hit[1] < NAME_TTL_S:
         return hit[0]
-    try:
-        name = pwd.getpwuid(uid).pw_name
-    except KeyError:
-        name = str(uid)
-    if len(_names) >= 4096:  # bounded: uids are many only on odd hosts
-        _names.clear()
-    _names[uid] = (name, now)
-    return name
+    value = look_up(uid)
+    if len(cache) >= 4096:
+        cache.clear()
+    cache[uid] = (value, now)
+    return value
 
 
 _account_groups: dict[int, tuple[frozenset[str], float]] = {}  # uid -> (its groups' names, when looked up)
@@ -55,19 +65,16 @@ _account_groups: dict[int, tuple[frozenset[str], float]] = {}  # uid -> (its gro
 def account_groups(uid: int) -> frozenset[str]:
     """The names of the groups user ``uid`` is in by the account database (its passwd entry's group and the group
     file's members; none for a uid without an entry), remembered for ``NAME_TTL_S`` as ``user_name``'s."""
-    now = time.monotonic()
-    hit = _account_groups.get(uid)
-    if hit is not None and now - hit[1] < NAME_TTL_S:
-        return hit[0]
+    return _remembered(_account_groups, uid, _look_up_groups)
+
+
+def _look_up_groups(uid: int) -> frozenset[str]:
     try:
         entry = pwd.getpwuid(uid)
         gids = os.getgrouplist(entry.pw_name, entry.pw_gid)
     except (KeyError, OSError):
         gids = []
-    if len(_account_groups) >= 4096:  # bounded, as _names
-        _account_groups.clear()
-    _account_groups[uid] = (frozenset(group_names(gids)), now)
-    return _account_groups[uid][0]
+    return frozenset(group_names(gids))
 
 
 def group_names(gids) -> set[str]:
