@@ -50,7 +50,7 @@ def agent_flows(socket: str | None, job: str | None, errors: list | None = None)
         return []
     try:
         with AgentClient(socket, timeout=1.0) as c:
-            return list(c.list(job=job)["flows"] if job is not None else c.list()["flows"])
+            return list(c.list(job=job)["flows"])  # (None: every job's)
     except OSError as exc:
         if errors is not None:
             errors.append(f"{time.time():.3f} {type(exc).__name__}: {exc}")
