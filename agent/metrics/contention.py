@@ -109,6 +109,6 @@ def _beyond_min_share(backend, leaves) -> dict[int, float]:
     guaranteed = getattr(backend, "guaranteed", None)
     if guaranteed is None:  # a backend with no guarantees (prio)
         return {}
-    base = backend.least()
-    beyond = {s.classid: guaranteed(s.level) - base for s in leaves}
-    return {classid: bps / 8 for classid, bps in beyond.items() if bps > 0}
+    base = min_share_Bps(backend)
+    beyond = {s.classid: guaranteed(s.level) / 8 - base for s in leaves}
+    return {classid: Bps for classid, Bps in beyond.items() if Bps > 0}
