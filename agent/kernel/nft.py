@@ -154,6 +154,17 @@ def _level_rules(level: int, priority: int, dscp: int, ack: tuple[int, int] | No
     return rules
 
 
+def _leaving(ifnames: list[str]) -> dict:
+    """The match of a packet leaving through one of ``ifnames``."""
+    return {"match": {"op": "==", "left": {"meta": {"key": "oifname"}},
+                      "right": ifnames[0] if len(ifnames) == 1 else {"set": list(ifnames)}}}
+
+
+def _of_family(family: int) -> dict:
+    """The match of an IPv4 (``family`` 4) or IPv6 packet."""
+    return {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": "ipv4" if family == 4 else "ipv6"}}
+
+
 def _lookup_rule(ifnames: list[str], family: int, by_user: bool = False) -> dict:
     """The egress rule that looks a packet up in ``flows{family}`` by its 5-tuple, or with ``by_user`` a UDP
     packet in ``uflows{family}`` by its socket's user and 4-tuple (``meta skuid``: a packet without a socket of
@@ -168,9 +179,8 @@ def _lookup_rule(ifnames: list[str], family: int, by_user: bool = False) -> dict
                           {"payload": {"protocol": "th", "field": "dport"}}]}
     udp = [{"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "udp"}}] if by_user else []
     return {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": "egress", "expr": [
-        {"match": {"op": "==", "left": {"meta": {"key": "oifname"}},
-                   "right": ifnames[0] if len(ifnames) == 1 else {"set": list(ifnames)}}},
-        {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": "ipv4" if family == 4 else "ipv6"}},
+        _leaving(ifnames),
+        _of_family(family),
         *udp,
         {"vmap": {"key": key, "data": f"@{map_name(family, 0 if by_user else None)}"}},
     ]}}}
@@ -184,9 +194,8 @@ def _users_dscp_rule(ifnames: list[str], family: int) -> dict:
     the switch's queue of the most urgent level or above, past ``level_limits`` and the agent alike."""
     proto = "ip" if family == 4 else "ip6"
     return {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": "egress", "expr": [
-        {"match": {"op": "==", "left": {"meta": {"key": "oifname"}},
-                   "right": ifnames[0] if len(ifnames) == 1 else {"set": list(ifnames)}}},
-        {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": "ipv4" if family == 4 else "ipv6"}},
+        _leaving(ifnames),
+        _of_family(family),
         {"match": {"op": "!=", "left": {"meta": {"key": "skuid"}}, "right": 0}},
         {"match": {"op": "!=", "left": {"payload": {"protocol": proto, "field": "dscp"}}, "right": 0}},
         {"counter": None},
@@ -198,8 +207,7 @@ def _roots_accept_rule(ifnames: list[str]) -> dict:
     """Root's packets (a local socket of root's: ``meta skuid 0``) keep their DSCP: the rule after it is not
     theirs (:func:`_users_dscp_rule`)."""
     return {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": "egress", "expr": [
-        {"match": {"op": "==", "left": {"meta": {"key": "oifname"}},
-                   "right": ifnames[0] if len(ifnames) == 1 else {"set": list(ifnames)}}},
+        _leaving(ifnames),
         {"match": {"op": "==", "left": {"meta": {"key": "skuid"}}, "right": 0}},
         {"accept": None},
     ]}}}
@@ -227,9 +235,8 @@ def _sockless_tcp_rules(ifnames: list[str], family: int, kept: tuple[int, ...] =
     dscp = {"payload": {"protocol": proto, "field": "dscp"}}
     keep = sorted({0, *kept})
     match = [
-        {"match": {"op": "==", "left": {"meta": {"key": "oifname"}},
-                   "right": ifnames[0] if len(ifnames) == 1 else {"set": list(ifnames)}}},
-        {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": "ipv4" if family == 4 else "ipv6"}},
+        _leaving(ifnames),
+        _of_family(family),
         {"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "tcp"}},
         {"match": {"op": "!=", "left": dscp, "right": keep[0] if len(keep) == 1 else {"set": keep}}},
     ]
