@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 CLONE_NEWNET = 0x40000000
 
@@ -82,6 +83,18 @@ def wait_for(what, check, seconds: float = 8.0):
         time.sleep(0.1)
 
 
+def udpprobe(args: list[str], as_uid: int | None = None) -> list[str]:
+    """The command that runs ``testbed.udpprobe`` with ``args``; with ``as_uid``, as that user (``setpriv``, its
+    group the same number), the module's source given with ``-c`` (``-I``): the user need not read the checkout,
+    which a clone under a private directory (``mktemp -d``) keeps from it (until 2026-11-29 such a run failed
+    "No module named 'testbed'")."""
+    if as_uid is None:
+        return [sys.executable, "-m", "testbed.udpprobe", *args]
+    source = (Path(__file__).resolve().parent.parent / "testbed" / "udpprobe.py").read_text()
+    return ["setpriv", f"--reuid={as_uid}", f"--regid={as_uid}", "--clear-groups", sys.executable, "-I", "-c",
+            source, *args]
+
+
 def udp_exchange(sender, receiver, sport, dport, seconds=1.5, pps=300, during=None, tos=0, as_uid=None) -> dict:
     """Send UDP from testbed host ``sender`` to ``receiver`` (``testbed.udpprobe``) and return what the receiver
     saw (DSCP per datagram); ``during()`` runs while it sends. ``tos``: the sender's IP_TOS; ``as_uid``: the sender
@@ -90,10 +103,8 @@ def udp_exchange(sender, receiver, sport, dport, seconds=1.5, pps=300, during=No
     recv = receiver.popen(py + ["testbed.udpprobe", "recv", "--port", str(dport), "--seconds", str(seconds + 5)],
                           stdout=subprocess.PIPE, text=True)
     time.sleep(0.3)
-    user = [] if as_uid is None else ["setpriv", f"--reuid={as_uid}", f"--regid={as_uid}", "--clear-groups"]
-    send = sender.popen(user + py + ["testbed.udpprobe", "send", "--dst", receiver.ip, "--port", str(dport),
-                                     "--sport", str(sport), "--pps", str(pps), "--seconds", str(seconds),
-                                     "--tos", str(tos)],
+    send = sender.popen(udpprobe(["send", "--dst", receiver.ip, "--port", str(dport), "--sport", str(sport), "--pps",
+                                  str(pps), "--seconds", str(seconds), "--tos", str(tos)], as_uid),
                         stdout=subprocess.PIPE, text=True)
     try:
         if during:

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from agent_clients import wait_for
+from agent_clients import udpprobe, wait_for
 
 from bench.agents import running_agents
 from bench.jobs import tcp_counters
@@ -320,11 +320,9 @@ def test_one_users_many_jobs_leave_another_users_job_its_part(tb):
         register_as("bin", agent.socket, {"b": {"proto": "tcp", "src": h1.ip, "sport": 43139, "dst": h2.ip,
                                                 "dport": 5303}})
         server = h2.popen(["iperf3", "-s", "-1", "-p", "5303"], stdout=subprocess.DEVNULL)
-        nobody = pwd.getpwnam("nobody")  # (nobody's flows: its sockets' datagrams alone get their levels)
-        as_nobody = ["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups"]
-        floods = [h1.popen(as_nobody + PY + ["testbed.udpprobe", "send", "--dst", h2.ip, "--port", str(43230 + i),
-                                             "--sport", str(43130 + i), "--pps", str(int(45e6 / 8 / 1000)),
-                                             "--seconds", str(seconds + 2)],
+        nobody = pwd.getpwnam("nobody").pw_uid  # (nobody's flows: its sockets' datagrams alone get their levels)
+        floods = [h1.popen(udpprobe(["send", "--dst", h2.ip, "--port", str(43230 + i), "--sport", str(43130 + i),
+                                     "--pps", str(int(45e6 / 8 / 1000)), "--seconds", str(seconds + 2)], nobody),
                            stdout=subprocess.DEVNULL) for i in range(len(a_jobs))]
         try:
             time.sleep(1.0)  # the floods fill their queues first
