@@ -111,9 +111,9 @@ class AgentLink:
         every register after an agent restart or a timeout (every RETRY_S for RETRY_WINDOW_S) was refused: the
         job's other flows, still open, were never registered again. Flows never held (another process's, a test's)
         are sent as before."""
-        closed = {flow_key(f) for fl in flows.values() for f in fl
-                  if flow_key(f) in self._was_held and flow_key(f) not in held}
-        self._was_held.update(k for fl in flows.values() for f in fl if (k := flow_key(f)) in held)
+        keys = {flow_key(f) for fl in flows.values() for f in fl}
+        closed = (keys & self._was_held) - held.keys()
+        self._was_held |= keys & held.keys()
         if not closed:
             return flows
         for level in list(self.flows):
