@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -156,6 +157,61 @@ def test_lightning_ddp_spawn_refused_clearly(tmp_path):
     assert "error" not in single_rec and single_rec["global_step"] == plain_rec["global_step"] > 0, single_rec
     assert single_rec["initial_changed"] and rel_diff(plain, single) == 0.0
     assert any("one process" in w and "nothing to prioritise" in w for w in single_rec["warnings"]), single_rec
+
+
+WAIT_LEVELS_RANK = """
+import gc, json, sys, time
+import torch.distributed as dist
+import common
+from tensorlane.flows import flow_key, new_flows, own_flow_fds, own_tcp_flows
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+before = own_tcp_flows()
+group = dist.new_group(backend="gloo")  # a shim level's group, as _new_level_group makes it
+dist.barrier(group=group)
+key = flow_key(next(f for f in new_flows(before, own_tcp_flows()) if port not in (f["sport"], f["dport"])))
+
+def agent_flows(socket, job, errors=None):  # the agent's view: its sweep keeps a flow while its socket is held
+    if rank == 0:
+        time.sleep(1.0)  # this rank is slowed down (a loaded machine): it looks after the other
+    return [{"level": 0}] if key in own_flow_fds() else []
+
+common.agent_flows = agent_flows
+flows = common.wait_levels("agent.sock", "job", 1, timeout=1.0)
+dist.destroy_process_group(group)  # the shim's close()
+del group
+gc.collect()
+print(json.dumps(flows))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torch
+def test_wait_levels_returns_only_once_every_rank_has_looked(tmp_path):
+    """``common.wait_levels`` is a collective: a rank that gets there first does not return, and so does not close the
+    shim, until the other, slowed down, has seen its flows. Until 2026-11-29 it returned at once: its close destroyed
+    the level groups, the slow rank's gloo closed its ends of those connections, its agent's sweep removed the
+    job's flows as "sockets closed" and that rank found none (test_accelerate_prepare_then_attach and the Lightning
+    test under load, about 3 runs in 60). Two ranks on loopback; each rank's agent is stood in for by whether the
+    rank holds its level connection, established, at the time it is asked."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((WORKERS, REPO)), OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID"):
+        env.pop(var, None)
+    procs = [subprocess.Popen([sys.executable, "-c", WAIT_LEVELS_RANK, str(rank), str(port)], env=env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for rank, out in enumerate(outs):
+        assert json.loads(out.strip().splitlines()[-1]) == [{"level": 0}], (rank, out[-3000:])
 
 
 # variant -> the mode the shim must end in (overlap requested every time: shim.attach(model, optimizer))

@@ -62,7 +62,13 @@ def wait_levels(socket: str | None, job: str, levels: int, timeout: float = 10.0
     """Poll the agent until it holds flows of ``job`` at every level (or ``timeout``); return its last answer.
     When it never did, ``record`` gets what tells why (for the test's message): the polls that got no answer
     (``flows_poll_errors``), every flow the agent holds (``agent_flows_all``), the flows the shim's ``state`` found
-    at each level (``shim_flows``) and the process's established TCP connections now (``own_flows``)."""
+    at each level (``shim_flows``) and the process's established TCP connections now (``own_flows``).
+
+    A collective where torch.distributed is initialized (every rank calls it): it returns once every rank has looked,
+    so that no rank closes the shim (destroying its level groups) while another still polls. Until 2026-11-29 a rank
+    that got there first closed at once: the other rank's gloo closed its ends of those connections on the peer's
+    FIN, its agent's sweep (every 0.5 s) removed the job's flows as "sockets closed", and that rank, slowed down on a
+    loaded machine, found none (tests/test_frameworks.py, about 3 runs in 60 under three busy loops)."""
     deadline, errors = time.monotonic() + timeout, []
     flows = agent_flows(socket, job, errors)
     while {f["level"] for f in flows} != set(range(levels)) and time.monotonic() < deadline:
@@ -76,6 +82,8 @@ def wait_levels(socket: str | None, job: str, levels: int, timeout: float = 10.0
         if state is not None:
             record["shim_flows"] = {lvl: [(f["sport"], f["dst"], f["dport"]) for f in fl]
                                     for lvl, fl in (state.flows or {}).items()}
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank has looked: now any may close
     return flows
 
 
