@@ -29,12 +29,20 @@ def _started(log: Path, count: int, timeout_s: float = 20.0) -> list[str]:
     return lines
 
 
+def _default_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _run_and_signal(tmp_path: Path, sig: int) -> tuple[int, float, list[str]]:
     log = tmp_path / "log"
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTEST.format(log=log))
     fake.chmod(0o755)
-    proc = subprocess.Popen([REPO / "scripts" / "test", fake], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    # Default dispositions: a shell ignores SIGINT in what it starts in the background (CI may run pytest so), and a
+    # signal ignored at a shell's start cannot be trapped.
+    proc = subprocess.Popen([REPO / "scripts" / "test", fake], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            preexec_fn=_default_signals)
     try:
         assert len(_started(log, 2)) == 2, "the unit tests and the first netns tests did not both start"
         sent = time.monotonic()
