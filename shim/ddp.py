@@ -1139,7 +1139,10 @@ class Handle:
         opt.zero_grad = self._zero_grad_attr = zero_grad
         hook = ov.ModuleHook  # a copy of a module (an EMA model, a snapshot) gets inert hooks, not the shim
         # ahead of the user's own pre-hooks (pruning's mask, weight_norm): they must see the updated weights
-        for m in owners:
+        # on every module, those without parameters of their own too: a forward of a submodule alone on another
+        # thread than the one whose guard watches (a feature extractor on a monitoring thread) applies every pending
+        # update first at its first module (_pre_forward), before that module's code reads a child's weight
+        for m in root.modules():
             self._hooks.append(m.register_forward_pre_hook(hook(self._pre_forward), prepend=True))
         self._hooks.append(root.register_forward_pre_hook(hook(self._root_pre_forward), prepend=True))
         self._hooks.append(self.model.register_forward_pre_hook(hook(self._end_grad_watch), prepend=True))
@@ -1556,6 +1559,15 @@ class Handle:
             # functional_call_traced)
             if ov.in_jit_trace() and d.guard is not None and d.guard.armed:
                 self.flush()  # a torch.jit.trace of a submodule: no guard in the traced graph (see _root_pre_forward)
+            elif d.guard is not None and d.guard.armed and d.guard.thread != threading.get_ident():
+                # a forward of this submodule alone on another thread than the guard's (the whole model's forward
+                # there has flushed at _root_pre_forward already): no guard watches this thread, so a weight this
+                # module's code reads before its own module runs (a child's, a sibling's used functionally) would be
+                # read before its update: every pending update is applied first, as for the whole model. Until
+                # 2026-11-29 only the module's own parameters were, and such a read took the weight before its
+                # update, silently (tests/test_shim.py::test_a_submodule_forward_on_another_thread_reads_updated_weights)
+                self.flush()
+                return
             with self._unguarded():
                 for p in self._owned.get(id(module), ()):
                     _apply(self.state, p)

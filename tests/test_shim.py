@@ -2982,3 +2982,54 @@ def test_step_hooks_registered_while_hidden_are_kept_and_removable():
     finally:
         for h in (*handles, before):
             h.remove()
+
+
+@pytest.mark.torch
+def test_a_submodule_forward_on_another_thread_reads_updated_weights(world1):
+    """After ``step()``, another thread runs a submodule of the model alone (a feature extractor on a monitoring
+    thread), whose forward reads a child's weight before the child runs (a scale from its norm): it reads the
+    updated weight, as under DDP, and training goes on exact. Until 2026-11-29 only the whole model's forward on
+    another thread applied every pending update first (``_root_pre_forward``); a submodule's applied only its
+    modules' own parameters as each ran, and the parent's read took the weight before its update, silently."""
+    import threading
+
+    import torch
+
+    from tensorlane import shim
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            scale = self.proj.weight.norm()  # the parent reads its child's weight before the child runs
+            return self.out(torch.relu(self.proj(x))) / scale
+
+    x, _models = world1
+    seen, ends = [], []
+    for shimmed in (False, True):
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(Encoder(), torch.nn.Linear(8, 4)),
+                                                        bucket_cap_mb=100)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
+        handle = shim.attach(ddp, opt, levels=1, agent_socket="/nonexistent/tl.sock", link_bps=2e8,
+                             policy="flat") if shimmed else None
+        outs = []
+        for step in range(4):
+            ddp(x).sum().backward()
+            opt.step()
+            if step >= 1:
+                assert handle is None or handle.stats()["mode"] == "overlap"
+                got = []
+                t = threading.Thread(target=lambda got=got: got.append(ddp.module[0](x).detach().clone()))
+                t.start()
+                t.join(30)
+                outs.append(got[0])
+            opt.zero_grad()
+        seen.append(outs)
+        ends.append([p.detach().clone() for p in ddp.parameters()])
+        if handle is not None:
+            handle.close()
+    assert all(torch.equal(a, b) for a, b in zip(*seen, strict=True)), "the thread's submodule read stale weights"
+    assert all(torch.equal(a, b) for a, b in zip(*ends, strict=True))
