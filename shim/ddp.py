@@ -1565,7 +1565,8 @@ class Handle:
                 # module's code reads before its own module runs (a child's, a sibling's used functionally) would be
                 # read before its update: every pending update is applied first, as for the whole model. Until
                 # 2026-11-29 only the module's own parameters were, and such a read took the weight before its
-                # update, silently (tests/test_shim.py::test_a_submodule_forward_on_another_thread_reads_updated_weights)
+                # update, silently
+                # (tests/test_shim.py::test_a_submodule_forward_on_another_thread_reads_updated_weights)
                 self.flush()
                 return
             with self._unguarded():

@@ -3022,7 +3022,7 @@ def test_a_submodule_forward_on_another_thread_reads_updated_weights(world1):
             if step >= 1:
                 assert handle is None or handle.stats()["mode"] == "overlap"
                 got = []
-                t = threading.Thread(target=lambda got=got: got.append(ddp.module[0](x).detach().clone()))
+                t = threading.Thread(target=lambda got=got, ddp=ddp: got.append(ddp.module[0](x).detach().clone()))
                 t.start()
                 t.join(30)
                 outs.append(got[0])
