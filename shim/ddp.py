@@ -2020,6 +2020,28 @@ def refuse_delayed_all_reduce(model) -> None:
                          "shim out")
 
 
+def refuse_script_modules(model, optimizer, measured: bool) -> None:
+    """Raise ValueError, before any group is made, for a DDP model holding a TorchScript module
+    (``torch.jit.script`` output; a ``torch.jit.trace`` one takes hooks) where the shim would put forward hooks on
+    it: overlap mode's pre-hooks (``optimizer`` given) and the planner's measurement (``measured``). torch refuses
+    those hooks ("register_forward_pre_hook is not supported on ScriptModules"), which until 2026-11-29 came out of
+    ``attach`` after the shim had made its groups, with the measurement's hooks left on the modules before it; plain
+    DDP trains such a model. Hook mode without module hooks (no optimizer, ``policy`` "flat" or "layer_order", or a
+    ``profile``) trains it, exact. Usage: ``refuse_script_modules(ddp, optimizer, measured=True)``"""
+    if optimizer is None and not measured:
+        return
+    scripted = next((name or "the module itself" for name, m in model.module.named_modules()
+                     if isinstance(m, torch.jit.ScriptModule)), None)
+    if scripted is None:
+        return
+    what = "overlap mode (an optimizer given to attach) puts" if optimizer is not None else \
+        "the planner (policy='planner' without a profile) measures the first iteration with"
+    raise ValueError(f"tensorlane: the DDP model holds a TorchScript module ({scripted!r}, torch.jit.script output), "
+                     f"and {what} forward hooks on its modules, which TorchScript modules refuse. Attach without the "
+                     "optimizer and with policy='flat' or 'layer_order' (or a profile=): hook mode, exact; or script "
+                     "nothing inside the DDP model (torch.jit.trace output takes hooks)")
+
+
 def comm_state(levels: int = DEFAULT_LEVELS, *, agent_socket: str | None = None, job: str | None = None,
                partition_bytes: int | None = None, module=None, policy: str = "layer_order",
                report_interval_s: float = report.INTERVAL_S, disable: bool | str | None = None) -> ShimState:
@@ -2117,6 +2139,7 @@ def attach(model, optimizer=None, *, levels: int = DEFAULT_LEVELS, policy: str =
                       "over IB/RoCE use NCCL_IB_TC per communicator instead (see docs/shim.md)", stacklevel=2)
     if policy not in PLANNER_POLICIES:
         raise ValueError(f"policy must be one of {PLANNER_POLICIES}, not {policy!r}")
+    refuse_script_modules(model, optimizer, policy == "planner" and profile is None)
     params = [p for p in model.module.parameters() if p.requires_grad]
     state = ShimState(None, dist.get_world_size(), {}, None, levels=levels, require_overlap=require_overlap)
     state.options["ddp_ref"] = weakref.ref(model)  # (weak: DDP keeps the state for good, the model must go)

@@ -1619,6 +1619,37 @@ def test_attach_refuses_a_ddp_model_with_delayed_all_reduce_params(tmp_path):
 
 
 @pytest.mark.torch
+def test_attach_refuses_a_scripted_submodule_where_it_would_hook_modules_before_making_groups(tmp_path):
+    """A DDP model holding a ``torch.jit.script``ed submodule (plain DDP trains it): overlap mode's forward pre-hooks
+    and the planner's measurement take module hooks, which TorchScript modules refuse. Until 2026-11-29 ``attach``
+    raised torch's bare "register_forward_pre_hook is not supported on ScriptModules" after making the shim's groups
+    (and left the measurement's hooks on the modules before it); it now refuses first, saying what trains it. Hook
+    mode without module hooks (``policy="flat"``) attaches."""
+    import torch
+    import torch.distributed as dist
+
+    from tensorlane import shim
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        scripted = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        module = torch.nn.Sequential(torch.nn.Linear(2, 2), scripted)
+        ddp = torch.nn.parallel.DistributedDataParallel(module)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        groups = len(dist.distributed_c10d._world.pg_map)
+        for optimizer, policy in ((None, "planner"), (opt, "planner"), (opt, "flat")):
+            with pytest.raises(ValueError, match="TorchScript module .'1'.*policy='flat'"):
+                shim.attach(ddp, optimizer, policy=policy, agent_socket="/nonexistent/tl.sock")
+        assert len(dist.distributed_c10d._world.pg_map) == groups and "step" not in vars(opt)
+        assert not module[0]._forward_pre_hooks and not module[0]._forward_hooks
+        handle = shim.attach(ddp, policy="flat", agent_socket="/nonexistent/tl.sock")
+        ddp(torch.ones(3, 2)).sum().backward()
+        handle.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
 def test_the_shim_frees_ddp_models_left_in_cycles_before_the_interpreter_exits(tmp_path):
     """A DDP model the script leaves in a reference cycle after ``dist.destroy_process_group()`` keeps its process
     group (and gloo's threads) until the garbage is collected; collected during the interpreter's exit, a gloo
