@@ -837,7 +837,11 @@ def _apply_locked(state: ShimState, param) -> bool:
     for p, _o, _n in ready:
         pend.applied.add(id(p))
     try:
-        stepped = _step_ready(d, pend, [r for r in ready if id(r[0]) not in pend.skip])
+        try:
+            stepped = _step_ready(d, pend, [r for r in ready if id(r[0]) not in pend.skip])
+        except BaseException as e:  # (a refusal, an interrupt in the optimizer): these updates are not taken
+            d.lost = d.lost or f"{type(e).__name__}: {e}"
+            raise
         if d.check is not None and not d.check.remaining and _graph_task() == -1:  # (in a backward: at step())
             _verify_parts(state)
         return stepped
@@ -852,6 +856,18 @@ def _apply_locked(state: ShimState, param) -> bool:
                 d.guard.forget(p)
                 if not d.guard.ids:  # nothing left to watch (the forward has applied every pending update)
                     d.guard.disarm()
+
+
+def refuse_lost(d) -> None:
+    """Raise while a deferred update has raised where it was applied (``Deferred.lost``): it left the pending set
+    untaken, so the parameters no longer follow DDP's. Until 2026-11-29 a loop that caught that error and went on
+    trained without it, silently (tests/test_shim.py::
+    test_a_deferred_step_that_raised_refuses_every_later_step_and_forward)."""
+    if d is not None and d.lost is not None:
+        raise RuntimeError(f"tensorlane overlap mode: an optimizer update applied in a forward after "
+                           f"optimizer.step() raised earlier ({d.lost}), and was not taken: the parameters no longer "
+                           "follow DDP's, and training on would differ from it silently. Restart from a checkpoint "
+                           "saved before that error (handle.close() lets this process go on as plain DDP).")
 
 
 def _verify_parts(state: ShimState) -> None:
@@ -1369,6 +1385,7 @@ class Handle:
             self._class_step_replaced()
         if self.closed or state.mode == "hook":
             return d.orig_step() if closure is None else d.orig_step(closure)
+        refuse_lost(d)
         if state.mode == "probing":
             with d.watch.paused():  # (the probe's own checks read the gradients too)
                 d.probe_step(closure)
@@ -1484,6 +1501,8 @@ class Handle:
 
     def _root_pre_forward(self, _module, _inputs) -> None:
         d = self.state.deferred
+        if self.state.mode == "overlap":
+            refuse_lost(d)
         guarded = self.state.mode == "overlap" and d.guard is not None and d.guard.armed
         if guarded and ov.in_jit_trace():
             self.flush()  # a torch.jit.trace of the model: the guard's frames would be in the traced graph, which the
@@ -1580,6 +1599,8 @@ class Handle:
         """Apply every update whose step() was called (overlap mode): call it before reading or changing
         parameters outside a forward pass. A no-op otherwise. Usage: ``opt.step(); handle.flush(); ema.update()``"""
         d = None if self.state is None else self.state.deferred
+        if not self.closed and d is not None and not d.closing:  # (close() applies what is left, and goes on)
+            refuse_lost(d)
         if d is None or d.guard is None or d.guard.thread in (None, threading.get_ident()):
             self._disarm_guard()
         # (on another thread than the guard's, a validation forward or a user's flush(): the guard stays armed, so

@@ -318,6 +318,7 @@ class Deferred:
         self.averaged_on_read = 0  # iterations in which a read after the probe waited for the averages
         self.averaged_unstepped = 0  # backward passes that found an unstepped one's averages to write first
         self.verify = False  # an optimizer declared per parameter: every overlap step checked whole (PartsCheck)
+        self.lost: str | None = None  # a deferred update raised where it was applied, and was not taken (refuse)
         self.check: PartsCheck | None = None  # the last step()'s, until its last part is applied and compared
         self.checked = 0  # steps so checked
         self.previous: list = []  # Pendings of the last synchronized backward, until step() (a later backward

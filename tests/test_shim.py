@@ -3064,3 +3064,34 @@ def test_a_submodule_forward_on_another_thread_reads_updated_weights(world1):
             handle.close()
     assert all(torch.equal(a, b) for a, b in zip(*seen, strict=True)), "the thread's submodule read stale weights"
     assert all(torch.equal(a, b) for a, b in zip(*ends, strict=True))
+
+
+def test_a_deferred_step_that_raised_refuses_every_later_step_and_forward(world1):
+    """A deferred update that raises in the forward that applies it (here: a param group removed between step() and
+    that forward, a refusal) was taken out of the pending set all the same: a loop that caught the error and went on
+    (the group put back) trained without that update, silently. Now every later forward, flush() and step() raises,
+    naming the first error, until the handle is closed."""
+    import pytest
+    import torch
+
+    x, models = world1
+    ddp, opt, handle = models(True)
+    for _ in range(2):
+        ddp(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert handle.stats()["mode"] == "overlap"
+    ddp(x).sum().backward()
+    opt.step()
+    group = opt.param_groups.pop()
+    with pytest.raises(RuntimeError, match="param group was removed"):
+        ddp(x)
+    opt.param_groups.append(group)  # the loop puts it back and goes on
+    for again in (lambda: ddp(x), handle.flush, opt.step):
+        with pytest.raises(RuntimeError, match="param group was removed") as err:
+            again()
+        assert "raised earlier" in str(err.value)
+    handle.close()
+    ddp(x).sum().backward()  # closed: plain DDP, as the message says
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in ddp.parameters())
