@@ -420,6 +420,25 @@ def test_preflight_refuses_an_unsupported_host(tmp_path):
     assert "Install tensorlane" not in out and "Copy the tensorlane wheel" not in out, out[-3000:]
 
 
+def test_the_deploy_docs_controller_set_up_installs_every_tool_they_run():
+    """docs/deploy.md's controller set-up (a fresh ``.venv-deploy``) pip-installs each Ansible tool that the page
+    then runs (``ansible-playbook``: ansible-core; ``ansible-lint``), pinned to the version of pyproject.toml's test
+    extra, which the tests run: until 2026-11-29 it installed ansible-core alone, and the page's lint command,
+    copied as written, failed with ``ansible-lint: command not found``."""
+    with open(os.path.join(REPO_ROOT, "docs", "deploy.md")) as fh:
+        doc = fh.read()
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as fh:
+        extra = tomllib.load(fh)["project"]["optional-dependencies"]["test"]
+    pins = dict(re.match(r"([\w-]+)==(\S+)$", r).groups() for r in extra if "==" in r)
+    installed = {}
+    for line in re.findall(r"^\.venv-deploy/bin/pip install (.*)$", doc, re.M):
+        installed |= dict(re.findall(r'"([\w-]+)==([^"]+)"', line.split("#")[0]))
+    tools = {"ansible-core": r"\bansible-playbook\b", "ansible-lint": r"\bansible-lint\b"}
+    used = {dist for dist, command in tools.items() if re.search(command, doc)}
+    assert used == set(tools), used
+    assert {d: installed.get(d) for d in used} == {d: pins[d] for d in used}, (installed, pins)
+
+
 def test_ansible_lint_production_profile():
     lint = _tool("ansible-lint")
     env = dict(os.environ, NO_COLOR="1", PATH=os.path.dirname(lint) + os.pathsep + os.environ.get("PATH", ""))
