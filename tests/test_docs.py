@@ -560,3 +560,27 @@ def test_the_rate_settings_document_their_range_and_the_agent_holds_it():
                 assert exc.field == key, exc
                 accepted = False
             assert accepted == ok, f"{key} = {value} bit/s: docs say {found[0][0]}..{found[0][1]}"
+
+
+def test_the_runbook_says_where_the_role_puts_the_commands_it_runs():
+    """docs/runbook.md's commands (`tensorlane status`, `tensorlane-agentctl start`, `systemctl ... UNIT`) run on a
+    host the Ansible role deployed, where the role puts `tensorlane` in its virtualenv and `tensorlane-agentctl` in
+    its install directory, neither on PATH: the runbook's introduction names both paths, the unit and the socket as
+    the role's defaults make them (until 2026-11-29 it named no path for `tensorlane`, and `tensorlane status` copied
+    from it answered `command not found`)."""
+    import yaml
+
+    from tensorlane.client import DEFAULT_SOCKET
+
+    defaults = yaml.safe_load((REPO / "ansible" / "roles" / "tensorlane" / "defaults" / "main.yml").read_text())
+
+    def value(name: str) -> str:  # a default, its {{ tensorlane_* }} references expanded
+        return re.sub(r"\{\{\s*(tensorlane_\w+)\s*\}\}", lambda m: value(m.group(1)), str(defaults[name]))
+
+    intro = (REPO / "docs" / "runbook.md").read_text().split("\n## ", 1)[0]
+    expected = {"tensorlane": value("tensorlane_venv") + "/bin/tensorlane", "agentctl": value("tensorlane_ctl"),
+                "unit": value("tensorlane_service_name"), "socket": value("tensorlane_socket")}
+    assert expected["socket"] == DEFAULT_SOCKET, expected
+    missing = {k: v for k, v in expected.items() if f"`{v}`" not in intro}
+    assert not missing, f"docs/runbook.md's introduction does not name: {missing}"
+    assert "`tensorlane status`" in intro and "tensorlane-agentctl" in intro
