@@ -177,10 +177,17 @@ def test_expand_leaves_no_variable_and_refuses_unknown_ones():
         build.expand("rate(x[$nope])")
 
 
-def test_queries_and_rules_name_only_metrics_the_agent_exports(kernel):  # noqa: F811
+def _exported_samples() -> set[str]:
+    """The name of every sample an agent exports (with the ``kernel`` fixture's classes), job policy ones included."""
     from tensorlane.agent.metrics import make_registry
 
+    class Server:  # what the connections source reads from the socket server at a scrape
+        def connection_counts(self):
+            return {"privileged": 1, "user": 0, "users_at_limit": 0, "max_connections": 1024,
+                    "reserved_connections": 32, "max_connections_per_user": 64}
+
     api = fake_api(job_policy="shortest", job_share="auto")  # every job policy metric, "auto"'s too
+    api.server = Server()
     registry, _ = make_registry(api)  # subscribes to the api's requests from now on
     request(api, op="register", job="a", level=0, flows=[flow(1)])
     request(api, op="register", job="b", level=0, flows=[flow(2)])
@@ -189,7 +196,11 @@ def test_queries_and_rules_name_only_metrics_the_agent_exports(kernel):  # noqa:
                                                                  "comm_s": 0.1}], step_bytes=4096,
             compute_s=0.5)
     text = generate_latest(registry).decode()
-    exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_queries_and_rules_name_only_metrics_the_agent_exports(kernel):  # noqa: F811
+    exported = _exported_samples()
     used = set()
     for name in DASHBOARD_NAMES:
         dash = load(name)
@@ -199,6 +210,38 @@ def test_queries_and_rules_name_only_metrics_the_agent_exports(kernel):  # noqa:
     rules = (DASHBOARDS / "rules.yml").read_text()
     used |= set(re.findall(r"\b(tensorlane_[a-z0-9_]+)", rules))
     assert used and not used - exported, f"not exported by the agent: {sorted(used - exported)}"
+
+
+# Names the docs give as what a metric or rule was called before a rename (each page says until when).
+FORMER_NAMES = {"tensorlane_class_lends_total", "tensorlane_class_borrows_total",
+                "tensorlane:class_link_share:ratio_rate1m"}
+
+
+def test_the_docs_name_only_metrics_the_agent_exports(kernel):  # noqa: F811
+    """Every ``tensorlane_*`` metric and ``tensorlane:*`` recording rule that README.md and docs/ name (what an operator
+    copies into a query, or looks for on a dashboard: the runbook's checks, docs/metrics.md's table) is a series the
+    agent exports or a rule of rules.yml; the Ansible role's variables and tags (``tensorlane_levels``), a family
+    (``tensorlane_class_*``) and the former names of renamed metrics are not metrics. The test above checks the
+    dashboards and rules."""
+    import yaml
+
+    exported = _exported_samples()
+    exported |= {re.sub(r"_(bucket|sum|count)$", "", n) for n in exported}  # a histogram by its name
+    rules = [r for g in yaml.safe_load((DASHBOARDS / "rules.yml").read_text())["groups"] for r in g["rules"]]
+    records = {r["record"] for r in rules if "record" in r}
+    role = DASHBOARDS.parent / "ansible" / "roles" / "tensorlane"
+    not_metrics = set(yaml.safe_load((role / "defaults" / "main.yml").read_text())) | {"tensorlane_interface"}
+    not_metrics |= set(re.findall(r"\b(tensorlane_\w+)", (role / "tasks" / "main.yml").read_text()))  # tags
+    pages = [DASHBOARDS.parent / "README.md", *sorted((DASHBOARDS.parent / "docs").glob("*.md"))]
+    unknown = []
+    for page in pages:
+        text = page.read_text()
+        for m in re.finditer(r"(?<![\w./-])(tensorlane:[a-z0-9_:]*[a-z0-9]|tensorlane_[a-z0-9_]*[a-z0-9])(?![\w*])",
+                             text):
+            name = m.group(1)
+            if name not in exported | records | not_metrics | FORMER_NAMES:
+                unknown.append(f"{page.name}:{text.count(chr(10), 0, m.start()) + 1}: {name}")
+    assert not unknown, f"not exported by the agent, nor a rule or a role variable: {unknown}"
 
 
 def test_the_refusals_the_alert_counts_start_at_zero():
