@@ -432,8 +432,7 @@ def adopt_flows(cfg, api) -> dict[str, int] | None:
     with contextlib.suppress(OSError):
         crash_path(cfg).unlink()
     flows, stale = _without_stale(flows, age)
-    return _adopting(cfg, api, flows, reported, "the agent that handed over", stale,
-                     f", {age:.0f} s before this start" if stale else "")
+    return _adopting(cfg, api, flows, reported, "the agent that handed over", stale, _when(age) if stale else "")
 
 
 def adopt_after_crash(cfg, api) -> dict[str, int] | None:
@@ -450,15 +449,25 @@ def adopt_after_crash(cfg, api) -> dict[str, int] | None:
     if flows is None:
         return None
     flows, stale = _without_stale(flows, age)
-    return _adopting(cfg, api, flows, reported, whose, stale, f", {age:.0f} s before this start")
+    return _adopting(cfg, api, flows, reported, whose, stale, _when(age))
+
+
+def _when(age: float) -> str:
+    """How old a flow table file is, for the log: ``age`` seconds (wall clock) before this start, or unknown where it
+    is stamped after now (the clock went back since it was written or touched)."""
+    if age < 0.0:
+        return f", stamped {-age:.0f} s after this start (the clock went back since: its age is unknown)"
+    return f", {age:.0f} s before this start"
 
 
 def _without_stale(flows: list, age: float) -> tuple[list, dict[str, int]]:
     """``flows`` less those registered without an owner process when the file is older than ``CRASH_OWNERLESS_S``
     (their 5-tuples may be another user's connections since), and their count (``stale``). A hand-over's file too:
     one whose next agent did not start (a start that failed, an operator back an hour later) is as old as a dead
-    agent's (until 2026-11-28 its flows without an owner were taken back at any age)."""
-    if age <= CRASH_OWNERLESS_S:
+    agent's (until 2026-11-28 its flows without an owner were taken back at any age). A file stamped after now (``age``
+    below 0: the wall clock stepped back since) is of unknown age and counts as old: until 2026-11-29 its negative age
+    passed as fresh, and a killed agent's flows without an owner were taken back from a file hours old."""
+    if 0.0 <= age <= CRASH_OWNERLESS_S:  # (below 0: stamped after now, the clock went back since; its age unknown)
         return flows, {}
     kept = [f for f in flows if not isinstance(f, dict) or f.get("pid") is not None]
     return kept, ({"stale": len(flows) - len(kept)} if len(kept) < len(flows) else {})

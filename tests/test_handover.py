@@ -479,6 +479,25 @@ def test_a_killed_agents_flows_without_an_owner_are_not_taken_back_from_an_old_f
     assert handover.adopt_after_crash(_cfg(tmp_path), api) == {"adopted": 2}
 
 
+def test_a_file_stamped_after_now_the_clock_went_back_gives_no_flow_without_an_owner(tmp_path, caplog):
+    """The wall clock stepped back (NTP correcting a clock that ran fast) while no agent ran: the killed agent's file
+    was last touched "in the future", its real age unknown (minutes, hours). Until 2026-11-29 its negative age passed
+    ``age <= CRASH_OWNERLESS_S`` and its flows without an owner were taken back, 5-tuples that may be another user's
+    connections by then; now such a file counts as old (``stale``), said so in the log; owners' flows still go
+    through their checks. A hand-over's file likewise."""
+    api = FakeApi()
+    api.policy.must_own = lambda peer: False
+    owned = dict(_flow(1), pid=os.getpid(), start=process_start(os.getpid()), uid=os.getuid())
+    future = time.time() + 3600
+    path = _write_crash(tmp_path, [_flow(2), owned])
+    os.utime(path, (future, future))
+    assert handover.adopt_after_crash(_cfg(tmp_path), api) == {"adopted": 1, "stale": 1}
+    assert "the clock went back" in caplog.text
+    _write(tmp_path, [_flow(2), owned])
+    os.utime(tmp_path / handover.FLOWS_FILE, (future, future))
+    assert handover.adopt_flows(_cfg(tmp_path), api) == {"adopted": 1, "stale": 1}
+
+
 def test_a_file_the_journal_cannot_write_again_is_not_stamped_fresh(tmp_path):
     """A ``state_dir`` full (a real tmpfs filled up): the journal's writes fail and the file holds an older table.
     Its reconcile stamp (``touch``) must not make it look fresh, or a flow without an owner unregistered since (its
