@@ -476,6 +476,8 @@ class Api:
             "reconcile": {"passes": self.rec.stats.passes, "repairs": self.rec.stats.repairs,
                           "errors": self.rec.stats.errors, "last_error": self.rec.stats.last_error,
                           "failing": getattr(self.rec, "failing", "")},
+            # the flow table kept on disk for the next agent after a crash (None: no journal, a test's agent)
+            "flow_table": None if self.journal is None else self.journal.describe(),
             "unnamed_jobs": 0,
         }
         return st if peer is None or self.policy.privileged(peer) else self._unnamed_others(st, peer.uid)

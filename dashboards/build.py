@@ -354,6 +354,11 @@ def host() -> dict:
     lay.add("Metrics sources", "bool",
             [(f"tensorlane_scrape_collector_success{sel()}", "{{collector}}")],
             "Whether each metrics source of the agent succeeded in the last scrape.", min_zero=False)
+    lay.add("Flow table file not written", "bool",
+            [(f"tensorlane_flow_table_write_failing{sel()}", "write failing")],
+            "1 while the agent cannot write its flow table file (flows.json in state_dir: full or read-only; it "
+            "retries every 10 s): the file holds an older table, and an agent killed meanwhile loses the flows "
+            "registered since (alert TensorlaneFlowTableNotWritten, docs/runbook.md).", min_zero=False)
     process_panels(lay, "{{instance}} ")
     return _dashboard("tensorlane-host", "tensorlane / host",
                       "One host's tensorlane agent: queues, contention, jobs, agent health.", lay.panels,

@@ -90,6 +90,12 @@ def format_status(st: dict) -> str:
     lines.append(f"reconcile: {rec['passes']} passes, {rec['repairs']} repairs, {rec['errors']} errors"
                  + (f" (failing now: {rec['failing']})" if rec.get("failing") else
                     f" (passing; last: {rec['last_error']})" if rec["last_error"] else ""))
+    table = st.get("flow_table") or {}  # (an older agent's status has none)
+    if table.get("failing"):
+        lines.append(f"flow table file {table['path']}: not written ({table['failing']}; {table['errors']} failed "
+                     "writes, the agent retries): it holds an older table, and an agent killed now loses the flows "
+                     "registered since whose clients do not register again; free space in state_dir or fix its "
+                     "permissions")
     jp = st.get("job_policy") or {}
     if jp.get("policy", "none") != "none":
         parts = ", ".join(f"level {lvl} {100 * v:g} %" for lvl, v in jp.get("level_shares", {}).items())

@@ -177,6 +177,16 @@ def test_expand_leaves_no_variable_and_refuses_unknown_ones():
         build.expand("rate(x[$nope])")
 
 
+def _agent():
+    """A fake agent that exports every source's series: a job policy's ("auto"'s too) and a flow table file's (a
+    journal that writes nothing here: the daemon always keeps one)."""
+    from tensorlane.agent.handover import FlowJournal
+
+    api = fake_api(job_policy="shortest", job_share="auto")
+    api.journal = FlowJournal(api.cfg, api.table)
+    return api
+
+
 def _exported_samples() -> set[str]:
     """The name of every sample an agent exports (with the ``kernel`` fixture's classes), job policy ones included."""
     from tensorlane.agent.metrics import make_registry
@@ -186,7 +196,7 @@ def _exported_samples() -> set[str]:
             return {"privileged": 1, "user": 0, "users_at_limit": 0, "max_connections": 1024,
                     "reserved_connections": 32, "max_connections_per_user": 64}
 
-    api = fake_api(job_policy="shortest", job_share="auto")  # every job policy metric, "auto"'s too
+    api = _agent()
     api.server = Server()
     registry, _ = make_registry(api)  # subscribes to the api's requests from now on
     request(api, op="register", job="a", level=0, flows=[flow(1)])
@@ -269,7 +279,7 @@ def test_queries_and_rules_use_only_labels_their_metrics_have(kernel):  # noqa: 
 
     from tensorlane.agent.metrics import make_registry
 
-    api = fake_api(job_policy="shortest", job_share="auto")
+    api = _agent()
     registry, _ = make_registry(api)
     request(api, op="register", job="a", level=0, flows=[flow(1)])
     request(api, op="register", job="b", level=0, flows=[flow(2)])
@@ -381,7 +391,7 @@ def test_queries_and_rules_match_only_label_values_the_agent_exports(kernel):  #
 
     from tensorlane.agent.metrics import make_registry
 
-    api = fake_api(job_policy="shortest", job_share="auto")
+    api = _agent()
     registry, _ = make_registry(api)
     request(api, op="register", job="a", level=0, flows=[flow(1)])
     values: dict[tuple[str, str], set] = {}

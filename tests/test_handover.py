@@ -530,6 +530,68 @@ def test_a_file_the_journal_cannot_write_again_is_not_stamped_fresh(tmp_path):
         subprocess.run(["umount", str(state)], check=True)
 
 
+def test_a_journal_that_cannot_write_shows_in_status_the_metrics_and_the_cli_until_it_writes_again(
+        tmp_path, monkeypatch, caplog):
+    """A ``state_dir`` the journal cannot write (here a file in its place: ``File exists``, where a full or
+    read-only one fails with its own error): ``tensorlane_flow_table_write_failing`` is 1, the failed writes are
+    counted, ``status.flow_table.failing`` says why and ``tensorlane status`` prints a line; once a write succeeds
+    the gauge is 0 and the line gone. A write that fails with another error (raised to the loop) counts the same.
+    Until 2026-11-29 only the agent's log said so, once: no metric, no alert, nothing in ``status``."""
+    import logging
+
+    from test_metrics import fake_api, scrape, value
+
+    from tensorlane.agent.kernel import tcstats
+    from tensorlane.agent.metrics import base as metrics_base
+    from tensorlane.agent.metrics import flows as metrics_flows
+    from tensorlane.agent.metrics import make_registry
+    from tensorlane.cli import format_status
+
+    monkeypatch.setattr(tcstats, "class_stats", lambda ipr, ifindex: {})  # (no kernel: status's and a scrape's)
+    monkeypatch.setattr(metrics_base.Scrape, "classes", lambda self, device: {})
+    monkeypatch.setattr(metrics_flows, "marked_counters", lambda levels: {})
+    monkeypatch.setattr(metrics_flows, "reset_counters", lambda: {"packets": 0, "bytes": 0})
+    state = tmp_path / "state"
+    state.write_text("")
+    api = fake_api(state_dir=str(state))
+    api.rec.ipr, api.rec.counters = None, dict
+    api.journal = handover.FlowJournal(api.cfg, api.table)
+    registry, _ = make_registry(api)
+
+    def seen() -> tuple[float, float, float, dict, str]:
+        samples = scrape(registry)
+        st = json.loads(api.handle(b'{"op": "status"}'))["result"]
+        return (value(samples, "tensorlane_flow_table_write_failing"),
+                value(samples, "tensorlane_flow_table_writes_total"),
+                value(samples, "tensorlane_flow_table_write_errors_total"), st["flow_table"], format_status(st))
+
+    assert seen()[:4] == (0, 0, 0, {"path": str(state / handover.CRASH_FILE), "writes": 0, "errors": 0,
+                                    "failing": ""})
+    api.table.register("job-a", 1, (_key(1),), pid=None, uid=None)
+    with caplog.at_level(logging.WARNING, logger=handover.log.name):
+        assert not api.journal.write() and not api.journal.write()  # (the loop's retries)
+    failing, writes, errors, table, text = seen()
+    assert (failing, writes, errors) == (1, 0, 2) and table["errors"] == 2 and "File exists" in table["failing"]
+    assert f"flow table file {state / handover.CRASH_FILE}: not written ([Errno 17] File exists" in text
+    assert caplog.text.count("cannot write the flow table") == 1
+    state.unlink()
+    state.mkdir()
+    with caplog.at_level(logging.WARNING, logger=handover.log.name):
+        assert api.journal.write()
+    failing, writes, errors, table, text = seen()
+    assert (failing, writes, errors) == (0, 1, 2) and table["failing"] == "" and "flow table" not in text
+    assert "is written to" in caplog.text and len(_flows_of(state / handover.CRASH_FILE)) == 1
+
+    def broken(path, parts, mode):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(handover, "write_atomically", broken)
+    with pytest.raises(ValueError):
+        api.journal.write()
+    failing, writes, errors, table, _ = seen()
+    assert (failing, writes, errors) == (1, 1, 3) and table["failing"] == "a bug"
+
+
 def test_a_hand_overs_old_file_gives_no_flow_without_an_owner(tmp_path, caplog):
     """A hand-over's file whose next agent started long after (its start failed, the operator came back later) is as
     old as a dead agent's: its flows without an owner process (root's) are left out (``stale``) once it is older than

@@ -24,6 +24,7 @@ from test_security_netns import NOBODY, in_child
 from tensorlane.agent import protocol
 from tensorlane.agent.api import Api
 from tensorlane.agent.config import from_dict
+from tensorlane.agent.handover import FlowJournal
 from tensorlane.agent.kernel import tcstats
 from tensorlane.agent.kernel.qdisc import HtbBackend
 from tensorlane.agent.metrics import Health, make_registry, names, start_metrics_server
@@ -186,6 +187,7 @@ def test_docs_metrics_table_is_the_names_module(kernel):
         kind, labels = rows[base[name]]
         assert labels == set(n.labels) or (kind == "info (1)" and labels > set(n.labels)), (name, labels, n.labels)
     api = fake_api(job_policy="shortest", job_share="auto")
+    api.journal = FlowJournal(api.cfg, api.table)  # (the flow table file's series: the daemon always keeps one)
     registry, _ = make_registry(api)
     request(api, op="register", job="a", level=0, flows=[flow(1)])
     api.jobs.observe({0}, 1.0)

@@ -4,8 +4,9 @@ Every ``tensorlane_*`` name, help text and label set is declared once, in ``agen
 One small module per source of data, all of the same shape (``agent/metrics/base.py``): ``build``,
 ``classes`` (tc class counters), ``contention`` (priority inversion, queueing delay), ``flows`` (registered
 flows, nftables marks), ``api`` (request outcomes and latency), ``connections`` (the socket server's refusals
-by reason, open connections), ``reconcile``, ``jobs`` (communication time reported by the shims), ``jobpolicy``
-(the job order and the jobs' parts of the link). Every scrape also reports, per source,
+by reason, open connections), ``reconcile``, ``flowtable`` (the writes of the flow table file the next agent
+takes back after a crash), ``jobs`` (communication time reported by the shims), ``jobpolicy`` (the job order and
+the jobs' parts of the link). Every scrape also reports, per source,
 ``tensorlane_scrape_collector_success`` and ``tensorlane_scrape_collector_duration_seconds``: a failing source does
 not fail the scrape. The registry also has prometheus_client's standard collectors:
 ``process_*`` (memory, CPU, open files), ``python_info`` and ``python_gc_*``. Meanings: docs/metrics.md.
@@ -42,6 +43,7 @@ from tensorlane.agent.metrics.classes import ClassesSource
 from tensorlane.agent.metrics.connections import ConnectionsSource
 from tensorlane.agent.metrics.contention import ContentionSource
 from tensorlane.agent.metrics.flows import FlowsSource
+from tensorlane.agent.metrics.flowtable import FlowTableSource
 from tensorlane.agent.metrics.health import Health
 from tensorlane.agent.metrics.jobpolicy import JobPolicySource
 from tensorlane.agent.metrics.jobs import JobReports, JobsSource
@@ -51,7 +53,7 @@ from tensorlane.agent.ratelimit import TokenBucket
 
 log = logging.getLogger("tensorlane.metrics")
 SOURCES = (BuildSource, ClassesSource, ContentionSource, FlowsSource, ApiSource, ConnectionsSource, ReconcileSource,
-           JobsSource, JobPolicySource)
+           FlowTableSource, JobsSource, JobPolicySource)
 __all__ = ["AgentCollector", "Health", "JobReports", "MetricsServer", "SOURCES", "Source", "make_registry",
            "start_metrics_server"]
 

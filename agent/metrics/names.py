@@ -139,6 +139,16 @@ RECONCILE_STALLED = Name("tensorlane_reconcile_stalled",
                          "1 while no reconcile pass was seen for 3 x reconcile_interval_s, at least 15 s (the main "
                          "loop is stuck: /healthz answers 503)", DEVICE)
 
+# flowtable.py
+FLOW_TABLE_WRITES = Name("tensorlane_flow_table_writes",
+                         "Writes of the flow table file (flows.json in state_dir, what the next agent after a crash "
+                         "takes back) that succeeded")
+FLOW_TABLE_WRITE_ERRORS = Name("tensorlane_flow_table_write_errors",
+                               "Writes of the flow table file that failed (state_dir full or read-only)")
+FLOW_TABLE_WRITE_FAILING = Name("tensorlane_flow_table_write_failing",
+                                "1 while the last write of the flow table file failed: the file holds an older table, "
+                                "and an agent killed meanwhile loses the flows registered since")
+
 # jobs.py
 JOB_ALLREDUCES = Name("tensorlane_job_allreduces",
                       "All-reduce pieces completed, reported by the job's shims on this host", JOB_LEVEL)
