@@ -527,10 +527,10 @@ def test_a_foreign_filter_in_another_chain_is_not_repaired_every_pass(fz):
 
 
 def test_an_administrators_root_or_deleted_leaf_is_put_back_logged_and_counted(fz):
-    """``tc qdisc replace dev eth0 root ...`` and a leaf qdisc deleted under the agent: the next pass puts its tree
-    back, logs what it put back and counts a repair (status, metrics). Before, the tree came back and nothing said
-    so: ``repairs`` stayed 0, no line in the log, though a tool on the host fought the agent every pass. On exit the
-    original tree is back."""
+    """``tc qdisc replace dev eth0 root ...``, a leaf qdisc and a leaf class deleted under the agent: the next pass
+    puts its tree back, logs what it put back (a class by its id since 2026-11-29; before, only its leaf qdisc) and
+    counts a repair (status, metrics). Before, the tree came back and nothing said so: ``repairs`` stayed 0, no line
+    in the log, though a tool on the host fought the agent every pass. On exit the original tree is back."""
     h1, h2 = fz.host(1), fz.host(2)
     before, tables = tc_dump(h1, "eth0"), nft_tables(h1)
     with running_agents(fz, hosts=[1], backend="htb", config_extra=FAST) as agents:
@@ -547,6 +547,11 @@ def test_an_administrators_root_or_deleted_leaf_is_put_back_logged_and_counted(f
         wait_for("leaf put back", lambda: "qdisc pfifo 101: parent 7a1:11" in h1.run(
             ["tc", "qdisc", "show", "dev", "eth0"]).stdout and agent.status()["reconcile"]["repairs"] > repairs)
         wait_for("logged", lambda: "put back 1 leaf qdiscs (101:)" in agent.stderr_tail())
+        repairs = agent.status()["reconcile"]["repairs"]
+        h1.run(["tc", "class", "del", "dev", "eth0", "classid", "7a1:12"])  # (its leaf qdisc 102: goes with it)
+        wait_for("class put back", lambda: "class htb 7a1:12" in h1.run(
+            ["tc", "class", "show", "dev", "eth0"]).stdout and agent.status()["reconcile"]["repairs"] > repairs)
+        wait_for("logged", lambda: "put back 1 leaf qdiscs (102:); 1 classes (7a1:12)" in agent.stderr_tail())
         passes_again(agent, 4.0)
         repairs = agent.status()["reconcile"]["repairs"]
         time.sleep(0.5)  # a tree left alone is no repair
