@@ -15,6 +15,7 @@ import json
 import os
 import re
 import socket
+import stat
 import time
 
 DEFAULT_SOCKET = "/run/tensorlane/agent.sock"
@@ -76,6 +77,21 @@ def agent_text(value, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _not_a_socket(path: str) -> str | None:
+    """What ``path`` is where it exists and is no socket ("a directory, not a socket", "a file, not a socket", "not a
+    socket"), else None (a socket, or nothing this user may look at). connect() to such a path fails EACCES (a user
+    who may not write it) or ECONNREFUSED (root), which said "refuses this user" or "is it running?": until
+    2026-11-29 the agent's ``state_dir`` given for its socket sent a non-root user to change socket_group."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return next((f"{kind}, not a socket" for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a file"))
+                 if test(mode)), "not a socket")
+
+
 class AgentClient:
     """One connection to the agent; requests are synchronous, each bounded by ``timeout`` as a whole (sending and
     reading its reply, however the agent dribbles it) and by ``MAX_REPLY_BYTES``: never blocks training long."""
@@ -93,12 +109,19 @@ class AgentClient:
             s.settimeout(self.timeout)
             try:
                 self._connect(s)
-            except PermissionError:
+            except (PermissionError, ConnectionRefusedError) as exc:
                 s.close()
+                if what := _not_a_socket(self.path):  # a wrong path, not a refusal nor a dead agent
+                    raise AgentUnavailable(
+                        f"no agent at {self.path}: it is {what} (the agent's default socket: {DEFAULT_SOCKET})") \
+                        from None
+                if isinstance(exc, ConnectionRefusedError):
+                    raise AgentUnavailable(f"no agent at {self.path} ({exc.strerror.lower()}: is it running?)") \
+                        from None
                 raise AgentUnavailable(
                     f"the agent's socket {self.path} refuses this user (permission denied): the agent's socket_group "
                     "and allowed_users/allowed_groups decide who may use it (docs/deploy.md)") from None
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
+            except FileNotFoundError as exc:
                 s.close()
                 raise AgentUnavailable(f"no agent at {self.path} ({exc.strerror.lower()}: is it running?)") from None
             except BlockingIOError as exc:  # an agent is there, but leaves its connections unaccepted

@@ -69,6 +69,36 @@ def test_a_socket_that_refuses_this_user_says_so(tmp_path, monkeypatch):
         AgentClient(os.fspath(tmp_path / "agent.sock")).connect()
 
 
+@pytest.mark.parametrize("kind", ["directory", "file"])
+@pytest.mark.parametrize("errno_", [13, 111])
+def test_a_path_that_is_no_socket_says_so(tmp_path, monkeypatch, kind, errno_):
+    """The agent's ``state_dir`` (or one of its files) given for its socket: connect() fails EACCES for a user who
+    may not write it, ECONNREFUSED for root. Until 2026-11-29 the first said the socket "refuses this user" and
+    sent the user to the agent's socket_group (found on the testbed as a non-root user, agent_socket=
+    "/run/tensorlane/h1"), the second "is it running?" of a running agent: both now say the path is no socket."""
+    import socket
+
+    path = tmp_path / "state"
+    path.mkdir() if kind == "directory" else path.write_text("{}")
+
+    def refuse(self, address):
+        raise (PermissionError if errno_ == 13 else ConnectionRefusedError)(errno_, os.strerror(errno_))
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    with pytest.raises(AgentUnavailable) as err:
+        AgentClient(os.fspath(path)).connect()
+    assert str(err.value).startswith(f"no agent at {path}: it is a {kind}, not a socket"), err.value
+    assert "default socket: /run/tensorlane/agent.sock" in str(err.value) and "socket_group" not in str(err.value)
+
+
+def test_a_socket_nobody_listens_on_is_no_agent(tmp_path):
+    """A socket file left behind by an agent that is gone (ECONNREFUSED on a real socket) stays "no agent"."""
+    path = os.fspath(tmp_path / "agent.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(path)
+    with pytest.raises(AgentUnavailable, match=r"no agent at .*\(connection refused: is it running\?\)"):
+        AgentClient(path).connect()
+
+
 def test_the_verify_table_keeps_its_columns_with_long_job_ids():
     """The shim's own job ids (``job-`` and 12 hex digits) and torchrun's run ids (UUIDs) are longer than 12
     characters: the job column widens to the longest, so the columns after it stay under their headings."""
