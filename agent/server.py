@@ -337,7 +337,8 @@ class Server:
             return self._refuse(sock, peer, "busy", f"the agent has {total} connections (max_connections = "
                                 f"{self.max_conns}, of which {self.reserved} are kept for root and trusted users)")
         if not self.api.policy.allowed(peer):
-            return self._refuse(sock, peer, "forbidden", f"user {peer.user} is not allowed to use this agent")
+            return self._refuse(sock, peer, "forbidden", f"user {peer.user} is not allowed to use this agent (its "
+                                "config's allowed_users and allowed_groups name who may, root aside)")
         user = None
         if not privileged:
             user = self.users.get(peer.uid)

@@ -164,7 +164,7 @@ class AgentLink:
             return True
         except AgentError as exc:  # the agent refused: keep training, say why once
             self.counters["refusals"] += 1
-            self._fail(f"agent refused the registration: {exc}")
+            self._fail(f"agent refused the registration: {exc}; training continues without network priority")
         except (KeyError, TypeError, AttributeError) as exc:  # an ok reply whose fields are not what the protocol says
             self.counters["failures"] += 1
             self._fail(f"agent at {self.socket_path} sent a bad reply ({type(exc).__name__}: {agent_text(exc)}); "

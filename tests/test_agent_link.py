@@ -2,6 +2,7 @@
 the agent has fewer levels than the shim (its config says so, or it was restarted with fewer), and the reports."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -166,6 +167,34 @@ def test_a_restarted_agent_gets_the_jobs_report_with_the_re_registration(agent):
     finally:
         rep.close()
         link.close()
+
+
+def test_an_agent_that_refuses_this_user_says_training_goes_on(tmp_path, caplog):
+    """An agent whose allowed_groups leave the job's user out answers ``forbidden`` at connect: the one warning
+    says, as for an absent agent, that training continues without priority. Until 2026-11-29 it said only "agent
+    refused the registration: forbidden: user h19xu is not allowed to use this agent" (seen on the testbed)."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(tmp_path / "agent.sock"))
+    srv.listen(4)
+    line = {"ok": False, "id": None, "error": {"code": "forbidden", "message": "user u is not allowed to use this"}}
+
+    def refuse():
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = srv.accept()
+                with conn:
+                    conn.sendall(json.dumps(line).encode() + b"\n")
+    threading.Thread(target=refuse, daemon=True).start()
+    link = AgentLink(str(tmp_path / "agent.sock"), "job", rank=0, interval_s=60)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tensorlane.shim"):
+            link.add(0, flows(0))
+        assert link.counters["refusals"] == 1 and not link.connected
+        assert "forbidden: user u is not allowed" in link.last_error, link.last_error
+        assert link.last_error.endswith("training continues without network priority"), link.last_error
+    finally:
+        link.close()
+        srv.close()
 
 
 def test_no_agent_at_the_socket_says_how_to_name_another(tmp_path, caplog):

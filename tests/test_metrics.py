@@ -1318,6 +1318,28 @@ def test_owner_processes_cannot_take_the_agents_open_files(tmp_path, monkeypatch
         server.close()
 
 
+def test_a_user_the_agent_does_not_allow_is_told_which_settings_decide(tmp_path, monkeypatch):
+    """A training job run as a member of ``socket_group`` whom ``allowed_groups`` leaves out (the socket lets it
+    connect, the peer check refuses it): the refusal names the two settings. Until 2026-11-29 it said only "user
+    h19xu is not allowed to use this agent" (seen on the testbed, in the shim's warning and ``tensorlane status``)."""
+    from tensorlane.agent import peers
+    from tensorlane.agent import server as server_mod
+
+    cfg = from_dict({"interface": "eth0", "link_rate": "200mbit"})
+    server = server_mod.Server(Api(cfg, FlowTable(4), FakeRec(4), "htb"), str(tmp_path / "agent.sock"), 0o600)
+    monkeypatch.setattr(peers.AccessPolicy, "allowed", lambda self, peer: False)
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server._admit(mine)
+        reply = json.loads(theirs.makefile("rb").readline())
+    finally:
+        theirs.close()
+        server.close()
+    assert reply["error"]["code"] == "forbidden", reply
+    assert "not allowed to use this agent" in reply["error"]["message"], reply
+    assert "allowed_users and allowed_groups" in reply["error"]["message"], reply
+
+
 def test_one_user_cannot_fill_the_job_series_or_evict_other_users_sessions():
     """A user that is not root starts at most MAX_JOBS_PER_USER series (further jobs count as _other) and keeps at
     most MAX_SESSIONS_PER_USER sessions, evicting its own least recent: another user's next cumulative report is
