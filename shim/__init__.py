@@ -10,7 +10,7 @@ _LAZY = ("attach", "comm_state", "priority_hook", "overlap_hook", "agree_job_id"
 def __getattr__(name):
     if name in _LAZY:
         try:
-            from tensorlane.shim import ddp
+            from tensorlane.shim import ddp, groups
         except ModuleNotFoundError as exc:
             if exc.name != "torch" and not (exc.name or "").startswith("torch."):
                 raise
@@ -18,7 +18,7 @@ def __getattr__(name):
                 f"tensorlane.shim.{name} needs torch, which this environment lacks ({exc}): install tensorlane with "
                 "its shim extra: `pip install '.[shim]'` in the checkout, `pip install 'WHEEL[shim]'` from a wheel "
                 "(or torch first: README.md, Install)", name=exc.name) from exc
-        return getattr(ddp, name)
+        return getattr(groups if name == "agree_job_id" else ddp, name)
     raise AttributeError(f"module 'shim' has no attribute {name!r}")
 
 

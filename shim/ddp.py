@@ -2,7 +2,7 @@
 overlap of communication and the next forward pass.
 
 - One gloo process group per priority level: each level is its own set of TCP connections, which the shim finds
-  in /proc and registers with the local agent (job id, rank, level).
+  in /proc and registers with the local agent (job id, rank, level): ``shim/groups.py``.
 - A DDP communication hook cuts every gradient bucket into pieces by level (``policies.cutting``) and launches each
   piece's all-reduce on its level's group as soon as the bucket is ready; several levels are in flight at once
   and the network (the agent's queues, the switches' DSCP queues) serves the urgent ones first.
@@ -25,16 +25,13 @@ Usage::
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
 import functools
-import gc
 import logging
 import os
 import threading
 import time
-import uuid
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -43,21 +40,18 @@ import torch
 import torch.distributed as dist
 import torch.optim.optimizer as torch_optimizer
 
-from tensorlane.client import agent_socket as resolve_socket
-from tensorlane.client import clean_job_id
-from tensorlane.flows import new_flows, own_tcp_flows
 from tensorlane.policies.cutting import parameter_levels, pieces_of
 from tensorlane.policies.levels import DEFAULT_LEVELS, MAX_LEVELS
 from tensorlane.shim import overlap as ov
 from tensorlane.shim import report
 from tensorlane.shim.agent_link import AgentLink
 from tensorlane.shim.compute import ComputeClock, StepWindow
+from tensorlane.shim.groups import _FALSE, connect
 from tensorlane.shim.report import Reporter
 
 log = logging.getLogger("tensorlane.shim")
 PLANNER_POLICIES = ("planner", "layer_order", "flat")
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
 PROBE_MAX_BACKWARDS = 16  # synchronized iterations without a step() seen before overlap mode gives up
 CLOSE_WAIT_S = 300.0  # close() on another thread: how long to wait for the training thread's backward to end
 AGREE_TIMEOUT_S = 10.0  # close(): how long to wait for the compute time's all-reduce in flight before freeing groups
@@ -75,17 +69,6 @@ _USE_CAUSES = {
 }
 
 
-_EXIT_HOOK: list = []  # set once the exit's collection is registered
-
-
-def _collect_at_exit() -> None:
-    """Once per process: collect the garbage at exit, while Python still runs, so that a DDP model left in a
-    reference cycle frees its process group and gloo's threads are joined before the interpreter tears down (a
-    gloo thread that frees a backward's work after that aborts the rank: docs/shim.md, Exit)."""
-    if not _EXIT_HOOK:
-        _EXIT_HOOK.append(atexit.register(gc.collect))
-
-
 def _disabled(disable: bool | str | None) -> bool:
     """``disable``, else ``$TENSORLANE_DISABLE``; a value that is neither true nor false is refused (a typo such as
     ``ture`` left the shim on, silently, in a run meant to be plain DDP). ``disable`` given as a string (read from
@@ -100,44 +83,6 @@ def _disabled(disable: bool | str | None) -> bool:
         raise ValueError(f"{name}={raw!r:.60} is neither true (True, {', '.join(_TRUE)}) nor false "
                          f"(False, {', '.join(v for v in _FALSE if v)}, or unset)")
     return raw.strip().lower() in _TRUE
-
-
-def default_job_id() -> str | None:
-    """The job id named by the environment: TENSORLANE_JOB, else torchrun's run id (``--rdzv-id``) unless it is
-    torchrun's default ``none``; None when neither names the job (``agree_job_id`` then makes one)."""
-    raw = os.environ.get("TENSORLANE_JOB") or os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if raw.strip().lower() in ("", "none"):
-        return None
-    return clean_job_id(raw)
-
-
-def agree_job_id(job: str | None = None, group=None) -> str:
-    """A job id that is the same on every rank of this job and differs between jobs (a collective on ``group``).
-
-    ``job`` or ``default_job_id()`` when given; otherwise rank 0 draws ``job-<12 hex digits>`` and broadcasts it,
-    so that two jobs started without ``--rdzv-id`` (``TORCHELASTIC_RUN_ID=none`` for both) stay apart.
-    Usage: ``job = agree_job_id(group=groups[0])``
-    """
-    job = job or default_job_id()
-    if job is not None:
-        return clean_job_id(job)
-    return clean_job_id(broadcast_token(f"job-{uuid.uuid4().hex[:12]}", group=group))
-
-
-TOKEN_BYTES = 64  # the longest token broadcast_token carries (job and run tokens are 16 and 20 characters)
-
-
-def broadcast_token(token: str, group=None) -> str:
-    """Rank 0's ``token`` (ASCII, at most TOKEN_BYTES) on every rank of ``group``: one uint8 tensor broadcast
-    (on the current CUDA device where the group is NCCL's). Not ``broadcast_object_list``: that needs NumPy on
-    the receiving ranks, which ``tensorlane[shim]`` does not install. Usage: ``run = broadcast_token("run-1f")``
-    """
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    raw = token.encode("ascii")[:TOKEN_BYTES] if dist.get_rank() == 0 else b""
-    buf = torch.zeros(TOKEN_BYTES, dtype=torch.uint8, device=device)
-    buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8, device=device)
-    dist.broadcast(buf, src=0, group=group)
-    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode("ascii")
 
 
 @dataclass
@@ -240,7 +185,7 @@ class ShimState:
             return
         o = self.options
         self.world = dist.get_world_size()
-        self.groups, self.link, self.flows, self.job = _connect(self.levels, o.get("agent_socket"), o.get("job"))
+        self.groups, self.link, self.flows, self.job = connect(self.levels, o.get("agent_socket"), o.get("job"))
         self.reporter = _start_reporter(self, o.get("report_interval_s", report.INTERVAL_S))
         module = o.get("module")
         if module is not None:
@@ -1813,85 +1758,6 @@ def _start_planner(handle: Handle, model, levels: int, profile, link_bps: float 
     handle.state.options["recorder"] = handle._recorder  # consumed by the comm hook (_plan_due)
 
 
-SHARED_STORE_HINT = (
-    "tensorlane: creating the shim's process group for level {level} failed under torchrun, whose workers share "
-    "one store across restarts (TORCHELASTIC_USE_AGENT_STORE=True): a restarted worker can read the addresses that "
-    "the workers before the restart left there, and connect to a process that is gone. Set "
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node (a new store for each restart); "
-    "docs/shim.md, \"torchrun restarts\". The error: {error}")
-
-
-def _default_group_timeout():
-    """The default process group's timeout (``init_process_group(timeout=...)``), or None where torch does not say.
-    ``new_group`` without a timeout takes torch's default (30 min for gloo), not the user's: a hung peer then held
-    the shim's all-reduces for 30 min where plain DDP's raised after the user's timeout (and torchrun restarted)."""
-    try:
-        pg = dist.distributed_c10d._get_default_group()
-        for device in pg._device_types:
-            return pg._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError, ValueError) as e:
-        log.debug("tensorlane: the default process group's timeout is unknown (%s); the level groups take torch's", e)
-    return None
-
-
-def _new_level_group(level: int):
-    """One gloo group for ``level``, all its connections up (a collective), with the default group's timeout. Under
-    torchrun's shared worker store a failure names the likely cause, the killed attempt's keys in that store
-    (SHARED_STORE_HINT)."""
-    try:
-        group = dist.new_group(backend="gloo", timeout=_default_group_timeout())
-        dist.barrier(group=group)  # every connection of the group is up
-    except RuntimeError as e:
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            raise
-        raise RuntimeError(SHARED_STORE_HINT.format(level=level, error=e)) from e
-    _forget_addresses(group)
-    return group
-
-
-def _gloo_lazy_init() -> bool:
-    """Whether gloo connects a group's pairs at their first use (TORCH_GLOO_LAZY_INIT), reading its peers'
-    addresses from the store then, not when the group is made."""
-    return os.environ.get("TORCH_GLOO_LAZY_INIT", "").strip().lower() not in _FALSE
-
-
-def _forget_addresses(group) -> None:
-    """Delete ``group``'s own keys from the store (rank 0), once every rank of it is connected (the barrier after
-    its creation): the addresses its ranks published there. Under torchrun's shared worker store a restarted
-    worker's group of the same name (torch names groups by a counter) otherwise read a killed peer's address there
-    before the peer wrote its new one, and gloo failed (connection refused); with no keys left it waits for the
-    new ones. Only the group's own prefix is touched (``group.get_group_store()``); nothing is deleted where gloo
-    connects lazily (its pairs read the keys later) or where the store cannot list its keys."""
-    if dist.get_rank() != 0 or _gloo_lazy_init():
-        return
-    try:
-        store = group.get_group_store()
-        for key in store.list_keys():
-            store.delete_key(key)
-    except (RuntimeError, NotImplementedError, AttributeError) as e:
-        log.debug("tensorlane: the process group's rendezvous keys were left in the store (%s)", e)
-
-
-def _priority_groups(levels: int, master_port: str | None) -> tuple[list, dict[int, list[dict]]]:
-    """Create one gloo group per level (a collective) and return the groups and each level's new TCP flows."""
-    groups, flows = [], {}
-    for level in range(levels):
-        before = own_tcp_flows()
-        group = _new_level_group(level)
-        found = new_flows(before, own_tcp_flows())
-        flows[level] = [f for f in found if not f["dst"].startswith("127.") and f["dst"] != "::1"
-                        and str(f["dport"]) != master_port and str(f["sport"]) != master_port]
-        groups.append(group)
-    return groups, flows
-
-
-def agree_run(group=None) -> str:
-    """A token of this run of the job, the same on every rank (rank 0 draws it; a collective on ``group``). The
-    agent uses it to notice two jobs that use the same job id on one host. Usage: ``run = agree_run(groups[0])``
-    """
-    return broadcast_token(f"run-{uuid.uuid4().hex[:16]}", group=group)
-
-
 def _start_reporter(state, interval_s: float):
     """The job's reporter (``report.start``), stopped with the agent link if the link retires itself (its groups
     destroyed without ``close()``). Usage: ``state.reporter = _start_reporter(state, 5.0)``"""
@@ -1899,44 +1765,6 @@ def _start_reporter(state, interval_s: float):
     if reporter is not None:
         state.link.on_retired = reporter.stop
     return reporter
-
-
-_LINKS: weakref.WeakSet = weakref.WeakSet()  # every attach's agent link in this process
-
-
-def _groups_alive(groups: list) -> bool:
-    """Whether the shim's per-level ``groups`` still exist in torch.distributed (``dist.destroy_process_group()``
-    destroys them all; a later ``init_process_group`` does not bring them back). Usage: ``_groups_alive(groups)``"""
-    if not dist.is_initialized():
-        return False
-    try:
-        dist.get_process_group_ranks(groups[0])
-    except (KeyError, ValueError, RuntimeError):
-        return False
-    return True
-
-
-def _connect(levels: int, agent_socket: str | None, job: str | None) -> tuple[list, AgentLink, dict, str]:
-    """The collective part of starting: groups per level, the agreed job id and run, flows registered with the
-    agent. An earlier attach whose groups were destroyed without ``close()`` is retired first: its flows, still
-    registered (the handle keeps its groups' sockets), made a conflict of this process with itself."""
-    _collect_at_exit()
-    for old in list(_LINKS):
-        old.check_alive()
-    groups, flows = _priority_groups(levels, os.environ.get("MASTER_PORT"))
-    job = agree_job_id(job, group=groups[0])
-    link = AgentLink(resolve_socket(agent_socket), job,
-                     rank=dist.get_rank(), run=agree_run(group=groups[0]))
-    link.alive = functools.partial(_groups_alive, groups)
-    _LINKS.add(link)
-    for level, fl in flows.items():
-        if fl:
-            link.add(level, fl)
-    if not any(flows.values()):  # every peer on this host: its connections are loopback, which no NIC carries
-        log.warning("tensorlane: no connection of the shim's process groups leaves this host (its peers are all on "
-                    "it, over loopback): nothing to prioritise on the network here; stats()['flows'] counts 0 at every "
-                    "level")
-    return groups, link, flows, job
 
 
 def _fabric_ddp(model):
@@ -2167,7 +1995,7 @@ def attach(model, optimizer=None, *, levels: int = DEFAULT_LEVELS, policy: str =
     _set_layer_levels(state, params, "layer_order" if policy == "planner" else policy)
     if partition_bytes is not None:
         state.partition_bytes = partition_bytes
-    state.groups, state.link, state.flows, state.job = _connect(levels, agent_socket, job)
+    state.groups, state.link, state.flows, state.job = connect(levels, agent_socket, job)
     state.reporter = _start_reporter(state, report_interval_s)  # counters to the agent's metrics
     handle = Handle(model, optimizer, state)
     handle.plan = {"policy": policy}

@@ -167,7 +167,7 @@ from tensorlane.flows import flow_key, new_flows, own_flow_fds, own_tcp_flows
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 before = own_tcp_flows()
-group = dist.new_group(backend="gloo")  # a shim level's group, as _new_level_group makes it
+group = dist.new_group(backend="gloo")  # a shim level's group, as shim/groups.py _new_level_group makes it
 dist.barrier(group=group)
 key = flow_key(next(f for f in new_flows(before, own_tcp_flows()) if port not in (f["sport"], f["dport"])))
 

@@ -1668,7 +1668,7 @@ EXIT_SCRIPT = r"""
 import atexit, gc, sys, weakref
 import torch, torch.distributed as dist
 from tensorlane import shim
-from tensorlane.shim import ddp as shim_ddp
+from tensorlane.shim import groups
 
 gc.disable()  # only an explicit collection frees a cycle
 ref = []
@@ -1687,7 +1687,7 @@ for overlap in (True, False, True):  # overlap mode, hook mode, overlap mode aga
     closed.append(weakref.ref(model))
 gc.collect()
 print("closed models freed by a collection:", [r() is None for r in closed[:2]], flush=True)
-print("handlers", len(shim_ddp._EXIT_HOOK), flush=True)
+print("handlers", len(groups._EXIT_HOOK), flush=True)
 dist.destroy_process_group()
 model.itself = [model]  # a cycle: freed only by a collection
 ref.append(weakref.ref(model))
@@ -1828,7 +1828,7 @@ def test_default_job_id_agreed_per_job_when_run_id_is_none(tmp_path):
 
 
 def test_default_job_id_from_environment(monkeypatch):
-    from tensorlane.shim.ddp import default_job_id
+    from tensorlane.shim.groups import default_job_id
 
     monkeypatch.delenv("TENSORLANE_JOB", raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
@@ -2218,7 +2218,7 @@ TOKEN_SCRIPT = r"""
 import sys
 sys.modules["numpy"] = None  # as in a venv with tensorlane[shim] only
 import torch.distributed as dist
-from tensorlane.shim.ddp import agree_job_id, agree_run
+from tensorlane.shim.groups import agree_job_id, agree_run
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 2), rank=int(sys.argv[2]), world_size=2)
 print(agree_job_id(), agree_run(), flush=True)
 dist.destroy_process_group()
@@ -2454,7 +2454,7 @@ def test_level_group_failure_under_torchruns_shared_store_names_the_cause(monkey
     --share-store failed the restart in 2 of 4 runs.)"""
     import torch.distributed as dist
 
-    from tensorlane.shim import ddp
+    from tensorlane.shim import groups
 
     refused = ("Gloo connectFullMesh failed with [pair.cc:152] timed out connecting: SO_ERROR: Connection refused, "
                "remote=[198.18.0.1]:4491")
@@ -2465,11 +2465,11 @@ def test_level_group_failure_under_torchruns_shared_store_names_the_cause(monkey
     monkeypatch.setattr(dist, "new_group", new_group)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     with pytest.raises(RuntimeError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") as e:
-        ddp._priority_groups(2, "29500")
+        groups._priority_groups(2, "29500")
     assert "level 0" in str(e.value) and refused in str(e.value) and str(e.value.__cause__) == refused
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
     with pytest.raises(RuntimeError) as e:
-        ddp._priority_groups(2, "29500")
+        groups._priority_groups(2, "29500")
     assert str(e.value) == refused
 
 
