@@ -963,6 +963,9 @@ def _span(t) -> tuple[int, int] | None:
 
 def _tensors(args, kwargs):
     """The tensors among a torch function's arguments, and in the lists and tuples among them (``_foreach_*``)."""
+    # (not tensors_in: this runs for every torch operation while a watch is armed, so it is lazy, an any() over it
+    # stopping at the first watched tensor, and one level deep, where torch passes tensors or lists of them; a
+    # TorchScript call's or a param group's values may nest deeper, in dicts too: those take tensors_in)
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
             yield a
@@ -1280,11 +1283,6 @@ def _each_before_compiled(modes: list) -> None:
     Usage: ``_each_before_compiled(_modes_on_this_thread())``"""
     for m in sorted(modes, key=lambda m: not isinstance(m, UseGuard)):
         m.before_compiled()
-
-
-def _argument_tensors(args, kwargs) -> list:
-    """The tensors among a TorchScript call's arguments, in lists, tuples and dicts at any depth."""
-    return tensors_in([*args, *kwargs.values()])
 
 
 def _script_module_tensors(cpp_module) -> list:
@@ -1626,7 +1624,7 @@ class UseGuard(StackMode):
         if not self.armed or self.thread != threading.get_ident():
             return
         owner = getattr(fn, "owner", None)  # a method's module (C++): a scripted module shares the model's tensors
-        if self.uses((_argument_tensors(args, kwargs),), {}) or \
+        if self.uses((tensors_in([*args, *kwargs.values()]),), {}) or \
                 (owner is not None and self._script_uses(owner, lambda: _script_module_tensors(owner))):
             self.armed = False
             self.on_use()
