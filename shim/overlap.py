@@ -594,8 +594,13 @@ def set_rng_states(states: list) -> None:
 
 
 def _copy(value):
-    """A copy of a state or group value that a step may change in place: tensors cloned, containers deep-copied
-    (a list the step appends to), else :func:`snapshot` (where a value cannot be deep-copied)."""
+    """A copy of a state or group value that a step may change in place: a tensor cloned (:func:`snapshot`; a
+    deepcopy costs more, and :func:`parts_check` copies a state at every checked step), other values deep-copied (a
+    list the step appends to), else :func:`snapshot` (where a value cannot be deep-copied)."""
+    # (not snapshot alone, which shares what is not a tensor: it copies the optimizer's attributes and every step's
+    # hyperparameters, which may hold anything, a model or a lock, that a deepcopy would copy whole or fail on)
+    if isinstance(value, torch.Tensor):
+        return snapshot(value)
     try:
         return copy.deepcopy(value)
     except Exception:  # noqa: BLE001
@@ -703,8 +708,7 @@ def parts_check(optimizer, hparams: list, members: list, autocast: dict, inferen
         return None
     with torch.no_grad():
         before = {id(p): p.detach().clone() for p in params}
-        state = {id(p): {k: v.detach().clone() if isinstance(v, torch.Tensor) else _copy(v)
-                         for k, v in (dict.get(optimizer.state, p) or {}).items()} for p in params}
+        state = {id(p): {k: _copy(v) for k, v in (dict.get(optimizer.state, p) or {}).items()} for p in params}
         grads = {id(p): p.grad.detach().clone() for p in params if id(p) not in bucketed}
     return PartsCheck(params, before, state, {k: snapshot(v) for k, v in _attrs(optimizer).items()}, hparams,
                       members, autocast, inference, grads, {id(p) for p in params if id(p) in bucketed})
