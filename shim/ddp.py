@@ -1501,12 +1501,7 @@ class Handle:
         """Apply the stamped updates whose all-reduces have all completed (none is waited for)."""
         d = self.state.deferred
         with self._unguarded():
-            # (a copy taken at once: another thread's flush takes applied updates out meanwhile; until 2026-11-28
-            # this forward raised "dictionary changed size during iteration" there, tests/test_shim.py::
-            # test_forward_while_another_thread_flushes_does_not_raise)
-            for pend in {id(pend): pend for pend in list(d.pending.values())}.values():
-                if pend.hparams is None:
-                    continue
+            for pend in d.buckets(stamped=True):
                 for p, _o, _n, covering in pend.params:
                     if d.pending.get(id(p)) is pend and all(pend.futures[i].done() for i in covering):
                         _apply(self.state, p)
@@ -1611,7 +1606,7 @@ class Handle:
         if self.state.mode == "overlap" and d.unstamped:  # closed between backward() and step(): .grad holds
             _write_averages(self.state, d.unstamped)  # this rank's own gradient; under DDP the average, which
             d.unstamped = []  # the optimizer's own step (given back in close) then takes
-        for pend in {id(p): p for p in list(d.pending.values())}.values():  # (a copy: as _apply_completed)
+        for pend in d.buckets():
             for fut in pend.futures:  # steps never asked for: let their all-reduces end before we leave
                 _piece_value(fut, wait=True)
         d.pending.clear()

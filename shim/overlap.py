@@ -407,6 +407,19 @@ class Deferred:
         self.marks = []
         self.orig_step()
 
+    def buckets(self, stamped: bool = False):
+        """Each bucket in ``pending``, once (``stamped``: only those a ``step()`` has stamped), in the order of its
+        first parameter there. The keys are copied at once and each bucket read when its key comes: another thread's
+        flush takes applied updates out meanwhile (until 2026-11-28 a forward iterating ``pending`` itself raised
+        "dictionary changed size during iteration" there, tests/test_shim.py::
+        test_forward_while_another_thread_flushes_does_not_raise). Usage: ``for pend in d.buckets(): ...``"""
+        seen = set()
+        for key in list(self.pending):
+            pend = self.pending.get(key)
+            if pend is not None and id(pend) not in seen and (not stamped or pend.hparams is not None):
+                seen.add(id(pend))
+                yield pend
+
     def awaiting_step(self) -> bool:
         """Whether the last synchronized backward's averages are still pending without a ``step()`` (its
         ``.grad`` holds this rank's own gradient until the next backward, which all-reduces it again)."""
