@@ -1235,12 +1235,10 @@ class Handle:
         state = self.state
         if self.closed or state is None or state.mode != "overlap" or state.deferred.guard is None:
             return
-        d = state.deferred
-        left = [p for p in state.options["params"]
-                if (pend := d.pending.get(id(p))) is not None and pend.hparams is not None
-                and id(p) not in pend.applied]
+        waiting = {id(p) for _pend, p, _c in state.deferred.stamped_params()}
+        left = [p for p in state.options["params"] if id(p) in waiting]
         if left:
-            d.guard.arm(left)
+            state.deferred.guard.arm(left)
 
     def _disarm_guard(self) -> None:
         """Stop the parameter guard (a flush's own uses of the parameters are not the loop's)."""
@@ -1278,7 +1276,7 @@ class Handle:
         which leaves the average in ``.grad``, as DDP's step does); before it, wait for this iteration's all-reduces
         and write the averages (``_average_into_grads``). Exact; that iteration does not overlap."""
         d = self.state.deferred
-        stamped = any(pend.hparams is not None for pend in list(d.pending.values()))  # (a copy: as _apply_completed)
+        stamped = next(d.buckets(stamped=True), None) is not None
         if stamped:
             self.flush()
         if not (_average_into_grads(self.state) or stamped):
@@ -1501,10 +1499,9 @@ class Handle:
         """Apply the stamped updates whose all-reduces have all completed (none is waited for)."""
         d = self.state.deferred
         with self._unguarded():
-            for pend in d.buckets(stamped=True):
-                for p, _o, _n, covering in pend.params:
-                    if d.pending.get(id(p)) is pend and all(pend.futures[i].done() for i in covering):
-                        _apply(self.state, p)
+            for pend, p, covering in d.stamped_params():
+                if all(pend.futures[i].done() for i in covering):
+                    _apply(self.state, p)
 
     def _pre_forward(self, module, _inputs) -> None:
         d = self.state.deferred
@@ -1550,11 +1547,9 @@ class Handle:
         if d is None or not d.pending:
             return
         applied = False
-        for key in list(d.pending):
-            pend = d.pending.get(key)
-            if pend is not None and pend.hparams is not None:
-                for p, *_ in pend.params:
-                    applied |= _apply(self.state, p)
+        for pend in d.buckets(stamped=True):
+            for p, *_ in pend.params:  # (all, not stamped_params(): _apply checks one now a later bucket's)
+                applied |= _apply(self.state, p)
         d.flushes += applied
 
     def _await_backward(self, d, timeout: float) -> bool:

@@ -420,6 +420,14 @@ class Deferred:
                 seen.add(id(pend))
                 yield pend
 
+    def stamped_params(self):
+        """Each parameter whose stamped update is still pending (in ``pending`` under a bucket a ``step()`` stamped,
+        not applied), as ``(bucket, param, the bucket's pieces covering it)``; ``pending`` read as :meth:`buckets`."""
+        for pend in self.buckets(stamped=True):
+            for p, _o, _n, covering in pend.params:
+                if self.pending.get(id(p)) is pend and id(p) not in pend.applied:
+                    yield pend, p, covering
+
     def awaiting_step(self) -> bool:
         """Whether the last synchronized backward's averages are still pending without a ``step()`` (its
         ``.grad`` holds this rank's own gradient until the next backward, which all-reduces it again)."""
