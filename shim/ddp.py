@@ -803,6 +803,14 @@ def _apply_locked(state: ShimState, param) -> bool:
                     d.guard.disarm()
 
 
+def _guard_elsewhere(d) -> bool:
+    """Whether the parameter guard is armed on another thread than this one (a validation thread started after
+    ``step()``): no guard watches this thread's operations, so a forward here that uses a weight before its module
+    runs (read by its parent, a momentum encoder) would read it before its update: it flushes first (every pending
+    update applied)."""
+    return d.guard is not None and d.guard.armed and d.guard.thread != threading.get_ident()
+
+
 def refuse_lost(d) -> None:
     """Raise while a deferred update has raised where it was applied (``Deferred.lost``): it left the pending set
     untaken, so the parameters no longer follow DDP's. Until 2026-11-29 a loop that caught that error and went on
@@ -1450,12 +1458,9 @@ class Handle:
         if guarded and ov.in_jit_trace():
             self.flush()  # a torch.jit.trace of the model: the guard's frames would be in the traced graph, which the
             self._disarm()  # tracer's check then finds different from its second run; exact all the same
-        elif guarded and d.guard.thread != threading.get_ident():
-            # a forward on another thread than the one whose mode stack holds the guard (a validation thread started
-            # after step()): no guard watches this thread's operations, so a use of a weight before its module runs
-            # (read by its parent, a momentum encoder) would read it before its update: every pending update is
-            # applied first. Until 2026-11-27 such a thread's outputs read them stale while their all-reduces were
-            # in flight, silently (idiom validation_thread_reads_early)
+        elif guarded and _guard_elsewhere(d):
+            # (until 2026-11-27 such a thread's outputs read the weights stale while their all-reduces were in
+            # flight, silently: idiom validation_thread_reads_early)
             self.flush()
         elif guarded:
             # the guard stays armed through the forward for the parameters not applied yet: each module's pre-hook
@@ -1515,13 +1520,11 @@ class Handle:
             # functional_call_traced)
             if ov.in_jit_trace() and d.guard is not None and d.guard.armed:
                 self.flush()  # a torch.jit.trace of a submodule: no guard in the traced graph (see _root_pre_forward)
-            elif d.guard is not None and d.guard.armed and d.guard.thread != threading.get_ident():
-                # a forward of this submodule alone on another thread than the guard's (the whole model's forward
-                # there has flushed at _root_pre_forward already): no guard watches this thread, so a weight this
-                # module's code reads before its own module runs (a child's, a sibling's used functionally) would be
-                # read before its update: every pending update is applied first, as for the whole model. Until
-                # 2026-11-29 only the module's own parameters were, and such a read took the weight before its
-                # update, silently
+            elif _guard_elsewhere(d):
+                # a forward of this submodule alone there (the whole model's has flushed at _root_pre_forward
+                # already): as for the whole model, a child's or a sibling's weight its code reads first. Until
+                # 2026-11-29 only the module's own parameters were applied, and such a read took the weight before
+                # its update, silently
                 # (tests/test_shim.py::test_a_submodule_forward_on_another_thread_reads_updated_weights)
                 self.flush()
                 return
