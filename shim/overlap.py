@@ -347,10 +347,7 @@ class Deferred:
 
     def stamp(self, params: list, closure) -> None:
         """``optimizer.step()`` in overlap mode: check, then stamp this iteration's buckets (no update now)."""
-        if closure is not None:
-            raise RuntimeError(f"tensorlane overlap mode: {CLOSURE}. Use hook mode (shim.attach without "
-                               "optimizer) for this loop.")
-        self.check_step_hooks()
+        self.check_step(closure)
         if compiled_step(self.orig_step):
             raise RuntimeError(f"tensorlane overlap mode: {COMPILED}. It was compiled after overlap mode had "
                                "started; this update has not been applied. Compile it before the first iteration "
@@ -399,10 +396,7 @@ class Deferred:
         """``optimizer.step()`` in overlap mode after a read made this iteration's ``.grad`` DDP's average
         (``synced``: nothing of it is pending): the optimizer's own step, now, on ``.grad`` as the loop left it
         (clipped, scaled), exactly as DDP takes it."""
-        if closure is not None:
-            raise RuntimeError(f"tensorlane overlap mode: {CLOSURE}. Use hook mode (shim.attach without "
-                               "optimizer) for this loop.")
-        self.check_step_hooks()
+        self.check_step(closure)
         self.synced = False
         self.marks = []
         self.orig_step()
@@ -447,8 +441,12 @@ class Deferred:
         if isinstance(opt.state, StateView) and opt.state.deferred is self:
             opt.state = opt.state.plain()
 
-    def check_step_hooks(self) -> None:
-        """Raise if the optimizer has step hooks now (they were not there when the probe chose overlap mode)."""
+    def check_step(self, closure) -> None:
+        """Raise where overlap mode cannot take this ``step()``: a closure, or step hooks on the optimizer now (they
+        were not there when the probe chose overlap mode)."""
+        if closure is not None:
+            raise RuntimeError(f"tensorlane overlap mode: {CLOSURE}. Use hook mode (shim.attach without "
+                               "optimizer) for this loop.")
         if step_hooks(self.optimizer):
             raise RuntimeError(f"tensorlane overlap mode: {STEP_HOOKS}. They were registered after overlap mode "
                                "had started; this update has not been applied. Register them before the first "
