@@ -1370,7 +1370,9 @@ def test_list_of_a_table_over_a_megabyte_comes_in_pages(kernel, served):
              "dport": 29500} for i in range(9000)]
     for i in range(0, len(keys), 1000):
         server.api.table.register("a-job-with-a-rather-long-name", 1, tuple(FlowKey(**k) for k in keys[i:i + 1000]))
-    with AgentClient(server.path) as agent:
+    # (each page within 30 s: make test runs this file at idle priority beside the netns tests, and the default
+    # 2 s timed out there once, on 2026-11-29; what the test shows is the paging, not a time)
+    with AgentClient(server.path, timeout=30.0) as agent:
         flows = agent.list()["flows"]
         one = agent.request("list")
     assert len(flows) == 9000 and len(one["flows"]) == LIST_PAGE and one["next"] == {
