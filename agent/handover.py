@@ -135,8 +135,7 @@ class FlowJournal:
         self.writes = 0  # writes that succeeded
         self.errors = 0  # writes that failed (``status``'s ``flow_table``, the metrics' ``flow_table`` source)
         self.last_s = 0.0  # the last write's duration (the thread's, from the copy of the table to the rename)
-        self.failing = False  # the last write failed: the file holds an older table (or none)
-        self.error = ""  # why the last write failed ("" once one succeeds)
+        self.error = ""  # why the last write failed ("": it succeeded, or none ran yet; :attr:`failing`)
 
     def due_in(self, now: float) -> float | None:
         """Seconds until the next write is due, or until the loop looks whether the one running ended (0: now), or
@@ -235,25 +234,22 @@ class FlowJournal:
         """The loop's part after a write: the pacing, the taken file's removal, the failure's log."""
         self.last_s = job.secs
         if job.error is not None:
-            self.errors += 1
+            first, self.errors = not self.failing, self.errors + 1
             self.error = str(job.error) or type(job.error).__name__
+            self.next_at = job.now + JOURNAL_RETRY_S
             if not isinstance(job.error, OSError):  # (not written either: the loop logs it, as a reconcile error)
-                self.failing = True
-                self.next_at = job.now + JOURNAL_RETRY_S
                 raise job.error
-            if not self.failing:
+            if first:
                 log.error("cannot write the flow table to %s: %s (retried every %.0f s; an agent killed meanwhile "
                           "loses the flows of clients that do not register again)", self.path, job.error,
                           JOURNAL_RETRY_S)
-            self.failing = True
-            self.next_at = job.now + JOURNAL_RETRY_S
             return False
         if self.failing:
             log.warning("the flow table is written to %s again", self.path)
         if self.written is None:
             with contextlib.suppress(OSError):
                 self.taking.unlink()  # (this agent's own table on disk now)
-        self.failing, self.error = False, ""
+        self.error = ""
         self.written, self.since, self.writes = job.changes, None, self.writes + 1
         self.next_at = job.now + max(JOURNAL_MIN_GAP_S, JOURNAL_PACE * job.secs)
         return True
@@ -261,8 +257,12 @@ class FlowJournal:
     def describe(self) -> dict:
         """``status``'s ``flow_table``: the file, writes that succeeded and failed, and why the last one failed
         ("" when it succeeded, or none was due yet)."""
-        return {"path": str(self.path), "writes": self.writes, "errors": self.errors,
-                "failing": self.error if self.failing else ""}
+        return {"path": str(self.path), "writes": self.writes, "errors": self.errors, "failing": self.error}
+
+    @property
+    def failing(self) -> bool:
+        """Whether the last write failed: the file holds an older table (or none)."""
+        return bool(self.error)
 
     def touch(self) -> None:
         """Stamp the file as this agent's, alive now (each reconcile pass; ``CRASH_OWNERLESS_S``), while it holds the
