@@ -109,20 +109,17 @@ class AgentClient:
             s.settimeout(self.timeout)
             try:
                 self._connect(s)
-            except (PermissionError, ConnectionRefusedError) as exc:
+            except (PermissionError, ConnectionRefusedError, FileNotFoundError) as exc:
                 s.close()
                 if what := _not_a_socket(self.path):  # a wrong path, not a refusal nor a dead agent
                     raise AgentUnavailable(
                         f"no agent at {self.path}: it is {what} (the agent's default socket: {DEFAULT_SOCKET})") \
                         from None
-                if isinstance(exc, ConnectionRefusedError):
-                    raise AgentUnavailable(f"no agent at {self.path} ({exc.strerror.lower()}: is it running?)") \
+                if isinstance(exc, PermissionError):
+                    raise AgentUnavailable(
+                        f"the agent's socket {self.path} refuses this user (permission denied): the agent's "
+                        "socket_group and allowed_users/allowed_groups decide who may use it (docs/deploy.md)") \
                         from None
-                raise AgentUnavailable(
-                    f"the agent's socket {self.path} refuses this user (permission denied): the agent's socket_group "
-                    "and allowed_users/allowed_groups decide who may use it (docs/deploy.md)") from None
-            except FileNotFoundError as exc:
-                s.close()
                 raise AgentUnavailable(f"no agent at {self.path} ({exc.strerror.lower()}: is it running?)") from None
             except BlockingIOError as exc:  # an agent is there, but leaves its connections unaccepted
                 s.close()

@@ -147,9 +147,10 @@ class HtbBackend:
         qdiscs = ipr.get_qdiscs(index=index)
         put_back = _put_back(qdiscs, self.root, [spec.leaf_handle for spec in self.leaves()], "htb")
         have = _drop_other_kind(ipr, index, {q["handle"]: q.get_attr("TCA_KIND") for q in qdiscs}, "htb")
-        classes = ipr.get_classes(index=index) if have.get(self.root) == "htb" else []
-        if have.get(self.root) == "htb":  # a leaf class deleted (its leaf qdisc went with it: named above)
-            present = {c["handle"] for c in classes}
+        classes = []
+        if have.get(self.root) == "htb":
+            classes = ipr.get_classes(index=index)
+            present = {c["handle"] for c in classes}  # a leaf class deleted (its leaf qdisc went with it: named above)
             if gone := [spec.classid for spec in self.leaves() if spec.classid not in present]:
                 put_back.append(f"{len(gone)} classes ({', '.join(map(fmt_handle, gone))})")
         if not put_back:  # (a tree put back whole: its classes were made again, not changed)
