@@ -46,12 +46,11 @@ from tensorlane.shim import overlap as ov
 from tensorlane.shim import report
 from tensorlane.shim.agent_link import AgentLink
 from tensorlane.shim.compute import ComputeClock, StepWindow
-from tensorlane.shim.groups import _FALSE, connect
+from tensorlane.shim.groups import _FALSE, _TRUE, connect
 from tensorlane.shim.report import Reporter
 
 log = logging.getLogger("tensorlane.shim")
 PLANNER_POLICIES = ("planner", "layer_order", "flat")
-_TRUE = ("1", "true", "yes", "on")
 PROBE_MAX_BACKWARDS = 16  # synchronized iterations without a step() seen before overlap mode gives up
 CLOSE_WAIT_S = 300.0  # close() on another thread: how long to wait for the training thread's backward to end
 AGREE_TIMEOUT_S = 10.0  # close(): how long to wait for the compute time's all-reduce in flight before freeing groups

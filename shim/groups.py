@@ -31,7 +31,8 @@ from tensorlane.flows import new_flows, own_tcp_flows
 from tensorlane.shim.agent_link import AgentLink
 
 log = logging.getLogger("tensorlane.shim")
-_FALSE = ("", "0", "false", "no", "off")  # an environment variable's spellings of false, unset included
+_TRUE = ("1", "true", "yes", "on")  # an environment variable's spellings of true (ddp._disabled)
+_FALSE = ("", "0", "false", "no", "off")  # and of false, unset included
 
 
 def default_job_id() -> str | None:
